@@ -1,0 +1,63 @@
+"""Global collectives over flat buckets, with communication accounting.
+
+Thin wrappers over ``torch.distributed`` so that every strategy moves parameters the
+same way (fused buckets, measured bytes) and nothing above this layer touches the
+process-group API directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+
+from syncplane.comm.buckets import Bucket
+from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def allreduce_mean_(buckets: Sequence[Bucket], group: dist.ProcessGroup | None = None,
+                    meter: CommMeter | None = None) -> None:
+    """Average the buckets' tensors across ``group`` in place.
+
+    All buckets are launched asynchronously before the first wait, so the transport
+    pipelines them; the 1/n scale is folded into the unpack pass.
+    """
+    n = world_size(group)
+    if n == 1:
+        return
+    with _measured(meter, sum(ring_allreduce_bytes(b.nbytes, n) for b in buckets)):
+        works = []
+        for bucket in buckets:
+            bucket.pack()
+            works.append(dist.all_reduce(bucket.buffer, group=group, async_op=True))
+        for bucket, work in zip(buckets, works):
+            work.wait()
+            bucket.unpack(scale=1.0 / n)
+
+
+def _measured(meter: CommMeter | None, bytes_sent: int) -> AbstractContextManager[None]:
+    return meter.measure(bytes_sent) if meter is not None else nullcontext()
+
+
+def mean_and_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> float:
+    """Consensus distance ``mean_i ||x_i - x̄|| / ||x̄||`` over the concatenation of ``tensors``.
+
+    One all-reduce of the float64 flat vector (for x̄), one of a scalar (for the mean).
+    Returns 0.0 on a single process.
+    """
+    n = world_size(group)
+    if n == 1 or not tensors:
+        return 0.0
+    local = torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+    mean = local.clone()
+    dist.all_reduce(mean, group=group)
+    mean /= n
+    ratio = torch.tensor([(local - mean).norm().item() / max(mean.norm().item(), 1e-30)], dtype=torch.float64)
+    dist.all_reduce(ratio, group=group)
+    return float(ratio.item() / n)

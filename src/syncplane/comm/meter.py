@@ -1,0 +1,56 @@
+"""Accounting of communication time and bytes, shared by every strategy.
+
+Time is the *union* of in-flight intervals: overlapping asynchronous operations
+(DDP buckets, concurrent groups) are not double counted, so ``seconds`` is the wall
+time during which this rank had communication outstanding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from threading import Lock
+
+
+def ring_allreduce_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce: reduce-scatter plus all-gather."""
+    if world_size <= 1:
+        return 0
+    return int(2 * (world_size - 1) * payload_bytes / world_size)
+
+
+@dataclass
+class CommMeter:
+    """Accumulates communication seconds, bytes sent and operation count for one rank."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    calls: int = 0
+    _busy_until: float = field(default=0.0, repr=False)
+    _lock: Lock = field(default_factory=Lock, repr=False, compare=False)
+
+    def record(self, start: float, end: float, bytes_sent: int) -> None:
+        """Add one operation that was in flight from ``start`` to ``end`` (perf_counter)."""
+        with self._lock:
+            self.seconds += max(0.0, end - max(start, self._busy_until))
+            self._busy_until = max(self._busy_until, end)
+            self.bytes_sent += int(bytes_sent)
+            self.calls += 1
+
+    @contextmanager
+    def measure(self, bytes_sent: int) -> Iterator[None]:
+        """Time a blocking block of communication code."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(start, time.perf_counter(), bytes_sent)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"seconds": self.seconds, "bytes_sent": self.bytes_sent, "calls": self.calls}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds, self.bytes_sent, self.calls, self._busy_until = 0.0, 0, 0, 0.0

@@ -1,0 +1,156 @@
+"""Config validation at the edge: YAML mappings become typed dataclasses, or a
+``ConfigError`` that names the bad key and what it accepts.
+
+Everything a worker reads was checked here, in the launching process, before any rank
+starts -- a typo must not cost a cluster allocation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type or range."""
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
+            type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert ``value`` to type ``tp`` or raise ConfigError mentioning ``where``."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{where}: got {value!r}, allowed values: {', '.join(map(repr, typing.get_args(tp)))}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if origin in (dict, Mapping) or tp is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    if origin in (list, tuple) or tp in (list, tuple):
+        if isinstance(value, (list, tuple)):
+            args = typing.get_args(tp)
+            items = [coerce(v, args[0], f"{where}[{i}]") if args else v for i, v in enumerate(value)]
+            return tuple(items) if (origin or tp) is tuple else items
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        return parse_dataclass(tp, value, where)
+    return value
+
+
+def parse_dataclass(cls: type[T], mapping: Mapping[str, Any] | None, where: str) -> T:
+    """Build ``cls`` from ``mapping``: unknown keys, wrong types and failed checks raise.
+
+    A dataclass may define ``validate(self) -> None`` for range checks; it should raise
+    ConfigError naming the field (``where`` is prepended here).
+    """
+    if mapping is None:
+        mapping = {}
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {mapping!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(mapping) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(sorted(fields))}"
+        )
+    values = {}
+    for name, f in fields.items():
+        key = f"{where}.{name}" if where else name
+        if name in mapping:
+            values[name] = coerce(mapping[name], hints[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{key}: required but missing")
+    obj = cls(**values)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.{exc}" if where else str(exc)) from None
+    return obj
+
+
+def check_kwargs(params: Mapping[str, Any], kwargs: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Check ``kwargs`` against ``params`` (name -> annotation, ``Any`` when untyped).
+
+    Used for strategy constructors, whose signatures are the schema: an unknown key
+    lists the accepted ones instead of failing deep inside a worker. Scalar
+    annotations (int, float, str, bool, Optional and Literal of those) are enforced.
+    """
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        allowed = ", ".join(sorted(params)) or "none"
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed keys: {allowed}")
+    return {name: coerce(value, params[name], f"{where}.{name}") if _only_simple(params[name]) else value
+            for name, value in kwargs.items()}
+
+
+def signature_params(func: Callable[..., Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Named parameters of ``func`` with their resolved annotations (``Any`` if none)."""
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception:  # unresolvable forward references: names only
+        hints = {}
+    return {
+        name: hints.get(name, Any)
+        for name, p in inspect.signature(func).parameters.items()
+        if name not in ("self", *skip) and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+
+
+def _only_simple(tp: Any) -> bool:
+    if tp in (int, float, str, bool, type(None)):
+        return True
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return all(_only_simple(a) for a in typing.get_args(tp))
+    return False

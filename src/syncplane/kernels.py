@@ -1,0 +1,147 @@
+"""Hot-loop kernels with their pure-torch references.
+
+``pack``/``unpack`` move many tensors into and out of one flat buffer (tensor fusion),
+``weighted_combine`` computes ``out = a*x + sum_j w_j*y_j`` (the neighbour-averaging
+step) in one pass. Each dispatches on the tensor's device to the compiled CPU or CUDA
+module -- the only place CPU and GPU code paths differ. ``backend="torch"`` runs the
+reference instead; it exists for tests and benchmarks, never as a silent fallback.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from syncplane import ext
+
+Backend = Literal["ext", "torch"]
+
+#: How many times each (kernel, implementation) ran in this process; tests use it to
+#: prove the compiled path is the one that executed.
+call_counts: Counter[tuple[str, str]] = Counter()
+
+
+def _module_for(device: torch.device) -> tuple[ModuleType, str]:
+    if device.type == "cuda":
+        return ext.load_cuda(), "cuda_ext"
+    if device.type == "cpu":
+        return ext.load_cpu(), "cpu_ext"
+    raise ValueError(f"syncplane kernels support cpu and cuda tensors, not {device.type}")
+
+
+def numel_total(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
+
+
+def pack(
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    backend: Backend = "ext",
+) -> torch.Tensor:
+    """Concatenate ``tensors`` (flattened, times ``scale``) into one 1-D buffer.
+
+    All tensors must share dtype and device and be contiguous. ``out`` may be longer
+    than needed (a reusable bucket); the tail is left untouched.
+    """
+    if not tensors and out is None:
+        raise ValueError("pack: nothing to pack and no output buffer given")
+    ref = tensors[0] if tensors else out
+    assert ref is not None
+    if out is None:
+        out = torch.empty(numel_total(tensors), dtype=ref.dtype, device=ref.device)
+    if backend == "torch":
+        call_counts[("pack", "torch")] += 1
+        return pack_reference(tensors, out, scale)
+    module, name = _module_for(out.device)
+    call_counts[("pack", name)] += 1
+    module.pack(list(tensors), out, float(scale))
+    return out
+
+
+def unpack(
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    scale: float = 1.0,
+    backend: Backend = "ext",
+) -> None:
+    """Copy consecutive slices of ``flat`` (times ``scale``) back into ``tensors``, in place."""
+    if backend == "torch":
+        call_counts[("unpack", "torch")] += 1
+        unpack_reference(flat, tensors, scale)
+        return
+    module, name = _module_for(flat.device)
+    call_counts[("unpack", name)] += 1
+    module.unpack(flat, list(tensors), float(scale))
+
+
+def weighted_combine(
+    x: torch.Tensor,
+    ys: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    self_weight: float,
+    out: torch.Tensor | None = None,
+    backend: Backend = "ext",
+) -> torch.Tensor:
+    """``out = self_weight * x + sum_j weights[j] * ys[j]``, accumulated in float32.
+
+    ``out`` may alias ``x`` (in-place update); it is allocated when not given.
+    """
+    if len(ys) != len(weights):
+        raise ValueError(f"weighted_combine: {len(ys)} buffers but {len(weights)} weights")
+    if out is None:
+        out = torch.empty_like(x)
+    if backend == "torch":
+        call_counts[("weighted_combine", "torch")] += 1
+        return weighted_combine_reference(x, ys, weights, self_weight, out)
+    module, name = _module_for(x.device)
+    call_counts[("weighted_combine", name)] += 1
+    module.weighted_combine(out, x, float(self_weight), list(ys), [float(w) for w in weights])
+    return out
+
+
+# ---------------------------------------------------------------- references
+
+
+def pack_reference(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        segment = out[offset : offset + n]
+        if scale == 1.0:
+            segment.copy_(t.reshape(-1))
+        else:
+            segment.copy_((t.reshape(-1).float() * scale).to(out.dtype))
+        offset += n
+    return out
+
+
+def unpack_reference(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        segment = flat[offset : offset + n].view(t.shape)
+        if scale == 1.0:
+            t.copy_(segment)
+        else:
+            t.copy_((segment.float() * scale).to(t.dtype))
+        offset += n
+
+
+def weighted_combine_reference(
+    x: torch.Tensor,
+    ys: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    self_weight: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    acc = x.float() * self_weight
+    for w, y in zip(weights, ys):
+        acc.add_(y.float(), alpha=w)
+    if out is None:
+        return acc.to(x.dtype)
+    return out.copy_(acc.view_as(out))

@@ -1,0 +1,175 @@
+"""Start one process per rank, collect their logs, and fail fast as a group.
+
+Why our own launcher: Lightning's ``ddp`` launcher re-executes ``sys.argv`` for ranks
+1..N-1, which breaks Hydra multirun; ``ddp_spawn`` pickles everything and returns only
+rank 0's state. Here the Hydra job (one per multirun job) starts N workers with
+torchrun's environment variables, so Lightning sees externally created processes
+(``TorchElasticEnvironment``) and never relaunches. The same mechanism will run ranks
+inside network namespaces (the cluster emulator) by prefixing their command.
+
+Failure policy: the first rank that exits non-zero is named, the others get
+``grace_s`` seconds to exit on their own (a broken collective usually ends them), then
+SIGTERM, then SIGKILL -- the launcher never waits forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+
+class LaunchError(RuntimeError):
+    """A rank failed (or the job timed out); the message names the rank and its log."""
+
+
+@dataclass
+class RankSpec:
+    """How to start one rank: its torchrun-style identity and an optional command prefix."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int = 0
+    prefix: Sequence[str] = ()              # e.g. ("ip", "netns", "exec", "host3")
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def local_ranks(world_size: int) -> list[RankSpec]:
+    """All ranks on this host (one node)."""
+    return [RankSpec(rank=r, local_rank=r, local_world_size=world_size) for r in range(world_size)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for the rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _tee(stream: IO[bytes], log: IO[bytes], echo: IO[str]) -> None:
+    for line in iter(stream.readline, b""):
+        log.write(line)
+        log.flush()
+        echo.write(line.decode(errors="replace"))
+        echo.flush()
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def launch(
+    command: Sequence[str],
+    ranks: Sequence[RankSpec],
+    log_dir: Path,
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    env: Mapping[str, str] | None = None,
+    echo_rank0: bool = True,
+    grace_s: float = 15.0,
+    timeout_s: float | None = None,
+) -> None:
+    """Run ``command`` once per rank and wait; raise LaunchError if any rank fails.
+
+    Each rank's stdout/stderr goes to ``log_dir/rank<i>.log``; rank 0's is also echoed
+    to this process's stdout (progress and the summary table).
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    world_size = len(ranks)
+    port = master_port or free_port(master_addr)
+    base_env = dict(os.environ if env is None else env)
+    procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]] = []
+    threads: list[threading.Thread] = []
+    logs: list[IO[bytes]] = []
+    try:
+        for spec in ranks:
+            rank_env = dict(base_env)
+            rank_env.update(
+                RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(spec.local_world_size), GROUP_RANK=str(spec.node_rank),
+                NODE_RANK=str(spec.node_rank), MASTER_ADDR=master_addr, MASTER_PORT=str(port),
+                PYTHONUNBUFFERED="1",
+            )
+            rank_env.update(spec.env)
+            log_path = log_dir / f"rank{spec.rank}.log"
+            log = open(log_path, "wb")
+            logs.append(log)
+            echo = echo_rank0 and spec.rank == 0
+            proc = subprocess.Popen(
+                [*spec.prefix, *command], env=rank_env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if echo else log, stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: we can end it and its children
+            )
+            if echo:
+                assert proc.stdout is not None
+                t = threading.Thread(target=_tee, args=(proc.stdout, log, sys.stdout), daemon=True)
+                t.start()
+                threads.append(t)
+            procs.append((spec, proc, log_path))
+        _wait_all(procs, grace_s=grace_s, timeout_s=timeout_s)
+    finally:
+        _terminate([p for _, p, _ in procs])
+        for t in threads:
+            t.join(timeout=5)
+        for log in logs:
+            log.close()
+
+
+def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, grace_s: float,
+              timeout_s: float | None) -> None:
+    start = time.monotonic()
+    failure: tuple[RankSpec, int, Path] | None = None
+    failed_at = 0.0
+    while True:
+        running = [(s, p, log) for s, p, log in procs if p.poll() is None]
+        if failure is None:
+            for s, p, log in procs:
+                if p.returncode not in (None, 0):
+                    failure, failed_at = (s, p.returncode, log), time.monotonic()
+                    break
+        if not running:
+            break
+        now = time.monotonic()
+        if failure is not None and now - failed_at > grace_s:
+            break
+        if timeout_s is not None and now - start > timeout_s:
+            stuck = ", ".join(str(s.rank) for s, _, _ in running)
+            raise LaunchError(f"job exceeded its {timeout_s:.0f} s limit; ranks still running: {stuck}")
+        time.sleep(0.1)
+    if failure is not None:
+        spec, code, log = failure
+        reason = f"signal {-code}" if code < 0 else f"exit code {code}"
+        raise LaunchError(
+            f"rank {spec.rank} failed ({reason}); the other ranks were stopped. Its log: {log}\n"
+            f"--- last lines of rank {spec.rank} ---\n{_tail(log)}"
+        )
+
+
+def _terminate(procs: list[subprocess.Popen[bytes]], wait_s: float = 5.0) -> None:
+    """SIGTERM every still-running rank's process group, then SIGKILL what remains."""
+    alive = [p for p in procs if p.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+            time.sleep(0.05)
+        alive = [p for p in alive if p.poll() is None]
+        if not alive:
+            return

@@ -1,0 +1,1 @@
+"""Running training jobs: config parsing, the Hydra entry, the per-rank worker, reports."""

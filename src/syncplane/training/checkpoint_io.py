@@ -1,0 +1,52 @@
+"""Checkpoints written atomically and read without unpickling code.
+
+A crash mid-write must never leave a truncated ``last.ckpt`` that a resume would
+trust: the file is written beside its target, fsynced, then renamed over it (rename
+is atomic on POSIX filesystems). Loading uses ``weights_only=True`` -- checkpoints
+hold tensors and plain containers, never pickled objects.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning CheckpointIO: atomic local writes, ``weights_only`` reads."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        atomic_torch_save(checkpoint, path)
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)

@@ -1,0 +1,121 @@
+"""The validated description of one training job (what ``train.py`` composed).
+
+``parse_job`` turns the composed Hydra config into typed settings and fails with a
+``ConfigError`` naming the key; the launcher calls it before starting any worker and
+every worker calls it again on the resolved YAML it was handed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from syncplane.config import ConfigError, check_kwargs, parse_dataclass
+
+
+@dataclass
+class TrainerSettings:
+    """The subset of ``lightning.Trainer`` arguments a job may set (``trainer.*``)."""
+
+    accelerator: Literal["cpu", "gpu", "cuda", "auto"] = "cpu"
+    devices: int = 2
+    max_epochs: int = 20
+    max_steps: int = -1
+    precision: str = "32-true"
+    accumulate_grad_batches: int = 1
+    log_every_n_steps: int = 10
+    check_val_every_n_epoch: int = 1
+    gradient_clip_val: float | None = None
+    deterministic: bool = False
+    threads_per_rank: int = 0  # 0: split this machine's cores evenly between local ranks
+
+    def validate(self) -> None:
+        if self.devices < 1:
+            raise ConfigError(f"devices: must be at least 1, got {self.devices}")
+        if self.max_epochs < 1 and self.max_steps < 1:
+            raise ConfigError(f"max_epochs: must be at least 1 (or set max_steps), got {self.max_epochs}")
+        if self.accumulate_grad_batches < 1:
+            raise ConfigError(f"accumulate_grad_batches: must be at least 1, got {self.accumulate_grad_batches}")
+        if self.threads_per_rank < 0:
+            raise ConfigError(f"threads_per_rank: must be >= 0, got {self.threads_per_rank}")
+
+
+@dataclass
+class LoggerSettings:
+    """Where metrics go: a CSV record always, W&B (offline by default) on request."""
+
+    csv: bool = True
+    wandb: bool = False
+    project: str = "syncplane"
+    group: str | None = None
+    mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+@dataclass
+class StrategySpec:
+    """A registered strategy name and the keyword arguments for its constructor."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class JobSpec:
+    strategy: StrategySpec
+    recipe_name: str
+    recipe: Any  # the recipe's own settings dataclass
+    trainer: TrainerSettings
+    logger: LoggerSettings
+    seed: int
+    run_dir: str
+    job_name: str = "train"
+    resume: str | None = None  # a checkpoint to continue from
+
+
+def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> JobSpec:
+    """Validate a composed config (plain containers, interpolations resolved)."""
+    from syncplane import recipes as recipes_registry
+    from syncplane.strategies import registry as strategy_registry
+
+    allowed_top = {"strategy", "recipe", "trainer", "logger", "seed", "resume"}
+    unknown = sorted(set(cfg) - allowed_top)
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed_top))}")
+
+    strategy_cfg = dict(cfg.get("strategy") or {})
+    name = strategy_cfg.pop("name", None)
+    registered = strategy_registry.names()
+    if name not in registered:
+        raise ConfigError(f"strategy.name: unknown strategy {name!r}; allowed values: {', '.join(registered)}")
+    kwargs = strategy_cfg.pop("kwargs", None) or {}
+    if strategy_cfg:
+        raise ConfigError(f"strategy: unknown key(s) {', '.join(sorted(strategy_cfg))}; allowed keys: kwargs, name")
+    kwargs = check_kwargs(strategy_registry.accepted_params(name), kwargs, "strategy.kwargs")
+
+    recipe_cfg = dict(cfg.get("recipe") or {})
+    recipe_name = recipe_cfg.pop("name", None)
+    if recipe_name not in recipes_registry.names():
+        raise ConfigError(
+            f"recipe.name: unknown recipe {recipe_name!r}; allowed values: {', '.join(recipes_registry.names())}"
+        )
+    recipe = parse_dataclass(recipes_registry.get(recipe_name).settings, recipe_cfg, "recipe")
+
+    seed = cfg.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"seed: expected an integer, got {seed!r}")
+    resume = cfg.get("resume")
+    if resume is not None and not (isinstance(resume, str) and Path(resume).is_file()):
+        raise ConfigError(f"resume: expected the path of an existing checkpoint file, got {resume!r}")
+    return JobSpec(
+        strategy=StrategySpec(name=name, kwargs=kwargs),
+        recipe_name=recipe_name,
+        recipe=recipe,
+        trainer=parse_dataclass(TrainerSettings, cfg.get("trainer"), "trainer"),
+        logger=parse_dataclass(LoggerSettings, cfg.get("logger"), "logger"),
+        seed=seed,
+        run_dir=run_dir,
+        job_name=job_name,
+        resume=resume,
+    )

@@ -1,0 +1,211 @@
+"""What a run reports: per-epoch progress lines, ``history.jsonl`` and ``summary.json``.
+
+``summary.json`` (design.md §6) is the contract benchmarks and comparisons read:
+``{"strategy", "recipe", "world_size", "steps", "metrics": {"val_acc", "val_loss"},
+"throughput": {"samples_per_s", "step_s_median"}, "comm": {"seconds",
+"bytes_sent_per_rank"}, "consensus_distance"}``. Throughput counts the samples of
+*every* rank (all-reduced), not rank 0's times the world size; step time is the
+median over steps of the slowest rank's step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from syncplane.comm import CommMeter, mean_and_distance, ring_allreduce_bytes
+
+
+def attach_ddp_meter(model: DistributedDataParallel) -> CommMeter:
+    """Measure DDP's gradient all-reduce with a comm hook around torch's default one.
+
+    Lightning registers DDP comm hooks only on CUDA; on CPU we register this one
+    ourselves. Each bucket counts as in flight from launch to completion.
+    """
+    meter = CommMeter()
+    group = dist.group.WORLD
+    n = dist.get_world_size()
+
+    # Unannotated on purpose: DDP compares the hook's annotations with the real classes,
+    # and this module's postponed (string) annotations would fail that check.
+    def timed_allreduce(state, bucket):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        payload = bucket.buffer().numel() * bucket.buffer().element_size()
+        future = default_hooks.allreduce_hook(group, bucket)
+
+        def done(fut):  # type: ignore[no-untyped-def]
+            meter.record(start, time.perf_counter(), ring_allreduce_bytes(payload, n))
+            return fut.value()
+
+        return future.then(done)
+
+    model.register_comm_hook(state=None, hook=timed_allreduce)
+    return meter
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_size(next(iter(batch.values())))
+    raise TypeError(f"cannot infer the batch size of a {type(batch).__name__}")
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+class RunReport(Callback):
+    """Measures the run and writes ``history.jsonl`` (per validation) and ``summary.json``.
+
+    The collectives in ``on_fit_end`` run on every rank; only rank 0 writes files.
+    """
+
+    def __init__(self, run_dir: str | Path, strategy_name: str, recipe_name: str) -> None:
+        self.run_dir = Path(run_dir)
+        self.strategy_name, self.recipe_name = strategy_name, recipe_name
+        self.step_times: list[float] = []
+        self.samples = 0
+        self._step_start = 0.0
+        self._fit_start = 0.0
+        self._train_seconds = 0.0
+        self._epoch_start = 0.0
+        self.meter: CommMeter | None = None
+        self.summary: dict[str, Any] | None = None
+
+    # -------------------------------------------------------------- measuring
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy_meter = getattr(trainer.strategy, "comm_meter", None)
+        if isinstance(strategy_meter, CommMeter):
+            self.meter = strategy_meter
+        elif isinstance(trainer.strategy.model, DistributedDataParallel):
+            self.meter = attach_ddp_meter(trainer.strategy.model)
+        else:
+            self.meter = CommMeter()  # single process: nothing is communicated
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_start = time.perf_counter()
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_start = time.perf_counter()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.step_times.append(time.perf_counter() - self._step_start)
+        self.samples += _batch_size(batch)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._train_seconds = time.perf_counter() - self._fit_start
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        metrics = {k: _as_float(v) for k, v in trainer.callback_metrics.items()}
+        record = {"epoch": trainer.current_epoch, "step": trainer.global_step,
+                  "epoch_s": round(time.perf_counter() - self._epoch_start, 3), **metrics}
+        with open(self.run_dir / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if v is not None)
+        epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else "?"
+        print(f"epoch {trainer.current_epoch + 1}/{epochs}  step {trainer.global_step}  {shown}  "
+              f"({record['epoch_s']:.1f} s)", flush=True)
+
+    # -------------------------------------------------------------- reporting
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        world = trainer.world_size
+        distributed = dist.is_available() and dist.is_initialized() and world > 1
+        assert self.meter is not None
+        totals = torch.tensor([float(self.samples), self.meter.seconds, float(self.meter.bytes_sent)],
+                              dtype=torch.float64)
+        train_seconds = torch.tensor([self._train_seconds], dtype=torch.float64)
+        steps = torch.tensor(self.step_times, dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(totals)
+            dist.all_reduce(train_seconds, op=dist.ReduceOp.MAX)
+            # ranks normally run equally many steps (DistributedSampler pads the shards);
+            # agree on the common prefix anyway so the all-reduce below cannot mismatch
+            common = torch.tensor([len(steps)], dtype=torch.int64)
+            dist.all_reduce(common, op=dist.ReduceOp.MIN)
+            steps = steps[: int(common.item())].contiguous()
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        distance = mean_and_distance([p.detach() for p in pl_module.parameters()]) if distributed else 0.0
+        metrics = trainer.callback_metrics
+        self.summary = {
+            "strategy": self.strategy_name,
+            "recipe": self.recipe_name,
+            "world_size": world,
+            "steps": trainer.global_step,
+            "metrics": {"val_acc": _as_float(metrics.get("val_acc")), "val_loss": _as_float(metrics.get("val_loss"))},
+            "throughput": {
+                "samples_per_s": float(totals[0] / max(train_seconds.item(), 1e-9)),
+                "step_s_median": statistics.median(steps.tolist()) if len(steps) else None,
+            },
+            "comm": {"seconds": float(totals[1] / world), "bytes_sent_per_rank": float(totals[2] / world)},
+            "consensus_distance": distance,
+            "train_seconds": train_seconds.item(),
+        }
+        if trainer.is_global_zero:
+            path = self.run_dir / "summary.json"
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
+            tmp.replace(path)
+            print_summary(self.summary, path)
+
+
+def print_summary(summary: dict[str, Any], path: Path) -> None:
+    """A rich table of the run's headline numbers, then where the full record is."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    table = Table(title=f"syncplane run: {summary['strategy']} on {summary['recipe']}", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("world size", str(summary["world_size"])),
+        ("optimizer steps", str(summary["steps"])),
+        ("val accuracy", fmt(summary["metrics"]["val_acc"], ".4f")),
+        ("val loss", fmt(summary["metrics"]["val_loss"], ".4f")),
+        ("samples/s (all ranks)", fmt(summary["throughput"]["samples_per_s"], ",.1f")),
+        ("step time, median (s)", fmt(summary["throughput"]["step_s_median"], ".4f")),
+        ("comm time per rank (s)", fmt(summary["comm"]["seconds"], ".3f")),
+        ("bytes sent per rank", fmt(summary["comm"]["bytes_sent_per_rank"], ",.0f")),
+        ("consensus distance", fmt(summary["consensus_distance"], ".2e")),
+        ("training wall time (s)", fmt(summary["train_seconds"], ".1f")),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console(width=100)
+    console.print(table)
+    console.print(f"summary written to {path}")

@@ -1,0 +1,110 @@
+"""One rank of a training job: ``python -m syncplane.training.worker JOB.yaml``.
+
+The launcher starts this with torchrun's environment variables (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); Lightning's
+``TorchElasticEnvironment`` reads them, so Lightning joins the job instead of
+launching processes of its own. The same worker runs unchanged under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from syncplane.training.job import JobSpec, parse_job
+
+JOB_FILE = "job.yaml"
+
+
+def _threads_per_rank(spec: JobSpec, local_world_size: int) -> int:
+    if spec.trainer.threads_per_rank > 0:
+        return spec.trainer.threads_per_rank
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+
+
+def make_loggers(spec: JobSpec) -> list[Any]:
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    loggers: list[Any] = []
+    if spec.logger.csv:
+        loggers.append(CSVLogger(save_dir=spec.run_dir, name="csv", version=""))
+    if spec.logger.wandb:
+        import wandb
+
+        # Offline by default and no crash reports: a run must make no network calls
+        # unless the user asked for mode=online.
+        os.environ["WANDB_ERROR_REPORTING"] = "false"
+        os.environ.setdefault("WANDB_SILENT", "true")
+        loggers.append(WandbLogger(
+            project=spec.logger.project, name=f"{spec.strategy.name}-{spec.job_name}",
+            group=spec.logger.group, save_dir=spec.run_dir, tags=[spec.strategy.name, spec.recipe_name],
+            settings=wandb.Settings(mode=spec.logger.mode, console="off"),
+        ))
+    return loggers
+
+
+def run(spec: JobSpec) -> dict[str, Any] | None:
+    """Train ``spec`` as this rank; returns the run summary (every rank has it)."""
+    import torch
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from syncplane import recipes
+    from syncplane.strategies import registry
+    from syncplane.training.checkpoint_io import AtomicCheckpointIO
+    from syncplane.training.report import RunReport
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(_threads_per_rank(spec, local_world_size))
+    # Same seed on every rank: identical initial weights (broadcast anyway) and a shared
+    # shuffle; the DistributedSampler gives each rank its own shard.
+    seed_everything(spec.seed, workers=True, verbose=False)
+
+    module, data = recipes.get(spec.recipe_name).build(spec.recipe)
+    strategy = registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment())
+    report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name)
+    checkpoints = ModelCheckpoint(dirpath=Path(spec.run_dir) / "checkpoints", save_last=True, save_top_k=0)
+    trainer_cfg = spec.trainer
+    trainer = Trainer(
+        accelerator=trainer_cfg.accelerator,
+        devices=local_world_size,
+        num_nodes=world_size // local_world_size,
+        strategy=strategy,
+        max_epochs=trainer_cfg.max_epochs,
+        max_steps=trainer_cfg.max_steps,
+        precision=trainer_cfg.precision,  # type: ignore[arg-type]
+        accumulate_grad_batches=trainer_cfg.accumulate_grad_batches,
+        log_every_n_steps=trainer_cfg.log_every_n_steps,
+        check_val_every_n_epoch=trainer_cfg.check_val_every_n_epoch,
+        gradient_clip_val=trainer_cfg.gradient_clip_val,
+        deterministic=trainer_cfg.deterministic,
+        logger=make_loggers(spec) or False,
+        callbacks=[report, checkpoints],
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=spec.run_dir,
+        enable_progress_bar=False,  # one line per epoch instead (logs are files, not TTYs)
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=spec.resume)
+    return report.summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m syncplane.training.worker RUN_DIR/job.yaml", file=sys.stderr)
+        return 2
+    job = yaml.safe_load(Path(args[0]).read_text())
+    spec = parse_job(job["config"], run_dir=job["run_dir"], job_name=job.get("job_name", "train"))
+    run(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

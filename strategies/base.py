@@ -1,0 +1,140 @@
+"""``SyncplaneStrategy``: Lightning's DDP plumbing without the DDP wrapper.
+
+Subclassing ``DDPStrategy`` keeps what we want from it -- the cluster environment,
+process-group setup, DistributedSampler injection, ``reduce``/``barrier`` -- while the
+synchronization itself becomes ours. Overridden hooks, and why:
+
+- ``configure_ddp``: do not wrap in DDP (there is no gradient all-reduce); broadcast
+  rank 0's initial module state so every replica starts equal; call ``setup_sync``,
+  where subclasses create process groups (a collective: same order on every rank).
+- ``optimizer_step``: the whole step (closure = forward + backward) runs inside
+  ``super().optimizer_step``; ``after_optimizer_step`` is the sync point after it.
+- ``on_validation_start`` / ``on_validation_end``: evaluate the consensus model (the
+  average of all replicas) and put each rank's own replica back afterwards.
+- ``lightning_module_state_dict``: checkpoints hold the consensus model, not rank 0's
+  replica (Lightning writes from rank 0 only).
+- ``save_checkpoint`` / ``load_optimizer_state_dict``: extra strategy state
+  (``sync_state_dict``) travels in the checkpoint under the ``"syncplane"`` key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, allreduce_mean_, make_buckets
+
+
+class SyncplaneStrategy(DDPStrategy):
+    """Base for our strategies; subclasses implement the sync extension points.
+
+    Args:
+        consensus_eval: validate and checkpoint the average of all replicas (costs one
+            all-reduce of the model per validation); when False each rank evaluates its
+            own replica and checkpoints hold rank 0's.
+        bucket_mb: tensor-fusion bucket size for model-wide collectives.
+    """
+
+    #: Subclasses whose replicas stay bit-identical (e.g. exact global averaging every
+    #: step) set this True to skip consensus work.
+    replicas_identical: bool = False
+
+    def __init__(self, consensus_eval: bool = True, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.consensus_eval = consensus_eval
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.comm_meter = CommMeter()
+        self._stashed_replica: list[torch.Tensor] | None = None
+
+    # ------------------------------------------------------------ extension points
+
+    def setup_sync(self) -> None:
+        """Create process groups and buffers; runs once on every rank after the model is placed."""
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Synchronize after the local optimizer step (once per real step)."""
+
+    def sync_state_dict(self) -> dict[str, Any]:
+        """Extra state a resume needs (schedule position, outer optimizer, ...)."""
+        return {}
+
+    def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``sync_state_dict`` returned."""
+
+    # ------------------------------------------------------------ helpers
+
+    def model_tensors(self) -> list[torch.Tensor]:
+        """Parameters and floating-point buffers: what replicas average (not step counters)."""
+        module = self.lightning_module
+        assert module is not None
+        params = [p.data for p in module.parameters()]
+        buffers = [b for b in module.buffers() if b.is_floating_point()]
+        return params + buffers
+
+    def average_replicas_(self, tensors: list[torch.Tensor] | None = None) -> None:
+        """Replace ``tensors`` (default: the whole model) by their mean over all ranks."""
+        allreduce_mean_(make_buckets(tensors or self.model_tensors(), self.bucket_bytes), meter=self.comm_meter)
+
+    # ------------------------------------------------------------ Lightning hooks
+
+    @override
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        _sync_module_states(self.model)
+        self.setup_sync()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.after_optimizer_step(optimizer)
+        return output
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if not self.consensus_eval or self.replicas_identical or self.world_size == 1:
+            return
+        tensors = self.model_tensors()
+        self._stashed_replica = [t.detach().clone() for t in tensors]
+        self.average_replicas_(tensors)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._stashed_replica is not None:
+            with torch.no_grad():
+                for live, own in zip(self.model_tensors(), self._stashed_replica):
+                    live.copy_(own)
+            self._stashed_replica = None
+        super().on_validation_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if not self.consensus_eval or self.replicas_identical or self.world_size == 1 \
+                or self._stashed_replica is not None:  # already the consensus (inside validation)
+            return state
+        averaged = {k: v.detach().clone() for k, v in state.items()}
+        floating = [v for v in averaged.values() if v.is_floating_point()]
+        allreduce_mean_(make_buckets(floating, self.bucket_bytes))
+        return averaged
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        checkpoint["syncplane"] = {"strategy": type(self).__name__, "state": self.sync_state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        extra = checkpoint.get("syncplane")
+        if extra is not None:
+            self.load_sync_state_dict(extra.get("state", {}))

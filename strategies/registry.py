@@ -1,0 +1,86 @@
+"""Strategy names (design.md §3) in Lightning's ``StrategyRegistry``.
+
+Registration happens when ``syncplane.strategies`` is imported, before any
+``Trainer(...)`` snapshots the registry. ``ddp`` is Lightning's own ``DDPStrategy``,
+the baseline; every other name maps to one of our classes. The constructor signature
+of each class is its config schema (``strategy.kwargs`` in YAML).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from torch.nn.parallel import DistributedDataParallel
+
+from syncplane.config import signature_params
+from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+
+S = TypeVar("S", bound=type[Strategy])
+
+#: Arguments the launcher supplies; a config may not set them.
+RESERVED_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+                   "precision_plugin", "process_group_backend")
+
+BASELINE = "ddp"
+_ours: dict[str, type[Strategy]] = {}
+
+
+def register(name: str, description: str) -> Callable[[S], S]:
+    """Class decorator: register ``cls`` under ``name`` here and in Lightning's registry."""
+
+    def decorate(cls: S) -> S:
+        if name == BASELINE:
+            raise ValueError(f"{name!r} is reserved for Lightning's own DDPStrategy")
+        existing = _ours.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(f"strategy name {name!r} is already taken by {existing.__qualname__}")
+        _ours[name] = cls
+        StrategyRegistry.register(name, cls, description=description, override=True)
+        return cls
+
+    return decorate
+
+
+def names() -> list[str]:
+    """Every strategy a job can name: the baseline first, then ours in registration order."""
+    return [BASELINE, *_ours]
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if name == BASELINE:
+        return DDPStrategy
+    try:
+        return _ours[name]
+    except KeyError:
+        raise KeyError(f"unknown strategy {name!r}; allowed values: {', '.join(names())}") from None
+
+
+def accepted_params(name: str) -> dict[str, Any]:
+    """Constructor keywords a config may set for ``name`` (the whole class chain).
+
+    Our classes pass ``**kwargs`` up to ``DDPStrategy``; the baseline passes its extra
+    keywords on to torch's ``DistributedDataParallel``, so those are accepted for it.
+    """
+    cls = strategy_class(name)
+    params: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if issubclass(klass, DDPStrategy) and "__init__" in vars(klass):
+            params.update(signature_params(klass.__init__, skip=RESERVED_KWARGS))
+    if cls is DDPStrategy:
+        params.update(signature_params(DistributedDataParallel.__init__, skip=("module", "device_ids",
+                                                                              "output_device", "process_group")))
+    return params
+
+
+def describe() -> dict[str, str]:
+    return {n: (StrategyRegistry[n]["description"] if n in StrategyRegistry else "") for n in names()}
+
+
+def build(name: str, kwargs: Mapping[str, Any], cluster_environment: ClusterEnvironment,
+          process_group_backend: str | None = None) -> Strategy:
+    """Instantiate strategy ``name`` for a worker (kwargs already validated)."""
+    cls = strategy_class(name)
+    return cls(cluster_environment=cluster_environment, process_group_backend=process_group_backend,
+               **dict(kwargs))
