@@ -4,6 +4,8 @@ Subclassing ``DDPStrategy`` keeps what we want from it -- the cluster environmen
 process-group setup, DistributedSampler injection, ``reduce``/``barrier`` -- while the
 synchronization itself becomes ours. Overridden hooks, and why:
 
+- ``setup`` / ``_setup_model``: never wrap; outside fitting, do not broadcast rank 0's
+  weights over the other replicas (Lightning's DDP does, before validate/test).
 - ``configure_ddp``: do not wrap in DDP (there is no gradient all-reduce); broadcast
   rank 0's initial module state so every replica starts equal; call ``setup_sync``,
   where subclasses create process groups (a collective: same order on every rank).
@@ -13,8 +15,10 @@ synchronization itself becomes ours. Overridden hooks, and why:
   average of all replicas) and put each rank's own replica back afterwards.
 - ``lightning_module_state_dict``: checkpoints hold the consensus model, not rank 0's
   replica (Lightning writes from rank 0 only).
-- ``save_checkpoint`` / ``load_optimizer_state_dict``: extra strategy state
-  (``sync_state_dict``) travels in the checkpoint under the ``"syncplane"`` key.
+- ``save_checkpoint`` / ``load_model_state_dict`` / ``load_optimizer_state_dict``: the
+  checkpoint's ``"syncplane"`` entry carries the strategy's extra state
+  (``sync_state_dict``) and every rank's own replica and optimizer state, so a resume
+  on the same world size continues exactly where each replica was.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.strategies import DDPStrategy
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, allreduce_mean_, make_buckets
+from syncplane.strategies import replicas
 
 
 class SyncplaneStrategy(DDPStrategy):
@@ -86,6 +93,20 @@ class SyncplaneStrategy(DDPStrategy):
     # ------------------------------------------------------------ Lightning hooks
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().setup(trainer)
+        else:
+            # DDPStrategy.setup broadcasts rank 0's weights before validate/test/predict,
+            # which would silently replace every other replica. Skip that: evaluation
+            # runs on the consensus instead (on_validation_start).
+            Strategy.setup(self, trainer)
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # never wrapped in DistributedDataParallel
+
+    @override
     def configure_ddp(self) -> None:
         assert self.model is not None
         _sync_module_states(self.model)
@@ -129,12 +150,34 @@ class SyncplaneStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        checkpoint["syncplane"] = {"strategy": type(self).__name__, "state": self.sync_state_dict()}
+        extra: dict[str, Any] = {"strategy": type(self).__name__, "state": self.sync_state_dict()}
+        if self.world_size > 1 and not self.replicas_identical:
+            # a collective (every rank saves): rank 0 receives every replica
+            extra["replicas"] = replicas.gather_replicas(self.lightning_module, self.optimizers,
+                                                         self._stash_by_tensor(), self.is_global_zero)
+        checkpoint["syncplane"] = extra
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict)
+        own = replicas.own_replica(checkpoint, self.global_rank, self.world_size)
+        if own is not None:
+            self.lightning_module.load_state_dict(own["model"], strict=strict)
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
+        own = replicas.own_replica(checkpoint, self.global_rank, self.world_size)
+        if own is None:
+            super().load_optimizer_state_dict(checkpoint)
+        else:
+            super().load_optimizer_state_dict({"optimizer_states": own["optimizers"]})
         extra = checkpoint.get("syncplane")
         if extra is not None:
             self.load_sync_state_dict(extra.get("state", {}))
+
+    def _stash_by_tensor(self) -> dict[int, torch.Tensor]:
+        """Live tensor storage -> this rank's own values, while validation shows the consensus."""
+        if self._stashed_replica is None:
+            return {}
+        return {t.data_ptr(): own for t, own in zip(self.model_tensors(), self._stashed_replica)}

@@ -75,7 +75,9 @@ def accepted_params(name: str) -> dict[str, Any]:
 
 
 def describe() -> dict[str, str]:
-    return {n: (StrategyRegistry[n]["description"] if n in StrategyRegistry else "") for n in names()}
+    """Name -> one-line description, for ``syncplane info``."""
+    ours = {n: StrategyRegistry[n]["description"] for n in _ours}
+    return {BASELINE: "Lightning's DDPStrategy: gradient all-reduce every step (the baseline)", **ours}
 
 
 def build(name: str, kwargs: Mapping[str, Any], cluster_environment: ClusterEnvironment,

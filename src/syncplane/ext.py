@@ -94,7 +94,7 @@ def _load(kind: str, sources: tuple[str, ...], *, build: bool, verbose: bool) ->
     build_dir.mkdir(parents=True, exist_ok=True)
     print(
         f"syncplane: compiling the {kind.upper()} kernel extension into {build_dir} "
-        "(first use only; about a minute on 2 cores)...",
+        f"(first use only; {'about a minute' if kind == 'cpu' else 'a few minutes'} on 2 cores)...",
         file=sys.stderr,
         flush=True,
     )

@@ -1,0 +1,1 @@
+from syncplane.cli import main; import sys; sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shared pytest setup: the repository root is importable (``tests.helpers``)."""

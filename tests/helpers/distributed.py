@@ -1,0 +1,91 @@
+"""Run a function on N real processes joined by a gloo process group.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters,
+initializes ``torch.distributed`` (gloo, TCP rendezvous on 127.0.0.1) with torchrun's
+environment variables set (so Lightning's ``TorchElasticEnvironment`` works inside),
+calls ``fn(rank, world_size, *args)`` in each and returns the results in rank order.
+The first rank to raise has its exception re-raised here with the remote traceback;
+a rank that neither returns nor fails within ``timeout`` is named in a TimeoutError.
+``fn`` must be importable (a module-level function), its arguments and result picklable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from syncplane.launcher import free_port
+
+
+class RemoteError(RuntimeError):
+    """An exception raised on one of the ranks."""
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
+           results: Any, pg_timeout_s: float) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        # Serialized to bytes here: a tensor put on a Queue as-is travels as a shared-memory
+        # handle that dies with this process, before the parent has read it.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                    pg_timeout_s: float = 60.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results, pg_timeout_s), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes
+                        and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RemoteError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                continue
+            outcomes[rank] = (status, value)
+            if status == "error":
+                raise RemoteError(f"rank {rank} raised {value}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    import torch
+
+    return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]

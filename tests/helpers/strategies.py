@@ -1,0 +1,36 @@
+"""Test-only strategies that exercise ``SyncplaneStrategy``'s extension points.
+
+Not shipped: the product strategies live in ``strategies/``. These are the smallest
+subclasses that show the base works -- averaging everything every step (which must
+equal DDP), and never synchronizing (replicas drift; consensus must still be exact).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch.optim import Optimizer
+
+from syncplane.strategies import SyncplaneStrategy
+
+
+class EveryStepAveraging(SyncplaneStrategy):
+    """Average all parameters over all ranks after every optimizer step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.rounds = 0
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        self.average_replicas_()
+        self.rounds += 1
+
+    def sync_state_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds}
+
+    def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rounds = int(state["rounds"])
+
+
+class NoSync(SyncplaneStrategy):
+    """Purely local training: every replica follows its own data."""

@@ -1,0 +1,61 @@
+"""Config validation: every bad value names its key and what is allowed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from syncplane.config import ConfigError
+from syncplane.training.job import parse_job
+
+GOOD = {
+    "strategy": {"name": "ddp", "kwargs": {}},
+    "recipe": {"name": "digits", "batch_size": 32, "lr": 0.05},
+    "trainer": {"accelerator": "cpu", "devices": 2, "max_epochs": 1},
+    "logger": {"csv": True, "wandb": False},
+    "seed": 1,
+    "resume": None,
+}
+
+
+def with_change(path: str, value):
+    cfg = copy.deepcopy(GOOD)
+    *parents, leaf = path.split(".")
+    node = cfg
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return cfg
+
+
+def test_good_config_parses_into_typed_settings():
+    spec = parse_job(GOOD, run_dir="/tmp/x")
+    assert spec.strategy.name == "ddp"
+    assert spec.recipe.lr == 0.05 and spec.recipe.batch_size == 32
+    assert spec.trainer.devices == 2
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("strategy.name", "nope", r"strategy.name: unknown strategy 'nope'; allowed values: ddp"),
+    ("recipe.name", "imagenet1k", r"recipe.name: unknown recipe 'imagenet1k'; allowed values: digits"),
+    ("trainer.devices", 0, r"trainer.devices: must be at least 1, got 0"),
+    ("recipe.lr", "abc", r"recipe.lr: expected a number, got 'abc'"),
+    ("recipe.lr", -1.0, r"recipe.lr: must be positive"),
+    ("recipe.batchsize", 3, r"recipe: unknown key\(s\) batchsize; allowed keys: batch_size"),
+    ("trainer.accelerator", "tpu", r"trainer.accelerator: got 'tpu', allowed values: 'cpu', 'gpu'"),
+    ("strategy.kwargs", {"bucket_cap": 3}, r"strategy.kwargs: unknown key\(s\) bucket_cap; allowed keys: .*bucket_cap_mb"),
+    ("strategy.kwargs", {"model_averaging_period": "often"}, r"strategy.kwargs.model_averaging_period: expected an integer or null"),
+    ("resume", "/does/not/exist.ckpt", r"resume: expected the path of an existing checkpoint file"),
+    ("seed", "x", r"seed: expected an integer"),
+])
+def test_bad_values_name_the_key(path, value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_job(with_change(path, value), run_dir="/tmp/x")
+
+
+def test_unknown_top_level_key():
+    cfg = copy.deepcopy(GOOD)
+    cfg["trainr"] = {}
+    with pytest.raises(ConfigError, match="unknown top-level key"):
+        parse_job(cfg, run_dir="/tmp/x")
