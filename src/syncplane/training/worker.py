@@ -102,8 +102,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     job = yaml.safe_load(Path(args[0]).read_text())
     spec = parse_job(job["config"], run_dir=job["run_dir"], job_name=job.get("job_name", "train"))
-    run(spec)
+    try:
+        run(spec)
+    finally:
+        _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Tear gloo down before the interpreter exits: left to static destructors, its
+    threads can abort the process ("terminate called without an active exception")
+    after a successful run, which would read as a failed rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

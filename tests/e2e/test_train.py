@@ -1,0 +1,77 @@
+"""``train.py`` end to end, in a subprocess, exactly as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_default_job_trains_digits_to_95_percent(tmp_path):
+    result = train(f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] >= 2
+    assert summary["strategy"] == "ddp" and summary["recipe"] == "digits"
+    assert summary["metrics"]["val_acc"] >= 0.95
+    assert summary["steps"] > 0 and summary["throughput"]["samples_per_s"] > 0
+    assert summary["comm"]["bytes_sent_per_rank"] > 0
+    assert f"summary written to {tmp_path / 'summary.json'}" in result.stdout
+    assert "val accuracy" in result.stdout               # the rich table
+    assert (tmp_path / "csv" / "metrics.csv").exists()     # the CSV record
+    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == summary["steps"] // 22
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert {p.name for p in (tmp_path / "logs").iterdir()} == {"rank0.log", "rank1.log"}
+
+
+def test_two_job_multirun_with_wandb_offline(tmp_path):
+    result = train("-m", "seed=1,2", "trainer.max_epochs=1", "logger=wandb", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "summary.json").exists())
+    assert [p.name for p in jobs] == ["0-ddp", "1-ddp"]
+    for job in jobs:
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["steps"] == 22
+        offline_runs = list((job / "wandb").glob("offline-run-*"))
+        assert len(offline_runs) == 1, "one offline W&B run per job"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["strategy=nope"], "Could not find 'strategy/nope'"),
+    (["recipe=nope"], "Could not find 'recipe/nope'"),
+    (["trainer.devices=0"], "trainer.devices: must be at least 1, got 0"),
+    (["recipe.lr=abc"], "recipe.lr: expected a number, got 'abc'"),
+    (["+strategy.kwargs.bucket_capp=1"], "strategy.kwargs: unknown key(s) bucket_capp; allowed keys:"),
+])
+def test_bad_config_fails_before_any_worker_starts(tmp_path, overrides, message):
+    result = train(*overrides, f"hydra.run.dir={tmp_path}", timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert not (tmp_path / "logs").exists(), "no worker may start on a bad config"
+
+
+def test_hydra_lists_the_allowed_strategies():
+    result = train("strategy=nope", timeout=60)
+    assert "Available options in 'strategy'" in result.stderr and "ddp" in result.stderr
+
+
+def test_info_reports_extension_and_strategies():
+    result = subprocess.run([sys.executable, "-m", "syncplane", "info", "--json"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["extension"]["built"] is True
+    assert isinstance(info["extension"]["cuda_kernels"], bool)
+    assert "ddp" in info["strategies"]
+    assert info["backends"]["gloo"] is True
