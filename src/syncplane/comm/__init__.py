@@ -1,20 +1,47 @@
 """syncplane.comm: collective primitives on torch.distributed (no Lightning here).
 
-The decentralized API (topology, neighbor_allreduce, ...) of design.md §4 lands on top
-of these pieces: flat buckets (tensor fusion), communication accounting, and global
-collectives.
+BlueFog-compatible API (design.md §4)::
+
+    import syncplane.comm as sc
+    sc.set_topology(sc.topology.ExponentialTwoGraph(n))
+    y = sc.neighbor_allreduce(x)                                   # y_i = Σ_j A[j, i] x_j
+    y = sc.neighbor_allreduce(x, self_weight=.5, src_weights={j: .5}, dst_weights=[k])
+    h = sc.neighbor_allreduce_nonblocking(x); y = h.wait()
+    sc.set_machine_topology(Gm); y = sc.hierarchical_neighbor_allreduce(x)
+
+plus flat buckets (tensor fusion), communication accounting and global collectives.
 """
 
+from syncplane.comm import topology
 from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
+from syncplane.comm.check import check_plan
 from syncplane.comm.collectives import allreduce_mean_, mean_and_distance
+from syncplane.comm.context import (
+    in_neighbor_ranks,
+    load_topology,
+    out_neighbor_ranks,
+    set_machine_topology,
+    set_topology,
+)
+from syncplane.comm.errors import TopologyError
+from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
+from syncplane.comm.neighbor import (
+    allreduce,
+    allreduce_nonblocking,
+    broadcast,
+    broadcast_nonblocking,
+    neighbor_allgather,
+    neighbor_allreduce,
+    neighbor_allreduce_nonblocking,
+    neighbor_allreduce_tensors,
+)
+from syncplane.comm.p2p import Handle
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "Bucket",
-    "CommMeter",
-    "allreduce_mean_",
-    "make_buckets",
-    "mean_and_distance",
-    "ring_allreduce_bytes",
+    "DEFAULT_BUCKET_BYTES", "Bucket", "CommMeter", "Handle", "TopologyError", "allreduce", "allreduce_mean_",
+    "allreduce_nonblocking", "broadcast", "broadcast_nonblocking", "check_plan", "hierarchical_neighbor_allreduce",
+    "in_neighbor_ranks", "load_topology", "make_buckets", "mean_and_distance", "neighbor_allgather",
+    "neighbor_allreduce", "neighbor_allreduce_nonblocking", "neighbor_allreduce_tensors", "out_neighbor_ranks",
+    "ring_allreduce_bytes", "set_machine_topology", "set_topology", "topology",
 ]

@@ -1,0 +1,97 @@
+"""Point-to-point exchange with a handle, a deadline and an error that names peers.
+
+Every neighbour operation reduces to "send these (scaled) tensors to these ranks,
+receive one tensor from each of those, then combine". Sends and receives are launched
+together with ``batch_isend_irecv`` (grouped send/recv under NCCL, individual async
+ops under gloo), so a rank never blocks on one peer while another waits on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from syncplane.comm.context import Group
+from syncplane.comm.errors import TopologyError
+from syncplane.comm.meter import CommMeter
+
+#: How long a neighbour operation may wait for its peers before raising TopologyError.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Handle:
+    """A launched operation; ``wait()`` returns its result (once; later calls return it again)."""
+
+    _works: list[tuple[str, int, dist.Work]] = field(default_factory=list)
+    _finish: Callable[[], torch.Tensor] | None = None
+    _timeout_s: float = DEFAULT_TIMEOUT_S
+    _what: str = "neighbor operation"
+    _result: torch.Tensor | None = None
+    _meter: CommMeter | None = None
+    _start: float = 0.0
+    _bytes_sent: int = 0
+
+    def wait(self) -> torch.Tensor:
+        if self._result is not None:
+            return self._result
+        timeout = datetime.timedelta(seconds=self._timeout_s)
+        for kind, peer, work in self._works:
+            try:
+                work.wait(timeout)
+            except RuntimeError as exc:
+                raise TopologyError(
+                    f"rank {dist.get_rank()}: {self._what} did not complete within {self._timeout_s:.0f} s "
+                    f"({kind} rank {peer} never finished: {str(exc).splitlines()[0][:200]}). "
+                    "Do the senders' and receivers' plans agree? (enable_topo_check=True names the ranks)"
+                ) from exc
+        self._works = []
+        assert self._finish is not None
+        self._result = self._finish()
+        if self._meter is not None:
+            import time
+
+            self._meter.record(self._start, time.perf_counter(), self._bytes_sent)
+        return self._result
+
+
+def completed(result: torch.Tensor) -> Handle:
+    """A handle whose result is already there (single process, nothing to exchange)."""
+    return Handle(_result=result)
+
+
+def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[int], group: Group,
+             finish: Callable[[list[torch.Tensor]], torch.Tensor], *, timeout_s: float, what: str,
+             meter: CommMeter | None = None) -> Handle:
+    """Send ``tensor × sends[k]`` to each group rank k, receive one tensor from each of ``recvs``.
+
+    ``finish(received)`` runs in ``wait()``; ranks are ranks *in the group*. Scaled
+    copies are made once per distinct scale (a plain list of destinations sends
+    ``tensor`` itself, no copy).
+    """
+    import time
+
+    start = time.perf_counter()
+    tensor = tensor.contiguous()
+    scaled: dict[float, torch.Tensor] = {}
+    ops: list[dist.P2POp] = []
+    labels: list[tuple[str, int]] = []
+    for peer, scale in sends.items():
+        if scale not in scaled:
+            scaled[scale] = tensor if scale == 1.0 else tensor * scale
+        ops.append(dist.P2POp(dist.isend, scaled[scale], group=group, group_peer=peer))
+        labels.append(("sending to", peer))
+    received = [torch.empty_like(tensor) for _ in recvs]
+    for peer, buffer in zip(recvs, received):
+        ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+        labels.append(("receiving from", peer))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return Handle(
+        _works=[(kind, peer, work) for (kind, peer), work in zip(labels, works)],
+        _finish=lambda: finish(received), _timeout_s=timeout_s, _what=what, _meter=meter, _start=start,
+        _bytes_sent=len(sends) * tensor.numel() * tensor.element_size(),
+    )

@@ -1,0 +1,246 @@
+"""Communication graphs over ranks (networkx ``DiGraph``), their weights and checks.
+
+Convention (design.md §4, BlueFog's): an edge ``j → i`` with attribute ``weight`` is the
+weight rank *i* applies to the tensor it receives from *j*; the self-loop ``i → i`` is
+``w_ii``. With ``A = nx.to_numpy_array(G)``, a static ``neighbor_allreduce`` computes
+``y_i = Σ_j A[j, i] x_j`` -- i.e. ``Y = Aᵀ X``. Averaging needs every *column* of ``A``
+to sum to 1; preserving the global mean needs every *row* to, too (doubly stochastic).
+
+Dynamic schedules are deterministic iterators of ``(send_ranks, recv_ranks)`` for one
+rank; every rank computes its own plan from the same formula, so plans agree without
+communicating.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import networkx as nx
+import numpy as np
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _from_matrix(matrix: np.ndarray) -> nx.DiGraph:
+    graph = nx.from_numpy_array(matrix, create_using=nx.DiGraph)
+    return graph
+
+
+def _circulant(size: int, offsets: set[int]) -> nx.DiGraph:
+    """Rank i sends to i + d (mod size) for every d in offsets; uniform weights."""
+    _check_size(size)
+    offsets = {d % size for d in offsets} - {0}
+    weight = 1.0 / (len(offsets) + 1)
+    matrix = np.zeros((size, size))
+    for i in range(size):
+        matrix[i, i] = weight
+        for d in offsets:
+            matrix[i, (i + d) % size] = weight
+    return _from_matrix(matrix)
+
+
+def _check_size(size: int) -> None:
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"a topology needs a positive integer size, got {size!r}")
+
+
+def ExponentialGraph(size: int, base: int = 2) -> nx.DiGraph:  # noqa: N802 (BlueFog's names)
+    """Rank i sends to i + base^k (k = 0, 1, ...); uniform weights, doubly stochastic."""
+    if base < 2:
+        raise ValueError(f"ExponentialGraph base must be at least 2, got {base}")
+    offsets, d = set(), 1
+    while d < size:
+        offsets.add(d)
+        d *= base
+    return _circulant(size, offsets)
+
+
+def ExponentialTwoGraph(size: int) -> nx.DiGraph:  # noqa: N802
+    """The exponential graph with base 2: degree ⌈log₂ n⌉, diameter ⌈log₂ n⌉."""
+    return ExponentialGraph(size, base=2)
+
+
+def SymmetricExponentialGraph(size: int, base: int = 4) -> nx.DiGraph:  # noqa: N802
+    """Undirected exponential graph: i ↔ i ± base^k; uniform weights, symmetric."""
+    if base < 2:
+        raise ValueError(f"SymmetricExponentialGraph base must be at least 2, got {base}")
+    offsets, d = set(), 1
+    while d < size:
+        offsets.update({d, -d})
+        d *= base
+    return _circulant(size, offsets)
+
+
+def RingGraph(size: int, connect_style: int = 0) -> nx.DiGraph:  # noqa: N802
+    """Ring: ``connect_style`` 0 = both directions, 1 = receive from the left, 2 = from the right."""
+    if connect_style not in (0, 1, 2):
+        raise ValueError(f"RingGraph connect_style must be 0 (both), 1 (left) or 2 (right), got {connect_style}")
+    offsets = {0: {1, -1}, 1: {1}, 2: {-1}}[connect_style]
+    return _circulant(size, offsets)
+
+
+def FullyConnectedGraph(size: int) -> nx.DiGraph:  # noqa: N802
+    """Every rank averages with every other: one step reaches the exact mean."""
+    return _circulant(size, set(range(1, size)))
+
+
+def StarGraph(size: int, center_rank: int = 0) -> nx.DiGraph:  # noqa: N802
+    """A hub and spokes, Metropolis–Hastings weights (doubly stochastic)."""
+    _check_size(size)
+    if not 0 <= center_rank < size:
+        raise ValueError(f"StarGraph center_rank must be in [0, {size}), got {center_rank}")
+    undirected = nx.star_graph([center_rank] + [r for r in range(size) if r != center_rank])
+    return metropolis_hastings(undirected, size)
+
+
+def MeshGrid2DGraph(size: int, shape: tuple[int, int] | None = None) -> nx.DiGraph:  # noqa: N802
+    """A 2-D grid (the squarest factorization of ``size`` unless given), Metropolis–Hastings weights."""
+    _check_size(size)
+    if shape is None:
+        rows = max(r for r in range(1, int(math.isqrt(size)) + 1) if size % r == 0)
+        shape = (rows, size // rows)
+    if shape[0] * shape[1] != size:
+        raise ValueError(f"MeshGrid2DGraph shape {shape} holds {shape[0] * shape[1]} ranks, not {size}")
+    grid = nx.grid_2d_graph(*shape)
+    undirected = nx.relabel_nodes(grid, {(r, c): r * shape[1] + c for r, c in grid.nodes})
+    return metropolis_hastings(undirected, size)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def metropolis_hastings(undirected: nx.Graph, size: int | None = None) -> nx.DiGraph:
+    """Metropolis–Hastings weights ``w_ij = 1 / (1 + max(d_i, d_j))``: symmetric, doubly stochastic."""
+    n = size if size is not None else undirected.number_of_nodes()
+    degree = dict(undirected.degree())
+    matrix = np.zeros((n, n))
+    for i, j in undirected.edges:
+        if i != j:
+            matrix[i, j] = matrix[j, i] = 1.0 / (1 + max(degree[i], degree[j]))
+    for i in range(n):
+        matrix[i, i] = 1.0 - matrix[i].sum()
+    return _from_matrix(matrix)
+
+
+def uniform_weights(graph: nx.DiGraph) -> nx.DiGraph:
+    """Same edges, each rank weighting itself and its in-neighbours equally (columns sum to 1)."""
+    out = nx.DiGraph()
+    out.add_nodes_from(graph.nodes)
+    for i in graph.nodes:
+        sources = {j for j in graph.predecessors(i) if j != i}
+        weight = 1.0 / (len(sources) + 1)
+        out.add_edge(i, i, weight=weight)
+        for j in sources:
+            out.add_edge(j, i, weight=weight)
+    return out
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def mixing_matrix(graph: nx.DiGraph) -> np.ndarray:
+    """``A`` with ``A[j, i]`` = weight rank i gives to rank j's tensor (rows = senders)."""
+    return nx.to_numpy_array(graph, nodelist=sorted(graph.nodes))
+
+
+def is_column_stochastic(graph: nx.DiGraph, tol: float = 1e-9) -> bool:
+    """Every rank's received weights (self included) sum to 1: the result is an average."""
+    matrix = mixing_matrix(graph)
+    return bool(np.all(matrix >= -tol) and np.allclose(matrix.sum(axis=0), 1.0, atol=tol))
+
+
+def is_row_stochastic(graph: nx.DiGraph, tol: float = 1e-9) -> bool:
+    """Every rank's outgoing weights sum to 1 (what push-sum style methods need)."""
+    matrix = mixing_matrix(graph)
+    return bool(np.all(matrix >= -tol) and np.allclose(matrix.sum(axis=1), 1.0, atol=tol))
+
+
+def is_doubly_stochastic(graph: nx.DiGraph, tol: float = 1e-9) -> bool:
+    """Both: repeated averaging converges to the exact global mean."""
+    return is_column_stochastic(graph, tol) and is_row_stochastic(graph, tol)
+
+
+def is_strongly_connected(graph: nx.DiGraph) -> bool:
+    return nx.is_strongly_connected(graph)
+
+
+def spectral_gap(graph: nx.DiGraph) -> float:
+    """``1 − |λ₂|`` of the mixing matrix: the per-step contraction rate towards consensus.
+
+    Consensus error shrinks like ``|λ₂|^t``; a gap of 0 means the graph never mixes.
+    """
+    eigenvalues = np.sort(np.abs(np.linalg.eigvals(mixing_matrix(graph))))[::-1]
+    return float(1.0 - eigenvalues[1]) if len(eigenvalues) > 1 else 1.0
+
+
+def second_eigenvalue(graph: nx.DiGraph) -> float:
+    return 1.0 - spectral_gap(graph)
+
+
+# ----------------------------------------------------------------------------- dynamic schedules
+
+Plan = tuple[list[int], list[int]]
+
+
+def one_peer_exponential(size: int, rank: int) -> Iterator[Plan]:
+    """Dynamic one-peer exponential schedule (BlueFog's default for training).
+
+    At step t rank r sends to ``r + 2^(t mod K)`` and receives from ``r − 2^(t mod K)``
+    (mod n), ``K = ⌈log₂ n⌉``: one message per step, and after K steps every rank has
+    (indirectly) heard from all others. Pair with self weight ½ and neighbour weight ½.
+    """
+    _check_rank(size, rank)
+    if size == 1:
+        yield from itertools.repeat(([], []))
+        return
+    exponents = max(1, math.ceil(math.log2(size)))
+    for t in itertools.count():
+        d = 2 ** (t % exponents)
+        yield [(rank + d) % size], [(rank - d) % size]
+
+
+def inner_outer_exponential(size: int, local_size: int, rank: int) -> Iterator[Plan]:
+    """One peer per step, alternating inside the machine and across machines.
+
+    Even steps: exchange with the local rank at distance ``2^k`` on the same machine
+    (fast links). Odd steps: exchange with the same local rank on the machine at distance
+    ``2^k`` (one flow per rank leaves each machine, all local ranks use different peers).
+    A machine is ``rank // local_size``; with one machine or one process per machine the
+    schedule degenerates to the plain one-peer exponential one.
+    """
+    _check_rank(size, rank)
+    if local_size < 1 or size % local_size:
+        raise ValueError(f"world size {size} is not a multiple of local_size {local_size}")
+    machines = size // local_size
+    if machines == 1 or local_size == 1:
+        yield from one_peer_exponential(size, rank)
+        return
+    machine, local = divmod(rank, local_size)
+    inner_k = max(1, math.ceil(math.log2(local_size)))
+    outer_k = max(1, math.ceil(math.log2(machines)))
+    for t in itertools.count():
+        step = t // 2
+        if t % 2 == 0:
+            d = 2 ** (step % inner_k)
+            yield ([machine * local_size + (local + d) % local_size],
+                   [machine * local_size + (local - d) % local_size])
+        else:
+            d = 2 ** (step % outer_k)
+            yield [((machine + d) % machines) * local_size + local], [((machine - d) % machines) * local_size + local]
+
+
+def _check_rank(size: int, rank: int) -> None:
+    _check_size(size)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside a world of size {size}")
+
+
+def graph_of_plans(plans: list[Plan]) -> nx.DiGraph:
+    """The directed graph of one step's plans (index = rank), for checks and tests."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(len(plans)))
+    for rank, (send, _) in enumerate(plans):
+        graph.add_edges_from((rank, dst) for dst in send)
+    return graph
