@@ -12,7 +12,8 @@ BlueFog-compatible API (design.md §4)::
 plus flat buckets (tensor fusion), communication accounting and global collectives.
 """
 
-from syncplane.comm import topology
+from syncplane.comm import topology, window
+from syncplane.comm.consensus import push_sum_average
 from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from syncplane.comm.check import check_plan
 from syncplane.comm.collectives import allreduce_mean_, mean_and_distance
@@ -37,11 +38,23 @@ from syncplane.comm.neighbor import (
     neighbor_allreduce_tensors,
 )
 from syncplane.comm.p2p import Handle
+from syncplane.comm.window import (
+    win_accumulate,
+    win_create,
+    win_free,
+    win_get,
+    win_mutex,
+    win_put,
+    win_update,
+    win_update_then_collect,
+)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Bucket", "CommMeter", "Handle", "TopologyError", "allreduce", "allreduce_mean_",
     "allreduce_nonblocking", "broadcast", "broadcast_nonblocking", "check_plan", "hierarchical_neighbor_allreduce",
     "in_neighbor_ranks", "load_topology", "make_buckets", "mean_and_distance", "neighbor_allgather",
     "neighbor_allreduce", "neighbor_allreduce_nonblocking", "neighbor_allreduce_tensors", "out_neighbor_ranks",
-    "ring_allreduce_bytes", "set_machine_topology", "set_topology", "topology",
+    "push_sum_average", "ring_allreduce_bytes", "set_machine_topology", "set_topology", "topology",
+    "win_accumulate", "win_create", "win_free", "win_get", "win_mutex", "win_put", "win_update",
+    "win_update_then_collect", "window",
 ]

@@ -1,0 +1,89 @@
+"""Window operations and push-sum on real processes (RPC over TensorPipe, gloo for barriers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+
+
+def _window_ops(rank, world, seed):
+    import torch
+    import torch.distributed as dist
+
+    import syncplane.comm as sc
+    from syncplane.comm import topology as T
+
+    sc.set_topology(T.RingGraph(world))        # in-neighbours r-1, r+1
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(6, generator=g)
+    results = {}
+    try:
+        own = x.clone()
+        sc.win_create(own, "w")                 # buffers start as the neighbours' tensors
+        results["initial"] = sc.win_update("w", clone=True)
+        dist.barrier()
+        sc.win_put(own * 2, "w", dst_weights={(rank + 1) % world: 0.5})   # overwrite right's buffer
+        dist.barrier()
+        results["after_put"] = {j: b.clone() for j, b in sc.window._windows["w"].buffers.items()}
+        sc.win_accumulate(torch.ones(6), "w", dst_weights=[(rank - 1) % world], require_mutex=True)
+        dist.barrier()
+        results["after_acc"] = {j: b.clone() for j, b in sc.window._windows["w"].buffers.items()}
+        sc.win_get("w", src_weights={(rank + 1) % world: 3.0})
+        results["after_get"] = sc.window._windows["w"].buffers[(rank + 1) % world].clone()
+        results["collect"] = sc.win_update_then_collect("w").clone()
+        dist.barrier()
+        sc.win_free("w")
+    finally:
+        sc.window.shutdown()
+    return x, results
+
+
+def test_window_put_accumulate_get_update_against_reference():
+    world, seed = 4, int(torch.randint(0, 2**30, ()))
+    results = run_distributed(_window_ops, world, seed, timeout=180)
+    X = [r[0] for r in results]
+    for r, (x, res) in enumerate(results):
+        left, right = (r - 1) % world, (r + 1) % world
+        torch.testing.assert_close(res["initial"], (x + X[left] + X[right]) / 3)        # uniform ring weights
+        torch.testing.assert_close(res["after_put"][left], X[left] * 2 * 0.5)            # left put into me
+        torch.testing.assert_close(res["after_put"][right], X[right])                    # untouched
+        torch.testing.assert_close(res["after_acc"][right], X[right] + 1)                # right accumulated 1s
+        torch.testing.assert_close(res["after_get"], X[right] * 3.0)                     # pulled, weighted
+        torch.testing.assert_close(res["collect"], x + res["after_acc"][left] + X[right] * 3.0)
+
+
+def _push_sum(rank, world, seed, slow_rank):
+    import time
+
+    import torch
+
+    import syncplane.comm as sc
+    from syncplane.comm import topology as T
+
+    sc.set_topology(T.ExponentialTwoGraph(world))
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(5, generator=g, dtype=torch.float64)
+    iterations = []
+
+    def maybe_slow(i):
+        iterations.append(i)
+        if rank == slow_rank:
+            time.sleep(0.01)
+
+    try:
+        average = sc.push_sum_average(x, seconds=2.0, on_iteration=maybe_slow)
+    finally:
+        sc.window.shutdown()
+    return x, average, len(iterations)
+
+
+def test_push_sum_reaches_the_average_with_a_straggler():
+    world, seed = 4, int(torch.randint(0, 2**30, ()))
+    results = run_distributed(_push_sum, world, seed, 2, timeout=180)
+    true_average = torch.stack([r[0] for r in results]).mean(0)
+    for x, average, _ in results:
+        torch.testing.assert_close(average, true_average, rtol=0, atol=1e-5)
+    counts = [r[2] for r in results]
+    assert counts[2] < min(c for i, c in enumerate(counts) if i != 2), f"rank 2 was not slower: {counts}"
