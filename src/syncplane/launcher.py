@@ -24,7 +24,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from syncplane.cluster import ClusterProfile
 
 
 class LaunchError(RuntimeError):
@@ -46,6 +49,30 @@ class RankSpec:
 def local_ranks(world_size: int) -> list[RankSpec]:
     """All ranks on this host (one node)."""
     return [RankSpec(rank=r, local_rank=r, local_world_size=world_size) for r in range(world_size)]
+
+
+def cluster_ranks(profile: "ClusterProfile") -> list[RankSpec]:
+    """Every rank of an emulated cluster, each inside its host's network namespace."""
+    from syncplane.cluster import emulator
+
+    specs = []
+    for host in profile.hosts:
+        for local, rank in enumerate(host.ranks):
+            specs.append(RankSpec(rank=rank, local_rank=local, local_world_size=host.spec.ranks,
+                                  node_rank=host.index, prefix=emulator.rank_prefix(profile, rank),
+                                  env=emulator.rank_env(profile, rank)))
+    return specs
+
+
+def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir: Path, **kwargs: object) -> None:
+    """Bring the emulated cluster up (if it is not), run the profile's background flows,
+    and launch every rank in its host, rendezvousing on rank 0's NIC."""
+    from syncplane.cluster import emulator
+
+    emulator.ensure_up(profile)
+    with emulator.background_flows(profile, log_dir):
+        launch(command, cluster_ranks(profile), log_dir, master_addr=emulator.master_addr(profile),
+               master_port=29500, **kwargs)  # type: ignore[arg-type]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

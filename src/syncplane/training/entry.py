@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from syncplane.launcher import launch, local_ranks
+from syncplane.launcher import launch, launch_on_cluster, local_ranks
 from syncplane.training.job import parse_job
 from syncplane.training.worker import JOB_FILE
 
@@ -41,12 +41,16 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     job_file.write_text(yaml.safe_dump({"config": container, "run_dir": str(run_dir), "job_name": job_name},
                                        sort_keys=False))
     world_size = spec.trainer.devices
-    print(f"syncplane: {spec.strategy.name} on {spec.recipe_name} with {world_size} processes; "
+    where = f"emulated cluster {spec.cluster.name!r}" if spec.cluster else "this machine"
+    print(f"syncplane: {spec.strategy.name} on {spec.recipe_name} with {world_size} processes on {where}; "
           f"run dir {run_dir}", flush=True)
-    env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local job: gloo listens on loopback only
-    launch([sys.executable, "-m", "syncplane.training.worker", str(job_file)], local_ranks(world_size),
-           run_dir / "logs", env=env)
+    command = [sys.executable, "-m", "syncplane.training.worker", str(job_file)]
+    if spec.cluster is None:
+        env = dict(os.environ)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local job: gloo listens on loopback only
+        launch(command, local_ranks(world_size), run_dir / "logs", env=env)
+    else:
+        launch_on_cluster(command, spec.cluster, run_dir / "logs")
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise RuntimeError(f"the job finished but wrote no {summary_path}; see {run_dir / 'logs'}")

@@ -72,6 +72,7 @@ class JobSpec:
     run_dir: str
     job_name: str = "train"
     resume: str | None = None  # a checkpoint to continue from
+    cluster: Any = None        # a ClusterProfile: run every rank inside its emulated host
 
 
 def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> JobSpec:
@@ -79,7 +80,7 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     from syncplane import recipes as recipes_registry
     from syncplane.strategies import registry as strategy_registry
 
-    allowed_top = {"strategy", "recipe", "trainer", "logger", "seed", "resume"}
+    allowed_top = {"strategy", "recipe", "trainer", "logger", "seed", "resume", "cluster"}
     unknown = sorted(set(cfg) - allowed_top)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed_top))}")
@@ -108,14 +109,24 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     resume = cfg.get("resume")
     if resume is not None and not (isinstance(resume, str) and Path(resume).is_file()):
         raise ConfigError(f"resume: expected the path of an existing checkpoint file, got {resume!r}")
+    trainer = parse_dataclass(TrainerSettings, cfg.get("trainer"), "trainer")
+    cluster = None
+    if cfg.get("cluster") is not None:
+        from syncplane.cluster import parse_profile
+
+        cluster = parse_profile(cfg["cluster"])
+        cluster.check_world_size(trainer.devices)
+        if trainer.accelerator != "cpu":
+            raise ConfigError("cluster: emulated clusters run CPU processes; set trainer.accelerator=cpu")
     return JobSpec(
         strategy=StrategySpec(name=name, kwargs=kwargs),
         recipe_name=recipe_name,
         recipe=recipe,
-        trainer=parse_dataclass(TrainerSettings, cfg.get("trainer"), "trainer"),
+        trainer=trainer,
         logger=parse_dataclass(LoggerSettings, cfg.get("logger"), "logger"),
         seed=seed,
         run_dir=run_dir,
         job_name=job_name,
         resume=resume,
+        cluster=cluster,
     )

@@ -61,7 +61,8 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
 
     world_size = int(os.environ["WORLD_SIZE"])
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    torch.set_num_threads(_threads_per_rank(spec, local_world_size))
+    # an emulated cluster runs every rank on this one machine
+    torch.set_num_threads(_threads_per_rank(spec, world_size if spec.cluster else local_world_size))
     # Same seed on every rank: identical initial weights (broadcast anyway) and a shared
     # shuffle; the DistributedSampler gives each rank its own shard.
     seed_everything(spec.seed, workers=True, verbose=False)
@@ -71,10 +72,15 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name)
     checkpoints = ModelCheckpoint(dirpath=Path(spec.run_dir) / "checkpoints", save_last=True, save_top_k=0)
     trainer_cfg = spec.trainer
+    # CPU processes may be spread unevenly over (emulated) hosts: present them to
+    # Lightning as one node of world_size devices; ranks come from the environment.
+    on_cpu = trainer_cfg.accelerator == "cpu"
+    if not on_cpu and world_size % local_world_size:
+        raise RuntimeError(f"{world_size} GPU processes cannot be split evenly into hosts of {local_world_size}")
     trainer = Trainer(
         accelerator=trainer_cfg.accelerator,
-        devices=local_world_size,
-        num_nodes=world_size // local_world_size,
+        devices=world_size if on_cpu else local_world_size,
+        num_nodes=1 if on_cpu else world_size // local_world_size,
         strategy=strategy,
         max_epochs=trainer_cfg.max_epochs,
         max_steps=trainer_cfg.max_steps,

@@ -1,0 +1,242 @@
+"""Build a cluster profile out of Linux network namespaces, with shaped links.
+
+Layout (all inside namespaces this module owns; the root namespace is not touched):
+
+- ``sp-switch``: one bridge per rack (``rack<r>``) and, with several racks, a core
+  bridge (``core0``) joined to each rack bridge by a veth pair ``upl<r>r``/``upl<r>c``
+  shaped at the rack's uplink rate in each direction;
+- ``sp-h-<host>`` per host: NIC ``eth<k>`` (veth to port ``hp<i>n<k>`` on its rack
+  bridge) shaped at the NIC rate in each direction, address ``198.18.<k>.<i+1>/24``
+  (RFC 2544's benchmarking range); ranks on one host share it and talk over loopback.
+
+Shaping is ``tbf`` per direction, or ``htb`` with 64 per-flow classes selected by a
+``u32`` hash of the TCP source port when ``per_flow_mbit`` caps each flow (a WAN path
+where one stream cannot fill the pipe). ``down`` deletes every namespace whose name
+starts with ``sp-`` (killing what runs inside first), so it cleans up after a crash too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from syncplane.cluster.profile import ClusterProfile, Host
+
+NS_PREFIX = "sp-"
+SWITCH_NS = "sp-switch"
+STATE_FILE = Path("/run/syncplane/emulator.json")
+FLOW_PORT = 5201
+
+
+class EmulationError(RuntimeError):
+    """The emulator cannot run here, or a command it ran failed (the message says which)."""
+
+
+def host_namespace(host: Host | str) -> str:
+    return f"{NS_PREFIX}h-{host if isinstance(host, str) else host.name}"
+
+
+def require_support() -> None:
+    """Raise EmulationError unless this process can build namespaces and shape links."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise EmulationError(f"cluster emulation needs {' and '.join(missing)} (Debian package iproute2)")
+    if os.geteuid() != 0:
+        raise EmulationError("cluster emulation needs root (network namespaces and tc); run as root")
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(list(args), capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise EmulationError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def _ns(ns: str, *args: str) -> None:
+    _run("ip", "netns", "exec", ns, *args)
+
+
+def _burst_bytes(mbit: float) -> int:
+    return max(64 * 1024, int(mbit * 1e6 / 8 / 100))
+
+
+def shape(ns: str, dev: str, mbit: float, per_flow_mbit: float | None = None) -> None:
+    """Egress of ``dev`` in ``ns`` at ``mbit``; with ``per_flow_mbit`` each TCP flow is capped too."""
+    if per_flow_mbit is None or per_flow_mbit >= mbit:
+        _ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+            "burst", str(_burst_bytes(mbit)), "latency", "100ms")
+        return
+    tc = ("tc",)
+    _ns(ns, *tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "2")
+    _ns(ns, *tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+        "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit")
+    _ns(ns, *tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:2", "htb",
+        "rate", f"{per_flow_mbit}mbit", "ceil", f"{mbit}mbit")                      # non-TCP traffic
+    for i in range(64):
+        _ns(ns, *tc, "class", "add", "dev", dev, "parent", "1:1", "classid", f"1:{0x100 + i:x}", "htb",
+            "rate", f"{per_flow_mbit}mbit", "ceil", f"{per_flow_mbit}mbit")
+    _ns(ns, *tc, "filter", "add", "dev", dev, "parent", "1:", "prio", "1", "handle", "2:", "protocol", "ip",
+        "u32", "divisor", "64")
+    # hash the low 6 bits of the TCP *source* port (bytes 20-21 of a 20-byte IP header)
+    _ns(ns, *tc, "filter", "add", "dev", dev, "parent", "1:", "prio", "1", "protocol", "ip", "u32",
+        "ht", "800::", "match", "ip", "protocol", "6", "0xff", "hashkey", "mask", "0x003f0000", "at", "20",
+        "link", "2:")
+    for i in range(64):
+        _ns(ns, *tc, "filter", "add", "dev", dev, "parent", "1:", "prio", "1", "protocol", "ip", "u32",
+            "ht", f"2:{i:x}:", "match", "ip", "protocol", "6", "0xff", "flowid", f"1:{0x100 + i:x}")
+
+
+def namespaces() -> list[str]:
+    listed = _run("ip", "netns", "list").stdout.split("\n")
+    return sorted(line.split()[0] for line in listed if line.strip().startswith(NS_PREFIX))
+
+
+def down() -> list[str]:
+    """Remove every namespace this module owns (and what runs in them). Idempotent."""
+    require_support()
+    removed = []
+    for ns in namespaces():
+        pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        _run("ip", "netns", "del", ns, check=False)
+        removed.append(ns)
+    STATE_FILE.unlink(missing_ok=True)
+    return removed
+
+
+def status() -> dict[str, Any]:
+    """What is up: the profile recorded at ``up`` and the namespaces that exist now."""
+    state = json.loads(STATE_FILE.read_text()) if STATE_FILE.exists() else None
+    return {"profile": state["profile"] if state else None, "namespaces": namespaces() if os.geteuid() == 0 else []}
+
+
+def up(profile: ClusterProfile) -> None:
+    """Build ``profile`` (tearing down whatever emulated cluster was up before)."""
+    require_support()
+    down()
+    try:
+        _build(profile)
+    except Exception:
+        down()
+        raise
+    STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    STATE_FILE.write_text(json.dumps({"profile": profile.name, "hosts": [h.name for h in profile.hosts]}))
+
+
+def _build(profile: ClusterProfile) -> None:
+    _run("ip", "netns", "add", SWITCH_NS)
+    _ns(SWITCH_NS, "ip", "link", "set", "lo", "up")
+    multi_rack = len(profile.racks) > 1
+    if multi_rack:
+        _ns(SWITCH_NS, "ip", "link", "add", "core0", "type", "bridge")
+        _ns(SWITCH_NS, "ip", "link", "set", "core0", "up")
+    for r, rack in enumerate(profile.racks):
+        bridge = f"rack{r}"
+        _ns(SWITCH_NS, "ip", "link", "add", bridge, "type", "bridge")
+        _ns(SWITCH_NS, "ip", "link", "set", bridge, "up")
+        if multi_rack:
+            rack_end, core_end = f"upl{r}r", f"upl{r}c"
+            _ns(SWITCH_NS, "ip", "link", "add", rack_end, "type", "veth", "peer", "name", core_end)
+            _ns(SWITCH_NS, "ip", "link", "set", rack_end, "master", bridge, "up")
+            _ns(SWITCH_NS, "ip", "link", "set", core_end, "master", "core0", "up")
+            assert rack.uplink_mbit is not None
+            shape(SWITCH_NS, rack_end, rack.uplink_mbit, rack.per_flow_mbit)   # rack -> core
+            shape(SWITCH_NS, core_end, rack.uplink_mbit, rack.per_flow_mbit)   # core -> rack
+    for host in profile.hosts:
+        ns = host_namespace(host)
+        _run("ip", "netns", "add", ns)
+        _ns(ns, "ip", "link", "set", "lo", "up")
+        for k in range(host.spec.nics):
+            port = f"hp{host.index}n{k}"
+            _run("ip", "link", "add", f"eth{k}", "netns", ns, "type", "veth", "peer", "name", port,
+                 "netns", SWITCH_NS)
+            _ns(SWITCH_NS, "ip", "link", "set", port, "master", f"rack{host.rack}", "up")
+            _ns(ns, "ip", "addr", "add", f"{host.address(k)}/24", "dev", f"eth{k}")
+            _ns(ns, "ip", "link", "set", f"eth{k}", "up")
+            shape(ns, f"eth{k}", host.spec.nic_mbit, host.spec.per_flow_mbit)          # host -> switch
+            shape(SWITCH_NS, port, host.spec.nic_mbit, host.spec.per_flow_mbit)       # switch -> host
+
+
+def is_up(profile: ClusterProfile) -> bool:
+    current = status()
+    wanted = {SWITCH_NS, *(host_namespace(h) for h in profile.hosts)}
+    return current["profile"] == profile.name and wanted <= set(current["namespaces"])
+
+
+def ensure_up(profile: ClusterProfile) -> None:
+    if not is_up(profile):
+        up(profile)
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def rank_prefix(profile: ClusterProfile, rank: int) -> list[str]:
+    """Command prefix that runs a process inside ``rank``'s host."""
+    return ["ip", "netns", "exec", host_namespace(profile.host_of_rank(rank))]
+
+
+def rank_env(profile: ClusterProfile, rank: int) -> dict[str, str]:
+    """gloo (and RPC) bound to the host's NIC(s); torchrun-style node identity."""
+    host = profile.host_of_rank(rank)
+    nics = ",".join(f"eth{k}" for k in range(host.spec.nics))
+    return {"GLOO_SOCKET_IFNAME": nics, "TP_SOCKET_IFNAME": "eth0"}
+
+
+def master_addr(profile: ClusterProfile) -> str:
+    return profile.hosts[0].address(0)
+
+
+# --------------------------------------------------------------------------- background traffic
+
+
+@contextmanager
+def background_flows(profile: ClusterProfile, log_dir: Path | None = None) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Run the profile's background TCP flows for the duration of the block."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i, flow in enumerate(profile.background):
+            src, dst = profile.host(flow.src), profile.host(flow.dst)
+            port = str(FLOW_PORT + i)
+            out = open(log_dir / f"background{i}.log", "wb") if log_dir else subprocess.DEVNULL
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", host_namespace(dst), sys.executable, "-m", "syncplane.cluster.flows",
+                 "serve", dst.address(0), port], stdout=out, stderr=subprocess.STDOUT))
+            cmd = ["ip", "netns", "exec", host_namespace(src), sys.executable, "-m", "syncplane.cluster.flows",
+                   "send", dst.address(0), port]
+            if flow.mbit is not None:
+                cmd += ["--mbit", str(flow.mbit)]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+        if procs:
+            time.sleep(1.0)   # let the flows reach their steady rate before the job measures anything
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                raise EmulationError(f"a background flow exited at start (code {dead[0].returncode})")
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def counters(ns: str, devices: Sequence[str]) -> dict[str, int]:
+    """tx_bytes of ``devices`` inside namespace ``ns``."""
+    out = {}
+    for dev in devices:
+        text = _run("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes").stdout
+        out[dev] = int(text.strip())
+    return out
