@@ -1,4 +1,4 @@
-"""``syncplane`` command line: ``info`` and ``build-ext`` (more verbs land with their issues)."""
+"""``syncplane`` command line: info, build-ext, emulate, bench, simulate."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import platform
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
+
+from syncplane.cluster.emulator import EmulationError
+from syncplane.config import ConfigError
+from syncplane.ext import ExtensionError
+from syncplane.launcher import LaunchError
 
 
 def _version(package: str) -> str | None:
@@ -105,6 +111,78 @@ def cmd_build_ext(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_emulate(args: argparse.Namespace) -> int:
+    from syncplane.cluster import emulator, load_profile
+
+    emulator.require_support()
+    if args.action == "up":
+        if not args.profile:
+            raise ConfigError("emulate up: name a profile (a shipped name or a YAML path)")
+        profile = load_profile(args.profile)
+        emulator.up(profile)
+        print(f"emulated cluster {profile.name!r} is up: {len(profile.hosts)} hosts, {profile.world_size} ranks")
+        for host in profile.hosts:
+            nics = ", ".join(host.address(k) for k in range(host.spec.nics))
+            print(f"  {host.name:>8}  rack {profile.racks[host.rack].name:<8} ranks {list(host.ranks)}  "
+                  f"NIC {host.spec.nic_mbit:g} Mbit x{host.spec.nics}  {nics}  (netns {emulator.host_namespace(host)})")
+    elif args.action == "down":
+        removed = emulator.down()
+        print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else ""))
+    else:
+        state = emulator.status()
+        print(json.dumps(state, indent=2))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from syncplane.bench.runner import parse_payload, parse_strategies
+    from syncplane.cluster import load_profile
+    from syncplane.cluster.cost import CostModel, strategy_time
+    from syncplane.cluster.profile import scaled
+
+    profile = load_profile(args.cluster)
+    if args.racks or args.hosts_per_rack:
+        profile = scaled(profile, args.racks or len(profile.racks), args.hosts_per_rack or len(profile.racks[0].hosts))
+    payload = parse_payload(args.payload_mb)
+    model = CostModel(profile, alpha_s=args.alpha_ms / 1000)
+    table = Table(title=f"α-β model: {profile.name}, {profile.world_size} ranks, {payload / 2**20:.1f} MB, "
+                        f"α = {args.alpha_ms:g} ms")
+    for col in ("strategy", "predicted s", "bound s", "vs ddp"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    rows = {}
+    for name in parse_strategies(args.strategies):
+        try:
+            rows[name] = strategy_time(model, name, payload)
+        except KeyError:
+            rows[name] = None
+    ddp = rows.get("ddp")
+    for name, value in rows.items():
+        if value is None:
+            table.add_row(name, "[yellow]not modelled yet[/]", "-", "-")
+        else:
+            speed = f"{ddp[0] / value[0]:.2f}x" if ddp else "-"
+            table.add_row(name, f"{value[0]:.3f}", f"{value[1]:.3f}", speed)
+    Console(width=110).print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cluster": profile.name, "world_size": profile.world_size,
+                                               "payload_bytes": payload, "alpha_s": model.alpha_s,
+                                               "results": [{"strategy": n, "predicted_s": v[0] if v else None,
+                                                            "bound_s": v[1] if v else None}
+                                                           for n, v in rows.items()]}, indent=2))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from syncplane.bench.runner import main_bench
+
+    main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
+               args.json, args.png, args.wandb)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="syncplane", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +193,33 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--cuda", action="store_true", help="also compile the CUDA kernels with nvcc")
     build.add_argument("--verbose", action="store_true", help="show compiler commands")
     build.set_defaults(func=cmd_build_ext)
+
+    emulate = sub.add_parser("emulate", help="build / remove / show an emulated cluster (root)")
+    emulate.add_argument("action", choices=["up", "down", "status"])
+    emulate.add_argument("profile", nargs="?", help="shipped profile name or YAML path (for up)")
+    emulate.set_defaults(func=cmd_emulate)
+
+    bench = sub.add_parser("bench", help="time every strategy's sync on an emulated cluster, side by side")
+    bench.add_argument("--cluster", required=True, help="shipped profile name or YAML path")
+    bench.add_argument("--strategies", default="ddp", help="comma-separated strategy names")
+    bench.add_argument("--payload-mb", default="resnet50", help="MB, or a preset: resnet50, bert_large")
+    bench.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (a timed wait)")
+    bench.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    bench.add_argument("--json", required=True, help="where to write the report")
+    bench.add_argument("--png", help="chart path (default: next to --json)")
+    bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")
+    bench.set_defaults(func=cmd_bench)
+
+    simulate = sub.add_parser("simulate", help="α-β cost model of each strategy on a profile, at any scale")
+    simulate.add_argument("--cluster", required=True, help="shipped profile name or YAML path (the template)")
+    simulate.add_argument("--strategies", default="ddp")
+    simulate.add_argument("--payload-mb", default="resnet50")
+    simulate.add_argument("--racks", type=int, help="scale the template to this many racks")
+    simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")
+    simulate.add_argument("--alpha-ms", type=float, default=1.5, help="per-phase latency")
+    simulate.add_argument("--json", help="also write the predictions here")
+    simulate.set_defaults(func=cmd_simulate)
     return parser
 
 
@@ -122,13 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except Exception as exc:  # a CLI prints one clear line, not a traceback
-        from syncplane.ext import ExtensionError
-
-        if isinstance(exc, ExtensionError):
-            print(f"syncplane: {exc}", file=sys.stderr)
-            return 1
-        raise
+    except (ExtensionError, ConfigError, EmulationError, LaunchError) as exc:
+        print(f"syncplane {args.command}: {exc}", file=sys.stderr)   # one clear message, no traceback
+        return 2 if isinstance(exc, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -190,10 +190,14 @@ def rank_prefix(profile: ClusterProfile, rank: int) -> list[str]:
 
 
 def rank_env(profile: ClusterProfile, rank: int) -> dict[str, str]:
-    """gloo (and RPC) bound to the host's NIC(s); torchrun-style node identity."""
-    host = profile.host_of_rank(rank)
-    nics = ",".join(f"eth{k}" for k in range(host.spec.nics))
-    return {"GLOO_SOCKET_IFNAME": nics, "TP_SOCKET_IFNAME": "eth0"}
+    """gloo (and RPC) bound to the host's NICs.
+
+    gloo pairs its devices across ranks by position, so every rank must list the same
+    number: the fewest NICs any host has. (Groups bound to one particular NIC are built
+    explicitly by the strategies that stripe traffic over NICs.)
+    """
+    shared = min(h.spec.nics for h in profile.hosts)
+    return {"GLOO_SOCKET_IFNAME": ",".join(f"eth{k}" for k in range(shared)), "TP_SOCKET_IFNAME": "eth0"}
 
 
 def master_addr(profile: ClusterProfile) -> str:

@@ -185,3 +185,19 @@ def load_profile(name_or_path: str | Path) -> ClusterProfile:
     elif not path.exists():
         raise ConfigError(f"cluster: no profile file at {path}")
     return parse_profile(yaml.safe_load(path.read_text()), where=f"cluster({path.name})")
+
+
+def scaled(template: ClusterProfile, racks: int, hosts_per_rack: int) -> ClusterProfile:
+    """A profile of ``racks × hosts_per_rack`` hosts shaped like the template's first rack
+    and host (rates, ranks per host, NICs) -- for predicting scaling past this machine."""
+    if racks < 1 or hosts_per_rack < 1:
+        raise ConfigError(f"scaled profile needs at least 1 rack and 1 host per rack, got {racks} x {hosts_per_rack}")
+    rack0, host0 = template.racks[0], template.racks[0].hosts[0]
+    uplink = rack0.uplink_mbit if rack0.uplink_mbit is not None else host0.nic_mbit * hosts_per_rack
+    new_racks = [
+        RackSpec(name=f"r{r}", uplink_mbit=uplink if racks > 1 else None, per_flow_mbit=rack0.per_flow_mbit,
+                 hosts=[HostSpec(name=f"r{r}h{h}", nic_mbit=host0.nic_mbit, ranks=host0.ranks, nics=host0.nics,
+                                 per_flow_mbit=host0.per_flow_mbit) for h in range(hosts_per_rack)])
+        for r in range(racks)
+    ]
+    return ClusterProfile(name=f"{template.name}_x{racks}x{hosts_per_rack}", racks=new_racks)

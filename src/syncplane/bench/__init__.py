@@ -1,0 +1,1 @@
+"""syncplane.bench: each strategy's real per-step sync, timed side by side on an emulated cluster."""

@@ -1,0 +1,191 @@
+"""``syncplane bench``: every strategy's sync on one emulated cluster, side by side.
+
+Output (design.md §6): ``{"cluster", "world_size", "payload_bytes", "results": [{
+"strategy", "sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s",
+"bound_ratio", "speedup_vs_ddp", ...}]}`` plus a rich table and a PNG chart. Extra
+fields per row: ``status`` ("ok" or "not implemented"), ``predicted_s`` (the cost
+model with its per-phase latency), ``nic_bytes_per_rank`` (from the namespaces'
+interface counters: the cross-check of ``bytes_sent_per_rank``), ``step_s`` (all steps).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from syncplane.bench.syncs import ALL_STRATEGIES, PRESETS_BYTES, SYNCS
+from syncplane.cluster import ClusterProfile, load_profile
+from syncplane.cluster.cost import PATTERNS, CostModel, strategy_time
+from syncplane.config import ConfigError
+
+
+def parse_payload(value: str) -> int:
+    """``resnet50`` / ``bert_large`` presets, or a number of MB."""
+    if value in PRESETS_BYTES:
+        return PRESETS_BYTES[value]
+    try:
+        mb = float(value)
+    except ValueError:
+        raise ConfigError(f"--payload-mb: expected a number or one of {', '.join(PRESETS_BYTES)}, got {value!r}") \
+            from None
+    if mb <= 0:
+        raise ConfigError(f"--payload-mb: must be positive, got {value}")
+    return int(mb * 2**20)
+
+
+def parse_strategies(value: str) -> list[str]:
+    names = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = [s for s in names if s not in ALL_STRATEGIES]
+    if unknown or not names:
+        raise ConfigError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; "
+                          f"allowed values: {', '.join(ALL_STRATEGIES)}")
+    return names
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int, *, steps: int = 5,
+              warmup: int = 1, compute_ms: float = 0.0, out_dir: Path) -> dict[str, Any]:
+    """Launch the bench workers on the emulated ``profile`` and assemble the report."""
+    from syncplane.launcher import launch_on_cluster
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    implemented = [s for s in strategies if s in SYNCS]
+    measured: dict[str, Any] = {}
+    if implemented:
+        spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
+                "compute_ms": compute_ms}
+        spec_path = out_dir / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
+        measured = json.loads((out_dir / "results.json").read_text())["results"]
+
+    model = CostModel(profile)
+    background_senders = {profile.host(f.src).index for f in profile.background}
+    rows = []
+    for name in strategies:
+        row: dict[str, Any] = {"strategy": name, "status": "ok" if name in measured else "not implemented"}
+        if name in measured:
+            m = measured[name]
+            row["sync_s_median"] = statistics.median(m["step_s"])
+            row["sync_s_p90"] = _percentile(m["step_s"], 0.9)
+            row["bytes_sent_per_rank"] = statistics.fmean(m["comm_bytes"])
+            per_host = [m["nic_tx_bytes"][h.first_rank] / h.spec.ranks for h in profile.hosts
+                        if h.index not in background_senders]
+            row["nic_bytes_per_rank"] = statistics.fmean(per_host) if per_host else None
+            row["step_s"] = m["step_s"]
+        if name in PATTERNS:
+            row["predicted_s"], row["bound_s"] = strategy_time(model, name, payload_bytes)
+            if "sync_s_median" in row:
+                row["bound_ratio"] = row["bound_s"] / row["sync_s_median"]
+        rows.append(row)
+    ddp = next((r for r in rows if r["strategy"] == "ddp" and "sync_s_median" in r), None)
+    for row in rows:
+        if ddp and "sync_s_median" in row:
+            row["speedup_vs_ddp"] = ddp["sync_s_median"] / row["sync_s_median"]
+        for key in ("sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s", "bound_ratio", "speedup_vs_ddp"):
+            row.setdefault(key, None)
+    return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
+            "steps": steps, "compute_ms": compute_ms, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "results": rows}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    table = Table(title=f"syncplane bench: {report['cluster']} ({report['world_size']} ranks), "
+                        f"payload {report['payload_bytes'] / 2**20:.1f} MB")
+    for col in ("strategy", "sync s (median)", "p90", "MB sent/rank", "NIC MB/rank", "bound s", "bound ratio",
+                "predicted s", "vs ddp"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in report["results"]:
+        if r["status"] != "ok":
+            table.add_row(r["strategy"], "[yellow]not implemented yet[/]", *["-"] * 7)
+            continue
+        table.add_row(r["strategy"], fmt(r["sync_s_median"], ".3f"), fmt(r["sync_s_p90"], ".3f"),
+                      fmt(r["bytes_sent_per_rank"] / 2**20, ".1f"),
+                      fmt(r["nic_bytes_per_rank"] / 2**20 if r.get("nic_bytes_per_rank") is not None else None, ".1f"),
+                      fmt(r["bound_s"], ".3f"), fmt(r["bound_ratio"], ".2f"), fmt(r.get("predicted_s"), ".3f"),
+                      fmt(r["speedup_vs_ddp"], ".2f") + "x" if r["speedup_vs_ddp"] else "-")
+    Console(width=130).print(table)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["results"] if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(report["results"])), 3.6))
+    names = [r["strategy"] for r in report["results"]]
+    medians = [r["sync_s_median"] or 0 for r in report["results"]]
+    bars = ax.bar(names, medians, color=["C0" if r["status"] == "ok" else "lightgrey" for r in report["results"]])
+    for bar, r in zip(bars, report["results"]):
+        label = "n/a" if r["status"] != "ok" else f"{r['sync_s_median']:.2f}s"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=8)
+    bounds = [(r["strategy"], r["bound_s"]) for r in rows if r["bound_s"] is not None]
+    if bounds:
+        ax.scatter([b[0] for b in bounds], [b[1] for b in bounds], marker="_", s=600, color="C3",
+                   label="α-β bound", zorder=3)
+        ax.legend(loc="upper right")
+    ax.set_ylabel("sync time per step (s)")
+    ax.set_title(f"{report['cluster']}: {report['payload_bytes'] / 2**20:.0f} MB, {report['world_size']} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def log_wandb(report: dict[str, Any], save_dir: Path) -> None:
+    """One offline W&B run per strategy, grouped per comparison (no network calls)."""
+    import os
+
+    import wandb
+
+    os.environ["WANDB_ERROR_REPORTING"] = "false"
+    os.environ.setdefault("WANDB_SILENT", "true")
+    group = f"bench-{report['cluster']}-{report['created']}"
+    for row in report["results"]:
+        if row["status"] != "ok":
+            continue
+        run = wandb.init(project="syncplane-bench", group=group, name=row["strategy"], dir=str(save_dir),
+                         settings=wandb.Settings(mode="offline", console="off"), reinit="create_new",
+                         config={"cluster": report["cluster"], "payload_bytes": report["payload_bytes"]})
+        for step, seconds in enumerate(row["step_s"]):
+            run.log({"sync_s": seconds}, step=step)
+        run.summary.update({k: v for k, v in row.items() if k != "step_s"})
+        run.finish()
+
+
+def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: int, compute_ms: float,
+               json_out: str, png: str | None, wandb_log: bool) -> dict[str, Any]:
+    profile = load_profile(cluster)
+    names = parse_strategies(strategies)
+    payload_bytes = parse_payload(payload)
+    if steps < 1:
+        raise ConfigError(f"--steps: must be at least 1, got {steps}")
+    out = Path(json_out)
+    work_dir = out.with_suffix("") .parent / f".{out.stem}-run"
+    report = run_bench(profile, names, payload_bytes, steps=steps, warmup=warmup, compute_ms=compute_ms,
+                       out_dir=work_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    png_path = Path(png) if png else out.with_suffix(".png")
+    plot(report, png_path)
+    if wandb_log:
+        log_wandb(report, work_dir)
+    print(f"bench report: {out} (chart {png_path}; rank logs in {work_dir / 'logs'})")
+    return report

@@ -1,0 +1,71 @@
+"""One rank of ``syncplane bench``: ``python -m syncplane.bench.worker SPEC.json``.
+
+Times each requested strategy's sync for ``warmup + steps`` steps on a payload of the
+given size. A step is: barrier, emulated compute (a timed wait), the sync; the sync
+time of a step is the slowest rank's. Rank 0 writes ``results.json`` beside the spec.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from syncplane.bench.syncs import SYNCS
+from syncplane.comm import CommMeter
+
+
+def _nic_tx_bytes() -> int:
+    total = 0
+    for path in glob.glob("/sys/class/net/eth*/statistics/tx_bytes"):
+        total += int(Path(path).read_text())
+    return total
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout_s", 300)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    numel = int(spec["payload_bytes"]) // 4
+    results = {}
+    for name in spec["strategies"]:
+        sync = SYNCS[name]
+        payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        meter = CommMeter()
+        for step in range(spec["warmup"]):
+            sync(payload, step, CommMeter())
+        times = []
+        tx_before = _nic_tx_bytes()
+        for step in range(spec["steps"]):
+            dist.barrier()
+            if spec["compute_ms"]:
+                time.sleep(spec["compute_ms"] / 1000)
+            start = time.perf_counter()
+            sync(payload, spec["warmup"] + step, meter)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(elapsed.item())
+        dist.barrier()
+        tx = torch.tensor([float(_nic_tx_bytes() - tx_before), float(meter.bytes_sent)], dtype=torch.float64)
+        per_rank = [torch.zeros_like(tx) for _ in range(world)]
+        dist.all_gather(per_rank, tx)
+        results[name] = {"step_s": times, "comm_bytes": [float(t[1]) / spec["steps"] for t in per_rank],
+                         "nic_tx_bytes": [float(t[0]) / spec["steps"] for t in per_rank]}
+        if rank == 0:
+            print(f"bench: {name} median {sorted(times)[len(times) // 2]:.3f} s/step", flush=True)
+    if rank == 0:
+        out = Path(spec_path).with_name("results.json")
+        out.write_text(json.dumps({"world_size": world, "hostname_ns": os.uname().nodename, "results": results}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

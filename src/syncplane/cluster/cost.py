@@ -1,0 +1,128 @@
+"""The α-β cost model: how long a communication pattern takes on a cluster profile.
+
+A pattern is a list of *phases*; a phase is a set of concurrent flows (src rank, dst
+rank, bytes) that must all finish before the next phase starts. A phase costs
+
+    α + max( max_links load(L) / capacity(L),  max_flows bytes / per_flow_cap )
+
+where a flow crosses its source host's NIC (egress), the destination host's NIC
+(ingress) and, between racks, both racks' uplinks; flows inside one host use loopback.
+A link carrying g greedy background flows next to f of ours gives ours f/(f+g) of its
+capacity (TCP fair share); a host with k NICs spreads its flows over them. With α = 0
+this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
+is the prediction ``syncplane simulate`` prints.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from syncplane.cluster.profile import ClusterProfile
+
+Flow = tuple[int, int, float]            # src rank, dst rank, bytes
+Phase = list[Flow]
+
+MBIT = 1e6 / 8                            # bytes per second in one Mbit/s
+DEFAULT_ALPHA_S = 1.5e-3                  # per-phase latency of gloo on the emulator (measured, docs/benchmarks.md)
+DEFAULT_LOOPBACK_BPS = 2.5e9              # memory-to-memory over loopback on this class of machine
+
+
+@dataclass
+class CostModel:
+    profile: ClusterProfile
+    alpha_s: float = DEFAULT_ALPHA_S
+    loopback_bytes_per_s: float = DEFAULT_LOOPBACK_BPS
+
+    def _links(self, src: int, dst: int) -> list[tuple[str, int]]:
+        a, b = self.profile.host_of_rank(src), self.profile.host_of_rank(dst)
+        if a.index == b.index:
+            return [("lo", a.index)]
+        links = [("nic_out", a.index), ("nic_in", b.index)]
+        if a.rack != b.rack:
+            links += [("up_out", a.rack), ("up_in", b.rack)]
+        return links
+
+    def _capacity(self, link: tuple[str, int]) -> tuple[float, float | None]:
+        """(total bytes/s, per-flow cap bytes/s or None)."""
+        kind, index = link
+        if kind == "lo":
+            return self.loopback_bytes_per_s, None
+        if kind in ("nic_out", "nic_in"):
+            spec = self.profile.hosts[index].spec
+            cap = spec.per_flow_mbit * MBIT if spec.per_flow_mbit else None
+            return spec.nic_mbit * MBIT * spec.nics, cap
+        rack = self.profile.racks[index]
+        assert rack.uplink_mbit is not None
+        return rack.uplink_mbit * MBIT, (rack.per_flow_mbit * MBIT if rack.per_flow_mbit else None)
+
+    def _background_load(self) -> dict[tuple[str, int], int]:
+        """Greedy background flows per link (paced ones count as greedy: an upper bound on their share)."""
+        counts: dict[tuple[str, int], int] = defaultdict(int)
+        for flow in self.profile.background:
+            src, dst = self.profile.host(flow.src), self.profile.host(flow.dst)
+            for link in self._links(src.first_rank, dst.first_rank):
+                counts[link] += 1
+        return counts
+
+    def phase_time(self, flows: Iterable[Flow], alpha_s: float | None = None) -> float:
+        load: dict[tuple[str, int], float] = defaultdict(float)
+        count: dict[tuple[str, int], int] = defaultdict(int)
+        slowest_flow = 0.0
+        for src, dst, nbytes in flows:
+            if src == dst or nbytes <= 0:
+                continue
+            for link in self._links(src, dst):
+                load[link] += nbytes
+                count[link] += 1
+                _, per_flow = self._capacity(link)
+                if per_flow:
+                    slowest_flow = max(slowest_flow, nbytes / per_flow)
+        background = self._background_load()
+        busiest = 0.0
+        for link, nbytes in load.items():
+            capacity, _ = self._capacity(link)
+            share = count[link] / (count[link] + background.get(link, 0))
+            busiest = max(busiest, nbytes / (capacity * share))
+        if not load:
+            return 0.0
+        return (self.alpha_s if alpha_s is None else alpha_s) + max(busiest, slowest_flow)
+
+    def time(self, phases: Sequence[Phase], alpha_s: float | None = None) -> float:
+        return sum(self.phase_time(phase, alpha_s) for phase in phases)
+
+    def bound(self, phases: Sequence[Phase]) -> float:
+        """The bandwidth lower bound: no per-message latency."""
+        return self.time(phases, alpha_s=0.0)
+
+
+# ----------------------------------------------------------------------------- patterns
+
+
+def ring_allreduce(world_size: int, payload_bytes: float) -> list[Phase]:
+    """Reduce-scatter then all-gather around the ring 0→1→…→n−1→0: 2(n−1) phases of M/n."""
+    if world_size < 2:
+        return []
+    chunk = payload_bytes / world_size
+    step = [(r, (r + 1) % world_size, chunk) for r in range(world_size)]
+    return [list(step) for _ in range(2 * (world_size - 1))]
+
+
+def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float) -> list[Phase]:
+    """One phase: every rank sends the whole payload to each of its destinations."""
+    return [[(src, dst, payload_bytes) for src, dsts in sends.items() for dst in dsts]]
+
+
+#: Strategy name -> its per-step communication pattern (world size, payload bytes).
+PATTERNS: dict[str, Callable[[int, float], list[Phase]]] = {
+    "ddp": ring_allreduce,
+}
+
+
+def strategy_time(model: CostModel, strategy: str, payload_bytes: float) -> tuple[float, float]:
+    """(predicted seconds, bound seconds) of one step's sync of ``strategy``."""
+    if strategy not in PATTERNS:
+        raise KeyError(f"no cost pattern for strategy {strategy!r} yet; modelled: {', '.join(PATTERNS)}")
+    phases = PATTERNS[strategy](model.profile.world_size, payload_bytes)
+    return model.time(phases), model.bound(phases)

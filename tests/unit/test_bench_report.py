@@ -1,0 +1,36 @@
+"""Bench argument parsing and report schema (no cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from syncplane.bench.runner import parse_payload, parse_strategies, plot, run_bench
+from syncplane.cluster import load_profile
+from syncplane.config import ConfigError
+
+SCHEMA = {"strategy", "sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s", "bound_ratio",
+          "speedup_vs_ddp"}
+
+
+def test_payload_presets_are_real_model_sizes():
+    assert parse_payload("resnet50") == 25_557_032 * 4
+    assert parse_payload("bert_large") == 335_141_888 * 4
+    assert parse_payload("1.5") == int(1.5 * 2**20)
+    with pytest.raises(ConfigError, match="--payload-mb: expected a number or one of resnet50, bert_large"):
+        parse_payload("huge")
+
+
+def test_strategy_names_are_checked():
+    assert parse_strategies("ddp, atc") == ["ddp", "atc"]
+    with pytest.raises(ConfigError, match="--strategies: unknown foo; allowed values: ddp, atc"):
+        parse_strategies("ddp,foo")
+
+
+def test_unimplemented_strategies_are_reported_not_skipped(tmp_path):
+    report = run_bench(load_profile("two_racks"), ["atc", "ds_sync"], 2**20, out_dir=tmp_path)
+    assert {"cluster", "world_size", "payload_bytes", "results"} <= set(report)
+    assert [r["strategy"] for r in report["results"]] == ["atc", "ds_sync"]
+    for row in report["results"]:
+        assert SCHEMA <= set(row) and row["status"] == "not implemented" and row["sync_s_median"] is None
+    plot(report, tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").stat().st_size > 1000

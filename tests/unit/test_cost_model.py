@@ -1,0 +1,63 @@
+"""The α-β model against hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from syncplane.cluster import load_profile, parse_profile
+from syncplane.cluster.cost import MBIT, CostModel, neighbor_exchange, ring_allreduce, strategy_time
+
+M = 8 * 2**20
+
+
+def test_ring_allreduce_on_two_racks_is_bound_by_the_uplink():
+    model = CostModel(load_profile("two_racks"), alpha_s=0.0)
+    # every ring phase sends M/8 across each uplink (one flow each way): 14 phases
+    expected = 2 * 7 / 8 * M / (100 * MBIT)
+    assert model.bound(ring_allreduce(8, M)) == pytest.approx(expected)
+
+
+def test_ring_allreduce_on_one_switch_is_bound_by_the_nic():
+    model = CostModel(load_profile("homogeneous8"), alpha_s=0.0)
+    assert model.bound(ring_allreduce(8, M)) == pytest.approx(2 * 7 / 8 * M / (400 * MBIT))
+
+
+def test_slow_nic_bounds_the_whole_ring():
+    model = CostModel(load_profile("slow_nic"), alpha_s=0.0)
+    assert model.bound(ring_allreduce(8, M)) == pytest.approx(2 * 7 / 8 * M / (100 * MBIT))
+
+
+def test_latency_adds_per_phase():
+    model = CostModel(load_profile("homogeneous8"), alpha_s=0.002)
+    phases = ring_allreduce(8, M)
+    assert model.time(phases) == pytest.approx(model.bound(phases) + 14 * 0.002)
+
+
+def test_background_flow_halves_the_uplink_share():
+    quiet = CostModel(load_profile("two_racks"), alpha_s=0.0).bound(ring_allreduce(8, M))
+    contended = CostModel(load_profile("two_racks_contended"), alpha_s=0.0).bound(ring_allreduce(8, M))
+    assert contended == pytest.approx(2 * quiet)
+
+
+def test_per_flow_cap_limits_a_single_stream():
+    model = CostModel(load_profile("wan_two_sites"), alpha_s=0.0)
+    one_flow = neighbor_exchange({0: [2]}, M)                          # site a -> site b, one TCP stream
+    assert model.bound(one_flow) == pytest.approx(M / (100 * MBIT))
+    eight_flows = [[(0, 2, M / 8)] * 8]                                # the same bytes over 8 streams
+    assert model.bound(eight_flows) == pytest.approx(M / (8 * 100 * MBIT))
+    sixteen_flows = [[(0, 2, M / 16)] * 16]                            # now the 1 Gbit link binds
+    assert model.bound(sixteen_flows) == pytest.approx(M / (1000 * MBIT))
+
+
+def test_flows_inside_a_host_use_loopback_and_neighbours_share_nics():
+    profile = parse_profile({"name": "t", "racks": [{"name": "r", "hosts": [
+        {"name": "a", "nic_mbit": 100, "ranks": 2}, {"name": "b", "nic_mbit": 100, "ranks": 2, "nics": 2}]}]})
+    model = CostModel(profile, alpha_s=0.0, loopback_bytes_per_s=1e12)
+    assert model.bound(neighbor_exchange({0: [1]}, M)) == pytest.approx(M / 1e12)
+    # two flows leave host a (one 100 Mbit NIC) for host b (two NICs): a's NIC is the bottleneck
+    assert model.bound(neighbor_exchange({0: [2], 1: [3]}, M)) == pytest.approx(2 * M / (100 * MBIT))
+
+
+def test_strategy_time_reports_unmodelled_strategies():
+    with pytest.raises(KeyError, match="no cost pattern for strategy 'atc'"):
+        strategy_time(CostModel(load_profile("two_racks")), "atc", M)
