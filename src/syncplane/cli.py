@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from syncplane.cluster.cost import DEFAULT_ALPHA_S
 from syncplane.cluster.emulator import EmulationError
 from syncplane.config import ConfigError
 from syncplane.ext import ExtensionError
@@ -179,7 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import main_bench
 
     main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
-               args.json, args.png, args.wandb)
+               args.json, args.png, args.wandb, args.period)
     return 0
 
 
@@ -208,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     bench.add_argument("--json", required=True, help="where to write the report")
     bench.add_argument("--png", help="chart path (default: next to --json)")
+    bench.add_argument("--period", type=int, default=4,
+                       help="steps between syncs of periodic peers (torch_periodic, torch_hierarchical)")
     bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")
     bench.set_defaults(func=cmd_bench)
 
@@ -217,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--payload-mb", default="resnet50")
     simulate.add_argument("--racks", type=int, help="scale the template to this many racks")
     simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")
-    simulate.add_argument("--alpha-ms", type=float, default=1.5, help="per-phase latency")
+    simulate.add_argument("--alpha-ms", type=float, default=DEFAULT_ALPHA_S * 1000, help="per-phase latency")
     simulate.add_argument("--json", help="also write the predictions here")
     simulate.set_defaults(func=cmd_simulate)
     return parser

@@ -69,8 +69,7 @@ def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir
     and launch every rank in its host, rendezvousing on rank 0's NIC."""
     from syncplane.cluster import emulator
 
-    emulator.ensure_up(profile)
-    with emulator.background_flows(profile, log_dir):
+    with emulator.in_use(profile), emulator.background_flows(profile, log_dir):
         launch(command, cluster_ranks(profile), log_dir, master_addr=emulator.master_addr(profile),
                master_port=29500, **kwargs)  # type: ignore[arg-type]
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from syncplane.bench.syncs import ALL_STRATEGIES, PRESETS_BYTES, SYNCS
+from syncplane.bench.syncs import ALL_STRATEGIES, PEERS, PRESETS_BYTES, SYNCS
 from syncplane.cluster import ClusterProfile, load_profile
 from syncplane.cluster.cost import PATTERNS, CostModel, strategy_time
 from syncplane.config import ConfigError
@@ -39,10 +39,10 @@ def parse_payload(value: str) -> int:
 
 def parse_strategies(value: str) -> list[str]:
     names = [s.strip() for s in value.split(",") if s.strip()]
-    unknown = [s for s in names if s not in ALL_STRATEGIES]
+    unknown = [s for s in names if s not in ALL_STRATEGIES + PEERS]
     if unknown or not names:
         raise ConfigError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; "
-                          f"allowed values: {', '.join(ALL_STRATEGIES)}")
+                          f"allowed values: {', '.join(ALL_STRATEGIES + PEERS)}")
     return names
 
 
@@ -52,7 +52,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int, *, steps: int = 5,
-              warmup: int = 1, compute_ms: float = 0.0, out_dir: Path) -> dict[str, Any]:
+              warmup: int = 1, compute_ms: float = 0.0, period: int = 4, out_dir: Path) -> dict[str, Any]:
     """Launch the bench workers on the emulated ``profile`` and assemble the report."""
     from syncplane.launcher import launch_on_cluster
 
@@ -60,8 +60,10 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
     implemented = [s for s in strategies if s in SYNCS]
     measured: dict[str, Any] = {}
     if implemented:
+        if any(s in PEERS for s in implemented):
+            steps = -(-steps // period) * period          # whole averaging rounds
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
-                "compute_ms": compute_ms}
+                "compute_ms": compute_ms, "period": period}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
@@ -82,7 +84,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
             row["nic_bytes_per_rank"] = statistics.fmean(per_host) if per_host else None
             row["step_s"] = m["step_s"]
         if name in PATTERNS:
-            row["predicted_s"], row["bound_s"] = strategy_time(model, name, payload_bytes)
+            row["predicted_s"], row["bound_s"] = strategy_time(model, name, payload_bytes, period)
             if "sync_s_median" in row:
                 row["bound_ratio"] = row["bound_s"] / row["sync_s_median"]
         rows.append(row)
@@ -93,7 +95,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         for key in ("sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s", "bound_ratio", "speedup_vs_ddp"):
             row.setdefault(key, None)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
-            "steps": steps, "compute_ms": compute_ms, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "steps": steps, "compute_ms": compute_ms, "period": period, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "results": rows}
 
 
@@ -170,16 +172,18 @@ def log_wandb(report: dict[str, Any], save_dir: Path) -> None:
 
 
 def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: int, compute_ms: float,
-               json_out: str, png: str | None, wandb_log: bool) -> dict[str, Any]:
+               json_out: str, png: str | None, wandb_log: bool, period: int = 4) -> dict[str, Any]:
     profile = load_profile(cluster)
     names = parse_strategies(strategies)
     payload_bytes = parse_payload(payload)
     if steps < 1:
         raise ConfigError(f"--steps: must be at least 1, got {steps}")
     out = Path(json_out)
-    work_dir = out.with_suffix("") .parent / f".{out.stem}-run"
+    work_dir = out.parent / f".{out.stem}-run"
+    if period < 1:
+        raise ConfigError(f"--period: must be at least 1, got {period}")
     report = run_bench(profile, names, payload_bytes, steps=steps, warmup=warmup, compute_ms=compute_ms,
-                       out_dir=work_dir)
+                       period=period, out_dir=work_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

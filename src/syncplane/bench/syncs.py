@@ -32,9 +32,73 @@ def ddp_sync(payload: torch.Tensor, step: int, meter: CommMeter) -> None:
     meter.record(start, time.perf_counter(), ring_allreduce_bytes(payload.numel() * payload.element_size(), n))
 
 
-SYNCS: dict[str, SyncFn] = {
-    "ddp": ddp_sync,
+class TorchPeriodicAveraging:
+    """torch's own ``PeriodicModelAverager`` (what ``PostLocalSGDOptimizer`` runs after
+    each local step): the parameters are all-reduced every ``period`` steps. A real peer
+    for local-SGD-style strategies, timed through the same bench."""
+
+    def __init__(self, period: int) -> None:
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        self.period = period
+        self.averager = PeriodicModelAverager(period=period, warmup_steps=0)
+
+    @staticmethod
+    def as_parameter(payload: torch.Tensor) -> torch.nn.Parameter:
+        """torch's averagers take parameters that have a gradient; a zero-stride view
+        stands in for the gradient so the payload is not duplicated in memory."""
+        param = torch.nn.Parameter(payload, requires_grad=True)
+        param.grad = torch.zeros(1, dtype=payload.dtype).expand_as(payload)
+        return param
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        averaging = self.averager.step % self.period == 0
+        start = time.perf_counter()
+        self.averager.average_parameters([self.as_parameter(payload)])
+        if averaging:
+            meter.record(start, time.perf_counter(),
+                         ring_allreduce_bytes(payload.numel() * payload.element_size(), dist.get_world_size()))
+
+
+class TorchHierarchicalAveraging(TorchPeriodicAveraging):
+    """torch's ``HierarchicalModelAverager``: average inside each host every step's
+    ``period // 2`` and across all ranks every ``period`` (hosts = LOCAL_WORLD_SIZE ranks)."""
+
+    def __init__(self, period: int) -> None:
+        import os
+
+        from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+            HierarchicalModelAverager,
+        )
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        world = dist.get_world_size()
+        if local <= 1 or world % local or local == world:
+            raise ValueError("torch_hierarchical needs several hosts with the same number (>1) of ranks each")
+        self.period = period
+        inner = max(1, period // 2)
+        self.averager = HierarchicalModelAverager(period_group_size_dict={inner: local, period: world},
+                                                  warmup_steps=0)
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        start = time.perf_counter()
+        self.averager.average_parameters([self.as_parameter(payload)])
+        meter.record(start, time.perf_counter(), 0)   # bytes: see the NIC counters
+
+
+def _fixed(fn: SyncFn) -> Callable[[dict], SyncFn]:
+    return lambda spec: fn
+
+
+#: name -> factory(spec) -> sync function. Peers (torch's own algorithms) sit beside ours.
+SYNCS: dict[str, Callable[[dict], SyncFn]] = {
+    "ddp": _fixed(ddp_sync),
+    "torch_periodic": lambda spec: TorchPeriodicAveraging(spec.get("period", 4)),
+    "torch_hierarchical": lambda spec: TorchHierarchicalAveraging(spec.get("period", 4)),
 }
+
+#: Real peers from other projects, benchmarked next to our strategies.
+PEERS = ("torch_periodic", "torch_hierarchical")
 
 #: Every product strategy name (design.md §3), implemented or not.
 ALL_STRATEGIES = ("ddp", "atc", "awc", "h_atc", "h_awc", "ds_sync", "diloco", "flexreduce", "canary")

@@ -8,7 +8,8 @@ rank, bytes) that must all finish before the next phase starts. A phase costs
 where a flow crosses its source host's NIC (egress), the destination host's NIC
 (ingress) and, between racks, both racks' uplinks; flows inside one host use loopback.
 A link carrying g greedy background flows next to f of ours gives ours f/(f+g) of its
-capacity (TCP fair share); a host with k NICs spreads its flows over them. With α = 0
+capacity (TCP fair share); one flow uses one NIC, f flows use at most min(f, k) of a
+host's k NICs (gloo binds one collective to one NIC: striping needs several groups). With α = 0
 this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
 is the prediction ``syncplane simulate`` prints.
 """
@@ -25,7 +26,7 @@ Flow = tuple[int, int, float]            # src rank, dst rank, bytes
 Phase = list[Flow]
 
 MBIT = 1e6 / 8                            # bytes per second in one Mbit/s
-DEFAULT_ALPHA_S = 1.5e-3                  # per-phase latency of gloo on the emulator (measured, docs/benchmarks.md)
+DEFAULT_ALPHA_S = 2.2e-3                  # per-phase latency of gloo on the emulator (measured, docs/benchmarks.md)
 DEFAULT_LOOPBACK_BPS = 2.5e9              # memory-to-memory over loopback on this class of machine
 
 
@@ -52,7 +53,7 @@ class CostModel:
         if kind in ("nic_out", "nic_in"):
             spec = self.profile.hosts[index].spec
             cap = spec.per_flow_mbit * MBIT if spec.per_flow_mbit else None
-            return spec.nic_mbit * MBIT * spec.nics, cap
+            return spec.nic_mbit * MBIT, cap
         rack = self.profile.racks[index]
         assert rack.uplink_mbit is not None
         return rack.uplink_mbit * MBIT, (rack.per_flow_mbit * MBIT if rack.per_flow_mbit else None)
@@ -83,6 +84,9 @@ class CostModel:
         busiest = 0.0
         for link, nbytes in load.items():
             capacity, _ = self._capacity(link)
+            if link[0] in ("nic_out", "nic_in"):
+                # a TCP flow uses one NIC; several flows can use several (at best evenly)
+                capacity *= min(self.profile.hosts[link[1]].spec.nics, count[link])
             share = count[link] / (count[link] + background.get(link, 0))
             busiest = max(busiest, nbytes / (capacity * share))
         if not load:
@@ -117,12 +121,18 @@ def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float) -> 
 #: Strategy name -> its per-step communication pattern (world size, payload bytes).
 PATTERNS: dict[str, Callable[[int, float], list[Phase]]] = {
     "ddp": ring_allreduce,
+    "torch_periodic": ring_allreduce,    # torch's PeriodicModelAverager: one ring per `period` steps
 }
 
+#: Strategies that communicate once per `period` steps: their per-step cost is amortized.
+PERIODIC = {"torch_periodic"}
 
-def strategy_time(model: CostModel, strategy: str, payload_bytes: float) -> tuple[float, float]:
-    """(predicted seconds, bound seconds) of one step's sync of ``strategy``."""
+
+def strategy_time(model: CostModel, strategy: str, payload_bytes: float, period: int = 4) -> tuple[float, float]:
+    """(predicted seconds, bound seconds) of one step's sync of ``strategy`` (amortized
+    over ``period`` steps for periodic ones)."""
     if strategy not in PATTERNS:
         raise KeyError(f"no cost pattern for strategy {strategy!r} yet; modelled: {', '.join(PATTERNS)}")
     phases = PATTERNS[strategy](model.profile.world_size, payload_bytes)
-    return model.time(phases), model.bound(phases)
+    share = 1.0 / period if strategy in PERIODIC else 1.0
+    return model.time(phases) * share, model.bound(phases) * share

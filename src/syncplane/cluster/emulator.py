@@ -17,6 +17,7 @@ starts with ``sp-`` (killing what runs inside first), so it cleans up after a cr
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from syncplane.cluster.profile import ClusterProfile, Host
 NS_PREFIX = "sp-"
 SWITCH_NS = "sp-switch"
 STATE_FILE = Path("/run/syncplane/emulator.json")
+LOCK_FILE = Path("/run/syncplane/emulator.lock")
 FLOW_PORT = 5201
 
 
@@ -100,9 +102,46 @@ def namespaces() -> list[str]:
     return sorted(line.split()[0] for line in listed if line.strip().startswith(NS_PREFIX))
 
 
+@contextmanager
+def _exclusive() -> Iterator[None]:
+    """Changing the cluster while a job runs on it would kill the job: refuse instead."""
+    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK_FILE, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EmulationError("the emulated cluster is in use by a running job (train.py or syncplane bench); "
+                                 "wait for it to finish, or stop it first") from None
+        yield
+
+
+@contextmanager
+def in_use(profile: ClusterProfile) -> Iterator[None]:
+    """Bring ``profile`` up if needed and hold it (shared) while a job runs on it."""
+    require_support()
+    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK_FILE, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not is_up(profile):
+                _up(profile)
+            fcntl.flock(lock, fcntl.LOCK_SH)          # let other jobs share it, keep up/down out
+        except BlockingIOError:
+            fcntl.flock(lock, fcntl.LOCK_SH)          # another job holds it: share if it is ours
+            if not is_up(profile):
+                raise EmulationError(f"another job is running on a different emulated cluster; cannot bring "
+                                     f"{profile.name!r} up now") from None
+        yield
+
+
 def down() -> list[str]:
     """Remove every namespace this module owns (and what runs in them). Idempotent."""
     require_support()
+    with _exclusive():
+        return _down()
+
+
+def _down() -> list[str]:
     removed = []
     for ns in namespaces():
         pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
@@ -126,11 +165,16 @@ def status() -> dict[str, Any]:
 def up(profile: ClusterProfile) -> None:
     """Build ``profile`` (tearing down whatever emulated cluster was up before)."""
     require_support()
-    down()
+    with _exclusive():
+        _up(profile)
+
+
+def _up(profile: ClusterProfile) -> None:
+    _down()
     try:
         _build(profile)
     except Exception:
-        down()
+        _down()
         raise
     STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
     STATE_FILE.write_text(json.dumps({"profile": profile.name, "hosts": [h.name for h in profile.hosts]}))
@@ -174,11 +218,6 @@ def is_up(profile: ClusterProfile) -> bool:
     current = status()
     wanted = {SWITCH_NS, *(host_namespace(h) for h in profile.hosts)}
     return current["profile"] == profile.name and wanted <= set(current["namespaces"])
-
-
-def ensure_up(profile: ClusterProfile) -> None:
-    if not is_up(profile):
-        up(profile)
 
 
 # --------------------------------------------------------------------------- ranks

@@ -1,0 +1,35 @@
+"""Rebuild a comparison report from run directories.
+
+    python scripts/compare.py multirun/2026-11-22/10-00-00            # every run below it
+    python scripts/compare.py outputs/a outputs/b --out reports/ab     # chosen runs
+
+Writes comparison.json / .md / .png (see syncplane.bench.compare) into --out
+(default: the single directory given, or ./comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from syncplane.bench.compare import build_comparison, runs_under
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", type=Path, help="run directories, or a sweep directory holding them")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    run_dirs: list[Path] = []
+    for path in args.paths:
+        run_dirs += [path] if (path / "summary.json").exists() else runs_under(path)
+    if not run_dirs:
+        raise SystemExit(f"no run directories (with summary.json) in {', '.join(map(str, args.paths))}")
+    out = args.out or (args.paths[0] if len(args.paths) == 1 else Path("comparison"))
+    build_comparison(run_dirs, out)
+    print((out / "comparison.md").read_text())
+    print(f"comparison written to {out}/comparison.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()
