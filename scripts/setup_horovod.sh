@@ -12,11 +12,12 @@ if [ -x "$VENV/bin/horovodrun" ]; then
   echo "horovod already installed in $VENV"; exit 0
 fi
 "$PYTHON" -m venv "$VENV"
-# the machine-wide pip constraints cap torch for syncplane's environment; this venv pins its own
-export PIP_CONSTRAINT=
 "$VENV/bin/pip" install --quiet "torch==2.0.1" "numpy<2" wheel "setuptools<70" cmake cloudpickle psutil pyyaml \
   packaging cffi
-HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+# Horovod's CMake enables CUDA whenever it finds nvcc (and then fails without a full CUDA
+# toolkit); a stand-in nvcc that fails keeps this a CPU/gloo build.
+mkdir -p "$VENV/no-nvcc" && printf '#!/bin/sh\nexit 1\n' > "$VENV/no-nvcc/nvcc" && chmod +x "$VENV/no-nvcc/nvcc"
+PATH="$VENV/no-nvcc:$PATH" CUDA_HOME= HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=GLOO \
   "$VENV/bin/pip" install --no-build-isolation --no-cache-dir "horovod==0.28.1"
 "$VENV/bin/python" -c "import horovod.torch as hvd; print('horovod', hvd.__version__ if hasattr(hvd, '__version__') else 'ok')"

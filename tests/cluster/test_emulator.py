@@ -179,3 +179,20 @@ def test_profile_and_world_size_mismatch_fails_before_launch(tmp_path):
     assert result.returncode != 0
     assert "trainer.devices: 2 processes, but cluster profile 'two_racks' has 8 ranks" in result.stderr
     assert emulator.namespaces() == []
+
+
+def test_background_flows_run_during_the_job_and_slow_the_uplink(tmp_path):
+    from syncplane.bench.runner import run_bench
+
+    quiet = parse_profile({**TWO_RACKS_SMALL, "name": "test_quiet"})
+    busy = parse_profile({**TWO_RACKS_SMALL, "name": "test_busy", "background": [{"src": "a1", "dst": "b0"}]})
+    try:
+        fast = run_bench(quiet, ["ddp"], 2**20, steps=2, warmup=1, out_dir=tmp_path / "quiet")["results"][0]
+        slow = run_bench(busy, ["ddp"], 2**20, steps=2, warmup=1, out_dir=tmp_path / "busy")["results"][0]
+    finally:
+        emulator.down()
+    assert (tmp_path / "busy" / "logs" / "background0.log").exists()
+    assert slow["sync_s_median"] > 1.4 * fast["sync_s_median"]          # the greedy flow takes its share
+    assert slow["bound_s"] == pytest.approx(2 * fast["bound_s"])          # and the model knows it
+    leftover = subprocess.run(["pgrep", "-f", "syncplane.cluster.flows"], capture_output=True, text=True).stdout
+    assert leftover.strip() == ""

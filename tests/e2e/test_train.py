@@ -45,6 +45,16 @@ def test_two_job_multirun_with_wandb_offline(tmp_path):
         assert summary["world_size"] == 2 and summary["steps"] == 22
         offline_runs = list((job / "wandb").glob("offline-run-*"))
         assert len(offline_runs) == 1, "one offline W&B run per job"
+    # the sweep ends with a comparison report beside its runs
+    report = json.loads((tmp_path / "comparison.json").read_text())
+    assert [Path(r["run_dir"]).name for r in report["runs"]] == ["0-ddp", "1-ddp"]
+    assert (tmp_path / "comparison.png").stat().st_size > 1000
+    assert "| ddp |" in (tmp_path / "comparison.md").read_text()
+    # and scripts/compare.py rebuilds it from the run directories
+    rebuilt = subprocess.run([sys.executable, "scripts/compare.py", str(jobs[0]), str(jobs[1]), "--out",
+                              str(tmp_path / "rebuilt")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert json.loads((tmp_path / "rebuilt" / "comparison.json").read_text())["runs"] == report["runs"]
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -34,3 +34,14 @@ def test_unimplemented_strategies_are_reported_not_skipped(tmp_path):
         assert SCHEMA <= set(row) and row["status"] == "not implemented" and row["sync_s_median"] is None
     plot(report, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+def test_wandb_logging_is_offline_and_grouped(tmp_path):
+    from syncplane.bench.runner import log_wandb
+
+    report = {"cluster": "two_racks", "payload_bytes": 2**20, "created": "2026-01-01T00:00:00", "results": [
+        {"strategy": "ddp", "status": "ok", "step_s": [0.5, 0.6], "sync_s_median": 0.55},
+        {"strategy": "atc", "status": "not implemented", "sync_s_median": None}]}
+    log_wandb(report, tmp_path)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1          # one per measured strategy

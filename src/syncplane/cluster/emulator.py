@@ -250,11 +250,17 @@ def master_addr(profile: ClusterProfile) -> str:
 def background_flows(profile: ClusterProfile, log_dir: Path | None = None) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Run the profile's background TCP flows for the duration of the block."""
     procs: list[subprocess.Popen[bytes]] = []
+    logs: list[Any] = []
+    if log_dir is not None and profile.background:
+        log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for i, flow in enumerate(profile.background):
             src, dst = profile.host(flow.src), profile.host(flow.dst)
             port = str(FLOW_PORT + i)
-            out = open(log_dir / f"background{i}.log", "wb") if log_dir else subprocess.DEVNULL
+            out: Any = subprocess.DEVNULL
+            if log_dir is not None:
+                out = open(log_dir / f"background{i}.log", "wb")
+                logs.append(out)
             procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", host_namespace(dst), sys.executable, "-m", "syncplane.cluster.flows",
                  "serve", dst.address(0), port], stdout=out, stderr=subprocess.STDOUT))
@@ -274,6 +280,8 @@ def background_flows(profile: ClusterProfile, log_dir: Path | None = None) -> It
             if p.poll() is None:
                 p.kill()
             p.wait()
+        for log in logs:
+            log.close()
 
 
 def counters(ns: str, devices: Sequence[str]) -> dict[str, int]:

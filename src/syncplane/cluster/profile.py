@@ -20,6 +20,14 @@ from syncplane.config import ConfigError, parse_dataclass
 PROFILE_DIR = Path(__file__).resolve().parents[3] / "configs" / "cluster"
 
 
+def _positive_rates(spec: object, *fields: str) -> None:
+    """Every given rate field that is set must be positive (a 0 Mbit link would hang a job)."""
+    for name in fields:
+        value = getattr(spec, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name}: must be positive, got {value}")
+
+
 @dataclass
 class HostSpec:
     name: str
@@ -29,14 +37,11 @@ class HostSpec:
     per_flow_mbit: float | None = None
 
     def validate(self) -> None:
-        if self.nic_mbit <= 0:
-            raise ConfigError(f"nic_mbit: must be positive, got {self.nic_mbit}")
+        _positive_rates(self, "nic_mbit", "per_flow_mbit")
         if self.ranks < 1:
             raise ConfigError(f"ranks: must be at least 1, got {self.ranks}")
         if not 1 <= self.nics <= 8:
             raise ConfigError(f"nics: must be between 1 and 8, got {self.nics}")
-        if self.per_flow_mbit is not None and self.per_flow_mbit <= 0:
-            raise ConfigError(f"per_flow_mbit: must be positive, got {self.per_flow_mbit}")
 
 
 @dataclass
@@ -49,10 +54,7 @@ class RackSpec:
     def validate(self) -> None:
         if not self.hosts:
             raise ConfigError("hosts: a rack needs at least one host")
-        if self.uplink_mbit is not None and self.uplink_mbit <= 0:
-            raise ConfigError(f"uplink_mbit: must be positive, got {self.uplink_mbit}")
-        if self.per_flow_mbit is not None and self.per_flow_mbit <= 0:
-            raise ConfigError(f"per_flow_mbit: must be positive, got {self.per_flow_mbit}")
+        _positive_rates(self, "uplink_mbit", "per_flow_mbit")
 
 
 @dataclass
@@ -62,8 +64,7 @@ class FlowSpec:
     mbit: float | None = None   # None: greedy
 
     def validate(self) -> None:
-        if self.mbit is not None and self.mbit <= 0:
-            raise ConfigError(f"mbit: must be positive, got {self.mbit}")
+        _positive_rates(self, "mbit")
 
 
 @dataclass
