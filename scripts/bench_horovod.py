@@ -72,7 +72,7 @@ def main() -> None:
                            "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(profile.world_size),
                            "HOROVOD_LOCAL_RANK": str(local), "HOROVOD_LOCAL_SIZE": str(host.spec.ranks),
                            "HOROVOD_CROSS_RANK": str(host.index), "HOROVOD_CROSS_SIZE": str(len(profile.hosts)),
-                           "HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}
+                           "HOROVOD_GLOO_TIMEOUT_SECONDS": "300", "HOROVOD_LOG_LEVEL": os.environ.get("HOROVOD_LOG_LEVEL", "warning")}
                     ranks.append(RankSpec(rank=rank, local_rank=local, local_world_size=host.spec.ranks,
                                           node_rank=host.index, prefix=emulator.rank_prefix(profile, rank), env=env))
             launch([str(python), str(HERE / "horovod_worker.py"), str(payload), str(args.steps), str(args.warmup)],

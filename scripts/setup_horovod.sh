@@ -12,13 +12,19 @@ if [ -x "$VENV/bin/horovodrun" ]; then
   echo "horovod already installed in $VENV"; exit 0
 fi
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet "torch==2.0.1" "numpy<2" wheel "setuptools<70" cmake cloudpickle psutil pyyaml \
+"$VENV/bin/pip" install --quiet "torch==2.0.1" "numpy<2" wheel "setuptools<70" "cmake<4" cloudpickle psutil pyyaml \
   packaging cffi
-# Horovod's CMake enables CUDA whenever it finds nvcc (and then fails without a full CUDA
-# toolkit); a stand-in nvcc that fails keeps this a CPU/gloo build.
-mkdir -p "$VENV/no-nvcc" && printf '#!/bin/sh\nexit 1\n' > "$VENV/no-nvcc/nvcc" && chmod +x "$VENV/no-nvcc/nvcc"
-PATH="$VENV/no-nvcc:$PATH" CUDA_HOME= HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
-HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=GLOO \
-  "$VENV/bin/pip" install --no-build-isolation --no-cache-dir "horovod==0.28.1"
+# Horovod builds its torch binding with CUDA whenever torch is a CUDA build *and* torch
+# finds a CUDA toolkit (nvcc on PATH or /usr/local/cuda); with this machine's CUDA 13
+# toolkit and torch 2.0.1+cu117 that configuration fails. Build in a private mount
+# namespace where /usr/local (nvcc, /usr/local/cuda) is hidden: a CPU + gloo build.
+BUILD_ENV="HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_NVTX=1 HOROVOD_CPU_OPERATIONS=GLOO CMAKE_POLICY_VERSION_MINIMUM=3.5"
+BUILD="env -u CUDA_HOME -u CUDA_PATH $BUILD_ENV $VENV/bin/pip install --no-build-isolation --no-cache-dir horovod==0.28.1"
+if [ -d /usr/local/cuda ] || command -v nvcc > /dev/null; then
+  unshare --mount --propagation private sh -c "mount -t tmpfs none /usr/local && PATH=\"$VENV/bin:/usr/bin:/bin\" $BUILD"
+else
+  sh -c "$BUILD"
+fi
 "$VENV/bin/python" -c "import horovod.torch as hvd; print('horovod', hvd.__version__ if hasattr(hvd, '__version__') else 'ok')"
 echo "horovod installed in $VENV"
