@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from syncplane.bench.runner import parse_payload
@@ -39,6 +42,26 @@ time.sleep(100000)
 """
 
 
+@contextmanager
+def _hostname_resolves_to_nic(profile):
+    """Work around Horovod 0.28.1 binding its process-set gloo context to the address the
+    machine's *hostname* resolves to (ignoring HOROVOD_GLOO_IFACE). ``ip netns exec NS``
+    bind-mounts ``/etc/netns/NS/hosts`` over ``/etc/hosts``, so inside each emulated host
+    the hostname resolves to that host's NIC address and the context travels over the
+    shaped link like every other one. The files are removed afterwards."""
+    created = []
+    try:
+        for host in profile.hosts:
+            folder = Path("/etc/netns") / emulator.host_namespace(host)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{host.address(0)} {socket.gethostname()}\n")
+            created.append(folder)
+        yield
+    finally:
+        for folder in created:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cluster", required=True)
@@ -55,7 +78,7 @@ def main() -> None:
     payload = parse_payload(args.payload_mb)
     hosts = ",".join(f"{h.name}:{h.spec.ranks}" for h in profile.hosts)
     out_dir = Path("outputs") / "horovod" / time.strftime("%Y%m%d-%H%M%S")
-    with emulator.in_use(profile), emulator.background_flows(profile, out_dir):
+    with emulator.in_use(profile), emulator.background_flows(profile, out_dir), _hostname_resolves_to_nic(profile):
         first = profile.hosts[0]
         server = subprocess.Popen(["ip", "netns", "exec", emulator.host_namespace(first), str(python), "-c",
                                    RENDEZVOUS, hosts, str(profile.world_size)], stdout=subprocess.PIPE, text=True)
