@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from syncplane.cluster.emulator import EmulationError
     from syncplane.config import ConfigError
     from syncplane.launcher import LaunchError
     from syncplane.training.entry import run_job
@@ -25,6 +26,9 @@ def main(cfg: DictConfig) -> None:
         run_job(cfg)
     except ConfigError as exc:
         print(f"syncplane: invalid configuration: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except EmulationError as exc:
+        print(f"syncplane: cannot run on the emulated cluster: {exc}", file=sys.stderr)
         sys.exit(2)
     except LaunchError as exc:
         print(f"syncplane: training failed: {exc}", file=sys.stderr)

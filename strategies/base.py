@@ -33,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, allreduce_mean_, make_buckets
+from syncplane.comm import DEFAULT_BUCKET_BYTES, Bucket, CommMeter, allreduce_mean_, make_buckets
 from syncplane.strategies import replicas
 
 
@@ -60,6 +60,7 @@ class SyncplaneStrategy(DDPStrategy):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.comm_meter = CommMeter()
         self._stashed_replica: list[torch.Tensor] | None = None
+        self._model_buckets: list[Bucket] | None = None   # built once: the model's tensors do not move
 
     # ------------------------------------------------------------ extension points
 
@@ -88,12 +89,19 @@ class SyncplaneStrategy(DDPStrategy):
 
     def average_replicas_(self, tensors: list[torch.Tensor] | None = None) -> None:
         """Replace ``tensors`` (default: the whole model) by their mean over all ranks."""
-        allreduce_mean_(make_buckets(tensors or self.model_tensors(), self.bucket_bytes), meter=self.comm_meter)
+        if tensors is None:
+            if self._model_buckets is None:
+                self._model_buckets = make_buckets(self.model_tensors(), self.bucket_bytes)
+            buckets = self._model_buckets
+        else:
+            buckets = make_buckets(tensors, self.bucket_bytes)
+        allreduce_mean_(buckets, meter=self.comm_meter)
 
     # ------------------------------------------------------------ Lightning hooks
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._model_buckets = None   # a new fit/validate may bring a different module
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)
         else:
@@ -124,9 +132,8 @@ class SyncplaneStrategy(DDPStrategy):
         super().on_validation_start()
         if not self.consensus_eval or self.replicas_identical or self.world_size == 1:
             return
-        tensors = self.model_tensors()
-        self._stashed_replica = [t.detach().clone() for t in tensors]
-        self.average_replicas_(tensors)
+        self._stashed_replica = [t.detach().clone() for t in self.model_tensors()]
+        self.average_replicas_()
 
     @override
     def on_validation_end(self) -> None:

@@ -34,7 +34,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     job_name = f"job{hydra_cfg.job.num}" if multirun else "train"
     if multirun and not (container.get("logger") or {}).get("group"):
         # one W&B run per strategy, grouped per comparison
-        container.setdefault("logger", {})["group"] = Path(hydra_cfg.sweep.dir).name
+        sweep = Path(hydra_cfg.sweep.dir)
+        container.setdefault("logger", {})["group"] = f"{sweep.parent.name}-{sweep.name}"
     spec = parse_job(container, run_dir=str(run_dir), job_name=job_name)
 
     job_file = run_dir / JOB_FILE
