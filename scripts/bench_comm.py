@@ -1,6 +1,7 @@
 """Neighbour collectives vs gloo all-reduce on this host, side by side in one run.
 
     python scripts/bench_comm.py --ranks 4 8 --mb 1 4 16 64 [--repeats 5] [--json out.json]
+    python scripts/bench_comm.py --cluster homogeneous8 --mb 16        # on an emulated cluster (root)
 
 For each world size and payload: gloo ``all_reduce``, static ``neighbor_allreduce`` on
 the exponential-2 graph, dynamic one-peer exponential ``neighbor_allreduce``, and the
@@ -46,6 +47,24 @@ def _worker(rank: int, world: int, port: int, sizes_mb: list[float], repeats: in
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    result = _measure(rank, world, sizes_mb, repeats)
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def _cluster_worker(result_path: str, sizes_mb: list[float], repeats: int) -> None:
+    """One rank inside an emulated host (started by ``launch_on_cluster``, torchrun env)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    result = _measure(dist.get_rank(), dist.get_world_size(), sizes_mb, repeats)
+    if dist.get_rank() == 0:
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, sizes_mb: list[float], repeats: int) -> dict[str, Any]:
     import syncplane.comm as sc
     from syncplane.comm import topology as T
 
@@ -83,9 +102,7 @@ def _worker(rank: int, world: int, port: int, sizes_mb: list[float], repeats: in
             bound = factor * payload / bandwidth
             rows.append({"ranks": world, "mb": mb, "op": name, "seconds": seconds, "bound_s": bound,
                          "bound_ratio": bound / seconds})
-    if rank == 0:
-        out.put({"bandwidth_bytes_per_s": bandwidth, "rows": rows})
-    dist.destroy_process_group()
+    return {"bandwidth_bytes_per_s": bandwidth, "rows": rows}
 
 
 def main() -> None:
@@ -94,21 +111,44 @@ def main() -> None:
     parser.add_argument("--mb", type=float, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--cluster", help="run on this emulated cluster (root) instead of localhost; its world "
+                                          "size replaces --ranks")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)   # internal: one rank on a cluster
     args = parser.parse_args()
+    if args.worker:
+        _cluster_worker(args.worker, args.mb, args.repeats)
+        return
 
     from rich.console import Console
     from rich.table import Table
 
     from syncplane.launcher import free_port
 
-    ctx = mp.get_context("spawn")
     results = []
-    for world in args.ranks:
-        queue = ctx.Queue()
-        mp.start_processes(_worker, args=(world, free_port(), args.mb, args.repeats, queue), nprocs=world,
-                           start_method="spawn")
-        results.append(queue.get())
-    table = Table(title="neighbour collectives vs all-reduce (localhost, gloo)")
+    if args.cluster:
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        from syncplane.cluster import load_profile
+        from syncplane.launcher import launch_on_cluster
+
+        profile = load_profile(args.cluster)
+        args.ranks = [profile.world_size]
+        with tempfile.TemporaryDirectory() as tmp:
+            result_path = Path(tmp) / "result.json"
+            launch_on_cluster([sys.executable, __file__, "--worker", str(result_path), "--repeats", str(args.repeats),
+                               "--mb", *map(str, args.mb)], profile, Path(tmp) / "logs")
+            results.append(json.loads(result_path.read_text()))
+    else:
+        ctx = mp.get_context("spawn")
+        for world in args.ranks:
+            queue = ctx.Queue()
+            mp.start_processes(_worker, args=(world, free_port(), args.mb, args.repeats, queue), nprocs=world,
+                               start_method="spawn")
+            results.append(queue.get())
+    where = f"emulated cluster {args.cluster}" if args.cluster else "localhost"
+    table = Table(title=f"neighbour collectives vs all-reduce ({where}, gloo)")
     for col in ("ranks", "MB", "op", "seconds", "vs allreduce", "bound s", "bound ratio"):
         table.add_column(col, justify="right")
     for result in results:

@@ -89,7 +89,12 @@ def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[i
     for peer, buffer in zip(recvs, received):
         ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
         labels.append(("receiving from", peer))
-    works = dist.batch_isend_irecv(ops) if ops else []
+    try:
+        works = dist.batch_isend_irecv(ops) if ops else []
+    except RuntimeError as exc:   # a peer's connection is already gone (it crashed or exited)
+        peers = ", ".join(f"{kind} rank {peer}" for kind, peer in labels)
+        raise TopologyError(f"rank {dist.get_rank()}: {what} could not start ({peers}): "
+                            f"{str(exc).splitlines()[0][:200]}") from exc
     return Handle(
         _works=[(kind, peer, work) for (kind, peer), work in zip(labels, works)],
         _finish=lambda: finish(received), _timeout_s=timeout_s, _what=what, _meter=meter, _start=start,
