@@ -31,6 +31,9 @@ def _window_ops(rank, world, seed):
         dist.barrier()
         results["after_acc"] = {j: b.clone() for j, b in sc.window._windows["w"].buffers.items()}
         sc.win_get("w", src_weights={(rank + 1) % world: 3.0})
+        # one-sided ops do not wait for the owner: without this barrier a fast neighbour
+        # could already have collected into the tensor this rank is reading
+        dist.barrier()
         results["after_get"] = sc.window._windows["w"].buffers[(rank + 1) % world].clone()
         results["collect"] = sc.win_update_then_collect("w").clone()
         dist.barrier()
