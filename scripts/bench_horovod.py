@@ -17,7 +17,6 @@ import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path

@@ -13,11 +13,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import yaml
 
 from syncplane.bench.runner import run_bench
 from syncplane.bench.syncs import SYNCS
-from syncplane.cluster import load_profile, parse_profile
+from syncplane.cluster import load_profile
 from syncplane.cluster import emulator
 from syncplane.cluster.cost import PATTERNS
 from syncplane.cluster.profile import scaled

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -282,12 +282,3 @@ def background_flows(profile: ClusterProfile, log_dir: Path | None = None) -> It
             p.wait()
         for log in logs:
             log.close()
-
-
-def counters(ns: str, devices: Sequence[str]) -> dict[str, int]:
-    """tx_bytes of ``devices`` inside namespace ``ns``."""
-    out = {}
-    for dev in devices:
-        text = _run("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes").stdout
-        out[dev] = int(text.strip())
-    return out

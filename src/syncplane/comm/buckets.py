@@ -7,7 +7,7 @@ hundreds of times. Buckets group tensors of one dtype and device up to a byte ca
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +65,3 @@ def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKE
     if current:
         buckets.append(Bucket(current))
     return buckets
-
-
-def total_bytes(buckets: Sequence[Bucket]) -> int:
-    return sum(b.nbytes for b in buckets)

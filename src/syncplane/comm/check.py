@@ -50,6 +50,14 @@ def check_plan(sends: Iterable[int], recvs: Iterable[int], group: Group = None, 
     _raise_with_details(sends, recvs, group, what)
 
 
+def check_if_enabled(enable_topo_check: bool | None, dynamic: bool, sends: Iterable[int], recvs: Iterable[int],
+                     group: Group = None, what: str = "neighbor_allreduce") -> None:
+    """The topology check is on by default for dynamic plans (a static topology was
+    validated when it was set); ``enable_topo_check`` overrides that either way."""
+    if enable_topo_check if enable_topo_check is not None else dynamic:
+        check_plan(sends, recvs, group, what)
+
+
 def _raise_with_details(sends: list[int], recvs: list[int], group: Group, what: str) -> None:
     n = dist.get_world_size(group)
     plans: list[object] = [None] * n

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from syncplane import kernels
-from syncplane.comm import context
-from syncplane.comm.check import check_plan
+from syncplane.comm import context, topology
+from syncplane.comm.check import check_if_enabled
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, exchange
 
@@ -43,8 +43,8 @@ def hierarchical_neighbor_allreduce(
     is_leader = me == layout.leader_of(machine)
     leader_sends = {layout.leader_of(m): s for m, s in dst.items()} if is_leader else {}
     leader_recvs = {layout.leader_of(m): w for m, w in src.items()} if is_leader else {}
-    if enable_topo_check if enable_topo_check is not None else dynamic:
-        check_plan(leader_sends, leader_recvs, what="hierarchical_neighbor_allreduce")
+    check_if_enabled(enable_topo_check, dynamic, leader_sends, leader_recvs,
+                     what="hierarchical_neighbor_allreduce")
 
     result = local_mean
     if is_leader:
@@ -61,13 +61,9 @@ def hierarchical_neighbor_allreduce(
 def _machine_plan(layout: context.MachineLayout, machine: int, self_weight: float | None,
                   src: Mapping[int, float] | None, dst: Mapping[int, float] | Sequence[int] | None,
                   ) -> tuple[float, dict[int, float], dict[int, float], bool]:
-    graph = layout.graph
     if self_weight is None and src is None and dst is None:
-        sources = {j: float(graph[j][machine]["weight"]) for j in graph.predecessors(machine) if j != machine}
-        self_w = float(graph[machine][machine]["weight"]) if graph.has_edge(machine, machine) else 0.0
-        return self_w, sources, {k: 1.0 for k in graph.successors(machine) if k != machine}, False
+        return (*topology.static_weights(layout.graph, machine), False)
     if self_weight is None or src is None or dst is None:
         raise ValueError("dynamic hierarchical_neighbor_allreduce needs self_weight, src_machine_weights "
                          "and dst_machine_weights")
-    dst_map = {int(k): float(s) for k, s in dst.items()} if isinstance(dst, Mapping) else {int(k): 1.0 for k in dst}
-    return float(self_weight), {int(j): float(w) for j, w in src.items()}, dst_map, True
+    return float(self_weight), {int(j): float(w) for j, w in src.items()}, topology.as_destinations(dst), True

@@ -47,10 +47,3 @@ class CommMeter:
             yield
         finally:
             self.record(start, time.perf_counter(), bytes_sent)
-
-    def as_dict(self) -> dict[str, float]:
-        return {"seconds": self.seconds, "bytes_sent": self.bytes_sent, "calls": self.calls}
-
-    def reset(self) -> None:
-        with self._lock:
-            self.seconds, self.bytes_sent, self.calls, self._busy_until = 0.0, 0, 0, 0.0

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from syncplane import kernels
-from syncplane.comm import context
+from syncplane.comm import context, topology
 from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, make_buckets
-from syncplane.comm.check import check_plan
+from syncplane.comm.check import check_if_enabled
 from syncplane.comm.context import Group
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.meter import CommMeter
@@ -52,10 +52,7 @@ def resolve_plan(self_weight: float | None, src_weights: Weights | None, dst_wei
                  group: Group) -> tuple[float, dict[int, float], dict[int, float], bool]:
     """(self weight, {src: receive weight}, {dst: send scale}, dynamic?) for this rank."""
     if self_weight is None and src_weights is None and dst_weights is None:
-        graph, me = context.load_topology(group), context.rank(group)
-        src = {j: float(graph[j][me]["weight"]) for j in context.in_neighbor_ranks(group)}
-        self_w = float(graph[me][me]["weight"]) if graph.has_edge(me, me) else 0.0
-        return self_w, src, {k: 1.0 for k in context.out_neighbor_ranks(group)}, False
+        return (*topology.static_weights(context.load_topology(group), context.rank(group)), False)
     if self_weight is None:
         raise ValueError("dynamic neighbor_allreduce needs self_weight together with src_weights/dst_weights")
     if src_weights is None and dst_weights is None:
@@ -64,10 +61,7 @@ def resolve_plan(self_weight: float | None, src_weights: Weights | None, dst_wei
         src = {int(j): float(w) for j, w in src_weights.items()}  # type: ignore[union-attr]
         dst = {k: 1.0 for k in _discover(list(src), group)}
     else:
-        dst = ({int(k): float(s) for k, s in dst_weights.items()} if isinstance(dst_weights, Mapping)
-               else {int(k): 1.0 for k in dst_weights})
-        if len(dst) != len(dst_weights):
-            raise ValueError(f"dst_weights lists a rank twice: {dst_weights}")
+        dst = topology.as_destinations(dst_weights)
         src = ({int(j): float(w) for j, w in src_weights.items()} if src_weights is not None
                else {j: 1.0 for j in _discover(list(dst), group)})
     return float(self_weight), src, dst, True
@@ -85,8 +79,8 @@ def neighbor_allreduce_nonblocking(
     still ends in ``TopologyError`` after ``timeout_s``, never in a hang.
     """
     self_w, src, dst, dynamic = resolve_plan(self_weight, src_weights, dst_weights, group)
-    if enable_topo_check if enable_topo_check is not None else dynamic:
-        check_plan(dst, src, group)
+    check_if_enabled(enable_topo_check, dynamic, dst, src, group)
+    tensor = tensor.contiguous()
     if context.size(group) == 1 or (not src and not dst):
         result = tensor * self_w if out is None else out.copy_(tensor).mul_(self_w)
         return completed(result)
@@ -94,7 +88,7 @@ def neighbor_allreduce_nonblocking(
 
     def combine(received: list[torch.Tensor]) -> torch.Tensor:
         target = out if out is not None else torch.empty_like(tensor)
-        return kernels.weighted_combine(tensor.contiguous(), received, weights, self_w, out=target)
+        return kernels.weighted_combine(tensor, received, weights, self_w, out=target)
 
     return exchange(tensor, dst, sources, group, combine, timeout_s=timeout_s, what="neighbor_allreduce",
                     meter=meter)
@@ -120,8 +114,7 @@ def neighbor_allreduce_tensors(
     once for all buckets.
     """
     self_w, src, dst, dynamic = resolve_plan(self_weight, src_weights, dst_weights, group)
-    if enable_topo_check if enable_topo_check is not None else dynamic:
-        check_plan(dst, src, group)
+    check_if_enabled(enable_topo_check, dynamic, dst, src, group)
     handles = []
     for bucket in make_buckets(tensors, bucket_bytes):
         flat = bucket.pack()
@@ -153,8 +146,7 @@ def neighbor_allgather(tensor: torch.Tensor, src_ranks: Sequence[int] | None = N
         src_ranks, dst_ranks = context.in_neighbor_ranks(group), context.out_neighbor_ranks(group)
     elif src_ranks is None or dst_ranks is None:
         raise ValueError("neighbor_allgather needs both src_ranks and dst_ranks (or neither)")
-    if enable_topo_check if enable_topo_check is not None else dynamic:
-        check_plan(dst_ranks, src_ranks, group, what="neighbor_allgather")
+    check_if_enabled(enable_topo_check, dynamic, dst_ranks, src_ranks, group, what="neighbor_allgather")
     flat_shape = tensor.reshape(1, -1).shape if tensor.dim() == 0 else tensor.shape
     handle = exchange(tensor, {k: 1.0 for k in dst_ranks}, list(src_ranks), group,
                       lambda received: torch.cat([r.reshape(flat_shape) for r in received])

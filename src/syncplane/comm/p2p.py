@@ -9,6 +9,7 @@ ops under gloo), so a rank never blocks on one peer while another waits on it.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -53,8 +54,6 @@ class Handle:
         assert self._finish is not None
         self._result = self._finish()
         if self._meter is not None:
-            import time
-
             self._meter.record(self._start, time.perf_counter(), self._bytes_sent)
         return self._result
 
@@ -73,8 +72,6 @@ def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[i
     copies are made once per distinct scale (a plain list of destinations sends
     ``tensor`` itself, no copy).
     """
-    import time
-
     start = time.perf_counter()
     tensor = tensor.contiguous()
     scaled: dict[float, torch.Tensor] = {}

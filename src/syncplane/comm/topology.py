@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import networkx as nx
 import numpy as np
@@ -137,6 +137,26 @@ def uniform_weights(graph: nx.DiGraph) -> nx.DiGraph:
     return out
 
 
+# ----------------------------------------------------------------------------- plans
+
+
+def static_weights(graph: nx.DiGraph, node: int) -> tuple[float, dict[int, float], dict[int, float]]:
+    """(self weight, {source: weight it gets}, {destination: send scale 1}) of ``node`` in ``graph``."""
+    self_weight = float(graph[node][node]["weight"]) if graph.has_edge(node, node) else 0.0
+    sources = {j: float(graph[j][node]["weight"]) for j in graph.predecessors(node) if j != node}
+    return self_weight, sources, {k: 1.0 for k in graph.successors(node) if k != node}
+
+
+def as_destinations(dst_weights: Mapping[int, float] | Sequence[int]) -> dict[int, float]:
+    """``{rank: send scale}`` from a mapping, or from a list of ranks (scale 1)."""
+    if isinstance(dst_weights, Mapping):
+        return {int(k): float(s) for k, s in dst_weights.items()}
+    destinations = {int(k): 1.0 for k in dst_weights}
+    if len(destinations) != len(dst_weights):
+        raise ValueError(f"dst_weights lists a rank twice: {list(dst_weights)}")
+    return destinations
+
+
 # ----------------------------------------------------------------------------- checks
 
 
@@ -174,9 +194,6 @@ def spectral_gap(graph: nx.DiGraph) -> float:
     eigenvalues = np.sort(np.abs(np.linalg.eigvals(mixing_matrix(graph))))[::-1]
     return float(1.0 - eigenvalues[1]) if len(eigenvalues) > 1 else 1.0
 
-
-def second_eigenvalue(graph: nx.DiGraph) -> float:
-    return 1.0 - spectral_gap(graph)
 
 
 # ----------------------------------------------------------------------------- dynamic schedules
@@ -235,12 +252,3 @@ def _check_rank(size: int, rank: int) -> None:
     _check_size(size)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a world of size {size}")
-
-
-def graph_of_plans(plans: list[Plan]) -> nx.DiGraph:
-    """The directed graph of one step's plans (index = rank), for checks and tests."""
-    graph = nx.DiGraph()
-    graph.add_nodes_from(range(len(plans)))
-    for rank, (send, _) in enumerate(plans):
-        graph.add_edges_from((rank, dst) for dst in send)
-    return graph

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import rpc
 
-from syncplane.comm import context
+from syncplane.comm import context, topology
 from syncplane.comm.errors import TopologyError
 
 LOCK_TIMEOUT_S = 60.0
@@ -152,9 +152,7 @@ def win_free(name: str | None = None) -> bool:
 def _destinations(dst_weights: Mapping[int, float] | Sequence[int] | None) -> dict[int, float]:
     if dst_weights is None:
         return {k: 1.0 for k in context.out_neighbor_ranks()}
-    if isinstance(dst_weights, Mapping):
-        return {int(k): float(s) for k, s in dst_weights.items()}
-    return {int(k): 1.0 for k in dst_weights}
+    return topology.as_destinations(dst_weights)
 
 
 def _send(tensor: torch.Tensor, name: str, self_weight: float | None,
@@ -210,9 +208,7 @@ def win_update(name: str, self_weight: float | None = None, neighbor_weights: Ma
     """
     window = _get(name)
     if self_weight is None and neighbor_weights is None:
-        graph, me = context.load_topology(), dist.get_rank()
-        self_weight = float(graph[me][me]["weight"]) if graph.has_edge(me, me) else 0.0
-        neighbor_weights = {j: float(graph[j][me]["weight"]) for j in window.buffers}
+        self_weight, neighbor_weights, _ = topology.static_weights(context.load_topology(), dist.get_rank())
     if self_weight is None or neighbor_weights is None:
         raise ValueError("win_update needs both self_weight and neighbor_weights, or neither")
     with window.lock:
