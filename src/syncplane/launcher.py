@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -69,8 +69,15 @@ def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir
     and launch every rank in its host, rendezvousing on rank 0's NIC."""
     from syncplane.cluster import emulator
 
+    import yaml
+
+    # ranks learn which cluster they run on (topology-aware strategies read it: syncplane.cluster.probe)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    profile_file = log_dir / "cluster.yaml"
+    profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+    ranks = [replace(s, env={**s.env, "SYNCPLANE_CLUSTER": str(profile_file.resolve())}) for s in cluster_ranks(profile)]
     with emulator.in_use(profile), emulator.background_flows(profile, log_dir):
-        launch(command, cluster_ranks(profile), log_dir, master_addr=emulator.master_addr(profile),
+        launch(command, ranks, log_dir, master_addr=emulator.master_addr(profile),
                master_port=29500, **kwargs)  # type: ignore[arg-type]
 
 

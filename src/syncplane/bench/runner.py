@@ -19,7 +19,7 @@ from typing import Any
 
 from syncplane.bench.syncs import ALL_STRATEGIES, PEERS, PRESETS_BYTES, SYNCS
 from syncplane.cluster import ClusterProfile, load_profile
-from syncplane.cluster.cost import PATTERNS, CostModel, strategy_time
+from syncplane.cluster.cost import PATTERNS, TOPOLOGY_PATTERNS, CostModel, strategy_time
 from syncplane.config import ConfigError
 
 
@@ -83,7 +83,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
                         if h.index not in background_senders]
             row["nic_bytes_per_rank"] = statistics.fmean(per_host) if per_host else None
             row["step_s"] = m["step_s"]
-        if name in PATTERNS:
+        if name in PATTERNS or name in TOPOLOGY_PATTERNS:
             row["predicted_s"], row["bound_s"] = strategy_time(model, name, payload_bytes, period)
             if "sync_s_median" in row:
                 row["bound_ratio"] = row["bound_s"] / row["sync_s_median"]

@@ -86,6 +86,28 @@ class TorchHierarchicalAveraging(TorchPeriodicAveraging):
         meter.record(start, time.perf_counter(), 0)   # bytes: see the NIC counters
 
 
+class DSSyncStep:
+    """DS-Sync's per-step sync: the strategy's own runtime (``syncplane.comm.ds_sync``) on the
+    topology the ranks run on (the launcher's cluster profile, else a probe); the payload
+    travels in DDP-sized buckets, one group all-reduce per step, all groups concurrently.
+    ``spec["adjust_every"]`` (default 0) turns the contention check on."""
+
+    def __init__(self, spec: dict) -> None:
+        from syncplane.cluster import probe
+
+        topo = probe.resolve_topology("auto")
+        self.runtime = probe.ds_sync_for(topo, adjust_every=int(spec.get("adjust_every", 0)))
+        self._buckets: tuple[int, list] | None = None
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        from syncplane.comm import make_buckets
+
+        if self._buckets is None or self._buckets[0] != payload.data_ptr():
+            per_bucket = DDP_BUCKET_BYTES // payload.element_size()
+            self._buckets = (payload.data_ptr(), make_buckets(payload.split(per_bucket), DDP_BUCKET_BYTES))
+        self.runtime.sync_(self._buckets[1], meter)
+
+
 def _fixed(fn: SyncFn) -> Callable[[dict], SyncFn]:
     return lambda spec: fn
 
@@ -95,6 +117,7 @@ SYNCS: dict[str, Callable[[dict], SyncFn]] = {
     "ddp": _fixed(ddp_sync),
     "torch_periodic": lambda spec: TorchPeriodicAveraging(spec.get("period", 4)),
     "torch_hierarchical": lambda spec: TorchHierarchicalAveraging(spec.get("period", 4)),
+    "ds_sync": DSSyncStep,
 }
 
 #: Real peers from other projects, benchmarked next to our strategies.

@@ -128,11 +128,49 @@ PATTERNS: dict[str, Callable[[int, float], list[Phase]]] = {
 PERIODIC = {"torch_periodic"}
 
 
+def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float) -> list[Phase]:
+    """Disjoint groups, each running a ring all-reduce at the same time (DS-Sync's step).
+
+    Every ring link of a group of n carries 2(n−1)/n of the payload; spreading that evenly
+    over max 2(n−1) phases keeps the bound exact (concurrent groups add up on shared links)
+    and charges the latency of the longest ring.
+    """
+    rings = [sorted(g) for g in groups if len(g) > 1]
+    if not rings:
+        return []
+    phases = max(2 * (len(g) - 1) for g in rings)
+    step = [(g[i], g[(i + 1) % len(g)], 2 * (len(g) - 1) / len(g) * payload_bytes / phases)
+            for g in rings for i in range(len(g))]
+    return [list(step) for _ in range(phases)]
+
+
+def ds_sync_steps(profile: ClusterProfile, payload_bytes: float) -> list[list[Phase]]:
+    """DS-Sync on ``profile``: the phases of every step of one period of its group pattern
+    (racks and bottlenecks as the strategy derives them from the profile)."""
+    from syncplane.cluster.probe import from_profile
+    from syncplane.comm.group_pattern import build_pattern
+
+    topo = from_profile(profile)
+    pattern = build_pattern(topo.racks, *topo.bottlenecks())
+    return [concurrent_group_allreduces(groups, payload_bytes) for groups in pattern.iterations]
+
+
+#: Strategies whose pattern depends on the racks, not only the world size: (profile, payload)
+#: -> the phases of each step of one period; a step costs the period's mean.
+TOPOLOGY_PATTERNS: dict[str, Callable[[ClusterProfile, float], list[list[Phase]]]] = {
+    "ds_sync": ds_sync_steps,
+}
+
+
 def strategy_time(model: CostModel, strategy: str, payload_bytes: float, period: int = 4) -> tuple[float, float]:
     """(predicted seconds, bound seconds) of one step's sync of ``strategy`` (amortized
     over ``period`` steps for periodic ones)."""
+    if strategy in TOPOLOGY_PATTERNS:
+        steps = TOPOLOGY_PATTERNS[strategy](model.profile, payload_bytes)
+        return (sum(model.time(p) for p in steps) / len(steps), sum(model.bound(p) for p in steps) / len(steps))
     if strategy not in PATTERNS:
-        raise KeyError(f"no cost pattern for strategy {strategy!r} yet; modelled: {', '.join(PATTERNS)}")
+        raise KeyError(f"no cost pattern for strategy {strategy!r} yet; modelled: "
+                       f"{', '.join([*PATTERNS, *TOPOLOGY_PATTERNS])}")
     phases = PATTERNS[strategy](model.profile.world_size, payload_bytes)
     share = 1.0 / period if strategy in PERIODIC else 1.0
     return model.time(phases) * share, model.bound(phases) * share

@@ -9,7 +9,7 @@ or a YAML path, validated once with errors that name the field.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,14 @@ class ClusterProfile:
     @property
     def world_size(self) -> int:
         return sum(h.spec.ranks for h in self.hosts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML mapping ``parse_profile`` reads back (unset optional fields left out)."""
+        def plain(spec: object) -> dict[str, Any]:
+            return {k: v for k, v in asdict(spec).items() if v is not None}  # type: ignore[call-overload]
+
+        return {"name": self.name, "racks": [plain(r) for r in self.racks],
+                "background": [plain(f) for f in self.background]}
 
     def host_of_rank(self, rank: int) -> Host:
         for host in self.hosts:

@@ -16,6 +16,7 @@ from syncplane.comm import topology, window
 from syncplane.comm.consensus import push_sum_average
 from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from syncplane.comm.check import check_plan
+from syncplane.comm.codecs import ErrorFeedback, Fp32, Int8Blockwise, make_codec
 from syncplane.comm.collectives import allreduce_mean_, mean_and_distance
 from syncplane.comm.context import (
     in_neighbor_ranks,
@@ -37,7 +38,9 @@ from syncplane.comm.neighbor import (
     neighbor_allreduce_nonblocking,
     neighbor_allreduce_tensors,
 )
+from syncplane.comm.outer import OuterOptimizer
 from syncplane.comm.p2p import Handle
+from syncplane.comm.sharded import ShardedAllReduce, shard_bounds
 from syncplane.comm.window import (
     win_accumulate,
     win_create,
@@ -57,4 +60,6 @@ __all__ = [
     "push_sum_average", "ring_allreduce_bytes", "set_machine_topology", "set_topology", "topology",
     "win_accumulate", "win_create", "win_free", "win_get", "win_mutex", "win_put", "win_update",
     "win_update_then_collect", "window",
+    # DiLoCo's pieces: codecs, the CPU outer optimizer, the sharded multi-stream all-reduce
+    "ErrorFeedback", "Fp32", "Int8Blockwise", "OuterOptimizer", "ShardedAllReduce", "make_codec", "shard_bounds",
 ]

@@ -11,6 +11,7 @@ leaders (local rank 0) cross the slow inter-machine links, once each.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from syncplane import kernels
 from syncplane.comm import context, topology
 from syncplane.comm.check import check_if_enabled
 from syncplane.comm.meter import CommMeter
-from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, exchange
+from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle, exchange
 
 
 def hierarchical_neighbor_allreduce(
@@ -67,3 +68,31 @@ def _machine_plan(layout: context.MachineLayout, machine: int, self_weight: floa
         raise ValueError("dynamic hierarchical_neighbor_allreduce needs self_weight, src_machine_weights "
                          "and dst_machine_weights")
     return float(self_weight), {int(j): float(w) for j, w in src.items()}, topology.as_destinations(dst), True
+
+
+_background: ThreadPoolExecutor | None = None
+
+
+def hierarchical_neighbor_allreduce_nonblocking(
+    tensor: torch.Tensor, self_weight: float | None = None,
+    src_machine_weights: Mapping[int, float] | None = None,
+    dst_machine_weights: Mapping[int, float] | Sequence[int] | None = None,
+    *, enable_topo_check: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    meter: CommMeter | None = None,
+) -> Handle:
+    """``hierarchical_neighbor_allreduce`` on a background thread; ``.wait()`` returns the result.
+
+    The operation chains three dependent steps (intra-machine reduce, leader exchange,
+    broadcast), so it cannot be one batch of async works; one worker thread runs the
+    launched operations in launch order (the same order on every rank) while the
+    caller computes -- gloo releases the GIL while it moves data. ``tensor`` must not
+    be modified until ``wait()`` returns. Keep the topology check off on hot paths: it is
+    a collective on the default group and could interleave with the caller's own.
+    """
+    global _background
+    if _background is None:
+        _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncplane-hierarchical")
+    future = _background.submit(hierarchical_neighbor_allreduce, tensor, self_weight, src_machine_weights,
+                                dst_machine_weights, enable_topo_check=enable_topo_check, timeout_s=timeout_s,
+                                meter=meter)
+    return Handle(_finish=future.result)

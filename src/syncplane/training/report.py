@@ -6,6 +6,11 @@
 "bytes_sent_per_rank"}, "consensus_distance"}``. Throughput counts the samples of
 *every* rank (all-reduced), not rank 0's times the world size; step time is the
 median over steps of the slowest rank's step.
+
+Optional extras a recipe's LightningModule can provide (added keys, never replacing
+the contract's): ``batch_tokens(batch) -> int`` adds ``throughput.tokens_per_s``;
+``train_flops_per_sample() -> float`` adds ``throughput.model_flops_per_s`` and, on
+GPUs whose peak Lightning knows, ``throughput.mfu`` (null on CPU).
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class RunReport(Callback):
         self.strategy_name, self.recipe_name = strategy_name, recipe_name
         self.step_times: list[float] = []
         self.samples = 0
+        self.tokens = 0
+        self.flops_per_sample: float | None = None
         self._step_start = 0.0
         self._fit_start = 0.0
         self._train_seconds = 0.0
@@ -99,6 +106,8 @@ class RunReport(Callback):
             self.meter = attach_ddp_meter(trainer.strategy.model)
         else:
             self.meter = CommMeter()  # single process: nothing is communicated
+        count_flops = getattr(pl_module, "train_flops_per_sample", None)
+        self.flops_per_sample = float(count_flops()) if callable(count_flops) else None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -118,6 +127,9 @@ class RunReport(Callback):
                            batch_idx: int) -> None:
         self.step_times.append(time.perf_counter() - self._step_start)
         self.samples += _batch_size(batch)
+        count_tokens = getattr(pl_module, "batch_tokens", None)
+        if callable(count_tokens):
+            self.tokens += int(count_tokens(batch))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -144,8 +156,8 @@ class RunReport(Callback):
         world = trainer.world_size
         distributed = dist.is_available() and dist.is_initialized() and world > 1
         assert self.meter is not None
-        totals = torch.tensor([float(self.samples), self.meter.seconds, float(self.meter.bytes_sent)],
-                              dtype=torch.float64)
+        totals = torch.tensor([float(self.samples), self.meter.seconds, float(self.meter.bytes_sent),
+                               float(self.tokens)], dtype=torch.float64)
         train_seconds = torch.tensor([self._train_seconds], dtype=torch.float64)
         steps = torch.tensor(self.step_times, dtype=torch.float64)
         if distributed:
@@ -159,6 +171,9 @@ class RunReport(Callback):
             dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         distance = mean_and_distance([p.detach() for p in pl_module.parameters()]) if distributed else 0.0
         metrics = trainer.callback_metrics
+        seconds = max(train_seconds.item(), 1e-9)
+        counts_tokens = callable(getattr(pl_module, "batch_tokens", None))
+        flops_per_s = None if self.flops_per_sample is None else float(totals[0]) * self.flops_per_sample / seconds
         self.summary = {
             "strategy": self.strategy_name,
             "recipe": self.recipe_name,
@@ -168,6 +183,9 @@ class RunReport(Callback):
             "throughput": {
                 "samples_per_s": float(totals[0] / max(train_seconds.item(), 1e-9)),
                 "step_s_median": statistics.median(steps.tolist()) if len(steps) else None,
+                "tokens_per_s": float(totals[3] / seconds) if counts_tokens else None,
+                "model_flops_per_s": flops_per_s,
+                "mfu": _mfu(trainer, flops_per_s),
             },
             "comm": {"seconds": float(totals[1] / world), "bytes_sent_per_rank": float(totals[2] / world)},
             "consensus_distance": distance,
@@ -179,6 +197,24 @@ class RunReport(Callback):
             tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
             tmp.replace(path)
             print_summary(self.summary, path)
+
+
+def _mfu(trainer: pl.Trainer, flops_per_s: float | None) -> float | None:
+    """Model FLOPs utilization: achieved model FLOP/s over the peak of every device.
+
+    GPU only (a CPU has no meaningful tensor-core peak) and only for chips whose peak
+    Lightning's table knows, at the compute dtype the precision setting implies.
+    """
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    device = trainer.strategy.root_device
+    if flops_per_s is None or device.type != "cuda":
+        return None
+    precision = str(trainer.precision)
+    dtype = (torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16")
+             else torch.float64 if precision.startswith("64") else torch.float32)
+    peak = get_available_flops(device, dtype)
+    return None if not peak else flops_per_s / (peak * trainer.world_size)
 
 
 def print_summary(summary: dict[str, Any], path: Path) -> None:
@@ -199,6 +235,11 @@ def print_summary(summary: dict[str, Any], path: Path) -> None:
         ("val loss", fmt(summary["metrics"]["val_loss"], ".4f")),
         ("samples/s (all ranks)", fmt(summary["throughput"]["samples_per_s"], ",.1f")),
         ("step time, median (s)", fmt(summary["throughput"]["step_s_median"], ".4f")),
+        *([("tokens/s (all ranks)", fmt(summary["throughput"]["tokens_per_s"], ",.0f"))]
+          if summary["throughput"].get("tokens_per_s") is not None else []),
+        *([("model TFLOP/s (all ranks)", fmt(summary["throughput"]["model_flops_per_s"] / 1e12, ".4f"))]
+          if summary["throughput"].get("model_flops_per_s") is not None else []),
+        *([("MFU", fmt(summary["throughput"]["mfu"], ".3f"))] if summary["throughput"].get("mfu") is not None else []),
         ("comm time per rank (s)", fmt(summary["comm"]["seconds"], ".3f")),
         ("bytes sent per rank", fmt(summary["comm"]["bytes_sent_per_rank"], ",.0f")),
         ("consensus distance", fmt(summary["consensus_distance"], ".2e")),

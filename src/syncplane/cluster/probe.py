@@ -1,0 +1,324 @@
+"""Topology detection: which ranks share a host, which hosts share a rack, and how fast
+every pair of ranks can exchange data (DS-Sync's ``topologyDetect``).
+
+Two sources, one result (``Topology``):
+
+- **a cluster profile** (the launcher of an emulated cluster tells its ranks which one,
+  ``SYNCPLANE_CLUSTER``): racks and hosts as declared, pairwise bandwidth from the α-β
+  cost model (NIC, uplink and background-flow shares included);
+- **a probe**: short timed exchanges between every pair of ranks, scheduled as a
+  round-robin tournament (circle method) -- ``n − 1`` rounds of ``n/2`` concurrent pairs,
+  so probing takes O(n) rounds instead of O(n²) sequential transfers. Hosts come from
+  the launcher's node rank (``GROUP_RANK``); racks by clustering the host-to-host
+  bandwidth at its largest gap (a rack is a set of hosts that reach each other much
+  faster than they reach the rest).
+
+A probe's result is cached per cluster (``~/.cache/syncplane/probe/<key>.json``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from syncplane.cluster.cost import CostModel
+from syncplane.cluster.profile import ClusterProfile, load_profile
+from syncplane.config import ConfigError
+
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "syncplane" / "probe"
+CLUSTER_ENV = "SYNCPLANE_CLUSTER"      # set by the cluster launcher: the profile file the ranks run on
+MIN_GAP_RATIO = 2.0                    # a rack boundary: bandwidth drops by at least this factor
+
+
+@dataclass
+class Topology:
+    """Ranks grouped into hosts and racks, with pairwise bandwidth (bytes/s) and latency (s)."""
+
+    racks: list[list[int]]
+    hosts: list[list[int]]
+    bandwidth: np.ndarray
+    latency: np.ndarray
+    source: str
+
+    @property
+    def world_size(self) -> int:
+        return len(self.bandwidth)
+
+    def host_of(self, rank: int) -> int:
+        return next(h for h, ranks in enumerate(self.hosts) if rank in ranks)
+
+    def rack_of(self, rank: int) -> int:
+        return next(k for k, ranks in enumerate(self.racks) if rank in ranks)
+
+    def nic_estimate(self) -> list[float | None]:
+        """Per rank: its best bandwidth to another host of its rack (what its NIC allows); None
+        when its rack has no other host (a lone host's NIC cannot be told from its uplink)."""
+        out: list[float | None] = []
+        for i in range(self.world_size):
+            peers = [j for j in self.racks[self.rack_of(i)] if self.host_of(j) != self.host_of(i)]
+            out.append(max(float(self.bandwidth[i, j]) for j in peers) if peers else None)
+        return out
+
+    def uplink_estimate(self) -> list[float | None]:
+        """Per rack: median bandwidth of its ranks to ranks of other racks."""
+        out: list[float | None] = []
+        for members in self.racks:
+            others = [j for j in range(self.world_size) if j not in members]
+            values = [float(self.bandwidth[i, j]) for i in members for j in others]
+            out.append(statistics.median(values) if values else None)
+        return out
+
+    def bottlenecks(self, slow_factor: float = 0.5) -> tuple[list[int], list[int]]:
+        """(slow ranks, slow racks), worst first: below ``slow_factor`` × the median of their kind."""
+        def slow(values: list[float | None]) -> list[int]:
+            known = [v for v in values if v is not None]
+            if len(known) < 2:
+                return []
+            median = statistics.median(known)
+            found = [(v, i) for i, v in enumerate(values) if v is not None and v < slow_factor * median]
+            return [i for _, i in sorted(found)]                        # worst first
+
+        return slow(self.nic_estimate()), slow(self.uplink_estimate()) if len(self.racks) > 2 else []
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"racks": self.racks, "hosts": self.hosts, "bandwidth": self.bandwidth.tolist(),
+                "latency": self.latency.tolist(), "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Topology:
+        return cls(racks=data["racks"], hosts=data["hosts"], bandwidth=np.asarray(data["bandwidth"], dtype=float),
+                   latency=np.asarray(data["latency"], dtype=float), source=data["source"])
+
+
+# ----------------------------------------------------------------------------- from a profile
+
+
+def from_profile(profile: ClusterProfile, world_size: int | None = None, probe_bytes: float = 2**20) -> Topology:
+    """The topology a profile declares; pairwise bandwidth from the cost model (both directions
+    of an exchange at once, so a pair's rate is its slower direction's)."""
+    if world_size is not None and world_size != profile.world_size:
+        raise ConfigError(f"cluster profile {profile.name!r} has {profile.world_size} ranks but the job has "
+                          f"{world_size} processes")
+    n = profile.world_size
+    model = CostModel(profile)
+    bw = np.full((n, n), np.inf)
+    lat = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            seconds = model.phase_time([(i, j, probe_bytes), (j, i, probe_bytes)], alpha_s=0.0)
+            bw[i, j] = bw[j, i] = probe_bytes / seconds
+            lat[i, j] = lat[j, i] = model.alpha_s
+    racks: list[list[int]] = [[] for _ in profile.racks]
+    for host in profile.hosts:
+        racks[host.rack].extend(host.ranks)
+    return Topology(racks=racks, hosts=[list(h.ranks) for h in profile.hosts], bandwidth=bw, latency=lat,
+                    source=f"profile {profile.name}")
+
+
+# ----------------------------------------------------------------------------- probing
+
+
+def round_robin_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Circle-method tournament: every unordered pair of ``n`` ranks meets exactly once, in
+    ``n − 1`` rounds (``n`` rounds when odd: one rank sits out each round)."""
+    players: list[int | None] = list(range(n)) + ([None] if n % 2 else [])
+    m = len(players)
+    rounds = []
+    for _ in range(m - 1):
+        pairs = [(players[i], players[m - 1 - i]) for i in range(m // 2)]
+        rounds.append([(min(a, b), max(a, b)) for a, b in pairs if a is not None and b is not None])
+        players = [players[0], players[-1], *players[1:-1]]
+    return rounds
+
+
+def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int, pings: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Collective: in each round the pairs exchange ``nbytes`` both ways at once (after a few
+    tiny ping-pongs for the latency). Returns (bandwidth bytes/s, latency s), n×n, on every rank;
+    pairs that did not meet hold 0."""
+    n, me = dist.get_world_size(), dist.get_rank()
+    bw, lat = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
+    send = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    recv = torch.empty_like(send)
+    tiny_out, tiny_in = torch.zeros(1), torch.zeros(1)
+    for pairs in rounds:
+        dist.barrier()
+        peer = next((b if a == me else a for a, b in pairs if me in (a, b)), None)
+        if peer is None:
+            continue
+        rtts = []
+        for _ in range(pings):
+            start = time.perf_counter()
+            if me < peer:
+                dist.send(tiny_out, peer)
+                dist.recv(tiny_in, peer)
+            else:
+                dist.recv(tiny_in, peer)
+                dist.send(tiny_out, peer)
+            rtts.append(time.perf_counter() - start)
+        latency = min(rtts) / 2
+        start = time.perf_counter()
+        works = [dist.isend(send, peer), dist.irecv(recv, peer)]
+        for w in works:
+            w.wait()
+        elapsed = time.perf_counter() - start
+        bw[me, peer] = send.numel() * 4 / max(elapsed - latency, 1e-9)
+        lat[me, peer] = latency
+    dist.all_reduce(bw)
+    dist.all_reduce(lat)
+    bw = (bw + bw.T) / 2          # both ends timed the same exchange
+    lat = (lat + lat.T) / 2
+    return bw.numpy(), lat.numpy()
+
+
+def cluster_racks(host_bw: np.ndarray) -> list[list[int]]:
+    """Hosts into racks: cut the host-to-host bandwidth at its largest gap (if ≥ MIN_GAP_RATIO),
+    racks = connected components of the faster links. A host with no fast link at all has a
+    slow NIC rather than a rack of its own (the two look alike; give a profile to tell them
+    apart): it joins the rack it reaches best."""
+    h = len(host_bw)
+    if h <= 2:
+        return [list(range(h))]
+    values = sorted(float(host_bw[i, j]) for i in range(h) for j in range(i + 1, h))
+    logs = np.log(values)
+    gaps = np.diff(logs)
+    k = int(np.argmax(gaps))
+    if np.exp(gaps[k]) < MIN_GAP_RATIO:
+        return [list(range(h))]
+    threshold = np.exp((logs[k] + logs[k + 1]) / 2)
+    comps = _components(h, [(i, j) for i in range(h) for j in range(i + 1, h) if host_bw[i, j] >= threshold])
+    racks = [c for c in comps if len(c) > 1]
+    if not racks:
+        return [list(range(h))]
+    for lone in (c[0] for c in comps if len(c) == 1):
+        best = max(range(len(racks)), key=lambda r: statistics.median(float(host_bw[lone, j]) for j in racks[r]))
+        racks[best].append(lone)
+    return sorted(sorted(r) for r in racks)
+
+
+def _components(n: int, edges: list[tuple[int, int]]) -> list[list[int]]:
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        parent[find(a)] = find(b)
+    comps: dict[int, list[int]] = {}
+    for i in range(n):
+        comps.setdefault(find(i), []).append(i)
+    return sorted(comps.values())
+
+
+def topology_from_measurements(bw: np.ndarray, lat: np.ndarray, host_ids: Sequence[int]) -> Topology:
+    """Hosts from ``host_ids`` (one per rank), racks from clustering the host-level bandwidth."""
+    ids = sorted(set(host_ids))
+    hosts = [[r for r, h in enumerate(host_ids) if h == hid] for hid in ids]
+    hb = np.zeros((len(hosts), len(hosts)))
+    for a, ra in enumerate(hosts):
+        for b, rb in enumerate(hosts):
+            if a != b:
+                hb[a, b] = max(float(bw[i, j]) for i in ra for j in rb)
+    racks = [sorted(r for h in rack for r in hosts[h]) for rack in cluster_racks(hb)]
+    bw = bw.copy()
+    np.fill_diagonal(bw, np.inf)
+    return Topology(racks=sorted(racks), hosts=hosts, bandwidth=bw, latency=lat, source="probe")
+
+
+def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool = False) -> Topology:
+    """Collective: measure (or load from the cache) this job's topology; same result on every rank."""
+    n = dist.get_world_size()
+    host_id = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", dist.get_rank())))
+    ids = [0] * n
+    dist.all_gather_object(ids, host_id)
+    key = hashlib.sha1(json.dumps([n, ids, os.environ.get("MASTER_ADDR", ""), nbytes,
+                                   os.environ.get(CLUSTER_ENV, "")]).encode()).hexdigest()[:16]
+    path = cache_dir / f"{key}.json" if cache_dir is not None else None
+    box: list[Any] = [None]
+    if dist.get_rank() == 0 and path is not None and path.exists() and not refresh:
+        box[0] = json.loads(path.read_text())
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        topo = Topology.from_dict(box[0])
+        topo.source = f"probe (cached {path})"
+        return topo
+    bw, lat = measure_rounds(round_robin_rounds(n), nbytes)
+    topo = topology_from_measurements(bw, lat, ids)
+    if dist.get_rank() == 0 and path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = topo.to_dict()
+        data["bandwidth"] = [[v if np.isfinite(v) else 1e300 for v in row] for row in data["bandwidth"]]
+        path.write_text(json.dumps(data))
+    return topo
+
+
+def resolve_topology(source: str = "auto", probe_bytes: int = 2**20, refresh: bool = False) -> Topology:
+    """Collective. ``auto``: the profile the launcher named (``SYNCPLANE_CLUSTER``) if any, else
+    a probe; ``probe``: always probe; anything else: a shipped profile name or a YAML path."""
+    world = dist.get_world_size()
+    if source == "probe" or (source == "auto" and not os.environ.get(CLUSTER_ENV)):
+        return probe(probe_bytes, refresh=refresh)
+    name = os.environ[CLUSTER_ENV] if source == "auto" else source
+    return from_profile(load_profile(name), world)
+
+
+def reprober(topo: Topology, nbytes: int = 2**20, slow_factor: float = 0.5) -> Callable[[], Any]:
+    """DS-Sync's re-measurement under contention: probe every pair again (racks and hosts
+    stay as detected) and report the bandwidth with the bottlenecks it shows now."""
+    def run() -> tuple[np.ndarray, list[int], list[int]]:
+        bw, lat = measure_rounds(round_robin_rounds(dist.get_world_size()), nbytes)
+        np.fill_diagonal(bw, np.inf)
+        now = Topology(racks=topo.racks, hosts=topo.hosts, bandwidth=bw, latency=lat, source="re-probe")
+        slow_ranks, slow_racks = now.bottlenecks(slow_factor)
+        return bw, slow_ranks, slow_racks
+
+    return run
+
+
+def ds_sync_for(topo: Topology, *, adjust_every: int = 0, imbalance: float = 1.5, slow_factor: float = 0.5,
+                probe_bytes: int = 2**20) -> Any:
+    """Collective: the DS-Sync runtime for ``topo`` (pattern from its racks and bottlenecks)."""
+    from syncplane.comm.ds_sync import DSSync
+
+    slow_ranks, slow_racks = topo.bottlenecks(slow_factor)
+    return DSSync(topo.racks, topo.bandwidth, slow_ranks, slow_racks, adjust_every=adjust_every,
+                  imbalance=imbalance, reprobe=reprober(topo, probe_bytes, slow_factor))
+
+
+def print_table(topo: Topology, slow_factor: float = 0.5) -> None:
+    """What was found, as a table (one row per host)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    slow_ranks, slow_racks = topo.bottlenecks(slow_factor)
+    nic, uplink = topo.nic_estimate(), topo.uplink_estimate()
+    table = Table(title=f"DS-Sync topology ({topo.source}): {len(topo.racks)} racks, {len(topo.hosts)} hosts, "
+                        f"{topo.world_size} ranks")
+    for col in ("rack", "host", "ranks", "NIC Mbit/s", "uplink Mbit/s", "bottleneck"):
+        table.add_column(col, justify="left" if col in ("rack", "host", "ranks", "bottleneck") else "right")
+
+    def mbit(v: float | None) -> str:
+        return "-" if v is None or not np.isfinite(v) else f"{v * 8 / 1e6:.0f}"
+
+    for k, rack in enumerate(topo.racks):
+        for h, ranks in enumerate(topo.hosts):
+            if ranks[0] not in rack:
+                continue
+            flags = (["slow NIC"] if any(r in slow_ranks for r in ranks) else []) + \
+                    (["slow uplink"] if k in slow_racks else [])
+            table.add_row(str(k), str(h), ",".join(map(str, ranks)), mbit(nic[ranks[0]]), mbit(uplink[k]),
+                          ", ".join(flags) or "-")
+    Console(width=110).print(table)

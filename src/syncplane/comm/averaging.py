@@ -1,0 +1,116 @@
+"""Neighbour averaging of a fixed set of tensors (a model), launched without blocking.
+
+``NeighborAverager`` is the engine behind the decentralized strategies (ATC, AWC and
+their hierarchical forms): at step ``t`` it packs the tensors into fused buckets,
+launches one neighbour all-reduce per bucket with the schedule's weights for ``t``, and
+writes each bucket back when someone waits for it. Waiting per bucket is what lets a
+strategy overlap communication with compute: ATC waits for a layer's bucket only when
+that layer's forward needs it.
+
+Flat mode mixes ranks (``neighbor_allreduce``); hierarchical mode mixes machines
+(``hierarchical_neighbor_allreduce``: average inside a machine, leaders exchange, then
+broadcast) with the schedule defined over machines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from syncplane.comm import context
+from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, make_buckets
+from syncplane.comm.check import check_plan
+from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce_nonblocking
+from syncplane.comm.meter import CommMeter
+from syncplane.comm.neighbor import neighbor_allreduce_nonblocking
+from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
+from syncplane.comm.schedule import Schedule
+
+
+class NeighborAverager:
+    """Mix ``tensors`` in place with the neighbours ``schedule`` names for each step.
+
+    Args:
+        tensors: contiguous tensors, in the order their consumers need them (buckets
+            follow this order, so the first layers' bucket is launched first).
+        schedule: over ranks (flat) or over machines (``hierarchical=True``).
+        hierarchical: mix machines; ranks ``[m·L, (m+1)·L)`` form machine m.
+        local_size: processes per machine for ``hierarchical`` (default: the launch's
+            ``LOCAL_WORLD_SIZE``). Creating the machine groups is a collective.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor], schedule: Schedule, *, hierarchical: bool = False,
+                 local_size: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 meter: CommMeter | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.schedule, self.hierarchical = schedule, hierarchical
+        self.meter, self.timeout_s = meter, timeout_s
+        self.rank = dist.get_rank()
+        if hierarchical:
+            context.set_machine_topology(local_size=local_size)
+            self.layout = context.machine_layout()
+            self.me = self.layout.machine_of(self.rank)
+            participants = dist.get_world_size() // self.layout.local_size
+        else:
+            self.me = self.rank
+            participants = dist.get_world_size()
+        if schedule.size != participants:
+            unit = "machines" if hierarchical else "ranks"
+            raise ValueError(f"the schedule is over {schedule.size} participants but there are {participants} {unit}")
+        self.buckets = make_buckets(tensors, bucket_bytes)
+        self._bucket_of = {t.data_ptr(): i for i, b in enumerate(self.buckets) for t in b.tensors}
+        self._pending: dict[int, Handle] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def buckets_of(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """Indices of the buckets holding any of ``tensors`` (others are ignored)."""
+        return {self._bucket_of[t.data_ptr()] for t in tensors if t.data_ptr() in self._bucket_of}
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    # ------------------------------------------------------------------ operations
+
+    def check_schedule(self) -> None:
+        """Verify on every rank, once per distinct step of a period, that senders and
+        receivers agree (a collective per step). The hot path then runs unchecked; a
+        later mismatch still ends in ``TopologyError`` after ``timeout_s``."""
+        for step in range(self.schedule.period):
+            plan = self.schedule.plan(step, self.me)
+            if self.hierarchical:
+                leader = self.rank == self.layout.leader_of(self.me)
+                sends = [self.layout.leader_of(m) for m in plan.dst_weights] if leader else []
+                recvs = [self.layout.leader_of(m) for m in plan.src_weights] if leader else []
+                check_plan(sends, recvs, what="hierarchical_neighbor_allreduce")
+            else:
+                check_plan(plan.dst_weights, plan.src_weights)
+
+    def launch(self, step: int) -> None:
+        """Start mixing every bucket with step ``step``'s weights (waits out a previous round first)."""
+        self.wait()
+        plan = self.schedule.plan(step, self.me)
+        for index, bucket in enumerate(self.buckets):
+            flat = bucket.pack()
+            if self.hierarchical:
+                handle = hierarchical_neighbor_allreduce_nonblocking(
+                    flat, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
+                    timeout_s=self.timeout_s, meter=self.meter)
+            else:
+                handle = neighbor_allreduce_nonblocking(
+                    flat, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
+                    timeout_s=self.timeout_s, meter=self.meter, out=flat)
+            self._pending[index] = handle
+
+    def wait(self, indices: Iterable[int] | None = None) -> None:
+        """Finish the given buckets (default: all pending) and write them back, in bucket order."""
+        chosen = sorted(self._pending if indices is None else set(indices) & set(self._pending))
+        for index in chosen:
+            result = self._pending.pop(index).wait()
+            self.buckets[index].unpack(result)

@@ -1,0 +1,153 @@
+"""DS-Sync's runtime: one group average per step, on a schedule that adapts to contention.
+
+``DSSync`` owns the schedule position, the process groups of every candidate pattern
+(created once, at construction), and the adjustment loop of the paper's Pseudo Code 1:
+every ``adjust_every`` steps the ranks' measured sync times are gathered; when a group
+that could be split (three or more ranks) is much slower than the bandwidth estimate
+says it should be, relative to the other groups, the links are probed again and the
+pattern that splits the new bottleneck off (§III-B2/B3) is adopted. Rank 0 decides from
+the gathered numbers and broadcasts the choice, so every rank switches at the same step.
+
+Used by the ``ds_sync`` strategy (parameters after each local step) and by
+``syncplane bench`` (a flat payload) -- the same code in both.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from syncplane.comm.buckets import Bucket
+from syncplane.comm.group_pattern import Candidates, GroupPattern, candidate_patterns, ring_time_s
+from syncplane.comm.groups import GroupSet
+from syncplane.comm.meter import CommMeter
+
+#: Re-measures the pairwise bandwidth (a collective); returns (bandwidth n×n, slow ranks, slow racks),
+#: the slow lists ordered worst first.
+Reprobe = Callable[[], tuple[np.ndarray, list[int], list[int]]]
+
+
+def flagged_steps(times: np.ndarray, pattern: GroupPattern, first_step: int, bandwidth: np.ndarray,
+                  payload_bytes: float, imbalance: float, q_ref: float | None) -> tuple[int, float]:
+    """(number of window steps with a splittable bottleneck group, median slowdown q).
+
+    ``times[s, r]`` is rank r's sync seconds at step ``first_step + s``. A group's time is
+    its slowest member's; its slowdown q = time / α-free ring estimate. A group of three or
+    more is a bottleneck when its q exceeds ``imbalance`` × the step's median q (or the
+    reference q of an earlier window, which catches a single-group pattern slowing down).
+    """
+    flagged, all_q = 0, []
+    for s in range(times.shape[0]):
+        qs = []
+        for g in pattern.groups_at(first_step + s):
+            if len(g) > 1:
+                expected = ring_time_s(g, payload_bytes, bandwidth)
+                qs.append((g, float(times[s, list(g)].max()) / max(expected, 1e-12)))
+        if not qs:
+            continue
+        ref = statistics.median(q for _, q in qs)
+        if q_ref is not None:
+            ref = min(ref, q_ref)
+        all_q += [q for _, q in qs]
+        flagged += any(len(g) > 2 and q > imbalance * ref for g, q in qs)
+    return flagged, statistics.median(all_q) if all_q else 1.0
+
+
+def choose_candidate(candidates: Candidates, slow_ranks: Sequence[int], slow_racks: Sequence[int]) -> int:
+    """The candidate that splits off the first (worst) bottleneck not already handled by the
+    base pattern -- ranks first, each list ordered worst first; the base when there is none."""
+    for key in [f"rank{r}" for r in slow_ranks] + [f"rack{k}" for k in slow_racks]:
+        if key in candidates.keys:
+            return candidates.index(key)
+    return 0
+
+
+class DSSync:
+    """Collective construction (creates the process groups). Call ``sync_`` once per step on every rank."""
+
+    def __init__(self, racks: Sequence[Sequence[int]], bandwidth: np.ndarray, slow_ranks: Sequence[int] = (),
+                 slow_racks: Sequence[int] = (), *, adjust_every: int = 0, imbalance: float = 1.5,
+                 reprobe: Reprobe | None = None) -> None:
+        if adjust_every < 0:
+            raise ValueError(f"adjust_every must be >= 0 (0 = never adjust), got {adjust_every}")
+        if imbalance <= 1.0:
+            raise ValueError(f"imbalance must be > 1, got {imbalance}")
+        world = dist.get_world_size()
+        size = sum(len(r) for r in racks)
+        if size != world:
+            raise ValueError(f"the topology has {size} ranks but the process group has {world}")
+        self.candidates = candidate_patterns(racks, slow_ranks, slow_racks)
+        self.groups = GroupSet(self.candidates.communicating_groups())
+        self.bandwidth = np.asarray(bandwidth, dtype=float)
+        self.adjust_every, self.imbalance, self.reprobe = adjust_every, imbalance, reprobe
+        self.rank = dist.get_rank()
+        self.step = 0
+        self.current = 0
+        self.q_ref: float | None = None
+        self._window: list[float] = []
+        self.adjustments: list[tuple[int, str]] = []     # (step, candidate key) for the log
+
+    @property
+    def pattern(self) -> GroupPattern:
+        return self.candidates.patterns[self.current]
+
+    def sync_(self, buckets: Sequence[Bucket], meter: CommMeter | None = None) -> None:
+        """Average ``buckets`` within this rank's group of the current step, then advance."""
+        group = self.pattern.group_of(self.rank, self.step)
+        start = time.perf_counter()
+        self.groups.group_average_(buckets, group, meter)
+        self._window.append(time.perf_counter() - start)
+        self.step += 1
+        if self.adjust_every and self.step % self.adjust_every == 0:
+            self._adjust(sum(b.nbytes for b in buckets))
+
+    def _adjust(self, payload_bytes: float) -> None:
+        times = torch.tensor(self._window, dtype=torch.float64)
+        self._window = []
+        gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, times)
+        first = self.step - len(times)
+        decision = torch.zeros(2, dtype=torch.float64)
+        if self.rank == 0:
+            flagged, q = flagged_steps(torch.stack(gathered, 1).numpy(), self.pattern, first, self.bandwidth,
+                                       payload_bytes, self.imbalance, self.q_ref)
+            decision[0] = float(flagged * 2 >= len(times) and self.reprobe is not None)
+            decision[1] = q
+        dist.broadcast(decision, 0)
+        if self.q_ref is None:
+            self.q_ref = float(decision[1])
+        if not decision[0]:
+            return
+        assert self.reprobe is not None
+        self.bandwidth, slow_ranks, slow_racks = self.reprobe()          # collective, same on every rank
+        choice = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            choice[0] = choose_candidate(self.candidates, slow_ranks, slow_racks)
+        dist.broadcast(choice, 0)
+        self.current = int(choice[0])
+        self.q_ref = None
+        self.adjustments.append((self.step, self.candidates.keys[self.current]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "current": self.current, "q_ref": -1.0 if self.q_ref is None else self.q_ref,
+                "bandwidth": torch.from_numpy(np.nan_to_num(self.bandwidth, posinf=1e300).copy()),
+                "window": torch.tensor(self._window, dtype=torch.float64)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not 0 <= int(state["current"]) < len(self.candidates.keys):
+            raise ValueError(f"saved pattern index {state['current']} does not exist here "
+                             f"({len(self.candidates.keys)} candidate patterns): was the topology different?")
+        bandwidth = state["bandwidth"].numpy()
+        if bandwidth.shape != self.bandwidth.shape:
+            raise ValueError(f"saved bandwidth matrix is {bandwidth.shape}, this job has {self.bandwidth.shape}")
+        self.step, self.current = int(state["step"]), int(state["current"])
+        self.q_ref = None if float(state["q_ref"]) < 0 else float(state["q_ref"])
+        self.bandwidth = bandwidth
+        self._window = [float(x) for x in state["window"]]
+

@@ -1,0 +1,84 @@
+"""The outer optimizer of DiLoCo-style training: global parameters and their optimizer on CPU.
+
+Local-SGD methods keep two models: the replica the inner optimizer trains, and the
+last globally agreed parameters ``θ_g``. ``θ_g`` is only touched once per round, so it
+lives in host memory as one flat fp32 tensor (pinned when a GPU exists, so copies to
+and from the device can run asynchronously) together with an ordinary torch
+optimizer over it; accelerator memory does not grow. The outer "gradient" is the
+averaged pseudo-gradient ``Δ = mean_i(θ_g − θ_i)``. One flat tensor is exactly the
+per-tensor update for element-wise optimizers (SGD, Nesterov, Adam(W)); optimizers
+that look at whole layers (LARS/LAMB) would see one big layer instead.
+No Lightning here: the bench and the strategy share it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+DEFAULT_OPTIMIZER = "torch.optim.SGD"
+#: DiLoCo's outer optimizer (Douillard et al.): Nesterov momentum.
+DEFAULT_KWARGS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def resolve_optimizer(path: str) -> type[Optimizer]:
+    """``"torch.optim.SGD"`` -> the class; anything that is not an Optimizer subclass is refused."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise ValueError(f"outer_optimizer: {path!r} is not an importable torch.optim.Optimizer class "
+                         "(e.g. torch.optim.SGD, torch.optim.AdamW)")
+    return cls
+
+
+class OuterOptimizer:
+    """``θ_g`` (flat fp32, CPU) and a torch optimizer stepping it with the mean pseudo-gradient.
+
+    Args:
+        initial: the starting global parameters (copied).
+        optimizer: class path of any ``torch.optim.Optimizer``.
+        kwargs: its keyword arguments; None means DiLoCo's defaults for the default
+            class (lr 0.7, momentum 0.9, Nesterov) and none for another class.
+        pin: pin the host buffer (default: when CUDA is available).
+    """
+
+    def __init__(self, initial: torch.Tensor, optimizer: str = DEFAULT_OPTIMIZER,
+                 kwargs: Mapping[str, Any] | None = None, pin: bool | None = None) -> None:
+        cls = resolve_optimizer(optimizer)
+        if kwargs is None:
+            kwargs = DEFAULT_KWARGS if optimizer == DEFAULT_OPTIMIZER else {}
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.params = torch.empty(initial.numel(), dtype=torch.float32, pin_memory=pin)
+        self.params.copy_(initial.reshape(-1))
+        try:
+            self.optimizer = cls([self.params], **dict(kwargs))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"outer_kwargs {dict(kwargs)!r} rejected by {optimizer}: {exc}") from None
+
+    def pseudo_gradient(self, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``θ_g − θ_local`` (into ``out`` if given): how far this replica moved this round, negated."""
+        return torch.sub(self.params, local.reshape(-1), out=out)
+
+    def step(self, mean_delta: torch.Tensor) -> None:
+        """One outer step with the averaged pseudo-gradient as the gradient of ``θ_g``."""
+        self.params.grad = mean_delta.reshape(-1)
+        self.optimizer.step()
+        self.params.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain containers only (``torch.load(weights_only=True)``-loadable)."""
+        return {"params": self.params.detach().clone(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        params = state["params"]
+        if params.numel() != self.params.numel():
+            raise ValueError(f"outer state holds {params.numel()} parameters, this model has {self.params.numel()}")
+        self.params.copy_(params)
+        self.optimizer.load_state_dict(state["optimizer"])

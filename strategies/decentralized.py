@@ -1,0 +1,182 @@
+"""Decentralized strategies (BlueFog §V): ATC, AWC and their hierarchical forms.
+
+Every replica trains on its own data and, once per step, replaces its parameters by a
+weighted average of its neighbours' (``syncplane.comm.NeighborAverager``); no global
+all-reduce except, optionally, every ``global_every`` steps.
+
+- ``atc`` (adapt-then-combine): ``xᵢ ← Σⱼ wᵢⱼ (xⱼ − γ dᵢ)``. The local optimizer step
+  runs first; then every bucket is launched at once and each one is waited for only
+  when the next forward reaches the first layer that uses it (forward pre-hooks), so
+  the exchange overlaps the data loading and the start of the next forward.
+- ``awc`` (adapt-while-combine): ``xᵢ ← Σⱼ wᵢⱼ xⱼ − γ dᵢ`` with ``dᵢ`` the optimizer's
+  update computed at ``xᵢ``. The exchange of ``xᵢ`` starts before the forward and is
+  combined after the backward, just before the optimizer applies the update: fully
+  overlapped with the forward and backward.
+- ``h_atc`` / ``h_awc``: the same, mixing *machines* (average inside each machine, the
+  machines' leaders exchange) -- only one flow per machine crosses the slow links.
+
+Hooks used (see ``SyncplaneStrategy``): ``setup_sync`` (schedule, averager, checks),
+``before_optimizer_step`` / ``before_parameter_update`` (AWC), ``after_optimizer_step``
+(ATC, periodic global average), ``finish_pending_sync``. The schedule position is
+``trainer.global_step``, so a resumed run continues the dynamic schedule where it stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from syncplane.comm import context, topology
+from syncplane.comm.averaging import NeighborAverager
+from syncplane.comm.schedule import SCHEDULES, build_schedule
+from syncplane.strategies.base import SyncplaneStrategy
+from syncplane.strategies.registry import register
+
+#: Graph builders a config may name (``topology: RingGraph``); all take the size first.
+TOPOLOGIES = ("ExponentialTwoGraph", "ExponentialGraph", "SymmetricExponentialGraph", "RingGraph",
+              "MeshGrid2DGraph", "StarGraph", "FullyConnectedGraph")
+
+
+class NeighborAveragingStrategy(SyncplaneStrategy):
+    """Shared glue of the four decentralized strategies; subclasses pick when to mix.
+
+    Args:
+        topology: graph builder from ``syncplane.comm.topology`` (over machines for the
+            hierarchical forms), used by ``schedule: static``.
+        topology_kwargs: extra builder arguments (e.g. ``{connect_style: 1}``).
+        schedule: ``one_peer`` (dynamic one-peer exponential, BlueFog's training
+            default: one payload per rank per step) or ``static`` (the graph every step).
+        global_every: an exact global average every K steps (0 = never).
+        ranks_per_machine: machine size for the hierarchical forms (default: the
+            launch's ``LOCAL_WORLD_SIZE``, i.e. the processes started per host).
+        check_schedule: verify at setup that every step's senders and receivers agree.
+        timeout_s: how long a neighbour exchange may wait before failing with the ranks named.
+    """
+
+    hierarchical = False
+    overlap_with_forward = True   # ATC: wait in forward pre-hooks; AWC: wait before the update
+
+    def __init__(self, topology: str = "ExponentialTwoGraph", topology_kwargs: dict[str, Any] | None = None,
+                 schedule: str = "one_peer", global_every: int = 0, ranks_per_machine: int | None = None,
+                 check_schedule: bool = True, timeout_s: float = 300.0, consensus_every: int = 10,
+                 **kwargs: Any) -> None:
+        super().__init__(consensus_every=consensus_every, **kwargs)
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {topology!r}; allowed values: {', '.join(TOPOLOGIES)}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; allowed values: {', '.join(SCHEDULES)}")
+        if global_every < 0:
+            raise ValueError(f"global_every must be >= 0 (0 = never), got {global_every}")
+        if ranks_per_machine is not None and ranks_per_machine < 1:
+            raise ValueError(f"ranks_per_machine must be >= 1, got {ranks_per_machine}")
+        self.topology_name, self.topology_kwargs = topology, dict(topology_kwargs or {})
+        self.schedule_kind, self.global_every = schedule, global_every
+        self.ranks_per_machine, self.check_schedule, self.timeout_s = ranks_per_machine, check_schedule, timeout_s
+        self.averager: NeighborAverager | None = None
+        self._hooks: list[RemovableHandle] = []
+
+    @override
+    def setup_sync(self) -> None:
+        local = (self.ranks_per_machine or context.local_size_from_env()) if self.hierarchical else 1
+        if self.world_size % local:
+            raise ValueError(f"world size {self.world_size} is not a multiple of ranks_per_machine {local}")
+        participants = self.world_size // local if self.hierarchical else self.world_size
+        graph = getattr(topology, self.topology_name)(participants, **self.topology_kwargs)
+        self.averager = NeighborAverager(self.model_tensors(), build_schedule(self.schedule_kind, graph),
+                                         hierarchical=self.hierarchical, local_size=local,
+                                         bucket_bytes=self.bucket_bytes, meter=self.comm_meter,
+                                         timeout_s=self.timeout_s)
+        if self.check_schedule:
+            self.averager.check_schedule()
+        if self.overlap_with_forward:
+            self._install_forward_waits()
+
+    def _install_forward_waits(self) -> None:
+        """Each module with parameters waits, before its forward, for the buckets holding them."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        assert self.averager is not None and self.lightning_module is not None
+        averager = self.averager
+        for module in self.lightning_module.modules():
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            buckets = averager.buckets_of(t.data for t in own)
+            if buckets:
+                self._hooks.append(module.register_forward_pre_hook(
+                    lambda _module, _args, wanted=frozenset(buckets): averager.wait(wanted)))
+
+    def mixes_globally(self) -> bool:
+        """Whether this step ends with an exact global average instead of neighbour mixing."""
+        return self.global_every > 0 and (self.step + 1) % self.global_every == 0
+
+    @override
+    def finish_pending_sync(self) -> None:
+        if self.averager is not None:
+            self.averager.wait()
+
+    @override
+    def teardown(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        super().teardown()
+
+
+class AdaptThenCombine(NeighborAveragingStrategy):
+    @override
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        assert self.averager is not None
+        if self.mixes_globally():
+            self.averager.wait()
+            self.average_replicas_()
+        else:
+            self.averager.launch(self.step)   # waited for by the next forward's pre-hooks
+
+
+class AdaptWhileCombine(NeighborAveragingStrategy):
+    overlap_with_forward = False
+
+    @override
+    def before_optimizer_step(self, optimizer: Optimizer) -> None:
+        assert self.averager is not None
+        if not self.mixes_globally():
+            self.averager.launch(self.step)   # sends xᵢ as it is before this step's forward
+
+    @override
+    def before_parameter_update(self, optimizer: Optimizer) -> None:
+        assert self.averager is not None
+        with torch.no_grad():
+            self.averager.wait()              # xᵢ ← Σⱼ wᵢⱼ xⱼ; the optimizer then applies dᵢ(xᵢ)
+
+    @override
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        if self.mixes_globally():
+            self.average_replicas_()
+
+
+@register("atc", "decentralized adapt-then-combine: local step, then neighbour averaging (overlapped)")
+class ATC(AdaptThenCombine):
+    """Adapt-then-combine over ranks."""
+
+
+@register("awc", "decentralized adapt-while-combine: neighbour averaging overlapped with forward+backward")
+class AWC(AdaptWhileCombine):
+    """Adapt-while-combine over ranks."""
+
+
+@register("h_atc", "hierarchical ATC: average inside each machine, neighbour averaging across machines")
+class HATC(AdaptThenCombine):
+    """Adapt-then-combine over machines."""
+
+    hierarchical = True
+
+
+@register("h_awc", "hierarchical AWC: machine-level neighbour averaging overlapped with forward+backward")
+class HAWC(AdaptWhileCombine):
+    """Adapt-while-combine over machines."""
+
+    hierarchical = True

@@ -1,0 +1,112 @@
+"""``NeighborAverager`` on real gloo processes against the dense reference ``Y = Mᵀ X``.
+
+Every rank regenerates every rank's inputs from seeds, so each can compute the
+reference mixture locally in float64; buckets are kept tiny so that several of them
+are in flight at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+
+SHAPES = [(3, 5), (7,), (2, 2, 2), (11,)]
+
+
+def _inputs(rank: int, seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in SHAPES]
+
+
+def rank_matrix(schedule, step: int, world: int, local: int, hierarchical: bool) -> np.ndarray:
+    """The rank-level mixing matrix: machines' means mixed with the machine weights."""
+    if not hierarchical:
+        return schedule.matrix(step)
+    machine_matrix = schedule.matrix(step)
+    m = np.zeros((world, world))
+    for j in range(world):
+        for i in range(world):
+            m[j, i] = machine_matrix[j // local, i // local] / local
+    return m
+
+
+def _mix(rank: int, world: int, kind: str, hierarchical: bool, local: int, seed: int):
+    from syncplane.comm import topology
+    from syncplane.comm.averaging import NeighborAverager
+    from syncplane.comm.schedule import build_schedule
+
+    participants = world // local if hierarchical else world
+    schedule = build_schedule(kind, topology.RingGraph(participants) if kind == "static" else
+                              topology.ExponentialTwoGraph(participants))
+    tensors = _inputs(rank, seed)
+    averager = NeighborAverager(tensors, schedule, hierarchical=hierarchical, local_size=local, bucket_bytes=64)
+    assert len(averager.buckets) >= 3
+    averager.check_schedule()
+    errors = []
+    current = [[t.double() for t in _inputs(r, seed)] for r in range(world)]
+    for step in range(3):
+        averager.launch(step)
+        averager.wait()
+        m = torch.from_numpy(rank_matrix(schedule, step, world, local, hierarchical))
+        current = [[sum(m[j, i] * current[j][k] for j in range(world)) for k in range(len(SHAPES))]
+                   for i in range(world)]
+        errors.append(max((t.double() - ref).abs().max().item() for t, ref in zip(tensors, current[rank])))
+    return errors
+
+
+@pytest.mark.parametrize("world,kind,hierarchical,local", [
+    (4, "one_peer", False, 1), (3, "static", False, 1), (5, "one_peer", False, 1),
+    (4, "one_peer", True, 2), (4, "static", True, 2), (6, "one_peer", True, 2),
+])
+def test_mixing_equals_dense_reference(world, kind, hierarchical, local):
+    seed = int(torch.randint(0, 10_000, (1,)))
+    for errors in run_distributed(_mix, world, kind, hierarchical, local, seed, timeout=120):
+        assert max(errors) < 1e-5, errors
+
+
+def _partial_wait(rank: int, world: int):
+    import torch
+
+    from syncplane.comm import topology
+    from syncplane.comm.averaging import NeighborAverager
+    from syncplane.comm.schedule import build_schedule
+
+    first, second = torch.full((4,), float(rank)), torch.full((4,), 10.0 * rank)
+    averager = NeighborAverager([first, second], build_schedule("one_peer", topology.ExponentialTwoGraph(world)),
+                                bucket_bytes=16)
+    averager.launch(0)
+    before = second.clone()
+    averager.wait(averager.buckets_of([first]))     # only the bucket holding `first`
+    still_pending = averager.pending
+    first_after, second_untouched = first.clone(), torch.equal(second, before)
+    averager.wait()
+    return first_after, second_untouched, still_pending, second.clone()
+
+
+def test_waiting_for_one_bucket_leaves_the_others_in_flight():
+    results = run_distributed(_partial_wait, 2)
+    for first, second_untouched, still_pending, second in results:
+        assert torch.allclose(first, torch.full((4,), 0.5))          # (0 + 1) / 2
+        assert second_untouched and still_pending
+        assert torch.allclose(second, torch.full((4,), 5.0))
+
+
+def _wrong_size(rank: int, world: int):
+    import torch
+
+    from syncplane.comm.averaging import NeighborAverager
+    from syncplane.comm.schedule import OnePeerSchedule
+
+    try:
+        NeighborAverager([torch.zeros(2)], OnePeerSchedule(world + 1))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_schedule_of_the_wrong_size_is_refused():
+    for message in run_distributed(_wrong_size, 2):
+        assert message == "the schedule is over 3 participants but there are 2 ranks"

@@ -1,0 +1,120 @@
+"""``ShardedAllReduce`` on real gloo processes: the mean of every rank's buffer, bit-identical
+for every shard count, int8 within its error bound, and commit-or-discard on a failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+
+
+def _inputs(world: int, numel: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=g) * (r + 1) for r in range(world)]
+
+
+def _dense_mean(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The reference: sum in rank order, then divide (the order the owners use)."""
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc += x
+    return acc / len(xs)
+
+
+def _sharded_means(rank: int, world: int, sizes: list[int], shard_counts: list[int], seed: int,
+                   compression: str):
+    from syncplane.comm import CommMeter, ShardedAllReduce, make_codec
+
+    out = {}
+    for shards in shard_counts:
+        exchange = ShardedAllReduce(shards, codec=make_codec(compression, 16), timeout_s=30)
+        for numel in sizes:   # one exchange serves buffers of any size
+            flat = _inputs(world, numel, seed)[rank].clone()
+            meter = CommMeter()
+            assert exchange.allreduce_mean_(flat, meter=meter)
+            out[shards, numel] = (flat, meter.bytes_sent, exchange.bytes_per_round(numel))
+        exchange.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_shard_count_gives_the_exact_dense_mean(world):
+    """Primes, and fewer elements than shards x ranks (some segments are empty)."""
+    shard_counts, sizes = [1, 2, 3, 8], [1009, 2, 7]
+    results = run_distributed(_sharded_means, world, sizes, shard_counts, 11, "none", timeout=120)
+    for numel in sizes:
+        want = _dense_mean(_inputs(world, numel, 11))
+        for rank_result in results:
+            for shards in shard_counts:
+                flat, sent, predicted = rank_result[shards, numel]
+                assert torch.equal(flat, want), f"S={shards}, {numel} values: differs from the dense mean"
+                assert sent == predicted
+    # each rank sends 2(n-1)/n of the payload (up to segment rounding)
+    assert abs(results[0][1, 1009][1] - 2 * (world - 1) / world * 1009 * 4) <= 2 * world * 4
+
+
+def test_int8_mean_is_within_the_codec_bound_and_identical_on_every_rank():
+    world, numel = 3, 4099
+    results = run_distributed(_sharded_means, world, [numel], [1, 4], 5, "int8", timeout=120)
+    xs = _inputs(world, numel, 5)
+    want = _dense_mean(xs)
+    for shards in (1, 4):
+        got = [r[shards, numel][0] for r in results]
+        for other in got[1:]:
+            assert torch.equal(other, got[0]), "replicas must agree exactly"
+        # two quantizations (in: each contribution; out: the mean), each <= max|block|/254 per value
+        bound = 2 * max(x.abs().max() for x in xs) / 254 * 1.0001
+        assert (got[0] - want).abs().max() <= bound
+        assert ((got[0] - want).norm() / want.norm()) < 0.02
+        sent, fp32_bytes = results[0][shards, numel][1], 2 * (world - 1) / world * numel * 4
+        assert 0.30 < sent / fp32_bytes < 0.32   # 1/4, plus one fp32 scale per 16 values (+1/16)
+
+
+def _straggler(rank: int, world: int, late_rank: int):
+    import time
+
+    from syncplane.comm import ShardedAllReduce
+
+    exchange = ShardedAllReduce(2, timeout_s=1.0)
+    flats, outcomes = [], []
+    for round_ in range(3):
+        flat = torch.full((1000,), float(rank + 10 * round_))
+        before = flat.clone()
+        if round_ == 1 and rank == late_rank:
+            time.sleep(2.5)   # a straggler: every other rank's round times out
+        committed = exchange.allreduce_mean_(flat)
+        outcomes.append(committed)
+        flats.append((before, flat.clone()))
+    exchange.close()
+    return outcomes, flats, exchange.failures
+
+
+@pytest.mark.parametrize("world", [3])
+def test_a_timed_out_round_is_discarded_on_every_rank_and_the_next_commits(world):
+    results = run_distributed(_straggler, world, world - 1, timeout=120)
+    for outcomes, flats, failures in results:
+        assert outcomes == [True, False, True]
+        assert failures == 1
+        before, after = flats[1]
+        assert torch.equal(before, after), "a discarded round leaves the input untouched"
+        for round_ in (0, 2):
+            assert torch.equal(flats[round_][1], torch.full((1000,), (world - 1) / 2 + 10 * round_))
+
+
+def _bad_input(rank: int, world: int):
+    from syncplane.comm import ShardedAllReduce
+
+    exchange = ShardedAllReduce(1, timeout_s=5)
+    try:
+        exchange.allreduce_mean_(torch.zeros(4, dtype=torch.float64))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        exchange.close()
+    return None
+
+
+def test_bad_input_is_refused_before_any_communication():
+    messages = run_distributed(_bad_input, 2)
+    assert all("expected a contiguous 1-D float32 CPU tensor, got torch.float64" in m for m in messages)
