@@ -26,6 +26,9 @@ class Recipe:
 # dependencies (torchvision, transformers) load only for the recipe that needs them.
 _MODULES = {
     "digits": "syncplane.recipes.digits",
+    "fashion_mnist": "syncplane.recipes.fashion_mnist",
+    "resnet50_imagenet": "syncplane.recipes.resnet50_imagenet",
+    "bert_large": "syncplane.recipes.bert_large",
 }
 
 

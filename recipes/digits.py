@@ -8,6 +8,7 @@ enough to train across two CPU processes in well under a minute.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -81,7 +82,8 @@ def small_cnn(width: int, classes: int = 10) -> nn.Module:
 
 
 def build(settings: DigitsSettings) -> tuple[ImageClassifier, DigitsData]:
-    model = ImageClassifier(small_cnn(settings.width), settings.lr, settings.momentum, settings.weight_decay)
+    model = ImageClassifier(small_cnn(settings.width), settings.lr, settings.momentum, settings.weight_decay,
+                            flops_model=(partial(small_cnn, settings.width), (1, 8, 8)))
     return model, DigitsData(settings)
 
 

@@ -97,6 +97,7 @@ def test_image_folder_layout_is_accepted_and_counts_classes(tmp_path):
     settings.validate()
     model, data = resnet50_imagenet.build(settings)
     assert model.network.fc.out_features == 3
+    assert not model.network.layer1[0].bn3.weight.any(), "zero-init of each block's last BN (Goyal et al.)"
     data.setup("fit")
     x, y = data.train_set[0]
     assert x.shape == (3, 32, 32) and y in (0, 1, 2)
@@ -252,6 +253,36 @@ def test_paired_blocks_build_cls_a_sep_b_sep_with_nsp_labels():
     assert all(PairedBlocks(blocks, ids, nsp=False, seed=3)[i]["next_sentence_label"] == 0 for i in range(20))
 
 
+def test_bert_data_trains_a_vocab_tokenizes_splits_and_reuses_its_cache(tmp_path):
+    from syncplane.recipes.bert_large import BertData
+
+    rng = np.random.default_rng(0)
+    words = ["river", "stone", "blue", "house", "tree", "quick", "fox", "jumps", "over", "lazy", "dog"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(" ".join(rng.choice(words, 8)) + ".\n" for _ in range(300)))
+    settings = BertSettings(data_files=[str(corpus)], cache_dir=str(tmp_path / "cache"), size="tiny",
+                            seq_length=32, max_predictions=5, val_fraction=0.1, num_workers=0, batch_size=4)
+    settings.validate()
+    data = BertData(settings)
+    data.prepare_data()
+    data.setup("fit")
+    vocab = read_vocab(str(data.vocab_path()))
+    assert {"river", "stone", "."} <= set(vocab) and len(vocab) < settings.target_vocab_size()
+    n_train, n_val = len(data.train_set), len(data.val_set)
+    assert n_val == round((n_train + n_val) * 0.1) and n_train + n_val == (300 * 9) // 29  # 9 tokens a line
+    batch = next(iter(data.train_dataloader()))
+    assert batch["input_ids"].shape == (4, 32) and batch["masked_positions"].shape == (4, 5)
+    blocks = data.blocks_path()
+    stamp = blocks.stat().st_mtime_ns
+    BertData(settings).prepare_data()                     # cached: nothing is rebuilt
+    assert blocks.stat().st_mtime_ns == stamp and len(list((tmp_path / "cache").glob("blocks-*"))) == 1
+    small = BertSettings(data_files=[str(corpus)], cache_dir=str(tmp_path / "cache"), size="tiny", vocab_size=8)
+    data = BertData(small)
+    data.prepare_data()
+    with pytest.raises(ValueError, match="the trained vocabulary has .* tokens .* more than the model's 8"):
+        data.setup("fit")
+
+
 def test_read_vocab_maps_tokens_to_line_numbers(tmp_path):
     (tmp_path / "vocab.txt").write_text("\n".join(SPECIAL_TOKENS + ["hello", "##lo"]) + "\n")
     assert read_vocab(str(tmp_path / "vocab.txt"))["##lo"] == len(SPECIAL_TOKENS) + 1
@@ -342,3 +373,76 @@ def test_schedule_rejects_an_empty_run():
     with pytest.raises(ValueError, match="total_steps must be at least 1"):
         schedule_factor("cosine", total_steps=0)
     assert math.isclose(schedule_factor("constant", total_steps=5, warmup_steps=2)(1), 0.5)
+
+
+# ------------------------------------------------------------------ experiment presets
+
+STRATEGIES = sorted(p.stem for p in (ROOT / "configs" / "strategy").glob("*.yaml"))
+
+
+def compose_job(tmp_path: Path, *overrides: str):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from syncplane.training.job import parse_job
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return parse_job(OmegaConf.to_container(cfg, resolve=True), run_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resnet50_preset_composes_and_validates_with_every_strategy(tmp_path, strategy):
+    root = make_image_folder(tmp_path / "imagenet")
+    spec = compose_job(tmp_path, "+experiment=resnet50_b32", f"strategy={strategy}", f"recipe.data_root={root}")
+    assert spec.strategy.name == strategy and spec.recipe_name == "resnet50_imagenet"
+    r, t = spec.recipe, spec.trainer
+    assert (r.size, r.batch_size, r.lr, r.reference_batch, r.warmup_epochs) == ("full", 32, 0.1, 256, 5.0)
+    assert (r.schedule, r.milestones, r.weight_decay, r.momentum) == ("step", [30, 60, 80], 1e-4, 0.9)
+    assert (t.accelerator, t.devices, t.max_epochs, t.precision) == ("gpu", 8, 90, "bf16-mixed")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bert_phase1_preset_composes_and_validates_with_every_strategy(tmp_path, strategy):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n")
+    spec = compose_job(tmp_path, "+experiment=bert_large_phase1", f"strategy={strategy}",
+                       f"recipe.data_files=[{corpus}]")
+    r, t = spec.recipe, spec.trainer
+    assert spec.strategy.name == strategy and spec.recipe_name == "bert_large"
+    assert r.size == "full" and r.shape() == (128, 20) and r.objective == "pretraining"
+    assert (r.optimizer, r.lr, r.warmup) == ("lamb", 0.006, 0.2843)
+    assert r.batch_size * t.devices * t.accumulate_grad_batches == 65536 and t.max_steps == 7038
+
+
+def test_presets_reject_a_bad_data_root(tmp_path):
+    with pytest.raises(ConfigError, match="recipe.data_root: '/nonexistent' is not a directory"):
+        compose_job(tmp_path, "+experiment=resnet50_b32", "recipe.data_root=/nonexistent")
+
+
+# ------------------------------------------------------------------ MFU in the run report
+
+@pytest.mark.parametrize("precision,dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16),
+                                             ("32-true", torch.float32)])
+def test_mfu_divides_model_flops_by_the_peak_of_every_gpu(monkeypatch, precision, dtype):
+    import lightning.fabric.utilities.throughput as lightning_throughput
+
+    from syncplane.training.report import _mfu
+
+    asked = []
+
+    def peak(device, requested):
+        asked.append((device.type, requested))
+        return 312e12
+
+    monkeypatch.setattr(lightning_throughput, "get_available_flops", peak)
+    gpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), precision=precision,
+                          world_size=8)
+    assert _mfu(gpu, 0.5 * 8 * 312e12) == pytest.approx(0.5)
+    assert asked == [("cuda", dtype)]
+    assert _mfu(gpu, None) is None
+    cpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), precision=precision,
+                          world_size=2)
+    assert _mfu(cpu, 1e12) is None                       # no meaningful peak on a CPU
+    monkeypatch.setattr(lightning_throughput, "get_available_flops", lambda device, dtype: None)
+    assert _mfu(gpu, 1e12) is None                       # a chip Lightning's table lacks
