@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from syncplane.comm import context, topology
-from syncplane.comm.averaging import NeighborAverager
+from syncplane.comm.averaging import NEIGHBOR_BUCKET_BYTES, NeighborAverager
 from syncplane.comm.schedule import SCHEDULES, build_schedule
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
@@ -51,8 +51,11 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         schedule: ``one_peer`` (dynamic one-peer exponential, BlueFog's training
             default: one payload per rank per step) or ``static`` (the graph every step).
         global_every: an exact global average every K steps (0 = never).
-        ranks_per_machine: machine size for the hierarchical forms (default: the
-            launch's ``LOCAL_WORLD_SIZE``, i.e. the processes started per host).
+        machines: what a machine is for the hierarchical forms: ``host`` (the processes
+            started per host) or ``rack`` (a rack of the cluster profile / probe).
+        ranks_per_machine: explicit machine size (overrides ``machines``).
+        bucket_mb: neighbour-exchange bucket size (small: a bucket is combined while the
+            next one is still on the wire).
         check_schedule: verify at setup that every step's senders and receivers agree.
         timeout_s: how long a neighbour exchange may wait before failing with the ranks named.
     """
@@ -61,27 +64,31 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     overlap_with_forward = True   # ATC: wait in forward pre-hooks; AWC: wait before the update
 
     def __init__(self, topology: str = "ExponentialTwoGraph", topology_kwargs: dict[str, Any] | None = None,
-                 schedule: str = "one_peer", global_every: int = 0, ranks_per_machine: int | None = None,
+                 schedule: str = "one_peer", global_every: int = 0, machines: str = "host",
+                 ranks_per_machine: int | None = None,
                  check_schedule: bool = True, timeout_s: float = 300.0, consensus_every: int = 10,
-                 **kwargs: Any) -> None:
-        super().__init__(consensus_every=consensus_every, **kwargs)
+                 bucket_mb: float = NEIGHBOR_BUCKET_BYTES / 2**20, **kwargs: Any) -> None:
+        super().__init__(consensus_every=consensus_every, bucket_mb=bucket_mb, **kwargs)
         if topology not in TOPOLOGIES:
             raise ValueError(f"unknown topology {topology!r}; allowed values: {', '.join(TOPOLOGIES)}")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; allowed values: {', '.join(SCHEDULES)}")
         if global_every < 0:
             raise ValueError(f"global_every must be >= 0 (0 = never), got {global_every}")
+        if machines not in context.MACHINE_KINDS:
+            raise ValueError(f"unknown machines {machines!r}; allowed values: {', '.join(context.MACHINE_KINDS)}")
         if ranks_per_machine is not None and ranks_per_machine < 1:
             raise ValueError(f"ranks_per_machine must be >= 1, got {ranks_per_machine}")
         self.topology_name, self.topology_kwargs = topology, dict(topology_kwargs or {})
         self.schedule_kind, self.global_every = schedule, global_every
-        self.ranks_per_machine, self.check_schedule, self.timeout_s = ranks_per_machine, check_schedule, timeout_s
+        self.machines, self.ranks_per_machine = machines, ranks_per_machine
+        self.check_schedule, self.timeout_s = check_schedule, timeout_s
         self.averager: NeighborAverager | None = None
         self._hooks: list[RemovableHandle] = []
 
     @override
     def setup_sync(self) -> None:
-        local = (self.ranks_per_machine or context.local_size_from_env()) if self.hierarchical else 1
+        local = (self.ranks_per_machine or context.machine_size(self.machines)) if self.hierarchical else 1
         if self.world_size % local:
             raise ValueError(f"world size {self.world_size} is not a multiple of ranks_per_machine {local}")
         participants = self.world_size // local if self.hierarchical else self.world_size

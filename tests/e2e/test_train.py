@@ -23,7 +23,7 @@ def test_default_job_trains_digits_to_95_percent(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] >= 2
-    assert summary["strategy"] == "ddp" and summary["recipe"] == "digits"
+    assert summary["strategy"] == "atc" and summary["recipe"] == "digits"   # the default strategy
     assert summary["metrics"]["val_acc"] >= 0.95
     assert summary["steps"] > 0 and summary["throughput"]["samples_per_s"] > 0
     assert summary["comm"]["bytes_sent_per_rank"] > 0
@@ -39,7 +39,7 @@ def test_two_job_multirun_with_wandb_offline(tmp_path):
     result = train("-m", "seed=1,2", "trainer.max_epochs=1", "logger=wandb", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "summary.json").exists())
-    assert [p.name for p in jobs] == ["0-ddp", "1-ddp"]
+    assert [p.name for p in jobs] == ["0-atc", "1-atc"]
     for job in jobs:
         summary = json.loads((job / "summary.json").read_text())
         assert summary["world_size"] == 2 and summary["steps"] == 22
@@ -47,9 +47,9 @@ def test_two_job_multirun_with_wandb_offline(tmp_path):
         assert len(offline_runs) == 1, "one offline W&B run per job"
     # the sweep ends with a comparison report beside its runs
     report = json.loads((tmp_path / "comparison.json").read_text())
-    assert [Path(r["run_dir"]).name for r in report["runs"]] == ["0-ddp", "1-ddp"]
+    assert [Path(r["run_dir"]).name for r in report["runs"]] == ["0-atc", "1-atc"]
     assert (tmp_path / "comparison.png").stat().st_size > 1000
-    assert "| ddp |" in (tmp_path / "comparison.md").read_text()
+    assert "| atc |" in (tmp_path / "comparison.md").read_text()
     # and scripts/compare.py rebuilds it from the run directories
     rebuilt = subprocess.run([sys.executable, "scripts/compare.py", str(jobs[0]), str(jobs[1]), "--out",
                               str(tmp_path / "rebuilt")], cwd=ROOT, capture_output=True, text=True, timeout=120)

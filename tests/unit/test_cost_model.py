@@ -59,5 +59,23 @@ def test_flows_inside_a_host_use_loopback_and_neighbours_share_nics():
 
 
 def test_strategy_time_reports_unmodelled_strategies():
-    with pytest.raises(KeyError, match="no cost pattern for strategy 'atc'"):
-        strategy_time(CostModel(load_profile("two_racks")), "atc", M)
+    with pytest.raises(KeyError, match="no cost pattern for strategy 'canary'"):
+        strategy_time(CostModel(load_profile("two_racks")), "canary", M)
+
+
+def test_one_peer_atc_on_two_racks_piles_flows_onto_the_uplink():
+    """Step t of the one-peer schedule sends 2^t flows across each 100 Mbit uplink (t = 0,
+    1, 2 for 8 ranks in two racks of 4): the bound is the mean of 1, 2 and 4 payloads at
+    uplink speed -- why flat gossip loses to DDP there (design.md §8, the DS-Sync paper)."""
+    model = CostModel(load_profile("two_racks"))
+    _, bound = strategy_time(model, "atc", M)
+    uplink = 100e6 / 8
+    assert bound == pytest.approx((1 + 2 + 4) / 3 * M / uplink, rel=1e-6)
+
+
+def test_hierarchical_atc_on_two_racks_sends_one_payload_per_rack_over_the_uplink():
+    model = CostModel(load_profile("two_racks"))
+    _, bound = strategy_time(model, "h_atc", M)
+    nic, uplink = 400e6 / 8, 100e6 / 8
+    intra = 2 * (3 / 4) * M / nic            # reduce-scatter + all-gather inside a rack of 4
+    assert bound == pytest.approx(intra + M / uplink, rel=1e-6)

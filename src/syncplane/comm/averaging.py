@@ -20,13 +20,20 @@ import torch
 import torch.distributed as dist
 
 from syncplane.comm import context
-from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, make_buckets
+from syncplane.comm.buckets import make_buckets
 from syncplane.comm.check import check_plan
-from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce_nonblocking
+from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce_nonblocking, machine_peers
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.neighbor import neighbor_allreduce_nonblocking
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
 from syncplane.comm.schedule import Schedule
+
+
+#: Default bucket for neighbour averaging. Smaller than DDP's 25 MB on purpose: buckets are
+#: waited for in order, so bucket i is combined (a CPU pass over it) while bucket i+1 is
+#: still on the wire. Measured on the emulated homogeneous8 (8 ranks, 400 Mbit), 16 MB
+#: one-peer exchange: 25 MB buckets 0.485 s, 4 MB 0.39 s, 1 MB 0.38 s (bound 0.336 s).
+NEIGHBOR_BUCKET_BYTES = 4 * 2**20
 
 
 class NeighborAverager:
@@ -42,7 +49,7 @@ class NeighborAverager:
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], schedule: Schedule, *, hierarchical: bool = False,
-                 local_size: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 local_size: int | None = None, bucket_bytes: int = NEIGHBOR_BUCKET_BYTES,
                  meter: CommMeter | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.schedule, self.hierarchical = schedule, hierarchical
         self.meter, self.timeout_s = meter, timeout_s
@@ -61,6 +68,7 @@ class NeighborAverager:
         self.buckets = make_buckets(tensors, bucket_bytes)
         self._bucket_of = {t.data_ptr(): i for i, b in enumerate(self.buckets) for t in b.tensors}
         self._pending: dict[int, Handle] = {}
+        self._receive: dict[tuple[int, int], torch.Tensor] = {}   # (bucket, k-th source) -> reused buffer
 
     # ------------------------------------------------------------------ queries
 
@@ -85,10 +93,9 @@ class NeighborAverager:
         for step in range(self.schedule.period):
             plan = self.schedule.plan(step, self.me)
             if self.hierarchical:
-                leader = self.rank == self.layout.leader_of(self.me)
-                sends = [self.layout.leader_of(m) for m in plan.dst_weights] if leader else []
-                recvs = [self.layout.leader_of(m) for m in plan.src_weights] if leader else []
-                check_plan(sends, recvs, what="hierarchical_neighbor_allreduce")
+                check_plan(machine_peers(self.layout, self.rank, plan.dst_weights),
+                           machine_peers(self.layout, self.rank, plan.src_weights),
+                           what="hierarchical_neighbor_allreduce")
             else:
                 check_plan(plan.dst_weights, plan.src_weights)
 
@@ -97,7 +104,8 @@ class NeighborAverager:
         self.wait()
         plan = self.schedule.plan(step, self.me)
         for index, bucket in enumerate(self.buckets):
-            flat = bucket.pack()
+            # a bucket of one tensor is sent and combined in place: no pack/unpack copies
+            flat = bucket.tensors[0].view(-1) if len(bucket.tensors) == 1 else bucket.pack()
             if self.hierarchical:
                 handle = hierarchical_neighbor_allreduce_nonblocking(
                     flat, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
@@ -105,12 +113,21 @@ class NeighborAverager:
             else:
                 handle = neighbor_allreduce_nonblocking(
                     flat, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
-                    timeout_s=self.timeout_s, meter=self.meter, out=flat)
+                    timeout_s=self.timeout_s, meter=self.meter, out=flat,
+                    recv_buffers=[self._receive_buffer(index, k, flat) for k in range(len(plan.src_weights))])
             self._pending[index] = handle
+
+    def _receive_buffer(self, bucket: int, source: int, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._receive.get((bucket, source))
+        if buffer is None:
+            buffer = self._receive[(bucket, source)] = torch.empty_like(like)
+        return buffer
 
     def wait(self, indices: Iterable[int] | None = None) -> None:
         """Finish the given buckets (default: all pending) and write them back, in bucket order."""
         chosen = sorted(self._pending if indices is None else set(indices) & set(self._pending))
         for index in chosen:
             result = self._pending.pop(index).wait()
-            self.buckets[index].unpack(result)
+            bucket = self.buckets[index]
+            if len(bucket.tensors) > 1 or self.hierarchical:
+                bucket.unpack(result)

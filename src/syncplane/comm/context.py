@@ -104,6 +104,30 @@ def local_size_from_env() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+MACHINE_KINDS = ("host", "rack")
+
+
+def machine_size(kind: str = "host") -> int:
+    """Processes per "machine" for hierarchical operations.
+
+    ``host``: the processes started per host (``LOCAL_WORLD_SIZE``). ``rack``: the ranks of
+    one rack of the cluster the job runs on (the launcher's profile, else a bandwidth
+    probe -- a collective); racks must be equal-sized and hold consecutive ranks.
+    """
+    if kind == "host":
+        return local_size_from_env()
+    if kind != "rack":
+        raise ValueError(f"unknown machine kind {kind!r}; allowed values: {', '.join(MACHINE_KINDS)}")
+    from syncplane.cluster.probe import resolve_topology
+
+    racks = resolve_topology("auto").racks
+    size = len(racks[0])
+    expected = [list(range(k * size, (k + 1) * size)) for k in range(len(racks))]
+    if [sorted(r) for r in racks] != expected:
+        raise ValueError(f"machines=rack needs equal-sized racks of consecutive ranks, got racks {racks}")
+    return size
+
+
 def set_machine_topology(graph: nx.DiGraph | None = None, local_size: int | None = None,
                          group: Group = None) -> None:
     """Machine-level graph for hierarchical operations. Collective: creates one process

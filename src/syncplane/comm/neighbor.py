@@ -71,12 +71,15 @@ def neighbor_allreduce_nonblocking(
     tensor: torch.Tensor, self_weight: float | None = None, src_weights: Weights | None = None,
     dst_weights: Destinations | None = None, *, enable_topo_check: bool | None = None, group: Group = None,
     timeout_s: float = DEFAULT_TIMEOUT_S, meter: CommMeter | None = None, out: torch.Tensor | None = None,
+    recv_buffers: Sequence[torch.Tensor] | None = None,
 ) -> Handle:
     """Launch a neighbour all-reduce; ``.wait()`` returns the combined tensor.
 
     ``enable_topo_check`` defaults to on for dynamic calls and off for static ones (a
     static topology was validated by ``set_topology``). With it off, a plan mismatch
-    still ends in ``TopologyError`` after ``timeout_s``, never in a hang.
+    still ends in ``TopologyError`` after ``timeout_s``, never in a hang. ``out`` may be
+    ``tensor`` itself (combined in place); ``recv_buffers`` are reused receive buffers, one
+    per source in ``src_weights`` order.
     """
     self_w, src, dst, dynamic = resolve_plan(self_weight, src_weights, dst_weights, group)
     check_if_enabled(enable_topo_check, dynamic, dst, src, group)
@@ -91,7 +94,7 @@ def neighbor_allreduce_nonblocking(
         return kernels.weighted_combine(tensor, received, weights, self_w, out=target)
 
     return exchange(tensor, dst, sources, group, combine, timeout_s=timeout_s, what="neighbor_allreduce",
-                    meter=meter)
+                    meter=meter, recv_buffers=recv_buffers)
 
 
 def neighbor_allreduce(tensor: torch.Tensor, self_weight: float | None = None, src_weights: Weights | None = None,

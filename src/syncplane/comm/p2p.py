@@ -65,12 +65,13 @@ def completed(result: torch.Tensor) -> Handle:
 
 def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[int], group: Group,
              finish: Callable[[list[torch.Tensor]], torch.Tensor], *, timeout_s: float, what: str,
-             meter: CommMeter | None = None) -> Handle:
+             meter: CommMeter | None = None, recv_buffers: Sequence[torch.Tensor] | None = None) -> Handle:
     """Send ``tensor × sends[k]`` to each group rank k, receive one tensor from each of ``recvs``.
 
     ``finish(received)`` runs in ``wait()``; ranks are ranks *in the group*. Scaled
     copies are made once per distinct scale (a plain list of destinations sends
-    ``tensor`` itself, no copy).
+    ``tensor`` itself, no copy). ``recv_buffers`` (one per source, like ``tensor``) lets a
+    caller that exchanges every step reuse its buffers instead of faulting in fresh pages.
     """
     start = time.perf_counter()
     tensor = tensor.contiguous()
@@ -82,7 +83,9 @@ def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[i
             scaled[scale] = tensor if scale == 1.0 else tensor * scale
         ops.append(dist.P2POp(dist.isend, scaled[scale], group=group, group_peer=peer))
         labels.append(("sending to", peer))
-    received = [torch.empty_like(tensor) for _ in recvs]
+    if recv_buffers is not None and len(recv_buffers) != len(recvs):
+        raise ValueError(f"{len(recv_buffers)} receive buffers for {len(recvs)} sources")
+    received = list(recv_buffers) if recv_buffers is not None else [torch.empty_like(tensor) for _ in recvs]
     for peer, buffer in zip(recvs, received):
         ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
         labels.append(("receiving from", peer))
