@@ -23,6 +23,8 @@ synchronization itself becomes ours. Overridden hooks, and why:
   average of all replicas) and put each rank's own replica back afterwards.
 - ``lightning_module_state_dict``: checkpoints hold the consensus model, not rank 0's
   replica (Lightning writes from rank 0 only).
+- ``restore_checkpoint_after_setup``: True, so a resumed replica is loaded after the
+  initial broadcast of ``configure_ddp``, not overwritten by it.
 - ``save_checkpoint`` / ``load_model_state_dict`` / ``load_optimizer_state_dict``: the
   checkpoint's ``"syncplane"`` entry carries the strategy's extra state
   (``sync_state_dict``) and every rank's own replica and optimizer state, so a resume
@@ -138,6 +140,13 @@ class SyncplaneStrategy(DDPStrategy):
             # which would silently replace every other replica. Skip that: evaluation
             # runs on the consensus instead (on_validation_start).
             Strategy.setup(self, trainer)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Restore the model *after* configure_ddp: its initial broadcast of rank 0's weights
+        # would otherwise overwrite the per-rank replica a resume has just loaded.
+        return True
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
