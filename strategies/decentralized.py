@@ -61,7 +61,8 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     """
 
     hierarchical = False
-    overlap_with_forward = True   # ATC: wait in forward pre-hooks; AWC: wait before the update
+    overlap_with_forward = True        # ATC: wait in forward pre-hooks; AWC: wait before the update
+    combine_buffers_after_step = False  # AWC: buffers are mixed after the step (see setup_sync)
 
     def __init__(self, topology: str = "ExponentialTwoGraph", topology_kwargs: dict[str, Any] | None = None,
                  schedule: str = "one_peer", global_every: int = 0, machines: str = "host",
@@ -84,6 +85,7 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         self.machines, self.ranks_per_machine = machines, ranks_per_machine
         self.check_schedule, self.timeout_s = check_schedule, timeout_s
         self.averager: NeighborAverager | None = None
+        self.buffer_averager: NeighborAverager | None = None
         self._hooks: list[RemovableHandle] = []
 
     @override
@@ -93,10 +95,21 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
             raise ValueError(f"world size {self.world_size} is not a multiple of ranks_per_machine {local}")
         participants = self.world_size // local if self.hierarchical else self.world_size
         graph = getattr(topology, self.topology_name)(participants, **self.topology_kwargs)
-        self.averager = NeighborAverager(self.model_tensors(), build_schedule(self.schedule_kind, graph),
-                                         hierarchical=self.hierarchical, local_size=local,
-                                         bucket_bytes=self.bucket_bytes, meter=self.comm_meter,
-                                         timeout_s=self.timeout_s)
+        schedule = build_schedule(self.schedule_kind, graph)
+        tensors = self.model_tensors()
+        n_params = len(list(self.lightning_module.parameters()))
+        # AWC combines the parameters before the update, but the forward changes buffers
+        # (BatchNorm running statistics) after its exchange started: those are mixed
+        # after the step instead, as ATC does, so the forward's update is not lost.
+        mixed, after_step = (tensors[:n_params], tensors[n_params:]) if self.combine_buffers_after_step \
+            else (tensors, [])
+
+        def averager(part: list[torch.Tensor]) -> NeighborAverager:
+            return NeighborAverager(part, schedule, hierarchical=self.hierarchical, local_size=local,
+                                    bucket_bytes=self.bucket_bytes, meter=self.comm_meter, timeout_s=self.timeout_s)
+
+        self.averager = averager(mixed)
+        self.buffer_averager = averager(after_step) if after_step else None
         if self.check_schedule:
             self.averager.check_schedule()
         if self.overlap_with_forward:
@@ -146,6 +159,7 @@ class AdaptThenCombine(NeighborAveragingStrategy):
 
 class AdaptWhileCombine(NeighborAveragingStrategy):
     overlap_with_forward = False
+    combine_buffers_after_step = True
 
     @override
     def before_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -163,6 +177,9 @@ class AdaptWhileCombine(NeighborAveragingStrategy):
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         if self.mixes_globally():
             self.average_replicas_()
+        elif self.buffer_averager is not None:
+            self.buffer_averager.launch(self.step)
+            self.buffer_averager.wait()
 
 
 @register("atc", "decentralized adapt-then-combine: local step, then neighbour averaging (overlapped)")

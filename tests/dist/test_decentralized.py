@@ -222,3 +222,26 @@ def test_unknown_topology_names_the_allowed_ones():
 
     with pytest.raises(ValueError, match="unknown topology 'Torus'; allowed values: ExponentialTwoGraph"):
         strategy_class("atc")(topology="Torus")
+
+
+def _batchnorm_stats(rank: int, world: int, tmp_dir: str, name: str):
+    from torch import nn
+
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    torch.manual_seed(0)
+    model = TinyRegressor(lr=0.01, momentum=0.0)
+    model.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    trainer_for(_strategy(name), tmp_dir, max_steps=4, limit_val_batches=0).fit(model, RegressionData(seed=rank))
+    return model.net[1].running_mean.clone(), model.net[1].running_var.clone()
+
+
+@pytest.mark.parametrize("name", ["atc", "awc"])
+def test_batchnorm_running_statistics_are_kept_and_mixed(name, tmp_path):
+    """The forward updates BatchNorm's running statistics after AWC's exchange started; an
+    AWC that wrote the exchanged snapshot back would erase them (eval would use the
+    initial mean 0 / variance 1 forever)."""
+    (mean0, var0), (mean1, var1) = run_distributed(_batchnorm_stats, 2, str(tmp_path), name, timeout=120)
+    assert mean0.abs().max() > 1e-3 and (var0 - 1).abs().max() > 1e-3
+    torch.testing.assert_close(mean0, mean1)      # two ranks, one peer: the mix is the exact mean
+    torch.testing.assert_close(var0, var1)
