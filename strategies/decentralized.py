@@ -12,8 +12,9 @@ all-reduce except, optionally, every ``global_every`` steps.
   update computed at ``xᵢ``. The exchange of ``xᵢ`` starts before the forward and is
   combined after the backward, just before the optimizer applies the update: fully
   overlapped with the forward and backward.
-- ``h_atc`` / ``h_awc``: the same, mixing *machines* (average inside each machine, the
-  machines' leaders exchange) -- only one flow per machine crosses the slow links.
+- ``h_atc`` / ``h_awc``: the same, mixing *machines* (``hierarchical_neighbor_allreduce``:
+  average inside each machine, mix with the neighbouring machines, each process carrying
+  1/L of its machine's exchange) -- one payload per machine crosses the slow links.
 
 Hooks used (see ``SyncplaneStrategy``): ``setup_sync`` (schedule, averager, checks),
 ``before_optimizer_step`` / ``before_parameter_update`` (AWC), ``after_optimizer_step``
@@ -170,8 +171,7 @@ class AdaptWhileCombine(NeighborAveragingStrategy):
     @override
     def before_parameter_update(self, optimizer: Optimizer) -> None:
         assert self.averager is not None
-        with torch.no_grad():
-            self.averager.wait()              # xᵢ ← Σⱼ wᵢⱼ xⱼ; the optimizer then applies dᵢ(xᵢ)
+        self.averager.wait()                  # xᵢ ← Σⱼ wᵢⱼ xⱼ; the optimizer then applies dᵢ(xᵢ)
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:

@@ -55,7 +55,8 @@ def hierarchical_neighbor_allreduce(
     padded = flat if shard_numel * local_size == flat.numel() else torch.cat(
         [flat, flat.new_zeros(shard_numel * local_size - flat.numel())])
     local = me - layout.leader_of(machine)
-    shard = padded.clone() if intra is None else _reduce_scatter_mean(padded.contiguous(), intra, local, local_size)
+    shard = padded.clone() if intra is None else _reduce_scatter_mean(padded.contiguous(), intra, local, local_size,
+                                                                      timeout_s)
 
     self_w, src, dst, dynamic = _machine_plan(layout, machine, self_weight, src_machine_weights,
                                               dst_machine_weights)
@@ -68,11 +69,12 @@ def hierarchical_neighbor_allreduce(
     if intra is None:
         return mixed.reshape(tensor.shape)
     gathered = mixed.new_empty(shard_numel * local_size)
-    dist.all_gather_into_tensor(gathered, mixed.contiguous(), group=intra)
+    dist.all_gather_single(gathered, mixed.contiguous(), group=intra)
     return gathered[: flat.numel()].reshape(tensor.shape)
 
 
-def _reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup, local: int, size: int) -> torch.Tensor:
+def _reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup, local: int, size: int,
+                         timeout_s: float) -> torch.Tensor:
     """Shard ``local`` of the group's mean: every member sends shard j straight to member j.
 
     Each NIC sends and receives (L−1)/L of the payload once -- the reduce-scatter bound.
@@ -83,8 +85,9 @@ def _reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup, local: in
     peers = [j for j in range(size) if j != local]
     ops = [dist.P2POp(dist.isend, shards[j], group=group, group_peer=j) for j in peers]
     ops += [dist.P2POp(dist.irecv, buffer, group=group, group_peer=j) for j, buffer in zip(peers, received)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    Handle(_works=[("exchanging a shard with machine-local rank", j, w)
+                   for j, w in zip(peers + peers, dist.batch_isend_irecv(ops))],
+           _finish=lambda: flat, _timeout_s=timeout_s, _what="hierarchical reduce-scatter").wait()
     return kernels.weighted_combine(shards[local], received, [1.0 / size] * len(received), 1.0 / size)
 
 

@@ -44,7 +44,7 @@ def _discover(peers: Sequence[int], group: Group) -> list[int]:
     mine = torch.zeros(n, dtype=torch.uint8)
     mine[list(peers)] = 1
     everyone = torch.zeros(n * n, dtype=torch.uint8)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    dist.all_gather_single(everyone, mine, group=group)
     return [j for j in range(n) if j != me and everyone[j * n + me]]
 
 
