@@ -14,7 +14,8 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
   discarded (a rank failed or timed out), every rank skips the outer step and keeps its
   local replica: the next round's ``Δ`` then covers both rounds, nothing is lost.
 - ``sync_state_dict`` / ``load_sync_state_dict``: outer parameters, outer optimizer
-  state and the position within the round, so a resume is bit-identical.
+  state, error-feedback residuals and the position within the round, so a resume is
+  bit-identical (the base restores each rank's own replica after the initial broadcast).
 
 Host<->device copies run on a side CUDA stream when the model is on a GPU; on CPU the
 same calls are plain copies.
@@ -115,7 +116,9 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def sync_state_dict(self) -> dict[str, Any]:
         assert self._outer is not None
-        return {"outer": self._outer.state_dict(), "sync_every": self.sync_every,
+        assert self._exchange is not None
+        return {"outer": self._outer.state_dict(), "exchange": self._exchange.state_dict(),
+                "sync_every": self.sync_every,
                 "step_in_round": self.step % self.sync_every, "rounds": self.rounds, "skipped": self.skipped}
 
     @override
@@ -125,15 +128,15 @@ class DiLoCo(SyncplaneStrategy):
         if state["sync_every"] != self.sync_every:
             raise ValueError(f"the checkpoint was written with sync_every={state['sync_every']}, this run has "
                              f"sync_every={self.sync_every}: rounds would not line up")
-        assert self._outer is not None
+        assert self._outer is not None and self._exchange is not None
         self._outer.load_state_dict(state["outer"])
+        self._exchange.load_state_dict(state["exchange"])
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
 
     @override
     def teardown(self) -> None:
         if self._exchange is not None:
-            self._exchange.close()
-            self._exchange = None
+            self._exchange.close()   # its state stays readable for a checkpoint after fit
         super().teardown()
 
     # ------------------------------------------------------------ host <-> device copies

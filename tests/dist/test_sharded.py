@@ -38,7 +38,7 @@ def _sharded_means(rank: int, world: int, sizes: list[int], shard_counts: list[i
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_shard_count_gives_the_exact_dense_mean(world):
     """Primes, and fewer elements than shards x ranks (some segments are empty)."""
     shard_counts, sizes = [1, 2, 3, 8], [1009, 2, 7]

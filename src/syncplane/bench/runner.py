@@ -19,7 +19,7 @@ from typing import Any
 
 from syncplane.bench.syncs import ALL_STRATEGIES, PEERS, PRESETS_BYTES, SYNCS
 from syncplane.cluster import ClusterProfile, load_profile
-from syncplane.cluster.cost import PATTERNS, TOPOLOGY_PATTERNS, CostModel, strategy_time
+from syncplane.cluster.cost import PATTERNS, PERIODIC, TOPOLOGY_PATTERNS, CostModel, strategy_time
 from syncplane.config import ConfigError
 
 
@@ -52,7 +52,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int, *, steps: int = 5,
-              warmup: int = 1, compute_ms: float = 0.0, period: int = 4, out_dir: Path) -> dict[str, Any]:
+              warmup: int = 1, compute_ms: float = 0.0, period: int = 4, out_dir: Path, shards: int = 1,
+              compression: str = "none") -> dict[str, Any]:
     """Launch the bench workers on the emulated ``profile`` and assemble the report."""
     from syncplane.launcher import launch_on_cluster
 
@@ -60,10 +61,10 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
     implemented = [s for s in strategies if s in SYNCS]
     measured: dict[str, Any] = {}
     if implemented:
-        if any(s in PEERS for s in implemented):
+        if any(s in PEERS or s in PERIODIC for s in implemented):
             steps = -(-steps // period) * period          # whole averaging rounds
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
-                "compute_ms": compute_ms, "period": period}
+                "compute_ms": compute_ms, "period": period, "shards": shards, "compression": compression}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
@@ -95,7 +96,8 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         for key in ("sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s", "bound_ratio", "speedup_vs_ddp"):
             row.setdefault(key, None)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
-            "steps": steps, "compute_ms": compute_ms, "period": period, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "steps": steps, "compute_ms": compute_ms, "period": period, "shards": shards,
+            "compression": compression, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "results": rows}
 
 
@@ -172,7 +174,8 @@ def log_wandb(report: dict[str, Any], save_dir: Path) -> None:
 
 
 def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: int, compute_ms: float,
-               json_out: str, png: str | None, wandb_log: bool, period: int = 4) -> dict[str, Any]:
+               json_out: str, png: str | None, wandb_log: bool, period: int = 4, shards: int = 1,
+               compression: str = "none") -> dict[str, Any]:
     profile = load_profile(cluster)
     names = parse_strategies(strategies)
     payload_bytes = parse_payload(payload)
@@ -182,8 +185,12 @@ def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: 
     work_dir = out.parent / f".{out.stem}-run"
     if period < 1:
         raise ConfigError(f"--period: must be at least 1, got {period}")
+    if shards < 1:
+        raise ConfigError(f"--shards: must be at least 1, got {shards}")
+    if compression not in ("none", "int8"):
+        raise ConfigError(f"--compression: allowed values: none, int8; got {compression!r}")
     report = run_bench(profile, names, payload_bytes, steps=steps, warmup=warmup, compute_ms=compute_ms,
-                       period=period, out_dir=work_dir)
+                       period=period, out_dir=work_dir, shards=shards, compression=compression)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

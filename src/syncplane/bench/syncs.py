@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from syncplane.comm import CommMeter, ring_allreduce_bytes
+from syncplane.comm.averaging import NEIGHBOR_BUCKET_BYTES
 
 DDP_BUCKET_BYTES = 25 * 2**20   # torch DDP's default bucket_cap_mb
 
@@ -108,6 +109,71 @@ class DSSyncStep:
         self.runtime.sync_(self._buckets[1], meter)
 
 
+class NeighborAveragingStep:
+    """ATC/AWC's per-step exchange: the strategies' own ``NeighborAverager`` on DDP-sized
+    buckets of the payload, all launched, then all waited for. ``spec["schedule"]``:
+    ``one_peer`` (default) or ``static`` (``spec["topology"]``, default ExponentialTwoGraph).
+    Buckets: the strategies' default (``NEIGHBOR_BUCKET_BYTES``). Hierarchical: machines are the racks of the launched profile (``spec["machines"]="rack"``,
+    the default) or the hosts (``"host"``). Steps of the one-peer schedule differ in cost
+    (2^t flows cross a rack uplink at step t), so ``period`` makes the worker report the
+    mean over whole periods."""
+
+    def __init__(self, spec: dict, hierarchical: bool = False) -> None:
+        from syncplane.comm import topology
+        from syncplane.comm.context import machine_size
+        from syncplane.comm.schedule import build_schedule
+
+        self.hierarchical = hierarchical
+        self.bucket_mb = float(spec.get("bucket_mb", NEIGHBOR_BUCKET_BYTES / 2**20))
+        self.local = machine_size(spec.get("machines", "rack")) if hierarchical else 1
+        graph = getattr(topology, spec.get("topology", "ExponentialTwoGraph"))(dist.get_world_size() // self.local)
+        self.schedule = build_schedule(spec.get("schedule", "one_peer"), graph)
+        self.period = self.schedule.period
+        self.averager = None
+        self.payload_ptr = -1
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        from syncplane.comm.averaging import NeighborAverager
+
+        if self.averager is None or self.payload_ptr != payload.data_ptr():
+            bucket_bytes = int(self.bucket_mb * 2**20)
+            per_bucket = bucket_bytes // payload.element_size()
+            self.averager = NeighborAverager(payload.split(per_bucket), self.schedule, hierarchical=self.hierarchical,
+                                             local_size=self.local, bucket_bytes=bucket_bytes)
+            self.payload_ptr = payload.data_ptr()
+        self.averager.meter = meter
+        self.averager.launch(step)
+        self.averager.wait()
+
+
+class DiLoCoStep:
+    """DiLoCo's sync on the payload (the strategy's own comm pieces): every ``period`` (= H)
+    steps, Δ = θ_g − θ_local on CPU, its mean over ranks on ``spec["shards"]`` concurrent gloo
+    streams (``spec["compression"]``: none | int8), an outer step, θ_local ← θ_g; nothing on
+    the other steps. ``period`` makes the worker report the mean per step over whole rounds."""
+
+    def __init__(self, spec: dict) -> None:
+        from syncplane.comm.codecs import make_codec
+        from syncplane.comm.sharded import ShardedAllReduce
+
+        self.period = int(spec.get("period", 4))
+        self.allreduce = ShardedAllReduce(int(spec.get("shards", 1)), codec=make_codec(spec.get("compression", "none")))
+        self.outer = None
+        self.delta = torch.empty(0)
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        from syncplane.comm.outer import OuterOptimizer
+
+        if self.outer is None or self.delta.numel() != payload.numel():
+            self.outer, self.delta = OuterOptimizer(payload), torch.empty_like(payload)
+        if (step + 1) % self.period:
+            return
+        self.outer.pseudo_gradient(payload, out=self.delta)
+        if self.allreduce.allreduce_mean_(self.delta, meter):
+            self.outer.step(self.delta)
+            payload.copy_(self.outer.params)
+
+
 def _fixed(fn: SyncFn) -> Callable[[dict], SyncFn]:
     return lambda spec: fn
 
@@ -118,6 +184,11 @@ SYNCS: dict[str, Callable[[dict], SyncFn]] = {
     "torch_periodic": lambda spec: TorchPeriodicAveraging(spec.get("period", 4)),
     "torch_hierarchical": lambda spec: TorchHierarchicalAveraging(spec.get("period", 4)),
     "ds_sync": DSSyncStep,
+    "atc": NeighborAveragingStep,
+    "awc": NeighborAveragingStep,          # the same exchange, started before the forward instead of after
+    "h_atc": lambda spec: NeighborAveragingStep(spec, hierarchical=True),
+    "h_awc": lambda spec: NeighborAveragingStep(spec, hierarchical=True),
+    "diloco": DiLoCoStep,
 }
 
 #: Real peers from other projects, benchmarked next to our strategies.

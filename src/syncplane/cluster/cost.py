@@ -118,14 +118,26 @@ def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float) -> 
     return [[(src, dst, payload_bytes) for src, dsts in sends.items() for dst in dsts]]
 
 
+def owner_exchange(world_size: int, payload_bytes: float) -> list[Phase]:
+    """DiLoCo's exchange (``comm.sharded``, one shard): every rank sends segment j (M/n) to
+    its owner j, then every owner sends its averaged segment to everyone -- two phases of
+    n(n−1) concurrent flows of M/n; each rank sends 2(n−1)/n·M, like a ring."""
+    if world_size < 2:
+        return []
+    step = [(src, dst, payload_bytes / world_size) for src in range(world_size) for dst in range(world_size)
+            if src != dst]
+    return [step, list(step)]
+
+
 #: Strategy name -> its per-step communication pattern (world size, payload bytes).
 PATTERNS: dict[str, Callable[[int, float], list[Phase]]] = {
     "ddp": ring_allreduce,
     "torch_periodic": ring_allreduce,    # torch's PeriodicModelAverager: one ring per `period` steps
+    "diloco": owner_exchange,            # one exchange of Δ per `period` (= sync_every) steps
 }
 
 #: Strategies that communicate once per `period` steps: their per-step cost is amortized.
-PERIODIC = {"torch_periodic"}
+PERIODIC = {"torch_periodic", "diloco"}
 
 
 def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float) -> list[Phase]:
@@ -155,10 +167,47 @@ def ds_sync_steps(profile: ClusterProfile, payload_bytes: float) -> list[list[Ph
     return [concurrent_group_allreduces(groups, payload_bytes) for groups in pattern.iterations]
 
 
+def one_peer_steps(profile: ClusterProfile, payload_bytes: float) -> list[list[Phase]]:
+    """ATC/AWC's dynamic one-peer exponential schedule: step t, rank r sends to r + 2^t."""
+    from syncplane.comm.schedule import OnePeerSchedule
+
+    schedule = OnePeerSchedule(profile.world_size)
+    return [neighbor_exchange({r: list(schedule.plan(t, r).dst_weights) for r in range(profile.world_size)},
+                              payload_bytes) for t in range(schedule.period)]
+
+
+def rack_machines(profile: ClusterProfile) -> list[list[int]]:
+    """The ranks of each rack: the "machines" of H-ATC/H-AWC when they group by rack."""
+    return [[r for h in profile.hosts if h.rack == k for r in h.ranks] for k in range(len(profile.racks))]
+
+
+def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float) -> list[list[Phase]]:
+    """H-ATC/H-AWC with racks as machines (``hierarchical_neighbor_allreduce``'s data path):
+    a reduce-scatter inside every rack (half a ring all-reduce), local rank ℓ of each rack
+    exchanging its 1/L shard with local rank ℓ of the neighbour rack (one-peer schedule over
+    racks), then an all-gather inside the rack (the other half)."""
+    from syncplane.comm.schedule import OnePeerSchedule
+
+    machines = rack_machines(profile)
+    schedule = OnePeerSchedule(len(machines))
+    half_ring = concurrent_group_allreduces(machines, payload_bytes / 2)
+    steps = []
+    for t in range(schedule.period):
+        shards = [(src, machines[k][i], payload_bytes / len(m))
+                  for mi, m in enumerate(machines) for i, src in enumerate(m)
+                  for k in schedule.plan(t, mi).dst_weights]
+        steps.append(half_ring + ([shards] if shards else []) + half_ring)
+    return steps
+
+
 #: Strategies whose pattern depends on the racks, not only the world size: (profile, payload)
 #: -> the phases of each step of one period; a step costs the period's mean.
 TOPOLOGY_PATTERNS: dict[str, Callable[[ClusterProfile, float], list[list[Phase]]]] = {
     "ds_sync": ds_sync_steps,
+    "atc": one_peer_steps,
+    "awc": one_peer_steps,
+    "h_atc": hierarchical_one_peer_steps,
+    "h_awc": hierarchical_one_peer_steps,
 }
 
 

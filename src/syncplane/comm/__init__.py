@@ -26,7 +26,7 @@ from syncplane.comm.context import (
     set_topology,
 )
 from syncplane.comm.errors import TopologyError
-from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce
+from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce, hierarchical_neighbor_allreduce_tensors
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
 from syncplane.comm.neighbor import (
     allreduce,
@@ -55,6 +55,7 @@ from syncplane.comm.window import (
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Bucket", "CommMeter", "Handle", "TopologyError", "allreduce", "allreduce_mean_",
     "allreduce_nonblocking", "broadcast", "broadcast_nonblocking", "check_plan", "hierarchical_neighbor_allreduce",
+    "hierarchical_neighbor_allreduce_tensors",
     "in_neighbor_ranks", "load_topology", "make_buckets", "mean_and_distance", "neighbor_allgather",
     "neighbor_allreduce", "neighbor_allreduce_nonblocking", "neighbor_allreduce_tensors", "out_neighbor_ranks",
     "push_sum_average", "ring_allreduce_bytes", "set_machine_topology", "set_topology", "topology",

@@ -103,19 +103,19 @@ class NeighborAverager:
         """Start mixing every bucket with step ``step``'s weights (waits out a previous round first)."""
         self.wait()
         plan = self.schedule.plan(step, self.me)
-        for index, bucket in enumerate(self.buckets):
-            # a bucket of one tensor is sent and combined in place: no pack/unpack copies
-            flat = bucket.tensors[0].view(-1) if len(bucket.tensors) == 1 else bucket.pack()
-            if self.hierarchical:
-                handle = hierarchical_neighbor_allreduce_nonblocking(
-                    flat, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
-                    timeout_s=self.timeout_s, meter=self.meter)
-            else:
-                handle = neighbor_allreduce_nonblocking(
-                    flat, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
-                    timeout_s=self.timeout_s, meter=self.meter, out=flat,
-                    recv_buffers=[self._receive_buffer(index, k, flat) for k in range(len(plan.src_weights))])
-            self._pending[index] = handle
+        # a bucket of one tensor is sent and combined in place: no pack/unpack copies
+        flats = [b.tensors[0].view(-1) if len(b.tensors) == 1 else b.pack() for b in self.buckets]
+        if self.hierarchical:   # one pipeline over all buckets (see hierarchical_neighbor_allreduce_tensors)
+            handles = hierarchical_neighbor_allreduce_nonblocking(
+                flats, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
+                timeout_s=self.timeout_s, meter=self.meter)
+        else:
+            handles = [neighbor_allreduce_nonblocking(
+                flat, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
+                timeout_s=self.timeout_s, meter=self.meter, out=flat,
+                recv_buffers=[self._receive_buffer(index, k, flat) for k in range(len(plan.src_weights))])
+                for index, flat in enumerate(flats)]
+        self._pending = dict(enumerate(handles))
 
     def _receive_buffer(self, bucket: int, source: int, like: torch.Tensor) -> torch.Tensor:
         buffer = self._receive.get((bucket, source))

@@ -14,14 +14,15 @@ machine per neighbour), but it is spread over every process -- and over every NI
 multi-NIC machine -- while the intra-machine traffic drops from an all-reduce plus a
 broadcast (the leader's NIC sending the whole payload to every member) to a
 reduce-scatter plus an all-gather. Measured on an emulated two-rack cluster, the
-leader-only path was slower than flat neighbour averaging; this one is faster.
+leader-only path was slower than flat neighbour averaging; this one is faster. Several
+tensors (buckets) are pipelined so the inter-machine and in-machine links work at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -46,31 +47,68 @@ def hierarchical_neighbor_allreduce(
     *, enable_topo_check: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
     meter: CommMeter | None = None,
 ) -> torch.Tensor:
+    return hierarchical_neighbor_allreduce_tensors(
+        [tensor], self_weight, src_machine_weights, dst_machine_weights, enable_topo_check=enable_topo_check,
+        timeout_s=timeout_s, meter=meter)[0]
+
+
+def hierarchical_neighbor_allreduce_tensors(
+    tensors: Sequence[torch.Tensor], self_weight: float | None = None,
+    src_machine_weights: Mapping[int, float] | None = None,
+    dst_machine_weights: Mapping[int, float] | Sequence[int] | None = None,
+    *, enable_topo_check: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    meter: CommMeter | None = None, on_result: Callable[[int, torch.Tensor], None] | None = None,
+) -> list[torch.Tensor]:
+    """``hierarchical_neighbor_allreduce`` of each tensor, pipelined across tensors.
+
+    The phases of one tensor depend on each other, but the phases of consecutive tensors
+    use different links: while tensor i crosses the inter-machine links, tensor i+1 is
+    reduce-scattered and tensor i−1 all-gathered inside the machine. The exchange runs
+    asynchronously on the default group, the in-machine phases on the machine's group,
+    in the same order on every rank. ``on_result(i, y_i)`` is called as soon as each
+    result is ready (the non-blocking form completes its handles from it).
+    """
     layout = context.machine_layout()
     me = dist.get_rank()
     machine = layout.machine_of(me)
-    intra, local_size = layout.groups[machine], layout.local_size
-    flat = tensor.detach().reshape(-1)
-    shard_numel = math.ceil(flat.numel() / local_size)
-    padded = flat if shard_numel * local_size == flat.numel() else torch.cat(
-        [flat, flat.new_zeros(shard_numel * local_size - flat.numel())])
-    local = me - layout.leader_of(machine)
-    shard = padded.clone() if intra is None else _reduce_scatter_mean(padded.contiguous(), intra, local, local_size,
-                                                                      timeout_s)
-
     self_w, src, dst, dynamic = _machine_plan(layout, machine, self_weight, src_machine_weights,
                                               dst_machine_weights)
     sends, recvs = machine_peers(layout, me, dst), machine_peers(layout, me, src)
     check_if_enabled(enable_topo_check, dynamic, sends, recvs, what="hierarchical_neighbor_allreduce")
     sources, weights = list(recvs), list(recvs.values())
-    mixed = exchange(shard, sends, sources, None,
-                     lambda received: kernels.weighted_combine(shard, received, weights, self_w),
-                     timeout_s=timeout_s, what="hierarchical_neighbor_allreduce", meter=meter).wait()
-    if intra is None:
-        return mixed.reshape(tensor.shape)
-    gathered = mixed.new_empty(shard_numel * local_size)
-    dist.all_gather_single(gathered, mixed.contiguous(), group=intra)
-    return gathered[: flat.numel()].reshape(tensor.shape)
+    intra, local_size = layout.groups[machine], layout.local_size
+    local = me - layout.leader_of(machine)
+    results: list[torch.Tensor] = []
+
+    def gather(index: int, handle: Handle) -> None:
+        mixed, like = handle.wait(), tensors[index]
+        if intra is None:
+            out = mixed.reshape(like.shape)
+        else:
+            gathered = mixed.new_empty(mixed.numel() * local_size)
+            dist.all_gather_single(gathered, mixed.contiguous(), group=intra)
+            out = gathered[: like.numel()].reshape(like.shape)
+        results.append(out)
+        if on_result is not None:
+            on_result(index, out)
+
+    in_flight: tuple[int, Handle] | None = None
+    for index, tensor in enumerate(tensors):
+        flat = tensor.detach().reshape(-1)
+        shard_numel = math.ceil(flat.numel() / local_size)
+        padded = flat if shard_numel * local_size == flat.numel() else torch.cat(
+            [flat, flat.new_zeros(shard_numel * local_size - flat.numel())])
+        shard = padded.clone() if intra is None else _reduce_scatter_mean(padded.contiguous(), intra, local,
+                                                                          local_size, timeout_s)
+        handle = exchange(shard, sends, sources, None,
+                          lambda received, shard=shard: kernels.weighted_combine(shard, received, weights, self_w),
+                          timeout_s=timeout_s, what="hierarchical_neighbor_allreduce", meter=meter)
+        if in_flight is not None:
+            gather(*in_flight)
+        in_flight = (index, handle)
+    if in_flight is not None:
+        gather(*in_flight)
+    return results
 
 
 def _reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup, local: int, size: int,
@@ -106,25 +144,35 @@ _background: ThreadPoolExecutor | None = None
 
 
 def hierarchical_neighbor_allreduce_nonblocking(
-    tensor: torch.Tensor, self_weight: float | None = None,
+    tensors: Sequence[torch.Tensor], self_weight: float | None = None,
     src_machine_weights: Mapping[int, float] | None = None,
     dst_machine_weights: Mapping[int, float] | Sequence[int] | None = None,
     *, enable_topo_check: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
     meter: CommMeter | None = None,
-) -> Handle:
-    """``hierarchical_neighbor_allreduce`` on a background thread; ``.wait()`` returns the result.
+) -> list[Handle]:
+    """``hierarchical_neighbor_allreduce_tensors`` on a background thread: one handle per
+    tensor, each ready as soon as its own result is (in order).
 
-    The operation chains three dependent steps (intra-machine reduce, leader exchange,
-    broadcast), so it cannot be one batch of async works; one worker thread runs the
-    launched operations in launch order (the same order on every rank) while the
-    caller computes -- gloo releases the GIL while it moves data. ``tensor`` must not
-    be modified until ``wait()`` returns. Keep the topology check off on hot paths: it is
-    a collective on the default group and could interleave with the caller's own.
+    The phases chain, so they cannot be one batch of async works; one worker thread runs
+    the launched pipelines in launch order (the same order on every rank) while the
+    caller computes -- gloo releases the GIL while it moves data. ``tensors`` must not be
+    modified until their handles' ``wait()`` returns. Keep the topology check off on hot
+    paths: it is a collective on the default group and could interleave with the caller's.
     """
     global _background
     if _background is None:
         _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncplane-hierarchical")
-    future = _background.submit(hierarchical_neighbor_allreduce, tensor, self_weight, src_machine_weights,
-                                dst_machine_weights, enable_topo_check=enable_topo_check, timeout_s=timeout_s,
-                                meter=meter)
-    return Handle(_finish=future.result)
+    futures: list[Future[torch.Tensor]] = [Future() for _ in tensors]
+
+    def run() -> None:
+        try:
+            hierarchical_neighbor_allreduce_tensors(
+                tensors, self_weight, src_machine_weights, dst_machine_weights, enable_topo_check=enable_topo_check,
+                timeout_s=timeout_s, meter=meter, on_result=lambda i, y: futures[i].set_result(y))
+        except BaseException as exc:   # every handle not yet completed reports the failure
+            for future in futures:
+                if not future.done():
+                    future.set_exception(exc)
+
+    _background.submit(run)
+    return [Handle(_finish=future.result) for future in futures]

@@ -31,7 +31,8 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,7 +103,7 @@ class ShardedAllReduce:
         self._store = distributed_c10d._get_default_store()
         first = self.interfaces[0] if self.interfaces else None
         # the control group outlives a data round that times out: give it room to wait for it
-        self._control = self._group("control", first, 2 * timeout_s + 60)
+        self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
         self._groups = self._build_groups()
         self._feedback: tuple[ErrorFeedback, ErrorFeedback] | None = None
         # operations (and their buffers) of the current round: kept alive until the round
@@ -122,6 +123,8 @@ class ShardedAllReduce:
                              f"shape {tuple(flat.shape)} on {flat.device}")
         if self.size == 1:
             return True
+        if self._control is None:
+            raise RuntimeError("this ShardedAllReduce was closed")
         feedback = self._error_feedback(flat.numel())
         saved = [f.snapshot() for f in feedback] if not isinstance(self.codec, Fp32) else None
         start = time.perf_counter()
@@ -158,11 +161,33 @@ class ShardedAllReduce:
             total += (self.size - 1) * self.codec.nbytes(hi - lo)
         return total
 
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's error-feedback residuals (empty for exact fp32), gathered on rank 0:
+        they differ per rank and a checkpoint is written by rank 0 alone. Collective for
+        lossy codecs (call it on every rank, as Lightning's ``save_checkpoint`` does)."""
+        if isinstance(self.codec, Fp32) or self._feedback is None:
+            return {}
+        mine = torch.stack([f.residual for f in self._feedback])
+        gathered = [torch.empty_like(mine) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(mine, gathered, dst=0)
+        return {"residuals": gathered} if gathered is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back this rank's residuals; on another world size start from none."""
+        residuals = state.get("residuals")
+        if not residuals or len(residuals) != self.size:
+            return
+        mine = residuals[self.rank]
+        for feedback, saved in zip(self._error_feedback(mine.shape[1]), mine):
+            feedback.restore(saved)
+
     def close(self) -> None:
-        """Abort every group (no further use); peers blocked on them fail fast."""
+        """Abort every group (no further exchanges; ``state_dict`` still works). Idempotent."""
+        if self._control is None:
+            return
         for group in [*self._groups, self._control]:
             group.abort()
-        self._groups = []
+        self._groups, self._control = [], None
 
     # ------------------------------------------------------------------ internals
 
@@ -205,56 +230,60 @@ class ShardedAllReduce:
         out = torch.empty_like(flat)
         sent = 0
 
-        # reduce-scatter: segment j of every shard goes to rank j
-        works: list[dist.Work] = []
+        # Everything is posted up front: the scatter sends (segment j of every shard to
+        # rank j) and every receive. Each shard's gather starts as soon as that shard's
+        # scatter has arrived, so shards pipeline instead of waiting for the slowest one.
+        sends: list[dist.Work] = []
+        scatter_recvs: list[list[dist.Work]] = [[] for _ in self._groups]
+        gather_recvs: list[dist.Work] = []
         own: dict[int, torch.Tensor] = {}
-        incoming: dict[tuple[int, int], torch.Tensor] = {}
+        scattered: dict[tuple[int, int], torch.Tensor] = {}
+        gathered: dict[tuple[int, int], torch.Tensor] = {}
         keep = self._inflight
+        keep.extend([scattered, gathered])
         for s, group in enumerate(self._groups):
             for owner, (lo, hi) in enumerate(segments[s]):
                 data = local_ef.compress(flat[lo:hi], lo)
                 if owner == me:
                     own[s] = data
                 elif data.numel():
-                    works.append(group.send([data], owner, _TAG_SCATTER))
+                    sends.append(group.send([data], owner, _TAG_SCATTER))
                     keep.append(data)
                     sent += data.numel()
+                    if hi > lo:
+                        gathered[s, owner] = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
+                        gather_recvs.append(group.recv([gathered[s, owner]], owner, _TAG_GATHER))
             lo, hi = segments[s][me]
             for src in range(n):
                 if src != me and hi > lo:
-                    incoming[s, src] = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
-                    works.append(group.recv([incoming[s, src]], src, _TAG_SCATTER))
-        keep.extend(works)
-        keep.append(incoming)
-        _wait_all(works, deadline)
+                    scattered[s, src] = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
+                    scatter_recvs[s].append(group.recv([scattered[s, src]], src, _TAG_SCATTER))
+        keep.extend(sends + gather_recvs + [w for ws in scatter_recvs for w in ws])
 
-        # owners: sum in rank order, mean, encode once; all-gather the means
-        works = []
+        # owners: sum in rank order, mean, encode once, send the mean to everyone
         for s, group in enumerate(self._groups):
             lo, hi = segments[s][me]
-            if hi > lo:
-                parts = [own[s] if r == me else incoming[s, r] for r in range(n)]
-                acc = self.codec.extract(parts[0], hi - lo).clone()
-                for part in parts[1:]:
-                    acc += self.codec.extract(part, hi - lo)
-                acc /= n
-                data = owner_ef.compress(acc, lo)
-                out[lo:hi] = self.codec.extract(data, hi - lo)
-                for dst in range(n):
-                    if dst != me:
-                        works.append(group.send([data], dst, _TAG_GATHER))
-                        sent += data.numel()
-                keep.append(data)
-            for owner, (olo, ohi) in enumerate(segments[s]):
-                if owner != me and ohi > olo:
-                    incoming[s, owner] = torch.empty(self.codec.nbytes(ohi - olo), dtype=torch.uint8)
-                    works.append(group.recv([incoming[s, owner]], owner, _TAG_GATHER))
-        keep.extend(works)
-        _wait_all(works, deadline)
-        for s in range(self.shards):
-            for owner, (lo, hi) in enumerate(segments[s]):
-                if owner != me and hi > lo:
-                    out[lo:hi] = self.codec.extract(incoming[s, owner], hi - lo)
+            if hi == lo:
+                continue
+            _wait_all(scatter_recvs[s], deadline)
+            parts = [own[s] if r == me else scattered[s, r] for r in range(n)]
+            acc = self.codec.extract(parts[0], hi - lo).clone()
+            for part in parts[1:]:
+                acc += self.codec.extract(part, hi - lo)
+            acc /= n
+            data = owner_ef.compress(acc, lo)
+            out[lo:hi] = self.codec.extract(data, hi - lo)
+            keep.append(data)
+            for dst in range(n):
+                if dst != me:
+                    work = group.send([data], dst, _TAG_GATHER)
+                    sends.append(work)
+                    keep.append(work)
+                    sent += data.numel()
+        _wait_all(gather_recvs + sends, deadline)
+        for (s, owner), data in gathered.items():
+            lo, hi = segments[s][owner]
+            out[lo:hi] = self.codec.extract(data, hi - lo)
         return out, sent
 
     def _agree(self, ok: bool) -> bool:
@@ -262,6 +291,7 @@ class ShardedAllReduce:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
+        assert self._control is not None
         try:
             self._control.allreduce([flag], options).wait()
         except RuntimeError as exc:
