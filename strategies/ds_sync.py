@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from syncplane.cluster import probe
 from syncplane.comm import make_buckets
+from syncplane.comm.ds_sync import DSSync
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
@@ -64,7 +65,7 @@ class DSSyncStrategy(SyncplaneStrategy):
         self.topology, self.adjust_every, self.imbalance = topology, adjust_every, imbalance
         self.slow_factor, self.probe_bytes = slow_factor, int(probe_mb * 2**20)
         self.swa, self.swa_decay = swa, swa_decay
-        self._runtime: Any = None
+        self._runtime: DSSync | None = None
         self._swa_model: list[torch.Tensor] | None = None
         self._pending: Mapping[str, Any] | None = None
 
@@ -80,11 +81,17 @@ class DSSyncStrategy(SyncplaneStrategy):
         if self._pending is not None:
             self.load_sync_state_dict(self._pending)
 
+    @property
+    def runtime(self) -> DSSync:
+        if self._runtime is None:
+            raise RuntimeError("ds_sync is not set up yet (setup_sync runs when fitting starts)")
+        return self._runtime
+
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         if self._model_buckets is None:
             self._model_buckets = make_buckets(self.model_tensors(), self.bucket_bytes)
-        self._runtime.sync_(self._model_buckets, self.comm_meter)
+        self.runtime.sync_(self._model_buckets, self.comm_meter)
         if self._swa_model is not None:
             torch._foreach_lerp_(self._swa_model, self.model_tensors(), 1.0 - self.swa_decay)
 
@@ -99,7 +106,7 @@ class DSSyncStrategy(SyncplaneStrategy):
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"schedule": self._runtime.state_dict()}
+        state: dict[str, Any] = {"schedule": self.runtime.state_dict()}
         if self._swa_model is not None:       # every rank's own SWA model (a collective)
             flat = torch.cat([t.reshape(-1) for t in self._swa_model]).cpu()
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
@@ -113,7 +120,7 @@ class DSSyncStrategy(SyncplaneStrategy):
             self._pending = state
             return
         self._pending = None
-        self._runtime.load_state_dict(state["schedule"])
+        self.runtime.load_state_dict(state["schedule"])
         if self._swa_model is not None and "swa" in state:
             saved = state["swa"]
             if saved.shape[0] != self.world_size:

@@ -142,10 +142,11 @@ def round_robin_rounds(n: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
-def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int, pings: int = 3) -> tuple[np.ndarray, np.ndarray]:
-    """Collective: in each round the pairs exchange ``nbytes`` both ways at once (after a few
-    tiny ping-pongs for the latency). Returns (bandwidth bytes/s, latency s), n×n, on every rank;
-    pairs that did not meet hold 0."""
+def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
+                   pings: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Collective: in each round the pairs exchange ``nbytes / 4`` and then ``nbytes`` both ways
+    at once (after a few tiny ping-pongs for the latency). Returns (bandwidth bytes/s, latency s),
+    n×n, on every rank; pairs that did not meet hold 0."""
     n, me = dist.get_world_size(), dist.get_rank()
     bw, lat = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
     send = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
@@ -166,14 +167,17 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int, pin
                 dist.recv(tiny_in, peer)
                 dist.send(tiny_out, peer)
             rtts.append(time.perf_counter() - start)
-        latency = min(rtts) / 2
-        start = time.perf_counter()
-        works = [dist.isend(send, peer), dist.irecv(recv, peer)]
-        for w in works:
-            w.wait()
-        elapsed = time.perf_counter() - start
-        bw[me, peer] = send.numel() * 4 / max(elapsed - latency, 1e-9)
-        lat[me, peer] = latency
+        # Two sizes, bandwidth from the difference: a shaper's burst allowance (and the
+        # latency) gives both the same head start, so the slope is the sustained rate.
+        elapsed = []
+        for numel in (send.numel() // 4, send.numel()):
+            start = time.perf_counter()
+            works = [dist.isend(send[:numel], peer), dist.irecv(recv[:numel], peer)]
+            for w in works:
+                w.wait()
+            elapsed.append(time.perf_counter() - start)
+        bw[me, peer] = (send.numel() - send.numel() // 4) * 4 / max(elapsed[1] - elapsed[0], 1e-9)
+        lat[me, peer] = min(rtts) / 2
     dist.all_reduce(bw)
     dist.all_reduce(lat)
     bw = (bw + bw.T) / 2          # both ends timed the same exchange
@@ -244,8 +248,10 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     host_id = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", dist.get_rank())))
     ids = [0] * n
     dist.all_gather_object(ids, host_id)
+    cluster_file = os.environ.get(CLUSTER_ENV)      # the emulated cluster's profile (its content, not its path)
+    cluster = Path(cluster_file).read_text() if cluster_file and Path(cluster_file).exists() else ""
     key = hashlib.sha1(json.dumps([n, ids, os.environ.get("MASTER_ADDR", ""), nbytes,
-                                   os.environ.get(CLUSTER_ENV, "")]).encode()).hexdigest()[:16]
+                                   cluster]).encode()).hexdigest()[:16]
     path = cache_dir / f"{key}.json" if cache_dir is not None else None
     box: list[Any] = [None]
     if dist.get_rank() == 0 and path is not None and path.exists() and not refresh:
@@ -322,3 +328,34 @@ def print_table(topo: Topology, slow_factor: float = 0.5) -> None:
             table.add_row(str(k), str(h), ",".join(map(str, ranks)), mbit(nic[ranks[0]]), mbit(uplink[k]),
                           ", ".join(flags) or "-")
     Console(width=110).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m syncplane.cluster.probe [--mb M] [--json OUT] [--refresh]``, once per rank
+    (torchrun-style environment): probe, print the table on rank 0, write the topology."""
+    import argparse
+    import datetime
+
+    parser = argparse.ArgumentParser(prog="python -m syncplane.cluster.probe")
+    parser.add_argument("--mb", type=float, default=1.0, help="bytes each pair exchanges, in MB")
+    parser.add_argument("--json", help="where rank 0 writes the topology")
+    parser.add_argument("--refresh", action="store_true", help="ignore (and rewrite) the cached result")
+    args = parser.parse_args(argv)
+    if args.mb <= 0:
+        parser.error(f"--mb must be positive, got {args.mb}")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        topo = probe(int(args.mb * 2**20), refresh=args.refresh)
+        if dist.get_rank() == 0:
+            print_table(topo)
+            if args.json:
+                data = topo.to_dict()
+                data["bandwidth"] = [[v if np.isfinite(v) else None for v in row] for row in data["bandwidth"]]
+                Path(args.json).write_text(json.dumps(data, indent=1))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
