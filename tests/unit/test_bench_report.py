@@ -27,9 +27,14 @@ def test_strategy_names_are_checked():
 
 
 def test_unimplemented_strategies_are_reported_not_skipped(tmp_path):
-    report = run_bench(load_profile("two_racks"), ["atc", "ds_sync"], 2**20, out_dir=tmp_path)
+    from syncplane.bench.syncs import ALL_STRATEGIES, SYNCS
+
+    missing = [s for s in ALL_STRATEGIES if s not in SYNCS][:2]   # never launches the emulator
+    if not missing:
+        pytest.skip("every product strategy has a bench entry")
+    report = run_bench(load_profile("two_racks"), missing, 2**20, out_dir=tmp_path)
     assert {"cluster", "world_size", "payload_bytes", "results"} <= set(report)
-    assert [r["strategy"] for r in report["results"]] == ["atc", "ds_sync"]
+    assert [r["strategy"] for r in report["results"]] == missing
     for row in report["results"]:
         assert SCHEMA <= set(row) and row["status"] == "not implemented" and row["sync_s_median"] is None
     plot(report, tmp_path / "chart.png")
