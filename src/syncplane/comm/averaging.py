@@ -8,8 +8,9 @@ strategy overlap communication with compute: ATC waits for a layer's bucket only
 that layer's forward needs it.
 
 Flat mode mixes ranks (``neighbor_allreduce``); hierarchical mode mixes machines
-(``hierarchical_neighbor_allreduce``: average inside a machine, leaders exchange, then
-broadcast) with the schedule defined over machines.
+(``hierarchical_neighbor_allreduce_tensors``: reduce-scatter inside a machine, each local
+rank exchanges its shard with the neighbour machines, all-gather; buckets pipelined on a
+background thread) with the schedule defined over machines.
 """
 
 from __future__ import annotations
