@@ -81,10 +81,6 @@ class NeighborAverager:
         """Indices of the buckets holding any of ``tensors`` (others are ignored)."""
         return {self._bucket_of[t.data_ptr()] for t in tensors if t.data_ptr() in self._bucket_of}
 
-    @property
-    def payload_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
-
     # ------------------------------------------------------------------ operations
 
     def check_schedule(self) -> None:
