@@ -9,18 +9,11 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
 
 from syncplane.cluster import emulator, load_profile
-from syncplane.cluster.emulator import EmulationError
+from tests.helpers.emulation import requires_emulation
 
-try:
-    emulator.require_support()
-    SUPPORT = None
-except EmulationError as exc:
-    SUPPORT = str(exc)
-
-pytestmark = pytest.mark.skipif(SUPPORT is not None, reason=f"cluster emulation unavailable: {SUPPORT}")
+pytestmark = requires_emulation
 
 
 def test_probe_recovers_both_racks_of_two_racks(tmp_path):

@@ -15,15 +15,9 @@ from pathlib import Path
 import pytest
 
 from syncplane.cluster import emulator, parse_profile
-from syncplane.cluster.emulator import EmulationError
+from tests.helpers.emulation import requires_emulation
 
-try:
-    emulator.require_support()
-    SUPPORT = None
-except EmulationError as exc:
-    SUPPORT = str(exc)
-
-pytestmark = pytest.mark.skipif(SUPPORT is not None, reason=f"cluster emulation unavailable: {SUPPORT}")
+pytestmark = requires_emulation
 
 ROOT = Path(__file__).resolve().parents[2]
 

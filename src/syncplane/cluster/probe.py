@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import networkx as nx
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -211,20 +212,11 @@ def cluster_racks(host_bw: np.ndarray) -> list[list[int]]:
 
 
 def _components(n: int, edges: list[tuple[int, int]]) -> list[list[int]]:
-    parent = list(range(n))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for a, b in edges:
-        parent[find(a)] = find(b)
-    comps: dict[int, list[int]] = {}
-    for i in range(n):
-        comps.setdefault(find(i), []).append(i)
-    return sorted(comps.values())
+    """Connected components of the graph on ``0..n−1`` with ``edges``, each sorted, in order."""
+    graph = nx.Graph()
+    graph.add_nodes_from(range(n))
+    graph.add_edges_from(edges)
+    return sorted(sorted(c) for c in nx.connected_components(graph))
 
 
 def topology_from_measurements(bw: np.ndarray, lat: np.ndarray, host_ids: Sequence[int]) -> Topology:

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import networkx as nx
 import numpy as np
 
 Group = tuple[int, ...]
@@ -112,21 +113,12 @@ class GroupPattern:
 
 
 def _components(n: int, groups: Iterable[Group]) -> list[list[int]]:
-    parent = list(range(n))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    """Ranks that ever average together (transitively), as sorted components."""
+    graph = nx.Graph()
+    graph.add_nodes_from(range(n))
     for g in groups:
-        for r in g[1:]:
-            parent[find(r)] = find(g[0])
-    comps: dict[int, list[int]] = {}
-    for r in range(n):
-        comps.setdefault(find(r), []).append(r)
-    return sorted(comps.values())
+        graph.add_edges_from((g[0], r) for r in g[1:])
+    return sorted(sorted(c) for c in nx.connected_components(graph))
 
 
 def build_pattern(racks: Sequence[Sequence[int]], slow_ranks: Iterable[int] = (),
