@@ -102,13 +102,10 @@ class DiLoCo(SyncplaneStrategy):
         assert self._outer is not None and self._exchange is not None
         tensors = self.model_tensors()
         self._to_host(tensors)
-        delta = self._local   # reused in place: [θ_g − θ_local | local buffers]
-        self._outer.pseudo_gradient(delta[: self._n_params], out=delta[: self._n_params])
-        if not self._exchange.allreduce_mean_(delta, meter=self.comm_meter):
+        # self._local = [θ_local | floating buffers], reused in place for Δ and the result
+        if not self._outer.round_(self._local, lambda flat: self._exchange.allreduce_mean_(flat, self.comm_meter)):
             self.skipped += 1
             return False
-        self._outer.step(delta[: self._n_params])
-        delta[: self._n_params].copy_(self._outer.params)
         self._from_host(tensors)
         self.rounds += 1
         return True

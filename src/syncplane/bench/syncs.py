@@ -113,8 +113,9 @@ class NeighborAveragingStep:
     """ATC/AWC's per-step exchange: the strategies' own ``NeighborAverager`` on DDP-sized
     buckets of the payload, all launched, then all waited for. ``spec["schedule"]``:
     ``one_peer`` (default) or ``static`` (``spec["topology"]``, default ExponentialTwoGraph).
-    Buckets: the strategies' default (``NEIGHBOR_BUCKET_BYTES``). Hierarchical: machines are the racks of the launched profile (``spec["machines"]="rack"``,
-    the default) or the hosts (``"host"``). Steps of the one-peer schedule differ in cost
+    Buckets: the strategies' default (``NEIGHBOR_BUCKET_BYTES``). Hierarchical: machines are
+    the racks of the launched profile (``spec["machines"]="rack"``, the default) or the
+    hosts (``"host"``). Steps of the one-peer schedule differ in cost
     (2^t flows cross a rack uplink at step t), so ``period`` makes the worker report the
     mean over whole periods."""
 
@@ -159,19 +160,18 @@ class DiLoCoStep:
         self.period = int(spec.get("period", 4))
         self.allreduce = ShardedAllReduce(int(spec.get("shards", 1)), codec=make_codec(spec.get("compression", "none")))
         self.outer = None
-        self.delta = torch.empty(0)
+        self.flat = torch.empty(0)
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
         from syncplane.comm.outer import OuterOptimizer
 
-        if self.outer is None or self.delta.numel() != payload.numel():
-            self.outer, self.delta = OuterOptimizer(payload), torch.empty_like(payload)
+        if self.outer is None or self.flat.numel() != payload.numel():
+            self.outer, self.flat = OuterOptimizer(payload), torch.empty_like(payload)
         if (step + 1) % self.period:
             return
-        self.outer.pseudo_gradient(payload, out=self.delta)
-        if self.allreduce.allreduce_mean_(self.delta, meter):
-            self.outer.step(self.delta)
-            payload.copy_(self.outer.params)
+        self.flat.copy_(payload)
+        if self.outer.round_(self.flat, lambda flat: self.allreduce.allreduce_mean_(flat, meter)):
+            payload.copy_(self.flat)
 
 
 def _fixed(fn: SyncFn) -> Callable[[dict], SyncFn]:

@@ -14,7 +14,7 @@ No Lightning here: the bench and the strategy share it.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -71,6 +71,22 @@ class OuterOptimizer:
         self.params.grad = mean_delta.reshape(-1)
         self.optimizer.step()
         self.params.grad = None
+
+    def round_(self, flat: torch.Tensor, average_: Callable[[torch.Tensor], bool]) -> bool:
+        """One outer round on ``flat = [θ_local | extras]`` (extras, e.g. floating buffers, are
+        averaged as they are): Δ replaces θ_local, ``average_`` replaces ``flat`` by its mean
+        over ranks (True if committed), the outer step runs, θ_g is written back into the head.
+
+        Returns False when the average was discarded; ``flat``'s head then holds this rank's
+        Δ, so callers keep θ_local elsewhere (the model) and retry next round.
+        """
+        head = flat[: self.params.numel()]
+        self.pseudo_gradient(head, out=head)
+        if not average_(flat):
+            return False
+        self.step(head)
+        head.copy_(self.params)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and plain containers only (``torch.load(weights_only=True)``-loadable)."""
