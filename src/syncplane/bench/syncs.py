@@ -110,8 +110,8 @@ class DSSyncStep:
 
 
 class NeighborAveragingStep:
-    """ATC/AWC's per-step exchange: the strategies' own ``NeighborAverager`` on DDP-sized
-    buckets of the payload, all launched, then all waited for. ``spec["schedule"]``:
+    """ATC/AWC's per-step exchange: the strategies' own ``NeighborAverager`` on buckets of the
+    payload, all launched, then all waited for. ``spec["schedule"]``:
     ``one_peer`` (default) or ``static`` (``spec["topology"]``, default ExponentialTwoGraph).
     Buckets: the strategies' default (``NEIGHBOR_BUCKET_BYTES``). Hierarchical: machines are
     the racks of the launched profile (``spec["machines"]="rack"``, the default) or the

@@ -43,11 +43,6 @@ class Schedule:
     def plan(self, step: int, rank: int) -> RankPlan:
         raise NotImplementedError
 
-    @property
-    def dynamic(self) -> bool:
-        """Dynamic plans pass explicit weights to the neighbour op; static ones use the set topology."""
-        return True
-
     def matrix(self, step: int) -> np.ndarray:
         """``A`` of step ``step`` with ``A[j, i]`` = weight rank i gives rank j's tensor."""
         a = np.zeros((self.size, self.size))
@@ -87,10 +82,6 @@ class StaticSchedule(Schedule):
         self.size = graph.number_of_nodes()
         self.period = 1
         self._plans = [RankPlan(*topology.static_weights(graph, r)) for r in range(self.size)]
-
-    @property
-    def dynamic(self) -> bool:
-        return False
 
     def plan(self, step: int, rank: int) -> RankPlan:
         return self._plans[rank]
