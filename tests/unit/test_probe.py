@@ -53,6 +53,21 @@ def test_clustering_recovers_two_racks_despite_probe_contention_and_noise(seed):
     assert topo.bottlenecks() == ([], [])
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_one_stray_measurement_does_not_merge_or_split_racks(seed):
+    """A cross-rack pair measured at NIC speed (a stalled small transfer) and an in-rack pair
+    measured slow (a descheduled rank): single-linkage clustering merged the racks on the
+    first, which is how the emulated probe failed in CI."""
+    bw = measured_two_racks(seed)
+    rng = np.random.default_rng(seed)
+    a, b = int(rng.integers(0, 4)), int(rng.integers(4, 8))
+    bw[a, b] = bw[b, a] = 55e6                                        # faster than any NIC
+    c, d = (a + 1) % 4, (a + 2) % 4
+    bw[c, d] = bw[d, c] = 4e6                                         # slower than the uplink share
+    topo = topology_from_measurements(bw, np.zeros((8, 8)), list(range(8)))
+    assert topo.racks == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_a_slow_nic_is_not_a_rack_of_its_own():
     topo = topology_from_measurements(measured_two_racks(0, racks=(tuple(range(8)),), slow=(7,)),
                                       np.zeros((8, 8)), list(range(8)))
