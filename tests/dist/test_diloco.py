@@ -62,9 +62,24 @@ def test_h1_with_plain_outer_sgd_equals_ddp(tmp_path):
     assert any(not torch.allclose(a, b) for a, b in zip(results[0][0]["diloco"], _params(TinyRegressor())))
 
 
+def training_batches(rank: int, world: int, steps: int) -> list:
+    """The batches Lightning feeds this rank for ``steps`` steps of ``RegressionData()``."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from tests.helpers.models import RegressionData
+
+    data = RegressionData().data
+    sampler = DistributedSampler(data, world, rank, shuffle=True, seed=0)   # what Lightning injects for training
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    batches = []
+    for epoch in range(-(-steps // len(loader))):
+        sampler.set_epoch(epoch)
+        batches += list(loader)
+    return batches
+
+
 def _vs_periodic_averager(rank: int, world: int, tmp_dir: str, steps: int, period: int):
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-    from torch.utils.data import DataLoader, DistributedSampler
 
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
@@ -79,13 +94,7 @@ def _vs_periodic_averager(rank: int, world: int, tmp_dir: str, steps: int, perio
     # torch averages when (step - warmup) % period == 0, counting from 0: a warm-up of
     # period - 1 puts the averages after steps period, 2·period, ... like DiLoCo's rounds
     averager = PeriodicModelAverager(period=period, warmup_steps=period - 1)
-    data = RegressionData().data
-    sampler = DistributedSampler(data, world, rank, shuffle=True, seed=0)   # what Lightning injects for training
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    batches = []
-    for epoch in range(-(-steps // len(loader))):
-        sampler.set_epoch(epoch)
-        batches += list(loader)
+    batches = training_batches(rank, world, steps)
     for step in range(steps):
         optimizer.zero_grad()
         reference.training_step(batches[step], 0).backward()
@@ -113,11 +122,11 @@ def _recorded_nesterov(rank: int, world: int, tmp_dir: str, late_round: int):
     class Recording(DiLoCo):
         """Keeps every round's local replica; one rank straggles in ``late_round``."""
 
-        def outer_sync(self) -> bool:
+        def outer_sync(self, fragment: int = 0) -> bool:
             local = [t.detach().clone() for t in self.lightning_module.parameters()]
             if len(self.log) == late_round and rank == 1:
                 time.sleep(3 * self.sync_timeout_s)
-            committed = super().outer_sync()
+            committed = super().outer_sync(fragment)
             self.log.append((local, committed))
             return committed
 
@@ -129,7 +138,7 @@ def _recorded_nesterov(rank: int, world: int, tmp_dir: str, late_round: int):
     strategy = Recording(cluster_environment=TorchElasticEnvironment(), sync_every=2, sync_timeout_s=1.0)
     strategy.log = []
     trainer_for(strategy, tmp_dir, max_steps=8, limit_val_batches=0).fit(model, RegressionData(seed=rank))
-    return initial, strategy.log, strategy._outer.params.clone(), _params(model), strategy.skipped
+    return initial, strategy.log, strategy.outer_params, _params(model), strategy.skipped
 
 
 def test_default_outer_step_is_torch_nesterov_sgd_and_a_failed_round_is_skipped_everywhere(tmp_path):
@@ -160,36 +169,38 @@ def test_default_outer_step_is_torch_nesterov_sgd_and_a_failed_round_is_skipped_
         assert torch.equal(torch.cat([p.reshape(-1) for p in model_params]), outer_params)
 
 
-def _resume(rank: int, world: int, tmp_dir: str):
+def resume_vs_uninterrupted(rank: int, world: int, tmp_dir: str, diloco_kwargs: dict, checkpoint: str):
+    """4 epochs straight, and 2 epochs + ``checkpoint`` + 2 resumed epochs: (params, θ_g) of both."""
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
     def fresh():
         torch.manual_seed(5)
-        return TinyRegressor(), _diloco(sync_every=3, compression="int8", block_size=4)
+        return TinyRegressor(), _diloco(**diloco_kwargs)
 
     model, strategy = fresh()
     trainer_for(strategy, tmp_dir, max_epochs=4, limit_val_batches=0).fit(model, RegressionData(seed=rank))
-    uninterrupted = (_params(model), strategy._outer.params.clone())
+    uninterrupted = (_params(model), strategy.outer_params)
 
     model, strategy = fresh()
     trainer = trainer_for(strategy, tmp_dir, max_epochs=2, limit_val_batches=0)
     trainer.fit(model, RegressionData(seed=rank))
-    trainer.save_checkpoint(f"{tmp_dir}/mid_round.ckpt")
+    trainer.save_checkpoint(f"{tmp_dir}/{checkpoint}")
 
     model, strategy = fresh()
     trainer_for(strategy, tmp_dir, max_epochs=4, limit_val_batches=0).fit(
-        model, RegressionData(seed=rank), ckpt_path=f"{tmp_dir}/mid_round.ckpt")
-    return uninterrupted, (_params(model), strategy._outer.params.clone()), strategy.rounds
+        model, RegressionData(seed=rank), ckpt_path=f"{tmp_dir}/{checkpoint}")
+    return uninterrupted, (_params(model), strategy.outer_params), strategy.rounds
 
 
 def test_resume_from_a_mid_round_checkpoint_is_bit_identical(tmp_path):
-    results = run_distributed(_resume, 2, str(tmp_path), timeout=240)
+    results = run_distributed(resume_vs_uninterrupted, 2, str(tmp_path),
+                              {"sync_every": 3, "compression": "int8", "block_size": 4}, "mid_round.ckpt", timeout=240)
     checkpoint = torch.load(tmp_path / "mid_round.ckpt", weights_only=True)
     state = checkpoint["syncplane"]["state"]
     assert state["step_in_round"] == 10 % 3 and state["rounds"] == 3 and state["sync_every"] == 3
     residuals = state["exchange"]["residuals"]   # every rank's error feedback, not rank 0's only
     assert len(residuals) == 2 and not torch.equal(residuals[0], residuals[1])
-    assert "momentum_buffer" in state["outer"]["optimizer"]["state"][0]
+    assert "momentum_buffer" in state["outer"][0]["optimizer"]["state"][0]
     for (params, outer), (resumed_params, resumed_outer), rounds in results:
         assert rounds == 20 // 3
         assert torch.equal(outer, resumed_outer)

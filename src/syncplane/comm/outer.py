@@ -80,13 +80,25 @@ class OuterOptimizer:
         Returns False when the average was discarded; ``flat``'s head then holds this rank's
         Δ, so callers keep θ_local elsewhere (the model) and retry next round.
         """
-        head = flat[: self.params.numel()]
-        self.pseudo_gradient(head, out=head)
+        self.begin_round_(flat)
         if not average_(flat):
             return False
+        self.finish_round_(flat)
+        return True
+
+    def begin_round_(self, flat: torch.Tensor) -> None:
+        """First half of ``round_``: Δ replaces θ_local in ``flat``'s head. Split from the
+        second half so that the average can run in between while training goes on
+        (Streaming DiLoCo's overlapped rounds)."""
+        head = flat[: self.params.numel()]
+        self.pseudo_gradient(head, out=head)
+
+    def finish_round_(self, flat: torch.Tensor) -> None:
+        """Second half of ``round_``, once ``flat`` holds the committed mean: the outer step
+        with the head's mean Δ, then θ_g written back into the head."""
+        head = flat[: self.params.numel()]
         self.step(head)
         head.copy_(self.params)
-        return True
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and plain containers only (``torch.load(weights_only=True)``-loadable)."""

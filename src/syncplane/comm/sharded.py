@@ -112,10 +112,14 @@ class ShardedAllReduce:
 
     # ------------------------------------------------------------------ public
 
-    def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None) -> bool:
+    def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
+                        offset: int = 0, total: int | None = None) -> bool:
         """Replace ``flat`` by its mean over all ranks; return True if committed.
 
-        On False (some rank failed) ``flat`` is unchanged on every rank.
+        On False (some rank failed) ``flat`` is unchanged on every rank. ``flat`` may be
+        the slice ``[offset, offset + flat.numel())`` of a logical buffer of ``total``
+        values (default: all of it): error feedback is kept per position of that buffer,
+        so slices exchanged in turn (Streaming DiLoCo's fragments) keep their own residuals.
         """
         if flat.dtype != torch.float32 or flat.dim() != 1 or flat.device.type != "cpu" \
                 or not flat.is_contiguous():
@@ -125,12 +129,15 @@ class ShardedAllReduce:
             return True
         if self._control is None:
             raise RuntimeError("this ShardedAllReduce was closed")
-        feedback = self._error_feedback(flat.numel())
+        total = flat.numel() if total is None else total
+        if offset < 0 or offset + flat.numel() > total:
+            raise ValueError(f"slice [{offset}, {offset + flat.numel()}) is outside a buffer of {total} values")
+        feedback = self._error_feedback(total)
         saved = [f.snapshot() for f in feedback] if not isinstance(self.codec, Fp32) else None
         start = time.perf_counter()
         sent = 0
         try:
-            out, sent = self._exchange(flat, feedback)
+            out, sent = self._exchange(flat, feedback, offset)
             ok = True
         except RuntimeError as exc:        # gloo: timeout, connection closed by a failed peer
             out, ok = None, False
@@ -221,7 +228,7 @@ class ShardedAllReduce:
         return [[(a + lo, a + hi) for lo, hi in shard_bounds(b - a, self.size)]
                 for a, b in shard_bounds(numel, self.shards)]
 
-    def _exchange(self, flat: torch.Tensor, feedback: tuple[ErrorFeedback, ErrorFeedback]
+    def _exchange(self, flat: torch.Tensor, feedback: tuple[ErrorFeedback, ErrorFeedback], offset: int = 0
                   ) -> tuple[torch.Tensor, int]:
         deadline = time.monotonic() + self.timeout_s
         local_ef, owner_ef = feedback
@@ -243,7 +250,7 @@ class ShardedAllReduce:
         keep.extend([scattered, gathered])
         for s, group in enumerate(self._groups):
             for owner, (lo, hi) in enumerate(segments[s]):
-                data = local_ef.compress(flat[lo:hi], lo)
+                data = local_ef.compress(flat[lo:hi], offset + lo)
                 if owner == me:
                     own[s] = data
                 elif data.numel():
@@ -271,7 +278,7 @@ class ShardedAllReduce:
             for part in parts[1:]:
                 acc += self.codec.extract(part, hi - lo)
             acc /= n
-            data = owner_ef.compress(acc, lo)
+            data = owner_ef.compress(acc, offset + lo)
             out[lo:hi] = self.codec.extract(data, hi - lo)
             keep.append(data)
             for dst in range(n):

@@ -1,0 +1,178 @@
+"""Streaming DiLoCo's fragments (Douillard et al. 2025): θ_g in P pieces, synced in turn.
+
+Plain DiLoCo puts the whole pseudo-gradient on the wire once every H steps: a burst of
+the full model size, then silence. Streaming DiLoCo splits the parameters into P
+contiguous fragments and gives fragment p its own round at the steps where
+``(steps_done − offset_p) mod H = 0``, ``offset_p = p·H // P``: every fragment is still
+synchronized once per H steps, but only ~1/P of the model is exchanged at a time, so the
+peak bandwidth drops by ~P. With an overlap of τ ≥ 1 steps, a fragment's exchange runs
+on a background thread while training continues and its result is merged τ steps later
+as ``θ_local ← α·θ_local + (1 − α)·θ_g`` (the paper's mixing; α = 0 overwrites).
+
+Fragments are cut by value count, exactly evenly, even through a tensor: the paper
+groups whole layers, but one big layer (a classifier head, an embedding) would then
+keep the peak high -- in the ``digits`` CNN one Linear holds 91 % of the values, so a
+cut at tensor boundaries could not go below 0.91 of the model for any P. Cutting a
+tensor is exact for element-wise outer optimizers, which ``OuterOptimizer``'s flat
+buffer assumes already. Floating buffers (BatchNorm statistics) travel with the last
+fragment.
+
+No Lightning here: ``FragmentedOuter`` owns the per-fragment outer state and the rounds
+between launch and merge; moving tensors between the model and the host buffer is the
+caller's job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from syncplane.comm.outer import OuterOptimizer
+from syncplane.comm.sharded import shard_bounds
+
+#: ``average_(flat_slice, offset)``: the slice's mean over ranks in place; True if committed.
+Average = Callable[[torch.Tensor, int], bool]
+
+
+def fragment_bounds(n_params: int, extra: int, fragments: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each fragment in the flat buffer ``[parameters | extras]``: the
+    parameters cut into ``fragments`` ranges whose sizes differ by at most one value; the
+    ``extra`` values after the parameters join the last one."""
+    if not 1 <= fragments <= n_params:
+        raise ValueError(f"cannot split {n_params} parameter values into {fragments} fragments "
+                         f"(fragments must be between 1 and {n_params})")
+    bounds = shard_bounds(n_params, fragments)
+    start, end = bounds[-1]
+    bounds[-1] = (start, end + extra)
+    return bounds
+
+
+def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
+    """Step offset of each fragment's round within the H-step period, spread evenly."""
+    return [p * sync_every // fragments for p in range(fragments)]
+
+
+@dataclass
+class Round:
+    """A fragment's round from launch until its result is merged into the replica."""
+
+    fragment: int
+    due: int                             # steps done when the result is merged
+    future: Future[bool] | None = None   # the exchange, while in flight
+    committed: bool | None = None        # its outcome, once waited for
+
+
+class FragmentedOuter:
+    """θ_g as P fragments of the host buffer ``flat = [θ_local | extras]``, each with its own
+    outer optimizer, and the rounds launched but not merged yet.
+
+    Why one ``OuterOptimizer`` per fragment: a fragment's momentum (or Adam moments, and
+    Adam's step count) must advance only at that fragment's rounds. One optimizer over the
+    whole buffer, stepped with a zero gradient outside the fragment, would still decay the
+    other fragments' momentum and move their θ_g by it (SGD: ``b ← μb + 0``, ``θ ← θ − lr·b``)
+    at every fragment's round. Per-fragment optimizers over slices are also exactly the
+    dense optimizer for element-wise optimizers when P = 1.
+
+    Args:
+        flat: the caller's host buffer; fragment p works in place on ``flat[a_p:b_p]``
+            (θ_local, then Δ, then its mean, then what to merge), which nothing else
+            touches between a fragment's launch and its merge.
+        n_params: how many values of ``flat`` are parameters (the rest are extras).
+        fragments: P.
+        sync_every: H.
+        optimizer, kwargs, pin: as for ``OuterOptimizer``.
+    """
+
+    def __init__(self, flat: torch.Tensor, n_params: int, fragments: int, sync_every: int,
+                 optimizer: str, kwargs: Mapping[str, Any] | None, pin: bool) -> None:
+        self.flat, self.sync_every = flat, sync_every
+        self.bounds = fragment_bounds(n_params, flat.numel() - n_params, fragments)
+        self.offsets = fragment_offsets(sync_every, fragments)
+        self.outers = [OuterOptimizer(flat[a:min(b, n_params)], optimizer, kwargs, pin=pin)
+                       for a, b in self.bounds]
+        self.pending: dict[int, Round] = {}
+        self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def params(self) -> torch.Tensor:
+        """θ_g of the whole model (a copy: the fragments' concatenation)."""
+        return torch.cat([outer.params for outer in self.outers])
+
+    def starting(self, done: int) -> list[int]:
+        """Fragments whose round starts once ``done`` steps are complete."""
+        return [p for p, offset in enumerate(self.offsets) if (done - offset) % self.sync_every == 0]
+
+    def launch(self, fragment: int, average_: Average, due: int, background: bool) -> None:
+        """Δ of the fragment (its θ_local must be in ``flat`` already) and its average,
+        on the background thread if ``background`` (the next ``wait`` collects it)."""
+        if fragment in self.pending:
+            raise RuntimeError(f"fragment {fragment}'s previous round has not been merged yet")
+        a, b = self.bounds[fragment]
+        self.outers[fragment].begin_round_(self.flat[a:b])
+        round_ = Round(fragment, due)
+        if background:
+            if self._worker is None:   # one thread: exchanges run one at a time, in launch order
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncplane-streaming")
+            round_.future = self._worker.submit(average_, self.flat[a:b], a)
+        else:
+            round_.committed = average_(self.flat[a:b], a)
+            self._finish(round_)
+        self.pending[fragment] = round_
+
+    def wait(self) -> None:
+        """Complete every exchange in flight and its outer step; the merges stay scheduled
+        (at their ``due`` step), so waiting early -- for a checkpoint or a validation --
+        does not change the training trajectory."""
+        for round_ in self.pending.values():
+            if round_.future is not None:
+                round_.committed = round_.future.result()
+                round_.future = None
+                self._finish(round_)
+
+    def pop(self, fragment: int) -> Round:
+        """Wait for and remove the fragment's round; ``flat[a:b]`` holds what to merge."""
+        self.wait()
+        return self.pending.pop(fragment)
+
+    def pop_due(self, done: int) -> list[Round]:
+        """The rounds to merge once ``done`` steps are complete (waited for, removed)."""
+        return [self.pop(p) for p in sorted(self.pending) if self.pending[p].due <= done]
+
+    def close(self) -> None:
+        """Wait for the exchanges in flight and stop the background thread."""
+        self.wait()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every fragment's outer state and the rounds waiting to be merged (call ``wait``
+        first); tensors and plain containers only."""
+        if any(r.future is not None for r in self.pending.values()):
+            raise RuntimeError("a fragment's exchange is still in flight: wait() before state_dict()")
+        pending = [{"fragment": r.fragment, "due": r.due, "committed": bool(r.committed),
+                    "merge": self.flat[slice(*self.bounds[r.fragment])].clone()}
+                   for r in self.pending.values()]
+        return {"outer": [outer.state_dict() for outer in self.outers], "pending": pending}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        outer = state["outer"]
+        outers = [outer] if isinstance(outer, Mapping) else list(outer)   # a plain-DiLoCo checkpoint: one
+        if len(outers) != len(self.outers):
+            raise ValueError(f"the checkpoint holds {len(outers)} fragments, this run has {len(self.outers)}")
+        for mine, saved in zip(self.outers, outers):
+            mine.load_state_dict(saved)
+        self.pending = {}
+        for saved in state.get("pending", []):
+            p = int(saved["fragment"])
+            self.flat[slice(*self.bounds[p])].copy_(saved["merge"])
+            self.pending[p] = Round(p, int(saved["due"]), committed=bool(saved["committed"]))
+
+    def _finish(self, round_: Round) -> None:
+        if round_.committed:
+            a, b = self.bounds[round_.fragment]
+            self.outers[round_.fragment].finish_round_(self.flat[a:b])
