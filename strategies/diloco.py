@@ -24,13 +24,12 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
   position within the round, so a resume is bit-identical (the base restores each rank's
   own replica after the initial broadcast).
 
-Host<->device copies run on a side CUDA stream when the model is on a GPU; on CPU the
-same calls are plain copies.
+Host<->device copies (``syncplane.comm.host_mirror``) run on a side CUDA stream when the
+model is on a GPU; on CPU the same calls are plain copies.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Mapping
 
 import torch
@@ -38,7 +37,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.comm import ShardedAllReduce, make_codec
-from syncplane.comm.streaming import FragmentedOuter, Round
+from syncplane.comm.host_mirror import HostMirror
+from syncplane.comm.streaming import FragmentedOuter, Round, streaming_mix_alpha
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
@@ -82,12 +82,12 @@ class DiLoCo(SyncplaneStrategy):
         self.outer_optimizer, self.outer_kwargs = outer_optimizer, outer_kwargs
         self.compression, self.block_size = compression, block_size
         self.fragments, self.overlap_steps = fragments, overlap_steps
-        self.mix_alpha = _check_streaming(sync_every, fragments, overlap_steps, mix_alpha)
+        self.mix_alpha = streaming_mix_alpha(sync_every, fragments, overlap_steps, mix_alpha)
         self.rounds = 0     # committed outer steps (one per fragment round)
         self.skipped = 0    # discarded rounds
         self._outer: FragmentedOuter | None = None
         self._exchange: ShardedAllReduce | None = None
-        self._stream: torch.cuda.Stream | None = None
+        self._host: HostMirror | None = None
 
     # ------------------------------------------------------------ extension points
 
@@ -95,19 +95,13 @@ class DiLoCo(SyncplaneStrategy):
     def setup_sync(self) -> None:
         tensors = self.model_tensors()
         n_params = sum(p.numel() for p in self.lightning_module.parameters())
-        self._spans, offset = [], 0
-        for t in tensors:
-            self._spans.append((offset, offset + t.numel()))
-            offset += t.numel()
-        on_gpu = tensors[0].device.type == "cuda"
-        self._stream = torch.cuda.Stream(device=tensors[0].device) if on_gpu else None
-        self._local = torch.empty(offset, dtype=torch.float32, pin_memory=on_gpu)
-        self._to_host(tensors, 0, offset)
+        self._host = HostMirror(tensors)       # [θ_local | floating buffers], fp32 on the host
+        self._host.to_host(tensors)
         if self._outer is not None:
             self._outer.close()
-        self._outer = FragmentedOuter(self._local, n_params, self.fragments, self.sync_every,
-                                      self.outer_optimizer, self.outer_kwargs, pin=on_gpu)
-        _check_cut_tensors_contiguous(tensors, self._spans, self._outer.bounds)
+        self._outer = FragmentedOuter(self._host.buffer, n_params, self.fragments, self.sync_every,
+                                      self.outer_optimizer, self.outer_kwargs, pin=self._host.on_gpu)
+        self._host.check_cuts(tensors, [start for start, _ in self._outer.bounds[1:]])
         if self._exchange is not None:
             self._exchange.close()
         self._exchange = ShardedAllReduce(self.shards, codec=make_codec(self.compression, self.block_size),
@@ -147,11 +141,10 @@ class DiLoCo(SyncplaneStrategy):
 
     def _launch(self, fragment: int, done: int, background: bool) -> None:
         assert self._outer is not None and self._exchange is not None
-        exchange, total = self._exchange, self._local.numel()
+        exchange, total = self._exchange, self._host.buffer.numel()
         start, end = self._outer.bounds[fragment]
-        # self._local = [θ_local | floating buffers]; the fragment's slice is reused in place
-        # for its Δ and the result
-        self._to_host(self.model_tensors(), start, end)
+        # the fragment's slice of the host buffer is reused in place for its Δ and the result
+        self._host.to_host(self.model_tensors(), start, end)
         self._outer.launch(fragment, lambda flat, offset: exchange.allreduce_mean_(
             flat, self.comm_meter, offset=offset, total=total), due=done + self.overlap_steps, background=background)
 
@@ -160,7 +153,7 @@ class DiLoCo(SyncplaneStrategy):
             self.skipped += 1
             return
         assert self._outer is not None
-        self._from_host(self.model_tensors(), *self._outer.bounds[round_.fragment], alpha=self.mix_alpha)
+        self._host.from_host(self.model_tensors(), *self._outer.bounds[round_.fragment], alpha=self.mix_alpha)
         self.rounds += 1
 
     @override
@@ -193,73 +186,3 @@ class DiLoCo(SyncplaneStrategy):
         if self._exchange is not None:
             self._exchange.close()   # its state stays readable for a checkpoint after fit
         super().teardown()
-
-    # ------------------------------------------------------------ host <-> device copies
-
-    def _side_stream(self) -> AbstractContextManager[Any]:
-        if self._stream is None:
-            return nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        return torch.cuda.stream(self._stream)
-
-    def _within(self, tensors: list[torch.Tensor], start: int, end: int) -> list[tuple[torch.Tensor, slice]]:
-        """``(tensor values, host slice)`` for the part of each tensor inside ``[start, end)``:
-        the whole tensor (shaped like it) or, where a fragment cut runs through it, a flat part."""
-        parts = []
-        for t, (a, b) in zip(tensors, self._spans):
-            lo, hi = max(a, start), min(b, end)
-            if lo >= hi:
-                continue
-            whole = (lo, hi) == (a, b)
-            parts.append((t if whole else t.view(-1)[lo - a: hi - a], slice(lo, hi)))
-        return parts
-
-    def _to_host(self, tensors: list[torch.Tensor], start: int, end: int) -> None:
-        with torch.no_grad(), self._side_stream():
-            for t, host in self._within(tensors, start, end):
-                self._local[host].copy_(t.reshape(-1), non_blocking=True)
-        if self._stream is not None:
-            self._stream.synchronize()    # the CPU reads the host buffer next
-
-    def _from_host(self, tensors: list[torch.Tensor], start: int, end: int, alpha: float = 0.0) -> None:
-        """The host buffer's ``[start, end)`` into the model: copied (α = 0) or mixed in as
-        ``α·θ_local + (1 − α)·host``."""
-        with torch.no_grad(), self._side_stream():
-            for t, host in self._within(tensors, start, end):
-                values = self._local[host].view_as(t)
-                if alpha == 0.0:
-                    t.copy_(values, non_blocking=True)
-                else:
-                    t.mul_(alpha).add_(values.to(t.device, non_blocking=True), alpha=1.0 - alpha)
-        if self._stream is not None:  # the next forward must see the new weights
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-
-
-def _check_cut_tensors_contiguous(tensors: list[torch.Tensor], spans: list[tuple[int, int]],
-                                  bounds: list[tuple[int, int]]) -> None:
-    """A fragment cut through a tensor copies a flat part of it: that needs a flat view."""
-    cuts = {start for start, _ in bounds[1:]}
-    for i, (t, (a, b)) in enumerate(zip(tensors, spans)):
-        if any(a < cut < b for cut in cuts) and not t.is_contiguous():
-            raise ValueError(f"a fragment boundary runs through model tensor {i} (shape {tuple(t.shape)}), "
-                             "which is not contiguous (channels_last?): use fewer fragments or a contiguous "
-                             "memory format")
-
-
-def _check_streaming(sync_every: int, fragments: int, overlap_steps: int, mix_alpha: float | None) -> float:
-    """Validate the streaming options; return the effective α."""
-    if not 1 <= fragments <= sync_every:
-        raise ValueError(f"fragments must be between 1 and sync_every={sync_every} (one offset per "
-                         f"fragment within the round), got {fragments}")
-    if not 0 <= overlap_steps < sync_every // fragments:
-        raise ValueError(f"overlap_steps must be >= 0 and below sync_every // fragments = "
-                         f"{sync_every} // {fragments} = {sync_every // fragments} (a fragment's round "
-                         f"must end before the next one starts), got {overlap_steps}")
-    if mix_alpha is None:
-        return 0.5 if overlap_steps else 0.0
-    if not 0.0 <= mix_alpha < 1.0:
-        raise ValueError(f"mix_alpha must be in [0, 1) (0 = take the global fragment), got {mix_alpha}")
-    if overlap_steps == 0 and mix_alpha != 0.0:
-        raise ValueError(f"mix_alpha={mix_alpha} needs overlap_steps >= 1: without overlap the merged "
-                         "fragment is the global one (mix_alpha must be 0)")
-    return float(mix_alpha)

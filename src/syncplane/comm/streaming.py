@@ -56,6 +56,25 @@ def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
     return [p * sync_every // fragments for p in range(fragments)]
 
 
+def streaming_mix_alpha(sync_every: int, fragments: int, overlap_steps: int, mix_alpha: float | None) -> float:
+    """Check the streaming options (clear errors naming the values); return the effective α."""
+    if not 1 <= fragments <= sync_every:
+        raise ValueError(f"fragments must be between 1 and sync_every={sync_every} (one offset per "
+                         f"fragment within the round), got {fragments}")
+    if not 0 <= overlap_steps < sync_every // fragments:
+        raise ValueError(f"overlap_steps must be >= 0 and below sync_every // fragments = "
+                         f"{sync_every} // {fragments} = {sync_every // fragments} (a fragment's round "
+                         f"must end before the next one starts), got {overlap_steps}")
+    if mix_alpha is None:
+        return 0.5 if overlap_steps else 0.0
+    if not 0.0 <= mix_alpha < 1.0:
+        raise ValueError(f"mix_alpha must be in [0, 1) (0 = take the global fragment), got {mix_alpha}")
+    if overlap_steps == 0 and mix_alpha != 0.0:
+        raise ValueError(f"mix_alpha={mix_alpha} needs overlap_steps >= 1: without overlap the merged "
+                         "fragment is the global one (mix_alpha must be 0)")
+    return float(mix_alpha)
+
+
 @dataclass
 class Round:
     """A fragment's round from launch until its result is merged into the replica."""
