@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from syncplane.cluster import probe
 from syncplane.comm import make_buckets
-from syncplane.comm.ds_sync import DSSync
+from syncplane.comm.ds_sync import DSSync, PairStreams, check_pair_streams
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
@@ -46,11 +46,15 @@ class DSSyncStrategy(SyncplaneStrategy):
         probe_mb: bytes each pair exchanges per probe.
         swa: keep a per-rank EMA of the parameters; the final model is their global mean.
         swa_decay: EMA factor (``swa ← decay·swa + (1 − decay)·params`` every step).
+        pair_streams: TCP connections per direction for a group of two (the inter-rack
+            group with two racks): k streams take k/(k+1) of an uplink shared with one
+            foreign flow instead of half, but one stream is faster on a link of its own;
+            ``auto`` times both at setup and after every re-probe.
     """
 
     def __init__(self, topology: str = "auto", adjust_every: int = 100, imbalance: float = 1.5,
                  slow_factor: float = 0.5, probe_mb: float = 1.0, swa: bool = False, swa_decay: float = 0.99,
-                 **kwargs: Any) -> None:
+                 pair_streams: PairStreams = "auto", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if adjust_every < 0:
             raise ValueError(f"adjust_every must be >= 0 (0 = never), got {adjust_every}")
@@ -62,9 +66,10 @@ class DSSyncStrategy(SyncplaneStrategy):
             raise ValueError(f"probe_mb must be positive, got {probe_mb}")
         if not 0 <= swa_decay < 1:
             raise ValueError(f"swa_decay must be in [0, 1), got {swa_decay}")
+        check_pair_streams(pair_streams)
         self.topology, self.adjust_every, self.imbalance = topology, adjust_every, imbalance
         self.slow_factor, self.probe_bytes = slow_factor, int(probe_mb * 2**20)
-        self.swa, self.swa_decay = swa, swa_decay
+        self.swa, self.swa_decay, self.pair_streams = swa, swa_decay, pair_streams
         self._runtime: DSSync | None = None
         self._swa_model: list[torch.Tensor] | None = None
         self._pending: Mapping[str, Any] | None = None
@@ -75,7 +80,10 @@ class DSSyncStrategy(SyncplaneStrategy):
         if self.is_global_zero:
             probe.print_table(topo, self.slow_factor)
         self._runtime = probe.ds_sync_for(topo, adjust_every=self.adjust_every, imbalance=self.imbalance,
-                                          slow_factor=self.slow_factor, probe_bytes=self.probe_bytes)
+                                          slow_factor=self.slow_factor, probe_bytes=self.probe_bytes,
+                                          pair_streams=self.pair_streams)
+        if self.is_global_zero:
+            print(self._runtime.describe_streams(), flush=True)
         if self.swa:
             self._swa_model = [t.detach().clone() for t in self.model_tensors()]
         if self._pending is not None:

@@ -180,7 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import main_bench
 
     main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
-               args.json, args.png, args.wandb, args.period, args.shards, args.compression)
+               args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams)
     return 0
 
 
@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="steps between syncs of periodic peers (torch_periodic, torch_hierarchical)")
     bench.add_argument("--shards", type=int, default=1,
                        help="diloco: concurrent gloo streams (shards) for the exchange of Δ")
+    bench.add_argument("--pair-streams", default="auto",
+                       help="ds_sync: TCP connections per direction of a two-rank group, or auto "
+                            "(timed at setup, as the strategy does by default)")
     bench.add_argument("--compression", default="none", choices=["none", "int8"],
                        help="diloco: codec of Δ on the wire")
     bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")

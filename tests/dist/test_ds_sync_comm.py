@@ -63,6 +63,74 @@ def test_each_rank_holds_its_groups_mean_for_2_3_4_groups():
                 torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 
+def _pair_inputs(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(77 + rank)
+    return [torch.randn(n, generator=g) for n in (1, 3, 9, 20)]      # buckets smaller than the stream count
+
+
+def _pair_over_streams(rank: int, world: int, streams: int):
+    from syncplane.comm import make_buckets
+    from syncplane.comm.groups import GroupSet
+
+    groups = GroupSet([[0, 1]], max_pair_streams=4)
+    groups.pair_streams = streams
+    tensors = _pair_inputs(rank)
+    groups.group_average_(make_buckets(tensors, cap_bytes=4), [0, 1])
+    return tensors
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_a_pair_over_several_streams_holds_the_exact_mean_on_both_ranks(streams):
+    results = run_distributed(_pair_over_streams, 2, streams)
+    for got0, got1, a, b in zip(results[0], results[1], _pair_inputs(0), _pair_inputs(1)):
+        assert torch.equal(got0, got1)                              # bit-identical on both ends
+        torch.testing.assert_close(got0, (a + b) / 2, rtol=0, atol=1e-7)
+
+
+def _auto_streams(rank: int, world: int):
+    from syncplane.comm import make_buckets
+    from syncplane.comm.ds_sync import DSSync
+
+    runtime = DSSync([[0, 1], [2, 3]], np.full((world, world), 1e8), pair_streams="auto")
+    with pytest.raises(ValueError, match=r"pair_streams must be in 1..4 \(connections created\), got 5"):
+        runtime.groups.pair_streams = 5
+    tensors = _inputs(rank, 0)
+    runtime.sync_(make_buckets(tensors, cap_bytes=64))
+    return runtime.groups.pair_streams, runtime.stream_trials, runtime.describe_streams(), tensors
+
+
+def test_auto_pair_streams_are_timed_and_adopted_by_every_rank():
+    from syncplane.comm.group_pattern import build_pattern
+
+    results = run_distributed(_auto_streams, 4)
+    chosen = {r[0] for r in results}
+    assert len(chosen) == 1 and chosen <= {1, 4}                     # one decision, on every rank
+    (step, one, many, decided), = results[0][1]                      # rank 0 timed it once, at setup
+    assert step == 0 and one > 0 and many > 0 and decided in chosen
+    assert "stream(s) per direction (timed 8 MB: 1 stream" in results[0][2]
+    want = _dense_reference(build_pattern([[0, 1], [2, 3]]).groups_at(0), 0, 4)
+    for rank in range(4):                                             # the sync after it is still exact
+        for got, ref in zip(results[rank][3], want[rank]):
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_pair_streams_setting_is_checked():
+    from syncplane.comm.ds_sync import check_pair_streams, choose_pair_streams
+    from syncplane.comm.groups import GroupSet
+
+    with pytest.raises(ValueError, match="pair_streams must be >= 1, got 0"):
+        GroupSet([[0, 1]], max_pair_streams=0)
+    for bad in (0, -2, "four", 2.5, True):
+        with pytest.raises(ValueError, match="pair_streams must be 'auto' or an integer >= 1"):
+            check_pair_streams(bad)
+    assert check_pair_streams("auto") == "auto" and check_pair_streams(3) == 3
+    # several streams are adopted only when the median pair gains at least 1.25x
+    assert choose_pair_streams([16.0, 16.0], [10.0, 10.0], 4) == 4      # contended: 1.6x
+    assert choose_pair_streams([8.8, 9.0], [11.1, 10.2], 4) == 1        # a link of their own: slower
+    assert choose_pair_streams([10.0], [8.5], 4) == 1                   # 1.18x: within a short probe's bias
+    assert choose_pair_streams([], [], 4) == 1
+
+
 def _schedule(rank: int, world: int, steps: int):
     from syncplane.comm import make_buckets
     from syncplane.comm.ds_sync import DSSync

@@ -26,6 +26,15 @@ def test_strategy_names_are_checked():
         parse_strategies("ddp,foo")
 
 
+@pytest.mark.parametrize("value", ["0", "four", "-1"])
+def test_pair_streams_are_checked_before_anything_launches(tmp_path, value):
+    from syncplane.bench.runner import main_bench
+
+    with pytest.raises(ConfigError, match=f"--pair-streams: 'auto' or an integer >= 1, got '{value}'"):
+        main_bench("two_racks", "ddp,ds_sync", "1", 1, 0, 0.0, str(tmp_path / "r.json"), None, False,
+                   pair_streams=value)
+
+
 def test_unimplemented_strategies_are_reported_not_skipped(tmp_path):
     from syncplane.bench.syncs import ALL_STRATEGIES, SYNCS
 

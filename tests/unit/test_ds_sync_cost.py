@@ -34,3 +34,15 @@ def test_slow_nic_pairs_the_slow_host():
     model = CostModel(load_profile("slow_nic"))
     _, bound = strategy_time(model, "ds_sync", M)
     assert bound == pytest.approx(M / (100 * MBIT))                # the slow NIC carries the payload once
+
+
+def test_pair_streams_take_their_fair_share_of_a_contended_uplink():
+    """k streams next to one greedy foreign flow get k/(k+1) of the uplink (TCP fair share):
+    the cross-rack pair's bound shrinks from M/(½·100 Mbit) to M/(k/(k+1)·100 Mbit); an
+    uncontended uplink gains nothing."""
+    contended = CostModel(load_profile("two_racks_contended"))
+    for k in (1, 2, 4):
+        _, bound = strategy_time(contended, "ds_sync", M, streams=k)
+        assert bound == pytest.approx(M / (k / (k + 1) * 100 * MBIT))
+    quiet = CostModel(load_profile("two_racks"))
+    assert strategy_time(quiet, "ds_sync", M, streams=4) == pytest.approx(strategy_time(quiet, "ds_sync", M))

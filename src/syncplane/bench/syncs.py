@@ -21,16 +21,31 @@ DDP_BUCKET_BYTES = 25 * 2**20   # torch DDP's default bucket_cap_mb
 SyncFn = Callable[[torch.Tensor, int, CommMeter], None]
 
 
-def ddp_sync(payload: torch.Tensor, step: int, meter: CommMeter) -> None:
-    """DDP's gradient all-reduce: 25 MB buckets, launched asynchronously, averaged."""
-    n = dist.get_world_size()
-    per_bucket = DDP_BUCKET_BYTES // payload.element_size()
-    start = time.perf_counter()
-    works = [dist.all_reduce(chunk, async_op=True) for chunk in payload.split(per_bucket)]
-    for work in works:
-        work.wait()
-    payload.div_(n)
-    meter.record(start, time.perf_counter(), ring_allreduce_bytes(payload.numel() * payload.element_size(), n))
+class DDPStep:
+    """DDP's gradient all-reduce: 25 MB buckets, launched asynchronously, averaged.
+    ``launch``/``wait`` let the worker run the backward pass in between (``OVERLAP``)."""
+
+    def __init__(self, spec: dict) -> None:
+        self._pending: tuple[torch.Tensor, list, float, CommMeter] | None = None
+
+    def launch(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        per_bucket = DDP_BUCKET_BYTES // payload.element_size()
+        start = time.perf_counter()
+        self._pending = (payload, [dist.all_reduce(c, async_op=True) for c in payload.split(per_bucket)], start, meter)
+
+    def wait(self) -> None:
+        assert self._pending is not None, "wait() without launch()"
+        payload, works, start, meter = self._pending
+        self._pending = None
+        for work in works:
+            work.wait()
+        n = dist.get_world_size()
+        payload.div_(n)
+        meter.record(start, time.perf_counter(), ring_allreduce_bytes(payload.numel() * payload.element_size(), n))
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        self.launch(payload, step, meter)
+        self.wait()
 
 
 class TorchPeriodicAveraging:
@@ -91,13 +106,18 @@ class DSSyncStep:
     """DS-Sync's per-step sync: the strategy's own runtime (``syncplane.comm.ds_sync``) on the
     topology the ranks run on (the launcher's cluster profile, else a probe); the payload
     travels in DDP-sized buckets, one group all-reduce per step, all groups concurrently.
-    ``spec["adjust_every"]`` (default 0) turns the contention check on."""
+    ``spec["adjust_every"]`` (default 0) turns the contention check on; ``spec["pair_streams"]``
+    (default ``"auto"``, as the strategy) is the number of connections per direction a pair
+    swaps over."""
 
     def __init__(self, spec: dict) -> None:
         from syncplane.cluster import probe
 
         topo = probe.resolve_topology("auto")
-        self.runtime = probe.ds_sync_for(topo, adjust_every=int(spec.get("adjust_every", 0)))
+        self.runtime = probe.ds_sync_for(topo, adjust_every=int(spec.get("adjust_every", 0)),
+                                         pair_streams=spec.get("pair_streams", "auto"))
+        if dist.get_rank() == 0:
+            print(f"bench: {self.runtime.describe_streams()}", flush=True)
         self._buckets: tuple[int, list] | None = None
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
@@ -133,7 +153,7 @@ class NeighborAveragingStep:
         self.averager = None
         self.payload_ptr = -1
 
-    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+    def launch(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
         from syncplane.comm.averaging import NeighborAverager
 
         if self.averager is None or self.payload_ptr != payload.data_ptr():
@@ -144,7 +164,14 @@ class NeighborAveragingStep:
             self.payload_ptr = payload.data_ptr()
         self.averager.meter = meter
         self.averager.launch(step)
+
+    def wait(self) -> None:
+        assert self.averager is not None, "wait() without launch()"
         self.averager.wait()
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        self.launch(payload, step, meter)
+        self.wait()
 
 
 class DiLoCoStep:
@@ -174,13 +201,9 @@ class DiLoCoStep:
             payload.copy_(self.flat)
 
 
-def _fixed(fn: SyncFn) -> Callable[[dict], SyncFn]:
-    return lambda spec: fn
-
-
 #: name -> factory(spec) -> sync function. Peers (torch's own algorithms) sit beside ours.
 SYNCS: dict[str, Callable[[dict], SyncFn]] = {
-    "ddp": _fixed(ddp_sync),
+    "ddp": DDPStep,
     "torch_periodic": lambda spec: TorchPeriodicAveraging(spec.get("period", 4)),
     "torch_hierarchical": lambda spec: TorchHierarchicalAveraging(spec.get("period", 4)),
     "ds_sync": DSSyncStep,
@@ -190,6 +213,22 @@ SYNCS: dict[str, Callable[[dict], SyncFn]] = {
     "h_awc": lambda spec: NeighborAveragingStep(spec, hierarchical=True),
     "diloco": DiLoCoStep,
 }
+
+#: The part of a training step each strategy's sync runs behind, as its strategy schedules
+#: it: DDP's buckets during the backward (generous to DDP: all of them from its start),
+#: ATC's exchange during the next forward (each module waits for its own buckets),
+#: AWC's during forward and backward (combined before the update). The rest block.
+#: The worker splits ``compute_ms`` 1 : 2 into forward and backward (their FLOP ratio).
+OVERLAP: dict[str, str] = {"ddp": "backward", "atc": "forward", "h_atc": "forward", "awc": "step", "h_awc": "step"}
+
+
+def compute_split(window: str | None, compute_s: float) -> tuple[float, float, float]:
+    """(before launch, between launch and wait, after wait) seconds of one step's compute,
+    forward : backward = 1 : 2, for a sync that runs behind ``window``."""
+    forward, backward = compute_s / 3, 2 * compute_s / 3
+    return {None: (compute_s, 0.0, 0.0), "backward": (forward, backward, 0.0),
+            "forward": (0.0, forward, backward), "step": (0.0, compute_s, 0.0)}[window]
+
 
 #: Real peers from other projects, benchmarked next to our strategies.
 PEERS = ("torch_periodic", "torch_hierarchical")

@@ -1,7 +1,10 @@
 """One rank of ``syncplane bench``: ``python -m syncplane.bench.worker SPEC.json``.
 
 Times each requested strategy's sync for ``warmup + steps`` steps on a payload of the
-given size. A step is: barrier, emulated compute (a timed wait), the sync; the sync
+given size. A step is: barrier, emulated compute (a timed wait: on a GPU cluster the
+compute does not load the CPU that drives gloo), the sync. A strategy that overlaps its
+sync with part of the step (``OVERLAP``) launches it, computes that part, then waits; its
+sync time is what was left exposed: the step's wall time minus the compute. The sync
 time of a step is the slowest rank's. Rank 0 writes ``results.json`` beside the spec.
 """
 
@@ -14,11 +17,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from syncplane.bench.syncs import SYNCS
+from syncplane.bench.syncs import OVERLAP, SYNCS, compute_split
 from syncplane.comm import CommMeter
 
 
@@ -27,6 +31,23 @@ def _nic_tx_bytes() -> int:
     for path in glob.glob("/sys/class/net/eth*/statistics/tx_bytes"):
         total += int(Path(path).read_text())
     return total
+
+
+def timed_step(sync: Any, payload: torch.Tensor, step: int, meter: CommMeter, window: str | None,
+               compute_s: float) -> float:
+    """One step; returns the seconds the sync was exposed (not hidden behind compute)."""
+    before, during, after = compute_split(window if hasattr(sync, "launch") else None, compute_s)
+    time.sleep(before)
+    start = time.perf_counter()
+    if during:
+        sync.launch(payload, step, meter)
+        time.sleep(during)
+        sync.wait()
+    else:
+        sync(payload, step, meter)
+    exposed = max(0.0, time.perf_counter() - start - during)
+    time.sleep(after)
+    return exposed
 
 
 def main(spec_path: str) -> None:
@@ -47,11 +68,9 @@ def main(spec_path: str) -> None:
         tx_before = _nic_tx_bytes()
         for step in range(spec["steps"]):
             dist.barrier()
-            if spec["compute_ms"]:
-                time.sleep(spec["compute_ms"] / 1000)
-            start = time.perf_counter()
-            sync(payload, spec["warmup"] + step, meter)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            exposed = timed_step(sync, payload, spec["warmup"] + step, meter, OVERLAP.get(name),
+                                 spec["compute_ms"] / 1000)
+            elapsed = torch.tensor([exposed], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(elapsed.item())
         dist.barrier()

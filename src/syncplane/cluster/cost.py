@@ -118,19 +118,20 @@ def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float) -> 
     return [[(src, dst, payload_bytes) for src, dsts in sends.items() for dst in dsts]]
 
 
-def owner_exchange(world_size: int, payload_bytes: float) -> list[Phase]:
-    """DiLoCo's exchange (``comm.sharded``, one shard): every rank sends segment j (M/n) to
-    its owner j, then every owner sends its averaged segment to everyone -- two phases of
-    n(n−1) concurrent flows of M/n; each rank sends 2(n−1)/n·M, like a ring."""
+def owner_exchange(world_size: int, payload_bytes: float, streams: int = 1) -> list[Phase]:
+    """DiLoCo's exchange (``comm.sharded``): every rank sends segment j (M/n) to its owner j,
+    then every owner sends its averaged segment to everyone -- two phases of n(n−1)
+    concurrent flows of M/n (times ``streams`` flows of 1/streams of it: one per shard);
+    each rank sends 2(n−1)/n·M, like a ring."""
     if world_size < 2:
         return []
-    step = [(src, dst, payload_bytes / world_size) for src in range(world_size) for dst in range(world_size)
-            if src != dst]
+    step = [(src, dst, payload_bytes / world_size / streams) for src in range(world_size)
+            for dst in range(world_size) if src != dst for _ in range(streams)]
     return [step, list(step)]
 
 
 #: Strategy name -> its per-step communication pattern (world size, payload bytes).
-PATTERNS: dict[str, Callable[[int, float], list[Phase]]] = {
+PATTERNS: dict[str, Callable[..., list[Phase]]] = {
     "ddp": ring_allreduce,
     "torch_periodic": ring_allreduce,    # torch's PeriodicModelAverager: one ring per `period` steps
     "diloco": owner_exchange,            # one exchange of Δ per `period` (= sync_every) steps
@@ -139,32 +140,41 @@ PATTERNS: dict[str, Callable[[int, float], list[Phase]]] = {
 #: Strategies that communicate once per `period` steps: their per-step cost is amortized.
 PERIODIC = {"torch_periodic", "diloco"}
 
+#: Strategies whose pattern takes a number of parallel streams (a third argument).
+MULTI_STREAM = {"diloco", "ds_sync"}
 
-def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float) -> list[Phase]:
+
+def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float,
+                                pair_streams: int = 1) -> list[Phase]:
     """Disjoint groups, each running a ring all-reduce at the same time (DS-Sync's step).
 
     Every ring link of a group of n carries 2(n−1)/n of the payload; spreading that evenly
     over max 2(n−1) phases keeps the bound exact (concurrent groups add up on shared links)
-    and charges the latency of the longest ring.
+    and charges the latency of the longest ring. A pair's link carries ``pair_streams``
+    flows, each with its share of the bytes (``GroupSet``'s pair swap).
     """
     rings = [sorted(g) for g in groups if len(g) > 1]
     if not rings:
         return []
     phases = max(2 * (len(g) - 1) for g in rings)
-    step = [(g[i], g[(i + 1) % len(g)], 2 * (len(g) - 1) / len(g) * payload_bytes / phases)
-            for g in rings for i in range(len(g))]
+    step = []
+    for g in rings:
+        flows = pair_streams if len(g) == 2 else 1
+        per_flow = 2 * (len(g) - 1) / len(g) * payload_bytes / phases / flows
+        step += [(g[i], g[(i + 1) % len(g)], per_flow) for i in range(len(g)) for _ in range(flows)]
     return [list(step) for _ in range(phases)]
 
 
-def ds_sync_steps(profile: ClusterProfile, payload_bytes: float) -> list[list[Phase]]:
+def ds_sync_steps(profile: ClusterProfile, payload_bytes: float, streams: int = 1) -> list[list[Phase]]:
     """DS-Sync on ``profile``: the phases of every step of one period of its group pattern
-    (racks and bottlenecks as the strategy derives them from the profile)."""
+    (racks and bottlenecks as the strategy derives them from the profile), pairs swapping
+    over ``streams`` connections per direction."""
     from syncplane.cluster.probe import from_profile
     from syncplane.comm.group_pattern import build_pattern
 
     topo = from_profile(profile)
     pattern = build_pattern(topo.racks, *topo.bottlenecks())
-    return [concurrent_group_allreduces(groups, payload_bytes) for groups in pattern.iterations]
+    return [concurrent_group_allreduces(groups, payload_bytes, streams) for groups in pattern.iterations]
 
 
 def one_peer_steps(profile: ClusterProfile, payload_bytes: float) -> list[list[Phase]]:
@@ -204,7 +214,7 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float) -
 
 #: Strategies whose pattern depends on the racks, not only the world size: (profile, payload)
 #: -> the phases of each step of one period; a step costs the period's mean.
-TOPOLOGY_PATTERNS: dict[str, Callable[[ClusterProfile, float], list[list[Phase]]]] = {
+TOPOLOGY_PATTERNS: dict[str, Callable[..., list[list[Phase]]]] = {
     "ds_sync": ds_sync_steps,
     "atc": one_peer_steps,
     "awc": one_peer_steps,
@@ -213,15 +223,18 @@ TOPOLOGY_PATTERNS: dict[str, Callable[[ClusterProfile, float], list[list[Phase]]
 }
 
 
-def strategy_time(model: CostModel, strategy: str, payload_bytes: float, period: int = 4) -> tuple[float, float]:
+def strategy_time(model: CostModel, strategy: str, payload_bytes: float, period: int = 4,
+                  streams: int = 1) -> tuple[float, float]:
     """(predicted seconds, bound seconds) of one step's sync of ``strategy`` (amortized
-    over ``period`` steps for periodic ones)."""
+    over ``period`` steps for periodic ones); ``streams``: parallel connections of the
+    strategies in ``MULTI_STREAM`` (DiLoCo's shards, DS-Sync's pair streams)."""
+    extra = (streams,) if strategy in MULTI_STREAM else ()
     if strategy in TOPOLOGY_PATTERNS:
-        steps = TOPOLOGY_PATTERNS[strategy](model.profile, payload_bytes)
+        steps = TOPOLOGY_PATTERNS[strategy](model.profile, payload_bytes, *extra)
         return (sum(model.time(p) for p in steps) / len(steps), sum(model.bound(p) for p in steps) / len(steps))
     if strategy not in PATTERNS:
         raise KeyError(f"no cost pattern for strategy {strategy!r} yet; modelled: "
                        f"{', '.join([*PATTERNS, *TOPOLOGY_PATTERNS])}")
-    phases = PATTERNS[strategy](model.profile.world_size, payload_bytes)
+    phases = PATTERNS[strategy](model.profile.world_size, payload_bytes, *extra)
     share = 1.0 / period if strategy in PERIODIC else 1.0
     return model.time(phases) * share, model.bound(phases) * share

@@ -310,14 +310,15 @@ def reprober(topo: Topology, nbytes: int = 2**20, slow_factor: float = 0.5) -> C
 
 
 def ds_sync_for(topo: Topology, *, adjust_every: int = 0, imbalance: float = 1.5, slow_factor: float = 0.5,
-                probe_bytes: int = 2**20, pair_streams: int = 1) -> Any:
+                probe_bytes: int = 2**20, pair_streams: int | str = "auto") -> Any:
     """Collective: the DS-Sync runtime for ``topo`` (pattern from its racks and bottlenecks;
-    pairs swap over ``pair_streams`` connections per direction)."""
+    pairs swap over ``pair_streams`` connections per direction, or ``"auto"``: timed)."""
     from syncplane.comm.ds_sync import DSSync
 
     slow_ranks, slow_racks = topo.bottlenecks(slow_factor)
     return DSSync(topo.racks, topo.bandwidth, slow_ranks, slow_racks, adjust_every=adjust_every,
-                  imbalance=imbalance, reprobe=reprober(topo, probe_bytes, slow_factor), pair_streams=pair_streams)
+                  imbalance=imbalance, reprobe=reprober(topo, probe_bytes, slow_factor),
+                  pair_streams=pair_streams)
 
 
 def print_table(topo: Topology, slow_factor: float = 0.5) -> None:

@@ -24,11 +24,27 @@ from syncplane.comm.meter import CommMeter
 
 Group = tuple[int, ...]
 
+#: Most connections per direction a pair uses (see ``GroupSet``): 4 streams take 4/5 of an
+#: uplink shared with one foreign flow (emulated two_racks_contended, docs/benchmarks.md).
+MAX_PAIR_STREAMS = 4
+
 
 class GroupSet:
-    """Process groups for a fixed set of rank groups (a collective: call on every rank)."""
+    """Process groups for a fixed set of rank groups (a collective: call on every rank).
 
-    def __init__(self, groups: Iterable[Sequence[int]]) -> None:
+    ``max_pair_streams``: a group of two can swap its payload over up to this many TCP
+    connections per direction (each a process group of its own); ``pair_streams`` says how
+    many it uses now. On a link shared with other traffic TCP gives every connection about
+    the same share, so k streams next to one foreign flow get k/(k+1) of the link instead
+    of ½ (NCCL's ``NCCL_NSOCKS_PERTHREAD`` idea), and they fill paths that cap each flow
+    (WAN). On a link of its own, one stream is faster (measured): hence a choice, made by
+    measurement (``comm.ds_sync.choose_pair_streams``). In DS-Sync the pairs are the
+    inter-rack groups.
+    """
+
+    def __init__(self, groups: Iterable[Sequence[int]], max_pair_streams: int = 1) -> None:
+        if max_pair_streams < 1:
+            raise ValueError(f"pair_streams must be >= 1, got {max_pair_streams}")
         world = dist.get_world_size()
         wanted = sorted({tuple(sorted(g)) for g in groups if len(g) > 1})
         bad = [g for g in wanted if g[0] < 0 or g[-1] >= world]
@@ -36,15 +52,32 @@ class GroupSet:
             raise ValueError(f"groups {bad} name ranks outside 0..{world - 1}")
         me = dist.get_rank()
         self._groups: dict[Group, dist.ProcessGroup | None] = {}
-        self._reverse: dict[Group, dist.ProcessGroup | None] = {}
+        self._pair_links: dict[Group, tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]] = {}
         for g in wanted:
-            pg = dist.new_group(list(g))
-            self._groups[g] = pg if me in g else None
-            if len(g) == 2:       # a pair gets a second connection: one per direction (_pair_average_)
+            if len(g) == 2:       # one connection per direction and stream (_pair_average_)
+                upward = [dist.new_group(list(g)) for _ in range(max_pair_streams)]
+                downward = [dist.new_group(list(g)) for _ in range(max_pair_streams)]
+                self._groups[g] = upward[0] if me in g else None
+                if me in g:
+                    self._pair_links[g] = (upward, downward)
+            else:
                 pg = dist.new_group(list(g))
-                self._reverse[g] = pg if me in g else None
+                self._groups[g] = pg if me in g else None
         self.rank = me
+        self.max_pair_streams = max_pair_streams
+        self._pair_streams = max_pair_streams
         self._buffers: dict[int, torch.Tensor] = {}
+
+    @property
+    def pair_streams(self) -> int:
+        """Connections per direction a pair uses now (at most ``max_pair_streams``)."""
+        return self._pair_streams
+
+    @pair_streams.setter
+    def pair_streams(self, streams: int) -> None:
+        if not 1 <= streams <= self.max_pair_streams:
+            raise ValueError(f"pair_streams must be in 1..{self.max_pair_streams} (connections created), got {streams}")
+        self._pair_streams = streams
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -82,22 +115,26 @@ class GroupSet:
         The same bytes as a two-rank ring (the payload each way) but one exchange with no
         reduce-scatter -> all-gather dependency, so the (usually slow, inter-rack) link
         stays busy in both directions the whole time. Each direction has its own TCP
-        connection (two process groups): bulk data both ways on one connection queues its
-        ACKs behind the other direction's data on a shaped link. ``a + b == b + a`` in
-        floating point: both ranks end bit-identical.
+        connections (process groups): bulk data both ways on one connection queues its
+        ACKs behind the other direction's data on a shaped link. Every bucket is cut into
+        ``pair_streams`` pieces, piece s on stream s. ``a + b == b + a`` in floating point:
+        both ranks end bit-identical, whatever the number of streams.
         """
         low = self.rank == pair[0]
         peer = pair[1] if low else pair[0]
-        send_pg, recv_pg = self._groups[pair], self._reverse[pair]
-        if not low:
-            send_pg, recv_pg = recv_pg, send_pg
+        upward, downward = self._pair_links[pair]
+        send_pgs, recv_pgs = (upward, downward) if low else (downward, upward)
         received = [self._scratch(b) for b in buckets]
         context = meter.measure(sum(b.nbytes for b in buckets)) if meter is not None else nullcontext()
         with context:
             works = []
             for bucket, other in zip(buckets, received):
                 bucket.pack()
-                works += [dist.isend(bucket.buffer, peer, group=send_pg), dist.irecv(other, peer, group=recv_pg)]
+                pieces = zip(bucket.buffer.tensor_split(self.pair_streams), other.tensor_split(self.pair_streams),
+                             send_pgs, recv_pgs)
+                for mine, theirs, send_pg, recv_pg in pieces:
+                    if mine.numel():
+                        works += [dist.isend(mine, peer, group=send_pg), dist.irecv(theirs, peer, group=recv_pg)]
             for work in works:
                 work.wait()
             for bucket, other in zip(buckets, received):
