@@ -29,7 +29,8 @@ from typing_extensions import override
 
 from syncplane.cluster import probe
 from syncplane.comm import make_buckets
-from syncplane.comm.ds_sync import DSSync, PairStreams, check_pair_streams
+from syncplane.comm.ds_sync import DSSync
+from syncplane.comm.pair_streams import PairStreams, check_pair_streams
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
@@ -49,7 +50,7 @@ class DSSyncStrategy(SyncplaneStrategy):
         pair_streams: TCP connections per direction for a group of two (the inter-rack
             group with two racks): k streams take k/(k+1) of an uplink shared with one
             foreign flow instead of half, but one stream is faster on a link of its own;
-            ``auto`` times both at setup and after every re-probe.
+            ``auto`` tries both on the first syncs (and after every re-probe), keeps the faster.
     """
 
     def __init__(self, topology: str = "auto", adjust_every: int = 100, imbalance: float = 1.5,
@@ -83,7 +84,7 @@ class DSSyncStrategy(SyncplaneStrategy):
                                           slow_factor=self.slow_factor, probe_bytes=self.probe_bytes,
                                           pair_streams=self.pair_streams)
         if self.is_global_zero:
-            print(self._runtime.describe_streams(), flush=True)
+            print(f"ds_sync: {self._runtime.streams.describe()}", flush=True)
         if self.swa:
             self._swa_model = [t.detach().clone() for t in self.model_tensors()]
         if self._pending is not None:

@@ -39,41 +39,57 @@ def cluster():
     assert emulator.namespaces() == []
 
 
-def tcp_mbit(profile, src: str, dst: str, seconds: float = 2.0, streams: int = 1) -> float:
-    """Throughput of real TCP flows from host src to host dst (the bench's own flow tool)."""
-    code = (
-        "import socket, sys, time, threading\n"
-        "mode, addr, port, streams, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])\n"
-        "if mode == 'serve':\n"
-        "    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((addr, port)); s.listen(16)\n"
-        "    total = [0]\n"
-        "    def sink(c):\n"
-        "        while True:\n"
-        "            b = c.recv(1 << 20)\n"
-        "            if not b: break\n"
-        "            total[0] += len(b)\n"
-        "    ts = []\n"
-        "    for _ in range(streams):\n"
-        "        c, _ = s.accept(); t = threading.Thread(target=sink, args=(c,)); t.start(); ts.append(t)\n"
-        "    start = time.time()\n"
-        "    [t.join() for t in ts]\n"
-        "    print(total[0] * 8 / (time.time() - start) / 1e6)\n"
-        "else:\n"
-        "    conns = [socket.create_connection((addr, port)) for _ in range(streams)]\n"
-        "    buf = b'\\0' * (1 << 16); end = time.time() + secs\n"
-        "    def pump(c):\n"
-        "        while time.time() < end: c.sendall(buf)\n"
-        "        c.close()\n"
-        "    ts = [threading.Thread(target=pump, args=(c,)) for c in conns]; [t.start() for t in ts]; [t.join() for t in ts]\n"
-    )
-    address = profile.host(dst).address(0)
-    server = subprocess.Popen(["ip", "netns", "exec", emulator.host_namespace(dst), sys.executable, "-c", code,
-                               "serve", address, "7001", str(streams), str(seconds)], stdout=subprocess.PIPE, text=True)
+FLOW_TOOL = """
+import socket, sys, threading, time
+mode, addr, port, streams, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+
+def sink(conns):
+    total = [0]
+    def run(c):
+        while True:
+            b = c.recv(1 << 20)
+            if not b:
+                break
+            total[0] += len(b)
+    ts = [threading.Thread(target=run, args=(c,)) for c in conns]
+    start = time.time()
+    [t.start() for t in ts]; [t.join() for t in ts]
+    print(total[0] * 8 / (time.time() - start) / 1e6)
+
+def pump(conns):
+    buf, end = b"\\0" * (1 << 16), time.time() + secs
+    def run(c):
+        while time.time() < end:
+            c.sendall(buf)
+        c.close()
+    ts = [threading.Thread(target=run, args=(c,)) for c in conns]
+    [t.start() for t in ts]; [t.join() for t in ts]
+
+if mode.startswith("accept"):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((addr, port)); s.listen(16)
+    conns = [s.accept()[0] for _ in range(streams)]
+else:
+    conns = [socket.create_connection((addr, port)) for _ in range(streams)]
+(sink if mode.endswith("sink") else pump)(conns)
+"""
+
+
+def tcp_mbit(profile, src: str, dst: str, seconds: float = 2.0, streams: int = 1,
+             sender_accepts: bool = False) -> float:
+    """Throughput of real TCP flows from host src to host dst (the bench's own flow tool).
+    ``sender_accepts``: src listens and dst connects, so every flow leaves src from one
+    port (what a server, or gloo's accepting side, does)."""
+    listener, connector = (src, dst) if sender_accepts else (dst, src)
+    listen_mode, connect_mode = ("accept-pump", "connect-sink") if sender_accepts else ("accept-sink", "connect-pump")
+    address = profile.host(listener).address(0)
+    args = [address, "7001", str(streams), str(seconds)]
+    server = subprocess.Popen(["ip", "netns", "exec", emulator.host_namespace(listener), sys.executable, "-c",
+                               FLOW_TOOL, listen_mode, *args], stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)
-    subprocess.run(["ip", "netns", "exec", emulator.host_namespace(src), sys.executable, "-c", code, "send", address,
-                    "7001", str(streams), str(seconds)], check=True, timeout=60)
+    client = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(connector), sys.executable, "-c",
+                             FLOW_TOOL, connect_mode, *args], check=True, timeout=60, capture_output=True, text=True)
     out, _ = server.communicate(timeout=60)
-    return float(out.strip())
+    return float((client.stdout if sender_accepts else out).strip())
 
 
 def test_up_builds_every_host_and_down_removes_everything(cluster):
@@ -123,10 +139,13 @@ def test_per_flow_cap_limits_each_tcp_stream():
     try:
         one = tcp_mbit(profile, "w0", "w1", streams=1)
         four = tcp_mbit(profile, "w0", "w1", streams=4)
+        # sent by the accepting side: four flows from one source port are still four flows
+        four_accepted = tcp_mbit(profile, "w0", "w1", streams=4, sender_accepts=True)
     finally:
         emulator.down()
     assert one == pytest.approx(50, rel=0.15)
     assert four == pytest.approx(200, rel=0.2)
+    assert four_accepted == pytest.approx(200, rel=0.2)
 
 
 def test_a_killed_rank_ends_the_cluster_job_within_60_s(cluster, tmp_path):

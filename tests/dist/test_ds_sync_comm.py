@@ -87,48 +87,53 @@ def test_a_pair_over_several_streams_holds_the_exact_mean_on_both_ranks(streams)
         torch.testing.assert_close(got0, (a + b) / 2, rtol=0, atol=1e-7)
 
 
-def _auto_streams(rank: int, world: int):
+def _auto_streams(rank: int, world: int, steps: int):
     from syncplane.comm import make_buckets
     from syncplane.comm.ds_sync import DSSync
 
-    runtime = DSSync([[0, 1], [2, 3]], np.full((world, world), 1e8), pair_streams="auto")
+    def runtime():
+        return DSSync([[0, 1], [2, 3]], np.full((world, world), 1e8), pair_streams="auto")
+
+    current = runtime()
     with pytest.raises(ValueError, match=r"pair_streams must be in 1..4 \(connections created\), got 5"):
-        runtime.groups.pair_streams = 5
-    tensors = _inputs(rank, 0)
-    runtime.sync_(make_buckets(tensors, cap_bytes=64))
-    return runtime.groups.pair_streams, runtime.stream_trials, runtime.describe_streams(), tensors
+        current.groups.pair_streams = 5
+    used, outs, state = [], [], None
+    for step in range(steps):
+        if step == 2:                                   # resume in the middle of the trial
+            state = current.state_dict()
+            current = runtime()
+            current.load_state_dict(state)
+        tensors = _inputs(rank, step)
+        current.sync_(make_buckets(tensors, cap_bytes=64))
+        used.append(current.groups.pair_streams)
+        outs.append(tensors)
+    return used, current.streams.decisions, current.streams.describe(), outs, len(state["streams"]["trial_times"])
 
 
-def test_auto_pair_streams_are_timed_and_adopted_by_every_rank():
+def test_auto_pair_streams_try_both_counts_on_real_syncs_and_every_rank_keeps_one():
+    """Trial: a pattern period (P = 4 here) to warm up, one with 1 stream, one with 4; the
+    count kept is the same on every rank from the trial's last sync on."""
     from syncplane.comm.group_pattern import build_pattern
 
-    results = run_distributed(_auto_streams, 4)
-    chosen = {r[0] for r in results}
-    assert len(chosen) == 1 and chosen <= {1, 4}                     # one decision, on every rank
-    (step, one, many, decided), = results[0][1]                      # rank 0 timed it once, at setup
-    assert step == 0 and one > 0 and many > 0 and decided in chosen
-    assert "stream(s) per direction (timed 8 MB: 1 stream" in results[0][2]
-    want = _dense_reference(build_pattern([[0, 1], [2, 3]]).groups_at(0), 0, 4)
-    for rank in range(4):                                             # the sync after it is still exact
-        for got, ref in zip(results[rank][3], want[rank]):
-            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-
-
-def test_pair_streams_setting_is_checked():
-    from syncplane.comm.ds_sync import check_pair_streams, choose_pair_streams
-    from syncplane.comm.groups import GroupSet
-
-    with pytest.raises(ValueError, match="pair_streams must be >= 1, got 0"):
-        GroupSet([[0, 1]], max_pair_streams=0)
-    for bad in (0, -2, "four", 2.5, True):
-        with pytest.raises(ValueError, match="pair_streams must be 'auto' or an integer >= 1"):
-            check_pair_streams(bad)
-    assert check_pair_streams("auto") == "auto" and check_pair_streams(3) == 3
-    # several streams are adopted only when the median pair gains at least 1.25x
-    assert choose_pair_streams([16.0, 16.0], [10.0, 10.0], 4) == 4      # contended: 1.6x
-    assert choose_pair_streams([8.8, 9.0], [11.1, 10.2], 4) == 1        # a link of their own: slower
-    assert choose_pair_streams([10.0], [8.5], 4) == 1                   # 1.18x: within a short probe's bias
-    assert choose_pair_streams([], [], 4) == 1
+    pattern = build_pattern([[0, 1], [2, 3]])
+    period = pattern.period
+    steps = 3 * period + 2
+    results = run_distributed(_auto_streams, 4, steps)
+    used = results[0][0]                                              # the count after each sync
+    last = 3 * period - 1                                             # the trial's last sync decides
+    kept = used[last]
+    assert used[:2 * period] == [1] * 2 * period and used[2 * period:last] == [4] * (period - 1)
+    assert kept in (1, 4) and used[last:] == [kept] * (steps - last)
+    assert all(r[0] == used for r in results)                         # the same on every rank
+    (step, one, many, decided), = results[0][1]                      # one decision, at the trial's end
+    assert step == last and one > 0 and many > 0 and decided == kept
+    assert results[0][2].startswith(f"pairs swap over {kept} stream(s) per direction (median sync with 1 stream")
+    assert results[0][4] == 2                                         # the checkpoint carried the trial so far
+    for step in range(steps):                                         # every sync exact, whatever the count
+        want = _dense_reference(pattern.groups_at(step), step, 4)
+        for rank in range(4):
+            for got, ref in zip(results[rank][3][step], want[rank]):
+                torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 
 def _schedule(rank: int, world: int, steps: int):

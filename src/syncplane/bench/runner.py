@@ -21,8 +21,7 @@ from typing import Any
 
 from syncplane.bench.syncs import ALL_STRATEGIES, OVERLAP, PEERS, PRESETS_BYTES, SYNCS, compute_split
 from syncplane.cluster import ClusterProfile, load_profile
-from syncplane.comm.ds_sync import check_pair_streams
-from syncplane.comm.groups import MAX_PAIR_STREAMS
+from syncplane.comm.pair_streams import MAX_PAIR_STREAMS, check_pair_streams
 from syncplane.cluster.cost import PATTERNS, PERIODIC, TOPOLOGY_PATTERNS, CostModel, strategy_time
 from syncplane.config import ConfigError
 

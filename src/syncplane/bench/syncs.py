@@ -108,7 +108,7 @@ class DSSyncStep:
     travels in DDP-sized buckets, one group all-reduce per step, all groups concurrently.
     ``spec["adjust_every"]`` (default 0) turns the contention check on; ``spec["pair_streams"]``
     (default ``"auto"``, as the strategy) is the number of connections per direction a pair
-    swaps over."""
+    swaps over; ``auto``'s trial runs in the warm-up (``warmup`` steps at least)."""
 
     def __init__(self, spec: dict) -> None:
         from syncplane.cluster import probe
@@ -116,8 +116,7 @@ class DSSyncStep:
         topo = probe.resolve_topology("auto")
         self.runtime = probe.ds_sync_for(topo, adjust_every=int(spec.get("adjust_every", 0)),
                                          pair_streams=spec.get("pair_streams", "auto"))
-        if dist.get_rank() == 0:
-            print(f"bench: {self.runtime.describe_streams()}", flush=True)
+        self.warmup = self.runtime.streams.trial_length if self.runtime.streams.trial_from is not None else 0
         self._buckets: tuple[int, list] | None = None
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
@@ -127,6 +126,9 @@ class DSSyncStep:
             per_bucket = DDP_BUCKET_BYTES // payload.element_size()
             self._buckets = (payload.data_ptr(), make_buckets(payload.split(per_bucket), DDP_BUCKET_BYTES))
         self.runtime.sync_(self._buckets[1], meter)
+
+    def describe(self) -> str:
+        return f"ds_sync {self.runtime.streams.describe()}"
 
 
 class NeighborAveragingStep:

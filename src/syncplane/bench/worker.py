@@ -62,13 +62,14 @@ def main(spec_path: str) -> None:
         period = getattr(sync, "period", 1)   # periodic syncs are amortized over their rounds
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         meter = CommMeter()
-        for step in range(spec["warmup"]):
+        warmup = max(spec["warmup"], getattr(sync, "warmup", 0))
+        for step in range(warmup):
             sync(payload, step, CommMeter())
         times = []
         tx_before = _nic_tx_bytes()
         for step in range(spec["steps"]):
             dist.barrier()
-            exposed = timed_step(sync, payload, spec["warmup"] + step, meter, OVERLAP.get(name),
+            exposed = timed_step(sync, payload, warmup + step, meter, OVERLAP.get(name),
                                  spec["compute_ms"] / 1000)
             elapsed = torch.tensor([exposed], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -83,6 +84,8 @@ def main(spec_path: str) -> None:
                          "nic_tx_bytes": [float(t[0]) / spec["steps"] for t in per_rank]}
         if rank == 0:
             print(f"bench: {name} median {sorted(times)[len(times) // 2]:.3f} s/step", flush=True)
+            if hasattr(sync, "describe"):
+                print(f"bench: {sync.describe()}", flush=True)
     if rank == 0:
         out = Path(spec_path).with_name("results.json")
         out.write_text(json.dumps({"world_size": world, "hostname_ns": os.uname().nodename, "results": results}))

@@ -10,8 +10,8 @@ Layout (all inside namespaces this module owns; the root namespace is not touche
   (RFC 2544's benchmarking range); ranks on one host share it and talk over loopback.
 
 Shaping is ``tbf`` per direction, or ``htb`` with 64 per-flow classes selected by a
-``u32`` hash of the TCP source port when ``per_flow_mbit`` caps each flow (a WAN path
-where one stream cannot fill the pipe). ``down`` deletes every namespace whose name
+``u32`` hash of both TCP ports when ``per_flow_mbit`` caps each flow (a WAN path where
+one stream cannot fill the pipe). ``down`` deletes every namespace whose name
 starts with ``sp-`` (killing what runs inside first), so it cleans up after a crash too.
 """
 
@@ -71,30 +71,47 @@ def _burst_bytes(mbit: float) -> int:
     return max(64 * 1024, int(mbit * 1e6 / 8 / 100))
 
 
+FLOW_CLASSES = 64      # per-flow classes of a capped link (flows hash into them)
+
+
+def per_flow_commands(dev: str, mbit: float, per_flow_mbit: float) -> list[str]:
+    """``tc -batch`` lines for a link capped at ``mbit`` whose TCP flows are each capped at
+    ``per_flow_mbit``: htb with ``FLOW_CLASSES`` per-flow classes, and u32 filters that pick
+    the class from both ports -- ``(source port mod 64) XOR (destination port mod 64)``, a
+    hash table per source-port bucket linking into one keyed on the destination port.
+    Why both: an accepting socket sends from its listening port, so gloo's accepted
+    connections (and any server's) all share a source port; hashing that alone put them in
+    one class, capping several flows as one. (u32 is the classifier this kernel has:
+    ``cls_flow``, which hashes the 5-tuple directly, is not built.) Offsets assume a
+    20-byte IP header: the ports are the word at 20."""
+    tc = f"dev {dev} parent 1: prio 1 protocol ip"
+    lines = [f"qdisc add dev {dev} root handle 1: htb default 2",
+             f"class add dev {dev} parent 1: classid 1:1 htb rate {mbit}mbit ceil {mbit}mbit",
+             f"class add dev {dev} parent 1:1 classid 1:2 htb rate {per_flow_mbit}mbit ceil {mbit}mbit"]  # non-TCP
+    lines += [f"class add dev {dev} parent 1:1 classid 1:{0x100 + i:x} htb rate {per_flow_mbit}mbit "
+              f"ceil {per_flow_mbit}mbit" for i in range(FLOW_CLASSES)]
+    lines.append(f"filter add {tc} handle 2: u32 divisor {FLOW_CLASSES}")
+    for i in range(FLOW_CLASSES):            # one table per source-port bucket: 3:, 4:, ...
+        lines.append(f"filter add {tc} handle {3 + i:x}: u32 divisor {FLOW_CLASSES}")
+        lines += [f"filter add {tc} u32 ht {3 + i:x}:{j:x}: match ip protocol 6 0xff flowid 1:{0x100 + (i ^ j):x}"
+                  for j in range(FLOW_CLASSES)]
+        lines.append(f"filter add {tc} u32 ht 2:{i:x}: match ip protocol 6 0xff "
+                     f"hashkey mask 0x0000003f at 20 link {3 + i:x}:")          # destination port
+    lines.append(f"filter add {tc} u32 ht 800:: match ip protocol 6 0xff hashkey mask 0x003f0000 at 20 link 2:")
+    return lines
+
+
 def shape(ns: str, dev: str, mbit: float, per_flow_mbit: float | None = None) -> None:
     """Egress of ``dev`` in ``ns`` at ``mbit``; with ``per_flow_mbit`` each TCP flow is capped too."""
     if per_flow_mbit is None or per_flow_mbit >= mbit:
         _ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
             "burst", str(_burst_bytes(mbit)), "latency", "100ms")
         return
-    tc = ("tc",)
-    _ns(ns, *tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "2")
-    _ns(ns, *tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
-        "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit")
-    _ns(ns, *tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:2", "htb",
-        "rate", f"{per_flow_mbit}mbit", "ceil", f"{mbit}mbit")                      # non-TCP traffic
-    for i in range(64):
-        _ns(ns, *tc, "class", "add", "dev", dev, "parent", "1:1", "classid", f"1:{0x100 + i:x}", "htb",
-            "rate", f"{per_flow_mbit}mbit", "ceil", f"{per_flow_mbit}mbit")
-    _ns(ns, *tc, "filter", "add", "dev", dev, "parent", "1:", "prio", "1", "handle", "2:", "protocol", "ip",
-        "u32", "divisor", "64")
-    # hash the low 6 bits of the TCP *source* port (bytes 20-21 of a 20-byte IP header)
-    _ns(ns, *tc, "filter", "add", "dev", dev, "parent", "1:", "prio", "1", "protocol", "ip", "u32",
-        "ht", "800::", "match", "ip", "protocol", "6", "0xff", "hashkey", "mask", "0x003f0000", "at", "20",
-        "link", "2:")
-    for i in range(64):
-        _ns(ns, *tc, "filter", "add", "dev", dev, "parent", "1:", "prio", "1", "protocol", "ip", "u32",
-            "ht", f"2:{i:x}:", "match", "ip", "protocol", "6", "0xff", "flowid", f"1:{0x100 + i:x}")
+    batch = subprocess.run(["ip", "netns", "exec", ns, "tc", "-batch", "-"], capture_output=True, text=True,
+                           input="\n".join(per_flow_commands(dev, mbit, per_flow_mbit)) + "\n")
+    if batch.returncode != 0:
+        raise EmulationError(f"shaping {dev} in {ns} with per-flow caps failed: "
+                             f"{batch.stderr.strip() or batch.stdout.strip()}")
 
 
 def namespaces() -> list[str]:

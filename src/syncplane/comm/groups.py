@@ -24,10 +24,6 @@ from syncplane.comm.meter import CommMeter
 
 Group = tuple[int, ...]
 
-#: Most connections per direction a pair uses (see ``GroupSet``): 4 streams take 4/5 of an
-#: uplink shared with one foreign flow (emulated two_racks_contended, docs/benchmarks.md).
-MAX_PAIR_STREAMS = 4
-
 
 class GroupSet:
     """Process groups for a fixed set of rank groups (a collective: call on every rank).
@@ -38,8 +34,7 @@ class GroupSet:
     the same share, so k streams next to one foreign flow get k/(k+1) of the link instead
     of ½ (NCCL's ``NCCL_NSOCKS_PERTHREAD`` idea), and they fill paths that cap each flow
     (WAN). On a link of its own, one stream is faster (measured): hence a choice, made by
-    measurement (``comm.ds_sync.choose_pair_streams``). In DS-Sync the pairs are the
-    inter-rack groups.
+    measurement (``comm.pair_streams``). In DS-Sync the pairs are the inter-rack groups.
     """
 
     def __init__(self, groups: Iterable[Sequence[int]], max_pair_streams: int = 1) -> None:
