@@ -4,7 +4,7 @@ A pair (DS-Sync's inter-rack group with two racks, a slow NIC's group) can split
 swap over several connections per direction (``GroupSet.pair_streams``). Whether that
 helps depends on the link, and only a measurement tells: next to foreign traffic TCP
 shares the link per connection, so k streams get k/(k+1) of it instead of ½ (measured
-on emulated ``two_racks_contended``: 2.2-2.75× DDP with 4 streams, 1.5× with one); on
+on emulated ``two_racks_contended``: 2.2-2.75× DDP with 4 streams, 1.7-2.1× with one); on
 a link of its own one stream is faster (``two_racks``: 8.8 s with one, 11.1 s with
 four). A short probe at setup misleads (new connections' slow start behind a full
 queue), and so do a pattern's first syncs (every rotating pair's connections are used
