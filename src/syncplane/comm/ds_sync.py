@@ -99,11 +99,17 @@ class DSSync:
         self.q_ref: float | None = None
         self._window: list[float] = []
         self.adjustments: list[tuple[int, str]] = []     # (step, candidate key) for the log
-        self.streams.start(0, self.pattern.period)
+        self._try_pair_streams()
 
     @property
     def pattern(self) -> GroupPattern:
         return self.candidates.patterns[self.current]
+
+    def _try_pair_streams(self) -> None:
+        """Start a stream-count trial from this step if the current pattern has pairs at all
+        (without pairs the count does not matter, and the trial's barriers would hide lag)."""
+        if any(len(g) == 2 for groups in self.pattern.iterations for g in groups):
+            self.streams.start(self.step, self.pattern.period)
 
     def sync_(self, buckets: Sequence[Bucket], meter: CommMeter | None = None) -> None:
         """Average ``buckets`` within this rank's group of the current step, then advance."""
@@ -143,7 +149,7 @@ class DSSync:
         self.current = int(choice[0])
         self.q_ref = None
         self.adjustments.append((self.step, self.candidates.keys[self.current]))
-        self.streams.start(self.step, self.pattern.period)   # the contention behind this may favour more streams
+        self._try_pair_streams()               # the contention behind this may favour more streams
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "current": self.current, "q_ref": -1.0 if self.q_ref is None else self.q_ref,
