@@ -21,7 +21,7 @@ from typing import Any
 
 from syncplane.bench.syncs import ALL_STRATEGIES, OVERLAP, PEERS, PRESETS_BYTES, SYNCS, compute_split
 from syncplane.cluster import ClusterProfile, load_profile
-from syncplane.comm.pair_streams import MAX_PAIR_STREAMS, check_pair_streams
+from syncplane.comm.pair_streams import check_pair_streams, connections
 from syncplane.cluster.cost import PATTERNS, PERIODIC, TOPOLOGY_PATTERNS, CostModel, strategy_time
 from syncplane.config import ConfigError
 
@@ -90,12 +90,12 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
             row["step_s"] = m["step_s"]
         if name in PATTERNS or name in TOPOLOGY_PATTERNS:
             # "auto" may pick the most streams: the bound is the best choice's
-            streams = {"diloco": shards, "ds_sync": MAX_PAIR_STREAMS if pair_streams == "auto" else pair_streams}
-            streams = streams.get(name, 1)
+            streams = {"diloco": shards, "ds_sync": connections(pair_streams)}.get(name, 1)
             predicted, bound = strategy_time(model, name, payload_bytes, period, streams)
-            hidden = compute_split(OVERLAP.get(name), compute_ms / 1000)[1]     # compute it can hide behind
+            window = OVERLAP.get(name)
+            hidden = compute_split(window, compute_ms / 1000)[1]     # the compute it can hide behind
             row["predicted_s"], row["bound_s"] = max(0.0, predicted - hidden), max(0.0, bound - hidden)
-            row["overlap"] = OVERLAP.get(name) if hidden else None
+            row["overlap"] = window if hidden else None
             if "sync_s_median" in row:
                 row["bound_ratio"] = row["bound_s"] / row["sync_s_median"]
         rows.append(row)

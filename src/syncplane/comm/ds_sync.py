@@ -31,7 +31,7 @@ from syncplane.comm.buckets import Bucket
 from syncplane.comm.group_pattern import Candidates, GroupPattern, candidate_patterns, ring_time_s
 from syncplane.comm.groups import GroupSet
 from syncplane.comm.meter import CommMeter
-from syncplane.comm.pair_streams import MAX_PAIR_STREAMS, PairStreams, PairStreamTuner, check_pair_streams
+from syncplane.comm.pair_streams import PairStreams, PairStreamTuner, connections
 
 #: Re-measures the pairwise bandwidth (a collective); returns (bandwidth n×n, slow ranks, slow racks),
 #: the slow lists ordered worst first.
@@ -88,8 +88,7 @@ class DSSync:
         if size != world:
             raise ValueError(f"the topology has {size} ranks but the process group has {world}")
         self.candidates = candidate_patterns(racks, slow_ranks, slow_racks)
-        auto = check_pair_streams(pair_streams) == "auto"
-        self.groups = GroupSet(self.candidates.communicating_groups(), MAX_PAIR_STREAMS if auto else int(pair_streams))
+        self.groups = GroupSet(self.candidates.communicating_groups(), connections(pair_streams))
         self.streams = PairStreamTuner(self.groups, pair_streams)
         self.bandwidth = np.asarray(bandwidth, dtype=float)
         self.adjust_every, self.imbalance, self.reprobe = adjust_every, imbalance, reprobe

@@ -48,6 +48,11 @@ def check_pair_streams(value: PairStreams) -> PairStreams:
     raise ValueError(f"pair_streams must be 'auto' or an integer >= 1, got {value!r}")
 
 
+def connections(setting: PairStreams) -> int:
+    """Connections per direction to create for ``setting``: all ``auto`` may try, or the count."""
+    return MAX_PAIR_STREAMS if check_pair_streams(setting) == "auto" else int(setting)
+
+
 def choose_pair_streams(one_stream_s: Sequence[float], many_streams_s: Sequence[float], many: int,
                         min_gain: float = MIN_STREAM_GAIN) -> int:
     """``many`` if the median of the matched speed-ups ``one_stream_s[i] / many_streams_s[i]``
@@ -68,8 +73,6 @@ class PairStreamTuner:
         self.trial_from: int | None = None
         self.times: list[float] = []          # this rank's pair-swap seconds in the trial (nan: not in a pair)
         self.decisions: list[tuple[int, float, float, int]] = []   # (step, 1-stream s, K-stream s, kept)
-        if not self.auto:
-            groups.pair_streams = int(setting)
 
     @property
     def trial_length(self) -> int:
