@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := build/.installed
 
-.PHONY: setup run test bench-kernels clean
+.PHONY: setup run test lint bench-kernels clean
 
 # Install the package (editable) with its extras, then compile the C++ kernels once.
 # Re-runs only when pyproject.toml changes; `make setup -B` forces it.
@@ -24,6 +24,10 @@ run: setup
 
 test: setup
 	$(PYTHON) -m pytest
+
+# The layer contracts (import-linter) and the no-import-cycle check.
+lint: setup
+	$(PYTHON) scripts/lint_imports.py
 
 bench-kernels: setup
 	$(PYTHON) scripts/bench_kernels.py

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from syncplane.bench.runner import parse_payload
 from syncplane.cluster import emulator, load_profile
-from syncplane.cluster.cost import CostModel, strategy_time
+from syncplane.algorithms import strategy_time
+from syncplane.cluster.cost import CostModel
 from syncplane.launcher import RankSpec, launch
 
 HERE = Path(__file__).resolve().parent

@@ -102,6 +102,16 @@ class SyncplaneStrategy(DDPStrategy):
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``sync_state_dict`` returned."""
 
+    def rank_state_dict(self) -> dict[str, Any]:
+        """State that differs per rank (an EMA of this rank's parameters, error-feedback
+        residuals). The checkpoint holds every rank's (gathered with the replicas); a resume
+        on the same world size hands each rank its own to ``load_rank_state_dict``. Not a
+        collective: the base does the gathering."""
+        return {}
+
+    def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore this rank's ``rank_state_dict`` (called after ``load_sync_state_dict``)."""
+
     # ------------------------------------------------------------ helpers
 
     @property
@@ -110,13 +120,20 @@ class SyncplaneStrategy(DDPStrategy):
         module = self.lightning_module
         return module.trainer.global_step if module is not None and module._trainer is not None else 0
 
-    def model_tensors(self) -> list[torch.Tensor]:
-        """Parameters and floating-point buffers: what replicas average (not step counters)."""
+    def model_parameters(self) -> list[torch.Tensor]:
         module = self.lightning_module
         assert module is not None
-        params = [p.data for p in module.parameters()]
-        buffers = [b for b in module.buffers() if b.is_floating_point()]
-        return params + buffers
+        return [p.data for p in module.parameters()]
+
+    def model_buffers(self) -> list[torch.Tensor]:
+        """Floating-point buffers (BatchNorm statistics), not step counters."""
+        module = self.lightning_module
+        assert module is not None
+        return [b for b in module.buffers() if b.is_floating_point()]
+
+    def model_tensors(self) -> list[torch.Tensor]:
+        """Parameters, then floating-point buffers: what replicas average."""
+        return self.model_parameters() + self.model_buffers()
 
     def average_replicas_(self, tensors: list[torch.Tensor] | None = None) -> None:
         """Replace ``tensors`` (default: the whole model) by their mean over all ranks."""
@@ -227,10 +244,11 @@ class SyncplaneStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         self.finish_pending_sync()
         extra: dict[str, Any] = {"strategy": type(self).__name__, "state": self.sync_state_dict()}
-        if self.world_size > 1 and not self.replicas_identical:
-            # a collective (every rank saves): rank 0 receives every replica
+        rank_state = self.rank_state_dict()
+        if self.world_size > 1 and (not self.replicas_identical or rank_state):
+            # a collective (every rank saves): rank 0 receives every replica and its rank state
             extra["replicas"] = replicas.gather_replicas(self.lightning_module, self.optimizers,
-                                                         self._stash_by_tensor(), self.is_global_zero)
+                                                         self._stash_by_tensor(), rank_state)
         checkpoint["syncplane"] = extra
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -251,6 +269,8 @@ class SyncplaneStrategy(DDPStrategy):
         extra = checkpoint.get("syncplane")
         if extra is not None:
             self.load_sync_state_dict(extra.get("state", {}))
+        if own is not None:
+            self.load_rank_state_dict(own.get("rank_state", {}))
 
     def _stash_by_tensor(self) -> dict[int, torch.Tensor]:
         """Live tensor storage -> this rank's own values, while validation shows the consensus."""

@@ -1,7 +1,7 @@
 """Decentralized strategies (BlueFog §V): ATC, AWC and their hierarchical forms.
 
 Every replica trains on its own data and, once per step, replaces its parameters by a
-weighted average of its neighbours' (``syncplane.comm.NeighborAverager``); no global
+weighted average of its neighbours' (``syncplane.algorithms.decentralized.engine.NeighborAverager``); no global
 all-reduce except, optionally, every ``global_every`` steps.
 
 - ``atc`` (adapt-then-combine): ``xᵢ ← Σⱼ wᵢⱼ (xⱼ − γ dᵢ)``. The local optimizer step
@@ -31,34 +31,21 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from syncplane.algorithms.decentralized.config import DecentralizedConfig
+from syncplane.algorithms.decentralized.machines import machine_size
 from syncplane.comm import context, topology
-from syncplane.comm.averaging import NEIGHBOR_BUCKET_BYTES, NeighborAverager
-from syncplane.comm.schedule import SCHEDULES, build_schedule
+from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager
+from syncplane.algorithms.decentralized.schedule import build_schedule
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
-
-#: Graph builders a config may name (``topology: RingGraph``); all take the size first.
-TOPOLOGIES = ("ExponentialTwoGraph", "ExponentialGraph", "SymmetricExponentialGraph", "RingGraph",
-              "MeshGrid2DGraph", "StarGraph", "FullyConnectedGraph")
-
 
 class NeighborAveragingStrategy(SyncplaneStrategy):
     """Shared glue of the four decentralized strategies; subclasses pick when to mix.
 
-    Args:
-        topology: graph builder from ``syncplane.comm.topology`` (over machines for the
-            hierarchical forms), used by ``schedule: static``.
-        topology_kwargs: extra builder arguments (e.g. ``{connect_style: 1}``).
-        schedule: ``one_peer`` (dynamic one-peer exponential, BlueFog's training
-            default: one payload per rank per step) or ``static`` (the graph every step).
-        global_every: an exact global average every K steps (0 = never).
-        machines: what a machine is for the hierarchical forms: ``host`` (the processes
-            started per host) or ``rack`` (a rack of the cluster profile / probe).
-        ranks_per_machine: explicit machine size (overrides ``machines``).
-        bucket_mb: neighbour-exchange bucket size (small: a bucket is combined while the
-            next one is still on the wire).
-        check_schedule: verify at setup that every step's senders and receivers agree.
-        timeout_s: how long a neighbour exchange may wait before failing with the ranks named.
+    Args: those of ``DecentralizedConfig`` (topology, topology_kwargs, schedule,
+    global_every, machines, ranks_per_machine, check_schedule, timeout_s), then
+    ``consensus_every`` and ``bucket_mb`` (neighbour-exchange buckets: small, so a bucket is
+    combined while the next one is still on the wire) and ``SyncplaneStrategy``'s others.
     """
 
     hierarchical = False
@@ -71,47 +58,36 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
                  check_schedule: bool = True, timeout_s: float = 300.0, consensus_every: int = 10,
                  bucket_mb: float = NEIGHBOR_BUCKET_BYTES / 2**20, **kwargs: Any) -> None:
         super().__init__(consensus_every=consensus_every, bucket_mb=bucket_mb, **kwargs)
-        if topology not in TOPOLOGIES:
-            raise ValueError(f"unknown topology {topology!r}; allowed values: {', '.join(TOPOLOGIES)}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; allowed values: {', '.join(SCHEDULES)}")
-        if global_every < 0:
-            raise ValueError(f"global_every must be >= 0 (0 = never), got {global_every}")
-        if machines not in context.MACHINE_KINDS:
-            raise ValueError(f"unknown machines {machines!r}; allowed values: {', '.join(context.MACHINE_KINDS)}")
-        if ranks_per_machine is not None and ranks_per_machine < 1:
-            raise ValueError(f"ranks_per_machine must be >= 1, got {ranks_per_machine}")
-        self.topology_name, self.topology_kwargs = topology, dict(topology_kwargs or {})
-        self.schedule_kind, self.global_every = schedule, global_every
-        self.machines, self.ranks_per_machine = machines, ranks_per_machine
-        self.check_schedule, self.timeout_s = check_schedule, timeout_s
+        self.config = DecentralizedConfig(topology=topology, topology_kwargs=dict(topology_kwargs or {}),
+                                          schedule=schedule, global_every=global_every, machines=machines,
+                                          ranks_per_machine=ranks_per_machine, check_schedule=check_schedule,
+                                          timeout_s=timeout_s)
         self.averager: NeighborAverager | None = None
         self.buffer_averager: NeighborAverager | None = None
         self._hooks: list[RemovableHandle] = []
 
     @override
     def setup_sync(self) -> None:
-        local = (self.ranks_per_machine or context.machine_size(self.machines)) if self.hierarchical else 1
+        config = self.config
+        local = (config.ranks_per_machine or machine_size(config.machines)) if self.hierarchical else 1
         if self.world_size % local:
             raise ValueError(f"world size {self.world_size} is not a multiple of ranks_per_machine {local}")
         participants = self.world_size // local if self.hierarchical else self.world_size
-        graph = getattr(topology, self.topology_name)(participants, **self.topology_kwargs)
-        schedule = build_schedule(self.schedule_kind, graph)
-        tensors = self.model_tensors()
-        n_params = len(list(self.lightning_module.parameters()))
+        graph = getattr(topology, config.topology)(participants, **config.topology_kwargs)
+        schedule = build_schedule(config.schedule, graph)
         # AWC combines the parameters before the update, but the forward changes buffers
         # (BatchNorm running statistics) after its exchange started: those are mixed
         # after the step instead, as ATC does, so the forward's update is not lost.
-        mixed, after_step = (tensors[:n_params], tensors[n_params:]) if self.combine_buffers_after_step \
-            else (tensors, [])
+        params, buffers = self.model_parameters(), self.model_buffers()
+        mixed, after_step = (params, buffers) if self.combine_buffers_after_step else (params + buffers, [])
 
         def averager(part: list[torch.Tensor]) -> NeighborAverager:
             return NeighborAverager(part, schedule, hierarchical=self.hierarchical, local_size=local,
-                                    bucket_bytes=self.bucket_bytes, meter=self.comm_meter, timeout_s=self.timeout_s)
+                                    bucket_bytes=self.bucket_bytes, meter=self.comm_meter, timeout_s=config.timeout_s)
 
         self.averager = averager(mixed)
         self.buffer_averager = averager(after_step) if after_step else None
-        if self.check_schedule:
+        if config.check_schedule:
             self.averager.check_schedule()
         if self.overlap_with_forward:
             self._install_forward_waits()
@@ -132,7 +108,8 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
 
     def mixes_globally(self) -> bool:
         """Whether this step ends with an exact global average instead of neighbour mixing."""
-        return self.global_every > 0 and (self.step + 1) % self.global_every == 0
+        every = self.config.global_every
+        return every > 0 and (self.step + 1) % every == 0
 
     @override
     def finish_pending_sync(self) -> None:
@@ -144,6 +121,7 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        context.reset()             # the machine groups and the background worker go with the process groups
         super().teardown()
 
 
@@ -182,24 +160,24 @@ class AdaptWhileCombine(NeighborAveragingStrategy):
             self.buffer_averager.wait()
 
 
-@register("atc", "decentralized adapt-then-combine: local step, then neighbour averaging (overlapped)")
+@register("atc")
 class ATC(AdaptThenCombine):
     """Adapt-then-combine over ranks."""
 
 
-@register("awc", "decentralized adapt-while-combine: neighbour averaging overlapped with forward+backward")
+@register("awc")
 class AWC(AdaptWhileCombine):
     """Adapt-while-combine over ranks."""
 
 
-@register("h_atc", "hierarchical ATC: average inside each machine, neighbour averaging across machines")
+@register("h_atc")
 class HATC(AdaptThenCombine):
     """Adapt-then-combine over machines."""
 
     hierarchical = True
 
 
-@register("h_awc", "hierarchical AWC: machine-level neighbour averaging overlapped with forward+backward")
+@register("h_awc")
 class HAWC(AdaptWhileCombine):
     """Adapt-while-combine over machines."""
 

@@ -13,7 +13,7 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
   buffers (BatchNorm statistics) are averaged in the same exchange. If the exchange is
   discarded (a rank failed or timed out), every rank skips the outer step and keeps its
   local replica: the next round's ``Δ`` then covers both rounds, nothing is lost.
-  Streaming (``fragments`` P > 1, ``overlap_steps`` τ > 0; ``syncplane.comm.streaming``):
+  Streaming (``fragments`` P > 1, ``overlap_steps`` τ > 0; ``syncplane.algorithms.diloco.streaming``):
   the same round per fragment at that fragment's offset, its exchange on a background
   thread for τ steps, its result mixed in as ``α·θ_local + (1 − α)·θ_g``.
 - ``finish_pending_sync``: completes the exchanges in flight and their outer steps; the
@@ -38,32 +38,17 @@ from typing_extensions import override
 
 from syncplane.comm import ShardedAllReduce, make_codec
 from syncplane.comm.host_mirror import HostMirror
-from syncplane.comm.streaming import FragmentedOuter, Round, streaming_mix_alpha
+from syncplane.algorithms.diloco.config import DiLoCoConfig
+from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
 
-@register("diloco", description="DiLoCo: H local steps, then an outer Nesterov step on the gloo-averaged "
-                                "pseudo-gradient (CPU outer state, sharded multi-stream sync)")
+@register("diloco")
 class DiLoCo(SyncplaneStrategy):
-    """Args (besides ``SyncplaneStrategy``'s):
-
-    sync_every: H, inner steps per round.
-    outer_optimizer: class path of the outer torch optimizer.
-    outer_kwargs: its arguments; None = lr 0.7, momentum 0.9, Nesterov (for SGD).
-    shards: S concurrent gloo streams for the exchange (bound to the host's NICs in turn).
-    compression: ``none`` (exact fp32) or ``int8`` (blockwise scale + error feedback).
-    block_size: values per int8 scale.
-    sync_timeout_s: an exchange slower than this is discarded on every rank.
-    fragments: P, Streaming DiLoCo's fragments, each synced at its own offset in the
-        round (1 = plain DiLoCo); at most ``sync_every``. Cut by value count, evenly.
-    overlap_steps: τ, inner steps a fragment's exchange runs in the background before its
-        result is merged (0 = blocking); below ``sync_every // fragments``, so at most one
-        fragment is on the wire at a time.
-    mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
-        overlap (the paper's value) and 0 (overwrite) without, which is the only value
-        allowed then.
-    """
+    """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, shards,
+    compression, block_size, sync_timeout_s, fragments, overlap_steps, mix_alpha), then
+    ``SyncplaneStrategy``'s."""
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
                  outer_kwargs: dict[str, Any] | None = None, shards: int = 1,
@@ -71,18 +56,12 @@ class DiLoCo(SyncplaneStrategy):
                  sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
                  mix_alpha: float | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be at least 1, got {sync_every}")
-        if shards < 1:
-            raise ValueError(f"shards must be at least 1, got {shards}")
-        make_codec(compression, block_size)   # validates both
-        if sync_timeout_s <= 0:
-            raise ValueError(f"sync_timeout_s must be positive, got {sync_timeout_s}")
-        self.sync_every, self.shards, self.sync_timeout_s = sync_every, shards, sync_timeout_s
-        self.outer_optimizer, self.outer_kwargs = outer_optimizer, outer_kwargs
-        self.compression, self.block_size = compression, block_size
-        self.fragments, self.overlap_steps = fragments, overlap_steps
-        self.mix_alpha = streaming_mix_alpha(sync_every, fragments, overlap_steps, mix_alpha)
+        self.config = DiLoCoConfig(sync_every=sync_every, outer_optimizer=outer_optimizer, outer_kwargs=outer_kwargs,
+                                   shards=shards, compression=compression, block_size=block_size,
+                                   sync_timeout_s=sync_timeout_s, fragments=fragments, overlap_steps=overlap_steps,
+                                   mix_alpha=mix_alpha)
+        self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        self.mix_alpha = self.config.alpha
         self.rounds = 0     # committed outer steps (one per fragment round)
         self.skipped = 0    # discarded rounds
         self._outer: FragmentedOuter | None = None
@@ -100,12 +79,13 @@ class DiLoCo(SyncplaneStrategy):
         if self._outer is not None:
             self._outer.close()
         self._outer = FragmentedOuter(self._host.buffer, n_params, self.fragments, self.sync_every,
-                                      self.outer_optimizer, self.outer_kwargs, pin=self._host.on_gpu)
+                                      self.config.outer_optimizer, self.config.outer_kwargs, pin=self._host.on_gpu)
         self._host.check_cuts(tensors, [start for start, _ in self._outer.bounds[1:]])
         if self._exchange is not None:
             self._exchange.close()
-        self._exchange = ShardedAllReduce(self.shards, codec=make_codec(self.compression, self.block_size),
-                                          timeout_s=self.sync_timeout_s)
+        config = self.config
+        self._exchange = ShardedAllReduce(config.shards, codec=make_codec(config.compression, config.block_size),
+                                          timeout_s=config.sync_timeout_s)
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -160,9 +140,8 @@ class DiLoCo(SyncplaneStrategy):
     def sync_state_dict(self) -> dict[str, Any]:
         assert self._outer is not None
         assert self._exchange is not None
-        return {**self._outer.state_dict(), "exchange": self._exchange.state_dict(),
-                "sync_every": self.sync_every, "fragments": self.fragments, "overlap_steps": self.overlap_steps,
-                "step_in_round": self.step % self.sync_every, "rounds": self.rounds, "skipped": self.skipped}
+        return {**self._outer.state_dict(), "sync_every": self.sync_every, "fragments": self.fragments,
+                "overlap_steps": self.overlap_steps, "rounds": self.rounds, "skipped": self.skipped}
 
     @override
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -176,8 +155,18 @@ class DiLoCo(SyncplaneStrategy):
                                  f"{key}={ours}: rounds would not line up")
         assert self._outer is not None and self._exchange is not None
         self._outer.load_state_dict(state)
-        self._exchange.load_state_dict(state["exchange"])
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
+
+    @override
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's error-feedback residuals (int8 only)."""
+        assert self._exchange is not None
+        return {"exchange": self._exchange.state_dict()}
+
+    @override
+    def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
+        assert self._exchange is not None
+        self._exchange.load_state_dict(state.get("exchange", {}))
 
     @override
     def teardown(self) -> None:

@@ -1,4 +1,4 @@
-"""Strategy names (design.md §3) in Lightning's ``StrategyRegistry``.
+"""Strategy names (``docs/architecture.md``) in Lightning's ``StrategyRegistry``.
 
 Registration happens when ``syncplane.strategies`` is imported, before any
 ``Trainer(...)`` snapshots the registry. ``ddp`` is Lightning's own ``DDPStrategy``,
@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch.nn.parallel import DistributedDataParallel
 
+from syncplane import algorithms
 from syncplane.config import signature_params
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 
@@ -27,8 +28,9 @@ BASELINE = "ddp"
 _ours: dict[str, type[Strategy]] = {}
 
 
-def register(name: str, description: str) -> Callable[[S], S]:
-    """Class decorator: register ``cls`` under ``name`` here and in Lightning's registry."""
+def register(name: str) -> Callable[[S], S]:
+    """Class decorator: register ``cls`` under ``name`` here and in Lightning's registry,
+    with the description its algorithm package declares (``syncplane.algorithms``)."""
 
     def decorate(cls: S) -> S:
         if name == BASELINE:
@@ -37,7 +39,7 @@ def register(name: str, description: str) -> Callable[[S], S]:
         if existing is not None and existing is not cls:
             raise ValueError(f"strategy name {name!r} is already taken by {existing.__qualname__}")
         _ours[name] = cls
-        StrategyRegistry.register(name, cls, description=description, override=True)
+        StrategyRegistry.register(name, cls, description=algorithms.description(name), override=True)
         return cls
 
     return decorate
@@ -76,8 +78,7 @@ def accepted_params(name: str) -> dict[str, Any]:
 
 def describe() -> dict[str, str]:
     """Name -> one-line description, for ``syncplane info``."""
-    ours = {n: StrategyRegistry[n]["description"] for n in _ours}
-    return {BASELINE: "Lightning's DDPStrategy: gradient all-reduce every step (the baseline)", **ours}
+    return {name: algorithms.description(name) for name in names()}
 
 
 def build(name: str, kwargs: Mapping[str, Any], cluster_environment: ClusterEnvironment,

@@ -13,26 +13,29 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 
+from syncplane.comm.collectives import gather_to_rank0
+
 
 def replica_state(module: torch.nn.Module, optimizers: Sequence[Optimizer],
-                  stash: Mapping[int, torch.Tensor]) -> dict[str, Any]:
-    """This rank's model and optimizer state; ``stash`` substitutes the rank's own values
-    for tensors that currently hold the consensus (during validation)."""
+                  stash: Mapping[int, torch.Tensor], rank_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's model and optimizer state, and the strategy's per-rank state; ``stash``
+    substitutes the rank's own values for tensors that currently hold the consensus (during
+    validation)."""
     model = {k: stash.get(v.data_ptr(), v).detach().clone() for k, v in module.state_dict().items()}
-    return {"model": model, "optimizers": [opt.state_dict() for opt in optimizers]}
+    return {"model": model, "optimizers": [opt.state_dict() for opt in optimizers],
+            "rank_state": dict(rank_state or {})}
 
 
 def gather_replicas(module: torch.nn.Module, optimizers: Sequence[Optimizer],
-                    stash: Mapping[int, torch.Tensor], is_rank0: bool) -> list[dict[str, Any]] | None:
-    """Collective: rank 0 gets a list with every rank's ``replica_state``, others None."""
-    state = replica_state(module, optimizers, stash)
-    gathered: list[Any] | None = [None] * dist.get_world_size() if is_rank0 else None
-    dist.gather_object(state, gathered, dst=0)
-    return gathered
+                    stash: Mapping[int, torch.Tensor],
+                    rank_state: Mapping[str, Any] | None = None) -> list[dict[str, Any]] | None:
+    """Collective: rank 0 gets a list with every rank's ``replica_state``, others None.
+    The one place per-rank state is gathered (replicas, EMAs, error-feedback residuals)."""
+    state = replica_state(module, optimizers, stash, rank_state)
+    return gather_to_rank0(state)
 
 
 def own_replica(checkpoint: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:

@@ -141,7 +141,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.cluster.cost import CostModel, strategy_time
+    from syncplane.algorithms import PLANNED, strategy_time
+    from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
     profile = load_profile(args.cluster)
@@ -155,10 +156,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col == "strategy" else "right")
     rows = {}
     for name in parse_strategies(args.strategies):
-        try:
-            rows[name] = strategy_time(model, name, payload)
-        except KeyError:
-            rows[name] = None
+        rows[name] = None if name in PLANNED else strategy_time(model, name, payload)
     ddp = rows.get("ddp")
     for name, value in rows.items():
         if value is None:

@@ -9,6 +9,7 @@ reference instead; it exists for tests and benchmarks, never as a silent fallbac
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from types import ModuleType
@@ -21,8 +22,15 @@ from syncplane import ext
 Backend = Literal["ext", "torch"]
 
 #: How many times each (kernel, implementation) ran in this process; tests use it to
-#: prove the compiled path is the one that executed.
+#: prove the compiled path is the one that executed. Kernels run on several threads (the
+#: hierarchical pipeline, DiLoCo's streaming worker): ``_count`` takes a lock.
 call_counts: Counter[tuple[str, str]] = Counter()
+_count_lock = threading.Lock()
+
+
+def _count(kernel: str, implementation: str) -> None:
+    with _count_lock:
+        call_counts[(kernel, implementation)] += 1
 
 
 def _module_for(device: torch.device) -> tuple[ModuleType, str]:
@@ -55,10 +63,10 @@ def pack(
     if out is None:
         out = torch.empty(numel_total(tensors), dtype=ref.dtype, device=ref.device)
     if backend == "torch":
-        call_counts[("pack", "torch")] += 1
+        _count("pack", "torch")
         return pack_reference(tensors, out, scale)
     module, name = _module_for(out.device)
-    call_counts[("pack", name)] += 1
+    _count("pack", name)
     module.pack(list(tensors), out, float(scale))
     return out
 
@@ -71,11 +79,11 @@ def unpack(
 ) -> None:
     """Copy consecutive slices of ``flat`` (times ``scale``) back into ``tensors``, in place."""
     if backend == "torch":
-        call_counts[("unpack", "torch")] += 1
+        _count("unpack", "torch")
         unpack_reference(flat, tensors, scale)
         return
     module, name = _module_for(flat.device)
-    call_counts[("unpack", name)] += 1
+    _count("unpack", name)
     module.unpack(flat, list(tensors), float(scale))
 
 
@@ -96,10 +104,10 @@ def weighted_combine(
     if out is None:
         out = torch.empty_like(x)
     if backend == "torch":
-        call_counts[("weighted_combine", "torch")] += 1
+        _count("weighted_combine", "torch")
         return weighted_combine_reference(x, ys, weights, self_weight, out)
     module, name = _module_for(x.device)
-    call_counts[("weighted_combine", name)] += 1
+    _count("weighted_combine", name)
     module.weighted_combine(out, x, float(self_weight), list(ys), [float(w) for w in weights])
     return out
 

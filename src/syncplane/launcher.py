@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
+
+from syncplane.net import free_port
 
 if TYPE_CHECKING:
     from syncplane.cluster import ClusterProfile
@@ -79,13 +80,6 @@ def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir
     with emulator.in_use(profile), emulator.background_flows(profile, log_dir):
         launch(command, ranks, log_dir, master_addr=emulator.master_addr(profile),
                master_port=29500, **kwargs)  # type: ignore[arg-type]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (for the rendezvous store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _tee(stream: IO[bytes], log: IO[bytes], echo: IO[str]) -> None:

@@ -35,8 +35,8 @@ def rank_matrix(schedule, step: int, world: int, local: int, hierarchical: bool)
 
 def _mix(rank: int, world: int, kind: str, hierarchical: bool, local: int, seed: int):
     from syncplane.comm import topology
-    from syncplane.comm.averaging import NeighborAverager
-    from syncplane.comm.schedule import build_schedule
+    from syncplane.algorithms.decentralized.engine import NeighborAverager
+    from syncplane.algorithms.decentralized.schedule import build_schedule
 
     participants = world // local if hierarchical else world
     schedule = build_schedule(kind, topology.RingGraph(participants) if kind == "static" else
@@ -71,8 +71,8 @@ def _partial_wait(rank: int, world: int):
     import torch
 
     from syncplane.comm import topology
-    from syncplane.comm.averaging import NeighborAverager
-    from syncplane.comm.schedule import build_schedule
+    from syncplane.algorithms.decentralized.engine import NeighborAverager
+    from syncplane.algorithms.decentralized.schedule import build_schedule
 
     first, second = torch.full((4,), float(rank)), torch.full((4,), 10.0 * rank)
     averager = NeighborAverager([first, second], build_schedule("one_peer", topology.ExponentialTwoGraph(world)),
@@ -97,8 +97,8 @@ def test_waiting_for_one_bucket_leaves_the_others_in_flight():
 def _wrong_size(rank: int, world: int):
     import torch
 
-    from syncplane.comm.averaging import NeighborAverager
-    from syncplane.comm.schedule import OnePeerSchedule
+    from syncplane.algorithms.decentralized.engine import NeighborAverager
+    from syncplane.algorithms.decentralized.schedule import OnePeerSchedule
 
     try:
         NeighborAverager([torch.zeros(2)], OnePeerSchedule(world + 1))

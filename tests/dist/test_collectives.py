@@ -55,3 +55,38 @@ def test_consensus_distance_matches_definition():
     expected = float(((xs - mean).norm(dim=1) / mean.norm()).mean())
     for _, got in results:
         assert got == pytest.approx(expected, rel=1e-9)
+
+
+def _rank0_decides(rank: int, world: int, seed: int):
+    import torch
+
+    from syncplane.comm.collectives import gather_to_rank0, rank0_decides
+
+    g = torch.Generator().manual_seed(seed + rank)
+    measured = torch.rand(4, generator=g, dtype=torch.float64)
+    seen_by_decider: list = []
+
+    def decide(rows: torch.Tensor) -> list[float]:
+        seen_by_decider.append(rows.clone())
+        return [float(rows.max(0).values.sum()), float(rows.argmax(0)[0])]
+
+    decision = rank0_decides(measured, decide, 2)
+    return measured, decision, seen_by_decider, gather_to_rank0({"rank": rank, "x": measured})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank0_decides_from_every_measurement_and_everyone_adopts_it(world):
+    seed = int(torch.randint(0, 2**30, ()))
+    print(f"seed={seed}")
+    results = run_distributed(_rank0_decides, world, seed)
+    rows = torch.stack([r[0] for r in results])
+    expected = torch.tensor([float(rows.max(0).values.sum()), float(rows.argmax(0)[0])], dtype=torch.float64)
+    for rank, (_, decision, seen, gathered) in enumerate(results):
+        assert torch.equal(decision, expected)
+        assert len(seen) == (1 if rank == 0 else 0)          # only rank 0 decides
+        if rank == 0:
+            assert torch.equal(seen[0], rows)
+            assert [g["rank"] for g in gathered] == list(range(world))
+            assert all(torch.equal(g["x"], r[0]) for g, r in zip(gathered, results))
+        else:
+            assert gathered is None

@@ -101,7 +101,7 @@ def _gradient_at(params: torch.Tensor, batch) -> torch.Tensor:
 ])
 def test_update_rule_matches_dense_reference(name, schedule, local, tmp_path):
     from syncplane.comm import topology
-    from syncplane.comm.schedule import build_schedule
+    from syncplane.algorithms.decentralized.schedule import build_schedule
 
     world, steps = 4, 5
     hierarchical = name.startswith("h_")
@@ -148,7 +148,7 @@ def _consensus(rank: int, world: int, tmp_dir: str, schedule: str, steps: int):
 
 def test_lr_zero_converges_at_the_rate_of_lambda2(tmp_path):
     from syncplane.comm import topology
-    from syncplane.comm.schedule import StaticSchedule
+    from syncplane.algorithms.decentralized.schedule import StaticSchedule
 
     world, steps = 4, 6
     results = run_distributed(_consensus, world, str(tmp_path), "static", steps, timeout=180)

@@ -89,7 +89,7 @@ def test_a_pair_over_several_streams_holds_the_exact_mean_on_both_ranks(streams)
 
 def _auto_streams(rank: int, world: int, steps: int):
     from syncplane.comm import make_buckets
-    from syncplane.comm.ds_sync import DSSync
+    from syncplane.algorithms.ds_sync.engine import DSSync
 
     def runtime():
         return DSSync([[0, 1], [2, 3]], np.full((world, world), 1e8), pair_streams="auto")
@@ -113,7 +113,7 @@ def _auto_streams(rank: int, world: int, steps: int):
 def test_auto_pair_streams_try_both_counts_on_real_syncs_and_every_rank_keeps_one():
     """Trial: a pattern period (P = 4 here) to warm up, one with 1 stream, one with 4; the
     count kept is the same on every rank from the trial's last sync on."""
-    from syncplane.comm.group_pattern import build_pattern
+    from syncplane.algorithms.ds_sync.pattern import build_pattern
 
     pattern = build_pattern([[0, 1], [2, 3]])
     period = pattern.period
@@ -138,7 +138,7 @@ def test_auto_pair_streams_try_both_counts_on_real_syncs_and_every_rank_keeps_on
 
 def _schedule(rank: int, world: int, steps: int):
     from syncplane.comm import make_buckets
-    from syncplane.comm.ds_sync import DSSync
+    from syncplane.algorithms.ds_sync.engine import DSSync
 
     racks = [[0, 1], [2, 3]]
     runtime = DSSync(racks, np.full((world, world), 1e8))
@@ -151,7 +151,7 @@ def _schedule(rank: int, world: int, steps: int):
 
 
 def test_schedule_averages_within_the_patterns_group_every_step():
-    from syncplane.comm.group_pattern import build_pattern
+    from syncplane.algorithms.ds_sync.pattern import build_pattern
 
     steps = 4
     results = run_distributed(_schedule, 4, steps)
@@ -169,7 +169,7 @@ def _adjusting(rank: int, world: int):
     import time
 
     from syncplane.comm import make_buckets
-    from syncplane.comm.ds_sync import DSSync
+    from syncplane.algorithms.ds_sync.engine import DSSync
 
     bw = np.full((world, world), 1e9)
     slow_bw = bw.copy()

@@ -30,13 +30,13 @@ def _strategy(profile: str):
 
     from syncplane.strategies.ds_sync import DSSyncStrategy
 
-    return DSSyncStrategy(topology=profile, swa=True, swa_decay=0.5, adjust_every=2,
+    return DSSyncStrategy(topology=profile, ema=True, ema_decay=0.5, adjust_every=2,
                           cluster_environment=TorchElasticEnvironment())
 
 
 def _state(model, strategy):
     return {"params": [p.detach().clone() for p in model.parameters()],
-            "swa": [t.clone() for t in strategy._swa_model], "step": strategy.runtime.step}
+            "swa": [t.clone() for t in strategy._ema_model], "step": strategy.runtime.step}
 
 
 def _resume(rank: int, world: int, tmp_dir: str, profile: str):

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from syncplane.bench.syncs import OVERLAP, compute_split
+from syncplane.algorithms import spec_for
+from syncplane.bench.syncs import compute_split
 from syncplane.bench.worker import timed_step
 from syncplane.comm import CommMeter
 
@@ -22,10 +23,12 @@ def test_compute_split_spends_the_whole_compute_once(window):
 
 
 def test_the_strategies_overlap_where_they_schedule_their_sync():
-    assert OVERLAP["ddp"] == "backward"                   # bucket all-reduces during the backward
-    assert OVERLAP["atc"] == OVERLAP["h_atc"] == "forward"   # waited per module in the next forward
-    assert OVERLAP["awc"] == OVERLAP["h_awc"] == "step"       # combined after the backward
-    assert "ds_sync" not in OVERLAP and "diloco" not in OVERLAP
+    window = {name: spec_for(name).overlap.get(name) for name in ("ddp", "atc", "h_atc", "awc", "h_awc",
+                                                                   "ds_sync", "diloco")}
+    assert window["ddp"] == "backward"                      # bucket all-reduces during the backward
+    assert window["atc"] == window["h_atc"] == "forward"    # waited per module in the next forward
+    assert window["awc"] == window["h_awc"] == "step"       # combined after the backward
+    assert window["ds_sync"] is None and window["diloco"] is None
 
 
 class SleepySync:

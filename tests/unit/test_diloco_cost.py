@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from syncplane.cluster import load_profile
-from syncplane.cluster.cost import CostModel, owner_exchange, strategy_time
+from syncplane.algorithms import CostOptions, strategy_time
+from syncplane.cluster.cost import CostModel, owner_exchange
 
 MB = 2**20
 
@@ -23,5 +24,5 @@ def test_owner_exchange_sends_a_rings_bytes_per_rank():
 def test_diloco_bound_is_the_ring_bound_divided_by_h_on_single_rank_hosts(period):
     model = CostModel(load_profile("homogeneous8"))
     _, ring_bound = strategy_time(model, "ddp", 16 * MB)
-    _, bound = strategy_time(model, "diloco", 16 * MB, period)
+    _, bound = strategy_time(model, "diloco", 16 * MB, CostOptions(period=period))
     assert bound == pytest.approx(ring_bound / period)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from syncplane.cluster import load_profile
-from syncplane.cluster.cost import MBIT, CostModel, concurrent_group_allreduces, strategy_time
+from syncplane.algorithms import CostOptions, strategy_time
+from syncplane.cluster.cost import MBIT, CostModel, concurrent_group_allreduces
 
 M = 100 * 2**20
 
@@ -42,7 +43,7 @@ def test_pair_streams_take_their_fair_share_of_a_contended_uplink():
     uncontended uplink gains nothing."""
     contended = CostModel(load_profile("two_racks_contended"))
     for k in (1, 2, 4):
-        _, bound = strategy_time(contended, "ds_sync", M, streams=k)
+        _, bound = strategy_time(contended, "ds_sync", M, CostOptions(streams=k))
         assert bound == pytest.approx(M / (k / (k + 1) * 100 * MBIT))
     quiet = CostModel(load_profile("two_racks"))
-    assert strategy_time(quiet, "ds_sync", M, streams=4) == pytest.approx(strategy_time(quiet, "ds_sync", M))
+    assert strategy_time(quiet, "ds_sync", M, CostOptions(streams=4)) == pytest.approx(strategy_time(quiet, "ds_sync", M))

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from syncplane.cluster.probe import Topology
-from syncplane.comm.ds_sync import choose_candidate, flagged_steps
-from syncplane.comm.group_pattern import (
+from syncplane.algorithms.ds_sync.engine import choose_candidate, flagged_steps
+from syncplane.algorithms.ds_sync.pattern import (
     GroupPattern,
     PatternError,
     build_pattern,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncplane.comm import OuterOptimizer
+from syncplane.algorithms.diloco.outer import OuterOptimizer
 
 
 def test_default_outer_step_is_nesterov_momentum_by_the_formula_and_by_torch():

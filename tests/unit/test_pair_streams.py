@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from syncplane.comm.groups import GroupSet
-from syncplane.comm.pair_streams import check_pair_streams, choose_pair_streams
+from syncplane.algorithms.ds_sync.pair_streams import check_pair_streams, choose_pair_streams
 
 
 @pytest.mark.parametrize("bad", [0, -2, "four", 2.5, True])

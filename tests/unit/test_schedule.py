@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from syncplane.comm import topology
-from syncplane.comm.schedule import OnePeerSchedule, StaticSchedule, build_schedule
+from syncplane.algorithms.decentralized.schedule import OnePeerSchedule, StaticSchedule, build_schedule
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 8])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncplane.comm.streaming import FragmentedOuter, fragment_bounds, fragment_offsets
+from syncplane.algorithms.diloco.streaming import FragmentedOuter, fragment_bounds, fragment_offsets
 
 
 def test_fragments_split_the_parameters_evenly_and_the_buffers_join_the_last_one():

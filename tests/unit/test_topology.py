@@ -1,4 +1,4 @@
-"""Graph builders, weights, validators and dynamic schedules (design.md §4)."""
+"""Graph builders, weights, validators and dynamic schedules."""
 
 from __future__ import annotations
 

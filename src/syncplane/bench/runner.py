@@ -1,6 +1,6 @@
 """``syncplane bench``: every strategy's sync on one emulated cluster, side by side.
 
-Output (design.md §6): ``{"cluster", "world_size", "payload_bytes", "results": [{
+Output (``docs/benchmarks.md``): ``{"cluster", "world_size", "payload_bytes", "results": [{
 "strategy", "sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s",
 "bound_ratio", "speedup_vs_ddp", ...}]}`` plus a rich table and a PNG chart. Extra
 fields per row: ``status`` ("ok" or "not implemented"), ``predicted_s`` (the cost
@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from syncplane.bench.syncs import ALL_STRATEGIES, OVERLAP, PEERS, PRESETS_BYTES, SYNCS, compute_split
+from syncplane import algorithms
+from syncplane.algorithms import CostOptions
+from syncplane.algorithms.ds_sync.pair_streams import check_pair_streams
+from syncplane.bench.syncs import PRESETS_BYTES, compute_split
 from syncplane.cluster import ClusterProfile, load_profile
-from syncplane.comm.pair_streams import check_pair_streams, connections
-from syncplane.cluster.cost import PATTERNS, PERIODIC, TOPOLOGY_PATTERNS, CostModel, strategy_time
+from syncplane.cluster.cost import CostModel
 from syncplane.config import ConfigError
 
 
@@ -42,10 +44,11 @@ def parse_payload(value: str) -> int:
 
 def parse_strategies(value: str) -> list[str]:
     names = [s.strip() for s in value.split(",") if s.strip()]
-    unknown = [s for s in names if s not in ALL_STRATEGIES + PEERS]
+    allowed = algorithms.all_names()
+    unknown = [s for s in names if s not in allowed]
     if unknown or not names:
         raise ConfigError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; "
-                          f"allowed values: {', '.join(ALL_STRATEGIES + PEERS)}")
+                          f"allowed values: {', '.join(allowed)}")
     return names
 
 
@@ -61,10 +64,10 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
     from syncplane.launcher import launch_on_cluster
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    implemented = [s for s in strategies if s in SYNCS]
+    implemented = [s for s in strategies if s not in algorithms.PLANNED]
     measured: dict[str, Any] = {}
     if implemented:
-        if any(s in PEERS or s in PERIODIC for s in implemented):
+        if any(algorithms.spec_for(s).periodic for s in implemented):
             steps = -(-steps // period) * period          # whole averaging rounds
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
                 "compute_ms": compute_ms, "period": period, "shards": shards, "compression": compression,
@@ -88,11 +91,12 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
                         if h.index not in background_senders]
             row["nic_bytes_per_rank"] = statistics.fmean(per_host) if per_host else None
             row["step_s"] = m["step_s"]
-        if name in PATTERNS or name in TOPOLOGY_PATTERNS:
-            # "auto" may pick the most streams: the bound is the best choice's
-            streams = {"diloco": shards, "ds_sync": connections(pair_streams)}.get(name, 1)
-            predicted, bound = strategy_time(model, name, payload_bytes, period, streams)
-            window = OVERLAP.get(name)
+        if name not in algorithms.PLANNED:
+            family = algorithms.spec_for(name)
+            options = {"shards": shards, "pair_streams": pair_streams}
+            predicted, bound = algorithms.strategy_time(model, name, payload_bytes,
+                                                        CostOptions(period, family.streams(options)))
+            window = family.overlap.get(name)
             hidden = compute_split(window, compute_ms / 1000)[1]     # the compute it can hide behind
             row["predicted_s"], row["bound_s"] = max(0.0, predicted - hidden), max(0.0, bound - hidden)
             row["overlap"] = window if hidden else None

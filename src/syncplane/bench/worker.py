@@ -3,7 +3,7 @@
 Times each requested strategy's sync for ``warmup + steps`` steps on a payload of the
 given size. A step is: barrier, emulated compute (a timed wait: on a GPU cluster the
 compute does not load the CPU that drives gloo), the sync. A strategy that overlaps its
-sync with part of the step (``OVERLAP``) launches it, computes that part, then waits; its
+sync with part of the step (its spec's ``overlap``) launches it, computes that part, then waits; its
 sync time is what was left exposed: the step's wall time minus the compute. The sync
 time of a step is the slowest rank's. Rank 0 writes ``results.json`` beside the spec.
 """
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from syncplane.bench.syncs import OVERLAP, SYNCS, compute_split
+from syncplane import algorithms
+from syncplane.bench.syncs import compute_split
 from syncplane.comm import CommMeter
 
 
@@ -58,7 +59,8 @@ def main(spec_path: str) -> None:
     numel = int(spec["payload_bytes"]) // 4
     results = {}
     for name in spec["strategies"]:
-        sync = SYNCS[name](spec)
+        family = algorithms.spec_for(name)
+        sync = family.bench_step(name, spec)
         period = getattr(sync, "period", 1)   # periodic syncs are amortized over their rounds
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         meter = CommMeter()
@@ -69,7 +71,7 @@ def main(spec_path: str) -> None:
         tx_before = _nic_tx_bytes()
         for step in range(spec["steps"]):
             dist.barrier()
-            exposed = timed_step(sync, payload, warmup + step, meter, OVERLAP.get(name),
+            exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(name),
                                  spec["compute_ms"] / 1000)
             elapsed = torch.tensor([exposed], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

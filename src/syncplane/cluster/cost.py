@@ -12,12 +12,16 @@ capacity (TCP fair share); one flow uses one NIC, f flows use at most min(f, k) 
 host's k NICs (gloo binds one collective to one NIC: striping needs several groups). With α = 0
 this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
 is the prediction ``syncplane simulate`` prints.
+
+The generic patterns below (ring, neighbour exchange, owner exchange, concurrent groups)
+are building blocks; which pattern an algorithm runs is declared by its package
+(``syncplane.algorithms.<family>``), which composes them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from syncplane.cluster.profile import ClusterProfile
@@ -130,20 +134,6 @@ def owner_exchange(world_size: int, payload_bytes: float, streams: int = 1) -> l
     return [step, list(step)]
 
 
-#: Strategy name -> its per-step communication pattern (world size, payload bytes).
-PATTERNS: dict[str, Callable[..., list[Phase]]] = {
-    "ddp": ring_allreduce,
-    "torch_periodic": ring_allreduce,    # torch's PeriodicModelAverager: one ring per `period` steps
-    "diloco": owner_exchange,            # one exchange of Δ per `period` (= sync_every) steps
-}
-
-#: Strategies that communicate once per `period` steps: their per-step cost is amortized.
-PERIODIC = {"torch_periodic", "diloco"}
-
-#: Strategies whose pattern takes a number of parallel streams (a third argument).
-MULTI_STREAM = {"diloco", "ds_sync"}
-
-
 def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float,
                                 pair_streams: int = 1) -> list[Phase]:
     """Disjoint groups, each running a ring all-reduce at the same time (DS-Sync's step).
@@ -163,78 +153,3 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
         per_flow = 2 * (len(g) - 1) / len(g) * payload_bytes / phases / flows
         step += [(g[i], g[(i + 1) % len(g)], per_flow) for i in range(len(g)) for _ in range(flows)]
     return [list(step) for _ in range(phases)]
-
-
-def ds_sync_steps(profile: ClusterProfile, payload_bytes: float, streams: int = 1) -> list[list[Phase]]:
-    """DS-Sync on ``profile``: the phases of every step of one period of its group pattern
-    (racks and bottlenecks as the strategy derives them from the profile), pairs swapping
-    over ``streams`` connections per direction."""
-    from syncplane.cluster.probe import from_profile
-    from syncplane.comm.group_pattern import build_pattern
-
-    topo = from_profile(profile)
-    pattern = build_pattern(topo.racks, *topo.bottlenecks())
-    return [concurrent_group_allreduces(groups, payload_bytes, streams) for groups in pattern.iterations]
-
-
-def one_peer_steps(profile: ClusterProfile, payload_bytes: float) -> list[list[Phase]]:
-    """ATC/AWC's dynamic one-peer exponential schedule: step t, rank r sends to r + 2^t."""
-    from syncplane.comm.schedule import OnePeerSchedule
-
-    schedule = OnePeerSchedule(profile.world_size)
-    return [neighbor_exchange({r: list(schedule.plan(t, r).dst_weights) for r in range(profile.world_size)},
-                              payload_bytes) for t in range(schedule.period)]
-
-
-def rack_machines(profile: ClusterProfile) -> list[list[int]]:
-    """The ranks of each rack: the "machines" of H-ATC/H-AWC when they group by rack."""
-    return [[r for h in profile.hosts if h.rack == k for r in h.ranks] for k in range(len(profile.racks))]
-
-
-def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float) -> list[list[Phase]]:
-    """H-ATC/H-AWC with racks as machines (``hierarchical_neighbor_allreduce``'s data path):
-    a reduce-scatter inside every rack (half a ring all-reduce), local rank ℓ of each rack
-    exchanging its 1/L shard with local rank ℓ of the neighbour rack (one-peer schedule over
-    racks), then an all-gather inside the rack (the other half). Buckets are pipelined, so
-    the three phases overlap: one step is modelled as a single phase carrying all their
-    flows (each link's total load at its rate; one latency)."""
-    from syncplane.comm.schedule import OnePeerSchedule
-
-    machines = rack_machines(profile)
-    schedule = OnePeerSchedule(len(machines))
-    half_ring = [flow for phase in concurrent_group_allreduces(machines, payload_bytes / 2) for flow in phase]
-    steps = []
-    for t in range(schedule.period):
-        shards = [(src, machines[k][i], payload_bytes / len(m))
-                  for mi, m in enumerate(machines) for i, src in enumerate(m)
-                  for k in schedule.plan(t, mi).dst_weights]
-        steps.append([half_ring + shards + half_ring])
-    return steps
-
-
-#: Strategies whose pattern depends on the racks, not only the world size: (profile, payload)
-#: -> the phases of each step of one period; a step costs the period's mean.
-TOPOLOGY_PATTERNS: dict[str, Callable[..., list[list[Phase]]]] = {
-    "ds_sync": ds_sync_steps,
-    "atc": one_peer_steps,
-    "awc": one_peer_steps,
-    "h_atc": hierarchical_one_peer_steps,
-    "h_awc": hierarchical_one_peer_steps,
-}
-
-
-def strategy_time(model: CostModel, strategy: str, payload_bytes: float, period: int = 4,
-                  streams: int = 1) -> tuple[float, float]:
-    """(predicted seconds, bound seconds) of one step's sync of ``strategy`` (amortized
-    over ``period`` steps for periodic ones); ``streams``: parallel connections of the
-    strategies in ``MULTI_STREAM`` (DiLoCo's shards, DS-Sync's pair streams)."""
-    extra = (streams,) if strategy in MULTI_STREAM else ()
-    if strategy in TOPOLOGY_PATTERNS:
-        steps = TOPOLOGY_PATTERNS[strategy](model.profile, payload_bytes, *extra)
-        return (sum(model.time(p) for p in steps) / len(steps), sum(model.bound(p) for p in steps) / len(steps))
-    if strategy not in PATTERNS:
-        raise KeyError(f"no cost pattern for strategy {strategy!r} yet; modelled: "
-                       f"{', '.join([*PATTERNS, *TOPOLOGY_PATTERNS])}")
-    phases = PATTERNS[strategy](model.profile.world_size, payload_bytes, *extra)
-    share = 1.0 / period if strategy in PERIODIC else 1.0
-    return model.time(phases) * share, model.bound(phases) * share

@@ -23,7 +23,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,33 +296,8 @@ def resolve_topology(source: str = "auto", probe_bytes: int = 2**20, refresh: bo
     return from_profile(load_profile(name), world)
 
 
-def reprober(topo: Topology, nbytes: int = 2**20, slow_factor: float = 0.5) -> Callable[[], Any]:
-    """DS-Sync's re-measurement under contention: probe every pair again (racks and hosts
-    stay as detected) and report the bandwidth with the bottlenecks it shows now."""
-    def run() -> tuple[np.ndarray, list[int], list[int]]:
-        bw, lat = measure_rounds(round_robin_rounds(dist.get_world_size()), nbytes)
-        np.fill_diagonal(bw, np.inf)
-        now = Topology(racks=topo.racks, hosts=topo.hosts, bandwidth=bw, latency=lat, source="re-probe")
-        slow_ranks, slow_racks = now.bottlenecks(slow_factor)
-        return bw, slow_ranks, slow_racks
-
-    return run
-
-
-def ds_sync_for(topo: Topology, *, adjust_every: int = 0, imbalance: float = 1.5, slow_factor: float = 0.5,
-                probe_bytes: int = 2**20, pair_streams: int | str = "auto") -> Any:
-    """Collective: the DS-Sync runtime for ``topo`` (pattern from its racks and bottlenecks;
-    pairs swap over ``pair_streams`` connections per direction, or ``"auto"``: timed)."""
-    from syncplane.comm.ds_sync import DSSync
-
-    slow_ranks, slow_racks = topo.bottlenecks(slow_factor)
-    return DSSync(topo.racks, topo.bandwidth, slow_ranks, slow_racks, adjust_every=adjust_every,
-                  imbalance=imbalance, reprobe=reprober(topo, probe_bytes, slow_factor),
-                  pair_streams=pair_streams)
-
-
-def print_table(topo: Topology, slow_factor: float = 0.5) -> None:
-    """What was found, as a table (one row per host)."""
+def print_table(topo: Topology, slow_factor: float = 0.5, file: Any = None) -> None:
+    """What was found, as a table (one row per host), on ``file`` (default: stdout)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -344,7 +319,16 @@ def print_table(topo: Topology, slow_factor: float = 0.5) -> None:
                     (["slow uplink"] if k in slow_racks else [])
             table.add_row(str(k), str(h), ",".join(map(str, ranks)), mbit(nic[ranks[0]]), mbit(uplink[k]),
                           ", ".join(flags) or "-")
-    Console(width=110).print(table)
+    Console(width=110, file=file).print(table)
+
+
+def table_text(topo: Topology, slow_factor: float = 0.5) -> str:
+    """``print_table``'s table as text, for a log."""
+    import io
+
+    out = io.StringIO()
+    print_table(topo, slow_factor, file=out)
+    return out.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:

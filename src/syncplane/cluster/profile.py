@@ -1,4 +1,4 @@
-"""Cluster profiles (design.md §5): racks of hosts, link rates, background flows.
+"""Cluster profiles (the format: README, "Which strategy is fastest on *my* network?"): racks of hosts, link rates, background flows.
 
 A rack is one switch; racks meet at one core switch through their uplinks. Ranks are
 numbered rack by rack, host by host; processes on one host share its network

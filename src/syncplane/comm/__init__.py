@@ -1,6 +1,9 @@
 """syncplane.comm: collective primitives on torch.distributed (no Lightning here).
 
-BlueFog-compatible API (design.md §4)::
+Transport only: what moves tensors between ranks, never an algorithm's policy (schedules,
+patterns, outer optimizers and tuners live in ``syncplane.algorithms``).
+
+BlueFog-compatible API (BlueFog, arXiv 2111.04287; ``docs/comm.md``)::
 
     import syncplane.comm as sc
     sc.set_topology(sc.topology.ExponentialTwoGraph(n))
@@ -38,7 +41,6 @@ from syncplane.comm.neighbor import (
     neighbor_allreduce_nonblocking,
     neighbor_allreduce_tensors,
 )
-from syncplane.comm.outer import OuterOptimizer
 from syncplane.comm.p2p import Handle
 from syncplane.comm.sharded import ShardedAllReduce, shard_bounds
 from syncplane.comm.window import (
@@ -61,6 +63,6 @@ __all__ = [
     "push_sum_average", "ring_allreduce_bytes", "set_machine_topology", "set_topology", "topology",
     "win_accumulate", "win_create", "win_free", "win_get", "win_mutex", "win_put", "win_update",
     "win_update_then_collect", "window",
-    # DiLoCo's pieces: codecs, the CPU outer optimizer, the sharded multi-stream all-reduce
-    "ErrorFeedback", "Fp32", "Int8Blockwise", "OuterOptimizer", "ShardedAllReduce", "make_codec", "shard_bounds",
+    # codecs and the sharded multi-stream all-reduce (DiLoCo's transport)
+    "ErrorFeedback", "Fp32", "Int8Blockwise", "ShardedAllReduce", "make_codec", "shard_bounds",
 ]

@@ -7,13 +7,15 @@ process-group API directly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 
 from syncplane.comm.buckets import Bucket
+from syncplane.comm.host_mirror import HostMirror
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
 
 
@@ -54,10 +56,39 @@ def mean_and_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
     n = world_size(group)
     if n == 1 or not tensors:
         return 0.0
-    local = torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+    host = HostMirror(tensors, dtype=torch.float64)
+    host.to_host(tensors)
+    local = host.buffer
     mean = local.clone()
     dist.all_reduce(mean, group=group)
     mean /= n
     ratio = torch.tensor([(local - mean).norm().item() / max(mean.norm().item(), 1e-30)], dtype=torch.float64)
     dist.all_reduce(ratio, group=group)
     return float(ratio.item() / n)
+
+
+def gather_to_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Collective: rank 0 gets every rank's ``obj`` (picklable; tensors travel on the CPU),
+    the others None. How per-rank state (replicas, EMAs, residuals) reaches a checkpoint
+    that rank 0 alone writes."""
+    gathered: list[Any] | None = [None] * world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, gathered, group=group, group_dst=0)
+    return gathered
+
+
+def rank0_decides(measurement: torch.Tensor, decide: Callable[[torch.Tensor], Sequence[float]], size: int,
+                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Collective: every rank measures, rank 0 decides, every rank adopts the decision.
+
+    ``measurement`` (same shape on every rank) is gathered; rank 0 calls ``decide`` on the
+    stacked measurements (one row per rank) and broadcasts its ``size`` numbers (float64).
+    Deciding on one rank, not on each from the same gathered data, is what guarantees that
+    every rank switches at the same step to the same choice.
+    """
+    gathered = [torch.zeros_like(measurement) for _ in range(world_size(group))]
+    dist.all_gather(gathered, measurement, group=group)
+    decision = torch.zeros(size, dtype=torch.float64)
+    if dist.get_rank(group) == 0:
+        decision.copy_(torch.as_tensor(decide(torch.stack(gathered)), dtype=torch.float64))
+    dist.broadcast(decision, group=group, group_src=0)
+    return decision

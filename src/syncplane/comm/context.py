@@ -9,6 +9,7 @@ creates the intra-machine process groups (a collective: call it on every rank).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -40,15 +41,23 @@ class _State:
     machines: MachineLayout | None = None
 
 
-_states: dict[int, _State] = {}
-
-
-def _key(group: Group) -> int:
-    return 0 if group is None else id(group)
+#: Keyed by the group object itself (None: the default group). An ``id()`` key could be
+#: reused by a new group after the old one is garbage-collected and inherit its topology.
+_states: dict[Group, _State] = {}
+_background: ThreadPoolExecutor | None = None
 
 
 def state(group: Group = None) -> _State:
-    return _states.setdefault(_key(group), _State())
+    return _states.setdefault(group, _State())
+
+
+def background_executor() -> ThreadPoolExecutor:
+    """The one worker thread that runs chained non-blocking operations (hierarchical
+    pipelines) in launch order -- the same order on every rank. Shut down by ``reset``."""
+    global _background
+    if _background is None:
+        _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncplane-comm")
+    return _background
 
 
 def rank(group: Group = None) -> int:
@@ -104,30 +113,6 @@ def local_size_from_env() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-MACHINE_KINDS = ("host", "rack")
-
-
-def machine_size(kind: str = "host") -> int:
-    """Processes per "machine" for hierarchical operations.
-
-    ``host``: the processes started per host (``LOCAL_WORLD_SIZE``). ``rack``: the ranks of
-    one rack of the cluster the job runs on (the launcher's profile, else a bandwidth
-    probe -- a collective); racks must be equal-sized and hold consecutive ranks.
-    """
-    if kind == "host":
-        return local_size_from_env()
-    if kind != "rack":
-        raise ValueError(f"unknown machine kind {kind!r}; allowed values: {', '.join(MACHINE_KINDS)}")
-    from syncplane.cluster.probe import resolve_topology
-
-    racks = resolve_topology("auto").racks
-    size = len(racks[0])
-    expected = [list(range(k * size, (k + 1) * size)) for k in range(len(racks))]
-    if [sorted(r) for r in racks] != expected:
-        raise ValueError(f"machines=rack needs equal-sized racks of consecutive ranks, got racks {racks}")
-    return size
-
-
 def set_machine_topology(graph: nx.DiGraph | None = None, local_size: int | None = None,
                          group: Group = None) -> None:
     """Machine-level graph for hierarchical operations. Collective: creates one process
@@ -160,5 +145,10 @@ def machine_layout() -> MachineLayout:
 
 
 def reset() -> None:
-    """Forget every topology (tests, or after destroying process groups)."""
+    """Forget every topology and stop the background worker after its queued work (tests,
+    or after destroying process groups)."""
+    global _background
     _states.clear()
+    if _background is not None:
+        _background.shutdown(wait=True)
+        _background = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -140,9 +140,6 @@ def _machine_plan(layout: context.MachineLayout, machine: int, self_weight: floa
     return float(self_weight), {int(j): float(w) for j, w in src.items()}, topology.as_destinations(dst), True
 
 
-_background: ThreadPoolExecutor | None = None
-
-
 def hierarchical_neighbor_allreduce_nonblocking(
     tensors: Sequence[torch.Tensor], self_weight: float | None = None,
     src_machine_weights: Mapping[int, float] | None = None,
@@ -159,9 +156,6 @@ def hierarchical_neighbor_allreduce_nonblocking(
     modified until their handles' ``wait()`` returns. Keep the topology check off on hot
     paths: it is a collective on the default group and could interleave with the caller's.
     """
-    global _background
-    if _background is None:
-        _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncplane-hierarchical")
     futures: list[Future[torch.Tensor]] = [Future() for _ in tensors]
 
     def run() -> None:
@@ -174,5 +168,5 @@ def hierarchical_neighbor_allreduce_nonblocking(
                 if not future.done():
                     future.set_exception(exc)
 
-    _background.submit(run)
+    context.background_executor().submit(run)
     return [Handle(_finish=future.result) for future in futures]

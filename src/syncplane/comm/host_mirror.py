@@ -18,9 +18,11 @@ import torch
 
 
 class HostMirror:
-    """``buffer = [t₀ | t₁ | …]`` flattened, fp32, on the host; ``spans[i]`` is tensor i's range."""
+    """``buffer = [t₀ | t₁ | …]`` flattened, fp32 (or ``dtype``), on the host; ``spans[i]`` is
+    tensor i's range. The one host-side flattening of a model (DiLoCo's outer state, the
+    float64 consensus distance); device-side fusion is ``Bucket`` (same dtype, kernels)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
         if not tensors:
             raise ValueError("HostMirror needs at least one tensor")
         self.spans: list[tuple[int, int]] = []
@@ -31,7 +33,7 @@ class HostMirror:
         device = tensors[0].device
         self.on_gpu = device.type == "cuda"
         self._stream = torch.cuda.Stream(device=device) if self.on_gpu else None
-        self.buffer = torch.empty(offset, dtype=torch.float32, pin_memory=self.on_gpu)
+        self.buffer = torch.empty(offset, dtype=dtype, pin_memory=self.on_gpu)
 
     def check_cuts(self, tensors: Sequence[torch.Tensor], cuts: Sequence[int]) -> None:
         """Copying a slice that cuts a tensor needs a flat view of it: refuse a cut through a

@@ -7,7 +7,7 @@ each travelling on its own gloo process group (own connections, own I/O thread),
 group s is bound to NIC ``s mod k`` of the host's k NICs (``GLOO_SOCKET_IFNAME`` lists
 them, comma-separated). The groups are built once, up front, from the default group's
 store (``dist.ProcessGroupGloo(PrefixStore(...), rank, size, options)``: the
-documented way to give a gloo group its own device, design.md §8).
+documented way to give a gloo group its own device; measured in ``docs/comm.md``).
 
 The algorithm, per shard: every shard is split into n owner segments; each rank sends
 segment j to rank j (reduce-scatter), the owner sums the n contributions **in rank
@@ -169,22 +169,18 @@ class ShardedAllReduce:
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's error-feedback residuals (empty for exact fp32), gathered on rank 0:
-        they differ per rank and a checkpoint is written by rank 0 alone. Collective for
-        lossy codecs (call it on every rank, as Lightning's ``save_checkpoint`` does)."""
+        """This rank's error-feedback residuals (empty for exact fp32). They differ per rank:
+        a strategy saves them as per-rank state (``SyncplaneStrategy.rank_state_dict``),
+        which the checkpoint gathers from every rank. Not a collective."""
         if isinstance(self.codec, Fp32) or self._feedback is None:
             return {}
-        mine = torch.stack([f.residual for f in self._feedback])
-        gathered = [torch.empty_like(mine) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(mine, gathered, dst=0)
-        return {"residuals": gathered} if gathered is not None else {}
+        return {"residuals": torch.stack([f.residual for f in self._feedback])}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Take back this rank's residuals; on another world size start from none."""
-        residuals = state.get("residuals")
-        if not residuals or len(residuals) != self.size:
+        """Take back this rank's residuals (what ``state_dict`` returned on this rank)."""
+        mine = state.get("residuals")
+        if mine is None:
             return
-        mine = residuals[self.rank]
         for feedback, saved in zip(self._error_feedback(mine.shape[1]), mine):
             feedback.restore(saved)
 

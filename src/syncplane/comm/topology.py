@@ -1,6 +1,6 @@
 """Communication graphs over ranks (networkx ``DiGraph``), their weights and checks.
 
-Convention (design.md §4, BlueFog's): an edge ``j → i`` with attribute ``weight`` is the
+Convention (BlueFog's; ``docs/comm.md``): an edge ``j → i`` with attribute ``weight`` is the
 weight rank *i* applies to the tensor it receives from *j*; the self-loop ``i → i`` is
 ``w_ii``. With ``A = nx.to_numpy_array(G)``, a static ``neighbor_allreduce`` computes
 ``y_i = Σ_j A[j, i] x_j`` -- i.e. ``Y = Aᵀ X``. Averaging needs every *column* of ``A``

@@ -33,6 +33,7 @@ from torch.distributed import rpc
 
 from syncplane.comm import context, topology
 from syncplane.comm.errors import TopologyError
+from syncplane.net import free_port
 
 LOCK_TIMEOUT_S = 60.0
 
@@ -55,8 +56,6 @@ def _worker(rank: int) -> str:
 def _ensure_rpc() -> None:
     if rpc.api._is_current_rpc_agent_set():
         return
-    from syncplane.launcher import free_port
-
     if "GLOO_SOCKET_IFNAME" in os.environ:
         os.environ.setdefault("TP_SOCKET_IFNAME", os.environ["GLOO_SOCKET_IFNAME"])
     address = os.environ.get("MASTER_ADDR", "127.0.0.1")

@@ -8,6 +8,7 @@ launching processes of its own. The same worker runs unchanged under ``torchrun`
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -47,6 +48,18 @@ def make_loggers(spec: JobSpec) -> list[Any]:
     return loggers
 
 
+def configure_logging(rank: int) -> None:
+    """syncplane's loggers (strategies, algorithms) to stdout: INFO on rank 0, warnings on
+    the others -- what a strategy found at setup (DS-Sync's topology table, the pair-stream
+    choice) is shown once, in the rank's log."""
+    logger = logging.getLogger("syncplane")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
 def run(spec: JobSpec) -> dict[str, Any] | None:
     """Train ``spec`` as this rank; returns the run summary (every rank has it)."""
     import torch
@@ -60,6 +73,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     from syncplane.training.report import RunReport
 
     world_size = int(os.environ["WORLD_SIZE"])
+    configure_logging(int(os.environ.get("RANK", "0")))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     # an emulated cluster runs every rank on this one machine
     torch.set_num_threads(_threads_per_rank(spec, world_size if spec.cluster else local_world_size))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from syncplane.comm.collectives import rank0_decides
 from syncplane.comm.groups import GroupSet
 
 #: Most connections per direction a pair may use.
@@ -103,19 +104,21 @@ class PairStreamTuner:
     def _decide(self, step: int) -> None:
         """Collective: per position in the period (the same pairs), the slowest pair's time
         with one stream and with K; rank 0 compares them and broadcasts the count."""
-        mine = torch.tensor(self.times, dtype=torch.float64)
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        slowest = torch.stack(gathered).nan_to_num(nan=-1.0).amax(0).tolist()   # per sync; -1: no pair
         p = self.period
-        matched = [(slowest[p + k], slowest[2 * p + k]) for k in range(p) if min(slowest[p + k], slowest[2 * p + k]) >= 0]
-        one, many = [a for a, _ in matched], [b for _, b in matched]
-        choice = torch.tensor([choose_pair_streams(one, many, self.groups.max_pair_streams)])
-        dist.broadcast(choice, 0)                 # every rank computed the same; rank 0's is the rule
+
+        def faster(gathered: torch.Tensor) -> list[float]:
+            slowest = gathered.nan_to_num(nan=-1.0).amax(0).tolist()   # per sync; -1: no pair
+            matched = [(slowest[p + k], slowest[2 * p + k]) for k in range(p)
+                       if min(slowest[p + k], slowest[2 * p + k]) >= 0]
+            one, many = [a for a, _ in matched], [b for _, b in matched]
+            kept = choose_pair_streams(one, many, self.groups.max_pair_streams)
+            return [kept, statistics.median(one) if one else -1.0, statistics.median(many) if many else -1.0]
+
+        choice = rank0_decides(torch.tensor(self.times, dtype=torch.float64), faster, 3)
         self.groups.pair_streams = int(choice[0])
         self.trial_from, self.times = None, []
-        if one and many:
-            self.decisions.append((step, statistics.median(one), statistics.median(many), int(choice[0])))
+        if choice[1] >= 0 and choice[2] >= 0:
+            self.decisions.append((step, float(choice[1]), float(choice[2]), int(choice[0])))
         if dist.get_rank() == 0:
             log.info(self.describe())
 

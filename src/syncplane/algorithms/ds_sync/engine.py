@@ -28,10 +28,12 @@ import torch
 import torch.distributed as dist
 
 from syncplane.comm.buckets import Bucket
-from syncplane.comm.group_pattern import Candidates, GroupPattern, candidate_patterns, ring_time_s
+from syncplane.comm.collectives import rank0_decides
+from syncplane.algorithms.ds_sync.config import DSSyncConfig
+from syncplane.algorithms.ds_sync.pattern import Candidates, GroupPattern, candidate_patterns, ring_time_s
 from syncplane.comm.groups import GroupSet
 from syncplane.comm.meter import CommMeter
-from syncplane.comm.pair_streams import PairStreams, PairStreamTuner, connections
+from syncplane.algorithms.ds_sync.pair_streams import PairStreams, PairStreamTuner, connections
 
 #: Re-measures the pairwise bandwidth (a collective); returns (bandwidth n×n, slow ranks, slow racks),
 #: the slow lists ordered worst first.
@@ -79,10 +81,7 @@ class DSSync:
     def __init__(self, racks: Sequence[Sequence[int]], bandwidth: np.ndarray, slow_ranks: Sequence[int] = (),
                  slow_racks: Sequence[int] = (), *, adjust_every: int = 0, imbalance: float = 1.5,
                  reprobe: Reprobe | None = None, pair_streams: PairStreams = "auto") -> None:
-        if adjust_every < 0:
-            raise ValueError(f"adjust_every must be >= 0 (0 = never adjust), got {adjust_every}")
-        if imbalance <= 1.0:
-            raise ValueError(f"imbalance must be > 1, got {imbalance}")
+        DSSyncConfig(adjust_every=adjust_every, imbalance=imbalance, pair_streams=pair_streams)   # validates
         world = dist.get_world_size()
         size = sum(len(r) for r in racks)
         if size != world:
@@ -123,28 +122,26 @@ class DSSync:
             self._adjust(sum(b.nbytes for b in buckets))
 
     def _adjust(self, payload_bytes: float) -> None:
+        """Every ``adjust_every`` steps: did a splittable group lag in most of the window?
+        If so, probe again and adopt the candidate pattern that splits the new bottleneck."""
         times = torch.tensor(self._window, dtype=torch.float64)
         self._window = []
-        gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, times)
         first = self.step - len(times)
-        decision = torch.zeros(2, dtype=torch.float64)
-        if self.rank == 0:
-            flagged, q = flagged_steps(torch.stack(gathered, 1).numpy(), self.pattern, first, self.bandwidth,
+
+        def lagging(gathered: torch.Tensor) -> tuple[float, float]:
+            flagged, q = flagged_steps(gathered.T.numpy(), self.pattern, first, self.bandwidth,
                                        payload_bytes, self.imbalance, self.q_ref)
-            decision[0] = float(flagged * 2 >= len(times) and self.reprobe is not None)
-            decision[1] = q
-        dist.broadcast(decision, 0)
+            return float(flagged * 2 >= len(times) and self.reprobe is not None), q
+
+        decision = rank0_decides(times, lagging, 2)
         if self.q_ref is None:
             self.q_ref = float(decision[1])
         if not decision[0]:
             return
         assert self.reprobe is not None
         self.bandwidth, slow_ranks, slow_racks = self.reprobe()          # collective, same on every rank
-        choice = torch.zeros(1, dtype=torch.int64)
-        if self.rank == 0:
-            choice[0] = choose_candidate(self.candidates, slow_ranks, slow_racks)
-        dist.broadcast(choice, 0)
+        choice = rank0_decides(torch.zeros(1), lambda _: [choose_candidate(self.candidates, slow_ranks, slow_racks)],
+                               1)
         self.current = int(choice[0])
         self.q_ref = None
         self.adjustments.append((self.step, self.candidates.keys[self.current]))

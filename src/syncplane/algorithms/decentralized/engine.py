@@ -27,7 +27,7 @@ from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce_nonblock
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.neighbor import neighbor_allreduce_nonblocking
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
-from syncplane.comm.schedule import Schedule
+from syncplane.algorithms.decentralized.schedule import Schedule
 
 
 #: Default bucket for neighbour averaging. Smaller than DDP's 25 MB on purpose: buckets are

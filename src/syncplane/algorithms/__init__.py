@@ -1,0 +1,69 @@
+"""The algorithms, one package per family, each declared once (``AlgorithmSpec``).
+
+Layering: ``syncplane.strategies`` (Lightning glue) → ``syncplane.algorithms`` (the engines,
+Lightning-free) → ``syncplane.comm`` (transport) → ``syncplane.kernels``; algorithms may read
+``syncplane.cluster`` (profiles, probe, cost model), never the reverse. Held by the
+import-linter contracts in ``pyproject.toml``.
+
+This module is the catalogue every tool reads: the registry and ``syncplane info``
+(names, descriptions), ``syncplane bench`` (steps, overlap windows) and ``syncplane
+simulate`` (cost patterns).
+"""
+
+from __future__ import annotations
+
+from syncplane.algorithms import ddp, decentralized, diloco, ds_sync, peers
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.cluster.cost import CostModel
+
+#: Every family, baseline first; peers (from other projects) last.
+SPECS: tuple[AlgorithmSpec, ...] = (ddp.SPEC, decentralized.SPEC, ds_sync.SPEC, diloco.SPEC, peers.SPEC)
+
+#: Names the product promises (``docs/architecture.md``) whose package has not landed yet.
+PLANNED: dict[str, str] = {
+    "flexreduce": "FlexReduce: uneven hierarchical all-reduce for asymmetric clusters",
+    "canary": "Canary: 8-bit gradient sketch with piece-level exchange over several NICs",
+}
+
+_BY_NAME: dict[str, AlgorithmSpec] = {name: spec for spec in SPECS for name in spec.strategies}
+
+
+def spec_for(name: str) -> AlgorithmSpec:
+    """The family that implements ``name`` (a strategy or a peer)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        state = "is planned but not implemented yet" if name in PLANNED else "is unknown"
+        raise KeyError(f"{name!r} {state}; implemented: {', '.join(_BY_NAME)}") from None
+
+
+def strategy_names() -> list[str]:
+    """Every implemented strategy name (peers excluded), baseline first."""
+    return [name for spec in SPECS if not spec.peer for name in spec.strategies]
+
+
+def peer_names() -> list[str]:
+    return [name for spec in SPECS if spec.peer for name in spec.strategies]
+
+
+def all_names() -> list[str]:
+    """What ``syncplane bench`` accepts: implemented and planned strategies, then peers."""
+    return [*strategy_names(), *PLANNED, *peer_names()]
+
+
+def description(name: str) -> str:
+    return spec_for(name).strategies[name]
+
+
+def strategy_time(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()
+                  ) -> tuple[float, float]:
+    """(predicted seconds, bound seconds) of one step's sync of ``name`` on ``model``'s cluster:
+    the mean over one period of its pattern (so periodic algorithms are amortized)."""
+    steps = spec_for(name).cost(name, model.profile, payload_bytes, options)
+    if not steps:
+        return 0.0, 0.0
+    return (sum(model.time(p) for p in steps) / len(steps), sum(model.bound(p) for p in steps) / len(steps))
+
+
+__all__ = ["PLANNED", "SPECS", "AlgorithmSpec", "CostOptions", "all_names", "description", "peer_names",
+           "spec_for", "strategy_names", "strategy_time"]

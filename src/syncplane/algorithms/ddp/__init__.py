@@ -1,0 +1,33 @@
+"""DDP, the baseline: the gradient all-reduce of torch's ``DistributedDataParallel``.
+
+The strategy is Lightning's own ``DDPStrategy`` (nothing of ours runs in training); this
+package declares what the bench times for it (a bucketed ring all-reduce) and its cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from syncplane.algorithms.ddp.bench import DDPStep
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.cluster.cost import Phase, ring_allreduce
+from syncplane.cluster.profile import ClusterProfile
+
+
+def ddp_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
+    """One ring all-reduce of the payload per step."""
+    return [ring_allreduce(profile.world_size, payload_bytes)]
+
+
+def _step(name: str, options: Mapping[str, Any]) -> DDPStep:
+    return DDPStep()
+
+
+SPEC = AlgorithmSpec(
+    family="ddp",
+    strategies={"ddp": "Lightning's DDPStrategy: gradient all-reduce every step (the baseline)"},
+    bench_step=_step,
+    cost=ddp_cost,
+    overlap={"ddp": "backward"},   # generous to DDP: all of its buckets from the backward's start
+)

@@ -1,0 +1,49 @@
+"""Decentralized neighbour averaging (BlueFog §V): ATC, AWC and their hierarchical forms.
+
+Files: ``schedule.py`` (static and one-peer mixing schedules, by formula), ``engine.py``
+(``NeighborAverager``: fused buckets mixed without blocking), ``machines.py`` (what a
+machine is for H-ATC/H-AWC), ``config.py`` (the validated settings), ``cost.py`` (α-β
+patterns), ``bench.py`` (the bench step). Glue: ``strategies/decentralized.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from syncplane.algorithms.decentralized.bench import NeighborAveragingStep
+from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps, one_peer_steps
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.cluster.cost import Phase
+from syncplane.cluster.profile import ClusterProfile
+
+
+def _hierarchical(name: str) -> bool:
+    return name.startswith("h_")
+
+
+def decentralized_cost(name: str, profile: ClusterProfile, payload_bytes: float,
+                       options: CostOptions) -> list[list[Phase]]:
+    """One period of the one-peer schedule, over ranks or (``h_*``) over racks."""
+    pattern = hierarchical_one_peer_steps if _hierarchical(name) else one_peer_steps
+    return pattern(profile, payload_bytes, options)
+
+
+def _step(name: str, options: Mapping[str, Any]) -> NeighborAveragingStep:
+    return NeighborAveragingStep(options, hierarchical=_hierarchical(name))
+
+
+SPEC = AlgorithmSpec(
+    family="decentralized",
+    strategies={
+        "atc": "decentralized adapt-then-combine: local step, then neighbour averaging (overlapped)",
+        "awc": "decentralized adapt-while-combine: neighbour averaging overlapped with forward+backward",
+        "h_atc": "hierarchical ATC: average inside each machine, neighbour averaging across machines",
+        "h_awc": "hierarchical AWC: machine-level neighbour averaging overlapped with forward+backward",
+    },
+    bench_step=_step,
+    cost=decentralized_cost,
+    # ATC's exchange runs behind the next forward (each module waits for its own buckets),
+    # AWC's behind forward and backward (combined before the update).
+    overlap={"atc": "forward", "h_atc": "forward", "awc": "step", "h_awc": "step"},
+)

@@ -1,0 +1,54 @@
+"""The decentralized strategies' settings, validated once at construction (a bad value
+fails before the first step, naming the key and what it accepts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from syncplane.algorithms.decentralized.machines import MACHINE_KINDS
+from syncplane.algorithms.decentralized.schedule import SCHEDULES
+
+#: Graph builders a config may name (``topology: RingGraph``); all take the size first.
+TOPOLOGIES = ("ExponentialTwoGraph", "ExponentialGraph", "SymmetricExponentialGraph", "RingGraph",
+              "MeshGrid2DGraph", "StarGraph", "FullyConnectedGraph")
+
+
+@dataclass(frozen=True)
+class DecentralizedConfig:
+    """Args:
+        topology: graph builder from ``syncplane.comm.topology`` (over machines for the
+            hierarchical forms), used by ``schedule: static``.
+        topology_kwargs: extra builder arguments (e.g. ``{connect_style: 1}``).
+        schedule: ``one_peer`` (dynamic one-peer exponential, BlueFog's training
+            default: one payload per rank per step) or ``static`` (the graph every step).
+        global_every: an exact global average every K steps (0 = never).
+        machines: what a machine is for the hierarchical forms: ``host`` (the processes
+            started per host) or ``rack`` (a rack of the cluster profile / probe).
+        ranks_per_machine: explicit machine size (overrides ``machines``).
+        check_schedule: verify at setup that every step's senders and receivers agree.
+        timeout_s: how long a neighbour exchange may wait before failing with the ranks named.
+    """
+
+    topology: str = "ExponentialTwoGraph"
+    topology_kwargs: dict[str, Any] = field(default_factory=dict)
+    schedule: str = "one_peer"
+    global_every: int = 0
+    machines: str = "host"
+    ranks_per_machine: int | None = None
+    check_schedule: bool = True
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {self.topology!r}; allowed values: {', '.join(TOPOLOGIES)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; allowed values: {', '.join(SCHEDULES)}")
+        if self.global_every < 0:
+            raise ValueError(f"global_every must be >= 0 (0 = never), got {self.global_every}")
+        if self.machines not in MACHINE_KINDS:
+            raise ValueError(f"unknown machines {self.machines!r}; allowed values: {', '.join(MACHINE_KINDS)}")
+        if self.ranks_per_machine is not None and self.ranks_per_machine < 1:
+            raise ValueError(f"ranks_per_machine must be >= 1, got {self.ranks_per_machine}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")

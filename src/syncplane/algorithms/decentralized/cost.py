@@ -1,0 +1,40 @@
+"""α-β patterns of the decentralized family (``syncplane simulate``, the bench's bound)."""
+
+from __future__ import annotations
+
+from syncplane.algorithms.decentralized.schedule import OnePeerSchedule
+from syncplane.algorithms.spec import CostOptions
+from syncplane.cluster.cost import Phase, concurrent_group_allreduces, neighbor_exchange
+from syncplane.cluster.profile import ClusterProfile
+
+
+def one_peer_steps(profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
+    """ATC/AWC's dynamic one-peer exponential schedule: step t, rank r sends to r + 2^t."""
+    schedule = OnePeerSchedule(profile.world_size)
+    return [neighbor_exchange({r: list(schedule.plan(t, r).dst_weights) for r in range(profile.world_size)},
+                              payload_bytes) for t in range(schedule.period)]
+
+
+def rack_machines(profile: ClusterProfile) -> list[list[int]]:
+    """The ranks of each rack: the "machines" of H-ATC/H-AWC when they group by rack."""
+    return [[r for h in profile.hosts if h.rack == k for r in h.ranks] for k in range(len(profile.racks))]
+
+
+def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
+                                options: CostOptions) -> list[list[Phase]]:
+    """H-ATC/H-AWC with racks as machines (``hierarchical_neighbor_allreduce``'s data path):
+    a reduce-scatter inside every rack (half a ring all-reduce), local rank ℓ of each rack
+    exchanging its 1/L shard with local rank ℓ of the neighbour rack (one-peer schedule over
+    racks), then an all-gather inside the rack (the other half). Buckets are pipelined, so
+    the three phases overlap: one step is modelled as a single phase carrying all their
+    flows (each link's total load at its rate; one latency)."""
+    machines = rack_machines(profile)
+    schedule = OnePeerSchedule(len(machines))
+    half_ring = [flow for phase in concurrent_group_allreduces(machines, payload_bytes / 2) for flow in phase]
+    steps = []
+    for t in range(schedule.period):
+        shards = [(src, machines[k][i], payload_bytes / len(m))
+                  for mi, m in enumerate(machines) for i, src in enumerate(m)
+                  for k in schedule.plan(t, mi).dst_weights]
+        steps.append([half_ring + shards + half_ring])
+    return steps

@@ -1,0 +1,35 @@
+"""DiLoCo's sync on a flat payload, for ``syncplane bench``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from syncplane.algorithms.diloco.outer import OuterOptimizer
+from syncplane.comm import CommMeter, ShardedAllReduce, make_codec
+
+
+class DiLoCoStep:
+    """DiLoCo's sync on the payload (the strategy's own pieces): every ``period`` (= H)
+    steps, Δ = θ_g − θ_local on CPU, its mean over ranks on ``options["shards"]`` concurrent
+    gloo streams (``options["compression"]``: none | int8), an outer step, θ_local ← θ_g;
+    nothing on the other steps. ``period`` makes the worker report the mean per step over
+    whole rounds."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.period = int(options.get("period", 4))
+        self.allreduce = ShardedAllReduce(int(options.get("shards", 1)),
+                                          codec=make_codec(options.get("compression", "none")))
+        self.outer: OuterOptimizer | None = None
+        self.flat = torch.empty(0)
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        if self.outer is None or self.flat.numel() != payload.numel():
+            self.outer, self.flat = OuterOptimizer(payload), torch.empty_like(payload)
+        if (step + 1) % self.period:
+            return
+        self.flat.copy_(payload)
+        if self.outer.round_(self.flat, lambda flat: self.allreduce.allreduce_mean_(flat, meter)):
+            payload.copy_(self.flat)

@@ -1,0 +1,56 @@
+"""DiLoCo's settings, validated once (the strategy builds this at construction, so a bad
+value fails before the first step, naming the key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
+from syncplane.comm import make_codec
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """Args:
+        sync_every: H, inner steps per round.
+        outer_optimizer: class path of the outer torch optimizer.
+        outer_kwargs: its arguments; None = lr 0.7, momentum 0.9, Nesterov (for SGD).
+        shards: S concurrent gloo streams for the exchange (bound to the host's NICs in turn).
+        compression: ``none`` (exact fp32) or ``int8`` (blockwise scale + error feedback).
+        block_size: values per int8 scale.
+        sync_timeout_s: an exchange slower than this is discarded on every rank.
+        fragments: P, Streaming DiLoCo's fragments, each synced at its own offset in the
+            round (1 = plain DiLoCo); at most ``sync_every``. Cut by value count, evenly.
+        overlap_steps: τ, inner steps a fragment's exchange runs in the background before
+            its result is merged (0 = blocking); below ``sync_every // fragments``, so at
+            most one fragment is on the wire at a time.
+        mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
+            overlap (the paper's value) and 0 (overwrite) without, the only value allowed then.
+    """
+
+    sync_every: int = 10
+    outer_optimizer: str = "torch.optim.SGD"
+    outer_kwargs: dict[str, Any] | None = None
+    shards: int = 1
+    compression: Literal["none", "int8"] = "none"
+    block_size: int = 256
+    sync_timeout_s: float = 600.0
+    fragments: int = 1
+    overlap_steps: int = 0
+    mix_alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be at least 1, got {self.sync_every}")
+        if self.shards < 1:
+            raise ValueError(f"shards must be at least 1, got {self.shards}")
+        make_codec(self.compression, self.block_size)   # validates both
+        if self.sync_timeout_s <= 0:
+            raise ValueError(f"sync_timeout_s must be positive, got {self.sync_timeout_s}")
+        self.alpha   # validates the streaming options
+
+    @property
+    def alpha(self) -> float:
+        """The effective merge α (see ``mix_alpha``)."""
+        return streaming_mix_alpha(self.sync_every, self.fragments, self.overlap_steps, self.mix_alpha)

@@ -1,0 +1,32 @@
+"""DS-Sync: divide-and-shuffle group averaging (Wang et al., arXiv:2007.03298).
+
+Files: ``pattern.py`` (intra-rack groups, rotating representatives, slow-member splits:
+the group pattern and its candidates), ``engine.py`` (``DSSync``: schedule position, process
+groups, the contention adjustment), ``pair_streams.py`` (how many TCP connections a pair
+swaps over, chosen by a trial), ``runtime.py`` (the runtime for a detected topology),
+``config.py`` (the validated settings), ``cost.py``, ``bench.py``. Glue: ``strategies/ds_sync.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from syncplane.algorithms.ds_sync.bench import DSSyncStep
+from syncplane.algorithms.ds_sync.cost import ds_sync_steps
+from syncplane.algorithms.ds_sync.pair_streams import connections
+from syncplane.algorithms.spec import AlgorithmSpec
+
+
+def _step(name: str, options: Mapping[str, Any]) -> DSSyncStep:
+    return DSSyncStep(options)
+
+
+SPEC = AlgorithmSpec(
+    family="ds_sync",
+    strategies={"ds_sync": "DS-Sync: concurrent topology-aware group averaging, groups reshuffled every step"},
+    bench_step=_step,
+    cost=ds_sync_steps,
+    # "auto" may pick the most streams: the bound is the best choice's
+    streams=lambda options: connections(options.get("pair_streams", "auto")),
+)

@@ -1,0 +1,74 @@
+"""What an algorithm family declares, once, for every tool that needs to know it.
+
+Before this existed, adding an algorithm meant editing seven parallel tables in four files
+(the registry, the bench's step / overlap / name tables, the cost model's pattern tables).
+Now a family's package (``syncplane.algorithms.<family>``) exports one ``AlgorithmSpec``;
+the Lightning registry (descriptions), ``syncplane bench`` (steps, overlap windows),
+``syncplane simulate`` and the bench's bound (cost patterns) and ``syncplane info`` all read
+it through ``syncplane.algorithms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from syncplane.cluster.cost import Phase
+from syncplane.cluster.profile import ClusterProfile
+from syncplane.comm.meter import CommMeter
+
+
+class SyncStep(Protocol):
+    """One training step's communication on a flat payload (what ``syncplane bench`` times).
+
+    A step that can overlap compute also has ``launch(payload, step, meter)`` and ``wait()``;
+    a periodic one has ``period`` (the worker then reports the mean over whole periods); one
+    that needs a warm-up (a trial) has ``warmup``; ``describe()`` adds a line to the log.
+    """
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None: ...
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """The knobs a cost pattern may depend on besides the cluster and the payload."""
+
+    period: int = 4      # steps per round of a periodic algorithm (DiLoCo's H, torch's averager period)
+    streams: int = 1     # parallel connections (DiLoCo's shards, DS-Sync's pair streams)
+
+
+#: (strategy name, cluster, payload bytes, options) -> the phases of every step of one period
+#: (an idle step is an empty list): a step costs the period's mean.
+CostPattern = Callable[[str, ClusterProfile, float, CostOptions], list[list[Phase]]]
+#: (strategy name, bench options) -> the step the bench times.
+StepFactory = Callable[[str, Mapping[str, Any]], SyncStep]
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One algorithm family (ATC/AWC/H-ATC/H-AWC are one family; so are torch's averagers).
+
+    Attributes:
+        family: the package name under ``syncplane.algorithms``.
+        strategies: every name the family answers to -> a one-line description (the
+            Lightning registry and ``syncplane info`` show it).
+        bench_step: builds the step ``syncplane bench`` times for one of those names.
+        cost: the α-β communication pattern (``syncplane simulate``, the bench's bound).
+        overlap: name -> the part of a training step its sync runs behind
+            (``backward``, ``forward`` or ``step``); absent names block.
+        periodic: communicates once per ``period`` steps (whole rounds are benchmarked).
+        streams: bench options -> the number of parallel connections the pattern assumes.
+        peer: a peer from another project, benchmarked beside ours (no syncplane strategy).
+    """
+
+    family: str
+    strategies: Mapping[str, str]
+    bench_step: StepFactory
+    cost: CostPattern
+    overlap: Mapping[str, str] = field(default_factory=dict)
+    periodic: bool = False
+    streams: Callable[[Mapping[str, Any]], int] = lambda options: 1
+    peer: bool = False

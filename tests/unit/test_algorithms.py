@@ -1,0 +1,49 @@
+"""The algorithm catalogue: one declaration per family, read by every tool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from syncplane import algorithms
+from syncplane.algorithms import CostOptions, strategy_time
+from syncplane.cluster import load_profile
+from syncplane.cluster.cost import CostModel
+from syncplane.strategies import registry
+
+SHIPPED = ["local", "homogeneous8", "two_racks", "two_racks_contended", "slow_nic", "asymmetric_2_3", "multi_nic",
+           "wan_two_sites"]
+
+
+def test_every_strategy_is_declared_once_and_registered():
+    names = [n for spec in algorithms.SPECS for n in spec.strategies]
+    assert len(names) == len(set(names))                        # no name in two families
+    assert sorted(registry.names()) == sorted(algorithms.strategy_names())   # every declared strategy has glue
+    for name in registry.names():
+        assert registry.describe()[name] == algorithms.description(name)
+    assert not set(algorithms.PLANNED) & set(names)
+
+
+def test_an_unknown_or_planned_name_is_a_clear_error():
+    with pytest.raises(KeyError, match="'canary' is planned but not implemented yet"):
+        algorithms.spec_for("canary")
+    with pytest.raises(KeyError, match="'nope' is unknown; implemented: ddp, atc"):
+        algorithms.spec_for("nope")
+
+
+@pytest.mark.parametrize("profile_name", SHIPPED)
+def test_every_strategy_has_a_finite_cost_on_every_shipped_profile(profile_name):
+    model = CostModel(load_profile(profile_name))
+    for name in algorithms.strategy_names() + ["torch_periodic"]:
+        predicted, bound = strategy_time(model, name, 2**24)
+        assert math.isfinite(predicted) and math.isfinite(bound) and 0 <= bound <= predicted, (name, profile_name)
+
+
+def test_periodic_families_are_amortized_over_their_period():
+    model = CostModel(load_profile("homogeneous8"))
+    for name in ("diloco", "torch_periodic"):
+        assert algorithms.spec_for(name).periodic
+        one = strategy_time(model, name, 2**24, CostOptions(period=1))
+        ten = strategy_time(model, name, 2**24, CostOptions(period=10))
+        assert ten == pytest.approx((one[0] / 10, one[1] / 10))

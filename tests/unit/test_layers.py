@@ -1,0 +1,37 @@
+"""The layer contracts hold, there is no import cycle in ``syncplane``, and the check would
+catch a violation (a forbidden import planted in a staged copy makes it fail)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("lint_imports", ROOT / "scripts" / "lint_imports.py")
+lint = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lint)
+
+
+def test_contracts_kept_and_no_cycles():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "lint_imports.py")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 kept, 0 broken" in result.stdout and "no import cycles" in result.stdout
+
+
+@pytest.mark.parametrize(("module", "planted", "expected"), [
+    ("cluster/profile.py", "import syncplane.comm.meter", "cluster imports no comm"),
+    ("comm/meter.py", "import syncplane.algorithms.spec", "strategies -> algorithms -> comm -> kernels BROKEN"),
+    ("comm/errors.py", "import syncplane.comm.meter\nimport syncplane.comm.p2p", "import cycle"),
+])
+def test_a_planted_violation_fails_the_check(tmp_path, capfd, module, planted, expected):
+    staged = lint.stage(tmp_path)
+    target = staged / "syncplane" / module
+    target.write_text(target.read_text() + "\n" + planted + "\n")
+    assert lint.check(staged) == 1
+    out = capfd.readouterr().out
+    assert expected in out
