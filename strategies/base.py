@@ -205,22 +205,42 @@ class SyncplaneStrategy(DDPStrategy):
             distance = mean_and_distance(self.model_tensors())
             module.log("sync/consensus_distance", distance, on_step=True, on_epoch=False)
 
+    def evaluation_tensors(self) -> list[torch.Tensor] | None:
+        """This rank's model to show in validation and checkpoints, before the average over
+        ranks, when it is not the live replica (DS-Sync's EMA ensemble); None: the replica."""
+        return None
+
+    def _shows_another_model(self) -> bool:
+        averaged = self.consensus_eval and not self.replicas_identical and self.world_size > 1
+        return averaged or self.evaluation_tensors() is not None
+
+    def _show_evaluation_model(self) -> None:
+        """Stash this rank's replica; put the evaluation model (the consensus of every rank's
+        ``evaluation_tensors``, or of the replicas) in its place until ``_restore_replica``."""
+        self._stashed_replica = [t.detach().clone() for t in self.model_tensors()]
+        source = self.evaluation_tensors()
+        if source is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_tensors(), source)
+        if self.consensus_eval and not self.replicas_identical and self.world_size > 1:
+            self.average_replicas_()
+
+    def _restore_replica(self) -> None:
+        if self._stashed_replica is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_tensors(), self._stashed_replica)
+            self._stashed_replica = None
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self.finish_pending_sync()
-        if not self.consensus_eval or self.replicas_identical or self.world_size == 1:
-            return
-        self._stashed_replica = [t.detach().clone() for t in self.model_tensors()]
-        self.average_replicas_()
+        if self._shows_another_model():
+            self._show_evaluation_model()
 
     @override
     def on_validation_end(self) -> None:
-        if self._stashed_replica is not None:
-            with torch.no_grad():
-                for live, own in zip(self.model_tensors(), self._stashed_replica):
-                    live.copy_(own)
-            self._stashed_replica = None
+        self._restore_replica()
         super().on_validation_end()
 
     @override
@@ -230,15 +250,16 @@ class SyncplaneStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The evaluation model (the consensus, or DS-Sync's EMA ensemble), not rank 0's
+        replica: Lightning writes checkpoints from rank 0 only. A collective."""
         self.finish_pending_sync()
-        state = super().lightning_module_state_dict()
-        if not self.consensus_eval or self.replicas_identical or self.world_size == 1 \
-                or self._stashed_replica is not None:  # already the consensus (inside validation)
-            return state
-        averaged = {k: v.detach().clone() for k, v in state.items()}
-        floating = [v for v in averaged.values() if v.is_floating_point()]
-        allreduce_mean_(make_buckets(floating, self.bucket_bytes))
-        return averaged
+        if self._stashed_replica is not None or not self._shows_another_model():
+            return super().lightning_module_state_dict()   # inside validation it is shown already
+        self._show_evaluation_model()
+        try:
+            return {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
+        finally:
+            self._restore_replica()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

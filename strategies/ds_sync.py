@@ -14,6 +14,7 @@ Overridden hooks, and why:
 - ``setup_sync``: resolve the topology, build the pattern and create every process
   group it can use (a collective, once).
 - ``after_optimizer_step``: one group average per step, then the EMA update.
+- ``evaluation_tensors``: with ``ema``, validation and checkpoints show the ensemble.
 - ``on_train_end``: with ``ema``, the final model is the global mean of the EMA models.
 - ``sync_state_dict`` / ``load_sync_state_dict``: schedule position, adopted pattern,
   bandwidth estimate; ``rank_state_dict`` / ``load_rank_state_dict``: this rank's EMA
@@ -79,6 +80,12 @@ class DSSyncStrategy(SyncplaneStrategy):
         self.runtime.sync_(self._model_buckets, self.comm_meter)
         if self._ema_model is not None:
             torch._foreach_lerp_(self._ema_model, self.model_tensors(), 1.0 - self.config.ema_decay)
+
+    @override
+    def evaluation_tensors(self) -> list[torch.Tensor] | None:
+        """With ``ema``, validation and checkpoints show the ensemble (the mean of the EMAs),
+        so the last validation, ``last.ckpt`` and the summary hold the model the run delivers."""
+        return self._ema_model
 
     @override
     def on_train_end(self) -> None:

@@ -15,7 +15,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch.nn.parallel import DistributedDataParallel
 
 from syncplane import algorithms
-from syncplane.config import signature_params
+from syncplane.config import ConfigError, signature_params
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 
 S = TypeVar("S", bound=type[Strategy])
@@ -79,6 +79,16 @@ def accepted_params(name: str) -> dict[str, Any]:
 def describe() -> dict[str, str]:
     """Name -> one-line description, for ``syncplane info``."""
     return {name: algorithms.description(name) for name in names()}
+
+
+def validate(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Construct strategy ``name`` once in the launching process: its config dataclass checks
+    every setting there, so a bad value fails before any worker starts (not in every worker
+    after the process group is up), with the message naming the key."""
+    try:
+        strategy_class(name)(**dict(kwargs))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"strategy.kwargs: {exc}") from None
 
 
 def build(name: str, kwargs: Mapping[str, Any], cluster_environment: ClusterEnvironment,

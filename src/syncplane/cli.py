@@ -141,7 +141,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.algorithms import PLANNED, strategy_time
+    from syncplane.algorithms import PLANNED, CostOptions, strategy_time
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -149,14 +149,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.racks or args.hosts_per_rack:
         profile = scaled(profile, args.racks or len(profile.racks), args.hosts_per_rack or len(profile.racks[0].hosts))
     payload = parse_payload(args.payload_mb)
+    if args.period < 1 or args.streams < 1:
+        raise ConfigError(f"--period and --streams must be at least 1, got {args.period} and {args.streams}")
     model = CostModel(profile, alpha_s=args.alpha_ms / 1000)
+    options = CostOptions(period=args.period, streams=args.streams)
     table = Table(title=f"α-β model: {profile.name}, {profile.world_size} ranks, {payload / 2**20:.1f} MB, "
-                        f"α = {args.alpha_ms:g} ms")
+                        f"α = {args.alpha_ms:g} ms, period {args.period}, streams {args.streams}")
     for col in ("strategy", "predicted s", "bound s", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     rows = {}
     for name in parse_strategies(args.strategies):
-        rows[name] = None if name in PLANNED else strategy_time(model, name, payload)
+        rows[name] = None if name in PLANNED else strategy_time(model, name, payload, options)
     ddp = rows.get("ddp")
     for name, value in rows.items():
         if value is None:
@@ -168,6 +171,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": profile.name, "world_size": profile.world_size,
                                                "payload_bytes": payload, "alpha_s": model.alpha_s,
+                                               "period": args.period, "streams": args.streams,
                                                "results": [{"strategy": n, "predicted_s": v[0] if v else None,
                                                             "bound_s": v[1] if v else None}
                                                            for n, v in rows.items()]}, indent=2))
@@ -208,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", required=True, help="where to write the report")
     bench.add_argument("--png", help="chart path (default: next to --json)")
     bench.add_argument("--period", type=int, default=4,
-                       help="steps between syncs of periodic peers (torch_periodic, torch_hierarchical)")
+                       help="steps per round of the periodic algorithms: DiLoCo's H (sync_every) and the "
+                            "period of torch_periodic / torch_hierarchical")
     bench.add_argument("--shards", type=int, default=1,
                        help="diloco: concurrent gloo streams (shards) for the exchange of Δ")
     bench.add_argument("--pair-streams", default="auto",
@@ -226,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--racks", type=int, help="scale the template to this many racks")
     simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")
     simulate.add_argument("--alpha-ms", type=float, default=DEFAULT_ALPHA_S * 1000, help="per-phase latency")
+    simulate.add_argument("--period", type=int, default=4,
+                          help="steps per round of the periodic algorithms (DiLoCo's H, torch_periodic's period); "
+                               "their per-step cost is one round's divided by it")
+    simulate.add_argument("--streams", type=int, default=1,
+                          help="parallel connections of the multi-stream algorithms (DiLoCo's shards, "
+                               "DS-Sync's pair streams)")
     simulate.add_argument("--json", help="also write the predictions here")
     simulate.set_defaults(func=cmd_simulate)
     return parser

@@ -125,7 +125,7 @@ def _recorded_nesterov(rank: int, world: int, tmp_dir: str, late_round: int):
         def outer_sync(self, fragment: int = 0) -> bool:
             local = [t.detach().clone() for t in self.lightning_module.parameters()]
             if len(self.log) == late_round and rank == 1:
-                time.sleep(3 * self.sync_timeout_s)
+                time.sleep(3 * self.config.sync_timeout_s)
             committed = super().outer_sync(fragment)
             self.log.append((local, committed))
             return committed

@@ -36,7 +36,7 @@ def _strategy(profile: str):
 
 def _state(model, strategy):
     return {"params": [p.detach().clone() for p in model.parameters()],
-            "swa": [t.clone() for t in strategy._ema_model], "step": strategy.runtime.step}
+            "ema": [t.clone() for t in strategy._ema_model], "step": strategy.runtime.step}
 
 
 def _resume(rank: int, world: int, tmp_dir: str, profile: str):
@@ -63,21 +63,66 @@ def _resume(rank: int, world: int, tmp_dir: str, profile: str):
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_and_swa_ensemble_is_the_global_mean(tmp_path):
+def test_resume_continues_exactly_and_ema_ensemble_is_the_global_mean(tmp_path):
     profile = tmp_path / "profile.yaml"
     profile.write_text(yaml.safe_dump(PROFILE))
     results = run_distributed(_resume, 4, str(tmp_path), str(profile), timeout=240)
     for straight, resumed, saved_step in results:
         assert saved_step == 3 and straight["step"] == resumed["step"] == 6
-        for a, b in zip(straight["params"] + straight["swa"], resumed["params"] + resumed["swa"]):
+        for a, b in zip(straight["params"] + straight["ema"], resumed["params"] + resumed["ema"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-    # replicas differ in their SWA models; the final model is their mean, on every rank
-    swa = [r[0]["swa"] for r in results]
-    assert any(not torch.equal(a, b) for a, b in zip(swa[0], swa[1]))
+    # replicas differ in their EMA models; the final model is their mean, on every rank
+    ema = [r[0]["ema"] for r in results]
+    assert any(not torch.equal(a, b) for a, b in zip(ema[0], ema[1]))
     for t, final in enumerate(results[0][0]["params"]):
-        torch.testing.assert_close(final, torch.stack([s[t] for s in swa]).mean(0), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(final, torch.stack([s[t] for s in ema]).mean(0), rtol=1e-6, atol=1e-6)
         for straight, _, _ in results:
             torch.testing.assert_close(straight["params"][t], final, rtol=0, atol=0)
+
+
+class _RecordValidatedModel:
+    """Records, at every validation, the parameters the validation sees."""
+
+    def __init__(self) -> None:
+        from lightning.pytorch.callbacks import Callback
+
+        seen = self.seen = []
+
+        class Record(Callback):
+            def on_validation_epoch_start(self, trainer, pl_module):
+                seen.append([p.detach().clone() for p in pl_module.parameters()])
+
+        self.callback = Record()
+
+
+def _ema_delivered(rank: int, world: int, tmp_dir: str, profile: str):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    torch.manual_seed(7)
+    model, strategy, record = TinyRegressor(), _strategy(profile), _RecordValidatedModel()
+    ckpt = ModelCheckpoint(dirpath=f"{tmp_dir}/ckpt", save_last=True, save_top_k=0)
+    trainer_for(strategy, tmp_dir, max_epochs=2, limit_train_batches=3, limit_val_batches=1,
+                enable_checkpointing=True, callbacks=[ckpt, record.callback]).fit(model, RegressionData(seed=rank))
+    return [p.detach().clone() for p in model.parameters()], record.seen
+
+
+def test_the_ema_ensemble_is_what_validation_checkpoint_and_final_model_hold(tmp_path):
+    """With ``ema``, the model the run delivers (the mean of the ranks' EMAs) is the one the
+    last validation scores and ``last.ckpt`` holds -- not the pre-ensemble replicas."""
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(yaml.safe_dump(PROFILE))
+    results = run_distributed(_ema_delivered, 4, str(tmp_path), str(profile), timeout=240)
+    final = results[0][0]
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+    for final_rank, seen in results:
+        for a, b in zip(final, final_rank):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)                 # every rank ends on the ensemble
+        for a, b in zip(final, seen[-1]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)           # the last validation saw it
+    for a, key in zip(final, ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]):
+        torch.testing.assert_close(saved[key], a, rtol=1e-6, atol=1e-7)        # and the checkpoint holds it
 
 
 def _mismatch(rank: int, world: int, tmp_dir: str, profile: str):

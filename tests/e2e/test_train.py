@@ -65,8 +65,25 @@ def test_two_job_multirun_with_wandb_offline(tmp_path):
     (["+strategy.kwargs.bucket_capp=1"], "strategy.kwargs: unknown key(s) bucket_capp; allowed keys:"),
 ])
 def test_bad_config_fails_before_any_worker_starts(tmp_path, overrides, message):
-    result = train(*overrides, f"hydra.run.dir={tmp_path}", timeout=60)
+    result = train(*overrides, f"hydra.run.dir={tmp_path}", timeout=180)
     assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert not (tmp_path / "logs").exists(), "no worker may start on a bad config"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["strategy=diloco", "strategy.kwargs.sync_every=0"], "strategy.kwargs: sync_every must be at least 1, got 0"),
+    (["strategy=diloco", "strategy.kwargs.fragments=20"], "strategy.kwargs: fragments must be between 1 and"),
+    (["strategy=atc", "strategy.kwargs.topology=Torus"], "strategy.kwargs: unknown topology 'Torus'; allowed"),
+    (["strategy=ds_sync", "strategy.kwargs.pair_streams=abc"],
+     "strategy.kwargs: pair_streams must be 'auto' or an integer >= 1, got 'abc'"),
+    (["strategy=ds_sync", "strategy.kwargs.ema_decay=1.5"], "strategy.kwargs: ema_decay must be in [0, 1), got 1.5"),
+])
+def test_every_strategy_setting_is_checked_in_the_launching_process(tmp_path, overrides, message):
+    """A bad strategy setting exits with 2 and names the key before any worker starts (it
+    used to pass the check and fail inside every worker ~20 s later)."""
+    result = train(*overrides, f"hydra.run.dir={tmp_path}", timeout=180)
+    assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr, result.stderr
     assert not (tmp_path / "logs").exists(), "no worker may start on a bad config"
 

@@ -94,6 +94,7 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     if strategy_cfg:
         raise ConfigError(f"strategy: unknown key(s) {', '.join(sorted(strategy_cfg))}; allowed keys: kwargs, name")
     kwargs = check_kwargs(strategy_registry.accepted_params(name), kwargs, "strategy.kwargs")
+    strategy_registry.validate(name, kwargs)
 
     recipe_cfg = dict(cfg.get("recipe") or {})
     recipe_name = recipe_cfg.pop("name", None)

@@ -1,0 +1,32 @@
+"""``syncplane simulate``: the cost model from the command line, every knob it depends on stated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from syncplane import cli
+
+
+def simulate(tmp_path, *extra: str) -> dict:
+    out = tmp_path / "sim.json"
+    assert cli.main(["simulate", "--cluster", "two_racks", "--strategies", "ddp,diloco,canary",
+                     "--payload-mb", "16", "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_period_and_streams_are_inputs_and_are_reported(tmp_path):
+    one = simulate(tmp_path, "--period", "1")
+    ten = simulate(tmp_path, "--period", "10")
+    assert (one["period"], ten["period"], ten["streams"]) == (1, 10, 1)
+    rows = {r["strategy"]: r for r in ten["results"]}
+    rows_one = {r["strategy"]: r for r in one["results"]}
+    assert rows["ddp"]["bound_s"] == pytest.approx(rows_one["ddp"]["bound_s"])          # not periodic
+    assert rows["diloco"]["bound_s"] == pytest.approx(rows_one["diloco"]["bound_s"] / 10)  # one round per H
+    assert rows["canary"]["predicted_s"] is None                                         # planned, not modelled
+
+
+def test_bad_period_is_a_config_error(tmp_path, capsys):
+    assert cli.main(["simulate", "--cluster", "two_racks", "--period", "0"]) == 2
+    assert "--period and --streams must be at least 1, got 0 and 1" in capsys.readouterr().err
