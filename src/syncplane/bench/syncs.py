@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from syncplane.algorithms.flexreduce import bench as flexreduce_bench
 from syncplane.comm import CommMeter, ring_allreduce_bytes
 from syncplane.comm.averaging import NEIGHBOR_BUCKET_BYTES
 
@@ -214,6 +215,9 @@ SYNCS: dict[str, Callable[[dict], SyncFn]] = {
     "h_atc": lambda spec: NeighborAveragingStep(spec, hierarchical=True),
     "h_awc": lambda spec: NeighborAveragingStep(spec, hierarchical=True),
     "diloco": DiLoCoStep,
+    "flexreduce": flexreduce_bench.FlexReduceStep,
+    "flexreduce_levelwise": lambda spec: flexreduce_bench.FlexReduceStep(spec, chunk_bytes=0),
+    "hier_allreduce": flexreduce_bench.HierAllReduceStep,
 }
 
 #: The part of a training step each strategy's sync runs behind, as its strategy schedules
@@ -221,7 +225,7 @@ SYNCS: dict[str, Callable[[dict], SyncFn]] = {
 #: ATC's exchange during the next forward (each module waits for its own buckets),
 #: AWC's during forward and backward (combined before the update). The rest block.
 #: The worker splits ``compute_ms`` 1 : 2 into forward and backward (their FLOP ratio).
-OVERLAP: dict[str, str] = {"ddp": "backward", "atc": "forward", "h_atc": "forward", "awc": "step", "h_awc": "step"}
+OVERLAP: dict[str, str] = {"ddp": "backward", "flexreduce": "backward", "atc": "forward", "h_atc": "forward", "awc": "step", "h_awc": "step"}
 
 
 def compute_split(window: str | None, compute_s: float) -> tuple[float, float, float]:
@@ -233,7 +237,8 @@ def compute_split(window: str | None, compute_s: float) -> tuple[float, float, f
 
 
 #: Real peers from other projects, benchmarked next to our strategies.
-PEERS = ("torch_periodic", "torch_hierarchical")
+PEERS = ("torch_periodic", "torch_hierarchical", "hier_allreduce",
+         "flexreduce_levelwise")   # FlexReduce run as the paper does, one level after the other
 
 #: Every product strategy name (design.md §3), implemented or not.
 ALL_STRATEGIES = ("ddp", "atc", "awc", "h_atc", "h_awc", "ds_sync", "diloco", "flexreduce", "canary")

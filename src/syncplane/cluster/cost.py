@@ -16,6 +16,7 @@ is the prediction ``syncplane simulate`` prints.
 
 from __future__ import annotations
 
+import importlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -212,6 +213,14 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float) -
     return steps
 
 
+def _lazy(module: str, attr: str) -> Callable[..., list[list[Phase]]]:
+    """A pattern defined in an algorithm's package, imported on first use (this module
+    imports no algorithm when it loads: they import it)."""
+    def pattern(*args: object) -> list[list[Phase]]:
+        return getattr(importlib.import_module(module), attr)(*args)
+    return pattern
+
+
 #: Strategies whose pattern depends on the racks, not only the world size: (profile, payload)
 #: -> the phases of each step of one period; a step costs the period's mean.
 TOPOLOGY_PATTERNS: dict[str, Callable[..., list[list[Phase]]]] = {
@@ -220,6 +229,9 @@ TOPOLOGY_PATTERNS: dict[str, Callable[..., list[list[Phase]]]] = {
     "awc": one_peer_steps,
     "h_atc": hierarchical_one_peer_steps,
     "h_awc": hierarchical_one_peer_steps,
+    "flexreduce": _lazy("syncplane.algorithms.flexreduce.cost", "flexreduce_steps"),
+    "flexreduce_levelwise": _lazy("syncplane.algorithms.flexreduce.cost", "flexreduce_levelwise_steps"),
+    "hier_allreduce": _lazy("syncplane.algorithms.flexreduce.cost", "hierarchical_allreduce_steps"),
 }
 
 

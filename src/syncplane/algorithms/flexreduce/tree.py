@@ -16,11 +16,13 @@ instead of delaying a shallow host to its rack's level.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from syncplane.cluster.profile import ClusterProfile
+from syncplane.cluster.probe import CLUSTER_ENV
+from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
 
 
@@ -187,3 +189,30 @@ def from_racks_and_hosts(racks: Sequence[Sequence[int]], hosts: Sequence[Sequenc
     """From a probed/declared topology's rank lists (``syncplane.cluster.probe.Topology``)."""
     nested = [[list(h) for h in hosts if set(h) <= set(rack)] for rack in racks]
     return from_nested(nested, world_size)
+
+
+def job_hosts(world_size: int) -> list[list[int]]:
+    """The ranks of each host of this job: the launcher's profile, else torchrun's
+    ``LOCAL_WORLD_SIZE`` blocks of consecutive ranks."""
+    cluster = os.environ.get(CLUSTER_ENV)
+    if cluster:
+        profile = load_profile(cluster)
+        profile.check_world_size(world_size, where="world size")
+        return [list(h.ranks) for h in profile.hosts]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local < 1 or world_size % local:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world_size}")
+    return [list(range(first, first + local)) for first in range(0, world_size, local)]
+
+
+def job_tree(topology: str | Sequence[int], world_size: int) -> FlexTree:
+    """The job's tree: ``auto`` = the cluster profile the launcher ran us on, else hosts of
+    ``LOCAL_WORLD_SIZE`` ranks; a profile name or YAML path; or ranks per host (a list)."""
+    if not isinstance(topology, str):
+        return from_host_sizes([int(s) for s in topology], world_size)
+    if topology == "auto":
+        cluster = os.environ.get(CLUSTER_ENV)
+        if cluster:
+            return from_profile(load_profile(cluster), world_size)
+        return from_local_world_size(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return from_profile(load_profile(topology), world_size)
