@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -71,8 +70,10 @@ class FlexReduceStrategy(DDPStrategy):
                        + describe(tree, plan_for(tree, sum(p.numel() for p in self.model.parameters())), 4))
         self.model.register_comm_hook(None, self._hook)   # type: ignore[operator]
 
-    def _hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP communication hook: the bucket's mean gradient, computed off the backward's thread."""
+    def _hook(self, state, bucket):  # type: ignore[no-untyped-def]
+        """DDP communication hook (``dist.GradBucket`` -> ``Future[Tensor]``): the bucket's mean
+        gradient, computed off the backward's thread. Unannotated on purpose: torch compares
+        the annotations with the real classes, and this module's are strings."""
         assert self.engine is not None and self._worker is not None
         buffer, engine, meter = bucket.buffer(), self.engine, self.comm_meter
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
