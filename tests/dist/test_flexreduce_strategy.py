@@ -7,11 +7,10 @@ tree, not by torch's ring).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers.distributed import RemoteError, run_distributed
-
-import pytest
 
 
 def _train_digits(rank: int, world: int, tmp_dir: str, name: str, kwargs: dict) -> torch.Tensor:

@@ -133,6 +133,8 @@ class FlexReduce:
             plan = plan_for(self.tree, numel)
             plan.check(numel)
             sched = self._schedules[numel] = rank_schedule(plan, self.rank)
+            log.debug("flexreduce: rank %d, %d elements: %s", self.rank, numel,
+                      [(len(s.sends), len(s.recvs), len(s.combines)) for s in sched])
         return sched
 
     def chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
