@@ -43,18 +43,23 @@ class FlexReduceStrategy(DDPStrategy):
             ranks per host such as ``[2, 3]``.
         chunk_mb: pipeline chunk (levels of consecutive chunks overlap); 0 runs the
             paper's schedule, one level after the other.
-        other keywords: Lightning's ``DDPStrategy`` / torch DDP (e.g. ``bucket_cap_mb``).
+        bucket_cap_mb: torch DDP's bucket size (each bucket is one FlexReduce all-reduce).
+        other keywords: Lightning's ``DDPStrategy``.
     """
 
     def __init__(self, topology: str | list[int] = "auto", chunk_mb: float = DEFAULT_CHUNK_BYTES / 2**20,
-                 **kwargs: Any) -> None:
+                 bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
         if kwargs.get("ddp_comm_hook") is not None:
             raise ConfigError("flexreduce: ddp_comm_hook is FlexReduce itself; it cannot be set")
         if chunk_mb < 0:
             raise ConfigError(f"chunk_mb: must be >= 0 (0 = no pipelining), got {chunk_mb}")
-        if not isinstance(topology, str) and (not topology or any(int(s) < 1 for s in topology)):
-            raise ConfigError(f"topology: a list of ranks per host needs every entry >= 1, got {list(topology)}")
-        super().__init__(**kwargs)
+        if not isinstance(topology, str) and (not isinstance(topology, (list, tuple)) or not topology
+                                              or any(not isinstance(s, int) or s < 1 for s in topology)):
+            raise ConfigError(f"topology: expected auto, a profile name / path, or a list of ranks per host "
+                              f"(each >= 1), got {topology!r}")
+        if bucket_cap_mb <= 0:
+            raise ConfigError(f"bucket_cap_mb: must be positive, got {bucket_cap_mb}")
+        super().__init__(bucket_cap_mb=bucket_cap_mb, **kwargs)   # on to torch DDP
         self.topology, self.chunk_bytes = topology, int(chunk_mb * 2**20)
         self.comm_meter = CommMeter()
         self.engine: FlexReduce | None = None

@@ -155,14 +155,17 @@ class FlexReduce:
         schedules = [self._schedule(c.numel()) for c in chunks]
         levels = self.tree.num_levels
         phases = [(lvl, False) for lvl in range(levels)] + [(lvl, True) for lvl in reversed(range(levels))]
+        # chunks k and k + 2L are never in flight at the same tick: 2L receive slots suffice
         space = max((s.workspace for sched in schedules for s in sched), default=0)
-        workspace = self._scratch(len(chunks) * space, tensor.dtype)
+        slots = min(len(chunks), len(phases))
+        workspace = self._scratch(slots * space, tensor.dtype)
         sent = 0
         for tick in range(len(chunks) + len(phases) - 1):
             handles = []
             for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
                 level, gather = phases[tick - k]
-                scratch = workspace[k * space:(k + 1) * space]
+                slot = k % slots
+                scratch = workspace[slot * space:(slot + 1) * space]
                 handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
                                             tag=k * len(phases) + tick - k)
                 handles.append(handle)
