@@ -12,5 +12,6 @@ from syncplane.strategies.registry import build, names, register, strategy_class
 from syncplane.strategies import decentralized  # noqa: E402,F401  (atc, awc, h_atc, h_awc)
 from syncplane.strategies import diloco  # noqa: E402,F401  (diloco)
 from syncplane.strategies import ds_sync  # noqa: E402,F401  (ds_sync)
+from syncplane.strategies import flexreduce  # noqa: E402,F401  (flexreduce)
 
 __all__ = ["SyncplaneStrategy", "build", "names", "register", "strategy_class"]

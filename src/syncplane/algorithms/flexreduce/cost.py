@@ -1,0 +1,77 @@
+"""FlexReduce's cost: the paper's Eq. 4–6 as phases of flows for ``syncplane.cluster.cost``.
+
+The paper models level l of the reduce-scatter as T_l = max over the levels k ≤ l of the
+slowest reduce-scatter of (n / Π degrees between k and l) items over the links of level
+k (Eq. 5/6): the traffic of level l also crosses every lower link, and the slowest link
+decides. Eq. 6 sums those levels, twice (the all-gather). As a pattern that is one
+phase per level and direction, carrying the level's actual flows (holder → owner, from
+the plan, so uneven hosts, rounding and the NIC/uplink sharing of the cost model are all
+in it): ``CostModel`` charges each phase its busiest link -- Eq. 5's max over k -- plus
+α, and sums the phases -- Eq. 6's sum.
+
+Pipelined (what ``executor.FlexReduce`` runs by default), the same flows are cut into K
+chunks and run as a wavefront: tick s carries 1/K of phase s − k of every chunk k in
+flight, so the phases' loads on different links overlap and only the busiest link's
+total remains, plus (2L − 1) ticks of fill and drain.
+"""
+
+from __future__ import annotations
+
+import math
+
+from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES
+from syncplane.algorithms.flexreduce.plan import Plan, plan_for
+from syncplane.algorithms.flexreduce.tree import FlexTree, from_profile
+from syncplane.algorithms.spec import CostOptions
+from syncplane.cluster.cost import Phase, ring_allreduce
+from syncplane.cluster.profile import ClusterProfile
+
+ELEMENT_SIZE = 4   # the bench's payload is float32
+
+
+def level_phases(plan: Plan, element_size: int = ELEMENT_SIZE, scale: float = 1.0) -> list[Phase]:
+    """The 2L phases of one all-reduce: reduce-scatter levels up, all-gather levels down."""
+    up = [plan.flows(level, element_size) for level in range(plan.num_levels)]
+    down = [plan.flows(level, element_size, gather=True) for level in reversed(range(plan.num_levels))]
+    return [[(s, d, b * scale) for s, d, b in phase] for phase in up + down]
+
+
+def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                      element_size: int = ELEMENT_SIZE) -> list[Phase]:
+    """FlexReduce of ``payload_bytes`` on ``tree``: level by level (``chunk_bytes=0``, the
+    paper's schedule) or as the executor's wavefront over chunks."""
+    numel = max(1, int(payload_bytes // element_size))
+    phases = level_phases(plan_for(tree, numel), element_size)
+    chunks = max(1, math.ceil(numel * element_size / chunk_bytes)) if chunk_bytes else 1
+    if chunks == 1 or not phases:
+        return phases
+    share = 1.0 / chunks
+    ticks = []
+    for tick in range(chunks + len(phases) - 1):
+        active = [tick - k for k in range(chunks) if 0 <= tick - k < len(phases)]
+        ticks.append([(s, d, b * share) for p in active for s, d, b in phases[p]])
+    return ticks
+
+
+def flexreduce_steps(name: str, profile: ClusterProfile, payload_bytes: float,
+                     options: CostOptions) -> list[list[Phase]]:
+    """The ``flexreduce`` pattern (pipelined, as the strategy runs by default)."""
+    return [flexreduce_phases(from_profile(profile), payload_bytes)]
+
+
+def flexreduce_levelwise_steps(name: str, profile: ClusterProfile, payload_bytes: float,
+                               options: CostOptions) -> list[list[Phase]]:
+    """The paper's schedule: one level after the other (Eq. 6)."""
+    return [flexreduce_phases(from_profile(profile), payload_bytes, chunk_bytes=0)]
+
+
+def hierarchical_allreduce_steps(name: str, profile: ClusterProfile, payload_bytes: float,
+                                 options: CostOptions) -> list[list[Phase]]:
+    """The 2-level hierarchical peer: reduce to each host's first rank, the leaders' ring
+    all-reduce, broadcast back inside the host (three phases)."""
+    leaders = [h.first_rank for h in profile.hosts]
+    reduce_in = [(r, h.first_rank, payload_bytes) for h in profile.hosts for r in h.ranks if r != h.first_rank]
+    ring = [[(leaders[s], leaders[d], b) for s, d, b in phase]
+            for phase in ring_allreduce(len(leaders), payload_bytes)]
+    broadcast = [(d, s, b) for s, d, b in reduce_in]
+    return [[p for p in [reduce_in, *ring, broadcast] if p]]

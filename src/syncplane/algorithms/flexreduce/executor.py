@@ -1,0 +1,223 @@
+"""FlexReduce on torch.distributed (paper Fig. 3a, ``FlexReduce_execute``), pipelined.
+
+The plan's reduce calls become point-to-point messages: a holder sends its partial sum
+of a piece to the piece's owner, the owner sums the holders' partials; in the all-gather
+the owner sends the finished piece back. Between one holder and one owner a level has
+one contiguous message (the holder's range meets the owner's new range in one
+interval), however many calls it spans; the owner then sums call by call with the
+compiled ``weighted_combine`` kernel, in the holders' child order -- the same order for
+every element count and range assignment, so the result depends on the tree alone,
+and since each item is finished by exactly one rank and copied to the others, every
+rank ends bit-identical. The root level sums with weight 1/world: the mean, in the
+same pass. Partial sums accumulate in float32 inside the kernel (bf16 in, bf16 out).
+
+All messages of a level are in flight together (``batch``-style ``isend``/``irecv`` on
+a process group of FlexReduce's own, created once up front). Beyond the paper, a bucket
+is cut into chunks of ``chunk_bytes`` and the 2L phases (reduce-scatter levels up, all-
+gather levels down) run as a wavefront: at tick s chunk k runs phase s − k, so while
+chunk k crosses the slow root link, chunk k+1 is being reduced inside its hosts and
+chunk k−1 gathered back. On a multi-level tree the levels' times then overlap instead of
+adding up; ``chunk_bytes=0`` runs the paper's schedule (one level after the other).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from syncplane import kernels
+from syncplane.algorithms.flexreduce.plan import Plan, plan_for
+from syncplane.algorithms.flexreduce.tree import FlexTree
+from syncplane.comm.group_cache import cached_group
+from syncplane.comm.meter import CommMeter
+from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
+from syncplane.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Pipeline chunk: small enough that the wavefront's fill and drain ((2L − 1) chunks) stay a
+#: small share of a 25 MB bucket, large enough that the per-message latency does not dominate.
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Message:
+    peer: int
+    lo: int
+    hi: int
+    slot: int = 0          # offset in the receive workspace (reduce-scatter receives only)
+
+
+@dataclass(frozen=True)
+class Combine:
+    """Sum a piece: ``sources`` in holder order, -1 = this rank's own data, else a workspace offset."""
+
+    lo: int
+    hi: int
+    sources: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LevelSchedule:
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+    combines: tuple[Combine, ...]
+    workspace: int
+
+
+def _messages(plan: Plan, level: int, me: int) -> tuple[list[Message], list[Message], list[Combine], int]:
+    """This rank's reduce-scatter messages and sums at ``level``: one message per (holder, owner)."""
+    spans_out: dict[int, list[int]] = {}
+    spans_in: dict[int, list[int]] = {}
+    for c in plan.levels[level]:
+        if me in c.senders:
+            lo_hi = spans_out.setdefault(c.owner, [c.lo, c.hi])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], c.lo), max(lo_hi[1], c.hi)
+        if c.owner == me:
+            for h in c.senders:
+                lo_hi = spans_in.setdefault(h, [c.lo, c.hi])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], c.lo), max(lo_hi[1], c.hi)
+    sends = [Message(peer, lo, hi) for peer, (lo, hi) in sorted(spans_out.items())]
+    recvs, slot = [], 0
+    for peer, (lo, hi) in sorted(spans_in.items()):
+        recvs.append(Message(peer, lo, hi, slot))
+        slot += hi - lo
+    where = {m.peer: m for m in recvs}
+    combines = []
+    for c in plan.levels[level]:
+        if c.owner == me:
+            sources = tuple(-1 if h == me else where[h].slot + (c.lo - where[h].lo) for h in c.holders)
+            combines.append(Combine(c.lo, c.hi, sources))
+    return sends, recvs, combines, slot
+
+
+def rank_schedule(plan: Plan, me: int) -> list[LevelSchedule]:
+    """Per level, what ``me`` sends, receives and sums in the reduce-scatter (the all-gather
+    swaps sends and receives)."""
+    out = []
+    for level in range(plan.num_levels):
+        sends, recvs, combines, workspace = _messages(plan, level, me)
+        out.append(LevelSchedule(tuple(sends), tuple(recvs), tuple(combines), workspace))
+    return out
+
+
+class FlexReduce:
+    """The FlexReduce all-reduce (mean) of flat tensors over ``tree``'s ranks.
+
+    A collective to construct (it creates FlexReduce's process group); the tree must cover
+    exactly the ranks of the job -- checked here, on every rank, before any data moves.
+    """
+
+    def __init__(self, tree: FlexTree, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        world = dist.get_world_size()
+        if tree.world_size != world:
+            raise ConfigError(f"flexreduce: the tree covers {tree.world_size} ranks ({tree.describe()}), "
+                              f"but the job has {world} processes")
+        if chunk_bytes < 0:
+            raise ConfigError(f"flexreduce: chunk_bytes must be >= 0 (0 = no pipelining), got {chunk_bytes}")
+        self.tree, self.chunk_bytes, self.timeout_s = tree, chunk_bytes, timeout_s
+        self.rank, self.world = dist.get_rank(), world
+        self.group = cached_group("flexreduce") if world > 1 else None
+        self._schedules: dict[int, list[LevelSchedule]] = {}
+        self._workspace: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def _schedule(self, numel: int) -> list[LevelSchedule]:
+        sched = self._schedules.get(numel)
+        if sched is None:
+            plan = plan_for(self.tree, numel)
+            plan.check(numel)
+            sched = self._schedules[numel] = rank_schedule(plan, self.rank)
+            log.debug("flexreduce: rank %d, %d elements: %s", self.rank, numel,
+                      [(len(s.sends), len(s.recvs), len(s.combines)) for s in sched])
+        return sched
+
+    def chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The pipeline's chunks of a flat tensor (one chunk when pipelining is off)."""
+        n = tensor.numel()
+        per = self.chunk_bytes // tensor.element_size() if self.chunk_bytes else n
+        count = max(1, min(n, math.ceil(n / max(per, 1))))
+        return list(tensor.tensor_split(count))
+
+    def allreduce_mean_(self, tensor: torch.Tensor, meter: CommMeter | None = None) -> torch.Tensor:
+        """Replace ``tensor`` (1-D, contiguous) by its mean over all ranks; returns it."""
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"flexreduce: expected a flat contiguous tensor, got shape {tuple(tensor.shape)}")
+        if self.world == 1:
+            return tensor
+        start = time.perf_counter()
+        chunks = self.chunks(tensor)
+        schedules = [self._schedule(c.numel()) for c in chunks]
+        levels = self.tree.num_levels
+        phases = [(lvl, False) for lvl in range(levels)] + [(lvl, True) for lvl in reversed(range(levels))]
+        # chunks k and k + 2L are never in flight at the same tick: 2L receive slots suffice
+        space = max((s.workspace for sched in schedules for s in sched), default=0)
+        slots = min(len(chunks), len(phases))
+        workspace = self._scratch(slots * space, tensor.dtype)
+        sent = 0
+        for tick in range(len(chunks) + len(phases) - 1):
+            handles = []
+            for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
+                level, gather = phases[tick - k]
+                slot = k % slots
+                scratch = workspace[slot * space:(slot + 1) * space]
+                handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
+                                            tag=k * len(phases) + tick - k)
+                handles.append(handle)
+                sent += nbytes
+            for handle in handles:
+                handle.wait()
+        if meter is not None:
+            meter.record(start, time.perf_counter(), sent)
+        return tensor
+
+    def _post(self, chunk: torch.Tensor, sched: LevelSchedule, scratch: torch.Tensor, level: int,
+              gather: bool, tag: int) -> tuple[Handle, int]:
+        """Launch one phase of one chunk; the handle's wait completes it (sums included)."""
+        works: list[tuple[str, int, dist.Work]] = []
+        nbytes = 0
+        size = chunk.element_size()
+        if gather:   # owners send finished pieces back to the holders, straight into place
+            for m in sched.recvs:
+                works.append(("sending to", m.peer, dist.isend(chunk[m.lo:m.hi], m.peer, group=self.group, tag=tag)))
+                nbytes += (m.hi - m.lo) * size
+            for m in sched.sends:
+                works.append(("receiving from", m.peer,
+                              dist.irecv(chunk[m.lo:m.hi], m.peer, group=self.group, tag=tag)))
+        else:
+            for m in sched.sends:
+                works.append(("sending to", m.peer, dist.isend(chunk[m.lo:m.hi], m.peer, group=self.group, tag=tag)))
+                nbytes += (m.hi - m.lo) * size
+            for m in sched.recvs:
+                works.append(("receiving from", m.peer, dist.irecv(scratch[m.slot:m.slot + m.hi - m.lo], m.peer,
+                                                                   group=self.group, tag=tag)))
+        scale = 1.0 / self.world if level == self.tree.num_levels - 1 else 1.0
+
+        def finish() -> torch.Tensor:
+            if not gather:
+                for c in sched.combines:
+                    width = c.hi - c.lo
+                    parts = [chunk[c.lo:c.hi] if s < 0 else scratch[s:s + width] for s in c.sources]
+                    kernels.weighted_combine(parts[0], parts[1:], [scale] * (len(parts) - 1), scale,
+                                             out=chunk[c.lo:c.hi])
+            return chunk
+
+        return Handle(_works=works, _finish=finish, _timeout_s=self.timeout_s,
+                      _what=f"flexreduce level {level} {'all-gather' if gather else 'reduce-scatter'}"), nbytes
+
+    def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (numel, dtype)
+        buf = self._workspace.get(key)
+        if buf is None:   # one per bucket size and dtype (a model has a few)
+            buf = self._workspace[key] = torch.empty(numel, dtype=dtype)
+        return buf
+
+    def bytes_per_rank(self, numel: int, element_size: int) -> int:
+        """Bytes this rank sends in one all-reduce of ``numel`` elements (both halves)."""
+        return 2 * sum((m.hi - m.lo) * element_size for s in self._schedule(numel) for m in s.sends)
+
