@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-_groups: dict[tuple[int, str, tuple[int, ...]], dist.ProcessGroup] = {}
+#: Keyed by the default group object itself: an ``id()`` could be reused by a later group.
+_groups: dict[tuple[object, str, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def cached_group(purpose: str, ranks: Sequence[int] | None = None) -> dist.ProcessGroup:
@@ -23,7 +24,7 @@ def cached_group(purpose: str, ranks: Sequence[int] | None = None) -> dist.Proce
     the same pairs in the same order; later calls return the same group without communicating.
     """
     members = tuple(range(dist.get_world_size())) if ranks is None else tuple(sorted(ranks))
-    key = (id(dist.group.WORLD), purpose, members)
+    key = (dist.group.WORLD, purpose, members)
     group = _groups.get(key)
     if group is None:
         group = _groups[key] = dist.new_group(list(members))
