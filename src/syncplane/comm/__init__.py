@@ -29,11 +29,14 @@ from syncplane.comm.errors import TopologyError
 from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce, hierarchical_neighbor_allreduce_tensors
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
 from syncplane.comm.neighbor import (
+    allgather,
+    allgather_nonblocking,
     allreduce,
     allreduce_nonblocking,
     broadcast,
     broadcast_nonblocking,
     neighbor_allgather,
+    neighbor_allgather_nonblocking,
     neighbor_allreduce,
     neighbor_allreduce_nonblocking,
     neighbor_allreduce_tensors,
@@ -42,14 +45,24 @@ from syncplane.comm.outer import OuterOptimizer
 from syncplane.comm.p2p import Handle
 from syncplane.comm.sharded import ShardedAllReduce, shard_bounds
 from syncplane.comm.window import (
+    get_current_created_window_names,
+    get_win_version,
+    turn_off_win_ops_with_associated_p,
+    turn_on_win_ops_with_associated_p,
     win_accumulate,
+    win_accumulate_nonblocking,
+    win_associated_p,
     win_create,
     win_free,
     win_get,
+    win_get_nonblocking,
     win_mutex,
+    win_poll,
     win_put,
+    win_put_nonblocking,
     win_update,
     win_update_then_collect,
+    win_wait,
 )
 
 __all__ = [
@@ -61,6 +74,11 @@ __all__ = [
     "push_sum_average", "ring_allreduce_bytes", "set_machine_topology", "set_topology", "topology",
     "win_accumulate", "win_create", "win_free", "win_get", "win_mutex", "win_put", "win_update",
     "win_update_then_collect", "window",
+    # BlueFog parity (docs/comm.md compatibility table)
+    "allgather", "allgather_nonblocking", "get_current_created_window_names", "get_win_version",
+    "neighbor_allgather_nonblocking", "turn_off_win_ops_with_associated_p", "turn_on_win_ops_with_associated_p",
+    "win_accumulate_nonblocking", "win_associated_p", "win_get_nonblocking", "win_poll", "win_put_nonblocking",
+    "win_wait",
     # DiLoCo's pieces: codecs, the CPU outer optimizer, the sharded multi-stream all-reduce
     "ErrorFeedback", "Fp32", "Int8Blockwise", "OuterOptimizer", "ShardedAllReduce", "make_codec", "shard_bounds",
 ]

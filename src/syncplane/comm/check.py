@@ -50,11 +50,27 @@ def check_plan(sends: Iterable[int], recvs: Iterable[int], group: Group = None, 
     _raise_with_details(sends, recvs, group, what)
 
 
+_skip_negotiate = False
+
+
+def set_skip_negotiate_stage(value: bool) -> None:
+    """Process-wide: skip the plan check unless a call asks for it with ``enable_topo_check=True``
+    (BlueFog's switch of the same name; every rank must set the same value)."""
+    global _skip_negotiate
+    _skip_negotiate = bool(value)
+
+
+def get_skip_negotiate_stage() -> bool:
+    return _skip_negotiate
+
+
 def check_if_enabled(enable_topo_check: bool | None, dynamic: bool, sends: Iterable[int], recvs: Iterable[int],
                      group: Group = None, what: str = "neighbor_allreduce") -> None:
     """The topology check is on by default for dynamic plans (a static topology was
-    validated when it was set); ``enable_topo_check`` overrides that either way."""
-    if enable_topo_check if enable_topo_check is not None else dynamic:
+    validated when it was set); ``enable_topo_check`` overrides that either way, and
+    ``set_skip_negotiate_stage(True)`` turns the default off."""
+    default = dynamic and not _skip_negotiate
+    if enable_topo_check if enable_topo_check is not None else default:
         check_plan(sends, recvs, group, what)
 
 

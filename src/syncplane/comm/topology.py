@@ -190,6 +190,12 @@ def static_weights(graph: nx.DiGraph, node: int) -> tuple[float, dict[int, float
     return self_weight, sources, {k: 1.0 for k in graph.successors(node) if k != node}
 
 
+def receive_weights(graph: nx.DiGraph, node: int) -> tuple[float, dict[int, float]]:
+    """(self weight, {source: weight node applies to it}) -- BlueFog's ``GetRecvWeights``."""
+    self_weight, sources, _ = static_weights(graph, node)
+    return self_weight, sources
+
+
 def send_weights(graph: nx.DiGraph, node: int) -> tuple[float, dict[int, float]]:
     """(self weight, {destination: weight of the edge node → destination}) -- BlueFog's
     ``GetSendWeights``; ``static_weights`` gives the receive side (``GetRecvWeights``)."""
