@@ -39,7 +39,7 @@ def _windows(rank, world, seed):
     x = torch.randn(4, generator=torch.Generator().manual_seed(seed + rank), dtype=torch.float64)
     out = {}
     try:
-        sc.win_create(x, "a")
+        sc.win_create(x.clone(), "a")        # the window keeps its tensor by reference
         out["names"] = sc.get_current_created_window_names()
         out["update"] = sc.win_update("a", clone=True)                   # own copies -> x
         out["refused"] = sc.set_topology(T.FullyConnectedGraph(world))

@@ -321,7 +321,8 @@ def allgather_nonblocking(tensor: torch.Tensor, group: Group = None, timeout_s: 
     dist.all_gather_into_tensor(headers, mine, group=group)
     headers = headers.view(n, _HEADER)
     # every rank sees every header, so every rank reaches the same verdict
-    problems = _shape_problems(headers[0], _global(0, group), list(headers[1:]), [_global(j, group) for j in range(1, n)])
+    problems = _shape_problems(headers[0], _global(0, group), list(headers[1:]),
+                               [_global(j, group) for j in range(1, n)])
     if problems:
         raise ValueError(f"{what}: tensors cannot be concatenated: " + "; ".join(problems))
     shape = _gather_shape(tensor)
