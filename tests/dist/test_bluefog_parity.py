@@ -30,6 +30,7 @@ def fresh_seed() -> int:
 
 
 def _windows(rank, world, seed):
+    import networkx as nx
     import torch.distributed as dist
 
     import syncplane.comm as sc
@@ -42,7 +43,10 @@ def _windows(rank, world, seed):
         sc.win_create(x.clone(), "a")        # the window keeps its tensor by reference
         out["names"] = sc.get_current_created_window_names()
         out["update"] = sc.win_update("a", clone=True)                   # own copies -> x
-        out["refused"] = sc.set_topology(T.FullyConnectedGraph(world))
+        isolated = nx.DiGraph()
+        isolated.add_weighted_edges_from((i, i, 1.0) for i in range(world))   # differs from the ring for all n
+        out["refused"] = sc.set_topology(isolated)
+        out["same_accepted"] = sc.set_topology(T.RingGraph(world))            # equivalent: nothing to change
         out["in_after_refusal"] = sc.in_neighbor_ranks()
         dist.barrier()
         out["version0"] = sc.get_win_version("a")
@@ -62,7 +66,7 @@ def _windows(rank, world, seed):
             out["stray"] = str(exc)
         dist.barrier()
         sc.win_free()
-        out["accepted"] = sc.set_topology(T.FullyConnectedGraph(world))
+        out["accepted"] = sc.set_topology(isolated)
         out["in_after_free"] = sc.in_neighbor_ranks()
     finally:
         sc.window.shutdown()
@@ -76,14 +80,14 @@ def test_windows_follow_bluefog(world):
         ring = sorted({(rank - 1) % world, (rank + 1) % world})
         assert out["names"] == ["a"] and out["names2"] == ["a", "b"]
         torch.testing.assert_close(out["update"], x, rtol=0, atol=1e-15)    # win_create(x); win_update() == x
-        assert out["refused"] is False and out["in_after_refusal"] == ring
+        assert out["refused"] is False and out["in_after_refusal"] == ring and out["same_accepted"] is True
         assert out["version0"] == {j: 0 for j in ring}
         left = (rank - 1) % world
         assert out["version1"] == {j: int(j == left) for j in ring}        # one unread write from the left
         assert out["version2"] == {j: 0 for j in ring}                     # read by win_update
         assert out["stray"] is not None and "not out-neighbours" in out["stray"]
         assert out["accepted"] is True
-        assert out["in_after_free"] == [j for j in range(world) if j != rank]
+        assert out["in_after_free"] == []
 
 
 # ------------------------------------------------------------------ errors
@@ -99,6 +103,11 @@ def _errors(rank, world):
         sc.neighbor_allreduce(torch.ones(3), self_weight=0.5, src_weights={}, dst_weights=[1] if rank == 0 else [])
     except ValueError as exc:
         out["mismatch"] = (type(exc).__name__, str(exc))
+    try:      # plans agree, but rank 1's tensor is longer: named before any payload moves
+        sc.neighbor_allreduce(torch.ones(3 + (rank == 1)), self_weight=0.5, src_weights={(rank - 1) % world: 0.5},
+                              dst_weights=[(rank + 1) % world])
+    except ValueError as exc:
+        out["shape"] = str(exc)
     start = time.monotonic()
     try:
         sc.broadcast(torch.ones(3, dtype=torch.int16), root_rank=0)
@@ -118,6 +127,7 @@ def test_errors_are_bluefog_value_errors_and_bad_dtypes_fail_fast():
     for rank, out in enumerate(run_distributed(_errors, world)):
         kind, message = out["mismatch"]
         assert kind == "TopologyError" and "rank 0 sends to rank 1, which does not expect it" in message
+        assert "rank 1 sends float32 [4] to rank 2, which holds float32 [3]" in out["shape"]
         message, seconds = out["int16"]
         assert "int16" in message and "gloo" in message and seconds < 5
         assert "int32" in out["int_allreduce"]

@@ -142,7 +142,7 @@ def neighbor_allreduce_nonblocking(
     if not tensor.is_floating_point():
         raise TypeError(f"neighbor_allreduce averages floating-point tensors, got dtype {tensor.dtype}")
     self_w, src, dst, dynamic = resolve_plan(self_weight, src_weights, dst_weights, group)
-    check_if_enabled(enable_topo_check, dynamic, dst, src, group)
+    check_if_enabled(enable_topo_check, dynamic, dst, src, group, payload=tensor)
     tensor = tensor.contiguous()
     if context.size(group) == 1 or (not src and not dst):
         result = tensor * self_w if out is None else out.copy_(tensor).mul_(self_w)
