@@ -95,7 +95,11 @@ def weighted_combine(
     out: torch.Tensor | None = None,
     backend: Backend = "ext",
 ) -> torch.Tensor:
-    """``out = self_weight * x + sum_j weights[j] * ys[j]``, accumulated in float32.
+    """``out = self_weight * x + sum_j weights[j] * ys[j]``, rounded once at the end.
+
+    Accumulates in float32 for 16-bit inputs and in float64 for float32/float64 ones
+    (weights kept in that precision), so a k-neighbour fp32 average is the correctly
+    rounded value of the float64 sum rather than k+1 fp32 roundings.
 
     ``out`` may alias ``x`` (in-place update); it is allocated when not given.
     """
@@ -113,6 +117,11 @@ def weighted_combine(
 
 
 # ---------------------------------------------------------------- references
+
+
+def combine_accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs, float64 for float32/float64 (the compiled kernels' rule)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else torch.float64
 
 
 def pack_reference(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -147,9 +156,10 @@ def weighted_combine_reference(
     self_weight: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    acc = x.float() * self_weight
+    acc_dtype = combine_accumulation_dtype(x.dtype)
+    acc = x.to(acc_dtype) * self_weight
     for w, y in zip(weights, ys):
-        acc.add_(y.float(), alpha=w)
+        acc.add_(y.to(acc_dtype), alpha=w)
     if out is None:
         return acc.to(x.dtype)
     return out.copy_(acc.view_as(out))

@@ -32,11 +32,14 @@ from syncplane.comm.errors import TopologyError
 from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce, hierarchical_neighbor_allreduce_tensors
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
 from syncplane.comm.neighbor import (
+    allgather,
+    allgather_nonblocking,
     allreduce,
     allreduce_nonblocking,
     broadcast,
     broadcast_nonblocking,
     neighbor_allgather,
+    neighbor_allgather_nonblocking,
     neighbor_allreduce,
     neighbor_allreduce_nonblocking,
     neighbor_allreduce_tensors,
@@ -44,14 +47,24 @@ from syncplane.comm.neighbor import (
 from syncplane.comm.p2p import Handle
 from syncplane.comm.sharded import ShardedAllReduce, shard_bounds
 from syncplane.comm.window import (
+    get_current_created_window_names,
+    get_win_version,
+    turn_off_win_ops_with_associated_p,
+    turn_on_win_ops_with_associated_p,
     win_accumulate,
+    win_accumulate_nonblocking,
+    win_associated_p,
     win_create,
     win_free,
     win_get,
+    win_get_nonblocking,
     win_mutex,
+    win_poll,
     win_put,
+    win_put_nonblocking,
     win_update,
     win_update_then_collect,
+    win_wait,
 )
 
 __all__ = [
@@ -65,4 +78,9 @@ __all__ = [
     "win_update_then_collect", "window",
     # codecs and the sharded multi-stream all-reduce (DiLoCo's transport)
     "ErrorFeedback", "Fp32", "Int8Blockwise", "ShardedAllReduce", "make_codec", "shard_bounds",
+    # BlueFog parity (docs/comm.md compatibility table)
+    "allgather", "allgather_nonblocking", "get_current_created_window_names", "get_win_version",
+    "neighbor_allgather_nonblocking", "turn_off_win_ops_with_associated_p", "turn_on_win_ops_with_associated_p",
+    "win_accumulate_nonblocking", "win_associated_p", "win_get_nonblocking", "win_poll", "win_put_nonblocking",
+    "win_wait",
 ]

@@ -8,7 +8,9 @@ creates the intra-machine process groups (a collective: call it on every rank).
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from syncplane.comm import topology
 
 Group = dist.ProcessGroup | None
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class MachineLayout:
 class _State:
     topology: nx.DiGraph | None = None
     machines: MachineLayout | None = None
+    weighted: bool = True     # static ops use the graph's weights (False: BlueFog's uniform default)
 
 
 #: Keyed by the group object itself (None: the default group). An ``id()`` key could be
@@ -78,15 +82,40 @@ def _check_graph(graph: nx.DiGraph, n: int, what: str) -> None:
         raise ValueError(f"{what} must have nodes 0..{n - 1}; missing {missing}, unexpected {extra}")
 
 
-def set_topology(graph: nx.DiGraph | None = None, group: Group = None) -> None:
-    """Use ``graph`` for static neighbour operations on ``group`` (default: exponential-2)."""
+#: Callables naming what still depends on the current topology (windows register one), so
+#: that this module need not import them (they import it).
+_topology_holders: list[Callable[[], list[str]]] = []
+
+
+def hold_topology_while(names: Callable[[], list[str]]) -> None:
+    """Refuse ``set_topology`` while ``names()`` is not empty (``window`` registers its windows)."""
+    _topology_holders.append(names)
+
+
+def set_topology(graph: nx.DiGraph | None = None, group: Group = None, *, is_weighted: bool = True) -> bool:
+    """Use ``graph`` for static neighbour operations on ``group`` (default: exponential-2).
+
+    ``is_weighted=False`` makes static operations average uniformly over each rank's
+    in-neighbours and itself (BlueFog's default) instead of using the edge weights.
+    Returns False, keeping the old topology, while any window exists (as BlueFog does:
+    the windows hold one buffer per in-neighbour of the topology they were created on).
+    """
     n = size(group)
     graph = topology.ExponentialTwoGraph(n) if graph is None else graph
     _check_graph(graph, n, "the topology")
     for j, i, data in graph.edges(data=True):
         if "weight" not in data:
             raise ValueError(f"edge {j} -> {i} has no 'weight' (use topology.uniform_weights(graph))")
-    state(group).topology = graph
+    current = state(group)
+    if current.topology is not None and topology.is_topology_equivalent(graph, current.topology) \
+            and current.weighted == is_weighted:
+        return True
+    held = [name for holder in _topology_holders for name in holder()]
+    if held:
+        log.warning("set_topology refused on rank %d: windows %s exist; win_free them first", rank(group), held)
+        return False
+    current.topology, current.weighted = graph, is_weighted
+    return True
 
 
 def load_topology(group: Group = None) -> nx.DiGraph:
@@ -96,6 +125,16 @@ def load_topology(group: Group = None) -> nx.DiGraph:
         current = state(group).topology
     assert current is not None
     return current
+
+
+def recv_weights(group: Group = None) -> tuple[float, dict[int, float]]:
+    """(self weight, {in-neighbour: weight}) this rank's static operations use."""
+    graph, me = load_topology(group), rank(group)
+    self_weight, sources, _ = topology.static_weights(graph, me)
+    if state(group).weighted:
+        return self_weight, sources
+    uniform = 1.0 / (len(sources) + 1)
+    return uniform, {j: uniform for j in sources}
 
 
 def in_neighbor_ranks(group: Group = None) -> list[int]:

@@ -4,13 +4,17 @@
 // one flat buffer (so the network sees a few large messages), and combines the
 // buffers received from neighbours as out = a*x + sum_j w_j*y_j.  Done with
 // torch ops that is one pass over memory per tensor and per neighbour; here it
-// is a single multithreaded pass, accumulating in float32 for half types.
+// is a single multithreaded pass. The combine accumulates in float32 for 16-bit
+// inputs and in float64 for float32/float64 ones, with the weights kept in the
+// accumulation type, so a k-neighbour average of fp32 tensors is correctly rounded
+// (one rounding at the end) instead of carrying k+1 fp32 roundings.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -86,6 +90,10 @@ void pack_or_unpack(const std::vector<at::Tensor>& tensors, const at::Tensor& fl
 
 }  // namespace
 
+// Accumulation type of weighted_combine: float for half/bfloat16, double otherwise.
+template <typename scalar_t>
+using combine_acc_t = std::conditional_t<std::is_same_v<scalar_t, float>, double, at::opmath_type<scalar_t>>;
+
 void pack(const std::vector<at::Tensor>& tensors, at::Tensor flat, double scale) {
   pack_or_unpack<true>(tensors, flat, scale, "pack");
 }
@@ -112,7 +120,7 @@ void weighted_combine(at::Tensor out, const at::Tensor& x, double self_weight,
                 " must be a contiguous CPU tensor");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "weighted_combine", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
+    using acc_t = combine_acc_t<scalar_t>;
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     std::vector<const scalar_t*> yp;

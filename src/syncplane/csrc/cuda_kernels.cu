@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -23,26 +24,32 @@ __global__ void scaled_copy_kernel(scalar_t* __restrict__ dst, const scalar_t* _
   }
 }
 
+// Accumulation type of the combine: float for half/bfloat16, double for float/double
+// (same rule as cpu_kernels.cpp), so an fp32 average is rounded once, at the end.
+template <typename scalar_t>
+using combine_acc_t = std::conditional_t<std::is_same_v<scalar_t, float>, double, at::opmath_type<scalar_t>>;
+
 template <typename scalar_t>
 struct BufferBatch {
   const scalar_t* ptr[kMaxBuffers];
-  float weight[kMaxBuffers];
+  combine_acc_t<scalar_t> weight[kMaxBuffers];
   int count;
 };
 
-// out = base_weight * base + sum_j w_j * y_j; `base` is x on the first launch and
-// out itself on later ones (when a rank has more than kMaxBuffers neighbours).
-template <typename scalar_t>
-__global__ void combine_kernel(scalar_t* __restrict__ out, const scalar_t* base, float base_weight,
+// out = base_weight * base + sum_j w_j * y_j. With more than kMaxBuffers neighbours
+// the partial sums go through a scratch buffer of the accumulation type (base_t /
+// out_t = acc_t), never through the input dtype.
+template <typename scalar_t, typename base_t, typename out_t>
+__global__ void combine_kernel(out_t* __restrict__ out, const base_t* base, combine_acc_t<scalar_t> base_weight,
                                BufferBatch<scalar_t> batch, int64_t n) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = combine_acc_t<scalar_t>;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
        i += (int64_t)blockDim.x * gridDim.x) {
-    acc_t acc = static_cast<acc_t>(base_weight) * static_cast<acc_t>(base[i]);
+    acc_t acc = base_weight * static_cast<acc_t>(base[i]);
     for (int j = 0; j < batch.count; ++j) {
-      acc += static_cast<acc_t>(batch.weight[j]) * static_cast<acc_t>(batch.ptr[j][i]);
+      acc += batch.weight[j] * static_cast<acc_t>(batch.ptr[j][i]);
     }
-    out[i] = static_cast<scalar_t>(acc);
+    out[i] = static_cast<out_t>(acc);
   }
 }
 
@@ -118,22 +125,40 @@ void weighted_combine_cuda(at::Tensor out, const at::Tensor& x, double self_weig
   const int64_t n = x.numel();
   if (n == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "weighted_combine", [&] {
-    const scalar_t* base = x.data_ptr<scalar_t>();
-    float base_weight = static_cast<float>(self_weight);
-    size_t j = 0;
-    do {
+    using acc_t = combine_acc_t<scalar_t>;
+    const size_t total = ys.size();
+    auto batch_from = [&](size_t& j) {
       BufferBatch<scalar_t> batch{};
       batch.count = 0;
-      for (; j < ys.size() && batch.count < kMaxBuffers; ++j, ++batch.count) {
+      for (; j < total && batch.count < kMaxBuffers; ++j, ++batch.count) {
         batch.ptr[batch.count] = ys[j].data_ptr<scalar_t>();
-        batch.weight[batch.count] = static_cast<float>(weights[j]);
+        batch.weight[batch.count] = static_cast<acc_t>(weights[j]);
       }
-      combine_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(out.data_ptr<scalar_t>(), base,
-                                                                       base_weight, batch, n);
+      return batch;
+    };
+    const acc_t a = static_cast<acc_t>(self_weight);
+    size_t j = 0;
+    if (total <= static_cast<size_t>(kMaxBuffers)) {
+      combine_kernel<scalar_t, scalar_t, scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
+          out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), a, batch_from(j), n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      base = out.data_ptr<scalar_t>();
-      base_weight = 1.0f;
-    } while (j < ys.size());
+      return;
+    }
+    at::Tensor scratch = at::empty({n}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    acc_t* acc = scratch.data_ptr<acc_t>();
+    combine_kernel<scalar_t, scalar_t, acc_t><<<blocks_for(n), kThreads, 0, stream>>>(
+        acc, x.data_ptr<scalar_t>(), a, batch_from(j), n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    while (j < total) {
+      auto batch = batch_from(j);
+      if (j < total) {
+        combine_kernel<scalar_t, acc_t, acc_t><<<blocks_for(n), kThreads, 0, stream>>>(acc, acc, acc_t(1), batch, n);
+      } else {
+        combine_kernel<scalar_t, acc_t, scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
+            out.data_ptr<scalar_t>(), acc, acc_t(1), batch, n);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
 }
 

@@ -10,7 +10,7 @@ from syncplane.algorithms.decentralized.machines import MACHINE_KINDS
 from syncplane.algorithms.decentralized.schedule import SCHEDULES
 
 #: Graph builders a config may name (``topology: RingGraph``); all take the size first.
-TOPOLOGIES = ("ExponentialTwoGraph", "ExponentialGraph", "SymmetricExponentialGraph", "RingGraph",
+TOPOLOGIES = ("ExponentialTwoGraph", "ExponentialGraph", "SymmetricExponentialGraph", "PlusMinusExponentialGraph", "RingGraph",
               "MeshGrid2DGraph", "StarGraph", "FullyConnectedGraph")
 
 
