@@ -10,8 +10,8 @@ from syncplane.algorithms.decentralized.machines import MACHINE_KINDS
 from syncplane.algorithms.decentralized.schedule import SCHEDULES
 
 #: Graph builders a config may name (``topology: RingGraph``); all take the size first.
-TOPOLOGIES = ("ExponentialTwoGraph", "ExponentialGraph", "SymmetricExponentialGraph", "PlusMinusExponentialGraph", "RingGraph",
-              "MeshGrid2DGraph", "StarGraph", "FullyConnectedGraph")
+TOPOLOGIES = ("ExponentialTwoGraph", "ExponentialGraph", "SymmetricExponentialGraph", "PlusMinusExponentialGraph",
+              "RingGraph", "MeshGrid2DGraph", "StarGraph", "FullyConnectedGraph")
 
 
 @dataclass(frozen=True)
