@@ -168,6 +168,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             speed = f"{ddp[0] / value[0]:.2f}x" if ddp else "-"
             table.add_row(name, f"{value[0]:.3f}", f"{value[1]:.3f}", speed)
     Console(width=110).print(table)
+    if args.plan:
+        from syncplane.algorithms.flexreduce.cost import ELEMENT_SIZE
+        from syncplane.algorithms.flexreduce.plan import describe, plan_for
+        from syncplane.algorithms.flexreduce.tree import from_profile
+
+        tree = from_profile(profile)
+        print(describe(tree, plan_for(tree, payload // ELEMENT_SIZE), ELEMENT_SIZE))
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": profile.name, "world_size": profile.world_size,
                                                "payload_bytes": payload, "alpha_s": model.alpha_s,
@@ -238,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="parallel connections of the multi-stream algorithms (DiLoCo's shards, "
                                "DS-Sync's pair streams)")
     simulate.add_argument("--json", help="also write the predictions here")
+    simulate.add_argument("--plan", action="store_true",
+                          help="also print FlexReduce's plan on this cluster (reduce calls per learner, bytes per "
+                               "link per level, ranges owned)")
     simulate.set_defaults(func=cmd_simulate)
     return parser
 

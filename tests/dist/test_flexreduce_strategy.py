@@ -41,14 +41,19 @@ def _both(rank: int, world: int, tmp_dir: str) -> tuple[torch.Tensor, ...]:
     # gradient accumulation: DDP's no_sync on the first micro-batch, the hook on the second
     ddp_acc = _train_digits(rank, world, tmp_dir, "ddp", {}, accumulate_grad_batches=2)
     flex_acc = _train_digits(rank, world, tmp_dir, "flexreduce", {"topology": [1, 3]}, accumulate_grad_batches=2)
-    return ddp, flex, plain, ddp_acc, flex_acc
+    # mixed precision (bf16 autocast on CPU): the hook still sees the fp32 gradient buckets
+    ddp_amp = _train_digits(rank, world, tmp_dir, "ddp", {}, precision="bf16-mixed")
+    flex_amp = _train_digits(rank, world, tmp_dir, "flexreduce", {"topology": [1, 3]}, precision="bf16-mixed")
+    return ddp, flex, plain, ddp_acc, flex_acc, ddp_amp, flex_amp
 
 
 def test_flexreduce_equals_ddp_after_5_steps_on_digits(tmp_path) -> None:
     results = run_distributed(_both, 4, str(tmp_path), timeout=500)
-    for ddp, flex, plain, ddp_acc, flex_acc in results:
+    for ddp, flex, plain, ddp_acc, flex_acc, ddp_amp, flex_amp in results:
         torch.testing.assert_close(flex, ddp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(flex_acc, ddp_acc, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flex_amp, ddp_amp, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(flex_amp, flex)             # bf16 autocast did change the run
         assert torch.equal(flex, plain)                    # pipelining does not change a bit
         assert torch.equal(flex, results[0][1])            # replicas identical
         assert not torch.equal(flex_acc, flex)             # accumulation did change the run

@@ -30,3 +30,10 @@ def test_period_and_streams_are_inputs_and_are_reported(tmp_path):
 def test_bad_period_is_a_config_error(tmp_path, capsys):
     assert cli.main(["simulate", "--cluster", "two_racks", "--period", "0"]) == 2
     assert "--period and --streams must be at least 1, got 0 and 1" in capsys.readouterr().err
+
+
+def test_plan_prints_flexreduces_reduce_calls_and_link_bytes(tmp_path, capsys):
+    assert cli.main(["simulate", "--cluster", "asymmetric_2_3", "--strategies", "ddp,flexreduce",
+                     "--payload-mb", "25", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "flexreduce plan:" in out and "reduce calls; per learner" in out and "owned after reduce-scatter" in out
