@@ -166,8 +166,9 @@ def test_schedule_averages_within_the_patterns_group_every_step():
 
 
 def _adjusting(rank: int, world: int):
-    import time
+    import types
 
+    import syncplane.comm.ds_sync as ds_sync_module
     from syncplane.comm import make_buckets
     from syncplane.comm.ds_sync import DSSync
 
@@ -180,10 +181,20 @@ def _adjusting(rank: int, world: int):
         probes.append(True)
         return slow_bw, [3], []
 
+    # The runtime's clock is the test's: each group average "takes" 10 ms, 300 ms from step 2
+    # on in rank 3's group (rank 3 starts lagging after the first window). A real sleep would
+    # make the flagged steps depend on how loaded the machine is.
+    clock = [0.0]
+    ds_sync_module.time = types.SimpleNamespace(perf_counter=lambda: clock[0])
     runtime = DSSync([list(range(world))], bw, adjust_every=2, imbalance=1.5, reprobe=reprobe)
-    for step in range(6):
-        if rank == 3 and step >= 2:
-            time.sleep(0.3)                                     # rank 3 starts lagging after the first window
+    real_average = runtime.groups.group_average_
+
+    def timed_average(buckets, group, meter=None):
+        real_average(buckets, group, meter)
+        clock[0] += 0.3 if 3 in group and runtime.step >= 2 else 0.01
+
+    runtime.groups.group_average_ = timed_average
+    for _ in range(6):
         runtime.sync_(make_buckets([torch.full((1000,), float(rank))]))
     return runtime.adjustments, runtime.pattern.iterations, len(probes)
 
