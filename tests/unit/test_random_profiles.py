@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +70,7 @@ def _connected(world: int, groups) -> bool:
     return len({find(r) for r in range(world)}) == 1
 
 
+@pytest.mark.slow   # ~1.5 min alone on 2 cores: the α-β model of every strategy on every profile
 @settings(max_examples=PROFILES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(profiles())
