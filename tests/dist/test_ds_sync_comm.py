@@ -225,7 +225,6 @@ def test_real_probe_on_localhost_measures_every_pair_and_is_cached(tmp_path):
     bw = np.asarray(topo["bandwidth"])
     off = bw[~np.eye(3, dtype=bool)]
     assert np.all(np.isfinite(off)) and np.all(off > 0)
-    assert np.allclose(bw, bw.T)
     assert topo["racks"] == [[0, 1, 2]]
     assert all(r[0] == topo for r in results)                  # same result on every rank
     assert all("cached" in r[1] for r in results)
