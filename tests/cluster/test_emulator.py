@@ -67,6 +67,7 @@ def pump(conns):
 
 if mode.startswith("accept"):
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((addr, port)); s.listen(16)
+    print("listening", flush=True)
     conns = [s.accept()[0] for _ in range(streams)]
 else:
     conns = [socket.create_connection((addr, port)) for _ in range(streams)]
@@ -85,7 +86,7 @@ def tcp_mbit(profile, src: str, dst: str, seconds: float = 2.0, streams: int = 1
     args = [address, "7001", str(streams), str(seconds)]
     server = subprocess.Popen(["ip", "netns", "exec", emulator.host_namespace(listener), sys.executable, "-c",
                                FLOW_TOOL, listen_mode, *args], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    assert server.stdout.readline().strip() == "listening"   # the client connects only after listen()
     client = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(connector), sys.executable, "-c",
                              FLOW_TOOL, connect_mode, *args], check=True, timeout=60, capture_output=True, text=True)
     out, _ = server.communicate(timeout=60)
@@ -94,8 +95,8 @@ def tcp_mbit(profile, src: str, dst: str, seconds: float = 2.0, streams: int = 1
 
 def test_up_builds_every_host_and_down_removes_everything(cluster):
     names = emulator.namespaces()
-    assert names == sorted(["sp-switch", "sp-h-a0", "sp-h-a1", "sp-h-b0"])
-    links = subprocess.run(["ip", "netns", "exec", "sp-h-b0", "ip", "-br", "addr"], capture_output=True,
+    assert names == sorted([emulator.switch_namespace(), *(emulator.host_namespace(h) for h in ("a0", "a1", "b0"))])
+    links = subprocess.run(["ip", "netns", "exec", emulator.host_namespace("b0"), "ip", "-br", "addr"], capture_output=True,
                            text=True).stdout
     assert "198.18.0.3" in links and "198.18.1.3" in links            # two NICs on b0
     assert emulator.status()["profile"] == "test_two_racks"
@@ -105,11 +106,12 @@ def test_up_builds_every_host_and_down_removes_everything(cluster):
 
 
 def test_down_cleans_up_after_a_crash_by_name_prefix():
-    subprocess.run(["ip", "netns", "add", "sp-h-leftover"], check=True)
-    sleeper = subprocess.Popen(["ip", "netns", "exec", "sp-h-leftover", "sleep", "600"])
+    leftover = emulator.host_namespace("leftover")
+    subprocess.run(["ip", "netns", "add", leftover], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", leftover, "sleep", "600"])
     time.sleep(0.3)
     removed = emulator.down()
-    assert "sp-h-leftover" in removed and emulator.namespaces() == []
+    assert leftover in removed and emulator.namespaces() == []
     assert sleeper.wait(timeout=10) != 0      # what ran inside was ended
 
 
@@ -126,7 +128,7 @@ def test_hosts_reach_each_other_only_through_the_emulated_links(cluster):
     root_addrs = subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout
     assert "198.18." not in root_addrs and "hp0n0" not in root_addrs
     # host namespaces hold only loopback and their own NICs
-    links = subprocess.run(["ip", "netns", "exec", "sp-h-a0", "ip", "-br", "link"], capture_output=True,
+    links = subprocess.run(["ip", "netns", "exec", emulator.host_namespace("a0"), "ip", "-br", "link"], capture_output=True,
                            text=True).stdout.split("\n")
     assert sorted(line.split()[0].split("@")[0] for line in links if line.strip()) == ["eth0", "lo"]
 
