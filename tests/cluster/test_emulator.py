@@ -192,7 +192,7 @@ def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
 
 def test_profile_and_world_size_mismatch_fails_before_launch(tmp_path):
     result = subprocess.run([sys.executable, "train.py", "cluster=two_racks", "trainer.devices=2",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "trainer.devices: 2 processes, but cluster profile 'two_racks' has 8 ranks" in result.stderr
     assert emulator.namespaces() == []
