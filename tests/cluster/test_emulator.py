@@ -176,18 +176,30 @@ def test_bench_measures_ddp_and_cross_checks_bytes(cluster, tmp_path):
     assert atc["nic_bytes_per_rank"] == pytest.approx(2 * 2**20, rel=0.15)
 
 
+def nic_tx_bytes(host: str, nic: str) -> int:
+    """Bytes the emulated host has sent on one NIC so far (the kernel's counter)."""
+    out = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(host), "cat",
+                          f"/sys/class/net/{nic}/statistics/tx_bytes"], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
 def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
     run_dir = tmp_path / "run"
     try:
         result = subprocess.run(
             [sys.executable, "train.py", "cluster=multi_nic", "trainer.devices=4", "trainer.max_epochs=1",
              f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        sent = {(host, nic): nic_tx_bytes(host, nic) for host in ("n0", "n1") for nic in ("eth0", "eth1")}
     finally:
         emulator.down()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["steps"] > 0
     assert "on emulated cluster 'multi_nic'" in result.stdout
+    # both NICs of both hosts carried the job's traffic (gloo is given eth0,eth1)
+    print(f"tx bytes per NIC: {sent}")
+    for host in ("n0", "n1"):
+        assert sent[host, "eth1"] > 0.1 * sent[host, "eth0"] > 0, sent
 
 
 def test_profile_and_world_size_mismatch_fails_before_launch(tmp_path):
