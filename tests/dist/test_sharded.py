@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import run_distributed, straggle_after_peers_started
 
 
 def _inputs(world: int, numel: int, seed: int) -> list[torch.Tensor]:
@@ -72,17 +72,18 @@ def test_int8_mean_is_within_the_codec_bound_and_identical_on_every_rank():
 
 
 def _straggler(rank: int, world: int, late_rank: int):
-    import time
-
     from syncplane.comm import ShardedAllReduce
 
-    exchange = ShardedAllReduce(2, timeout_s=1.0)
+    exchange = ShardedAllReduce(2, timeout_s=60.0)
     flats, outcomes = [], []
     for round_ in range(3):
         flat = torch.full((1000,), float(rank + 10 * round_))
         before = flat.clone()
-        if round_ == 1 and rank == late_rank:
-            time.sleep(2.5)   # a straggler: every other rank's round times out
+        if round_ == 1:   # a straggler: every other rank's round times out (after 1 s)
+            exchange.timeout_s = 1.0
+            straggle_after_peers_started("straggler", rank == late_rank, exchange.timeout_s)
+        else:
+            exchange.timeout_s = 60.0
         committed = exchange.allreduce_mean_(flat)
         outcomes.append(committed)
         flats.append((before, flat.clone()))

@@ -42,8 +42,8 @@ def _window_ops(rank, world, seed):
     return x, results
 
 
-def test_window_put_accumulate_get_update_against_reference():
-    world, seed = 4, int(torch.randint(0, 2**30, ()))
+def test_window_put_accumulate_get_update_against_reference(test_seed):
+    world, seed = 4, test_seed
     results = run_distributed(_window_ops, world, seed, timeout=180)
     X = [r[0] for r in results]
     for r, (x, res) in enumerate(results):
@@ -56,10 +56,11 @@ def test_window_put_accumulate_get_update_against_reference():
         torch.testing.assert_close(res["collect"], x + res["after_acc"][left] + X[right] * 3.0)
 
 
-def _push_sum(rank, world, seed, slow_rank):
+def _push_sum(rank, world, seed, slow_rank, iterations):
     import time
 
     import torch
+    from torch.distributed import distributed_c10d
 
     import syncplane.comm as sc
     from syncplane.comm import topology as T
@@ -67,25 +68,35 @@ def _push_sum(rank, world, seed, slow_rank):
     sc.set_topology(T.ExponentialTwoGraph(world))
     g = torch.Generator().manual_seed(seed + rank)
     x = torch.randn(5, generator=g, dtype=torch.float64)
-    iterations = []
+    store = distributed_c10d._get_default_store()
+    others = [r for r in range(world) if r != slow_rank]
+    iterations_seen = []
 
-    def maybe_slow(i):
-        iterations.append(i)
-        if rank == slow_rank:
-            time.sleep(0.01)
+    def pace(i):
+        # The straggler runs half as many iterations as the others and starts iteration i only
+        # once every other rank has started iteration 2i: the ranks mix concurrently at
+        # different speeds, paced by events rather than by sleeps, so the run does not depend
+        # on the machine's load.
+        if rank != slow_rank:
+            store.add(f"push_sum/{rank}", 1)
+        else:
+            while min(store.add(f"push_sum/{r}", 0) for r in others) < 2 * i:
+                time.sleep(0.001)
+            iterations_seen.append(min(store.add(f"push_sum/{r}", 0) for r in others))
 
+    mine = iterations // 2 if rank == slow_rank else iterations
     try:
-        average = sc.push_sum_average(x, seconds=2.0, on_iteration=maybe_slow)
+        average = sc.push_sum_average(x, iterations=mine, on_iteration=pace)
     finally:
         sc.window.shutdown()
-    return x, average, len(iterations)
+    return x, average, iterations_seen
 
 
-def test_push_sum_reaches_the_average_with_a_straggler():
-    world, seed = 4, int(torch.randint(0, 2**30, ()))
-    results = run_distributed(_push_sum, world, seed, 2, timeout=180)
+def test_push_sum_reaches_the_average_with_a_straggler(test_seed):
+    world, seed, slow, iterations = 4, test_seed, 2, 80
+    results = run_distributed(_push_sum, world, seed, slow, iterations, timeout=180)
     true_average = torch.stack([r[0] for r in results]).mean(0)
     for x, average, _ in results:
         torch.testing.assert_close(average, true_average, rtol=0, atol=1e-5)
-    counts = [r[2] for r in results]
-    assert counts[2] < min(c for i, c in enumerate(counts) if i != 2), f"rank 2 was not slower: {counts}"
+    seen = results[slow][2]
+    assert len(seen) == iterations // 2 and all(s >= 2 * i for i, s in enumerate(seen)), seen

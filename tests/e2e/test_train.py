@@ -99,6 +99,7 @@ def test_info_reports_extension_and_strategies():
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["extension"]["built"] is True
-    assert isinstance(info["extension"]["cuda_kernels"], bool)
+    cuda = info["extension"]["cuda_kernels"]   # reported built only where nvcc could build them
+    assert cuda is False or (cuda is True and info["extension"]["nvcc"] is True), info["extension"]
     assert "ddp" in info["strategies"]
     assert info["backends"]["gloo"] is True

@@ -89,3 +89,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     import torch
 
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def straggle_after_peers_started(key: str, late: bool, timeout_s: float) -> None:
+    """The late rank waits until every other rank has started the round (set ``key/<rank>``),
+    then stays away for three times their timeout: their round fails for certain, however
+    loaded the machine is, while rounds without a straggler get a generous timeout."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    if not late:
+        store.set(f"{key}/{dist.get_rank()}", "started")
+        return
+    store.wait([f"{key}/{r}" for r in range(dist.get_world_size()) if r != dist.get_rank()])
+    time.sleep(3 * timeout_s)

@@ -8,6 +8,7 @@ import pytest
 from syncplane.cluster.probe import Topology
 from syncplane.algorithms.ds_sync.engine import choose_candidate, flagged_steps
 from syncplane.algorithms.ds_sync.pattern import (
+    MAX_PERIOD,
     GroupPattern,
     PatternError,
     build_pattern,
@@ -152,3 +153,25 @@ def test_ring_time_is_the_slowest_link():
     bw[1, 2] = bw[2, 1] = 10.0
     assert ring_time_s((0, 1, 2), 300, bw) == pytest.approx(2 * 2 / 3 * 300 / 10)
     assert ring_time_s((0,), 300, bw) == 0.0
+
+
+@pytest.mark.parametrize("sizes,slow_ranks,slow_racks", [
+    ([4, 1, 2], [0], [0]),            # a rack of two whose representative turn aliases with the pairing
+    ([2, 9, 9], [2, 13], [0]),
+    ([2, 9, 2, 4], [3], [0, 2]),
+    ([9, 13, 5, 9], [31, 32], [1, 3]),   # lcm of the regular rack sizes far beyond MAX_PERIOD
+])
+def test_uneven_racks_that_used_to_be_refused_now_mix(sizes, slow_ranks, slow_racks):
+    starts = np.cumsum([0, *sizes])
+    racks = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+    pattern = build_pattern(racks, slow_ranks, slow_racks)
+    n = sum(sizes)
+    product = np.eye(n)
+    for groups in pattern.iterations:     # W_k from the groups, independently of the pattern's own
+        assert sorted(r for g in groups for r in g) == list(range(n))
+        w = np.zeros((n, n))
+        for g in groups:
+            w[np.ix_(g, g)] = 1.0 / len(g)
+        product = w @ product
+    assert np.linalg.norm(product - np.full((n, n), 1.0 / n), 2) < 1 - 1e-9
+    assert pattern.period <= MAX_PERIOD

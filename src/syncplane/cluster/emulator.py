@@ -13,6 +13,9 @@ Shaping is ``tbf`` per direction, or ``htb`` with 64 per-flow classes selected b
 ``u32`` hash of both TCP ports when ``per_flow_mbit`` caps each flow (a WAN path where
 one stream cannot fill the pipe). ``down`` deletes every namespace whose name
 starts with ``sp-`` (killing what runs inside first), so it cleans up after a crash too.
+``$SYNCPLANE_EMULATOR_PREFIX`` replaces ``sp-`` in every name (and gives the cluster its own
+state and lock file): the test suite builds its clusters under a prefix of its own, so it
+never tears down a user's cluster or another suite's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,9 +37,10 @@ from typing import Any
 from syncplane.cluster.profile import ClusterProfile, Host
 
 NS_PREFIX = "sp-"
-SWITCH_NS = "sp-switch"
-STATE_FILE = Path("/run/syncplane/emulator.json")
-LOCK_FILE = Path("/run/syncplane/emulator.lock")
+#: Another prefix gives a cluster of its own (namespaces, state and lock), e.g. one per test
+#: run: ``down`` then removes only that prefix's namespaces and never a user's ``sp-`` cluster.
+PREFIX_ENV = "SYNCPLANE_EMULATOR_PREFIX"
+RUN_DIR = Path("/run/syncplane")
 FLOW_PORT = 5201
 
 
@@ -43,8 +48,30 @@ class EmulationError(RuntimeError):
     """The emulator cannot run here, or a command it ran failed (the message says which)."""
 
 
+def ns_prefix() -> str:
+    """The namespace prefix of this process's emulated cluster (``$SYNCPLANE_EMULATOR_PREFIX``,
+    default ``sp-``); read at every call, so child processes and tools agree through the env."""
+    prefix = os.environ.get(PREFIX_ENV, NS_PREFIX)
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,15}-", prefix):
+        raise EmulationError(f"{PREFIX_ENV}={prefix!r}: expected a lowercase name of at most 16 letters "
+                             "or digits followed by '-' (e.g. 'spt42-')")
+    return prefix
+
+
+def switch_namespace() -> str:
+    return f"{ns_prefix()}switch"
+
+
+def _state_file() -> Path:
+    return RUN_DIR / f"emulator-{ns_prefix()[:-1]}.json"
+
+
+def _lock_file() -> Path:
+    return RUN_DIR / f"emulator-{ns_prefix()[:-1]}.lock"
+
+
 def host_namespace(host: Host | str) -> str:
-    return f"{NS_PREFIX}h-{host if isinstance(host, str) else host.name}"
+    return f"{ns_prefix()}h-{host if isinstance(host, str) else host.name}"
 
 
 def require_support() -> None:
@@ -116,14 +143,15 @@ def shape(ns: str, dev: str, mbit: float, per_flow_mbit: float | None = None) ->
 
 def namespaces() -> list[str]:
     listed = _run("ip", "netns", "list").stdout.split("\n")
-    return sorted(line.split()[0] for line in listed if line.strip().startswith(NS_PREFIX))
+    prefix = ns_prefix()
+    return sorted(line.split()[0] for line in listed if line.strip().startswith(prefix))
 
 
 @contextmanager
 def _exclusive() -> Iterator[None]:
     """Changing the cluster while a job runs on it would kill the job: refuse instead."""
-    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK_FILE, "w") as lock:
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(_lock_file(), "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -136,8 +164,8 @@ def _exclusive() -> Iterator[None]:
 def in_use(profile: ClusterProfile) -> Iterator[None]:
     """Bring ``profile`` up if needed and hold it (shared) while a job runs on it."""
     require_support()
-    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK_FILE, "w") as lock:
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(_lock_file(), "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if not is_up(profile):
@@ -169,13 +197,14 @@ def _down() -> list[str]:
                 pass
         _run("ip", "netns", "del", ns, check=False)
         removed.append(ns)
-    STATE_FILE.unlink(missing_ok=True)
+    _state_file().unlink(missing_ok=True)
     return removed
 
 
 def status() -> dict[str, Any]:
     """What is up: the profile recorded at ``up`` and the namespaces that exist now."""
-    state = json.loads(STATE_FILE.read_text()) if STATE_FILE.exists() else None
+    state_file = _state_file()
+    state = json.loads(state_file.read_text()) if state_file.exists() else None
     return {"profile": state["profile"] if state else None, "namespaces": namespaces() if os.geteuid() == 0 else []}
 
 
@@ -193,29 +222,30 @@ def _up(profile: ClusterProfile) -> None:
     except Exception:
         _down()
         raise
-    STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    STATE_FILE.write_text(json.dumps({"profile": profile.name, "hosts": [h.name for h in profile.hosts]}))
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    _state_file().write_text(json.dumps({"profile": profile.name, "hosts": [h.name for h in profile.hosts]}))
 
 
 def _build(profile: ClusterProfile) -> None:
-    _run("ip", "netns", "add", SWITCH_NS)
-    _ns(SWITCH_NS, "ip", "link", "set", "lo", "up")
+    switch = switch_namespace()
+    _run("ip", "netns", "add", switch)
+    _ns(switch, "ip", "link", "set", "lo", "up")
     multi_rack = len(profile.racks) > 1
     if multi_rack:
-        _ns(SWITCH_NS, "ip", "link", "add", "core0", "type", "bridge")
-        _ns(SWITCH_NS, "ip", "link", "set", "core0", "up")
+        _ns(switch, "ip", "link", "add", "core0", "type", "bridge")
+        _ns(switch, "ip", "link", "set", "core0", "up")
     for r, rack in enumerate(profile.racks):
         bridge = f"rack{r}"
-        _ns(SWITCH_NS, "ip", "link", "add", bridge, "type", "bridge")
-        _ns(SWITCH_NS, "ip", "link", "set", bridge, "up")
+        _ns(switch, "ip", "link", "add", bridge, "type", "bridge")
+        _ns(switch, "ip", "link", "set", bridge, "up")
         if multi_rack:
             rack_end, core_end = f"upl{r}r", f"upl{r}c"
-            _ns(SWITCH_NS, "ip", "link", "add", rack_end, "type", "veth", "peer", "name", core_end)
-            _ns(SWITCH_NS, "ip", "link", "set", rack_end, "master", bridge, "up")
-            _ns(SWITCH_NS, "ip", "link", "set", core_end, "master", "core0", "up")
+            _ns(switch, "ip", "link", "add", rack_end, "type", "veth", "peer", "name", core_end)
+            _ns(switch, "ip", "link", "set", rack_end, "master", bridge, "up")
+            _ns(switch, "ip", "link", "set", core_end, "master", "core0", "up")
             assert rack.uplink_mbit is not None
-            shape(SWITCH_NS, rack_end, rack.uplink_mbit, rack.per_flow_mbit)   # rack -> core
-            shape(SWITCH_NS, core_end, rack.uplink_mbit, rack.per_flow_mbit)   # core -> rack
+            shape(switch, rack_end, rack.uplink_mbit, rack.per_flow_mbit)   # rack -> core
+            shape(switch, core_end, rack.uplink_mbit, rack.per_flow_mbit)   # core -> rack
     for host in profile.hosts:
         ns = host_namespace(host)
         _run("ip", "netns", "add", ns)
@@ -223,17 +253,17 @@ def _build(profile: ClusterProfile) -> None:
         for k in range(host.spec.nics):
             port = f"hp{host.index}n{k}"
             _run("ip", "link", "add", f"eth{k}", "netns", ns, "type", "veth", "peer", "name", port,
-                 "netns", SWITCH_NS)
-            _ns(SWITCH_NS, "ip", "link", "set", port, "master", f"rack{host.rack}", "up")
+                 "netns", switch)
+            _ns(switch, "ip", "link", "set", port, "master", f"rack{host.rack}", "up")
             _ns(ns, "ip", "addr", "add", f"{host.address(k)}/24", "dev", f"eth{k}")
             _ns(ns, "ip", "link", "set", f"eth{k}", "up")
             shape(ns, f"eth{k}", host.spec.nic_mbit, host.spec.per_flow_mbit)          # host -> switch
-            shape(SWITCH_NS, port, host.spec.nic_mbit, host.spec.per_flow_mbit)       # switch -> host
+            shape(switch, port, host.spec.nic_mbit, host.spec.per_flow_mbit)       # switch -> host
 
 
 def is_up(profile: ClusterProfile) -> bool:
     current = status()
-    wanted = {SWITCH_NS, *(host_namespace(h) for h in profile.hosts)}
+    wanted = {switch_namespace(), *(host_namespace(h) for h in profile.hosts)}
     return current["profile"] == profile.name and wanted <= set(current["namespaces"])
 
 

@@ -42,6 +42,7 @@ from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
 from syncplane.comm.meter import CommMeter
 
 _TAG_SCATTER, _TAG_GATHER = 1, 2
+_CONNECT_TIMEOUT_S = 60.0   # floor of the time a data group may take to connect
 _instances = 0   # advanced identically on every rank (construction is collective)
 
 
@@ -204,8 +205,10 @@ class ShardedAllReduce:
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), self.rank, self.size, options)
 
     def _build_groups(self) -> list[dist.ProcessGroupGloo]:
-        nics = self.interfaces or [None]
-        return [self._group(f"shard{s}", nics[s % len(nics)], self.timeout_s) for s in range(self.shards)]
+        # A round's deadline is enforced by ``_wait_all``; the groups' own timeout only bounds
+        # connecting them, which a short ``timeout_s`` on a loaded machine must not fail.
+        nics, connect_s = self.interfaces or [None], max(self.timeout_s, _CONNECT_TIMEOUT_S)
+        return [self._group(f"shard{s}", nics[s % len(nics)], connect_s) for s in range(self.shards)]
 
     def _rebuild(self) -> None:
         for group in self._groups:

@@ -27,13 +27,14 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
     exchanging its 1/L shard with local rank ℓ of the neighbour rack (one-peer schedule over
     racks), then an all-gather inside the rack (the other half). Buckets are pipelined, so
     the three phases overlap: one step is modelled as a single phase carrying all their
-    flows (each link's total load at its rate; one latency)."""
+    flows (each link's total load at its rate; one latency). Racks of different sizes: shard
+    ℓ of a rack of L ranks goes to local rank ℓ mod L' of a neighbour rack of L' ranks."""
     machines = rack_machines(profile)
     schedule = OnePeerSchedule(len(machines))
     half_ring = [flow for phase in concurrent_group_allreduces(machines, payload_bytes / 2) for flow in phase]
     steps = []
     for t in range(schedule.period):
-        shards = [(src, machines[k][i], payload_bytes / len(m))
+        shards = [(src, machines[k][i % len(machines[k])], payload_bytes / len(m))
                   for mi, m in enumerate(machines) for i, src in enumerate(m)
                   for k in schedule.plan(t, mi).dst_weights]
         steps.append([half_ring + shards + half_ring])

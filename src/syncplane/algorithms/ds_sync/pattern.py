@@ -128,8 +128,10 @@ def build_pattern(racks: Sequence[Sequence[int]], slow_ranks: Iterable[int] = ()
     A slow rank is split off only when its rack has enough regular ranks (a partner per
     slow rank, a representative, and one more); a slow rack only when there are at least
     as many regular racks. Otherwise that bottleneck stays where it is (nothing smaller
-    exists to put it in). Raises PatternError if the racks do not partition the ranks or
-    the period does not mix all of them.
+    exists to put it in). The period mixes all ranks by construction, for any racks of
+    any sizes: where the rotations alone do not connect every rank, two connecting
+    iterations are appended (``_with_connector``). Raises PatternError only if the racks
+    do not partition the ranks or a slow rack does not exist.
     """
     racks = [sorted(r) for r in racks]
     world = sum(len(r) for r in racks)
@@ -154,15 +156,39 @@ def build_pattern(racks: Sequence[Sequence[int]], slow_ranks: Iterable[int] = ()
     fast_r = [k for k in range(len(racks)) if k not in slow_r]
     if len(fast_r) < len(slow_r) or len(racks) < 3:
         slow_r, fast_r = [], list(range(len(racks)))
-    base = math.lcm(*(len(reg) for reg in regular), len(fast_r) if slow_r else 1)
+    pairing = len(fast_r) if slow_r else 1
+    base = math.lcm(*(len(reg) for reg in regular), pairing)
+    if base > MAX_PERIOD:
+        # Rack sizes with a huge lcm (9, 13, 5, ...): a shorter period in which every rank
+        # still takes every role (representative, partner) at least once.
+        base = max(len(reg) for reg in regular) * pairing
     pattern = _pattern(world, regular, split, slow_r, fast_r, base, shift=False)
-    if pattern.lambda2 >= 1.0 - LAMBDA2_TOLERANCE and multi:
+    longest = max(len(r) for r in regular)
+    if pattern.lambda2 >= 1.0 - LAMBDA2_TOLERANCE and multi and base * longest <= MAX_PERIOD:
         # Racks of ≤ 2 regular ranks have no intra-rack group to mix through, and reps that
         # rotate in lockstep always meet the same partners: shift rack k's rotation by k
         # every period so the representatives meet every combination.
-        pattern = _pattern(world, regular, split, slow_r, fast_r, base * max(len(r) for r in regular), shift=True)
+        pattern = _pattern(world, regular, split, slow_r, fast_r, base * longest, shift=True)
+    if pattern.lambda2 >= 1.0 - LAMBDA2_TOLERANCE:
+        pattern = _with_connector(pattern, racks)
     pattern.check_mixing()
     return pattern
+
+
+def _with_connector(pattern: GroupPattern, racks: list[list[int]]) -> GroupPattern:
+    """``pattern`` with two iterations appended that connect every rank by themselves, so
+    the period mixes by construction (its union of groups is connected, Lemma IV.1):
+    every rack averages as a whole (no uplink used), then one representative per rack
+    averages across racks while the rest of each rack averages inside it (one flow per
+    uplink). Needed only where the rotations alias -- racks of one or two regular ranks
+    whose representative turns come up exactly when their rack is paired off, say; costs
+    two of the period's iterations (the slow members' splits do not apply in them)."""
+    whole = tuple(sorted(tuple(r) for r in racks))
+    reps = tuple(sorted(r[0] for r in racks))
+    rests = [tuple(r[1:]) for r in racks if len(r) > 1]
+    across = tuple(sorted([reps, *rests])) if len(racks) > 1 else whole
+    connector = (whole,) if across == whole else (whole, across)
+    return GroupPattern(pattern.world_size, pattern.iterations + connector)
 
 
 def _pattern(world: int, regular: list[list[int]], split: list[list[int]], slow_r: list[int], fast_r: list[int],
