@@ -77,6 +77,9 @@ class SyncplaneStrategy(DDPStrategy):
         self._metered = (0.0, 0)   # comm meter totals at the last logged step
         self._stashed_replica: list[torch.Tensor] | None = None
         self._model_buckets: list[Bucket] | None = None   # built once: the model's tensors do not move
+        #: What the strategy decided at setup that a reader of the summary needs (e.g. what
+        #: H-ATC took as a machine); written to ``summary.json`` as ``strategy_details``.
+        self.details: dict[str, Any] = {}
 
     # ------------------------------------------------------------ extension points
 

@@ -24,6 +24,7 @@ Hooks used (see ``SyncplaneStrategy``): ``setup_sync`` (schedule, averager, chec
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -32,12 +33,14 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from syncplane.algorithms.decentralized.config import DecentralizedConfig
-from syncplane.algorithms.decentralized.machines import machine_size
+from syncplane.algorithms.decentralized.machines import machines_for
 from syncplane.comm import context, topology
 from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager
 from syncplane.algorithms.decentralized.schedule import build_schedule
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
+
+log = logging.getLogger(__name__)
 
 class NeighborAveragingStrategy(SyncplaneStrategy):
     """Shared glue of the four decentralized strategies; subclasses pick when to mix.
@@ -53,7 +56,7 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     combine_buffers_after_step = False  # AWC: buffers are mixed after the step (see setup_sync)
 
     def __init__(self, topology: str = "ExponentialTwoGraph", topology_kwargs: dict[str, Any] | None = None,
-                 schedule: str = "one_peer", global_every: int = 0, machines: str = "host",
+                 schedule: str = "one_peer", global_every: int = 0, machines: str = "auto",
                  ranks_per_machine: int | None = None,
                  check_schedule: bool = True, timeout_s: float = 300.0, consensus_every: int = 10,
                  bucket_mb: float = NEIGHBOR_BUCKET_BYTES / 2**20, **kwargs: Any) -> None:
@@ -69,7 +72,12 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     @override
     def setup_sync(self) -> None:
         config = self.config
-        local = (config.ranks_per_machine or machine_size(config.machines)) if self.hierarchical else 1
+        local = 1
+        if self.hierarchical:
+            used, local = machines_for(config.machines, config.ranks_per_machine)
+            self.details = {"machines": used, "ranks_per_machine": local}
+            if self.is_global_zero:
+                log.info("%s: machines = %s, %d ranks each", type(self).__name__, used, local)
         if self.world_size % local:
             raise ValueError(f"world size {self.world_size} is not a multiple of ranks_per_machine {local}")
         participants = self.world_size // local if self.hierarchical else self.world_size

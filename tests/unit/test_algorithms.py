@@ -47,3 +47,17 @@ def test_periodic_families_are_amortized_over_their_period():
         one = strategy_time(model, name, 2**24, CostOptions(period=1))
         ten = strategy_time(model, name, 2**24, CostOptions(period=10))
         assert ten == pytest.approx((one[0] / 10, one[1] / 10))
+
+
+@pytest.mark.parametrize(("local_world_size", "expected"), [("4", "host"), ("1", "rack")])
+def test_hierarchical_machines_auto_means_hosts_when_hosts_run_several_ranks(monkeypatch, local_world_size, expected):
+    from syncplane.algorithms.decentralized.machines import machines_for, resolve_machines
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    assert resolve_machines("auto") == expected
+    assert resolve_machines("rack") == "rack" and resolve_machines("host") == "host"
+    assert machines_for("auto", ranks_per_machine=3) == ("explicit", 3)
+    if expected == "host":
+        assert machines_for("auto") == ("host", 4)
+    with pytest.raises(ValueError, match="unknown machine kind 'node'; allowed values: auto, host, rack"):
+        resolve_machines("node")

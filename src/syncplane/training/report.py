@@ -190,6 +190,7 @@ class RunReport(Callback):
             "comm": {"seconds": float(totals[1] / world), "bytes_sent_per_rank": float(totals[2] / world)},
             "consensus_distance": distance,
             "train_seconds": train_seconds.item(),
+            "strategy_details": dict(getattr(trainer.strategy, "details", {})),
         }
         if trainer.is_global_zero:
             path = self.run_dir / "summary.json"

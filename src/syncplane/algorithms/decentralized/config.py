@@ -24,7 +24,8 @@ class DecentralizedConfig:
             default: one payload per rank per step) or ``static`` (the graph every step).
         global_every: an exact global average every K steps (0 = never).
         machines: what a machine is for the hierarchical forms: ``host`` (the processes
-            started per host) or ``rack`` (a rack of the cluster profile / probe).
+            started per host), ``rack`` (a rack of the cluster profile / probe) or ``auto``
+            (hosts when hosts run several ranks, else racks).
         ranks_per_machine: explicit machine size (overrides ``machines``).
         check_schedule: verify at setup that every step's senders and receivers agree.
         timeout_s: how long a neighbour exchange may wait before failing with the ranks named.
@@ -34,7 +35,7 @@ class DecentralizedConfig:
     topology_kwargs: dict[str, Any] = field(default_factory=dict)
     schedule: str = "one_peer"
     global_every: int = 0
-    machines: str = "host"
+    machines: str = "auto"
     ranks_per_machine: int | None = None
     check_schedule: bool = True
     timeout_s: float = 300.0
