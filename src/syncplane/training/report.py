@@ -99,6 +99,8 @@ class RunReport(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.run_dir.mkdir(parents=True, exist_ok=True)   # a user's script may name a new folder
         strategy_meter = getattr(trainer.strategy, "comm_meter", None)
         if isinstance(strategy_meter, CommMeter):
             self.meter = strategy_meter
