@@ -17,6 +17,11 @@ from syncplane.comm.buckets import Bucket
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
 
 
+#: Gather equal-sized tensors into one flat output: ``all_gather_single`` where torch has
+#: it (it deprecates ``all_gather_into_tensor``), the older name on the torch floor.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from syncplane import kernels
 from syncplane.comm import context, topology
 from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, make_buckets
+from syncplane.comm.collectives import all_gather_flat
 from syncplane.comm.check import check_if_enabled
 from syncplane.comm.context import Group
 from syncplane.comm.errors import TopologyError
@@ -44,7 +45,7 @@ def _discover(peers: Sequence[int], group: Group) -> list[int]:
     mine = torch.zeros(n, dtype=torch.uint8)
     mine[list(peers)] = 1
     everyone = torch.zeros(n * n, dtype=torch.uint8)
-    dist.all_gather_single(everyone, mine, group=group)
+    all_gather_flat(everyone, mine, group=group)
     return [j for j in range(n) if j != me and everyone[j * n + me]]
 
 
