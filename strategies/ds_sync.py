@@ -33,6 +33,7 @@ from syncplane.comm.ds_sync import DSSync
 from syncplane.comm.pair_streams import PairStreams, check_pair_streams
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
+from syncplane.comm.process_groups import control_group
 
 
 @register("ds_sync", "DS-Sync: concurrent topology-aware group averaging, groups reshuffled every step")
@@ -119,7 +120,7 @@ class DSSyncStrategy(SyncplaneStrategy):
         if self._swa_model is not None:       # every rank's own SWA model (a collective)
             flat = torch.cat([t.reshape(-1) for t in self._swa_model]).cpu()
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
-            dist.all_gather(gathered, flat)
+            dist.all_gather(gathered, flat, group=control_group())   # CPU copies: control plane
             state["swa"] = torch.stack(gathered)
         return state
 

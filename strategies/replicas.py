@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from syncplane.comm.process_groups import control_group
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 
@@ -31,7 +32,7 @@ def gather_replicas(module: torch.nn.Module, optimizers: Sequence[Optimizer],
     """Collective: rank 0 gets a list with every rank's ``replica_state``, others None."""
     state = replica_state(module, optimizers, stash)
     gathered: list[Any] | None = [None] * dist.get_world_size() if is_rank0 else None
-    dist.gather_object(state, gathered, dst=0)
+    dist.gather_object(state, gathered, dst=0, group=control_group())
     return gathered
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from syncplane.comm.context import Group
 from syncplane.comm.errors import TopologyError
+from syncplane.comm.process_groups import control_group
 
 
 def _rank_hashes(n: int) -> torch.Tensor:
@@ -44,7 +45,7 @@ def check_plan(sends: Iterable[int], recvs: Iterable[int], group: Group = None, 
     for j in recvs:
         signature[0, me] -= 1.0
         signature[1:, me] -= hashes[:, j]
-    dist.all_reduce(signature, group=group)
+    dist.all_reduce(signature, group=control_group(group))
     if bool((signature.abs() < 1e-9).all()):
         return
     _raise_with_details(sends, recvs, group, what)
@@ -61,7 +62,7 @@ def check_if_enabled(enable_topo_check: bool | None, dynamic: bool, sends: Itera
 def _raise_with_details(sends: list[int], recvs: list[int], group: Group, what: str) -> None:
     n = dist.get_world_size(group)
     plans: list[object] = [None] * n
-    dist.all_gather_object(plans, (sends, recvs), group=group)
+    dist.all_gather_object(plans, (sends, recvs), group=control_group(group))
     problems = []
     for j, (j_sends, _) in enumerate(plans):  # type: ignore[misc]
         for k in j_sends:

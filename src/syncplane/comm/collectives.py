@@ -15,11 +15,16 @@ import torch.distributed as dist
 
 from syncplane.comm.buckets import Bucket
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
+from syncplane.comm.process_groups import control_group
 
 
-#: Gather equal-sized tensors into one flat output: ``all_gather_single`` where torch has
-#: it (it deprecates ``all_gather_into_tensor``), the older name on the torch floor.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    async_op: bool = False) -> dist.Work | None:
+    """Gather equal-sized tensors into one flat output: ``all_gather_single`` where torch
+    has it (it deprecates ``all_gather_into_tensor``), the older name on the torch floor.
+    Looked up per call, so a test may wrap ``torch.distributed``'s functions."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -61,8 +66,8 @@ def mean_and_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
         return 0.0
     local = torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
     mean = local.clone()
-    dist.all_reduce(mean, group=group)
+    dist.all_reduce(mean, group=control_group(group))
     mean /= n
     ratio = torch.tensor([(local - mean).norm().item() / max(mean.norm().item(), 1e-30)], dtype=torch.float64)
-    dist.all_reduce(ratio, group=group)
+    dist.all_reduce(ratio, group=control_group(group))
     return float(ratio.item() / n)

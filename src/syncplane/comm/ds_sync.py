@@ -32,6 +32,7 @@ from syncplane.comm.group_pattern import Candidates, GroupPattern, candidate_pat
 from syncplane.comm.groups import GroupSet
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.pair_streams import PairStreams, PairStreamTuner, connections
+from syncplane.comm.process_groups import control_group
 
 #: Re-measures the pairwise bandwidth (a collective); returns (bandwidth n×n, slow ranks, slow racks),
 #: the slow lists ordered worst first.
@@ -126,7 +127,7 @@ class DSSync:
         times = torch.tensor(self._window, dtype=torch.float64)
         self._window = []
         gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, times)
+        dist.all_gather(gathered, times, group=control_group())
         first = self.step - len(times)
         decision = torch.zeros(2, dtype=torch.float64)
         if self.rank == 0:
@@ -134,7 +135,7 @@ class DSSync:
                                        payload_bytes, self.imbalance, self.q_ref)
             decision[0] = float(flagged * 2 >= len(times) and self.reprobe is not None)
             decision[1] = q
-        dist.broadcast(decision, 0)
+        dist.broadcast(decision, 0, group=control_group())
         if self.q_ref is None:
             self.q_ref = float(decision[1])
         if not decision[0]:
@@ -144,7 +145,7 @@ class DSSync:
         choice = torch.zeros(1, dtype=torch.int64)
         if self.rank == 0:
             choice[0] = choose_candidate(self.candidates, slow_ranks, slow_racks)
-        dist.broadcast(choice, 0)
+        dist.broadcast(choice, 0, group=control_group())
         self.current = int(choice[0])
         self.q_ref = None
         self.adjustments.append((self.step, self.candidates.keys[self.current]))

@@ -31,6 +31,7 @@ from syncplane.comm.context import Group
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle, completed, exchange
+from syncplane.comm.process_groups import control_group
 
 Weights = Mapping[int, float]
 Destinations = Mapping[int, float] | Sequence[int]
@@ -45,7 +46,7 @@ def _discover(peers: Sequence[int], group: Group) -> list[int]:
     mine = torch.zeros(n, dtype=torch.uint8)
     mine[list(peers)] = 1
     everyone = torch.zeros(n * n, dtype=torch.uint8)
-    all_gather_flat(everyone, mine, group=group)
+    all_gather_flat(everyone, mine, group=control_group(group))
     return [j for j in range(n) if j != me and everyone[j * n + me]]
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from syncplane.comm.groups import GroupSet
+from syncplane.comm.process_groups import control_group
 
 #: Most connections per direction a pair may use.
 MAX_PAIR_STREAMS = 4
@@ -91,7 +92,7 @@ class PairStreamTuner:
         if self.trial_from is not None:
             phase = (step - self.trial_from) // self.period        # 0 warm-up, 1 one stream, 2 K streams
             self.groups.pair_streams = self.groups.max_pair_streams if phase == 2 else 1
-            dist.barrier()
+            dist.barrier(group=control_group())
 
     def after(self, step: int, seconds: float, in_pair: bool) -> None:
         if self.trial_from is None:
@@ -105,13 +106,13 @@ class PairStreamTuner:
         with one stream and with K; rank 0 compares them and broadcasts the count."""
         mine = torch.tensor(self.times, dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
+        dist.all_gather(gathered, mine, group=control_group())
         slowest = torch.stack(gathered).nan_to_num(nan=-1.0).amax(0).tolist()   # per sync; -1: no pair
         p = self.period
         matched = [(slowest[p + k], slowest[2 * p + k]) for k in range(p) if min(slowest[p + k], slowest[2 * p + k]) >= 0]
         one, many = [a for a, _ in matched], [b for _, b in matched]
         choice = torch.tensor([choose_pair_streams(one, many, self.groups.max_pair_streams)])
-        dist.broadcast(choice, 0)                 # every rank computed the same; rank 0's is the rule
+        dist.broadcast(choice, 0, group=control_group())   # every rank computed the same; rank 0's is the rule
         self.groups.pair_streams = int(choice[0])
         self.trial_from, self.times = None, []
         if one and many:

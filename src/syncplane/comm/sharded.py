@@ -40,6 +40,7 @@ from torch.distributed import distributed_c10d
 
 from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
 from syncplane.comm.meter import CommMeter
+from syncplane.comm.process_groups import control_group
 
 _TAG_SCATTER, _TAG_GATHER = 1, 2
 _instances = 0   # advanced identically on every rank (construction is collective)
@@ -176,7 +177,7 @@ class ShardedAllReduce:
             return {}
         mine = torch.stack([f.residual for f in self._feedback])
         gathered = [torch.empty_like(mine) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(mine, gathered, dst=0)
+        dist.gather(mine, gathered, dst=0, group=control_group())
         return {"residuals": gathered} if gathered is not None else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
