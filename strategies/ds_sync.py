@@ -78,12 +78,12 @@ class DSSyncStrategy(SyncplaneStrategy):
 
     @override
     def setup_sync(self) -> None:
-        topo = probe.resolve_topology(self.topology, self.probe_bytes)
+        topo = probe.resolve_topology(self.topology, self.probe_bytes, group=control_group())
         if self.is_global_zero:
             probe.print_table(topo, self.slow_factor)
         self._runtime = probe.ds_sync_for(topo, adjust_every=self.adjust_every, imbalance=self.imbalance,
                                           slow_factor=self.slow_factor, probe_bytes=self.probe_bytes,
-                                          pair_streams=self.pair_streams)
+                                          pair_streams=self.pair_streams, group=control_group())
         if self.is_global_zero:
             print(f"ds_sync: {self._runtime.streams.describe()}", flush=True)
         if self.swa:

@@ -15,6 +15,7 @@ import networkx as nx
 import torch.distributed as dist
 
 from syncplane.comm import topology
+from syncplane.comm.process_groups import control_group
 
 Group = dist.ProcessGroup | None
 
@@ -120,7 +121,7 @@ def machine_size(kind: str = "host") -> int:
         raise ValueError(f"unknown machine kind {kind!r}; allowed values: {', '.join(MACHINE_KINDS)}")
     from syncplane.cluster.probe import resolve_topology
 
-    racks = resolve_topology("auto").racks
+    racks = resolve_topology("auto", group=control_group()).racks
     size = len(racks[0])
     expected = [list(range(k * size, (k + 1) * size)) for k in range(len(racks))]
     if [sorted(r) for r in racks] != expected:
