@@ -40,10 +40,11 @@ def test_torchrun_on_two_emulated_hosts(strategy, two_hosts, tmp_path):
         command = [*emulator.rank_prefix(two_hosts, host.ranks[0]), sys.executable, "-m", "torch.distributed.run",
                    "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                    "--rdzv-id", f"two-hosts-{strategy}", "--max-restarts", "0",
-                   # the namespaces share one hostname, so say which agent hosts the c10d store
-                   "--rdzv-conf", f"is_host={int(node == 0)}",
+                   # the namespaces share one hostname: say which agent hosts the c10d store, and
+                   # which address each node's workers are reached on (what DNS gives on a real cluster)
+                   "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", host.address(0),
                    str(ROOT / "train.py"), f"strategy={strategy}", "recipe=digits", "trainer.devices=2",
-                   "trainer.max_epochs=3", "logger.csv=false", f"hydra.run.dir={run_dir}"]
+                   "trainer.max_epochs=3", "logger.csv=false", "trainer.rendezvous_timeout_s=120", f"hydra.run.dir={run_dir}"]
         procs.append(subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0"},
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=500)[0] for p in procs]
