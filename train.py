@@ -3,6 +3,9 @@
     python train.py                                  # digits, 2 CPU processes, defaults
     python train.py strategy=ddp trainer.devices=4   # pick a strategy and world size
     python train.py -m strategy=ddp,atc              # one job per strategy, side by side
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \
+        --rdzv-id myjob train.py trainer.accelerator=gpu trainer.devices=8   # one rank per process
+    srun train.py ...                                # likewise, from SLURM's variables (docs/clusters.md)
 
 Configuration lives in ``configs/`` (groups: strategy, recipe, trainer, logger).
 """
@@ -21,6 +24,7 @@ def main(cfg: DictConfig) -> None:
     from syncplane.config import ConfigError
     from syncplane.launcher import LaunchError
     from syncplane.training.entry import run_job
+    from syncplane.training.rendezvous import RendezvousTimeout
 
     try:
         run_job(cfg)
@@ -30,6 +34,9 @@ def main(cfg: DictConfig) -> None:
     except EmulationError as exc:
         print(f"syncplane: cannot run on the emulated cluster: {exc}", file=sys.stderr)
         sys.exit(2)
+    except RendezvousTimeout as exc:
+        print(f"syncplane: {exc}", file=sys.stderr)
+        sys.exit(1)
     except LaunchError as exc:
         print(f"syncplane: training failed: {exc}", file=sys.stderr)
         sys.exit(1)

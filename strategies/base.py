@@ -6,7 +6,9 @@ synchronization itself becomes ours. Overridden hooks, and why:
 
 - ``setup`` / ``_setup_model``: never wrap; outside fitting, do not broadcast rank 0's
   weights over the other replicas (Lightning's DDP does, before validate/test).
-- ``configure_ddp``: do not wrap in DDP (there is no gradient all-reduce); broadcast
+- ``configure_ddp``: do not wrap in DDP (there is no gradient all-reduce); create the
+  gloo control group (``syncplane.comm.process_groups``: CPU-side collectives never ride
+  the NCCL default group); broadcast
   rank 0's initial module state so every replica starts equal; call ``setup_sync``,
   where subclasses create process groups (a collective: same order on every rank).
 - ``optimizer_step``: the whole step (closure = forward + backward) runs inside
@@ -44,6 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.comm import DEFAULT_BUCKET_BYTES, Bucket, CommMeter, allreduce_mean_, make_buckets, mean_and_distance
+from syncplane.comm.process_groups import control_group
 from syncplane.strategies import replicas
 
 
@@ -175,6 +178,7 @@ class SyncplaneStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
+        control_group()   # the gloo group for CPU-side collectives, before any strategy makes groups
         _sync_module_states(self.model)
         self.setup_sync()
 

@@ -17,8 +17,11 @@ all-reduce except, optionally, every ``global_every`` steps.
   1/L of its machine's exchange) -- one payload per machine crosses the slow links.
 
 Hooks used (see ``SyncplaneStrategy``): ``setup_sync`` (schedule, averager, checks),
-``before_optimizer_step`` / ``before_parameter_update`` (AWC), ``after_optimizer_step``
-(ATC, periodic global average), ``finish_pending_sync``. The schedule position is
+``before_optimizer_step`` (AWC), ``before_parameter_update`` (AWC: combine; ATC: finish
+buckets no forward read, before the optimizer reads them), ``after_optimizer_step``
+(ATC, periodic global average), ``training_step`` (ATC: the first step finds reads
+outside the owners' forwards, ``strategies/first_reads.py``; later steps wait for those
+buckets first), ``finish_pending_sync``. The schedule position is
 ``trainer.global_step``, so a resumed run continues the dynamic schedule where it stopped.
 """
 
@@ -38,6 +41,7 @@ from syncplane.comm import context, topology
 from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager
 from syncplane.algorithms.decentralized.schedule import build_schedule
 from syncplane.strategies.base import SyncplaneStrategy
+from syncplane.strategies.first_reads import FirstReads
 from syncplane.strategies.registry import register
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,9 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         self.averager: NeighborAverager | None = None
         self.buffer_averager: NeighborAverager | None = None
         self._hooks: list[RemovableHandle] = []
+        self._covered: dict[torch.nn.Module, frozenset[int]] = {}   # module -> buckets its pre-hook waits for
+        self._wait_before_step: frozenset[int] = frozenset()          # buckets read outside every forward
+        self._probe_reads = False                                    # watch the next training_step's reads
 
     @override
     def setup_sync(self) -> None:
@@ -104,15 +111,40 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         """Each module with parameters waits, before its forward, for the buckets holding them."""
         for hook in self._hooks:
             hook.remove()
-        self._hooks = []
+        self._hooks, self._covered, self._wait_before_step = [], {}, frozenset()
         assert self.averager is not None and self.lightning_module is not None
-        averager = self.averager
         for module in self.lightning_module.modules():
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-            buckets = averager.buckets_of(t.data for t in own)
-            if buckets:
-                self._hooks.append(module.register_forward_pre_hook(
-                    lambda _module, _args, wanted=frozenset(buckets): averager.wait(wanted)))
+            self._wait_in_forward(module, self.averager.buckets_of(t.data for t in own))
+        self._probe_reads = True   # reads outside the owners' forwards: found on the next step
+
+    def _wait_in_forward(self, module: torch.nn.Module, buckets: set[int]) -> None:
+        if not buckets:
+            return
+        assert self.averager is not None
+        averager, wanted = self.averager, frozenset(buckets)
+        self._covered[module] = self._covered.get(module, frozenset()) | wanted
+        self._hooks.append(module.register_forward_pre_hook(lambda _module, _args: averager.wait(wanted)))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.averager is None or not self.overlap_with_forward:
+            return super().training_step(*args, **kwargs)
+        if not self._probe_reads:
+            if self._wait_before_step:
+                self.averager.wait(self._wait_before_step)
+            return super().training_step(*args, **kwargs)
+        # First step after setup: everything is waited for (no overlap this once) while
+        # FirstReads finds each bucket read before its owner's pre-hook could wait for it.
+        self._probe_reads = False
+        self.averager.wait()
+        index = {t.data_ptr(): bucket for t in self.model_tensors() for bucket in self.averager.buckets_of([t])}
+        with FirstReads(index, self._covered) as reads:
+            output = super().training_step(*args, **kwargs)
+        for module, buckets in reads.by_module.items():
+            self._wait_in_forward(module, buckets)
+        self._wait_before_step = frozenset(reads.outside)
+        return output
 
     def mixes_globally(self) -> bool:
         """Whether this step ends with an exact global average instead of neighbour mixing."""
@@ -134,6 +166,11 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
 
 
 class AdaptThenCombine(NeighborAveragingStrategy):
+    @override
+    def before_parameter_update(self, optimizer: Optimizer) -> None:
+        assert self.averager is not None
+        self.averager.wait()   # buckets no forward read (unused parameters): the update reads them
+
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         assert self.averager is not None

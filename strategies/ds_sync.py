@@ -36,6 +36,7 @@ from syncplane.algorithms.ds_sync.pair_streams import PairStreams
 from syncplane.algorithms.ds_sync.runtime import ds_sync_for
 from syncplane.cluster import probe
 from syncplane.comm import make_buckets
+from syncplane.comm.process_groups import control_group
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
@@ -59,7 +60,7 @@ class DSSyncStrategy(SyncplaneStrategy):
 
     @override
     def setup_sync(self) -> None:
-        topo = probe.resolve_topology(self.config.topology, self.config.probe_bytes)
+        topo = probe.resolve_topology(self.config.topology, self.config.probe_bytes, group=control_group())
         self._runtime = ds_sync_for(topo, self.config)
         if self.is_global_zero:
             log.info("ds_sync topology:\n%s", probe.table_text(topo, self.config.slow_factor))

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 
 from syncplane.comm.collectives import gather_to_rank0
+from syncplane.comm.process_groups import control_group
 
 
 def replica_state(module: torch.nn.Module, optimizers: Sequence[Optimizer],
@@ -35,7 +36,7 @@ def gather_replicas(module: torch.nn.Module, optimizers: Sequence[Optimizer],
     """Collective: rank 0 gets a list with every rank's ``replica_state``, others None.
     The one place per-rank state is gathered (replicas, EMAs, error-feedback residuals)."""
     state = replica_state(module, optimizers, stash, rank_state)
-    return gather_to_rank0(state)
+    return gather_to_rank0(state, group=control_group())   # CPU objects: the control plane
 
 
 def own_replica(checkpoint: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:

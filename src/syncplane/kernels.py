@@ -45,6 +45,39 @@ def numel_total(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one gap-free block of memory (any dimension order).
+
+    Every memory format is dense -- contiguous, ``channels_last`` (ResNet-50 on a GPU),
+    ``channels_last_3d`` -- so the kernels may copy such a tensor as raw memory: in
+    memory order, which ``pack`` and ``unpack`` share, so a round trip is exact and two
+    ranks with the same layout agree element for element. Views with gaps (a slice of
+    every other column) are not, and are refused by name.
+    """
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor's elements in memory order (shares its storage).
+
+    ``t.view(-1)`` refuses a ``channels_last`` tensor; this is the view the kernels copy
+    from and to, so a single-tensor bucket can be sent and combined in place.
+    """
+    if t.is_contiguous():
+        return t.view(-1)
+    if not is_dense(t):
+        raise ValueError(f"tensor of shape {tuple(t.shape)} and strides {t.stride()} has gaps in memory; "
+                         "the kernels need dense tensors (any memory format)")
+    return t.as_strided((t.numel(),), (1,))
+
+
 def pack(
     tensors: Sequence[torch.Tensor],
     out: torch.Tensor | None = None,
@@ -53,8 +86,9 @@ def pack(
 ) -> torch.Tensor:
     """Concatenate ``tensors`` (flattened, times ``scale``) into one 1-D buffer.
 
-    All tensors must share dtype and device and be contiguous. ``out`` may be longer
-    than needed (a reusable bucket); the tail is left untouched.
+    All tensors must share dtype and device and be dense in any memory format
+    (``is_dense``); each is copied in memory order. ``out`` may be longer than needed
+    (a reusable bucket); the tail is left untouched.
     """
     if not tensors and out is None:
         raise ValueError("pack: nothing to pack and no output buffer given")
@@ -130,9 +164,9 @@ def pack_reference(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: fl
         n = t.numel()
         segment = out[offset : offset + n]
         if scale == 1.0:
-            segment.copy_(t.reshape(-1))
+            segment.copy_(flat_view(t))
         else:
-            segment.copy_((t.reshape(-1).float() * scale).to(out.dtype))
+            segment.copy_((flat_view(t).float() * scale).to(out.dtype))
         offset += n
     return out
 
@@ -141,11 +175,12 @@ def unpack_reference(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale:
     offset = 0
     for t in tensors:
         n = t.numel()
-        segment = flat[offset : offset + n].view(t.shape)
+        segment = flat[offset : offset + n]
+        target = flat_view(t)
         if scale == 1.0:
-            t.copy_(segment)
+            target.copy_(segment)
         else:
-            t.copy_((segment.float() * scale).to(t.dtype))
+            target.copy_((segment.float() * scale).to(t.dtype))
         offset += n
 
 

@@ -17,9 +17,12 @@ from tests.helpers.distributed import run_distributed
 SHAPES = [(3, 5), (7,), (2, 2, 2), (11,)]
 
 
-def _inputs(rank: int, seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def _inputs(rank: int, seed: int, dtype: torch.dtype = torch.float32,
+            shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in SHAPES]
+    tensors = [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
+    # 4-D tensors in channels_last, as the ResNet-50 recipe keeps its convolutions on a GPU
+    return [t.to(memory_format=torch.channels_last) if t.dim() == 4 else t for t in tensors]
 
 
 def reference_matrix(kind: str, participants: int, step: int) -> np.ndarray:
@@ -54,7 +57,8 @@ def rank_matrix(kind: str, step: int, world: int, local: int, hierarchical: bool
     return m
 
 
-def _mix(rank: int, world: int, kind: str, hierarchical: bool, local: int, seed: int):
+def _mix(rank: int, world: int, kind: str, hierarchical: bool, local: int, seed: int,
+         shapes: list[tuple[int, ...]] = SHAPES):
     from syncplane.comm import topology
     from syncplane.algorithms.decentralized.engine import NeighborAverager
     from syncplane.algorithms.decentralized.schedule import build_schedule
@@ -62,17 +66,17 @@ def _mix(rank: int, world: int, kind: str, hierarchical: bool, local: int, seed:
     participants = world // local if hierarchical else world
     schedule = build_schedule(kind, topology.RingGraph(participants) if kind == "static" else
                               topology.ExponentialTwoGraph(participants))
-    tensors = _inputs(rank, seed)
+    tensors = _inputs(rank, seed, shapes=shapes)
     averager = NeighborAverager(tensors, schedule, hierarchical=hierarchical, local_size=local, bucket_bytes=64)
     assert len(averager.buckets) >= 3
     averager.check_schedule()
     errors = []
-    current = [[t.double() for t in _inputs(r, seed)] for r in range(world)]
+    current = [[t.double() for t in _inputs(r, seed, shapes=shapes)] for r in range(world)]
     for step in range(3):
         averager.launch(step)
         averager.wait()
         m = torch.from_numpy(rank_matrix(kind, step, world, local, hierarchical))
-        current = [[sum(m[j, i] * current[j][k] for j in range(world)) for k in range(len(SHAPES))]
+        current = [[sum(m[j, i] * current[j][k] for j in range(world)) for k in range(len(shapes))]
                    for i in range(world)]
         errors.append(max((t.double() - ref).abs().max().item() for t, ref in zip(tensors, current[rank])))
     return errors
@@ -85,6 +89,16 @@ def _mix(rank: int, world: int, kind: str, hierarchical: bool, local: int, seed:
 def test_mixing_equals_dense_reference(world, kind, hierarchical, local, test_seed):
     seed = test_seed % 10_000
     for errors in run_distributed(_mix, world, kind, hierarchical, local, seed, timeout=120):
+        assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_channels_last_tensors_mix_like_the_reference(hierarchical, test_seed):
+    """Conv weights in channels_last (alone in a bucket: sent in place; or packed with others)."""
+    seed = test_seed % 10_000
+    shapes = [(4, 3, 2, 2), (5,), (2, 3, 3, 3), (3, 2, 2, 2)]
+    for errors in run_distributed(_mix, 4, "one_peer", hierarchical, 2 if hierarchical else 1, seed, shapes,
+                                  timeout=120):
         assert max(errors) < 1e-5, errors
 
 

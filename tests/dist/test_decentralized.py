@@ -240,3 +240,65 @@ def test_batchnorm_running_statistics_are_kept_and_mixed(name, tmp_path):
     assert mean0.abs().max() > 1e-3 and (var0 - 1).abs().max() > 1e-3
     torch.testing.assert_close(mean0, mean1)      # two ranks, one peer: the mix is the exact mean
     torch.testing.assert_close(var0, var1)
+
+
+class StrayReads(torch.nn.Module):
+    """A parent whose forward uses its child's weight directly (the child's forward never runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.child.weight, self.child.bias)
+
+
+def _stray_reads(rank: int, world: int, tmp_dir: str):
+    """ATC on a model that reads parameters outside their modules' forwards: a scale read
+    in ``training_step`` and a child weight read by its parent. Each value the step reads
+    must already be the mixed one (what the optimizer sees after every wait)."""
+    import torch.nn.functional as F
+
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    class Model(TinyRegressor):
+        def __init__(self) -> None:
+            super().__init__(lr=LR, momentum=0.0)
+            self.head = StrayReads()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+            self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.seen.append((self.scale.detach().clone(), self.head.child.weight.detach().clone()))
+            return F.mse_loss(self.scale * self.head(x) + self.net(x), y)
+
+    class Probe(Callback):
+        def __init__(self) -> None:
+            self.at_update: list[tuple[torch.Tensor, torch.Tensor]] = []
+            self.after_step: list[torch.Tensor] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            # every bucket has been waited for here (ATC's before_parameter_update)
+            self.at_update.append((pl_module.scale.detach().clone(), pl_module.head.child.weight.detach().clone()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.after_step.append(pl_module.scale.detach().clone())   # local update, exchange in flight
+
+    torch.manual_seed(5)
+    model, probe = Model(), Probe()
+    strategy = _strategy("atc", schedule="one_peer", topology="ExponentialTwoGraph", bucket_mb=1e-5,
+                         consensus_every=0)
+    trainer_for(strategy, tmp_dir, max_steps=4, limit_val_batches=0, callbacks=[probe]).fit(
+        model, RegressionData(seed=rank))
+    return model.seen, probe.at_update, probe.after_step
+
+
+def test_atc_waits_before_reads_outside_the_owning_forward(tmp_path):
+    results = run_distributed(_stray_reads, 2, str(tmp_path), timeout=240)
+    for seen, at_update, after_step in results:
+        for t, ((scale, weight), (scale_u, weight_u)) in enumerate(zip(seen, at_update)):
+            torch.testing.assert_close(scale, scale_u, rtol=0, atol=0, msg=f"step {t}: training_step read a stale scale")
+            torch.testing.assert_close(weight, weight_u, rtol=0, atol=0, msg=f"step {t}: parent read a stale weight")
+        # the test can fail: the mixing does change what a stale read would have seen
+        assert any(not torch.equal(after_step[t - 1], at_update[t][0]) for t in range(1, len(at_update)))

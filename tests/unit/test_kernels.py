@@ -96,9 +96,38 @@ def test_kernels_reject_mismatched_inputs():
         kernels.pack([torch.ones(2, dtype=torch.float16)], torch.empty(2))
     with pytest.raises(RuntimeError, match="elements"):
         kernels.pack([torch.ones(5)], torch.empty(2))
-    with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.pack([torch.ones(4, 4).t()], torch.empty(16))
+    with pytest.raises(RuntimeError, match="not dense"):
+        kernels.pack([torch.ones(4, 8)[:, ::2]], torch.empty(16))   # every other column: gaps
     with pytest.raises(RuntimeError, match="buffer 0"):
         kernels.weighted_combine(torch.ones(3), [torch.ones(4)], [1.0], 1.0)
     with pytest.raises(ValueError, match="2 buffers but 1 weights"):
         kernels.weighted_combine(torch.ones(3), [torch.ones(3)] * 2, [1.0], 1.0)
+
+
+@pytest.mark.parametrize("backend", ["ext", "torch"])
+def test_pack_accepts_every_memory_format_in_memory_order(backend):
+    """channels_last / channels_last_3d / transposed tensors are dense: packed as raw
+    memory (so compiled kernels and reference agree) and unpacked back exactly."""
+    g = torch.Generator().manual_seed(11)
+    tensors = [torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),
+               torch.randn(2, 3, 2, 4, 5, generator=g).to(memory_format=torch.channels_last_3d),
+               torch.randn(6, 7, generator=g).t(), torch.randn(9, generator=g)]
+    flat = kernels.pack(tensors, backend=backend)
+    # memory order, built independently: permute each tensor so its strides decrease
+    expected = torch.cat([t.permute(*sorted(range(t.dim()), key=lambda d: -t.stride(d))).reshape(-1)
+                          for t in tensors])
+    torch.testing.assert_close(flat, expected, rtol=0, atol=0)
+    targets = [torch.zeros_like(t) for t in tensors]   # zeros_like keeps the memory format
+    kernels.unpack(flat * 3, targets, scale=0.5, backend=backend)
+    for t, target in zip(tensors, targets):
+        assert target.stride() == t.stride()
+        torch.testing.assert_close(target, 1.5 * t)
+
+
+def test_flat_view_shares_memory_and_refuses_gaps():
+    t = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    view = kernels.flat_view(t)
+    view.mul_(0).add_(1)
+    assert bool((t == 1).all())
+    with pytest.raises(ValueError, match="gaps"):
+        kernels.flat_view(torch.ones(4, 8)[:, ::2])

@@ -144,17 +144,17 @@ def round_robin_rounds(n: int) -> list[list[tuple[int, int]]]:
 
 
 def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
-                   pings: int = 3, repeats: int = 2) -> tuple[np.ndarray, np.ndarray]:
+                   pings: int = 3, repeats: int = 2, group: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Collective: in each round the pairs exchange ``nbytes / 4`` and then ``nbytes`` both ways
     at once, ``repeats`` times (after a few tiny ping-pongs for the latency). Returns (bandwidth bytes/s, latency s),
     n×n, on every rank; pairs that did not meet hold 0."""
-    n, me = dist.get_world_size(), dist.get_rank()
+    n, me = dist.get_world_size(), dist.get_rank()   # group: the job's gloo control group (CPU tensors)
     bw, lat = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
     send = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     recv = torch.empty_like(send)
     tiny_out, tiny_in = torch.zeros(1), torch.zeros(1)
     for pairs in rounds:
-        dist.barrier()
+        dist.barrier(group=group)
         peer = next((b if a == me else a for a, b in pairs if me in (a, b)), None)
         if peer is None:
             continue
@@ -162,11 +162,11 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
         for _ in range(pings):
             start = time.perf_counter()
             if me < peer:
-                dist.send(tiny_out, peer)
-                dist.recv(tiny_in, peer)
+                dist.send(tiny_out, peer, group=group)
+                dist.recv(tiny_in, peer, group=group)
             else:
-                dist.recv(tiny_in, peer)
-                dist.send(tiny_out, peer)
+                dist.recv(tiny_in, peer, group=group)
+                dist.send(tiny_out, peer, group=group)
             rtts.append(time.perf_counter() - start)
         # Two sizes, bandwidth from the difference: a shaper's burst allowance (and the
         # latency) gives both the same head start, so the slope is the sustained rate. Each
@@ -178,7 +178,7 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
         for _ in range(repeats):
             for k, numel in enumerate((send.numel() // 4, send.numel())):
                 start = time.perf_counter()
-                works = [dist.isend(send[:numel], peer), dist.irecv(recv[:numel], peer)]
+                works = [dist.isend(send[:numel], peer, group=group), dist.irecv(recv[:numel], peer, group=group)]
                 for w in works:
                     w.wait()
                 best[k] = min(best[k], time.perf_counter() - start)
@@ -186,8 +186,8 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
         slope = (large - send.numel() // 4 * 4) / max(best[1] - best[0], 1e-9)
         bw[me, peer] = min(slope, large / best[1])
         lat[me, peer] = min(rtts) / 2
-    dist.all_reduce(bw)
-    dist.all_reduce(lat)
+    dist.all_reduce(bw, group=group)
+    dist.all_reduce(lat, group=group)
     bw = (bw + bw.T) / 2          # both ends timed the same exchange
     lat = (lat + lat.T) / 2
     return bw.numpy(), lat.numpy()
@@ -257,12 +257,13 @@ def topology_from_measurements(bw: np.ndarray, lat: np.ndarray, host_ids: Sequen
     return Topology(racks=sorted(racks), hosts=hosts, bandwidth=bw, latency=lat, source="probe")
 
 
-def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool = False) -> Topology:
+def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool = False,
+          group: Any = None) -> Topology:
     """Collective: measure (or load from the cache) this job's topology; same result on every rank."""
     n = dist.get_world_size()
     host_id = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", dist.get_rank())))
     ids = [0] * n
-    dist.all_gather_object(ids, host_id)
+    dist.all_gather_object(ids, host_id, group=group)
     cluster_file = os.environ.get(CLUSTER_ENV)      # the emulated cluster's profile (its content, not its path)
     cluster = Path(cluster_file).read_text() if cluster_file and Path(cluster_file).exists() else ""
     key = hashlib.sha1(json.dumps([n, ids, os.environ.get("MASTER_ADDR", ""), nbytes,
@@ -271,12 +272,12 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     box: list[Any] = [None]
     if dist.get_rank() == 0 and path is not None and path.exists() and not refresh:
         box[0] = json.loads(path.read_text())
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     if box[0] is not None:
         topo = Topology.from_dict(box[0])
         topo.source = f"probe (cached {path})"
         return topo
-    bw, lat = measure_rounds(round_robin_rounds(n), nbytes)
+    bw, lat = measure_rounds(round_robin_rounds(n), nbytes, group=group)
     topo = topology_from_measurements(bw, lat, ids)
     if dist.get_rank() == 0 and path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,12 +287,14 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     return topo
 
 
-def resolve_topology(source: str = "auto", probe_bytes: int = 2**20, refresh: bool = False) -> Topology:
-    """Collective. ``auto``: the profile the launcher named (``SYNCPLANE_CLUSTER``) if any, else
+def resolve_topology(source: str = "auto", probe_bytes: int = 2**20, refresh: bool = False,
+                     group: Any = None) -> Topology:
+    """Collective (over ``group``: pass the job's gloo control group; the probe moves CPU
+    tensors, which an NCCL default group refuses). ``auto``: the profile the launcher named (``SYNCPLANE_CLUSTER``) if any, else
     a probe; ``probe``: always probe; anything else: a shipped profile name or a YAML path."""
     world = dist.get_world_size()
     if source == "probe" or (source == "auto" and not os.environ.get(CLUSTER_ENV)):
-        return probe(probe_bytes, refresh=refresh)
+        return probe(probe_bytes, refresh=refresh, group=group)
     name = os.environ[CLUSTER_ENV] if source == "auto" else source
     return from_profile(load_profile(name), world)
 

@@ -45,7 +45,8 @@ def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKE
 
     A bucket closes when adding the next tensor would pass ``cap_bytes`` or when dtype or
     device changes; a single tensor larger than the cap gets a bucket of its own.
-    Non-contiguous tensors are rejected: the kernels copy raw memory.
+    Tensors may be in any memory format (``channels_last`` on a GPU): the kernels copy
+    each one's memory in memory order (``kernels.is_dense``). Views with gaps are refused.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
@@ -53,8 +54,9 @@ def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKE
     current: list[torch.Tensor] = []
     current_bytes = 0
     for t in tensors:
-        if not t.is_contiguous():
-            raise ValueError(f"tensor of shape {tuple(t.shape)} is not contiguous; buckets need contiguous tensors")
+        if not kernels.is_dense(t):
+            raise ValueError(f"tensor of shape {tuple(t.shape)} and strides {t.stride()} has gaps in memory; "
+                             "buckets need dense tensors (any memory format)")
         size = t.numel() * t.element_size()
         compatible = not current or (t.dtype == current[0].dtype and t.device == current[0].device)
         if current and (not compatible or current_bytes + size > cap_bytes):

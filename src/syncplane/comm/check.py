@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from syncplane.comm.context import Group
 from syncplane.comm.errors import TopologyError
+from syncplane.comm.process_groups import control_group
 
 
 def _rank_hashes(n: int) -> torch.Tensor:
@@ -62,7 +63,7 @@ def check_plan(sends: Iterable[int], recvs: Iterable[int], group: Group = None, 
         signature[0, me] -= 1.0
         signature[1:3, me] -= hashes[:, j]
         signature[3, me] -= mine * hashes[0, j]
-    dist.all_reduce(signature, group=group)
+    dist.all_reduce(signature, group=control_group(group))
     if bool((signature.abs() < 1e-9).all()):
         return
     _raise_with_details(sends, recvs, group, what, payload)
@@ -98,7 +99,7 @@ def _raise_with_details(sends: list[int], recvs: list[int], group: Group, what: 
     n = dist.get_world_size(group)
     described = None if payload is None else (str(payload.dtype).removeprefix("torch."), list(payload.shape))
     plans: list[object] = [None] * n
-    dist.all_gather_object(plans, (sends, recvs, described), group=group)
+    dist.all_gather_object(plans, (sends, recvs, described), group=control_group(group))
     problems = []
     for j, (j_sends, _, _) in enumerate(plans):  # type: ignore[misc]
         for k in j_sends:

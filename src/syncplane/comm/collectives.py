@@ -17,6 +17,16 @@ import torch.distributed as dist
 from syncplane.comm.buckets import Bucket
 from syncplane.comm.host_mirror import HostMirror
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
+from syncplane.comm.process_groups import control_group
+
+
+def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    async_op: bool = False) -> dist.Work | None:
+    """Gather equal-sized tensors into one flat output: ``all_gather_single`` where torch
+    has it (it deprecates ``all_gather_into_tensor``), the older name on the torch floor.
+    Looked up per call, so a test may wrap ``torch.distributed``'s functions."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -60,10 +70,10 @@ def mean_and_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
     host.to_host(tensors)
     local = host.buffer
     mean = local.clone()
-    dist.all_reduce(mean, group=group)
+    dist.all_reduce(mean, group=control_group(group))
     mean /= n
     ratio = torch.tensor([(local - mean).norm().item() / max(mean.norm().item(), 1e-30)], dtype=torch.float64)
-    dist.all_reduce(ratio, group=group)
+    dist.all_reduce(ratio, group=control_group(group))
     return float(ratio.item() / n)
 
 

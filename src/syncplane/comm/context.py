@@ -18,6 +18,7 @@ import networkx as nx
 import torch.distributed as dist
 
 from syncplane.comm import topology
+from syncplane.comm.process_groups import control_group
 
 Group = dist.ProcessGroup | None
 log = logging.getLogger(__name__)

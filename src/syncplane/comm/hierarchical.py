@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from syncplane import kernels
 from syncplane.comm import context, topology
+from syncplane.comm.collectives import all_gather_flat
 from syncplane.comm.check import check_if_enabled
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle, exchange
@@ -86,7 +87,7 @@ def hierarchical_neighbor_allreduce_tensors(
             out = mixed.reshape(like.shape)
         else:
             gathered = mixed.new_empty(mixed.numel() * local_size)
-            dist.all_gather_single(gathered, mixed.contiguous(), group=intra)
+            all_gather_flat(gathered, mixed.contiguous(), group=intra)
             out = gathered[: like.numel()].reshape(like.shape)
         results.append(out)
         if on_result is not None:

@@ -27,11 +27,13 @@ import torch.distributed as dist
 from syncplane import kernels
 from syncplane.comm import context, topology
 from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, make_buckets
+from syncplane.comm.collectives import all_gather_flat
 from syncplane.comm.check import check_if_enabled
 from syncplane.comm.context import Group
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle, check_collective_dtype, completed, exchange
+from syncplane.comm.process_groups import control_group
 
 Weights = Mapping[int, float]
 Destinations = Mapping[int, float] | Sequence[int]
@@ -44,7 +46,7 @@ def _gather_adjacency(peers: Sequence[int], group: Group) -> torch.Tensor:
     mine = torch.zeros(n, dtype=torch.uint8)
     mine[list(peers)] = 1
     everyone = torch.zeros(n * n, dtype=torch.uint8)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    all_gather_flat(everyone, mine, group=control_group(group))   # CPU bytes: the control plane
     return everyone.view(n, n)
 
 

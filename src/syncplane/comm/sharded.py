@@ -40,6 +40,7 @@ from torch.distributed import distributed_c10d
 
 from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
 from syncplane.comm.meter import CommMeter
+from syncplane.comm.process_groups import control_group
 
 _TAG_SCATTER, _TAG_GATHER = 1, 2
 _CONNECT_TIMEOUT_S = 60.0   # floor of the time a data group may take to connect

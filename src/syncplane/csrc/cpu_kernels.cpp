@@ -30,7 +30,8 @@ void check_same_dtype(const std::vector<at::Tensor>& tensors, const at::Tensor& 
     const auto& t = tensors[i];
     TORCH_CHECK(t.scalar_type() == flat.scalar_type(), op, ": tensor ", i, " has dtype ",
                 t.scalar_type(), " but the flat buffer has ", flat.scalar_type());
-    TORCH_CHECK(t.is_contiguous(), op, ": tensor ", i, " is not contiguous");
+    // any memory format (channels_last too): copied as raw memory, in memory order
+    TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": tensor ", i, " has gaps in memory (not dense)");
     TORCH_CHECK(t.device().is_cpu(), op, ": tensor ", i, " is not on the CPU");
   }
 }

@@ -58,8 +58,11 @@ int blocks_for(int64_t n) {
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535));
 }
 
-void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* op) {
-  TORCH_CHECK(t.is_cuda() && t.is_contiguous(), op, ": contiguous CUDA tensors expected");
+void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* op, bool any_format = false) {
+  // pack/unpack copy raw memory, so any dense memory format (channels_last) will do;
+  // weighted_combine works on flat buffers and wants them contiguous
+  TORCH_CHECK(t.is_cuda() && (any_format ? t.is_non_overlapping_and_dense() : t.is_contiguous()), op,
+              any_format ? ": dense CUDA tensors expected" : ": contiguous CUDA tensors expected");
   TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": dtype ", t.scalar_type(),
               " differs from ", ref.scalar_type());
   TORCH_CHECK(t.get_device() == ref.get_device(), op, ": tensors on different devices");
@@ -73,7 +76,7 @@ void pack_or_unpack(const std::vector<at::Tensor>& tensors, const at::Tensor& fl
   auto stream = c10::cuda::getCurrentCUDAStream();
   int64_t offset = 0;
   for (const auto& t : tensors) {
-    check_cuda(t, flat, op);
+    check_cuda(t, flat, op, /*any_format=*/true);
     offset += t.numel();
   }
   TORCH_CHECK(offset <= flat.numel(), op, ": tensors hold ", offset, " elements but the flat buffer only ",

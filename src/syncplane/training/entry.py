@@ -17,7 +17,9 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from syncplane.config import ConfigError
 from syncplane.launcher import launch, launch_on_cluster, local_ranks
+from syncplane.training import external, rendezvous
 from syncplane.training.job import parse_job
 from syncplane.training.worker import JOB_FILE
 
@@ -30,6 +32,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     container: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    launched = external.detect()
+    if launched is not None:   # torchrun / srun started this process: it is one rank, not a launcher
+        user_dir = run_dir if any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra) else None
+        return run_as_rank(container, launched, user_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     job_name = f"job{hydra_cfg.job.num}" if multirun else "train"
     if multirun and not (container.get("logger") or {}).get("group"):
@@ -49,6 +55,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     if spec.cluster is None:
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local job: gloo listens on loopback only
+        store_file = run_dir / "rendezvous.store"   # a file store: no TCP listener at all
+        store_file.unlink(missing_ok=True)
+        env[rendezvous.FILE_ENV] = str(store_file.resolve())
         launch(command, local_ranks(world_size), run_dir / "logs", env=env)
     else:
         launch_on_cluster(command, spec.cluster, run_dir / "logs")
@@ -56,3 +65,32 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     if not summary_path.exists():
         raise RuntimeError(f"the job finished but wrote no {summary_path}; see {run_dir / 'logs'}")
     return json.loads(summary_path.read_text())
+
+
+def run_as_rank(container: dict[str, Any], launched: external.ExternalLaunch, user_dir: Path | None) -> dict[str, Any]:
+    """Train as the one rank ``launched`` describes; rank 0 returns the summary, others {}.
+
+    Validation runs here on every rank before anything distributed happens, with the
+    same errors as a local job, plus the launch's own checks (devices per node, a run
+    directory every rank agrees on and can write)."""
+    from syncplane.training import worker
+
+    strategy = str((container.get("strategy") or {}).get("name"))
+    run_dir = external.run_dir_for(launched, user_dir, strategy)
+    spec = parse_job(container, run_dir=str(run_dir))
+    if spec.cluster is not None:
+        raise ConfigError("cluster: an emulated cluster starts its own ranks; leave cluster unset under "
+                          f"{launched.launcher} (rank {launched.rank})")
+    external.check_devices(spec.trainer.devices, launched)
+    external.check_writable(run_dir, launched.rank)
+    external.adopt(launched, os.environ)
+    if launched.rank == 0:
+        (run_dir / JOB_FILE).write_text(yaml.safe_dump({"config": container, "run_dir": str(run_dir),
+                                                        "job_name": "train"}, sort_keys=False))
+        print(f"syncplane: {spec.strategy.name} on {spec.recipe_name}, rank 0 of {launched.world_size} "
+              f"started by {launched.launcher}; run dir {run_dir}", flush=True)
+    try:
+        summary = worker.run(spec)
+    finally:
+        worker.close_process_group()
+    return (summary or {}) if launched.rank == 0 else {}

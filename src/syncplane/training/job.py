@@ -30,6 +30,7 @@ class TrainerSettings:
     gradient_clip_val: float | None = None
     deterministic: bool = False
     threads_per_rank: int = 0  # 0: split this machine's cores evenly between local ranks
+    rendezvous_timeout_s: float = 300.0  # how long ranks wait for each other at start before naming the missing
 
     def validate(self) -> None:
         if self.devices < 1:
@@ -40,6 +41,8 @@ class TrainerSettings:
             raise ConfigError(f"accumulate_grad_batches: must be at least 1, got {self.accumulate_grad_batches}")
         if self.threads_per_rank < 0:
             raise ConfigError(f"threads_per_rank: must be >= 0, got {self.threads_per_rank}")
+        if self.rendezvous_timeout_s <= 0:
+            raise ConfigError(f"rendezvous_timeout_s: must be positive, got {self.rendezvous_timeout_s}")
 
 
 @dataclass

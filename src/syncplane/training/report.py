@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from syncplane.comm import CommMeter, mean_and_distance, ring_allreduce_bytes
+from syncplane.comm.process_groups import control_group
 
 
 def attach_ddp_meter(model: DistributedDataParallel) -> CommMeter:
@@ -163,14 +164,14 @@ class RunReport(Callback):
         train_seconds = torch.tensor([self._train_seconds], dtype=torch.float64)
         steps = torch.tensor(self.step_times, dtype=torch.float64)
         if distributed:
-            dist.all_reduce(totals)
-            dist.all_reduce(train_seconds, op=dist.ReduceOp.MAX)
+            dist.all_reduce(totals, group=control_group())   # CPU tensors: never the NCCL group
+            dist.all_reduce(train_seconds, op=dist.ReduceOp.MAX, group=control_group())
             # ranks normally run equally many steps (DistributedSampler pads the shards);
             # agree on the common prefix anyway so the all-reduce below cannot mismatch
             common = torch.tensor([len(steps)], dtype=torch.int64)
-            dist.all_reduce(common, op=dist.ReduceOp.MIN)
+            dist.all_reduce(common, op=dist.ReduceOp.MIN, group=control_group())
             steps = steps[: int(common.item())].contiguous()
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=control_group())
         distance = mean_and_distance([p.detach() for p in pl_module.parameters()]) if distributed else 0.0
         metrics = trainer.callback_metrics
         seconds = max(train_seconds.item(), 1e-9)

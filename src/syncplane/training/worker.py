@@ -70,6 +70,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     from syncplane import recipes
     from syncplane.strategies import registry
     from syncplane.training.checkpoint_io import AtomicCheckpointIO
+    from syncplane.training import rendezvous
     from syncplane.training.report import RunReport
 
     world_size = int(os.environ["WORLD_SIZE"])
@@ -81,6 +82,9 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     # shuffle; the DistributedSampler gives each rank its own shard.
     seed_everything(spec.seed, workers=True, verbose=False)
 
+    # our own rendezvous (file store locally, missing ranks named on timeout); Lightning
+    # then finds the group initialized and joins it
+    rendezvous.join(spec.trainer.accelerator, spec.trainer.rendezvous_timeout_s)
     module, data = recipes.get(spec.recipe_name).build(spec.recipe)
     strategy = registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment())
     report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name)
@@ -125,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(spec)
     finally:
-        _close_process_group()
+        close_process_group()
     return 0
 
 
-def _close_process_group() -> None:
+def close_process_group() -> None:
     """Tear gloo down before the interpreter exits: left to static destructors, its
     threads can abort the process ("terminate called without an active exception")
     after a successful run, which would read as a failed rank."""

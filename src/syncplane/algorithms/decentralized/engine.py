@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from syncplane import kernels
 from syncplane.comm import context
 from syncplane.comm.buckets import make_buckets
 from syncplane.comm.check import check_plan
@@ -41,7 +42,7 @@ class NeighborAverager:
     """Mix ``tensors`` in place with the neighbours ``schedule`` names for each step.
 
     Args:
-        tensors: contiguous tensors, in the order their consumers need them (buckets
+        tensors: dense tensors (any memory format), in the order their consumers need them (buckets
             follow this order, so the first layers' bucket is launched first).
         schedule: over ranks (flat) or over machines (``hierarchical=True``).
         hierarchical: mix machines; ranks ``[m·L, (m+1)·L)`` form machine m.
@@ -101,7 +102,7 @@ class NeighborAverager:
         self.wait()
         plan = self.schedule.plan(step, self.me)
         # a bucket of one tensor is sent and combined in place: no pack/unpack copies
-        flats = [b.tensors[0].view(-1) if len(b.tensors) == 1 else b.pack() for b in self.buckets]
+        flats = [kernels.flat_view(b.tensors[0]) if len(b.tensors) == 1 else b.pack() for b in self.buckets]
         if self.hierarchical:   # one pipeline over all buckets (see hierarchical_neighbor_allreduce_tensors)
             handles = hierarchical_neighbor_allreduce_nonblocking(
                 flats, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from syncplane.cluster.probe import resolve_topology
 from syncplane.comm.context import local_size_from_env
+from syncplane.comm.process_groups import control_group
 
 MACHINE_KINDS = ("auto", "host", "rack")
 
@@ -41,7 +42,7 @@ def machine_size(kind: str = "auto") -> int:
     kind = resolve_machines(kind)
     if kind == "host":
         return local_size_from_env()
-    racks = resolve_topology("auto").racks
+    racks = resolve_topology("auto", group=control_group()).racks
     size = len(racks[0])
     expected = [list(range(k * size, (k + 1) * size)) for k in range(len(racks))]
     if [sorted(r) for r in racks] != expected or size * len(racks) != dist.get_world_size():

@@ -11,6 +11,7 @@ from syncplane.algorithms.ds_sync.config import DSSyncConfig
 from syncplane.algorithms.ds_sync.runtime import ds_sync_for
 from syncplane.cluster.probe import resolve_topology
 from syncplane.comm import DEFAULT_BUCKET_BYTES, Bucket, CommMeter, make_buckets
+from syncplane.comm.process_groups import control_group
 
 
 class DSSyncStep:
@@ -24,7 +25,7 @@ class DSSyncStep:
     def __init__(self, options: Mapping[str, Any]) -> None:
         config = DSSyncConfig(adjust_every=int(options.get("adjust_every", 0)),
                               pair_streams=options.get("pair_streams", "auto"))
-        self.runtime = ds_sync_for(resolve_topology("auto"), config)
+        self.runtime = ds_sync_for(resolve_topology("auto", group=control_group()), config)
         self.warmup = self.runtime.streams.trial_length if self.runtime.streams.trial_from is not None else 0
         self._buckets: tuple[int, list[Bucket]] | None = None
 

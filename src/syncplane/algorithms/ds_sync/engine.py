@@ -34,6 +34,7 @@ from syncplane.algorithms.ds_sync.pattern import Candidates, GroupPattern, candi
 from syncplane.comm.groups import GroupSet
 from syncplane.comm.meter import CommMeter
 from syncplane.algorithms.ds_sync.pair_streams import PairStreams, PairStreamTuner, connections
+from syncplane.comm.process_groups import control_group
 
 #: Re-measures the pairwise bandwidth (a collective); returns (bandwidth n×n, slow ranks, slow racks),
 #: the slow lists ordered worst first.
@@ -133,7 +134,7 @@ class DSSync:
                                        payload_bytes, self.imbalance, self.q_ref)
             return float(flagged * 2 >= len(times) and self.reprobe is not None), q
 
-        decision = rank0_decides(times, lagging, 2)
+        decision = rank0_decides(times, lagging, 2, group=control_group())
         if self.q_ref is None:
             self.q_ref = float(decision[1])
         if not decision[0]:
@@ -141,7 +142,7 @@ class DSSync:
         assert self.reprobe is not None
         self.bandwidth, slow_ranks, slow_racks = self.reprobe()          # collective, same on every rank
         choice = rank0_decides(torch.zeros(1), lambda _: [choose_candidate(self.candidates, slow_ranks, slow_racks)],
-                               1)
+                               1, group=control_group())
         self.current = int(choice[0])
         self.q_ref = None
         self.adjustments.append((self.step, self.candidates.keys[self.current]))

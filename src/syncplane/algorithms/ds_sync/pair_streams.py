@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from syncplane.comm.collectives import rank0_decides
 from syncplane.comm.groups import GroupSet
+from syncplane.comm.process_groups import control_group
+from syncplane.comm.process_groups import control_group
 
 #: Most connections per direction a pair may use.
 MAX_PAIR_STREAMS = 4
@@ -92,7 +94,7 @@ class PairStreamTuner:
         if self.trial_from is not None:
             phase = (step - self.trial_from) // self.period        # 0 warm-up, 1 one stream, 2 K streams
             self.groups.pair_streams = self.groups.max_pair_streams if phase == 2 else 1
-            dist.barrier()
+            dist.barrier(group=control_group())
 
     def after(self, step: int, seconds: float, in_pair: bool) -> None:
         if self.trial_from is None:
@@ -114,7 +116,7 @@ class PairStreamTuner:
             kept = choose_pair_streams(one, many, self.groups.max_pair_streams)
             return [kept, statistics.median(one) if one else -1.0, statistics.median(many) if many else -1.0]
 
-        choice = rank0_decides(torch.tensor(self.times, dtype=torch.float64), faster, 3)
+        choice = rank0_decides(torch.tensor(self.times, dtype=torch.float64), faster, 3, group=control_group())
         self.groups.pair_streams = int(choice[0])
         self.trial_from, self.times = None, []
         if choice[1] >= 0 and choice[2] >= 0:

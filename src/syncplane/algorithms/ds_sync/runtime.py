@@ -9,13 +9,14 @@ import torch.distributed as dist
 from syncplane.algorithms.ds_sync.engine import DSSync, Reprobe
 from syncplane.algorithms.ds_sync.config import DSSyncConfig
 from syncplane.cluster.probe import Topology, measure_rounds, round_robin_rounds
+from syncplane.comm.process_groups import control_group
 
 
 def reprober(topo: Topology, nbytes: int = 2**20, slow_factor: float = 0.5) -> Reprobe:
     """DS-Sync's re-measurement under contention: probe every pair again (racks and hosts
     stay as detected) and report the bandwidth with the bottlenecks it shows now."""
     def run() -> tuple[np.ndarray, list[int], list[int]]:
-        bw, lat = measure_rounds(round_robin_rounds(dist.get_world_size()), nbytes)
+        bw, lat = measure_rounds(round_robin_rounds(dist.get_world_size()), nbytes, group=control_group())
         np.fill_diagonal(bw, np.inf)
         now = Topology(racks=topo.racks, hosts=topo.hosts, bandwidth=bw, latency=lat, source="re-probe")
         slow_ranks, slow_racks = now.bottlenecks(slow_factor)
