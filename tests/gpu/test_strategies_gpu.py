@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STRATEGIES = ["ddp", "atc", "awc", "h_atc", "h_awc", "ds_sync", "diloco"]
+
+def _registered() -> list[str]:
+    from syncplane.strategies import registry
+
+    return registry.names()
+
+
+#: every registered strategy: a new one is exercised on the GPU without editing this file
+STRATEGIES = _registered()
 
 
 def train(run_dir: Path, *overrides: str, timeout: float = 600) -> dict:
@@ -23,12 +31,6 @@ def train(run_dir: Path, *overrides: str, timeout: float = 600) -> dict:
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def test_every_strategy_is_exercised():
-    from syncplane.strategies import registry
-
-    assert set(STRATEGIES) <= set(registry.names())
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
