@@ -164,6 +164,26 @@ def load_cuda(verbose: bool = False) -> ModuleType:
     return module
 
 
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA kernels can neither be loaded from the cache nor compiled here, or None.
+    Checked before a GPU job starts, so a missing ``nvcc`` is one clear message up front
+    instead of a compiler error in every worker."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build; the CUDA kernels need a CUDA build of torch"
+    try:
+        if _load("cuda", CUDA_SOURCES, build=False, verbose=False) is not None:
+            return None                       # built before: nothing to compile
+    except Exception:                         # a stale or corrupt entry: it will be rebuilt
+        pass
+    if _find_cuda_home() is None:
+        return (f"they compile on first use and need nvcc (a CUDA {torch.version.cuda} toolkit), which was not "
+                "found: install it, put nvcc on PATH or set CUDA_HOME -- or use strategy=ddp, which needs no "
+                "kernels of ours")
+    return None
+
+
 def status() -> dict[str, Any]:
     """What is built right now, without compiling anything (for ``syncplane info``)."""
     import torch

@@ -59,3 +59,26 @@ def test_unknown_top_level_key():
     cfg["trainr"] = {}
     with pytest.raises(ConfigError, match="unknown top-level key"):
         parse_job(cfg, run_dir="/tmp/x")
+
+
+def test_a_gpu_job_without_nvcc_is_refused_before_launch(monkeypatch, tmp_path):
+    """On a GPU the strategies' CUDA kernels compile on first use: with no nvcc (and nothing
+    cached) the job stops in the launching process, saying what to install."""
+    from syncplane import ext
+    from syncplane.training.job import parse_job
+
+    monkeypatch.setattr(ext, "_find_cuda_home", lambda: None)
+    monkeypatch.setattr(ext, "_load", lambda *args, **kwargs: None)       # nothing cached
+    cfg = {"strategy": {"name": "atc", "kwargs": {}}, "recipe": {"name": "digits"},
+           "trainer": {"accelerator": "gpu", "devices": 1}, "seed": 1}
+    import torch
+
+    if torch.version.cuda is None:
+        message = "CPU-only build"
+    else:
+        message = "need nvcc"
+    with pytest.raises(ConfigError, match=f"trainer.accelerator=gpu: strategy 'atc' runs syncplane's CUDA kernels; "
+                                          f".*{message}"):
+        parse_job(cfg, run_dir=str(tmp_path))
+    cfg["strategy"]["name"] = "ddp"
+    parse_job(cfg, run_dir=str(tmp_path))                                  # DDP needs no kernels of ours

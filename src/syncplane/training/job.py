@@ -122,6 +122,13 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
         cluster.check_world_size(trainer.devices)
         if trainer.accelerator != "cpu":
             raise ConfigError("cluster: emulated clusters run CPU processes; set trainer.accelerator=cpu")
+    if trainer.accelerator in ("gpu", "cuda") and name != strategy_registry.BASELINE:
+        from syncplane import ext
+
+        reason = ext.cuda_unavailable_reason()
+        if reason is not None:
+            raise ConfigError(f"trainer.accelerator={trainer.accelerator}: strategy {name!r} runs syncplane's CUDA "
+                              f"kernels; {reason}")
     return JobSpec(
         strategy=StrategySpec(name=name, kwargs=kwargs),
         recipe_name=recipe_name,
