@@ -193,7 +193,7 @@ def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
     try:
         result = subprocess.run(
             [sys.executable, "train.py", "cluster=multi_nic", "trainer.devices=4", "trainer.max_epochs=1",
-             f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+             "strategy=ddp", f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         sent = {(host, nic): nic_tx_bytes(host, nic) for host in ("n0", "n1") for nic in ("eth0", "eth1")}
     finally:
         emulator.down()
@@ -201,7 +201,9 @@ def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["steps"] > 0
     assert "on emulated cluster 'multi_nic'" in result.stdout
-    # both NICs of both hosts carried the job's traffic (gloo is given eth0,eth1)
+    # both NICs of both hosts carried the job's traffic: the launcher gives gloo eth0,eth1 and
+    # a process group spreads its collectives over its devices (DDP's all-reduce every step;
+    # point-to-point exchanges with one tag, as ATC's, stay on one NIC per group)
     print(f"tx bytes per NIC: {sent}")
     for host in ("n0", "n1"):
         assert sent[host, "eth1"] > 0.1 * sent[host, "eth0"] > 0, sent
