@@ -191,7 +191,7 @@ class ShardedAllReduce:
         if self._control is None:
             return
         for group in [*self._groups, self._control]:
-            group.abort()
+            _release(group)
         self._groups, self._control = [], None
 
     # ------------------------------------------------------------------ internals
@@ -213,7 +213,7 @@ class ShardedAllReduce:
 
     def _rebuild(self) -> None:
         for group in self._groups:
-            group.abort()
+            _release(group)
         self._generation += 1
         self._groups = self._build_groups()
 
@@ -305,6 +305,15 @@ class ShardedAllReduce:
             raise RuntimeError(f"rank {self.rank}: the commit/discard agreement itself failed "
                                f"(a rank is gone?): {exc}") from exc
         return bool(flag.item())
+
+
+def _release(group: dist.ProcessGroupGloo) -> None:
+    """Abort ``group`` so that anything still in flight on it fails now. Newer torch gives gloo
+    groups ``abort`` (2.14 has it); torch 2.6, the floor, does not: there the group is only
+    dropped, and an operation still in flight keeps its sockets until its own timeout."""
+    abort = getattr(group, "abort", None)
+    if abort is not None:
+        abort()
 
 
 def _wait_all(works: list[dist.Work], deadline: float) -> None:
