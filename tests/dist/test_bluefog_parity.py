@@ -50,6 +50,7 @@ def _windows(rank, world, seed):
         out["in_after_refusal"] = sc.in_neighbor_ranks()
         dist.barrier()
         out["version0"] = sc.get_win_version("a")
+        dist.barrier()                     # every rank has read version 0 before anyone writes
         right = (rank + 1) % world
         sc.win_put(x * 0 + rank, "a", dst_weights={right: 1.0})           # I write into right's buffer
         dist.barrier()
