@@ -8,9 +8,9 @@ overlapping the backward, ``no_sync`` under gradient accumulation, buffers broad
 
 Overridden hook, and why:
 
-- ``_register_ddp_hooks``: Lightning registers DDP communication hooks only on CUDA
-  (lightning-notes.md); we register FlexReduce's hook ourselves on every device. The
-  tree is resolved and the engine built here (a collective: its process group), on
+- ``_register_ddp_hooks``: Lightning's ``DDPStrategy._register_ddp_hooks`` registers DDP
+  communication hooks only on CUDA; we register FlexReduce's hook ourselves on every
+  device. The tree is resolved and the engine built here (a collective: its process group), on
   every rank before the first step, so a tree that does not fit the job fails there.
 
 The hook hands each bucket to one worker thread and returns a future, so buckets are
