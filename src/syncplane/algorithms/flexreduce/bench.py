@@ -22,11 +22,9 @@ import torch.distributed as dist
 
 from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES, FlexReduce
 from syncplane.algorithms.flexreduce.tree import job_hosts, job_tree
+from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES   # torch DDP's, as the bench's DDP row
 from syncplane.comm.group_cache import cached_group
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
-
-#: torch DDP's default bucket_cap_mb (the bench's DDP row uses the same buckets)
-BUCKET_BYTES = 25 * 2**20
 
 
 class FlexReduceStep:
@@ -41,7 +39,7 @@ class FlexReduceStep:
         self._pending: list[Future] = []
 
     def launch(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
-        per_bucket = BUCKET_BYTES // payload.element_size()
+        per_bucket = DEFAULT_BUCKET_BYTES // payload.element_size()
         self._pending = [self._worker.submit(self.engine.allreduce_mean_, bucket, meter)
                          for bucket in payload.split(per_bucket)]
 
@@ -76,7 +74,7 @@ class HierAllReduceStep:
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
         start = time.perf_counter()
         leader = self.host[0]
-        per_bucket = BUCKET_BYTES // payload.element_size()
+        per_bucket = DEFAULT_BUCKET_BYTES // payload.element_size()
         buckets = payload.split(per_bucket)
         if self.host_group is not None:
             for work in [dist.reduce(b, leader, group=self.host_group, async_op=True) for b in buckets]:
