@@ -314,12 +314,16 @@ def test_mismatch_without_check_ends_in_an_error_not_a_hang():
 
 def _mismatched_raising(rank, world, timeout_s):
     start = time.monotonic()
-    kind, message, _ = _mismatched(rank, world, False, timeout_s)
+    try:
+        kind, message, _ = _mismatched(rank, world, False, timeout_s)
+    finally:
+        # every rank -- also one that has failed already -- stays alive past the others'
+        # timeout, so each failure the test sees is the timeout path: a peer that has
+        # exited makes a send fail differently ("connection closed by peer"), and which of
+        # the two a rank hits first would depend on the machine's load
+        time.sleep(max(0.0, 2 * timeout_s - (time.monotonic() - start)))
     if kind != "ok":
         raise RuntimeError(message)
-    # ranks with nothing to do stay alive past the others' timeout, so the test sees the
-    # timeout path (a peer that has exited fails differently: "connection closed")
-    time.sleep(max(0.0, 2 * timeout_s - (time.monotonic() - start)))
     return kind
 
 

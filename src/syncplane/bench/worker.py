@@ -25,6 +25,7 @@ import torch.distributed as dist
 from syncplane import algorithms
 from syncplane.bench.syncs import compute_split
 from syncplane.comm import CommMeter
+from syncplane.comm.basics import release_groups
 
 
 def _nic_tx_bytes() -> int:
@@ -91,7 +92,7 @@ def main(spec_path: str) -> None:
     if rank == 0:
         out = Path(spec_path).with_name("results.json")
         out.write_text(json.dumps({"world_size": world, "hostname_ns": os.uname().nodename, "results": results}))
-    dist.destroy_process_group()
+    release_groups()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ A "machine" is ``LOCAL_WORLD_SIZE`` consecutive ranks (what torchrun starts per 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -16,7 +17,7 @@ import networkx as nx
 import torch
 import torch.distributed as dist
 
-from syncplane.comm import context, window
+from syncplane.comm import context, group_cache, process_groups, window
 from syncplane.comm.neighbor import allreduce_, broadcast_
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,27 @@ def shutdown() -> None:
     """Free the windows, stop RPC and, if ``init`` started it, leave the process group."""
     global _started_here
     window.shutdown()
+    release_groups(destroy_default=_started_here)
+    _started_here = False
+
+
+def release_groups(destroy_default: bool = True) -> None:
+    """Drop every process group syncplane holds (control group, cached groups, the
+    background worker's topology state) and, with ``destroy_default``, leave the default
+    group -- now, while the interpreter is whole.
+
+    Why: a gloo group still referenced from a module global is destroyed during interpreter
+    finalization, where its threads can abort the process ("terminate called without an
+    active exception") after a run that succeeded; the launcher then reports a failed rank.
+    ``destroy_process_group`` alone does not help, since it only forgets the groups it
+    created, and our caches still hold them.
+    """
     context.reset()
-    if _started_here and dist.is_initialized():
+    group_cache.clear()
+    process_groups.reset()
+    if destroy_default and dist.is_initialized():
         dist.destroy_process_group()
-        _started_here = False
+    gc.collect()
 
 
 def size() -> int:

@@ -29,3 +29,8 @@ def cached_group(purpose: str, ranks: Sequence[int] | None = None) -> dist.Proce
     if group is None:
         group = _groups[key] = dist.new_group(list(members))
     return group
+
+
+def clear() -> None:
+    """Forget every cached group (when leaving the job; see ``basics.release_groups``)."""
+    _groups.clear()

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from syncplane.comm.basics import release_groups
 from syncplane.training.job import JobSpec, parse_job
 
 JOB_FILE = "job.yaml"
@@ -134,13 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def close_process_group() -> None:
-    """Tear gloo down before the interpreter exits: left to static destructors, its
-    threads can abort the process ("terminate called without an active exception")
-    after a successful run, which would read as a failed rank."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Tear gloo down before the interpreter exits (``comm.basics.release_groups`` says why)."""
+    release_groups()
 
 
 if __name__ == "__main__":
