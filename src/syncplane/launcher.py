@@ -9,22 +9,27 @@ inside network namespaces (the cluster emulator) by prefixing their command.
 
 Failure policy: the first rank that exits non-zero is named, the others get
 ``grace_s`` seconds to exit on their own (a broken collective usually ends them), then
-SIGTERM, then SIGKILL -- the launcher never waits forever.
+SIGTERM, then SIGKILL -- the launcher never waits forever. Nothing is orphaned: SIGTERM or
+SIGHUP to the launcher ends its ranks the same way before it exits, and a rank whose launcher
+dies without that chance (SIGKILL) is killed by the kernel (``die_with_parent``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from syncplane.comm.heartbeat import LOST_PEER_EXIT
 from syncplane.net import free_port
 
 if TYPE_CHECKING:
@@ -116,43 +121,45 @@ def launch(
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     world_size = len(ranks)
-    port = master_port or free_port(master_addr)
     base_env = dict(os.environ if env is None else env)
+    base_env[PARENT_ENV] = str(os.getpid())
+    port = master_port or free_port(master_addr)
     procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]] = []
     threads: list[threading.Thread] = []
     logs: list[IO[bytes]] = []
-    try:
-        for spec in ranks:
-            rank_env = dict(base_env)
-            rank_env.update(
-                RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(spec.local_world_size), GROUP_RANK=str(spec.node_rank),
-                NODE_RANK=str(spec.node_rank), MASTER_ADDR=master_addr, MASTER_PORT=str(port),
-                PYTHONUNBUFFERED="1",
-            )
-            rank_env.update(spec.env)
-            log_path = log_dir / f"rank{spec.rank}.log"
-            log = open(log_path, "wb")
-            logs.append(log)
-            echo = echo_rank0 and spec.rank == 0
-            proc = subprocess.Popen(
-                [*spec.prefix, *command], env=rank_env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE if echo else log, stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: we can end it and its children
-            )
-            if echo:
-                assert proc.stdout is not None
-                t = threading.Thread(target=_tee, args=(proc.stdout, log, sys.stdout), daemon=True)
-                t.start()
-                threads.append(t)
-            procs.append((spec, proc, log_path))
-        _wait_all(procs, grace_s=grace_s, timeout_s=timeout_s)
-    finally:
-        _terminate([p for _, p, _ in procs])
-        for t in threads:
-            t.join(timeout=5)
-        for log in logs:
-            log.close()
+    with _signals_stop_the_job():
+        try:
+            for spec in ranks:
+                rank_env = dict(base_env)
+                rank_env.update(
+                    RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(world_size),
+                    LOCAL_WORLD_SIZE=str(spec.local_world_size), GROUP_RANK=str(spec.node_rank),
+                    NODE_RANK=str(spec.node_rank), MASTER_ADDR=master_addr, MASTER_PORT=str(port),
+                    PYTHONUNBUFFERED="1",
+                )
+                rank_env.update(spec.env)
+                log_path = log_dir / f"rank{spec.rank}.log"
+                log = open(log_path, "wb")
+                logs.append(log)
+                echo = echo_rank0 and spec.rank == 0
+                proc = subprocess.Popen(
+                    [*spec.prefix, *command], env=rank_env, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE if echo else log, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: we can end it and its children
+                )
+                if echo:
+                    assert proc.stdout is not None
+                    t = threading.Thread(target=_tee, args=(proc.stdout, log, sys.stdout), daemon=True)
+                    t.start()
+                    threads.append(t)
+                procs.append((spec, proc, log_path))
+            _wait_all(procs, grace_s=grace_s, timeout_s=timeout_s)
+        finally:
+            _terminate([p for _, p, _ in procs])
+            for t in threads:
+                t.join(timeout=5)
+            for log in logs:
+                log.close()
 
 
 def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, grace_s: float,
@@ -170,7 +177,10 @@ def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, gr
         if not running:
             break
         now = time.monotonic()
-        if failure is not None and now - failed_at > grace_s:
+        # a rank that left because a peer was lost (heartbeat) says the job is over: the
+        # others have read the same verdict, and the lost one may be hung, never to exit
+        grace = min(grace_s, _LOST_PEER_GRACE_S) if failure is not None and failure[1] == LOST_PEER_EXIT else grace_s
+        if failure is not None and now - failed_at > grace:
             break
         if timeout_s is not None and now - start > timeout_s:
             stuck = ", ".join(str(s.rank) for s, _, _ in running)
@@ -192,6 +202,8 @@ def _terminate(procs: list[subprocess.Popen[bytes]], wait_s: float = 5.0) -> Non
         for p in alive:
             try:
                 os.killpg(p.pid, sig)
+                if sig == signal.SIGTERM:
+                    os.killpg(p.pid, signal.SIGCONT)   # a stopped rank acts on SIGTERM only once resumed
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + wait_s
@@ -200,3 +212,55 @@ def _terminate(procs: list[subprocess.Popen[bytes]], wait_s: float = 5.0) -> Non
         alive = [p for p in alive if p.poll() is None]
         if not alive:
             return
+
+
+#: The launcher's pid, given to every rank it starts (``die_with_parent``).
+PARENT_ENV = "SYNCPLANE_LAUNCHER_PID"
+
+_PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+
+#: How long the other ranks get to exit once one has left because a peer was lost.
+_LOST_PEER_GRACE_S = 3.0
+
+
+@contextlib.contextmanager
+def _signals_stop_the_job() -> Iterator[None]:
+    """While ranks run, SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) raise
+    ``LaunchError`` in the launcher, so its ``finally`` ends the ranks. Python's default
+    SIGTERM would end the launcher alone and leave its ranks running, blocked in gloo."""
+    if threading.current_thread() is not threading.main_thread():
+        yield   # only the main thread may set handlers; the caller owns signals then
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise LaunchError(f"stopped by {signal.Signals(signum).name}; the ranks were ended")
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def die_with_parent(env: Mapping[str, str] | None = None) -> None:
+    """Have the kernel SIGKILL this process when the process that started it dies (Linux's
+    parent-death signal), so a launcher or torchrun agent killed outright leaves no rank
+    behind. If the launcher that started us (``PARENT_ENV``) is already gone, exit now: it
+    died before the signal was armed, so the signal would never come. A no-op where prctl is
+    missing (not Linux)."""
+    env = os.environ if env is None else env
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    launcher = env.get(PARENT_ENV)
+    if launcher is not None:
+        try:
+            os.kill(int(launcher), 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:
+            pass   # alive, owned by another user

@@ -48,6 +48,9 @@ def test_good_config_parses_into_typed_settings():
     ("strategy.kwargs", {"model_averaging_period": "often"}, r"strategy.kwargs.model_averaging_period: expected an integer or null"),
     ("resume", "/does/not/exist.ckpt", r"resume: expected the path of an existing checkpoint file"),
     ("seed", "x", r"seed: expected an integer"),
+    ("trainer.heartbeat_timeout_s", -1, r"trainer.heartbeat_timeout_s: must be >= 0 \(0 = no heartbeat\), got -1"),
+    ("fault", {"kind": "explode"}, r"fault.kind: got 'explode', allowed values: 'kill', 'stop', 'raise'"),
+    ("fault", {"step": 0}, r"fault.step: must be >= 1, got 0"),
 ])
 def test_bad_values_name_the_key(path, value, message):
     with pytest.raises(ConfigError, match=message):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 
 import pytest
 
-from syncplane.launcher import LaunchError, launch, local_ranks
+from syncplane.launcher import PARENT_ENV, LaunchError, launch, local_ranks
 
 PRINT_ENV = "import os; print('rank', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'])"
 
@@ -33,3 +35,28 @@ def test_timeout_names_the_stuck_ranks(tmp_path):
     with pytest.raises(LaunchError, match=r"ranks still running: 0, 1"):
         launch([sys.executable, "-c", "import time; time.sleep(600)"], local_ranks(2), tmp_path,
                echo_rank0=False, timeout_s=1.0)
+
+
+def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    script = "from syncplane.launcher import die_with_parent; die_with_parent(); print('still here')"
+    orphan = subprocess.run([sys.executable, "-c", script], env={**os.environ, PARENT_ENV: str(gone.pid)},
+                            capture_output=True, text=True, timeout=60)
+    assert orphan.returncode == 1 and "still here" not in orphan.stdout
+    alive = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert alive.returncode == 0 and "still here" in alive.stdout
+
+
+def test_a_stopped_rank_gets_its_sigterm(tmp_path):
+    """A SIGSTOPped rank (hung) acts on SIGTERM only once resumed: without the SIGCONT it
+    would sit out the grace period and die by SIGKILL, with no chance to clean up."""
+    script = ("import os, signal, sys, time\n"
+              f"signal.signal(signal.SIGTERM, lambda *_: (open({str(tmp_path / 'ended')!r} + os.environ['RANK'], 'w'),"
+              " os._exit(0)))\n"
+              "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+              "if os.environ['RANK'] == '0':\n    time.sleep(1); sys.exit(3)\n"
+              "time.sleep(600)\n")
+    with pytest.raises(LaunchError, match=r"rank 0 failed \(exit code 3\)"):
+        launch([sys.executable, "-c", script], local_ranks(3), tmp_path, echo_rank0=False, grace_s=0.5)
+    assert (tmp_path / "ended1").exists() and (tmp_path / "ended2").exists()

@@ -12,8 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 
@@ -50,3 +52,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not Path(path).exists():
             raise FileNotFoundError(f"checkpoint not found: {path}")
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``<dirpath>/last.ckpt``, rewritten after every epoch's validation and at the end of
+    training, and nothing else.
+
+    Why not ``ModelCheckpoint(save_last=True, save_top_k=0)``: since Lightning 2.x that
+    writes ``last.ckpt`` only when a top-k checkpoint was written in the same step, so with
+    ``save_top_k=0`` a run kept no checkpoint at all until it ended -- a failure on day two
+    of a three-day run lost everything. Here the single top-k checkpoint of a monitor-less
+    run (the newest) is itself named ``last``."""
+
+    def __init__(self, dirpath: str | os.PathLike[str]) -> None:
+        super().__init__(dirpath=dirpath, filename="last", save_top_k=1, save_last=False,
+                         enable_version_counter=False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a run that stops mid-epoch (max_steps) has steps no validation has saved yet
+        if self._last_global_step_saved != trainer.global_step:
+            trainer.save_checkpoint(self.format_checkpoint_name({}))

@@ -18,7 +18,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from syncplane.config import ConfigError
-from syncplane.launcher import launch, launch_on_cluster, local_ranks
+from syncplane.launcher import die_with_parent, launch, launch_on_cluster, local_ranks
 from syncplane.training import external, rendezvous
 from syncplane.training.job import parse_job
 from syncplane.training.worker import JOB_FILE
@@ -75,6 +75,7 @@ def run_as_rank(container: dict[str, Any], launched: external.ExternalLaunch, us
     directory every rank agrees on and can write)."""
     from syncplane.training import worker
 
+    die_with_parent()   # torchrun's agent (or srun) killed outright takes this rank with it
     strategy = str((container.get("strategy") or {}).get("name"))
     run_dir = external.run_dir_for(launched, user_dir, strategy)
     spec = parse_job(container, run_dir=str(run_dir))

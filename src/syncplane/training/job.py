@@ -31,6 +31,7 @@ class TrainerSettings:
     deterministic: bool = False
     threads_per_rank: int = 0  # 0: split this machine's cores evenly between local ranks
     rendezvous_timeout_s: float = 300.0  # how long ranks wait for each other at start before naming the missing
+    heartbeat_timeout_s: float = 15.0   # a rank silent this long counts as lost and stops the job; 0: no heartbeat
 
     def validate(self) -> None:
         if self.devices < 1:
@@ -43,6 +44,25 @@ class TrainerSettings:
             raise ConfigError(f"threads_per_rank: must be >= 0, got {self.threads_per_rank}")
         if self.rendezvous_timeout_s <= 0:
             raise ConfigError(f"rendezvous_timeout_s: must be positive, got {self.rendezvous_timeout_s}")
+        if self.heartbeat_timeout_s < 0:
+            raise ConfigError(f"heartbeat_timeout_s: must be >= 0 (0 = no heartbeat), got {self.heartbeat_timeout_s}")
+
+
+@dataclass
+class FaultSettings:
+    """A failure to inject (``fault.*``), to see what a job does when a rank is lost: rank
+    ``rank`` kills itself (``kill``, SIGKILL), stops (``stop``, SIGSTOP: what a hung GPU or a
+    swapping host looks like) or raises (``raise``) after training step ``step``."""
+
+    kind: Literal["kill", "stop", "raise"] = "stop"
+    rank: int = 1
+    step: int = 10
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"rank: must be >= 0, got {self.rank}")
+        if self.step < 1:
+            raise ConfigError(f"step: must be >= 1, got {self.step}")
 
 
 @dataclass
@@ -76,6 +96,7 @@ class JobSpec:
     job_name: str = "train"
     resume: str | None = None  # a checkpoint to continue from
     cluster: Any = None        # a ClusterProfile: run every rank inside its emulated host
+    fault: FaultSettings | None = None   # a failure to inject (testing what the job does)
 
 
 def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> JobSpec:
@@ -83,7 +104,7 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     from syncplane import recipes as recipes_registry
     from syncplane.strategies import registry as strategy_registry
 
-    allowed_top = {"strategy", "recipe", "trainer", "logger", "seed", "resume", "cluster"}
+    allowed_top = {"strategy", "recipe", "trainer", "logger", "seed", "resume", "cluster", "fault"}
     unknown = sorted(set(cfg) - allowed_top)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed_top))}")
@@ -114,6 +135,7 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     if resume is not None and not (isinstance(resume, str) and Path(resume).is_file()):
         raise ConfigError(f"resume: expected the path of an existing checkpoint file, got {resume!r}")
     trainer = parse_dataclass(TrainerSettings, cfg.get("trainer"), "trainer")
+    fault = None if cfg.get("fault") is None else parse_dataclass(FaultSettings, cfg["fault"], "fault")
     cluster = None
     if cfg.get("cluster") is not None:
         from syncplane.cluster import parse_profile
@@ -140,4 +162,5 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
         job_name=job_name,
         resume=resume,
         cluster=cluster,
+        fault=fault,
     )

@@ -75,7 +75,27 @@ def join(accelerator: str, timeout_s: float, env: Mapping[str, str] | None = Non
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s)
     store, where = _store(rank, world, timeout, env)
-    prefix = f"syncplane/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    prefix = _prefix(env)
     wait_for_all(store, rank, world, timeout_s, where, prefix)
     dist.init_process_group(backend_for(accelerator), store=dist.PrefixStore(f"{prefix}/pg", store), rank=rank,
                             world_size=world, timeout=max(timeout, datetime.timedelta(minutes=30)))
+
+
+def _prefix(env: Mapping[str, str]) -> str:
+    return f"syncplane/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def heartbeat_store(timeout_s: float, env: Mapping[str, str] | None = None) -> tuple[dist.Store, str, str]:
+    """A client of the job's store for the heartbeat (``syncplane.comm.heartbeat``), its
+    address for messages, and the key prefix: a TCP client of its own whose operations give
+    up after ``timeout_s`` (the training's client waits up to the process-group timeout),
+    or the same file store (a file never hangs)."""
+    env = os.environ if env is None else env
+    prefix = f"{_prefix(env)}/heartbeat"
+    path = env.get(FILE_ENV)
+    if path:
+        return dist.FileStore(path, -1), f"file {path}", prefix
+    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+    store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, f"{addr}:{port}", prefix

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from syncplane.comm.basics import release_groups
+from syncplane.launcher import die_with_parent
 from syncplane.training.job import JobSpec, parse_job
 
 JOB_FILE = "job.yaml"
@@ -66,11 +67,11 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     import torch
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch import Trainer, seed_everything
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from syncplane import recipes
     from syncplane.strategies import registry
-    from syncplane.training.checkpoint_io import AtomicCheckpointIO
+    from syncplane.training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
+    from syncplane.training.liveness import HeartbeatCallback, InjectFault
     from syncplane.training import rendezvous
     from syncplane.training.report import RunReport
 
@@ -89,7 +90,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     module, data = recipes.get(spec.recipe_name).build(spec.recipe)
     strategy = registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment())
     report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name)
-    checkpoints = ModelCheckpoint(dirpath=Path(spec.run_dir) / "checkpoints", save_last=True, save_top_k=0)
+    checkpoints = LastCheckpoint(Path(spec.run_dir) / "checkpoints")
     trainer_cfg = spec.trainer
     # CPU processes may be spread unevenly over (emulated) hosts: present them to
     # Lightning as one node of world_size devices; ranks come from the environment.
@@ -110,7 +111,8 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
         gradient_clip_val=trainer_cfg.gradient_clip_val,
         deterministic=trainer_cfg.deterministic,
         logger=make_loggers(spec) or False,
-        callbacks=[report, checkpoints],
+        callbacks=[report, checkpoints, HeartbeatCallback(trainer_cfg.heartbeat_timeout_s),
+                   *([InjectFault(spec.fault)] if spec.fault is not None else [])],
         plugins=[AtomicCheckpointIO()],
         default_root_dir=spec.run_dir,
         enable_progress_bar=False,  # one line per epoch instead (logs are files, not TTYs)
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m syncplane.training.worker RUN_DIR/job.yaml", file=sys.stderr)
         return 2
+    die_with_parent()   # a launcher killed outright takes its ranks with it
     job = yaml.safe_load(Path(args[0]).read_text())
     spec = parse_job(job["config"], run_dir=job["run_dir"], job_name=job.get("job_name", "train"))
     try:

@@ -1,0 +1,174 @@
+"""Liveness of the ranks of a job: a heartbeat through the rendezvous store, watched in a ring.
+
+Why: a rank that *dies* is noticed by whoever started it and by the sockets of its peers, but a
+rank that *hangs* -- SIGSTOP, a stuck GPU, a swapping host, a NIC that went down -- is noticed by
+nobody: every other rank sits inside a collective until the process group's timeout (30 min).
+Nothing in torch watches for that on gloo, and on a real cluster the launcher that would see a
+dead process is often not its parent. So every rank beats, and watches one other rank.
+
+How:
+
+- every ``interval_s`` each rank writes a counter under ``<prefix>/<rank>``;
+- each rank watches its ring successor ``(rank + 1) % world``: if the successor's counter has
+  not moved for ``timeout_s`` (measured on the watcher's own monotonic clock, so clocks of
+  different hosts never meet), the watcher posts ``<prefix>/abort`` with a message naming it;
+- every rank polls ``<prefix>/abort`` and, when it appears, stops with that message.
+
+A ring costs O(world) store operations per interval in all (three per rank), and every rank is
+watched by exactly one other. A rank that ends cleanly writes ``done``; its watcher stops
+watching. A successor that has not beaten yet gets ``startup_s`` before it counts as lost
+(ranks reach the training loop at different times). If the store itself stops answering
+within ``timeout_s`` -- its host is the one that hung, or this rank lost the network -- that is
+reported the same way, naming the store.
+
+The clock and the reaction are injected, so ``poll`` is tested step by step without threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a rank stopped because a peer was lost (EX_TEMPFAIL: a retry may succeed).
+LOST_PEER_EXIT = 75
+
+_DONE = b"done"
+
+
+def exit_now(message: str) -> None:
+    """The default reaction: say why on stderr and leave at once. The main thread is blocked
+    inside a collective that only the 30-minute process-group timeout would end, so there is
+    nothing to unwind; checkpoints are written atomically, so none is left half-written."""
+    sys.stderr.write(f"syncplane: {message}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(LOST_PEER_EXIT)
+
+
+class Heartbeat:
+    """Beat, watch the ring successor, and react to a lost rank on every rank.
+
+    Args:
+        store: the job's store, or a client of it with a timeout of ``timeout_s``: a store
+            operation that outlives it counts as the store being lost.
+        rank, world_size: this rank and the job's size.
+        timeout_s: how long a successor may stay silent before it counts as lost.
+        interval_s: time between beats (default ``timeout_s / 5``).
+        startup_s: how long a successor that never beat gets (default ``max(60, 3·timeout_s)``).
+        where: how to name the store in messages (its address or file).
+        on_lost: called once with the message when a rank is lost (default: ``exit_now``).
+        clock: a monotonic clock (tests pass their own).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
+                 interval_s: float | None = None, startup_s: float | None = None, where: str = "the store",
+                 prefix: str = "syncplane/heartbeat", on_lost: Callable[[str], None] = exit_now,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"heartbeat timeout_s must be positive, got {timeout_s}")
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s = timeout_s
+        self.interval_s = timeout_s / 5 if interval_s is None else interval_s
+        self.startup_s = max(60.0, 3 * timeout_s) if startup_s is None else startup_s
+        self.where, self.prefix, self.on_lost, self.clock = where, prefix, on_lost, clock
+        self.watched: int | None = (rank + 1) % world_size if world_size > 1 else None
+        self.beats = 0
+        self.lost: str | None = None
+        self._seen: bytes | None = None        # the watched rank's last value
+        self._seen_at = clock()                # when it last changed (or when watching began)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ one round
+
+    def poll(self) -> str | None:
+        """Beat once, then check the abort key and the successor. Returns (and reports
+        through ``on_lost``, once) the message if a rank is lost."""
+        if self.lost is not None:
+            return self.lost
+        try:
+            self.beats += 1
+            self.store.set(self._key(self.rank), str(self.beats))
+            if self.store.check([self._key("abort")]):
+                return self._report(self.store.get(self._key("abort")).decode())
+            message = self._check_successor()
+        except RuntimeError as exc:   # torch's store errors (timeouts, resets) are RuntimeErrors
+            message = (f"rank {self.rank}: the job's store at {self.where} did not answer within "
+                       f"{self.timeout_s:.0f} s ({exc}); the host holding it (rank 0 under syncplane's "
+                       "launcher, node 0's torchrun agent otherwise) is hung or unreachable, or this "
+                       "rank lost its network")
+            return self._report(message)
+        if message is not None:
+            try:
+                self.store.set(self._key("abort"), message)
+            except RuntimeError:
+                pass   # the others will find the lost rank themselves, or the store gone
+            return self._report(message)
+        return None
+
+    def _check_successor(self) -> str | None:
+        if self.watched is None:
+            return None
+        now = self.clock()
+        key = self._key(self.watched)
+        value = self.store.get(key) if self.store.check([key]) else None
+        if value == _DONE:
+            self.watched = None   # it finished cleanly; the end of the run needs no watch
+            return None
+        if value != self._seen:
+            self._seen, self._seen_at = value, now
+            return None
+        silent = now - self._seen_at
+        allowed = self.timeout_s if self._seen is not None else self.startup_s
+        if silent <= allowed:
+            return None
+        if self._seen is None:
+            return (f"rank {self.watched} never sent a heartbeat within {allowed:.0f} s of rank "
+                    f"{self.rank} starting to watch it (it hangs before training, or is gone)")
+        return (f"rank {self.watched} stopped sending heartbeats {silent:.0f} s ago (hung, stopped, or its "
+                f"host lost the network; trainer.heartbeat_timeout_s={self.timeout_s:g}); noticed by "
+                f"rank {self.rank}")
+
+    def _report(self, message: str) -> str:
+        self.lost = message
+        self.on_lost(message)
+        return message
+
+    def _key(self, name: object) -> str:
+        return f"{self.prefix}/{name}"
+
+    # ------------------------------------------------------------------ the thread
+
+    def start(self) -> None:
+        """Beat and watch on a daemon thread until ``stop``."""
+        if self._thread is not None:
+            return
+        self._seen_at = self.clock()
+        self._thread = threading.Thread(target=self._run, name="syncplane-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.poll() is not None:
+                return
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        """Stop beating and tell the watcher this rank finished cleanly (not lost)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s + self.interval_s)
+            self._thread = None
+        if self.lost is None:
+            try:
+                self.store.set(self._key(self.rank), _DONE.decode())
+            except RuntimeError:
+                log.warning("rank %d: could not mark its heartbeat done (store at %s)", self.rank, self.where)

@@ -1,0 +1,70 @@
+"""Lightning callbacks around a job's liveness: the heartbeat that stops a job whose rank
+hangs (``syncplane.comm.heartbeat`` says why and how), and the fault a user injects to see
+what the job does when a rank is lost (``fault.*``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from syncplane.comm.heartbeat import Heartbeat
+from syncplane.config import ConfigError
+from syncplane.training import rendezvous
+from syncplane.training.job import FaultSettings
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatCallback(Callback):
+    """Beats and watches for the whole of ``fit``, on every rank of a multi-rank job."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.heartbeat: Heartbeat | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.timeout_s <= 0 or not dist.is_initialized() or dist.get_world_size() < 2:
+            return
+        store, where, prefix = rendezvous.heartbeat_store(self.timeout_s)
+        self.heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size(), timeout_s=self.timeout_s,
+                                   where=where, prefix=prefix)
+        self.heartbeat.start()
+        log.info("heartbeat: every %.1f s; a rank silent for %.0f s stops the job",
+                 self.heartbeat.interval_s, self.timeout_s)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+
+
+class InjectFault(Callback):
+    """Rank ``fault.rank`` fails as ``fault.kind`` says after training step ``fault.step``."""
+
+    def __init__(self, fault: FaultSettings) -> None:
+        self.fault = fault
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.fault.rank >= trainer.world_size:
+            raise ConfigError(f"fault.rank: {self.fault.rank} is not a rank of this job of {trainer.world_size}")
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        fault = self.fault
+        if trainer.global_rank != fault.rank or trainer.global_step != fault.step:
+            return
+        log.warning("fault: rank %d fails (%s) after step %d, as fault.* asked", fault.rank, fault.kind, fault.step)
+        if fault.kind == "raise":
+            raise RuntimeError(f"fault injected: rank {fault.rank} raised after step {fault.step}")
+        os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
