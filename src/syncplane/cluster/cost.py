@@ -75,7 +75,7 @@ class FlowArray:
 Phase = list[Flow] | FlowArray
 
 
-def _columns(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(src, dst, bytes, copies) of a phase as arrays."""
     if isinstance(phase, FlowArray):
         return (np.asarray(phase.src, dtype=np.int64), np.asarray(phase.dst, dtype=np.int64),
@@ -203,7 +203,7 @@ class CostModel:
             which.append(len(distinct) - 1)
         if not distinct:
             return []
-        columns = [_columns(p) for p in distinct]
+        columns = [columns_of(p) for p in distinct]
         owner = np.repeat(np.arange(len(distinct), dtype=np.int64), [len(c[0]) for c in columns])
         src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
         times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s).tolist()
