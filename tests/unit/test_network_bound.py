@@ -100,3 +100,13 @@ def test_shipped_profiles_no_exact_allreduce_beats_the_network(name):
 @given(profiles())
 def test_random_profiles_no_exact_allreduce_beats_the_network(data):
     _check_no_exact_pattern_beats_the_bound(parse_profile(data))
+
+
+def test_at_scale_the_racks_count_together():
+    """32 racks of 32 one-rank hosts (400 Mbit NICs, 100 Mbit uplinks): the racks must send
+    2·31·M over 32 uplinks, 2·31/32·M each -- above any single cut's M and the NICs' share."""
+    from syncplane.cluster.profile import scaled
+
+    bound = allreduce_network_bound(scaled(load_profile("two_racks"), 32, 32), M)
+    assert bound.seconds == pytest.approx(2 * 31 / 32 * M / (100 * MBIT))
+    assert bound.binding == "uplinks of all racks, out"
