@@ -56,3 +56,10 @@ def test_flow_array_iterates_as_the_tuples_it_stands_for():
 def test_a_rank_outside_the_profile_is_named():
     with pytest.raises(IndexError, match="rank 8 is outside profile 'two_racks'"):
         CostModel(load_profile("two_racks")).phase_time([(0, 8, 1.0)])
+
+
+def test_flow_array_columns_must_agree():
+    import numpy as np
+
+    with pytest.raises(ValueError, match="FlowArray: columns of different lengths"):
+        FlowArray(np.arange(3), np.arange(3), np.ones(3), np.ones(2, dtype=np.int64))

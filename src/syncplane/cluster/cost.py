@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,16 +57,21 @@ class FlowArray:
     src: np.ndarray
     dst: np.ndarray
     nbytes: np.ndarray
-    copies: np.ndarray = field(default_factory=lambda: np.ones(0, dtype=np.int64))
+    copies: np.ndarray | None = None          # None: one flow per row
 
     def __post_init__(self) -> None:
-        if len(self.copies) != len(self.src):
+        if self.copies is None:
             object.__setattr__(self, "copies", np.ones(len(self.src), dtype=np.int64))
+        lengths = {name: len(getattr(self, name)) for name in ("src", "dst", "nbytes", "copies")}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"FlowArray: columns of different lengths {lengths}")
 
     def __len__(self) -> int:
+        assert self.copies is not None
         return int(self.copies.sum())
 
     def __iter__(self) -> Iterator[Flow]:
+        assert self.copies is not None
         for s, d, b, c in zip(self.src.tolist(), self.dst.tolist(), self.nbytes.tolist(), self.copies.tolist()):
             for _ in range(c):
                 yield (s, d, b)
