@@ -141,7 +141,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.algorithms import PLANNED, CostOptions, strategy_time
+    from syncplane.algorithms import PLANNED, CostOptions, strategy_times
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -155,19 +155,29 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     options = CostOptions(period=args.period, streams=args.streams)
     table = Table(title=f"α-β model: {profile.name}, {profile.world_size} ranks, {payload / 2**20:.1f} MB, "
                         f"α = {args.alpha_ms:g} ms, period {args.period}, streams {args.streams}")
-    for col in ("strategy", "predicted s", "bound s", "vs ddp"):
+    for col in ("strategy", "predicted s", "bound s", "net bound s", "net ratio", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     rows = {}
     for name in parse_strategies(args.strategies):
-        rows[name] = None if name in PLANNED else strategy_time(model, name, payload, options)
+        rows[name] = None if name in PLANNED else strategy_times(model, name, payload, options)
     ddp = rows.get("ddp")
+
+    def net_ratio(value: Any) -> float | None:
+        """The network's bound over the prediction: how near the wire's limit the pattern runs."""
+        return value.network_bound_s / value.predicted_s if value.predicted_s and value.network_bound_s else None
+
     for name, value in rows.items():
         if value is None:
-            table.add_row(name, "[yellow]not modelled yet[/]", "-", "-")
+            table.add_row(name, "[yellow]not modelled yet[/]", "-", "-", "-", "-")
         else:
-            speed = f"{ddp[0] / value[0]:.2f}x" if ddp else "-"
-            table.add_row(name, f"{value[0]:.3f}", f"{value[1]:.3f}", speed)
+            speed = f"{ddp.predicted_s / value.predicted_s:.2f}x" if ddp and value.predicted_s else "-"
+            ratio = net_ratio(value)
+            table.add_row(name, f"{value.predicted_s:.3f}", f"{value.bound_s:.3f}", f"{value.network_bound_s:.3f}",
+                          "-" if ratio is None else f"{ratio:.2f}", speed)
     Console(width=110).print(table)
+    if any(rows.values()):
+        binding = next(v for v in rows.values() if v).network_binding
+        print(f"network bound of one all-reduce: set by {binding} (per communicating step)")
     if args.plan:
         from syncplane.algorithms.flexreduce.cost import ELEMENT_SIZE
         from syncplane.algorithms.flexreduce.plan import describe, plan_for
@@ -179,8 +189,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({"cluster": profile.name, "world_size": profile.world_size,
                                                "payload_bytes": payload, "alpha_s": model.alpha_s,
                                                "period": args.period, "streams": args.streams,
-                                               "results": [{"strategy": n, "predicted_s": v[0] if v else None,
-                                                            "bound_s": v[1] if v else None}
+                                               "results": [{"strategy": n, "predicted_s": v.predicted_s if v else None,
+                                                            "bound_s": v.bound_s if v else None,
+                                                            "network_bound_s": v.network_bound_s if v else None,
+                                                            "network_bound_ratio": net_ratio(v) if v else None,
+                                                            "network_binding": v.network_binding if v else None}
                                                            for n, v in rows.items()]}, indent=2))
     return 0
 

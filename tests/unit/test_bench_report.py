@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from syncplane.bench.runner import parse_payload, parse_strategies, plot, run_bench
+from syncplane.bench.runner import parse_payload, parse_strategies, plot, report_rows, run_bench
+from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster import load_profile
 from syncplane.config import ConfigError
 
 SCHEMA = {"strategy", "sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s", "bound_ratio",
-          "speedup_vs_ddp"}
+          "network_bound_s", "network_bound_ratio", "speedup_vs_ddp"}
 
 
 def test_payload_presets_are_real_model_sizes():
@@ -59,3 +60,22 @@ def test_wandb_logging_is_offline_and_grouped(tmp_path):
     log_wandb(report, tmp_path)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1          # one per measured strategy
+
+
+def test_every_row_reports_the_network_bound_next_to_its_own(tmp_path):
+    """Rows from given measurements (no emulator): both bounds and both ratios, the network
+    one amortized over DiLoCo's period and the same for every exact or inexact strategy."""
+    profile, payload = load_profile("two_racks"), 25 * 2**20
+    hosts = len(profile.hosts)
+    measured = {name: {"step_s": [seconds] * 3, "comm_bytes": [1.0] * 8, "nic_tx_bytes": [1.0] * hosts}
+                for name, seconds in (("ddp", 4.0), ("atc", 3.0), ("diloco", 2.0))}
+    rows = {r["strategy"]: r for r in report_rows(profile, ["ddp", "atc", "diloco"], payload, measured, period=4)}
+    network = allreduce_network_bound(profile, payload).seconds
+    assert rows["ddp"]["network_bound_s"] == pytest.approx(network)
+    assert rows["atc"]["network_bound_s"] == pytest.approx(network)
+    assert rows["diloco"]["network_bound_s"] == pytest.approx(network / 4)
+    for name, seconds in (("ddp", 4.0), ("atc", 3.0), ("diloco", 2.0)):
+        assert SCHEMA <= set(rows[name])
+        assert rows[name]["network_bound_ratio"] == pytest.approx(rows[name]["network_bound_s"] / seconds)
+        assert rows[name]["bound_ratio"] == pytest.approx(rows[name]["bound_s"] / seconds)
+    assert rows["ddp"]["network_bound_s"] < rows["ddp"]["bound_s"]        # the ring crosses the uplink 1.75×

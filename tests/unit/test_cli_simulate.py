@@ -25,6 +25,12 @@ def test_period_and_streams_are_inputs_and_are_reported(tmp_path):
     assert rows["ddp"]["bound_s"] == pytest.approx(rows_one["ddp"]["bound_s"])          # not periodic
     assert rows["diloco"]["bound_s"] == pytest.approx(rows_one["diloco"]["bound_s"] / 10)  # one round per H
     assert rows["canary"]["predicted_s"] is None                                         # planned, not modelled
+    # the network's all-reduce bound: the same per round for both, amortized over DiLoCo's rounds
+    assert rows["ddp"]["network_bound_s"] == pytest.approx(rows_one["diloco"]["network_bound_s"])
+    assert rows["diloco"]["network_bound_s"] == pytest.approx(rows["ddp"]["network_bound_s"] / 10)
+    assert rows["ddp"]["network_bound_ratio"] == pytest.approx(rows["ddp"]["network_bound_s"] /
+                                                               rows["ddp"]["predicted_s"])
+    assert rows["ddp"]["network_binding"].startswith("uplink of")
 
 
 def test_bad_period_is_a_config_error(tmp_path, capsys):

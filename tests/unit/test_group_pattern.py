@@ -175,3 +175,23 @@ def test_uneven_racks_that_used_to_be_refused_now_mix(sizes, slow_ranks, slow_ra
         product = w @ product
     assert np.linalg.norm(product - np.full((n, n), 1.0 / n), 2) < 1 - 1e-9
     assert pattern.period <= MAX_PERIOD
+
+
+def test_period_product_and_lambda2_match_the_dense_definition():
+    """The row-averaging product and the group-reduced norm equal Π W_k and ‖Π W_k − 11ᵀ/n‖₂
+    computed densely (seeded random partitions; seed printed on failure)."""
+    seed = 1907
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        n = int(rng.integers(2, 13))
+        iterations = []
+        for _ in range(int(rng.integers(1, 4))):
+            perm = rng.permutation(n).tolist()
+            cuts = sorted(rng.choice(np.arange(1, n), size=int(rng.integers(0, n - 1)), replace=False).tolist())
+            iterations.append(tuple(tuple(sorted(perm[a:b])) for a, b in zip([0, *cuts], [*cuts, n])))
+        p = GroupPattern(n, tuple(iterations))
+        dense = np.eye(n)
+        for k in range(p.period):
+            dense = p.mixing_matrix(k) @ dense
+        np.testing.assert_allclose(p.period_product(), dense, atol=1e-12, err_msg=f"seed {seed}")
+        assert p.lambda2 == pytest.approx(np.linalg.norm(dense - 1.0 / n, 2), abs=1e-9), f"seed {seed}"

@@ -12,8 +12,11 @@ simulate`` (cost patterns).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from syncplane.algorithms import ddp, decentralized, diloco, ds_sync, flexreduce, peers
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster.cost import CostModel
 
 #: Every family, baseline first; peers (from other projects) last.
@@ -55,15 +58,42 @@ def description(name: str) -> str:
     return spec_for(name).strategies[name]
 
 
-def strategy_time(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()
-                  ) -> tuple[float, float]:
-    """(predicted seconds, bound seconds) of one step's sync of ``name`` on ``model``'s cluster:
-    the mean over one period of its pattern (so periodic algorithms are amortized)."""
+@dataclass(frozen=True)
+class StrategyTimes:
+    """One step's sync of a strategy on a cluster, in seconds (periodic ones amortized).
+
+    ``predicted_s``: its pattern with the per-phase latency; ``bound_s``: its pattern's own
+    bandwidth bound; ``network_bound_s``: the network's lower bound for an all-reduce of the
+    payload (``syncplane.cluster.bound``) once per step that communicates, whatever the
+    pattern -- how fast the wire would let the step be; ``network_binding``: the cut or
+    count that sets it.
+    """
+
+    predicted_s: float
+    bound_s: float
+    network_bound_s: float
+    network_binding: str
+
+
+def strategy_times(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()
+                   ) -> StrategyTimes:
+    """``StrategyTimes`` of ``name`` on ``model``'s cluster: the means over one period of its
+    pattern (so periodic algorithms are amortized, their network bound too)."""
     steps = spec_for(name).cost(name, model.profile, payload_bytes, options)
     if not steps:
-        return 0.0, 0.0
-    return (sum(model.time(p) for p in steps) / len(steps), sum(model.bound(p) for p in steps) / len(steps))
+        return StrategyTimes(0.0, 0.0, 0.0, "no communication")
+    network = allreduce_network_bound(model.profile, payload_bytes, options.streams)
+    rounds = sum(1 for step in steps if step) / len(steps)
+    return StrategyTimes(sum(model.time(p) for p in steps) / len(steps), sum(model.bound(p) for p in steps) / len(steps),
+                         network.seconds * rounds, network.binding)
 
 
-__all__ = ["PLANNED", "SPECS", "AlgorithmSpec", "CostOptions", "all_names", "description", "peer_names",
-           "spec_for", "strategy_names", "strategy_time"]
+def strategy_time(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()
+                  ) -> tuple[float, float]:
+    """(predicted seconds, bound seconds) of ``strategy_times``."""
+    times = strategy_times(model, name, payload_bytes, options)
+    return times.predicted_s, times.bound_s
+
+
+__all__ = ["PLANNED", "SPECS", "AlgorithmSpec", "CostOptions", "StrategyTimes", "all_names", "description", "peer_names",
+           "spec_for", "strategy_names", "strategy_time", "strategy_times"]

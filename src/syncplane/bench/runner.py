@@ -2,7 +2,11 @@
 
 Output (``docs/benchmarks.md``): ``{"cluster", "world_size", "payload_bytes", "results": [{
 "strategy", "sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s",
-"bound_ratio", "speedup_vs_ddp", ...}]}`` plus a rich table and a PNG chart. Extra
+"bound_ratio", "network_bound_s", "network_bound_ratio", "speedup_vs_ddp", ...}]}`` plus a
+rich table and a PNG chart. ``bound_s`` is the strategy's own pattern's bandwidth bound;
+``network_bound_s`` the network's lower bound for an all-reduce of the payload per
+communicating step (``syncplane.cluster.bound``; ``network_binding`` names the cut that
+sets it), so ``network_bound_ratio`` is how near the wire's limit a strategy runs. Extra
 fields per row: ``status`` ("ok" or "not implemented"), ``predicted_s`` (the cost
 model with its per-phase latency), ``nic_bytes_per_rank`` (from the namespaces'
 interface counters: the cross-check of ``bytes_sent_per_rank``), ``step_s`` (all steps),
@@ -76,7 +80,19 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         spec_path.write_text(json.dumps(spec))
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
         measured = json.loads((out_dir / "results.json").read_text())["results"]
+    rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period,
+                       shards=shards, pair_streams=pair_streams)
+    return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
+            "steps": steps, "compute_ms": compute_ms, "period": period, "shards": shards, "pair_streams": pair_streams,
+            "compression": compression, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "results": rows}
 
+
+def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: int, measured: dict[str, Any], *,
+                compute_ms: float = 0.0, period: int = 4, shards: int = 1,
+                pair_streams: int | str = "auto") -> list[dict[str, Any]]:
+    """One report row per strategy: the workers' measurements (``measured[name]``: step
+    times, bytes, NIC counters) next to the model's prediction and both bounds."""
     model = CostModel(profile)
     background_senders = {profile.host(f.src).index for f in profile.background}
     rows = []
@@ -94,25 +110,27 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         if name not in algorithms.PLANNED:
             family = algorithms.spec_for(name)
             options = {"shards": shards, "pair_streams": pair_streams}
-            predicted, bound = algorithms.strategy_time(model, name, payload_bytes,
-                                                        CostOptions(period, family.streams(options)))
+            times = algorithms.strategy_times(model, name, payload_bytes, CostOptions(period, family.streams(options)))
             window = family.overlap.get(name)
             hidden = compute_split(window, compute_ms / 1000)[1]     # the compute it can hide behind
-            row["predicted_s"], row["bound_s"] = max(0.0, predicted - hidden), max(0.0, bound - hidden)
+            row["predicted_s"], row["bound_s"] = max(0.0, times.predicted_s - hidden), max(0.0, times.bound_s - hidden)
+            row["network_bound_s"] = max(0.0, times.network_bound_s - hidden)
+            row["network_binding"] = times.network_binding
             row["overlap"] = window if hidden else None
             if "sync_s_median" in row:
                 row["bound_ratio"] = row["bound_s"] / row["sync_s_median"]
+                # no network (one host): no ratio, rather than a 0 that reads as "far from the wire"
+                row["network_bound_ratio"] = (row["network_bound_s"] / row["sync_s_median"]
+                                              if times.network_bound_s else None)
         rows.append(row)
     ddp = next((r for r in rows if r["strategy"] == "ddp" and "sync_s_median" in r), None)
     for row in rows:
         if ddp and "sync_s_median" in row:
             row["speedup_vs_ddp"] = ddp["sync_s_median"] / row["sync_s_median"]
-        for key in ("sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s", "bound_ratio", "speedup_vs_ddp"):
+        for key in ("sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s", "bound_ratio", "network_bound_s",
+                    "network_bound_ratio", "speedup_vs_ddp"):
             row.setdefault(key, None)
-    return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
-            "steps": steps, "compute_ms": compute_ms, "period": period, "shards": shards, "pair_streams": pair_streams,
-            "compression": compression, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "results": rows}
+    return rows
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -125,18 +143,20 @@ def print_table(report: dict[str, Any]) -> None:
     table = Table(title=f"syncplane bench: {report['cluster']} ({report['world_size']} ranks), "
                         f"payload {report['payload_bytes'] / 2**20:.1f} MB")
     for col in ("strategy", "sync s (median)", "p90", "MB sent/rank", "NIC MB/rank", "bound s", "bound ratio",
-                "predicted s", "vs ddp"):
+                "net bound s", "net ratio", "predicted s", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in report["results"]:
         if r["status"] != "ok":
-            table.add_row(r["strategy"], "[yellow]not implemented yet[/]", *["-"] * 7)
+            table.add_row(r["strategy"], "[yellow]not implemented yet[/]", *["-"] * 9)
             continue
         table.add_row(r["strategy"], fmt(r["sync_s_median"], ".3f"), fmt(r["sync_s_p90"], ".3f"),
                       fmt(r["bytes_sent_per_rank"] / 2**20, ".1f"),
                       fmt(r["nic_bytes_per_rank"] / 2**20 if r.get("nic_bytes_per_rank") is not None else None, ".1f"),
-                      fmt(r["bound_s"], ".3f"), fmt(r["bound_ratio"], ".2f"), fmt(r.get("predicted_s"), ".3f"),
+                      fmt(r["bound_s"], ".3f"), fmt(r["bound_ratio"], ".2f"),
+                      fmt(r["network_bound_s"], ".3f"), fmt(r["network_bound_ratio"], ".2f"),
+                      fmt(r.get("predicted_s"), ".3f"),
                       fmt(r["speedup_vs_ddp"], ".2f") + "x" if r["speedup_vs_ddp"] else "-")
-    Console(width=130).print(table)
+    Console(width=150).print(table)
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -157,7 +177,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     bounds = [(r["strategy"], r["bound_s"]) for r in rows if r["bound_s"] is not None]
     if bounds:
         ax.scatter([b[0] for b in bounds], [b[1] for b in bounds], marker="_", s=600, color="C3",
-                   label="α-β bound", zorder=3)
+                   label="α-β bound (its pattern)", zorder=3)
+    network = [(r["strategy"], r["network_bound_s"]) for r in rows if r.get("network_bound_s")]
+    if network:
+        ax.scatter([b[0] for b in network], [b[1] for b in network], marker="_", s=600, color="C2",
+                   label="network bound (all-reduce)", zorder=3)
+    if bounds or network:
         ax.legend(loc="upper right")
     ax.set_ylabel("sync time per step (s)")
     ax.set_title(f"{report['cluster']}: {report['payload_bytes'] / 2**20:.0f} MB, {report['world_size']} ranks")

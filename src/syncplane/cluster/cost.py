@@ -13,25 +13,82 @@ host's k NICs (gloo binds one collective to one NIC: striping needs several grou
 this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
 is the prediction ``syncplane simulate`` prints.
 
+The model is evaluated with numpy, all phases of a pattern in one batch: every flow
+becomes up to four (phase, link) entries, the per-link loads and flow counts are
+``bincount``s over them, and a phase's time is a max over its entries. Consecutive
+identical phases (a ring's 2(n−1) steps) are evaluated once. That is what lets
+``syncplane simulate`` plan 1,024 ranks in seconds; the answers are the per-flow
+formula's above (``tests/unit/test_cost_reference.py`` holds it to the values the
+earlier per-flow Python loop computed on every shipped profile).
+
 The generic patterns below (ring, neighbour exchange, owner exchange, concurrent groups)
 are building blocks; which pattern an algorithm runs is declared by its package
-(``syncplane.algorithms.<family>``), which composes them.
+(``syncplane.algorithms.<family>``), which composes them. A phase is a list of flow
+tuples or, for the big all-to-all patterns, a ``FlowArray`` (the same flows as columns).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from syncplane.cluster.profile import ClusterProfile
 
 Flow = tuple[int, int, float]            # src rank, dst rank, bytes
-Phase = list[Flow]
 
 MBIT = 1e6 / 8                            # bytes per second in one Mbit/s
 DEFAULT_ALPHA_S = 2.2e-3                  # per-phase latency of gloo on the emulator (measured, docs/benchmarks.md)
 DEFAULT_LOOPBACK_BPS = 2.5e9              # memory-to-memory over loopback on this class of machine
+
+
+@dataclass(frozen=True, eq=False)
+class FlowArray:
+    """Flows as columns: flow i is ``copies[i]`` concurrent flows of ``nbytes[i]`` from
+    ``src[i]`` to ``dst[i]`` (S streams of one shard are one row with ``copies`` S).
+
+    An all-to-all of n ranks has n² flows; as tuples that alone takes seconds at 1,024
+    ranks. Iterating yields the same flows as tuples, one per copy, so code written for
+    a list of flows reads it unchanged.
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    copies: np.ndarray | None = None          # None: one flow per row
+
+    def __post_init__(self) -> None:
+        if self.copies is None:
+            object.__setattr__(self, "copies", np.ones(len(self.src), dtype=np.int64))
+        lengths = {name: len(getattr(self, name)) for name in ("src", "dst", "nbytes", "copies")}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"FlowArray: columns of different lengths {lengths}")
+
+    def __len__(self) -> int:
+        assert self.copies is not None
+        return int(self.copies.sum())
+
+    def __iter__(self) -> Iterator[Flow]:
+        assert self.copies is not None
+        for s, d, b, c in zip(self.src.tolist(), self.dst.tolist(), self.nbytes.tolist(), self.copies.tolist()):
+            for _ in range(c):
+                yield (s, d, b)
+
+
+Phase = list[Flow] | FlowArray
+
+
+def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, bytes, copies) of a phase as arrays."""
+    if isinstance(phase, FlowArray):
+        return (np.asarray(phase.src, dtype=np.int64), np.asarray(phase.dst, dtype=np.int64),
+                np.asarray(phase.nbytes, dtype=np.float64), np.asarray(phase.copies, dtype=np.int64))
+    flat = np.fromiter(itertools.chain.from_iterable(phase), dtype=np.float64, count=3 * len(phase))
+    table = flat.reshape(-1, 3)
+    return (table[:, 0].astype(np.int64), table[:, 1].astype(np.int64), table[:, 2].copy(),
+            np.ones(len(phase), dtype=np.int64))
 
 
 @dataclass
@@ -40,65 +97,128 @@ class CostModel:
     alpha_s: float = DEFAULT_ALPHA_S
     loopback_bytes_per_s: float = DEFAULT_LOOPBACK_BPS
 
-    def _links(self, src: int, dst: int) -> list[tuple[str, int]]:
-        a, b = self.profile.host_of_rank(src), self.profile.host_of_rank(dst)
-        if a.index == b.index:
-            return [("lo", a.index)]
-        links = [("nic_out", a.index), ("nic_in", b.index)]
-        if a.rack != b.rack:
-            links += [("up_out", a.rack), ("up_in", b.rack)]
-        return links
+    def __post_init__(self) -> None:
+        """Index every link once: [NIC out per host | NIC in per host | uplink out per rack |
+        uplink in per rack | loopback per host], with its capacity, per-flow cap (∞: none),
+        NIC count and greedy background flows."""
+        hosts, racks = self.profile.hosts, self.profile.racks
+        n_hosts, n_racks = len(hosts), len(racks)
+        self._host_of_rank = np.repeat(np.arange(n_hosts, dtype=np.int64), [h.spec.ranks for h in hosts])
+        self._rack_of_host = np.array([h.rack for h in hosts], dtype=np.int64)
+        self._nic_in, self._up_out = n_hosts, 2 * n_hosts
+        self._up_in, self._lo = 2 * n_hosts + n_racks, 2 * n_hosts + 2 * n_racks
+        self._num_links = 3 * n_hosts + 2 * n_racks
+        capacity = np.full(self._num_links, np.nan)
+        per_flow = np.full(self._num_links, np.inf)
+        nics = np.ones(self._num_links, dtype=np.int64)
+        for h in hosts:
+            for base in (0, self._nic_in):
+                capacity[base + h.index] = h.spec.nic_mbit * MBIT
+                per_flow[base + h.index] = h.spec.per_flow_mbit * MBIT if h.spec.per_flow_mbit else np.inf
+                nics[base + h.index] = h.spec.nics
+            capacity[self._lo + h.index] = self.loopback_bytes_per_s
+        for k, rack in enumerate(racks):
+            for base in (self._up_out, self._up_in):
+                # a single rack has no uplink (None): no flow ever crosses one, NaN marks it
+                capacity[base + k] = rack.uplink_mbit * MBIT if rack.uplink_mbit is not None else np.nan
+                per_flow[base + k] = rack.per_flow_mbit * MBIT if rack.per_flow_mbit else np.inf
+        self._capacity, self._per_flow, self._nics = capacity, per_flow, nics
+        self._is_nic = np.arange(self._num_links) < 2 * n_hosts
+        # greedy background flows per link (paced ones count as greedy: an upper bound on their share)
+        firsts = [(self.profile.host(f.src).first_rank, self.profile.host(f.dst).first_rank)
+                  for f in self.profile.background]
+        self._background = np.zeros(self._num_links, dtype=np.int64)
+        if firsts:
+            src, dst = (np.array(c, dtype=np.int64) for c in zip(*firsts))
+            _, links = self._entries(src, dst)
+            np.add.at(self._background, links, 1)
 
-    def _capacity(self, link: tuple[str, int]) -> tuple[float, float | None]:
-        """(total bytes/s, per-flow cap bytes/s or None)."""
-        kind, index = link
-        if kind == "lo":
-            return self.loopback_bytes_per_s, None
-        if kind in ("nic_out", "nic_in"):
-            spec = self.profile.hosts[index].spec
-            cap = spec.per_flow_mbit * MBIT if spec.per_flow_mbit else None
-            return spec.nic_mbit * MBIT, cap
-        rack = self.profile.racks[index]
-        assert rack.uplink_mbit is not None
-        return rack.uplink_mbit * MBIT, (rack.per_flow_mbit * MBIT if rack.per_flow_mbit else None)
+    def _entries(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(flow index, link) for every link every flow crosses, grouped by link kind (so the
+        entries of one link keep the flows' order)."""
+        n = self.profile.world_size
+        if len(src) and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= n):
+            bad = next(int(r) for r in np.concatenate([src, dst]) if not 0 <= r < n)
+            raise IndexError(f"rank {bad} is outside profile {self.profile.name!r} ({n} ranks)")
+        hs, hd = self._host_of_rank[src], self._host_of_rank[dst]
+        local = hs == hd
+        remote = np.flatnonzero(~local)
+        cross = remote[self._rack_of_host[hs[remote]] != self._rack_of_host[hd[remote]]]
+        inside = np.flatnonzero(local)
+        flow = np.concatenate([remote, remote, cross, cross, inside])
+        link = np.concatenate([hs[remote], self._nic_in + hd[remote],
+                               self._up_out + self._rack_of_host[hs[cross]],
+                               self._up_in + self._rack_of_host[hd[cross]], self._lo + hs[inside]])
+        return flow, link
 
-    def _background_load(self) -> dict[tuple[str, int], int]:
-        """Greedy background flows per link (paced ones count as greedy: an upper bound on their share)."""
-        counts: dict[tuple[str, int], int] = defaultdict(int)
-        for flow in self.profile.background:
-            src, dst = self.profile.host(flow.src), self.profile.host(flow.dst)
-            for link in self._links(src.first_rank, dst.first_rank):
-                counts[link] += 1
-        return counts
+    def batch_phase_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                          num_phases: int, copies: np.ndarray | None = None,
+                          alpha_s: float | None = None) -> np.ndarray:
+        """The time of each of ``num_phases`` phases whose flows are given as columns
+        (flow i belongs to phase ``phase[i]``; ``copies[i]`` identical flows, default 1).
 
-    def phase_time(self, flows: Iterable[Flow], alpha_s: float | None = None) -> float:
-        load: dict[tuple[str, int], float] = defaultdict(float)
-        count: dict[tuple[str, int], int] = defaultdict(int)
-        slowest_flow = 0.0
-        for src, dst, nbytes in flows:
-            if src == dst or nbytes <= 0:
+        The formula of the module docstring, vectorized: per (phase, link) the bytes and
+        flows are summed (in flow order, as the per-flow loop did), each link's time is its
+        load over its share of capacity, and a phase takes α plus the larger of its busiest
+        link and its slowest per-flow-capped flow; a phase with nothing to send takes 0.
+        """
+        alpha = self.alpha_s if alpha_s is None else alpha_s
+        copies = np.ones(len(src), dtype=np.int64) if copies is None else copies
+        keep = (src != dst) & (nbytes > 0)
+        phase, src, dst, nbytes, copies = phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep]
+        flow, link = self._entries(src, dst)
+        num_links = self._num_links
+        key = phase[flow] * num_links + link
+        direct = num_phases * num_links <= 1 << 22      # few slots: index them directly, else sort
+        if direct:
+            slot, size = key, num_phases * num_links
+        else:
+            uniq, slot = np.unique(key, return_inverse=True)
+            size = len(uniq)
+        load = np.bincount(slot, weights=(nbytes * copies)[flow], minlength=size)
+        count = np.bincount(slot, weights=copies[flow], minlength=size)
+        used = np.flatnonzero(count > 0)
+        keys = used if direct else uniq[used]
+        links, owner = keys % num_links, keys // num_links
+        load, count = load[used], count[used]
+        capacity = self._capacity[links] * np.where(self._is_nic[links], np.minimum(self._nics[links], count), 1)
+        share = count / (count + self._background[links])
+        busiest = np.zeros(num_phases)
+        np.maximum.at(busiest, owner, load / (capacity * share))
+        flow_cap = np.full(len(src), np.inf)
+        np.minimum.at(flow_cap, flow, self._per_flow[link])
+        slowest = np.zeros(num_phases)
+        np.maximum.at(slowest, phase, nbytes / flow_cap)
+        active = np.zeros(num_phases, dtype=bool)
+        active[owner] = True
+        return np.where(active, alpha + np.maximum(busiest, slowest), 0.0)
+
+    def phase_times(self, phases: Sequence[Phase], alpha_s: float | None = None) -> list[float]:
+        """Each phase's time, all evaluated in one batch; a phase equal to the one before it
+        (a ring's repeated steps) is evaluated once."""
+        distinct: list[Phase] = []
+        which: list[int] = []
+        for phase in phases:
+            if not isinstance(phase, (list, FlowArray)):
+                phase = list(phase)
+            if distinct and (phase is distinct[-1] or (isinstance(phase, list) and phase == distinct[-1])):
+                which.append(len(distinct) - 1)
                 continue
-            for link in self._links(src, dst):
-                load[link] += nbytes
-                count[link] += 1
-                _, per_flow = self._capacity(link)
-                if per_flow:
-                    slowest_flow = max(slowest_flow, nbytes / per_flow)
-        background = self._background_load()
-        busiest = 0.0
-        for link, nbytes in load.items():
-            capacity, _ = self._capacity(link)
-            if link[0] in ("nic_out", "nic_in"):
-                # a TCP flow uses one NIC; several flows can use several (at best evenly)
-                capacity *= min(self.profile.hosts[link[1]].spec.nics, count[link])
-            share = count[link] / (count[link] + background.get(link, 0))
-            busiest = max(busiest, nbytes / (capacity * share))
-        if not load:
-            return 0.0
-        return (self.alpha_s if alpha_s is None else alpha_s) + max(busiest, slowest_flow)
+            distinct.append(phase)
+            which.append(len(distinct) - 1)
+        if not distinct:
+            return []
+        columns = [columns_of(p) for p in distinct]
+        owner = np.repeat(np.arange(len(distinct), dtype=np.int64), [len(c[0]) for c in columns])
+        src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
+        times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s).tolist()
+        return [times[i] for i in which]
+
+    def phase_time(self, flows: Phase | Sequence[Flow], alpha_s: float | None = None) -> float:
+        return self.phase_times([flows if isinstance(flows, (list, FlowArray)) else list(flows)], alpha_s)[0]
 
     def time(self, phases: Sequence[Phase], alpha_s: float | None = None) -> float:
-        return sum(self.phase_time(phase, alpha_s) for phase in phases)
+        return sum(self.phase_times(phases, alpha_s))
 
     def bound(self, phases: Sequence[Phase]) -> float:
         """The bandwidth lower bound: no per-message latency."""
@@ -129,9 +249,11 @@ def owner_exchange(world_size: int, payload_bytes: float, streams: int = 1) -> l
     each rank sends 2(n−1)/n·M, like a ring."""
     if world_size < 2:
         return []
-    step = [(src, dst, payload_bytes / world_size / streams) for src in range(world_size)
-            for dst in range(world_size) if src != dst for _ in range(streams)]
-    return [step, list(step)]
+    src, dst = np.divmod(np.arange(world_size * world_size, dtype=np.int64), world_size)
+    pairs = src != dst
+    step = FlowArray(src[pairs], dst[pairs], np.full(int(pairs.sum()), payload_bytes / world_size / streams),
+                     np.full(int(pairs.sum()), streams, dtype=np.int64))
+    return [step, step]
 
 
 def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float,

@@ -56,28 +56,32 @@ class Topology:
     def world_size(self) -> int:
         return len(self.bandwidth)
 
+    def _index_of(self, groups: list[list[int]]) -> dict[int, int]:
+        return {rank: g for g, ranks in enumerate(groups) for rank in ranks}
+
     def host_of(self, rank: int) -> int:
-        return next(h for h, ranks in enumerate(self.hosts) if rank in ranks)
+        return self._index_of(self.hosts)[rank]
 
     def rack_of(self, rank: int) -> int:
-        return next(k for k, ranks in enumerate(self.racks) if rank in ranks)
+        return self._index_of(self.racks)[rank]
 
     def nic_estimate(self) -> list[float | None]:
         """Per rank: its best bandwidth to another host of its rack (what its NIC allows); None
         when its rack has no other host (a lone host's NIC cannot be told from its uplink)."""
+        host, rack = self._index_of(self.hosts), self._index_of(self.racks)
         out: list[float | None] = []
         for i in range(self.world_size):
-            peers = [j for j in self.racks[self.rack_of(i)] if self.host_of(j) != self.host_of(i)]
-            out.append(max(float(self.bandwidth[i, j]) for j in peers) if peers else None)
+            peers = [j for j in self.racks[rack[i]] if host[j] != host[i]]
+            out.append(float(self.bandwidth[i, peers].max()) if peers else None)
         return out
 
     def uplink_estimate(self) -> list[float | None]:
         """Per rack: median bandwidth of its ranks to ranks of other racks."""
         out: list[float | None] = []
         for members in self.racks:
-            others = [j for j in range(self.world_size) if j not in members]
-            values = [float(self.bandwidth[i, j]) for i in members for j in others]
-            out.append(statistics.median(values) if values else None)
+            others = np.setdiff1d(np.arange(self.world_size), members)
+            values = self.bandwidth[np.ix_(members, others)].ravel()
+            out.append(statistics.median(values.tolist()) if values.size else None)
         return out
 
     def bottlenecks(self, slow_factor: float = 0.5) -> tuple[list[int], list[int]]:
@@ -115,11 +119,13 @@ def from_profile(profile: ClusterProfile, world_size: int | None = None, probe_b
     model = CostModel(profile)
     bw = np.full((n, n), np.inf)
     lat = np.zeros((n, n))
-    for i in range(n):
-        for j in range(i + 1, n):
-            seconds = model.phase_time([(i, j, probe_bytes), (j, i, probe_bytes)], alpha_s=0.0)
-            bw[i, j] = bw[j, i] = probe_bytes / seconds
-            lat[i, j] = lat[j, i] = model.alpha_s
+    first, second = np.triu_indices(n, k=1)             # one two-flow phase per pair, evaluated as one batch
+    pairs = len(first)
+    seconds = model.batch_phase_times(np.repeat(np.arange(pairs), 2), np.stack([first, second], 1).ravel(),
+                                      np.stack([second, first], 1).ravel(), np.full(2 * pairs, float(probe_bytes)),
+                                      pairs, alpha_s=0.0)
+    bw[first, second] = bw[second, first] = probe_bytes / seconds
+    lat[first, second] = lat[second, first] = model.alpha_s
     racks: list[list[int]] = [[] for _ in profile.racks]
     for host in profile.hosts:
         racks[host.rack].extend(host.ranks)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES
 from syncplane.algorithms.flexreduce.plan import Plan, plan_for
 from syncplane.algorithms.flexreduce.tree import FlexTree, from_profile
 from syncplane.algorithms.spec import CostOptions
-from syncplane.cluster.cost import Phase, ring_allreduce
+from syncplane.cluster.cost import FlowArray, Phase, columns_of, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
 
 ELEMENT_SIZE = 4   # the bench's payload is float32
@@ -46,10 +48,17 @@ def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = D
     if chunks == 1 or not phases:
         return phases
     share = 1.0 / chunks
-    ticks = []
+    # as columns: at 1,024 ranks a tick holds thousands of flows and there are ~100 ticks;
+    # the steady state (every phase active) is one object, so the cost model prices it once
+    columns = [columns_of(phase) for phase in phases]
+    made: dict[tuple[int, ...], FlowArray] = {}
+    ticks: list[Phase] = []
     for tick in range(chunks + len(phases) - 1):
-        active = [tick - k for k in range(chunks) if 0 <= tick - k < len(phases)]
-        ticks.append([(s, d, b * share) for p in active for s, d, b in phases[p]])
+        active = tuple(tick - k for k in range(chunks) if 0 <= tick - k < len(phases))
+        if active not in made:
+            src, dst, nbytes, copies = (np.concatenate([columns[p][i] for p in active]) for i in range(4))
+            made[active] = FlowArray(src, dst, nbytes * share, copies)
+        ticks.append(made[active])
     return ticks
 
 

@@ -24,6 +24,7 @@ same for any element count and any range assignment.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -106,7 +107,16 @@ def _assign_ranges(node: Node, level: int, portion: dict[int, Fraction],
                    following: dict[int, tuple[Fraction, Fraction]]) -> list[tuple[Fraction, Fraction, tuple[int, ...], int]]:
     """``assign_range`` for branch ``node``: new ranges for its leaves and the pieces (calls)."""
     leaves = node.leaves
-    child_of = {r: i for i, c in enumerate(node.children) for r in c.leaves}
+    # The invariant the whole algorithm rests on: each child's leaves partition [0, 1), so
+    # a piece has exactly one holder per child -- found by bisection in that child's sorted
+    # ranges (a scan over all leaves per piece is O(leaves²): minutes at 1,024 ranks).
+    children = []
+    for child in node.children:
+        spans = sorted((current[u][0], current[u][1], u) for u in child.leaves)
+        if spans[0][0] != 0 or spans[-1][1] != 1 or any(x[1] != y[0] for x, y in pairwise(spans)):
+            raise AssertionError(f"flexreduce planner: the ranges of {child.name}'s leaves at level {level} do not "
+                                 f"partition [0, 1): {[(x[0], x[1]) for x in spans]}")
+        children.append(([x[0] for x in spans], spans))
     order = sorted(leaves, key=lambda v: (current[v][1], current[v][0], v))
     bounds = sorted({b for u in leaves for b in current[u]})
     pieces = []
@@ -115,12 +125,15 @@ def _assign_ranges(node: Node, level: int, portion: dict[int, Fraction],
         lo, hi = progress, progress + portion[v]
         progress = hi
         following[v] = (lo, hi)
-        cuts = [lo, *(b for b in bounds if lo < b < hi), hi]
+        cuts = [lo, *bounds[bisect_right(bounds, lo):bisect_left(bounds, hi)], hi]
         for a, b in pairwise(cuts):
-            holders = sorted((u for u in leaves if current[u][0] <= a and b <= current[u][1]), key=lambda u: child_of[u])
-            if len(holders) != node.degree:   # the invariant the whole algorithm rests on
-                raise AssertionError(f"flexreduce planner: items [{a}, {b}) of {node.name} at level {level} have "
-                                     f"holders {holders}, expected one per child ({node.degree})")
+            holders = []
+            for starts, spans in children:
+                start, end, u = spans[bisect_right(starts, a) - 1]
+                if not (start <= a and b <= end):
+                    raise AssertionError(f"flexreduce planner: items [{a}, {b}) of {node.name} at level {level} "
+                                         f"have no holder in one child, expected one per child ({node.degree})")
+                holders.append(u)
             pieces.append((a, b, tuple(holders), v))
     if progress != 1:
         raise AssertionError(f"flexreduce planner: {node.name}'s portions sum to {progress}, not 1")

@@ -1,0 +1,65 @@
+"""The vectorized cost model gives the answers the per-flow Python loop gave.
+
+``tests/data/cost_reference.json`` was recorded by ``tests/data/record_cost_reference.py``
+running the per-flow model (commit f9d8229) before it was replaced: every strategy and peer,
+on every shipped profile and four scaled ones, two payloads, three (period, streams).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from syncplane.algorithms import CostOptions, strategy_time
+from syncplane.cluster import load_profile
+from syncplane.cluster.cost import CostModel, FlowArray, owner_exchange
+from syncplane.cluster.profile import scaled
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+ROWS = json.loads((DATA / "cost_reference.json").read_text())
+PAYLOADS = {"16MB": 16 * 2**20, "resnet50": 97.49 * 2**20}
+
+
+def _profile(label: str):
+    if "@" not in label:
+        return load_profile(label)
+    name, shape = label.split("@")
+    racks, hosts = (int(x) for x in shape.split("x"))
+    return scaled(load_profile(name), racks, hosts)
+
+
+def test_every_recorded_answer_is_reproduced():
+    assert len(ROWS) == 1152
+    models: dict[str, CostModel] = {}
+    mismatches = []
+    for row in ROWS:
+        model = models.setdefault(row["profile"], CostModel(_profile(row["profile"])))
+        options = CostOptions(period=row["period"], streams=row["streams"])
+        got = strategy_time(model, row["strategy"], PAYLOADS[row["payload"]], options)
+        want = (row["predicted_s"], row["bound_s"])
+        if got != pytest.approx(want, rel=1e-12, abs=1e-15):
+            mismatches.append((row, got))
+    assert not mismatches, mismatches[:5]
+
+
+def test_flow_array_iterates_as_the_tuples_it_stands_for():
+    step = owner_exchange(3, 6.0, streams=2)[0]
+    assert isinstance(step, FlowArray) and len(step) == 12
+    assert list(step) == [(s, d, 1.0) for s in range(3) for d in range(3) if s != d for _ in range(2)]
+    model = CostModel(load_profile("two_racks"))
+    # the same flows as a list of tuples cost the same
+    assert model.phase_time(step) == pytest.approx(model.phase_time(list(step)), rel=1e-12)
+
+
+def test_a_rank_outside_the_profile_is_named():
+    with pytest.raises(IndexError, match="rank 8 is outside profile 'two_racks'"):
+        CostModel(load_profile("two_racks")).phase_time([(0, 8, 1.0)])
+
+
+def test_flow_array_columns_must_agree():
+    import numpy as np
+
+    with pytest.raises(ValueError, match="FlowArray: columns of different lengths"):
+        FlowArray(np.arange(3), np.arange(3), np.ones(3), np.ones(2, dtype=np.int64))
