@@ -206,6 +206,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from syncplane.bench.runner import parse_strategies
+    from syncplane.bench.soak import print_table, run_soak
+
+    names = parse_strategies(args.strategies)
+    if args.steps < 10 or args.ranks < 2:
+        raise ConfigError(f"--steps must be >= 10 and --ranks >= 2, got {args.steps} and {args.ranks}")
+    out_dir = Path(args.json).resolve().parent / (Path(args.json).stem + "-run")
+    results = run_soak(names, steps=args.steps, ranks=args.ranks, payload_bytes=int(args.payload_kb * 1024),
+                       out_dir=out_dir, rss_tolerance_mb=args.rss_tolerance_mb)
+    Path(args.json).write_text(json.dumps(results, indent=1))
+    print_table(results)
+    print(f"soak report written to {args.json}")
+    return 0 if all(r["flat"] for r in results.values()) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="syncplane", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -243,6 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="diloco: codec of Δ on the wire")
     bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")
     bench.set_defaults(func=cmd_bench)
+
+    soak = sub.add_parser("soak", help="run each strategy's sync for many steps; fail if memory, descriptors, "
+                                       "threads or sockets grow")
+    soak.add_argument("--strategies", default="all", help="comma-separated strategy names, or all")
+    soak.add_argument("--steps", type=int, default=10_000, help="sync steps per strategy")
+    soak.add_argument("--ranks", type=int, default=2, help="local processes (loopback)")
+    soak.add_argument("--payload-kb", type=float, default=64.0, help="payload per step")
+    soak.add_argument("--rss-tolerance-mb", type=float, default=4.0,
+                      help="allowed rise of resident memory over the run (second-half slope)")
+    soak.add_argument("--json", required=True, help="where to write the report")
+    soak.set_defaults(func=cmd_soak)
 
     simulate = sub.add_parser("simulate", help="α-β cost model of each strategy on a profile, at any scale")
     simulate.add_argument("--cluster", required=True, help="shipped profile name or YAML path (the template)")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from syncplane.cluster.probe import CLUSTER_ENV
 from syncplane.comm.heartbeat import LOST_PEER_EXIT
 from syncplane.net import free_port
 
@@ -81,7 +82,7 @@ def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     profile_file = log_dir / "cluster.yaml"
     profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
-    ranks = [replace(s, env={**s.env, "SYNCPLANE_CLUSTER": str(profile_file.resolve())}) for s in cluster_ranks(profile)]
+    ranks = [replace(s, env={**s.env, CLUSTER_ENV: str(profile_file.resolve())}) for s in cluster_ranks(profile)]
     with emulator.in_use(profile), emulator.background_flows(profile, log_dir):
         launch(command, ranks, log_dir, master_addr=emulator.master_addr(profile),
                master_port=29500, **kwargs)  # type: ignore[arg-type]

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from syncplane.cluster import emulator
 from tests.e2e.test_train import ROOT, train
+from tests.helpers.emulation import requires_emulation
 
 #: the issue's target, with default settings
 DEADLINE_S = 30.0
@@ -79,6 +81,7 @@ def test_a_lost_rank_ends_the_job_within_30_s_leaving_nothing(run_dir, strategy,
         faulted = _wait_for(run_dir / "logs" / "rank2.log", "fault: rank 2 fails", timeout_s=400)
         out, _ = job.communicate(timeout=120)
         ended = time.monotonic() - faulted
+        print(f"job ended {ended:.1f} s after the fault")
     finally:
         if job.poll() is None:
             job.kill()
@@ -132,3 +135,34 @@ def test_sigkill_to_the_launcher_ends_every_rank(run_dir):
         if job.poll() is None:
             job.kill()
     assert _job_processes(run_dir) == []
+
+
+@requires_emulation
+@pytest.mark.slow
+def test_a_host_that_loses_its_network_ends_the_job_within_30_s(run_dir):
+    """multi_nic: host n1 (ranks 2, 3) takes both its NICs down after step 15; rank 0 holds the
+    store, so ranks 2 and 3 find the store gone and ranks 0 and 1 find them silent."""
+    try:
+        job = _start(run_dir, "strategy=ddp", "cluster=multi_nic", "fault={kind:netdown,rank:2,step:15}")
+        try:
+            faulted = _wait_for(run_dir / "logs" / "rank2.log", "fault: rank 2 fails", timeout_s=400)
+            out, _ = job.communicate(timeout=120)
+            ended = time.monotonic() - faulted
+            print(f"job ended {ended:.1f} s after the fault")
+        finally:
+            if job.poll() is None:
+                job.kill()
+    finally:
+        emulator.down()
+    assert job.returncode != 0, out[-3000:]
+    assert ended < DEADLINE_S, f"the job ended {ended:.1f} s after the fault\n{out[-3000:]}"
+    logs = {r: (run_dir / "logs" / f"rank{r}.log").read_text() for r in range(4)}
+    assert any(f"rank {r} stopped sending heartbeats" in logs[0] + logs[1] for r in (2, 3)), logs[0][-2000:]
+    assert _job_processes(run_dir) == []
+    assert emulator.namespaces() == []
+
+
+def test_netdown_is_refused_outside_an_emulated_cluster(tmp_path):
+    result = train("strategy=ddp", "fault={kind:netdown,rank:1,step:2}", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert "fault.kind=netdown takes the rank's host NICs down: only on an emulated cluster" in result.stderr

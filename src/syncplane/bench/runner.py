@@ -47,6 +47,9 @@ def parse_payload(value: str) -> int:
 
 
 def parse_strategies(value: str) -> list[str]:
+    """Comma-separated names, or ``all`` (every product strategy, no peers)."""
+    if value.strip() == "all":
+        return algorithms.strategy_names()
     names = [s.strip() for s in value.split(",") if s.strip()]
     allowed = algorithms.all_names()
     unknown = [s for s in names if s not in allowed]

@@ -52,9 +52,11 @@ class TrainerSettings:
 class FaultSettings:
     """A failure to inject (``fault.*``), to see what a job does when a rank is lost: rank
     ``rank`` kills itself (``kill``, SIGKILL), stops (``stop``, SIGSTOP: what a hung GPU or a
-    swapping host looks like) or raises (``raise``) after training step ``step``."""
+    swapping host looks like), raises (``raise``), or takes its host's NICs down (``netdown``,
+    emulated clusters only: the host and every rank on it drop off the network) after
+    training step ``step``."""
 
-    kind: Literal["kill", "stop", "raise"] = "stop"
+    kind: Literal["kill", "stop", "raise", "netdown"] = "stop"
     rank: int = 1
     step: int = 10
 
@@ -136,6 +138,9 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
         raise ConfigError(f"resume: expected the path of an existing checkpoint file, got {resume!r}")
     trainer = parse_dataclass(TrainerSettings, cfg.get("trainer"), "trainer")
     fault = None if cfg.get("fault") is None else parse_dataclass(FaultSettings, cfg["fault"], "fault")
+    if fault is not None and fault.kind == "netdown" and cfg.get("cluster") is None:
+        raise ConfigError("fault.kind=netdown takes the rank's host NICs down: only on an emulated cluster "
+                          "(cluster=...), never on this machine's own interfaces")
     cluster = None
     if cfg.get("cluster") is not None:
         from syncplane.cluster import parse_profile

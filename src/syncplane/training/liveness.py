@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from syncplane.cluster.probe import CLUSTER_ENV
 from syncplane.comm.heartbeat import Heartbeat
 from syncplane.config import ConfigError
 from syncplane.training import rendezvous
@@ -57,6 +59,8 @@ class InjectFault(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.fault.rank >= trainer.world_size:
             raise ConfigError(f"fault.rank: {self.fault.rank} is not a rank of this job of {trainer.world_size}")
+        if self.fault.kind == "netdown" and CLUSTER_ENV not in os.environ:
+            raise ConfigError("fault.kind=netdown: this rank does not run inside an emulated host")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -67,4 +71,10 @@ class InjectFault(Callback):
         log.warning("fault: rank %d fails (%s) after step %d, as fault.* asked", fault.rank, fault.kind, fault.step)
         if fault.kind == "raise":
             raise RuntimeError(f"fault injected: rank {fault.rank} raised after step {fault.step}")
+        if fault.kind == "netdown":
+            # inside the emulated host's namespace (the config refuses netdown elsewhere):
+            # the NICs gloo was given are the host's
+            for nic in os.environ.get("GLOO_SOCKET_IFNAME", "").split(","):
+                subprocess.run(["ip", "link", "set", "dev", nic, "down"], check=True)
+            return
         os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
