@@ -29,13 +29,13 @@ def make_transport(config: CanaryConfig) -> ShardedAllReduce:
 
 class CanaryStep:
     """Canary's exchange of the payload as DDP-sized colayers (25 MiB), every step, after
-    the backward (it does not overlap it). ``options``: ``compression`` (sketch | int8 |
-    none), ``shards`` (gloo groups; default one per NIC in ``GLOO_SOCKET_IFNAME``)."""
+    the backward (it does not overlap it), always with the gradient sketch (the bench's
+    ``compression`` option is DiLoCo's). ``options["shards"]`` > 1 sets the gloo groups;
+    otherwise one per NIC named in ``GLOO_SOCKET_IFNAME``."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
-        nics = options.get("shards") or "auto"
-        compression = options.get("compression") or "sketch"
-        self.config = CanaryConfig(compression=compression if compression != "none" else "sketch", nics=nics)
+        shards = int(options.get("shards") or 1)
+        self.config = CanaryConfig(compression="sketch", nics=shards if shards > 1 else "auto")
         self.transport = make_transport(self.config)
         self.engine: CanaryEngine | None = None
 
