@@ -42,7 +42,7 @@ class CanaryStrategy(SyncplaneStrategy):
 
     replicas_identical = True   # every rank applies the same decoded mean gradient
 
-    def __init__(self, compression: str = "sketch", exact_fraction: float = 0.005, quantile_weight: float = 0.3,
+    def __init__(self, compression: str = "sketch", exact_fraction: float = 0.01, quantile_weight: float = 0.3,
                  nics: int | str = "auto", bucket_cap_mb: float = 25.0, sync_timeout_s: float = 600.0,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)

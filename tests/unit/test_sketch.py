@@ -70,7 +70,7 @@ def test_sketch_error_is_below_int8_blockwise(kind, test_seed):
     sketch, int8 = GradientSketch(), Int8Blockwise(256)
     err = _relative_mse(x, sketch.extract(sketch.compress(x), x.numel()))
     err_int8 = _relative_mse(x, int8.extract(int8.compress(x), x.numel()))
-    # measured (seed 0, 2^18 values): gaussian 0.70x, student_t3 0.2x, outliers ~0.002x
+    # measured (seeds 0-2, 2^18 values): gaussian 0.59-0.60x, student_t3 0.14-0.19x, outliers 0.001-0.002x
     assert err <= err_int8, f"{kind}: sketch {err:.3e} > int8 {err_int8:.3e}"
     if kind != "gaussian":
         assert err <= err_int8 / 2, f"{kind}: sketch {err:.3e} not <= half of int8 {err_int8:.3e}"
@@ -91,12 +91,12 @@ def test_size_layout_and_validation(test_seed):
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(test_seed))
     data = codec.compress(x)
     k = codec.exact_count(10_000)
-    assert k == 50 and data.dtype == torch.uint8 and data.numel() == codec.nbytes(10_000) == 1024 + 8 * k + 10_000
+    assert k == 100 and data.dtype == torch.uint8 and data.numel() == codec.nbytes(10_000) == 1024 + 8 * k + 10_000
     indices = data[1024 + 4 * k: 1024 + 8 * k].clone().view(torch.int32).long()
     assert torch.equal(indices, torch.sort(torch.topk(x.abs(), k).indices).values)
     codebook = data[:1024].clone().view(torch.float32)
     assert torch.all(codebook[1:] >= codebook[:-1])                 # bucket means are ordered
-    with pytest.raises(ValueError, match="expected 11424 bytes"):
+    with pytest.raises(ValueError, match="expected 11824 bytes"):
         codec.extract(data[:-1], 10_000)
     with pytest.raises(TypeError, match="float32"):
         codec.compress(x.double())

@@ -22,7 +22,7 @@ from syncplane.cluster.profile import ClusterProfile
 
 def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
-    """One owner exchange per step of the sketched payload (~0.26 of fp32), over
+    """One owner exchange per step of the sketched payload (~0.27 of fp32), over
     ``streams`` gloo groups (one per NIC)."""
     n = profile.world_size
     ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n))

@@ -25,7 +25,7 @@ class CanaryConfig:
     """
 
     compression: str = "sketch"
-    exact_fraction: float = 0.005
+    exact_fraction: float = 0.01
     quantile_weight: float = 0.3
     nics: int | str = "auto"
     bucket_cap_mb: float = 25.0
