@@ -42,3 +42,45 @@ def test_more_pieces_than_elements_is_refused():
         CanaryEngine([100, 3, 50], 4, _NoTransport())
     with pytest.raises(ConfigError, match="^pieces: must be at least 1"):
         CanaryEngine([100], 0, _NoTransport())
+
+
+class _Doubling:
+    """A stand-in exchange that records the order colayers reach it (positions), and
+    doubles them so the result is visibly the exchange's."""
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+
+    def allreduce_mean_(self, flat, meter=None, *, offset=0, total=None):  # type: ignore[no-untyped-def]
+        self.offsets.append(offset)
+        flat.mul_(2.0)
+        return True
+
+    def state_dict(self):  # type: ignore[no-untyped-def]
+        return {}
+
+    def load_state_dict(self, state):  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_pipeline_hands_colayers_over_in_order_whatever_order_they_complete(test_seed):
+    import torch
+
+    from syncplane.algorithms.canary import BackwardPipeline
+
+    g = torch.Generator().manual_seed(test_seed)
+    grads = [torch.randn(n, generator=g) for n in (5, 7, 3, 4)]
+    transport = _Doubling()
+    pipeline = BackwardPipeline(CanaryEngine([5, 7, 3, 4], 2, transport), lambda i: grads[i].clone())
+    pipeline.ready(2)                    # completes early: must wait for 0 and 1
+    pipeline.ready(0)
+    assert pipeline.early == 1
+    pipeline.ready(1)                    # releases 1, then 2
+    results = pipeline.finish()          # 3 never reported ready (an unused parameter): sent now
+    assert transport.offsets == [0, 5, 12, 15] and pipeline.early == 3
+    for got, want in zip(results, grads):
+        assert torch.equal(got, want * 2)
+    pipeline.ready(1)                    # the next step starts from scratch
+    assert pipeline.early == 3
+    assert [torch.equal(a, b * 2) for a, b in zip(pipeline.finish(), grads)] == [True] * 4
+    pipeline.close()

@@ -14,7 +14,7 @@ from typing import Any
 
 from syncplane.algorithms.canary.bench import CanaryStep, sketch_ratio
 from syncplane.algorithms.canary.config import CanaryConfig
-from syncplane.algorithms.canary.engine import CanaryEngine, ExchangeFailed
+from syncplane.algorithms.canary.engine import BackwardPipeline, CanaryEngine, ExchangeFailed
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase, owner_exchange
 from syncplane.cluster.profile import ClusterProfile
@@ -42,4 +42,4 @@ SPEC = AlgorithmSpec(
     streams=lambda options: int(options.get("shards") or 1),
 )
 
-__all__ = ["SPEC", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "canary_cost", "sketch_ratio"]
+__all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "canary_cost", "sketch_ratio"]

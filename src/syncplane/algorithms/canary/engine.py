@@ -16,7 +16,9 @@ Lightning-free, and the transport is injected, so tests run it on any exchange t
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -95,3 +97,58 @@ class CanaryEngine:
                         "error-feedback residuals start from zero", state.get("sizes"), self.sizes)
             return
         self.transport.load_state_dict(state.get("transport", {}))
+
+
+class BackwardPipeline:
+    """Exchanges colayers on one worker thread while the backward goes on.
+
+    The glue calls ``ready(i)`` when colayer i's gradients are all produced; colayers are
+    handed to the worker strictly in index order (a colayer that completes early waits for
+    the ones before it), so every rank runs the same sequence of exchanges whatever the
+    timing. ``finish()`` hands over whatever is left (unused parameters never report
+    ready) and waits; ``take`` returns colayer i's averaged values.
+
+    Args:
+        engine: the exchange (colayer layout, transport).
+        pack: colayer index -> its flat fp32 CPU gradient (called on the worker thread).
+        meter: where the exchanges are counted.
+    """
+
+    def __init__(self, engine: CanaryEngine, pack: Callable[[int], torch.Tensor],
+                 meter: CommMeter | None = None) -> None:
+        self.engine, self._pack, self._meter = engine, pack, meter
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary")
+        self._lock = threading.Lock()
+        self._done: set[int] = set()
+        self._next = 0
+        self._futures: list[Future[torch.Tensor]] = []
+        self.early = 0   # colayers handed over during the backward (before ``finish``), in total
+
+    def ready(self, index: int) -> None:
+        """Colayer ``index`` is complete (thread-safe; autograd may call it from its threads)."""
+        with self._lock:
+            self._done.add(index)
+            self._submit_in_order(stop_at_gap=True)
+
+    def finish(self) -> list[torch.Tensor]:
+        """Every colayer's averaged values, in order (submits the rest, then waits)."""
+        with self._lock:
+            self._submit_in_order(stop_at_gap=False)
+            futures, self._futures = self._futures, []
+            self._done.clear()
+            self._next = 0
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def _submit_in_order(self, stop_at_gap: bool) -> None:
+        while self._next < len(self.engine.sizes) and (self._next in self._done or not stop_at_gap):
+            self._futures.append(self._worker.submit(self._exchange, self._next))
+            self._next += 1
+            self.early += stop_at_gap
+
+    def _exchange(self, index: int) -> torch.Tensor:
+        flat = self._pack(index)
+        self.engine.exchange_(index, flat, self._meter)
+        return flat
