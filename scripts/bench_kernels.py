@@ -3,7 +3,9 @@
     python scripts/bench_kernels.py [--mb 64] [--tensors 160] [--repeats 15]
 
 GB/s counts the bytes each kernel must read and write (pack: read + write the payload;
-combine with k neighbours: read (k+1) buffers, write one). "copy" is one
+combine with k neighbours: read (k+1) buffers, write one), except the gradient sketch rows,
+which count the fp32 payload it stands for (encode: fp32 in; decode: fp32 out) -- the
+rate a gradient is compressed or restored at. "copy" is one
 ``torch.Tensor.copy_`` of the payload -- the memory-bandwidth ceiling for a pack.
 Run it on an idle machine; numbers vary with the other core's load.
 """
@@ -20,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from syncplane import kernels
+from syncplane.comm import GradientSketch
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -65,6 +68,15 @@ def main() -> None:
             add(f"combine k={k}", impl, (k + 2) * payload,
                 lambda impl=impl, ys=ys, weights=weights: kernels.weighted_combine(
                     x, ys, weights, 1.0 / (k + 1), out=out, backend=impl))
+
+    sketch = GradientSketch()
+    k = sketch.exact_count(numel)
+    encoded = torch.empty(kernels.sketch_nbytes(numel, k), dtype=torch.uint8)
+    for impl in ("ext", "torch"):
+        add("sketch encode", impl, payload, lambda impl=impl: kernels.sketch_encode(
+            x, k, sketch.sample, sketch.quantile_weight, out=encoded, backend=impl))
+        add("sketch decode", impl, payload, lambda impl=impl: kernels.sketch_decode(
+            encoded, k, numel, out=out, backend=impl))
 
     table = Table(title=f"syncplane kernels, {args.mb:g} MB float32, {torch.get_num_threads()} threads")
     for col in ("kernel", "implementation", "GB/s"):

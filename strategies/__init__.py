@@ -9,6 +9,7 @@ from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import build, names, register, strategy_class
 
 # product strategies: importing a module registers its names
+from syncplane.strategies import canary  # noqa: E402,F401  (canary)
 from syncplane.strategies import decentralized  # noqa: E402,F401  (atc, awc, h_atc, h_awc)
 from syncplane.strategies import diloco  # noqa: E402,F401  (diloco)
 from syncplane.strategies import ds_sync  # noqa: E402,F401  (ds_sync)

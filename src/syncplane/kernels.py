@@ -2,13 +2,15 @@
 
 ``pack``/``unpack`` move many tensors into and out of one flat buffer (tensor fusion),
 ``weighted_combine`` computes ``out = a*x + sum_j w_j*y_j`` (the neighbour-averaging
-step) in one pass. Each dispatches on the tensor's device to the compiled CPU or CUDA
+step) in one pass, ``sketch_encode``/``sketch_decode`` are Canary's gradient sketch (the
+``GradientSketch`` codec's hot path; layout and rules in ``csrc/cpu_kernels.cpp``). Each dispatches on the tensor's device to the compiled CPU or CUDA
 module -- the only place CPU and GPU code paths differ. ``backend="torch"`` runs the
 reference instead; it exists for tests and benchmarks, never as a silent fallback.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -150,7 +152,131 @@ def weighted_combine(
     return out
 
 
+SKETCH_BUCKETS = 256
+SKETCH_HEADER_BYTES = SKETCH_BUCKETS * 4   # the codebook
+
+
+def sketch_nbytes(numel: int, k: int) -> int:
+    """Bytes of the sketch of ``numel`` values of which ``k`` travel exactly."""
+    return SKETCH_HEADER_BYTES + 8 * k + numel
+
+
+def sketch_encode(
+    x: torch.Tensor,
+    k: int,
+    sample: int,
+    quantile_weight: float,
+    out: torch.Tensor | None = None,
+    backend: Backend = "ext",
+) -> torch.Tensor:
+    """Gradient sketch of the 1-D fp32 piece ``x``: ``[codebook 256 x fp32][k exact values
+    fp32][their indices int32][n codes uint8]``, bit-identical between the compiled kernel
+    and ``sketch_encode_reference``.
+
+    The k exact values are the largest magnitudes (ties: lower index first); the 255
+    bucket boundaries blend the quantiles of a strided sample of about ``sample`` values
+    (exact ones excluded) with a uniform grid over that sample's range,
+    ``quantile_weight * quantile + (1 - quantile_weight) * uniform``; each code's value
+    is the mean of the (non-exact) values that fell in its bucket.
+    """
+    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"sketch_encode: expected a contiguous 1-D float32 tensor, got {x.dtype} "
+                         f"shape {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty(sketch_nbytes(x.numel(), k), dtype=torch.uint8, device=x.device)
+    if backend == "torch":
+        _count("sketch_encode", "torch")
+        return sketch_encode_reference(x, k, sample, quantile_weight, out)
+    module, name = _module_for(x.device)
+    _count("sketch_encode", name)
+    module.sketch_encode(x, int(k), int(sample), float(quantile_weight), out)
+    return out
+
+
+def sketch_decode(
+    data: torch.Tensor,
+    k: int,
+    numel: int,
+    out: torch.Tensor | None = None,
+    backend: Backend = "ext",
+) -> torch.Tensor:
+    """The ``numel`` fp32 values a sketch stands for (codebook lookup, exact values put back)."""
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=data.device)
+    if backend == "torch":
+        _count("sketch_decode", "torch")
+        return sketch_decode_reference(data, k, out)
+    module, name = _module_for(data.device)
+    _count("sketch_decode", name)
+    module.sketch_decode(data, int(k), out)
+    return out
+
+
 # ---------------------------------------------------------------- references
+
+
+def _sketch_abs_keys(x: torch.Tensor) -> torch.Tensor:
+    """Bit patterns of |x| as int32: ordered like |x| for non-negative floats."""
+    return x.abs().view(torch.int32)
+
+
+def sketch_encode_reference(x: torch.Tensor, k: int, sample: int, quantile_weight: float,
+                            out: torch.Tensor) -> torch.Tensor:
+    """Pure-torch ``sketch_encode`` (the definition the compiled kernels must equal bit for bit)."""
+    n = x.numel()
+    if not 0 <= k <= n:
+        raise ValueError(f"sketch_encode: k={k} must be in [0, {n}]")
+    if out.numel() != sketch_nbytes(n, k):
+        raise ValueError(f"sketch_encode: out has {out.numel()} bytes, expected {sketch_nbytes(n, k)}")
+    keys = _sketch_abs_keys(x)
+    exact = torch.sort(torch.sort(keys, descending=True, stable=True).indices[:k]).values
+    is_exact = torch.zeros(n, dtype=torch.bool, device=x.device)
+    is_exact[exact] = True
+    if k > 0:
+        bound_key = int(keys[exact].min())
+    else:
+        bound_key = int(keys.max()) if n else 0
+    stride = max(1, n // sample)
+    picks = torch.arange(0, n, stride, device=x.device)
+    s = torch.sort(x[picks][~is_exact[picks]]).values
+    m = s.numel()
+    if m == 0:
+        bounds = torch.zeros(SKETCH_BUCKETS - 1, dtype=torch.float32, device=x.device)
+    else:
+        i = torch.arange(1, SKETCH_BUCKETS, dtype=torch.int64, device=x.device)
+        lo, hi = float(s[0]), float(s[-1])
+        q = s[(i * m) // SKETCH_BUCKETS].double()
+        u = lo + (hi - lo) * (i.double() / SKETCH_BUCKETS)
+        bounds = (quantile_weight * q + (1.0 - quantile_weight) * u).float()
+    codes = torch.bucketize(x, bounds, right=False)
+    frac = 62 - (n + 1).bit_length()
+    bound_exp = (bound_key >> 23) - 126          # every summed |v| < 2**bound_exp
+    keep = ~is_exact
+    fixed = torch.round(x[keep].double() * math.ldexp(1.0, frac - bound_exp)).long()
+    sums = torch.zeros(SKETCH_BUCKETS, dtype=torch.int64, device=x.device).index_add_(0, codes[keep], fixed)
+    counts = torch.bincount(codes[keep], minlength=SKETCH_BUCKETS)
+    means = sums.double() / counts.clamp(min=1).double() * math.ldexp(1.0, bound_exp - frac)
+    codebook = torch.where(counts > 0, means, torch.zeros_like(means)).float()
+    h = SKETCH_HEADER_BYTES
+    out[:h].copy_(codebook.view(torch.uint8))
+    out[h : h + 4 * k].copy_(x[exact].contiguous().view(torch.uint8))
+    out[h + 4 * k : h + 8 * k].copy_(exact.to(torch.int32).view(torch.uint8))
+    out[h + 8 * k :].copy_(codes.to(torch.uint8))
+    return out
+
+
+def sketch_decode_reference(data: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """Pure-torch ``sketch_decode``."""
+    n, h = out.numel(), SKETCH_HEADER_BYTES
+    if data.numel() != sketch_nbytes(n, k):
+        raise ValueError(f"sketch_decode: {data.numel()} bytes do not hold a sketch of {n} values with {k} exact ones")
+    codebook = data[:h].clone().view(torch.float32)
+    values = data[h : h + 4 * k].clone().view(torch.float32)
+    indices = data[h + 4 * k : h + 8 * k].clone().view(torch.int32).long()
+    out.copy_(codebook[data[h + 8 * k :].long()])
+    out[indices] = values
+    return out
+
 
 
 def combine_accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

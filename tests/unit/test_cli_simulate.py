@@ -24,13 +24,19 @@ def test_period_and_streams_are_inputs_and_are_reported(tmp_path):
     rows_one = {r["strategy"]: r for r in one["results"]}
     assert rows["ddp"]["bound_s"] == pytest.approx(rows_one["ddp"]["bound_s"])          # not periodic
     assert rows["diloco"]["bound_s"] == pytest.approx(rows_one["diloco"]["bound_s"] / 10)  # one round per H
-    assert rows["canary"]["predicted_s"] is None                                         # planned, not modelled
     # the network's all-reduce bound: the same per round for both, amortized over DiLoCo's rounds
     assert rows["ddp"]["network_bound_s"] == pytest.approx(rows_one["diloco"]["network_bound_s"])
     assert rows["diloco"]["network_bound_s"] == pytest.approx(rows["ddp"]["network_bound_s"] / 10)
     assert rows["ddp"]["network_bound_ratio"] == pytest.approx(rows["ddp"]["network_bound_s"] /
                                                                rows["ddp"]["predicted_s"])
     assert rows["ddp"]["network_binding"].startswith("uplink of")
+    # canary: DiLoCo's owner exchange every step, of the sketched payload (~0.26 of fp32)
+    from syncplane.algorithms.canary import sketch_ratio
+
+    ratio = sketch_ratio(16 * 2**20 // 4, one["world_size"])
+    assert 0.25 < ratio < 0.3
+    assert rows["canary"]["bound_s"] == pytest.approx(ratio * rows_one["diloco"]["bound_s"], rel=0.02)
+    assert rows["canary"]["bound_s"] < rows["ddp"]["bound_s"]
 
 
 def test_bad_period_is_a_config_error(tmp_path, capsys):

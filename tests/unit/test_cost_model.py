@@ -59,9 +59,12 @@ def test_flows_inside_a_host_use_loopback_and_neighbours_share_nics():
     assert model.bound(neighbor_exchange({0: [2], 1: [3]}, M)) == pytest.approx(2 * M / (100 * MBIT))
 
 
-def test_strategy_time_reports_unmodelled_strategies():
-    with pytest.raises(KeyError, match="'canary' is planned but not implemented yet"):
-        strategy_time(CostModel(load_profile("two_racks")), "canary", M)
+def test_strategy_time_reports_unmodelled_strategies(monkeypatch):
+    from syncplane import algorithms
+
+    monkeypatch.setitem(algorithms.PLANNED, "future", "a promised strategy")
+    with pytest.raises(KeyError, match="'future' is planned but not implemented yet"):
+        strategy_time(CostModel(load_profile("two_racks")), "future", M)
 
 
 def test_one_peer_atc_on_two_racks_piles_flows_onto_the_uplink():

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cuda_build
 @pytest.mark.skipif(ext._find_cuda_home() is None and shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_kernels_compile_and_load():
     module = ext.load_cuda()
-    assert {"pack", "unpack", "weighted_combine"} <= set(dir(module))
+    assert {"pack", "unpack", "weighted_combine", "sketch_encode", "sketch_decode"} <= set(dir(module))
     assert ext.status()["cuda_kernels"] is True
 
 
@@ -34,3 +34,11 @@ def test_cuda_kernels_match_reference_on_gpu():
     ys = [torch.randn(1032, generator=g).cuda() for _ in range(20)]  # > one launch batch
     got = kernels.weighted_combine(flat, ys, [0.1] * 20, 0.3)
     torch.testing.assert_close(got, kernels.weighted_combine_reference(flat, ys, [0.1] * 20, 0.3))
+    # the gradient sketch: bit-identical to the CPU reference (codes, codebook, exact values)
+    x = torch.randn(70_001, generator=g)
+    x[::1000] *= 1000.0
+    k = 351
+    on_gpu = kernels.sketch_encode(x.cuda(), k, 8192, 0.3)
+    assert torch.equal(on_gpu.cpu(), kernels.sketch_encode(x, k, 8192, 0.3, backend="torch"))
+    assert torch.equal(kernels.sketch_decode(on_gpu, k, 70_001).cpu(),
+                       kernels.sketch_decode(on_gpu.cpu(), k, 70_001, backend="torch"))

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from syncplane.algorithms import ddp, decentralized, diloco, ds_sync, flexreduce, peers
+from syncplane.algorithms import canary, ddp, decentralized, diloco, ds_sync, flexreduce, peers
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster.cost import CostModel
 
 #: Every family, baseline first; peers (from other projects) last.
 SPECS: tuple[AlgorithmSpec, ...] = (ddp.SPEC, decentralized.SPEC, ds_sync.SPEC, diloco.SPEC, flexreduce.SPEC,
-                                    peers.SPEC, flexreduce.PEERS)
+                                    canary.SPEC, peers.SPEC, flexreduce.PEERS)
 
 #: Names the product promises (``docs/architecture.md``) whose package has not landed yet.
-PLANNED: dict[str, str] = {
-    "canary": "Canary: 8-bit gradient sketch with piece-level exchange over several NICs",
-}
+PLANNED: dict[str, str] = {}
 
 _BY_NAME: dict[str, AlgorithmSpec] = {name: spec for spec in SPECS for name in spec.strategies}
 

@@ -13,13 +13,21 @@ one outlier only coarsens its own block, unlike a global scale or plain quantile
 buckets that average the heavy tail away. Error per element is at most
 ``max|block| / 254``. Implemented with torch ops (vectorized on the whole tensor);
 there is no compiled kernel for it yet.
+
+``GradientSketch`` is Canary's gradient sketch (paper 004, §4.3.1): uint8 codes into a
+per-piece codebook of 256 bucket means, plus the largest-magnitude ``exact_fraction`` of
+the values sent exactly, so a heavy tail is neither clipped nor allowed to widen the
+buckets. Its encode and decode run in the compiled kernels (``kernels.sketch_encode``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from syncplane import kernels
 
 FP32_BYTES = 4
 
@@ -91,16 +99,67 @@ class Int8Blockwise:
         return (q.view(nb, self.block) * scales[:, None]).view(-1)[:numel]
 
 
-Codec = Fp32 | Int8Blockwise
+@dataclass(frozen=True)
+class GradientSketch:
+    """Canary's gradient sketch of one piece: 256 buckets, uint8 codes, a codebook of means.
+
+    Layout: ``[codebook: 256 x fp32][k exact values: fp32][their indices: int32][codes: n x
+    uint8]`` with ``k = ceil(exact_fraction * n)``, about 1.08 bytes per value at the
+    default 1% (fp32: 4) plus 1 KiB per piece -- so pieces of a few thousand values or
+    more are worth sketching.
+
+    Why not the paper's plain equal-count quantile buckets: on a Gaussian they leave the
+    outermost buckets wide (the tail is sparse), and measured on 2^20 values their
+    relative MSE is 1.8-5x that of ``Int8Blockwise``. Sending the top 1% exactly and
+    placing the boundaries at ``quantile_weight`` x the sample's quantiles plus the rest
+    x a uniform grid over its range gives 0.6x int8's MSE on a Gaussian, 0.1x on
+    Student-t(3), and 0.5-0.6x on real gradients (``docs/strategies/canary.md``). ``quantile_weight=1`` is the paper's rule.
+    """
+
+    exact_fraction: float = 0.01
+    sample: int = 8192
+    quantile_weight: float = 0.3
+    name = "sketch"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.exact_fraction <= 1.0:
+            raise ValueError(f"sketch exact_fraction must be in [0, 1], got {self.exact_fraction}")
+        if self.sample < 1:
+            raise ValueError(f"sketch sample must be at least 1, got {self.sample}")
+        if not 0.0 <= self.quantile_weight <= 1.0:
+            raise ValueError(f"sketch quantile_weight must be in [0, 1], got {self.quantile_weight}")
+
+    def exact_count(self, numel: int) -> int:
+        """How many of ``numel`` values travel exactly (the largest magnitudes)."""
+        return min(numel, math.ceil(numel * self.exact_fraction))
+
+    def nbytes(self, numel: int) -> int:
+        return kernels.sketch_nbytes(numel, self.exact_count(numel))
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        _check_fp32(x)
+        flat = x.reshape(-1).contiguous()
+        return kernels.sketch_encode(flat, self.exact_count(flat.numel()), self.sample, self.quantile_weight)
+
+    def extract(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+        _check_bytes(data, self.nbytes(numel))
+        return kernels.sketch_decode(data.contiguous(), self.exact_count(numel), numel)
+
+
+Codec = Fp32 | Int8Blockwise | GradientSketch
+CODEC_NAMES = ("none", "int8", "sketch")
 
 
 def make_codec(name: str, block: int = 256) -> Codec:
-    """``"none"`` (exact fp32) or ``"int8"`` (blockwise, ``block`` values per scale)."""
+    """``"none"`` (exact fp32), ``"int8"`` (blockwise, ``block`` values per scale) or
+    ``"sketch"`` (Canary's gradient sketch with its defaults)."""
     if name == "none":
         return Fp32()
     if name == "int8":
         return Int8Blockwise(block)
-    raise ValueError(f"unknown compression {name!r}; allowed values: none, int8")
+    if name == "sketch":
+        return GradientSketch()
+    raise ValueError(f"unknown compression {name!r}; allowed values: {', '.join(CODEC_NAMES)}")
 
 
 class ErrorFeedback:

@@ -19,6 +19,11 @@ where an element falls in its chunking. A lossy codec (``codecs``) compresses ea
 segment once on the way in (with error feedback) and the owner's mean once on the
 way out; every rank, owner included, uses the decoded mean, so replicas agree exactly.
 
+Layout ``pieces`` (Canary's mesh exchange, paper 004 §4.4): the buffer is cut into n owner
+pieces only (no shard level) and piece j travels on group ``j mod S`` -- so each NIC carries
+every S-th piece, and the pieces (hence a lossy codec's per-piece encodings) are the same
+whatever S is: one NIC and several give bit-identical results even with the sketch codec.
+
 Commit or discard: every rank reports whether its part succeeded (no timeout, no
 closed connection) on a separate control group and the buffer is overwritten only if
 *all* did; otherwise every rank keeps its input, undoes its error-feedback update,
@@ -32,7 +37,7 @@ import datetime
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -82,10 +87,13 @@ class ShardedAllReduce:
         interfaces: NIC names; shard s is bound to ``interfaces[s % len]``. Default:
             ``GLOO_SOCKET_IFNAME``, else gloo's default device.
         timeout_s: a round that has not completed after this long counts as failed.
+        layout: ``shards`` (S shards, each cut into n owner segments) or ``pieces`` (n
+            owner pieces, piece j on group ``j mod S``; see the module docstring).
     """
 
     def __init__(self, shards: int = 1, *, codec: Codec | None = None,
-                 interfaces: Sequence[str] | None = None, timeout_s: float = 600.0) -> None:
+                 interfaces: Sequence[str] | None = None, timeout_s: float = 600.0,
+                 layout: Literal["shards", "pieces"] = "shards") -> None:
         global _instances
         if not dist.is_initialized():
             raise RuntimeError("ShardedAllReduce needs an initialized default process group")
@@ -93,7 +101,9 @@ class ShardedAllReduce:
             raise ValueError(f"shards must be at least 1, got {shards}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.shards = shards
+        if layout not in ("shards", "pieces"):
+            raise ValueError(f"layout must be 'shards' or 'pieces', got {layout!r}")
+        self.shards, self.layout = shards, layout
         self.codec: Codec = codec if codec is not None else Fp32()
         self.interfaces = list(interfaces) if interfaces is not None else interfaces_from_env()
         self.timeout_s = timeout_s
@@ -163,11 +173,12 @@ class ShardedAllReduce:
     def bytes_per_round(self, numel: int) -> int:
         """Bytes this rank sends in one round of ``numel`` values (both phases)."""
         total = 0
-        for a, b in shard_bounds(numel, self.shards):
-            segments = shard_bounds(b - a, self.size)
-            total += sum(self.codec.nbytes(hi - lo) for o, (lo, hi) in enumerate(segments) if o != self.rank)
+        for segments in self._segments(numel):
+            total += sum(self.codec.nbytes(hi - lo) for o, (lo, hi) in enumerate(segments)
+                         if o != self.rank and hi > lo)
             lo, hi = segments[self.rank]
-            total += (self.size - 1) * self.codec.nbytes(hi - lo)
+            if hi > lo:
+                total += (self.size - 1) * self.codec.nbytes(hi - lo)
         return total
 
     def state_dict(self) -> dict[str, Any]:
@@ -224,7 +235,12 @@ class ShardedAllReduce:
         return self._feedback
 
     def _segments(self, numel: int) -> list[list[tuple[int, int]]]:
-        """``[shard][owner] -> (start, end)`` in the flat buffer."""
+        """``[group][owner] -> (start, end)`` in the flat buffer (empty where a group carries
+        nothing for that owner)."""
+        if self.layout == "pieces":
+            pieces = shard_bounds(numel, self.size)
+            return [[(lo, hi) if owner % self.shards == s else (lo, lo) for owner, (lo, hi) in enumerate(pieces)]
+                    for s in range(self.shards)]
         return [[(a + lo, a + hi) for lo, hi in shard_bounds(b - a, self.size)]
                 for a, b in shard_bounds(numel, self.shards)]
 
@@ -250,16 +266,17 @@ class ShardedAllReduce:
         keep.extend([scattered, gathered])
         for s, group in enumerate(self._groups):
             for owner, (lo, hi) in enumerate(segments[s]):
+                if hi == lo:        # nothing to send (a codec may still have a header: skip it)
+                    continue
                 data = local_ef.compress(flat[lo:hi], offset + lo)
                 if owner == me:
                     own[s] = data
-                elif data.numel():
+                else:
                     sends.append(group.send([data], owner, _TAG_SCATTER))
                     keep.append(data)
                     sent += data.numel()
-                    if hi > lo:
-                        gathered[s, owner] = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
-                        gather_recvs.append(group.recv([gathered[s, owner]], owner, _TAG_GATHER))
+                    gathered[s, owner] = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
+                    gather_recvs.append(group.recv([gathered[s, owner]], owner, _TAG_GATHER))
             lo, hi = segments[s][me]
             for src in range(n):
                 if src != me and hi > lo:

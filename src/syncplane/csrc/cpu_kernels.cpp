@@ -13,7 +13,11 @@
 #include <ATen/OpMathType.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -144,8 +148,278 @@ void weighted_combine(at::Tensor out, const at::Tensor& x, double self_weight,
   });
 }
 
+// ------------------------------------------------------------------ gradient sketch
+//
+// Canary's gradient sketch (docs/strategies/canary.md): each piece is sent as uint8 codes
+// into a 256-entry codebook of bucket means, plus its k largest-magnitude values sent
+// exactly (value and index). Byte layout (no alignment assumed; the header is memcpy'd):
+//   [codebook: 256 x fp32][exact values: k x fp32][exact indices: k x int32][codes: n x uint8]
+// Every step is deterministic and identical to the torch reference in syncplane/kernels.py:
+//  * the k values are the first k in the total order (|x| descending, index ascending),
+//    found with a radix select on the bit pattern of |x| (monotone for non-negative floats);
+//  * bucket boundaries come from a strided sample (outliers excluded), sorted, as a blend
+//    w * quantile + (1 - w) * uniform grid over the sample's range, computed in double;
+//  * bucket means are summed in 64-bit fixed point (exact, so the summation order of
+//    threads cannot change a single bit), then divided in double and rounded once.
+namespace sketch {
+
+constexpr int kBuckets = 256;
+constexpr int64_t kHeader = kBuckets * 4;
+
+inline uint32_t abs_key(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return bits & 0x7fffffffu;
+}
+
+// Number of the 255 sorted boundaries strictly below v (torch.bucketize, right=False).
+// A binary search costs 8 dependent loads per value; instead a table over kCells equal
+// cells of [b[0], b[254]] gives a guess and a walk corrects it in both directions, so
+// the answer is exact whatever the table's rounding (the table only decides the speed;
+// with the default blend most buckets are wider than a cell, so the walk is 0-1 steps).
+class Bucketizer {
+ public:
+  static constexpr int kCells = 4096;
+
+  explicit Bucketizer(const float* bounds) : b_(bounds) {
+    lo_ = bounds[0];
+    const float span = bounds[kBuckets - 2] - lo_;
+    scale_ = span > 0.0f && std::isfinite(span) ? kCells / span : 0.0f;
+    int code = 0;
+    for (int c = 0; c < kCells; ++c) {
+      const float mid = lo_ + (static_cast<float>(c) + 0.5f) / (scale_ > 0.0f ? scale_ : 1.0f);
+      while (code < kBuckets - 1 && b_[code] < mid) ++code;
+      table_[c] = static_cast<uint8_t>(code);
+    }
+  }
+
+  int operator()(float v) const {
+    const float t = (v - lo_) * scale_;
+    const int cell = t > 0.0f ? (t < kCells - 1 ? static_cast<int>(t) : kCells - 1) : 0;
+    int code = table_[cell];
+    while (code > 0 && b_[code - 1] >= v) --code;
+    while (code < kBuckets - 1 && b_[code] < v) ++code;
+    return code;
+  }
+
+ private:
+  const float* b_;
+  float lo_ = 0.0f, scale_ = 0.0f;
+  uint8_t table_[kCells];
+};
+
+// Bits of the fixed-point scale: every non-outlier |v| < 2^bound_exp, and a sum of n
+// values of magnitude < 2^frac_bits stays below 2^62.
+inline int frac_bits_for(int64_t n) {
+  int bits = 0;
+  for (int64_t m = n + 1; m > 0; m >>= 1) ++bits;
+  return 62 - bits;
+}
+
+// Splits [0, n) into one contiguous chunk per thread (fixed, so results never depend on
+// the scheduler) and runs fn(t, begin, end) for each in parallel.
+template <typename F>
+void for_chunks(int64_t n, int64_t chunks, const F& fn) {
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) fn(c, n * c / chunks, n * (c + 1) / chunks);
+  });
+}
+
+inline int64_t chunks_for(int64_t n) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kGrain));
+}
+
+using Candidate = std::pair<uint32_t, int32_t>;  // (|x| key, index)
+
+// The first `need` candidates in the total order (key descending, index ascending).
+void take_first(std::vector<Candidate>& candidates, int64_t need, std::vector<int32_t>& picked) {
+  auto before = [](const Candidate& a, const Candidate& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::nth_element(candidates.begin(), candidates.begin() + (need - 1), candidates.end(), before);
+  for (int64_t j = 0; j < need; ++j) picked.push_back(candidates[j].second);
+}
+
+// Every index whose key is at least `threshold`, in one parallel pass.
+std::vector<Candidate> at_least(const float* x, int64_t n, uint32_t threshold) {
+  const int64_t chunks = chunks_for(n);
+  std::vector<std::vector<Candidate>> found(chunks);
+  for_chunks(n, chunks, [&](int64_t c, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const uint32_t key = abs_key(x[i]);
+      if (key >= threshold) found[c].push_back({key, static_cast<int32_t>(i)});
+    }
+  });
+  std::vector<Candidate> all;
+  for (auto& part : found) all.insert(all.end(), part.begin(), part.end());
+  return all;
+}
+
+// Indices (ascending) of the k largest |x| (ties: lower index first). First guess: a
+// threshold from the strided sample with about 2k values above it, one pass collecting
+// them; only if that guess was too high, an exact radix select on the top 16 key bits.
+std::vector<int32_t> top_k(const float* x, int64_t n, int64_t k, int64_t stride) {
+  std::vector<int32_t> picked;
+  if (k <= 0) return picked;
+  std::vector<uint32_t> keys;
+  for (int64_t i = 0; i < n; i += stride) keys.push_back(abs_key(x[i]));
+  const int64_t m = static_cast<int64_t>(keys.size());
+  const int64_t rank = std::min<int64_t>(m - 1, 2 * k * m / n + 8);
+  std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<uint32_t>());
+  std::vector<Candidate> candidates = at_least(x, n, keys[rank]);
+  if (static_cast<int64_t>(candidates.size()) >= k) {
+    take_first(candidates, k, picked);
+    std::sort(picked.begin(), picked.end());
+    return picked;
+  }
+  const int64_t chunks = chunks_for(n);
+  constexpr int kBins = 1 << 16;  // the top 16 bits of the key
+  std::vector<std::vector<int64_t>> hist(chunks, std::vector<int64_t>(kBins, 0));
+  for_chunks(n, chunks, [&](int64_t c, int64_t b, int64_t e) {
+    int64_t* h = hist[c].data();
+    for (int64_t i = b; i < e; ++i) ++h[abs_key(x[i]) >> 16];
+  });
+  int64_t above = 0;
+  int bin = kBins - 1;
+  for (; bin >= 0; --bin) {
+    int64_t count = 0;
+    for (int64_t c = 0; c < chunks; ++c) count += hist[c][bin];
+    if (above + count >= k) break;
+    above += count;
+  }
+  candidates = at_least(x, n, static_cast<uint32_t>(bin) << 16);
+  std::vector<Candidate> boundary;
+  for (const auto& cand : candidates) {
+    if ((cand.first >> 16) > static_cast<uint32_t>(bin)) picked.push_back(cand.second);
+    else boundary.push_back(cand);
+  }
+  take_first(boundary, k - above, picked);
+  std::sort(picked.begin(), picked.end());
+  return picked;
+}
+
+}  // namespace sketch
+
+void sketch_encode(const at::Tensor& x, int64_t k, int64_t sample, double quantile_weight, at::Tensor out) {
+  using namespace sketch;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+              "sketch_encode: x must be a contiguous 1-D float32 CPU tensor");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous(),
+              "sketch_encode: out must be a contiguous uint8 CPU tensor");
+  const int64_t n = x.numel();
+  TORCH_CHECK(n < (int64_t(1) << 31), "sketch_encode: a piece holds at most 2^31 - 1 values, got ", n);
+  TORCH_CHECK(k >= 0 && k <= n, "sketch_encode: k=", k, " must be in [0, ", n, "]");
+  TORCH_CHECK(sample >= 1, "sketch_encode: sample must be at least 1, got ", sample);
+  TORCH_CHECK(out.numel() == kHeader + 8 * k + n, "sketch_encode: out has ", out.numel(), " bytes, expected ",
+              kHeader + 8 * k + n);
+  const float* xp = x.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  uint8_t* codes = op + kHeader + 8 * k;
+
+  const int64_t stride = std::max<int64_t>(1, n / sample);
+  const std::vector<int32_t> exact = top_k(xp, n, k, stride);
+  for (int64_t j = 0; j < k; ++j) {
+    std::memcpy(op + kHeader + 4 * j, xp + exact[j], 4);
+    std::memcpy(op + kHeader + 4 * k + 4 * j, &exact[j], 4);
+  }
+  // fixed-point scale from the smallest exact magnitude (or the largest one when k = 0):
+  // every value that is summed is at most that large
+  uint32_t bound_key = 0;
+  if (k > 0) {
+    bound_key = abs_key(xp[exact[0]]);
+    for (int32_t i : exact) bound_key = std::min(bound_key, abs_key(xp[i]));
+  } else {
+    for (int64_t i = 0; i < n; ++i) bound_key = std::max(bound_key, abs_key(xp[i]));
+  }
+
+  // sample (strided, outliers excluded), sorted
+  std::vector<float> s;
+  s.reserve((n + stride - 1) / stride);
+  for (int64_t i = 0; i < n; i += stride) {
+    if (!std::binary_search(exact.begin(), exact.end(), static_cast<int32_t>(i))) s.push_back(xp[i]);
+  }
+  std::sort(s.begin(), s.end());
+  float bounds[kBuckets - 1];
+  const int64_t m = static_cast<int64_t>(s.size());
+  if (m == 0) {
+    std::fill(bounds, bounds + kBuckets - 1, 0.0f);
+  } else {
+    const double lo = s.front(), hi = s.back();
+    for (int i = 1; i < kBuckets; ++i) {
+      const double q = s[(i * m) / kBuckets];
+      const double u = lo + (hi - lo) * (static_cast<double>(i) / kBuckets);
+      bounds[i - 1] = static_cast<float>(quantile_weight * q + (1.0 - quantile_weight) * u);
+    }
+  }
+
+  // codes, and per-bucket fixed-point sums of the non-exact values
+  const int frac = frac_bits_for(n);
+  const int bound_exp = static_cast<int>(bound_key >> 23) - 126;  // |v| < 2^bound_exp
+  const double to_fixed = std::ldexp(1.0, frac - bound_exp);
+  const int64_t chunks = chunks_for(n);
+  const Bucketizer code_of(bounds);
+  std::vector<std::array<int64_t, kBuckets>> sums(chunks), counts(chunks);
+  for_chunks(n, chunks, [&](int64_t c, int64_t b, int64_t e) {
+    auto& sum = sums[c];
+    auto& count = counts[c];
+    sum.fill(0);
+    count.fill(0);
+    auto next = std::lower_bound(exact.begin(), exact.end(), static_cast<int32_t>(b));
+    int64_t skip = next == exact.end() ? e : *next;
+    for (int64_t i = b; i < e; ++i) {
+      const float v = xp[i];
+      const int code = code_of(v);
+      codes[i] = static_cast<uint8_t>(code);
+      if (i == skip) {
+        ++next;
+        skip = next == exact.end() ? e : *next;
+        continue;
+      }
+      sum[code] += std::llrint(static_cast<double>(v) * to_fixed);
+      ++count[code];
+    }
+  });
+  float codebook[kBuckets];
+  const double from_fixed = std::ldexp(1.0, bound_exp - frac);
+  for (int b = 0; b < kBuckets; ++b) {
+    int64_t total = 0, count = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      total += sums[c][b];
+      count += counts[c][b];
+    }
+    codebook[b] = count == 0 ? 0.0f
+                             : static_cast<float>(static_cast<double>(total) / static_cast<double>(count) * from_fixed);
+  }
+  std::memcpy(op, codebook, kHeader);
+}
+
+void sketch_decode(const at::Tensor& data, int64_t k, at::Tensor out) {
+  using namespace sketch;
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.is_contiguous(),
+              "sketch_decode: data must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "sketch_decode: out must be a contiguous float32 CPU tensor");
+  const int64_t n = out.numel();
+  TORCH_CHECK(k >= 0 && k <= n && data.numel() == kHeader + 8 * k + n, "sketch_decode: ", data.numel(),
+              " bytes do not hold a sketch of ", n, " values with ", k, " exact ones");
+  const uint8_t* dp = data.data_ptr<uint8_t>();
+  float codebook[kBuckets];
+  std::memcpy(codebook, dp, kHeader);
+  const uint8_t* codes = dp + kHeader + 8 * k;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) op[i] = codebook[codes[i]];
+  });
+  for (int64_t j = 0; j < k; ++j) {
+    int32_t idx;
+    std::memcpy(&idx, dp + kHeader + 4 * k + 4 * j, 4);
+    TORCH_CHECK(idx >= 0 && idx < n, "sketch_decode: exact index ", idx, " is outside [0, ", n, ")");
+    std::memcpy(op + idx, dp + kHeader + 4 * j, 4);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "syncplane CPU kernels: flat-buffer pack/unpack and fused weighted combine";
+  m.doc() = "syncplane CPU kernels: flat-buffer pack/unpack, fused weighted combine, gradient sketch";
   m.def("pack", &pack, "Copy tensors (times scale) into one flat buffer",
         pybind11::arg("tensors"), pybind11::arg("flat"), pybind11::arg("scale") = 1.0);
   m.def("unpack", &unpack, "Copy a flat buffer (times scale) back into tensors",
@@ -153,4 +427,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weighted_combine", &weighted_combine, "out = a*x + sum_j w_j*y_j in one pass",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("self_weight"),
         pybind11::arg("ys"), pybind11::arg("weights"));
+  m.def("sketch_encode", &sketch_encode, "Gradient sketch of a piece: codes, codebook, k exact values",
+        pybind11::arg("x"), pybind11::arg("k"), pybind11::arg("sample"), pybind11::arg("quantile_weight"),
+        pybind11::arg("out"));
+  m.def("sketch_decode", &sketch_decode, "Values of a gradient sketch", pybind11::arg("data"),
+        pybind11::arg("k"), pybind11::arg("out"));
 }

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -165,11 +166,158 @@ void weighted_combine_cuda(at::Tensor out, const at::Tensor& x, double self_weig
   });
 }
 
+// ------------------------------------------------------------------ gradient sketch
+// Same layout and rules as cpu_kernels.cpp (and kernels.sketch_encode_reference): the
+// selection, sample sort and codebook arithmetic use ATen ops in the same order as the
+// reference; the two O(n) passes (codes + fixed-point sums, decode) are kernels here.
+namespace {
+
+constexpr int kSketchBuckets = 256;
+constexpr int64_t kSketchHeader = kSketchBuckets * 4;
+
+// codes (count of boundaries < v) and per-bucket fixed-point sums of the non-exact values
+__global__ void sketch_codes_kernel(const float* __restrict__ x, const bool* __restrict__ is_exact,
+                                    const float* __restrict__ bounds, double to_fixed, int64_t n,
+                                    uint8_t* __restrict__ codes, unsigned long long* __restrict__ sums,
+                                    unsigned long long* __restrict__ counts) {
+  __shared__ float b[kSketchBuckets - 1];
+  __shared__ unsigned long long s_sum[kSketchBuckets];
+  __shared__ unsigned long long s_count[kSketchBuckets];
+  for (int i = threadIdx.x; i < kSketchBuckets; i += blockDim.x) {
+    if (i < kSketchBuckets - 1) b[i] = bounds[i];
+    s_sum[i] = 0;
+    s_count[i] = 0;
+  }
+  __syncthreads();
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)blockDim.x * gridDim.x) {
+    const float v = x[i];
+    int pos = 0;
+    for (int step = 128; step >= 1; step >>= 1) pos += (b[pos + step - 1] < v) ? step : 0;
+    codes[i] = static_cast<uint8_t>(pos);
+    if (!is_exact[i]) {
+      // two's complement: adding the unsigned image of a negative int64 subtracts
+      atomicAdd(&s_sum[pos], static_cast<unsigned long long>(__double2ll_rn(static_cast<double>(v) * to_fixed)));
+      atomicAdd(&s_count[pos], 1ULL);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kSketchBuckets; i += blockDim.x) {
+    if (s_count[i]) {
+      atomicAdd(&sums[i], s_sum[i]);
+      atomicAdd(&counts[i], s_count[i]);
+    }
+  }
+}
+
+__global__ void sketch_lookup_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ codebook,
+                                     int64_t n, float* __restrict__ out) {
+  __shared__ float table[kSketchBuckets];
+  for (int i = threadIdx.x; i < kSketchBuckets; i += blockDim.x) table[i] = codebook[i];
+  __syncthreads();
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)blockDim.x * gridDim.x) {
+    out[i] = table[codes[i]];
+  }
+}
+
+}  // namespace
+
+void sketch_encode_cuda(const at::Tensor& x, int64_t k, int64_t sample, double quantile_weight, at::Tensor out) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+              "sketch_encode: x must be a contiguous 1-D float32 CUDA tensor");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kByte && out.is_contiguous(),
+              "sketch_encode: out must be a contiguous uint8 CUDA tensor");
+  const int64_t n = x.numel();
+  TORCH_CHECK(n < (int64_t(1) << 31), "sketch_encode: a piece holds at most 2^31 - 1 values, got ", n);
+  TORCH_CHECK(k >= 0 && k <= n, "sketch_encode: k=", k, " must be in [0, ", n, "]");
+  TORCH_CHECK(sample >= 1, "sketch_encode: sample must be at least 1, got ", sample);
+  TORCH_CHECK(out.numel() == kSketchHeader + 8 * k + n, "sketch_encode: out has ", out.numel(),
+              " bytes, expected ", kSketchHeader + 8 * k + n);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto i64 = x.options().dtype(at::kLong);
+  const at::Tensor keys = x.abs().view(at::kInt).to(at::kLong);
+  // (key, index) as one int64 ordered like the total order: key descending, index ascending
+  const int64_t kIdxMask = (int64_t(1) << 31) - 1;
+  at::Tensor exact = at::empty({0}, i64);
+  int64_t bound_key = 0;
+  if (k > 0) {
+    const at::Tensor composite = keys.mul(int64_t(1) << 31).add(at::arange(n, i64).neg().add(kIdxMask));
+    const at::Tensor top = std::get<0>(at::topk(composite, k));
+    exact = std::get<0>(at::sort(top.bitwise_and(kIdxMask).neg().add(kIdxMask)));
+    bound_key = top.min().item<int64_t>() >> 31;
+  } else if (n > 0) {
+    bound_key = keys.max().item<int64_t>();
+  }
+  at::Tensor is_exact = at::zeros({n}, x.options().dtype(at::kBool));
+  if (k > 0) is_exact.index_fill_(0, exact, true);
+  const int64_t stride = std::max<int64_t>(1, n / sample);
+  const at::Tensor picks = at::arange(0, n, stride, i64);
+  const at::Tensor s = std::get<0>(at::sort(x.index_select(0, picks).masked_select(is_exact.index_select(0, picks).logical_not())));
+  const int64_t m = s.numel();
+  at::Tensor bounds;
+  if (m == 0) {
+    bounds = at::zeros({kSketchBuckets - 1}, x.options());
+  } else {
+    const at::Tensor i = at::arange(1, kSketchBuckets, i64);
+    const double lo = s[0].item<float>(), hi = s[m - 1].item<float>();
+    const at::Tensor q = s.index_select(0, i.mul(m).div(kSketchBuckets, "floor")).to(at::kDouble);
+    const at::Tensor u = i.to(at::kDouble).div(static_cast<double>(kSketchBuckets)).mul(hi - lo).add(lo);
+    bounds = q.mul(quantile_weight).add(u.mul(1.0 - quantile_weight)).to(at::kFloat).contiguous();
+  }
+  int bits = 0;
+  for (int64_t v = n + 1; v > 0; v >>= 1) ++bits;
+  const int frac = 62 - bits;
+  const int bound_exp = static_cast<int>(bound_key >> 23) - 126;
+  at::Tensor sums = at::zeros({kSketchBuckets}, i64);
+  at::Tensor counts = at::zeros({kSketchBuckets}, i64);
+  at::Tensor codes = out.narrow(0, kSketchHeader + 8 * k, n);
+  if (n > 0) {
+    sketch_codes_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+        x.data_ptr<float>(), is_exact.data_ptr<bool>(), bounds.data_ptr<float>(), std::ldexp(1.0, frac - bound_exp),
+        n, codes.data_ptr<uint8_t>(), reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()),
+        reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const at::Tensor means = sums.to(at::kDouble).div(counts.clamp_min(1).to(at::kDouble)).mul(std::ldexp(1.0, bound_exp - frac));
+  const at::Tensor codebook = at::where(counts.gt(0), means, at::zeros_like(means)).to(at::kFloat);
+  out.narrow(0, 0, kSketchHeader).copy_(codebook.view(at::kByte));
+  if (k > 0) {
+    out.narrow(0, kSketchHeader, 4 * k).copy_(x.index_select(0, exact).view(at::kByte));
+    out.narrow(0, kSketchHeader + 4 * k, 4 * k).copy_(exact.to(at::kInt).view(at::kByte));
+  }
+}
+
+void sketch_decode_cuda(const at::Tensor& data, int64_t k, at::Tensor out) {
+  TORCH_CHECK(data.is_cuda() && data.scalar_type() == at::kByte && data.is_contiguous(),
+              "sketch_decode: data must be a contiguous uint8 CUDA tensor");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "sketch_decode: out must be a contiguous float32 CUDA tensor");
+  const int64_t n = out.numel();
+  TORCH_CHECK(k >= 0 && k <= n && data.numel() == kSketchHeader + 8 * k + n, "sketch_decode: ", data.numel(),
+              " bytes do not hold a sketch of ", n, " values with ", k, " exact ones");
+  const c10::cuda::CUDAGuard guard(data.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor codebook = data.narrow(0, 0, kSketchHeader).clone().view(at::kFloat);
+  if (n > 0) {
+    sketch_lookup_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+        data.data_ptr<uint8_t>() + kSketchHeader + 8 * k, codebook.data_ptr<float>(), n, out.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (k > 0) {
+    const at::Tensor values = data.narrow(0, kSketchHeader, 4 * k).clone().view(at::kFloat);
+    const at::Tensor indices = data.narrow(0, kSketchHeader + 4 * k, 4 * k).clone().view(at::kInt).to(at::kLong);
+    out.index_put_({indices}, values);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "syncplane CUDA kernels: flat-buffer pack/unpack and fused weighted combine";
+  m.doc() = "syncplane CUDA kernels: flat-buffer pack/unpack, fused weighted combine, gradient sketch";
   m.def("pack", &pack_cuda, pybind11::arg("tensors"), pybind11::arg("flat"), pybind11::arg("scale") = 1.0);
   m.def("unpack", &unpack_cuda, pybind11::arg("flat"), pybind11::arg("tensors"),
         pybind11::arg("scale") = 1.0);
   m.def("weighted_combine", &weighted_combine_cuda, pybind11::arg("out"), pybind11::arg("x"),
         pybind11::arg("self_weight"), pybind11::arg("ys"), pybind11::arg("weights"));
+  m.def("sketch_encode", &sketch_encode_cuda, pybind11::arg("x"), pybind11::arg("k"), pybind11::arg("sample"),
+        pybind11::arg("quantile_weight"), pybind11::arg("out"));
+  m.def("sketch_decode", &sketch_decode_cuda, pybind11::arg("data"), pybind11::arg("k"), pybind11::arg("out"));
 }

@@ -1,0 +1,56 @@
+"""Canary's settings, validated once: the strategy builds this at construction, so a bad
+value fails on every rank before the first step, with the field's name in the message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from syncplane.comm.codecs import CODEC_NAMES, Codec, GradientSketch, make_codec
+from syncplane.config import ConfigError
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """Args:
+        compression: ``sketch`` (the gradient sketch, ~1/4 of fp32), ``int8`` (uniform
+            blockwise) or ``none`` (exact fp32: the exchange is then DDP's mean, bit for bit
+            independent of the NIC count).
+        exact_fraction: share of each piece's largest-magnitude values the sketch sends exactly.
+        quantile_weight: the sketch's boundaries: this times the sample quantiles plus the
+            rest times a uniform grid (1 = the paper's equal-count buckets).
+        nics: gloo groups (one per NIC, pieces spread over them); ``auto`` = one per name
+            in ``GLOO_SOCKET_IFNAME``.
+        bucket_cap_mb: colayer size: gradients grouped in backward order up to this many MiB.
+        sync_timeout_s: an exchange slower than this fails the step (on every rank).
+    """
+
+    compression: str = "sketch"
+    exact_fraction: float = 0.01
+    quantile_weight: float = 0.3
+    nics: int | str = "auto"
+    bucket_cap_mb: float = 25.0
+    sync_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.compression not in CODEC_NAMES:
+            raise ConfigError(f"compression: allowed values: {', '.join(CODEC_NAMES)}; got {self.compression!r}")
+        if not 0.0 <= self.exact_fraction <= 1.0:
+            raise ConfigError(f"exact_fraction: must be in [0, 1], got {self.exact_fraction}")
+        if not 0.0 <= self.quantile_weight <= 1.0:
+            raise ConfigError(f"quantile_weight: must be in [0, 1], got {self.quantile_weight}")
+        if not (self.nics == "auto" or (isinstance(self.nics, int) and not isinstance(self.nics, bool)
+                                         and self.nics >= 1)):
+            raise ConfigError(f"nics: expected auto or an integer >= 1, got {self.nics!r}")
+        if not self.bucket_cap_mb > 0:
+            raise ConfigError(f"bucket_cap_mb: must be positive, got {self.bucket_cap_mb}")
+        if not self.sync_timeout_s > 0:
+            raise ConfigError(f"sync_timeout_s: must be positive, got {self.sync_timeout_s}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 2**20)
+
+    def codec(self) -> Codec:
+        if self.compression == "sketch":
+            return GradientSketch(exact_fraction=self.exact_fraction, quantile_weight=self.quantile_weight)
+        return make_codec(self.compression)

@@ -1,0 +1,62 @@
+"""``strategy=canary`` through Lightning's Trainer on real gloo processes: exact (identity
+codec) it trains like DDP; with the sketch every replica stays bit-identical and each rank's
+error-feedback residuals are in its rank state (what checkpoints gather); colayers are
+exchanged during the backward, and after it under gradient accumulation (same result as
+exchanging the accumulated gradient)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.distributed import run_distributed
+
+
+def _train(rank: int, world: int, tmp_dir: str, name: str, kwargs: dict, **trainer: object
+           ) -> tuple[torch.Tensor, dict]:
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from syncplane.recipes.digits import DigitsSettings, build
+    from syncplane.strategies import strategy_class
+    from tests.helpers.models import trainer_for
+
+    torch.manual_seed(7)
+    model, data = build(DigitsSettings(batch_size=16, width=8))
+    env = TorchElasticEnvironment()
+    strategy = DDPStrategy(cluster_environment=env) if name == "ddp" else strategy_class(name)(
+        cluster_environment=env, **kwargs)
+    trainer_for(strategy, tmp_dir, max_steps=5, limit_val_batches=0, **trainer).fit(model, data)
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    state = strategy.rank_state_dict() if name == "canary" else {}
+    if name == "canary":
+        assert strategy.comm_meter.calls > 0, "the canary exchange never ran"
+        # exchanges started by the gradient hooks while the backward ran (none under accumulation)
+        overlapped = strategy.overlapped_colayers
+        assert overlapped > 0 if trainer.get("accumulate_grad_batches", 1) == 1 else overlapped == 0
+    return flat, state
+
+
+def _all(rank: int, world: int, tmp_dir: str):  # type: ignore[no-untyped-def]
+    ddp = _train(rank, world, tmp_dir, "ddp", {})
+    exact = _train(rank, world, tmp_dir, "canary", {"compression": "none", "bucket_cap_mb": 0.01})
+    sketch = _train(rank, world, tmp_dir, "canary", {"bucket_cap_mb": 0.01})
+    ddp_acc = _train(rank, world, tmp_dir, "ddp", {}, accumulate_grad_batches=2)
+    exact_acc = _train(rank, world, tmp_dir, "canary", {"compression": "none"}, accumulate_grad_batches=2)
+    return ddp, exact, sketch, ddp_acc, exact_acc
+
+
+def test_canary_trains_like_ddp_and_keeps_replicas_identical(tmp_path) -> None:
+    results = run_distributed(_all, 2, str(tmp_path), timeout=400)
+    for (ddp, _), (exact, _), (sketch, state), (ddp_acc, _), (exact_acc, _) in results:
+        torch.testing.assert_close(exact, ddp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(exact_acc, ddp_acc, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(exact_acc, exact)                         # accumulation did change the run
+        assert torch.equal(sketch, results[0][2][0])                     # replicas bit-identical
+        assert not torch.equal(sketch, exact)                            # the sketch did change the run
+        assert (sketch - exact).norm() / exact.norm() < 0.05
+        residuals = state["canary"]["transport"]["residuals"]
+        assert residuals.shape == (2, exact.numel()) and residuals.abs().sum() > 0
+        assert len(state["canary"]["sizes"]) > 1                          # several colayers (0.01 MiB cap)
+    # each rank keeps its own residuals
+    assert not torch.equal(results[0][2][1]["canary"]["transport"]["residuals"],
+                           results[1][2][1]["canary"]["transport"]["residuals"])

@@ -1,0 +1,86 @@
+"""Canary's settings and engine refuse bad input by field name, before any communication."""
+
+from __future__ import annotations
+
+import pytest
+
+from syncplane.algorithms.canary import CanaryConfig, CanaryEngine
+from syncplane.comm import GradientSketch, Int8Blockwise
+from syncplane.config import ConfigError
+
+
+@pytest.mark.parametrize("field, value", [("compression", "zip"), ("exact_fraction", 1.5),
+                                          ("exact_fraction", -0.1), ("quantile_weight", 2.0),
+                                          ("nics", 0), ("nics", "two"), ("bucket_cap_mb", 0.0),
+                                          ("sync_timeout_s", -1.0)])
+def test_bad_settings_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        CanaryConfig(**{field: value})
+
+
+def test_codec_follows_the_settings():
+    assert CanaryConfig().codec() == GradientSketch()
+    assert CanaryConfig(exact_fraction=0.01, quantile_weight=1.0).codec() == GradientSketch(0.01, quantile_weight=1.0)
+    assert CanaryConfig(compression="int8").codec() == Int8Blockwise()
+
+
+class _NoTransport:
+    """Never called: the engine must refuse before it communicates."""
+
+    def allreduce_mean_(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("communicated despite bad input")
+
+    def state_dict(self):  # type: ignore[no-untyped-def]
+        return {}
+
+    def load_state_dict(self, state):  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_more_pieces_than_elements_is_refused():
+    with pytest.raises(ConfigError, match=r"^pieces: 4 pieces per colayer .* colayer 1's 3 elements"):
+        CanaryEngine([100, 3, 50], 4, _NoTransport())
+    with pytest.raises(ConfigError, match="^pieces: must be at least 1"):
+        CanaryEngine([100], 0, _NoTransport())
+
+
+class _Doubling:
+    """A stand-in exchange that records the order colayers reach it (positions), and
+    doubles them so the result is visibly the exchange's."""
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+
+    def allreduce_mean_(self, flat, meter=None, *, offset=0, total=None):  # type: ignore[no-untyped-def]
+        self.offsets.append(offset)
+        flat.mul_(2.0)
+        return True
+
+    def state_dict(self):  # type: ignore[no-untyped-def]
+        return {}
+
+    def load_state_dict(self, state):  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_pipeline_hands_colayers_over_in_order_whatever_order_they_complete(test_seed):
+    import torch
+
+    from syncplane.algorithms.canary import BackwardPipeline
+
+    g = torch.Generator().manual_seed(test_seed)
+    grads = [torch.randn(n, generator=g) for n in (5, 7, 3, 4)]
+    transport = _Doubling()
+    pipeline = BackwardPipeline(CanaryEngine([5, 7, 3, 4], 2, transport), lambda i: grads[i].clone())
+    pipeline.ready(2)                    # completes early: must wait for 0 and 1
+    pipeline.ready(0)
+    assert pipeline.early == 1
+    pipeline.ready(1)                    # releases 1, then 2
+    results = pipeline.finish()          # 3 never reported ready (an unused parameter): sent now
+    assert transport.offsets == [0, 5, 12, 15] and pipeline.early == 3
+    for got, want in zip(results, grads):
+        assert torch.equal(got, want * 2)
+    pipeline.ready(1)                    # the next step starts from scratch
+    assert pipeline.early == 3
+    assert [torch.equal(a, b * 2) for a, b in zip(pipeline.finish(), grads)] == [True] * 4
+    pipeline.close()
