@@ -156,3 +156,40 @@ def test_machines_must_partition_the_ranks():
         host_machines([(None, 1), (None, 2), (None, 2)])
     assert host_machines([(None, 2)] * 4) == [[0, 1], [2, 3]]
     assert host_machines([("b", 2), ("a", 1), ("b", 2)]) == [[0, 2], [1]]
+
+
+def _train_on_hosts(rank: int, world: int, tmp_dir: str, nodes: list[int], steps: int):
+    """Both strategies through Lightning on hosts of different sizes (GROUP_RANK per host), one
+    after the other in the same processes (spawning dominates the cost)."""
+    import os
+
+    from tests.dist.test_decentralized import _train
+
+    os.environ["GROUP_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(nodes[rank]), str(nodes.count(nodes[rank]))
+    return {name: _train(rank, world, tmp_dir, name, {"machines": "auto", "schedule": "one_peer"}, steps, 0.0, True)
+            for name in ("h_atc", "h_awc")}
+
+
+def test_strategy_update_rules_on_uneven_interleaved_hosts(tmp_path):
+    """Hosts [[0, 2], [1]]: ATC ``X(t+1) = M_tᵀ(X − γG)``, AWC ``M_tᵀX − γG``, with
+    ``M_t[j, i] = A_t[m(j), m(i)] / L_m(j)`` (each machine's mean, then the one-peer machine
+    graph by formula) and each gradient recomputed at ``xᵢ(t)``."""
+    from tests.dist.test_decentralized import LR, _gradient_at
+
+    nodes, machines, steps = [0, 1, 0], [[0, 2], [1]], 3
+    runs = run_distributed(_train_on_hosts, 3, str(tmp_path), nodes, steps, timeout=300)
+    machine_of = {r: m for m, ranks in enumerate(machines) for r in ranks}
+    for name in ("h_atc", "h_awc"):
+        results = [run[name] for run in runs]
+        x = torch.stack([r[1][0] for r in results])
+        for t in range(steps):
+            grads = torch.stack([r[2][t] for r in results])
+            for i, r in enumerate(results):
+                torch.testing.assert_close(grads[i], _gradient_at(r[1][t], r[3][t]), rtol=1e-4, atol=1e-6)
+            a = reference_matrix("one_peer", len(machines), t)
+            m = torch.tensor([[a[machine_of[j], machine_of[i]] / len(machines[machine_of[j]]) for i in range(3)]
+                              for j in range(3)], dtype=torch.float64)
+            x = m.T @ (x - LR * grads) if name == "h_atc" else m.T @ x - LR * grads
+            got = torch.stack([r[1][t + 1] for r in results]) if t + 1 < steps else \
+                torch.stack([r[0] for r in results])
+            torch.testing.assert_close(got, x, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}, step {t}: {msg}")
