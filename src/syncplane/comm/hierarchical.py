@@ -199,7 +199,8 @@ def _reduce_to_owners(rows: torch.Tensor, group: dist.ProcessGroup, local: int, 
     mine = rows[local::size].contiguous()
     received = [torch.empty_like(mine) for _ in peers]
     exchange_tensors([(j, rows[j::size].contiguous()) for j in peers], list(zip(peers, received)), group,
-                     lambda: mine, timeout_s=timeout_s, what="hierarchical reduce-scatter").wait()
+                     lambda: mine, timeout_s=timeout_s,
+                     what="hierarchical reduce-scatter (peers are machine-local ranks)").wait()
     return kernels.weighted_combine(mine, received, [1.0 / size] * len(received), 1.0 / size)
 
 
