@@ -79,15 +79,14 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     @override
     def setup_sync(self) -> None:
         config = self.config
-        local = 1
-        if self.hierarchical:
-            used, local = machines_for(config.machines, config.ranks_per_machine)
-            self.details = {"machines": used, "ranks_per_machine": local}
+        machines: list[list[int]] | None = None
+        if self.hierarchical:   # collective on every rank: machines of any sizes (see machines_for)
+            used, machines = machines_for(config.machines, config.ranks_per_machine, self.world_size)
+            sizes = [len(ranks) for ranks in machines]
+            self.details = {"machines": used, "machine_sizes": sizes}
             if self.is_global_zero:
-                log.info("%s: machines = %s, %d ranks each", type(self).__name__, used, local)
-        if self.world_size % local:
-            raise ValueError(f"world size {self.world_size} is not a multiple of ranks_per_machine {local}")
-        participants = self.world_size // local if self.hierarchical else self.world_size
+                log.info("%s: machines = %s, %d machines of %s ranks", type(self).__name__, used, len(sizes), sizes)
+        participants = len(machines) if machines is not None else self.world_size
         graph = getattr(topology, config.topology)(participants, **config.topology_kwargs)
         schedule = build_schedule(config.schedule, graph)
         # AWC combines the parameters before the update, but the forward changes buffers
@@ -97,7 +96,7 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         mixed, after_step = (params, buffers) if self.combine_buffers_after_step else (params + buffers, [])
 
         def averager(part: list[torch.Tensor]) -> NeighborAverager:
-            return NeighborAverager(part, schedule, hierarchical=self.hierarchical, local_size=local,
+            return NeighborAverager(part, schedule, hierarchical=self.hierarchical, machines=machines,
                                     bucket_bytes=self.bucket_bytes, meter=self.comm_meter, timeout_s=config.timeout_s)
 
         self.averager = averager(mixed)

@@ -3,9 +3,9 @@
 The property test (``tests/unit/test_random_profiles.py``) checks the patterns and the cost
 model on hundreds of generated profiles; this one builds three of them as network namespaces
 (racks of different sizes, hosts of 1-2 ranks, a slow NIC, uneven uplinks, a two-NIC host) and
-runs the bench on each: every sync completes and moves the bytes its pattern says.
-H-ATC/H-AWC are not in the list yet: machines of different sizes are not implemented
-(``context.machine_size`` refuses uneven racks) -- see issue 18.
+runs the bench on each: every sync completes and moves the bytes its pattern says. H-ATC
+mixes the profile's racks, which differ in size (``tests/dist/test_hierarchical_uneven.py``
+checks its values against the dense reference).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.helpers.emulation import requires_emulation
 
 pytestmark = [requires_emulation, pytest.mark.slow]
 
-STRATEGIES = ["ddp", "atc", "ds_sync", "diloco"]
+STRATEGIES = ["ddp", "atc", "h_atc", "ds_sync", "diloco"]
 PROFILES = 3
 
 

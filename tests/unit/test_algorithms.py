@@ -57,8 +57,9 @@ def test_hierarchical_machines_auto_means_hosts_when_hosts_run_several_ranks(mon
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
     assert resolve_machines("auto") == expected
     assert resolve_machines("rack") == "rack" and resolve_machines("host") == "host"
-    assert machines_for("auto", ranks_per_machine=3) == ("explicit", 3)
-    if expected == "host":
-        assert machines_for("auto") == ("host", 4)
+    assert resolve_machines("auto", largest_host=2) == "host" and resolve_machines("auto", largest_host=1) == "rack"
+    assert machines_for("auto", ranks_per_machine=3, world_size=6) == ("explicit", [[0, 1, 2], [3, 4, 5]])
+    with pytest.raises(ValueError, match="world size 7 is not a multiple of ranks_per_machine 3"):
+        machines_for("auto", ranks_per_machine=3, world_size=7)
     with pytest.raises(ValueError, match="unknown machine kind 'node'; allowed values: auto, host, rack"):
         resolve_machines("node")

@@ -6,8 +6,10 @@ NICs, uneven uplinks and multi-NIC hosts (seeded through hypothesis' own databas
 ``derandomize``, so CI runs the same ≥ 200 profiles every time). For each it checks:
 DS-Sync's period product mixes (λ₂ < 1, computed here from the groups, not taken from the
 pattern) and every step partitions the ranks, for the initial pattern and every adjustment
-candidate; the probe's rack clustering recovers the profile's racks from its bandwidth
-matrix; and the α-β model gives a finite, positive time for every strategy.
+candidate; H-ATC/H-AWC's machines (racks, hosts: any sizes) cover every rank exactly once
+and its cost pattern sends one payload per machine per neighbour machine; the probe's rack
+clustering recovers the profile's racks from its bandwidth matrix; and the α-β model gives
+a finite, positive time for every strategy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from syncplane.algorithms import strategy_names, strategy_time
+from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps, rack_machines
+from syncplane.algorithms.spec import CostOptions
+from syncplane.comm.context import check_machines
 from syncplane.cluster.cost import CostModel
 from syncplane.cluster.probe import cluster_racks, from_profile
 from syncplane.cluster.profile import parse_profile
@@ -90,6 +95,19 @@ def test_topology_aware_algorithms_are_valid_on_random_profiles(data):
         for groups in pattern.iterations:
             assert sorted(r for g in groups for r in g) == list(range(world)), (key, groups)
         assert _connected(world, [g for groups in pattern.iterations for g in groups]), (data, key)
+    # H-ATC/H-AWC: racks and hosts as machines partition the ranks, whatever their sizes; in
+    # every step each rack sends exactly one payload to each rack it mixes with
+    racks = rack_machines(profile)
+    for machines in (racks, [list(h.ranks) for h in profile.hosts]):
+        assert check_machines(machines, world) == machines, data
+    rack_of = {r: k for k, ranks in enumerate(racks) for r in ranks}
+    for step in hierarchical_one_peer_steps(profile, 2**20, CostOptions()):
+        crossing: dict[tuple[int, int], float] = {}
+        for src, dst, size in (flow for phase in step for flow in phase):
+            if rack_of[src] != rack_of[dst]:
+                crossing[(rack_of[src], rack_of[dst])] = crossing.get((rack_of[src], rack_of[dst]), 0.0) + size
+        assert all(total == pytest.approx(2**20) for total in crossing.values()), (data, crossing)
+        assert len(crossing) == (len(racks) if len(racks) > 1 else 0), (data, crossing)
     # the probe's rack clustering finds the declared racks from the pairwise bandwidth, where
     # a measurement can tell them apart: racks of two or more hosts (a lone host behind a
     # slow uplink looks like a host with a slow NIC) joined by equal uplinks slower than every

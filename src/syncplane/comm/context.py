@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,17 +26,64 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MachineLayout:
-    """Ranks ``[m·L, (m+1)·L)`` form machine m; one intra-machine group per machine."""
+    """The machines of the hierarchical operations and their graph.
 
-    local_size: int
+    ``machines[m]`` lists machine m's ranks in ascending order; a rank's position in that list
+    is its local rank (the order of ``dist.new_group``'s group ranks). Machines may differ in
+    size and need not hold consecutive ranks: the hierarchical data path shards by the largest
+    machine (see ``syncplane.comm.hierarchical``). One intra-machine group per machine of more
+    than one rank.
+    """
+
+    machines: list[list[int]]
     graph: nx.DiGraph
     groups: list[dist.ProcessGroup | None] = field(default_factory=list)
+    _where: dict[int, tuple[int, int]] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._where = {r: (m, local) for m, ranks in enumerate(self.machines) for local, r in enumerate(ranks)}
 
     def machine_of(self, rank: int) -> int:
-        return rank // self.local_size
+        return self._where[rank][0]
 
-    def leader_of(self, machine: int) -> int:
-        return machine * self.local_size
+    def local_rank(self, rank: int) -> int:
+        return self._where[rank][1]
+
+    def size_of(self, machine: int) -> int:
+        return len(self.machines[machine])
+
+    @property
+    def max_size(self) -> int:
+        """Ranks of the largest machine: the number of shards a payload is cut into."""
+        return max(len(ranks) for ranks in self.machines)
+
+
+def consecutive_machines(world_size: int, local_size: int) -> list[list[int]]:
+    """Machines of ``local_size`` consecutive ranks (a launcher's homogeneous layout)."""
+    if local_size < 1 or world_size % local_size:
+        raise ValueError(f"world size {world_size} is not a multiple of local_size {local_size} "
+                         "(processes per machine)")
+    return [list(range(m * local_size, (m + 1) * local_size)) for m in range(world_size // local_size)]
+
+
+def check_machines(machines: Sequence[Sequence[int]], world_size: int) -> list[list[int]]:
+    """``machines`` as sorted lists, or a ``ValueError`` naming the field unless every rank
+    ``0..world_size-1`` is in exactly one non-empty machine."""
+    out = [sorted(int(r) for r in ranks) for ranks in machines]
+    seen: dict[int, int] = {}
+    for m, ranks in enumerate(out):
+        if not ranks:
+            raise ValueError(f"machines[{m}] is empty; every machine needs at least one rank")
+        for r in ranks:
+            if not 0 <= r < world_size:
+                raise ValueError(f"machines[{m}] names rank {r}, outside a world of size {world_size}")
+            if r in seen:
+                raise ValueError(f"machines: rank {r} is in machines[{seen[r]}] and machines[{m}]")
+            seen[r] = m
+    missing = sorted(set(range(world_size)) - set(seen))
+    if missing:
+        raise ValueError(f"machines: ranks {missing} are in no machine (world size {world_size})")
+    return out
 
 
 @dataclass
@@ -154,25 +201,28 @@ def local_size_from_env() -> int:
 
 
 def set_machine_topology(graph: nx.DiGraph | None = None, local_size: int | None = None,
-                         group: Group = None) -> None:
-    """Machine-level graph for hierarchical operations. Collective: creates one process
-    group per machine, in the same order on every rank."""
+                         group: Group = None, *, machines: Sequence[Sequence[int]] | None = None) -> None:
+    """Machine-level graph for hierarchical operations. ``machines``: each machine's ranks
+    (any sizes, any ranks); else ``local_size`` consecutive ranks per machine (default: the
+    launch's ``LOCAL_WORLD_SIZE``). Collective: creates one process group per machine of
+    several ranks, in the same order on every rank."""
     if group is not None:
         raise NotImplementedError("hierarchical operations run on the default process group")
     n = size()
-    local = local_size if local_size is not None else local_size_from_env()
-    if local < 1 or n % local:
-        raise ValueError(f"world size {n} is not a multiple of local_size {local} (processes per machine)")
-    machines = n // local
-    graph = topology.ExponentialTwoGraph(machines) if graph is None else graph
-    _check_graph(graph, machines, "the machine topology")
+    if machines is not None and local_size is not None:
+        raise ValueError("set_machine_topology takes machines or local_size, not both")
+    if machines is None:
+        layout = consecutive_machines(n, local_size if local_size is not None else local_size_from_env())
+    else:
+        layout = check_machines(machines, n)
+    graph = topology.ExponentialTwoGraph(len(layout)) if graph is None else graph
+    _check_graph(graph, len(layout), "the machine topology")
     previous = state().machines
-    if previous is not None and previous.local_size == local:
+    if previous is not None and previous.machines == layout:
         groups = previous.groups        # groups are per layout; reuse them
     else:
-        groups = [dist.new_group(list(range(m * local, (m + 1) * local))) if local > 1 else None
-                  for m in range(machines)]
-    state().machines = MachineLayout(local_size=local, graph=graph, groups=groups)
+        groups = [dist.new_group(ranks) if len(ranks) > 1 else None for ranks in layout]
+    state().machines = MachineLayout(machines=layout, graph=graph, groups=groups)
 
 
 def machine_layout() -> MachineLayout:

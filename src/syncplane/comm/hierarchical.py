@@ -1,21 +1,30 @@
 """Hierarchical neighbour all-reduce: average inside each machine, mix machines with
 their neighbours, and leave every process of a machine holding the machine's result.
 
-``y_r = Σ_m' Am[m', m(r)] · mean(x on machine m')`` for the static machine topology
-(``set_machine_topology``); the dynamic form takes ``self_weight``,
-``src_machine_weights`` and ``dst_machine_weights`` in *machine* ranks and applies the
-dynamic formula of ``neighbor_allreduce`` at machine level.
+The weights, for machines of any sizes: with ``mean_m = (1/L_m) Σ_{r on m} x_r`` (each
+machine's plain mean over its own L_m ranks), every rank r of machine m receives
 
-Data path (why it is not BlueFog's leader-only one): a reduce-scatter inside the machine
-leaves local rank ℓ with shard ℓ of the machine mean; each local rank exchanges *its
-shard* with local rank ℓ of the neighbouring machines; an all-gather inside the machine
-reassembles the mixed result. The inter-machine traffic is the same (one payload per
-machine per neighbour), but it is spread over every process -- and over every NIC of a
-multi-NIC machine -- while the intra-machine traffic drops from an all-reduce plus a
-broadcast (the leader's NIC sending the whole payload to every member) to a
-reduce-scatter plus an all-gather. Measured on an emulated two-rack cluster, the
-leader-only path was slower than flat neighbour averaging; this one is faster. Several
-tensors (buckets) are pipelined so the inter-machine and in-machine links work at once.
+    ``y_r = Am[m, m] · mean_m + Σ_{m' ≠ m} Am[m', m] · mean_m'``
+
+with ``Am`` the machine graph's weights (``set_machine_topology``; the dynamic form takes
+``self_weight``, ``src_machine_weights`` and ``dst_machine_weights`` in *machine* ranks).
+Every machine counts once whatever its size, so with a doubly-stochastic ``Am`` the
+replicas agree on the unweighted average of the machine means -- on uneven machines that
+is not the average over ranks (a rank of a small machine weighs more).
+
+Data path (why it is not BlueFog's leader-only one): the payload is cut into L shards,
+L the largest machine's size; shard s of machine m is owned by its local rank ``s mod L_m``
+(so on equal machines local rank ℓ owns shard ℓ). Every member sends each shard straight
+to its owner, which averages it (a reduce-scatter); each owner exchanges its shards with
+the owners of the same shards on the neighbouring machines; an all-gather inside the
+machine reassembles the mixed result. The inter-machine traffic is one payload per
+machine per neighbour, as the leader's would be, but spread over the processes -- and
+over every NIC of a multi-NIC machine -- while the intra-machine traffic drops from an
+all-reduce plus a broadcast to a reduce-scatter plus an all-gather. Measured on an
+emulated two-rack cluster, the leader-only path was slower than flat neighbour
+averaging; this one is faster. Several tensors (buckets) are pipelined so the
+inter-machine and in-machine links work at once. BlueFog's hierarchical operations
+need machines of one size; these do not.
 """
 
 from __future__ import annotations
@@ -32,13 +41,33 @@ from syncplane.comm import context, topology
 from syncplane.comm.collectives import all_gather_flat
 from syncplane.comm.check import check_if_enabled
 from syncplane.comm.meter import CommMeter
-from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle, exchange
+from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle, exchange_tensors
+
+
+def owned_shards(layout: context.MachineLayout, rank: int) -> list[int]:
+    """The shards (of ``layout.max_size``) that ``rank`` averages and exchanges: ``s mod L_m == ℓ``."""
+    machine, local = layout.machine_of(rank), layout.local_rank(rank)
+    return list(range(local, layout.max_size, layout.size_of(machine)))
+
+
+def shard_owner(layout: context.MachineLayout, machine: int, shard: int) -> int:
+    """The rank of ``machine`` that owns ``shard``."""
+    return layout.machines[machine][shard % layout.size_of(machine)]
 
 
 def machine_peers(layout: context.MachineLayout, rank: int, machines: Mapping[int, float]) -> dict[int, float]:
-    """``{machine: value}`` -> ``{rank: value}``: the process with ``rank``'s local index on each machine."""
-    local = rank - layout.leader_of(layout.machine_of(rank))
-    return {layout.leader_of(m) + local: v for m, v in machines.items()}
+    """``{machine: value}`` -> ``{rank: value}``: the ranks ``rank`` exchanges shards with on
+    those machines (the owners of its shards there; on equal machines, its local index)."""
+    mine = owned_shards(layout, rank)
+    return {shard_owner(layout, m, s): v for m, v in machines.items() for s in mine}
+
+
+def _by_peer(layout: context.MachineLayout, machine: int, shards: Sequence[int]) -> dict[int, list[int]]:
+    """``{rank of machine: positions in shards}``: who owns each of ``shards`` on ``machine``."""
+    out: dict[int, list[int]] = {}
+    for position, s in enumerate(shards):
+        out.setdefault(shard_owner(layout, machine, s), []).append(position)
+    return out
 
 
 def hierarchical_neighbor_allreduce(
@@ -74,21 +103,30 @@ def hierarchical_neighbor_allreduce_tensors(
     machine = layout.machine_of(me)
     self_w, src, dst, dynamic = _machine_plan(layout, machine, self_weight, src_machine_weights,
                                               dst_machine_weights)
-    sends, recvs = machine_peers(layout, me, dst), machine_peers(layout, me, src)
-    check_if_enabled(enable_topo_check, dynamic, sends, recvs, what="hierarchical_neighbor_allreduce")
-    sources, weights = list(recvs), list(recvs.values())
-    intra, local_size = layout.groups[machine], layout.local_size
-    local = me - layout.leader_of(machine)
+    check_if_enabled(enable_topo_check, dynamic, machine_peers(layout, me, dst), machine_peers(layout, me, src),
+                     what="hierarchical_neighbor_allreduce")
+    intra, local, size, shards = layout.groups[machine], layout.local_rank(me), layout.size_of(machine), \
+        layout.max_size
+    mine = owned_shards(layout, me)
+    per_member = math.ceil(shards / size)       # shards a member owns, at most
+    sends = [(m, scale, _by_peer(layout, m, mine)) for m, scale in dst.items()]
+    recvs = [(m, weight, _by_peer(layout, m, mine)) for m, weight in src.items()]
     results: list[torch.Tensor] = []
 
     def gather(index: int, handle: Handle) -> None:
         mixed, like = handle.wait(), tensors[index]
         if intra is None:
-            out = mixed.reshape(like.shape)
+            out = mixed.reshape(-1)[: like.numel()].reshape(like.shape)
         else:
-            gathered = mixed.new_empty(mixed.numel() * local_size)
-            all_gather_flat(gathered, mixed.contiguous(), group=intra)
-            out = gathered[: like.numel()].reshape(like.shape)
+            # every member contributes per_member shards (padded), gathered member-major;
+            # member j's q-th shard is shard j + q·L_m: transposing puts shard s at row s
+            shard_numel = mixed.shape[1]
+            chunk = mixed if mixed.shape[0] == per_member else torch.cat(
+                [mixed, mixed.new_zeros(per_member - mixed.shape[0], shard_numel)])
+            gathered = mixed.new_empty(size * per_member * shard_numel)
+            all_gather_flat(gathered, chunk.reshape(-1), group=intra)
+            whole = gathered.view(size, per_member, shard_numel).transpose(0, 1).reshape(-1)
+            out = whole[: like.numel()].reshape(like.shape)
         results.append(out)
         if on_result is not None:
             on_result(index, out)
@@ -96,14 +134,12 @@ def hierarchical_neighbor_allreduce_tensors(
     in_flight: tuple[int, Handle] | None = None
     for index, tensor in enumerate(tensors):
         flat = tensor.detach().reshape(-1)
-        shard_numel = math.ceil(flat.numel() / local_size)
-        padded = flat if shard_numel * local_size == flat.numel() else torch.cat(
-            [flat, flat.new_zeros(shard_numel * local_size - flat.numel())])
-        shard = padded.clone() if intra is None else _reduce_scatter_mean(padded.contiguous(), intra, local,
-                                                                          local_size, timeout_s)
-        handle = exchange(shard, sends, sources, None,
-                          lambda received, shard=shard: kernels.weighted_combine(shard, received, weights, self_w),
-                          timeout_s=timeout_s, what="hierarchical_neighbor_allreduce", meter=meter)
+        shard_numel = math.ceil(flat.numel() / shards)
+        padded = flat if shard_numel * shards == flat.numel() else torch.cat(
+            [flat, flat.new_zeros(shard_numel * shards - flat.numel())])
+        rows = padded.view(shards, shard_numel)
+        owned = rows.clone() if intra is None else _reduce_to_owners(rows, intra, local, size, timeout_s)
+        handle = _exchange_shards(owned, sends, recvs, self_w, timeout_s, meter)
         if in_flight is not None:
             gather(*in_flight)
         in_flight = (index, handle)
@@ -112,22 +148,60 @@ def hierarchical_neighbor_allreduce_tensors(
     return results
 
 
-def _reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup, local: int, size: int,
-                         timeout_s: float) -> torch.Tensor:
-    """Shard ``local`` of the group's mean: every member sends shard j straight to member j.
+def _exchange_shards(owned: torch.Tensor, sends: list[tuple[int, float, dict[int, list[int]]]],
+                     recvs: list[tuple[int, float, dict[int, list[int]]]], self_weight: float,
+                     timeout_s: float, meter: CommMeter | None) -> Handle:
+    """Send this rank's averaged shards (rows of ``owned``) to their owners on the destination
+    machines, receive the same shards from the source machines' owners, and combine them
+    with the machine weights: one message per peer rank (a rank owning several shards sends
+    a peer all the ones it owns there at once)."""
+    rows, shard_numel = owned.shape
+    everything = list(range(rows))
 
-    Each NIC sends and receives (L−1)/L of the payload once -- the reduce-scatter bound.
-    (gloo's own ``reduce_scatter_tensor`` moved an all-reduce's worth of bytes, measured.)
+    def rows_of(tensor: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        return tensor if positions == everything else tensor[positions]
+
+    outgoing: list[tuple[int, torch.Tensor]] = []
+    for _, scale, peers in sends:
+        scaled = owned if scale == 1.0 else owned * scale
+        outgoing += [(peer, rows_of(scaled, positions).contiguous()) for peer, positions in peers.items()]
+    incoming = [(peer, owned.new_empty(len(positions), shard_numel))
+                for _, _, peers in recvs for peer, positions in peers.items()]
+
+    def finish() -> torch.Tensor:
+        buffers, weights, k = [], [], 0
+        for _, weight, peers in recvs:
+            if len(peers) == 1:     # one owner there holds all of this rank's shards
+                buffers.append(incoming[k][1])
+            else:
+                assembled = owned.new_empty(rows, shard_numel)
+                for i, positions in enumerate(peers.values()):
+                    assembled[positions] = incoming[k + i][1]
+                buffers.append(assembled)
+            k += len(peers)
+            weights.append(weight)
+        return kernels.weighted_combine(owned, buffers, weights, self_weight)
+
+    return exchange_tensors(outgoing, incoming, None, finish, timeout_s=timeout_s,
+                            what="hierarchical_neighbor_allreduce", meter=meter)
+
+
+def _reduce_to_owners(rows: torch.Tensor, group: dist.ProcessGroup, local: int, size: int,
+                      timeout_s: float) -> torch.Tensor:
+    """The machine mean of the shards (rows) this member owns, ``rows[local::size]``: every
+    member sends the shards member j owns straight to member j.
+
+    Each NIC sends and receives (L−1)/L of the payload once on equal machines -- the
+    reduce-scatter bound. (gloo's own ``reduce_scatter_tensor`` moved an all-reduce's worth
+    of bytes, measured; it also needs equal shares.)
     """
-    shards = flat.view(size, -1)
-    received = [torch.empty_like(shards[local]) for _ in range(size - 1)]
     peers = [j for j in range(size) if j != local]
-    ops = [dist.P2POp(dist.isend, shards[j], group=group, group_peer=j) for j in peers]
-    ops += [dist.P2POp(dist.irecv, buffer, group=group, group_peer=j) for j, buffer in zip(peers, received)]
-    Handle(_works=[("exchanging a shard with machine-local rank", j, w)
-                   for j, w in zip(peers + peers, dist.batch_isend_irecv(ops))],
-           _finish=lambda: flat, _timeout_s=timeout_s, _what="hierarchical reduce-scatter").wait()
-    return kernels.weighted_combine(shards[local], received, [1.0 / size] * len(received), 1.0 / size)
+    mine = rows[local::size].contiguous()
+    received = [torch.empty_like(mine) for _ in peers]
+    exchange_tensors([(j, rows[j::size].contiguous()) for j in peers], list(zip(peers, received)), group,
+                     lambda: mine, timeout_s=timeout_s,
+                     what="hierarchical reduce-scatter (peers are machine-local ranks)").wait()
+    return kernels.weighted_combine(mine, received, [1.0 / size] * len(received), 1.0 / size)
 
 
 def _machine_plan(layout: context.MachineLayout, machine: int, self_weight: float | None,

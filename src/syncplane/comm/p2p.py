@@ -112,19 +112,29 @@ def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[i
     start = time.perf_counter()
     tensor = tensor.contiguous()
     scaled: dict[float, torch.Tensor] = {}
-    ops: list[dist.P2POp] = []
-    labels: list[tuple[str, int]] = []
+    outgoing: list[tuple[int, torch.Tensor]] = []
     for peer, scale in sends.items():
         if scale not in scaled:
             scaled[scale] = tensor if scale == 1.0 else tensor * scale
-        ops.append(dist.P2POp(dist.isend, scaled[scale], group=group, group_peer=peer))
-        labels.append(("sending to", peer))
+        outgoing.append((peer, scaled[scale]))
     if recv_buffers is not None and len(recv_buffers) != len(recvs):
         raise ValueError(f"{len(recv_buffers)} receive buffers for {len(recvs)} sources")
     received = list(recv_buffers) if recv_buffers is not None else [torch.empty_like(tensor) for _ in recvs]
-    for peer, buffer in zip(recvs, received):
-        ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
-        labels.append(("receiving from", peer))
+    return exchange_tensors(outgoing, list(zip(recvs, received)), group, lambda: finish(received),
+                            timeout_s=timeout_s, what=what, meter=meter, start=start)
+
+
+def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                     group: Group, finish: Callable[[], torch.Tensor], *, timeout_s: float, what: str,
+                     meter: CommMeter | None = None, start: float | None = None) -> Handle:
+    """Send each ``(group rank, contiguous tensor)`` of ``sends`` and receive into each buffer of
+    ``recvs``, all launched at once; ``finish()`` runs in ``wait()``. The general form of
+    ``exchange``, for callers that send different tensors to different peers (the
+    hierarchical operation on machines of different sizes)."""
+    start = time.perf_counter() if start is None else start
+    ops = [dist.P2POp(dist.isend, tensor, group=group, group_peer=peer) for peer, tensor in sends]
+    ops += [dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer) for peer, buffer in recvs]
+    labels = [("sending to", peer) for peer, _ in sends] + [("receiving from", peer) for peer, _ in recvs]
     try:
         works = dist.batch_isend_irecv(ops) if ops else []
     except RuntimeError as exc:   # a peer's connection is already gone (it crashed or exited)
@@ -133,6 +143,6 @@ def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[i
                             f"{str(exc).splitlines()[0][:200]}") from exc
     return Handle(
         _works=[(kind, peer, work) for (kind, peer), work in zip(labels, works)],
-        _finish=lambda: finish(received), _timeout_s=timeout_s, _what=what, _meter=meter, _start=start,
-        _bytes_sent=len(sends) * tensor.numel() * tensor.element_size(),
+        _finish=finish, _timeout_s=timeout_s, _what=what, _meter=meter, _start=start,
+        _bytes_sent=sum(t.numel() * t.element_size() for _, t in sends),
     )

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager
-from syncplane.algorithms.decentralized.machines import machine_size
+from syncplane.algorithms.decentralized.machines import machines_for
 from syncplane.algorithms.decentralized.schedule import build_schedule
 from syncplane.comm import CommMeter, topology
 
@@ -26,8 +26,9 @@ class NeighborAveragingStep:
     def __init__(self, options: Mapping[str, Any], hierarchical: bool = False) -> None:
         self.hierarchical = hierarchical
         self.bucket_mb = float(options.get("bucket_mb", NEIGHBOR_BUCKET_BYTES / 2**20))
-        self.local = machine_size(options.get("machines", "rack")) if hierarchical else 1
-        graph = getattr(topology, options.get("topology", "ExponentialTwoGraph"))(dist.get_world_size() // self.local)
+        self.machines = machines_for(options.get("machines", "rack"))[1] if hierarchical else None
+        participants = len(self.machines) if self.machines is not None else dist.get_world_size()
+        graph = getattr(topology, options.get("topology", "ExponentialTwoGraph"))(participants)
         self.schedule = build_schedule(options.get("schedule", "one_peer"), graph)
         self.period = self.schedule.period
         self.averager: NeighborAverager | None = None
@@ -38,7 +39,7 @@ class NeighborAveragingStep:
             bucket_bytes = int(self.bucket_mb * 2**20)
             per_bucket = bucket_bytes // payload.element_size()
             self.averager = NeighborAverager(payload.split(per_bucket), self.schedule, hierarchical=self.hierarchical,
-                                             local_size=self.local, bucket_bytes=bucket_bytes)
+                                             machines=self.machines, bucket_bytes=bucket_bytes)
             self.payload_ptr = payload.data_ptr()
         self.averager.meter = meter
         self.averager.launch(step)

@@ -23,19 +23,20 @@ def rack_machines(profile: ClusterProfile) -> list[list[int]]:
 def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
                                 options: CostOptions) -> list[list[Phase]]:
     """H-ATC/H-AWC with racks as machines (``hierarchical_neighbor_allreduce``'s data path):
-    a reduce-scatter inside every rack (half a ring all-reduce), local rank ℓ of each rack
-    exchanging its 1/L shard with local rank ℓ of the neighbour rack (one-peer schedule over
+    a reduce-scatter inside every rack (half a ring all-reduce), each owner exchanging its
+    shards with the owners of the same shards on the neighbour rack (one-peer schedule over
     racks), then an all-gather inside the rack (the other half). Buckets are pipelined, so
     the three phases overlap: one step is modelled as a single phase carrying all their
-    flows (each link's total load at its rate; one latency). Racks of different sizes: shard
-    ℓ of a rack of L ranks goes to local rank ℓ mod L' of a neighbour rack of L' ranks."""
+    flows (each link's total load at its rate; one latency). The payload is cut into L_max
+    shards (the largest rack's size); shard s of a rack of L ranks is owned by its local
+    rank s mod L, so on equal racks local rank ℓ exchanges shard ℓ with local rank ℓ."""
     machines = rack_machines(profile)
+    shards = max(len(m) for m in machines)
     schedule = OnePeerSchedule(len(machines))
     half_ring = [flow for phase in concurrent_group_allreduces(machines, payload_bytes / 2) for flow in phase]
     steps = []
     for t in range(schedule.period):
-        shards = [(src, machines[k][i % len(machines[k])], payload_bytes / len(m))
-                  for mi, m in enumerate(machines) for i, src in enumerate(m)
-                  for k in schedule.plan(t, mi).dst_weights]
-        steps.append([half_ring + shards + half_ring])
+        flows = [(m[s % len(m)], machines[k][s % len(machines[k])], payload_bytes / shards)
+                 for mi, m in enumerate(machines) for s in range(shards) for k in schedule.plan(t, mi).dst_weights]
+        steps.append([half_ring + flows + half_ring])
     return steps

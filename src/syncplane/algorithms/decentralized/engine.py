@@ -15,7 +15,7 @@ background thread) with the schedule defined over machines.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,22 +45,24 @@ class NeighborAverager:
         tensors: dense tensors (any memory format), in the order their consumers need them (buckets
             follow this order, so the first layers' bucket is launched first).
         schedule: over ranks (flat) or over machines (``hierarchical=True``).
-        hierarchical: mix machines; ranks ``[m·L, (m+1)·L)`` form machine m.
+        hierarchical: mix machines (``machines``, else ranks ``[m·L, (m+1)·L)`` form machine m).
         local_size: processes per machine for ``hierarchical`` (default: the launch's
             ``LOCAL_WORLD_SIZE``). Creating the machine groups is a collective.
+        machines: each machine's ranks, of any sizes (``machines_for``); replaces ``local_size``.
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], schedule: Schedule, *, hierarchical: bool = False,
-                 local_size: int | None = None, bucket_bytes: int = NEIGHBOR_BUCKET_BYTES,
+                 local_size: int | None = None, machines: Sequence[Sequence[int]] | None = None,
+                 bucket_bytes: int = NEIGHBOR_BUCKET_BYTES,
                  meter: CommMeter | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.schedule, self.hierarchical = schedule, hierarchical
         self.meter, self.timeout_s = meter, timeout_s
         self.rank = dist.get_rank()
         if hierarchical:
-            context.set_machine_topology(local_size=local_size)
+            context.set_machine_topology(local_size=local_size, machines=machines)
             self.layout = context.machine_layout()
             self.me = self.layout.machine_of(self.rank)
-            participants = dist.get_world_size() // self.layout.local_size
+            participants = len(self.layout.machines)
         else:
             self.me = self.rank
             participants = dist.get_world_size()

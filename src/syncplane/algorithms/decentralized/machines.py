@@ -1,50 +1,88 @@
 """What a "machine" is for the hierarchical forms (H-ATC / H-AWC): a policy, so it lives here
-and not in the transport (``syncplane.comm`` only takes a machine size)."""
+and not in the transport (``syncplane.comm`` takes each machine's ranks).
+
+Machines may differ in size and hold non-consecutive ranks (``hierarchical_neighbor_allreduce``
+shards by the largest machine); every rank must be in exactly one machine.
+"""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from syncplane.cluster.probe import resolve_topology
-from syncplane.comm.context import local_size_from_env
+from syncplane.comm.context import check_machines, consecutive_machines, local_size_from_env
 from syncplane.comm.process_groups import control_group
 
 MACHINE_KINDS = ("auto", "host", "rack")
 
 
-def resolve_machines(kind: str = "auto") -> str:
-    """``auto`` -> ``host`` when hosts run several ranks (a machine is then what the word
+def resolve_machines(kind: str = "auto", largest_host: int | None = None) -> str:
+    """``auto`` -> ``host`` when some host runs several ranks (a machine is then what the word
     says: the ranks sharing a host's NIC), else ``rack`` (one rank per host, as on the
-    emulated ``two_racks``: a machine is a rack behind its uplink). Other kinds unchanged."""
+    emulated ``two_racks``: a machine is a rack behind its uplink). Other kinds unchanged.
+
+    ``largest_host``: the most ranks any host runs -- every rank must pass the same value, or
+    ranks of a one-rank host and of a two-rank host would choose differently (``machines_for``
+    gathers it); default: this process's ``LOCAL_WORLD_SIZE``."""
     if kind not in MACHINE_KINDS:
         raise ValueError(f"unknown machine kind {kind!r}; allowed values: {', '.join(MACHINE_KINDS)}")
     if kind != "auto":
         return kind
-    return "host" if local_size_from_env() > 1 else "rack"
+    largest = local_size_from_env() if largest_host is None else largest_host
+    return "host" if largest > 1 else "rack"
 
 
-def machines_for(kind: str, ranks_per_machine: int | None = None) -> tuple[str, int]:
-    """(what a machine is, ranks per machine) for the hierarchical forms: an explicit size
-    wins over ``kind``. The first is reported in the run's summary."""
+def machines_for(kind: str, ranks_per_machine: int | None = None,
+                 world_size: int | None = None) -> tuple[str, list[list[int]]]:
+    """(what a machine is, each machine's ranks) for the hierarchical forms: an explicit size
+    (``ranks_per_machine`` consecutive ranks) wins over ``kind``. The first is reported in
+    the run's summary. Collective for ``host``/``rack``/``auto`` (over the control group);
+    call it on every rank."""
+    world = dist.get_world_size() if world_size is None else world_size
     if ranks_per_machine:
-        return "explicit", ranks_per_machine
-    return resolve_machines(kind), machine_size(kind)
-
-
-def machine_size(kind: str = "auto") -> int:
-    """Processes per machine.
-
-    ``host``: the processes started per host (``LOCAL_WORLD_SIZE``). ``rack``: the ranks of
-    one rack of the cluster the job runs on (the launcher's profile, else a bandwidth
-    probe -- a collective); racks must be equal-sized and hold consecutive ranks.
-    ``auto``: see ``resolve_machines``.
-    """
-    kind = resolve_machines(kind)
+        if world % ranks_per_machine:
+            raise ValueError(f"world size {world} is not a multiple of ranks_per_machine {ranks_per_machine}")
+        return "explicit", consecutive_machines(world, ranks_per_machine)
+    if kind not in MACHINE_KINDS:
+        resolve_machines(kind)                       # the error names the allowed values
+    launched = _gather_launch()
+    kind = resolve_machines(kind, largest_host=max(size for _, size in launched))
     if kind == "host":
-        return local_size_from_env()
+        return "host", host_machines(launched)
     racks = resolve_topology("auto", group=control_group()).racks
-    size = len(racks[0])
-    expected = [list(range(k * size, (k + 1) * size)) for k in range(len(racks))]
-    if [sorted(r) for r in racks] != expected or size * len(racks) != dist.get_world_size():
-        raise ValueError(f"machines=rack needs equal-sized racks of consecutive ranks, got racks {racks}")
-    return size
+    return "rack", check_machines(racks, world)
+
+
+def _gather_launch() -> list[tuple[str | None, int]]:
+    """Every rank's (node id, ``LOCAL_WORLD_SIZE``) as launched; the node id is the launcher's
+    ``GROUP_RANK`` (torchrun, ``syncplane launch``) or ``NODE_RANK``, None without either."""
+    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK"))
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (node, local_size_from_env()), group=control_group())
+    return [(None if n is None else str(n), int(s)) for n, s in gathered]  # type: ignore[misc]
+
+
+def host_machines(launched: Sequence[tuple[str | None, int]]) -> list[list[int]]:
+    """Machines = hosts, from every rank's (node id, ``LOCAL_WORLD_SIZE``): the ranks of one node
+    id form a machine (hosts of different sizes, any rank order); without node ids, blocks of
+    ``LOCAL_WORLD_SIZE`` consecutive ranks, which must then be one size."""
+    world = len(launched)
+    if all(node is not None for node, _ in launched):
+        machines: dict[str, list[int]] = {}
+        for rank, (node, _) in enumerate(launched):
+            machines.setdefault(str(node), []).append(rank)
+        for ranks in machines.values():
+            declared = {launched[r][1] for r in ranks}
+            if declared != {len(ranks)}:
+                raise ValueError(f"machines=host: the ranks {ranks} of one node (GROUP_RANK) declare "
+                                 f"LOCAL_WORLD_SIZE {sorted(declared)}, but the node runs {len(ranks)}")
+        return list(machines.values())
+    sizes = sorted({size for _, size in launched})
+    if len(sizes) > 1:
+        raise ValueError(f"machines=host: hosts run different numbers of ranks (LOCAL_WORLD_SIZE {sizes}) "
+                         "but GROUP_RANK (the launcher's node rank) is not set on every rank; set it, or "
+                         "use machines=rack or ranks_per_machine")
+    return consecutive_machines(world, sizes[0])
