@@ -141,12 +141,17 @@ class FlexReduce:
                       [(len(s.sends), len(s.recvs), len(s.combines)) for s in sched])
         return sched
 
+    def chunk_sizes(self, numel: int, element_size: int) -> list[int]:
+        """Element counts of the pipeline's chunks (one chunk when pipelining is off), as
+        ``tensor_split`` cuts them: the first ``numel % count`` are one longer."""
+        per = self.chunk_bytes // element_size if self.chunk_bytes else numel
+        count = max(1, min(numel, math.ceil(numel / max(per, 1))))
+        base, extra = divmod(numel, count)
+        return [base + (1 if i < extra else 0) for i in range(count)]
+
     def chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The pipeline's chunks of a flat tensor (one chunk when pipelining is off)."""
-        n = tensor.numel()
-        per = self.chunk_bytes // tensor.element_size() if self.chunk_bytes else n
-        count = max(1, min(n, math.ceil(n / max(per, 1))))
-        return list(tensor.tensor_split(count))
+        """The pipeline's chunks of a flat tensor."""
+        return list(tensor.split(self.chunk_sizes(tensor.numel(), tensor.element_size())))
 
     def allreduce_mean_(self, tensor: torch.Tensor, meter: CommMeter | None = None) -> torch.Tensor:
         """Replace ``tensor`` (1-D, contiguous) by its mean over all ranks; returns it."""
@@ -258,7 +263,10 @@ class FlexReduce:
         if buf is None:   # one per stream, bucket size and dtype (a model has a few)
             buf = self._workspace[key] = torch.empty(numel, dtype=dtype)
         return buf
-    def bytes_per_rank(self, numel: int, element_size: int) -> int:
-        """Bytes this rank sends in one all-reduce of ``numel`` elements (both halves)."""
-        return 2 * sum((m.hi - m.lo) * element_size for s in self._schedule(numel) for m in s.sends)
 
+    def bytes_per_rank(self, numel: int, element_size: int) -> int:
+        """Bytes this rank sends in one all-reduce of ``numel`` elements, every chunk: its
+        reduce-scatter sends, and in the all-gather what it received as an owner (on an
+        uneven tree the two differ)."""
+        return sum((m.hi - m.lo) * element_size for n in self.chunk_sizes(numel, element_size) if n
+                   for s in self._schedule(n) for m in (*s.sends, *s.recvs))
