@@ -6,7 +6,8 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
 - ``setup_sync``: lay the model (parameters, then floating buffers) out in one flat
   fp32 host buffer, create the outer optimizer over the parameters' part (``θ_g`` on
   CPU; one per fragment) and the sharded gloo exchange -- separate gloo groups, so this
-  works when the training itself uses NCCL.
+  works when the training itself uses NCCL; its pattern (``exchange``: owner, or
+  FlexReduce's tree on a cluster with hosts/racks/sites) is chosen here, on every rank.
 - ``after_optimizer_step``: every ``sync_every`` real steps, counted from
   ``trainer.global_step`` (so a resume stays aligned): ``Δ = θ_g − θ_local`` on CPU,
   averaged over all ranks, one outer step, ``θ_g`` copied back into the model; floating
@@ -36,7 +37,10 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane.comm import ShardedAllReduce, make_codec
+from lightning.pytorch.utilities import rank_zero_info
+
+from syncplane.algorithms.diloco.exchange import build_exchange
+from syncplane.comm import ShardedAllReduce
 from syncplane.comm.host_mirror import HostMirror
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round
@@ -47,19 +51,21 @@ from syncplane.strategies.registry import register
 @register("diloco")
 class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, shards,
-    compression, block_size, sync_timeout_s, fragments, overlap_steps, mix_alpha), then
+    compression, block_size, sync_timeout_s, fragments, overlap_steps, mix_alpha, exchange,
+    topology), then
     ``SyncplaneStrategy``'s."""
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
                  outer_kwargs: dict[str, Any] | None = None, shards: int = 1,
                  compression: Literal["none", "int8"] = "none", block_size: int = 256,
                  sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
-                 mix_alpha: float | None = None, **kwargs: Any) -> None:
+                 mix_alpha: float | None = None, exchange: Literal["auto", "owner", "tree"] = "auto",
+                 topology: str | list[int] = "auto", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = DiLoCoConfig(sync_every=sync_every, outer_optimizer=outer_optimizer, outer_kwargs=outer_kwargs,
                                    shards=shards, compression=compression, block_size=block_size,
                                    sync_timeout_s=sync_timeout_s, fragments=fragments, overlap_steps=overlap_steps,
-                                   mix_alpha=mix_alpha)
+                                   mix_alpha=mix_alpha, exchange=exchange, topology=topology)
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self.mix_alpha = self.config.alpha
         self.rounds = 0     # committed outer steps (one per fragment round)
@@ -84,8 +90,10 @@ class DiLoCo(SyncplaneStrategy):
         if self._exchange is not None:
             self._exchange.close()
         config = self.config
-        self._exchange = ShardedAllReduce(config.shards, codec=make_codec(config.compression, config.block_size),
-                                          timeout_s=config.sync_timeout_s)
+        self._exchange, chosen = build_exchange(config.shards, config.compression, config.block_size,
+                                                config.sync_timeout_s, config.exchange, config.topology)
+        rank_zero_info(f"diloco: pseudo-gradient exchange {chosen!r} (exchange={config.exchange!r}), "
+                       f"{config.shards} stream(s)")
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:

@@ -152,7 +152,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.period < 1 or args.streams < 1:
         raise ConfigError(f"--period and --streams must be at least 1, got {args.period} and {args.streams}")
     model = CostModel(profile, alpha_s=args.alpha_ms / 1000)
-    options = CostOptions(period=args.period, streams=args.streams)
+    options = CostOptions(period=args.period, streams=args.streams, pattern=args.exchange)
     table = Table(title=f"α-β model: {profile.name}, {profile.world_size} ranks, {payload / 2**20:.1f} MB, "
                         f"α = {args.alpha_ms:g} ms, period {args.period}, streams {args.streams}")
     for col in ("strategy", "predicted s", "bound s", "net bound s", "net ratio", "vs ddp"):
@@ -202,7 +202,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import main_bench
 
     main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
-               args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams)
+               args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
+               args.exchange)
     return 0
 
 
@@ -255,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--pair-streams", default="auto",
                        help="ds_sync: TCP connections per direction of a two-rank group, or auto "
                             "(timed at setup, as the strategy does by default)")
+    bench.add_argument("--exchange", default="auto", choices=["auto", "owner", "tree"],
+                       help="diloco: all-reduce of Δ (auto = FlexReduce's tree on hosts/racks/sites, else owner)")
     bench.add_argument("--compression", default="none", choices=["none", "int8"],
                        help="diloco: codec of Δ on the wire")
     bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")
@@ -284,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--streams", type=int, default=1,
                           help="parallel connections of the multi-stream algorithms (DiLoCo's shards, "
                                "DS-Sync's pair streams)")
+    simulate.add_argument("--exchange", default="auto", choices=["auto", "owner", "tree"],
+                          help="diloco: all-reduce of Δ (auto = FlexReduce's tree on hosts/racks/sites, else owner)")
     simulate.add_argument("--json", help="also write the predictions here")
     simulate.add_argument("--plan", action="store_true",
                           help="also print FlexReduce's plan on this cluster (reduce calls per learner, bytes per "

@@ -219,3 +219,9 @@ def test_bad_configuration_names_the_value():
         DiLoCo(compression="fp8")
     with pytest.raises(ValueError, match="shards must be at least 1, got 0"):
         DiLoCo(shards=0)
+    with pytest.raises(ValueError, match="exchange: allowed values: auto, owner, tree; got 'ring'"):
+        DiLoCo(exchange="ring")
+    with pytest.raises(ValueError, match="exchange='tree' carries exact fp32 only; compression='int8'"):
+        DiLoCo(exchange="tree", compression="int8")
+    with pytest.raises(ValueError, match=r"topology: expected auto, .* got \[2, 0\]"):
+        DiLoCo(topology=[2, 0])

@@ -106,3 +106,40 @@ def straggle_after_peers_started(key: str, late: bool, timeout_s: float) -> None
         return
     store.wait([f"{key}/{r}" for r in range(dist.get_world_size()) if r != dist.get_rank()])
     time.sleep(3 * timeout_s)
+
+
+def rounds_with_a_straggler(exchange: Any, rank: int, late_rank: int, numel: int, key: str
+                            ) -> tuple[list[bool], list[tuple[Any, Any]], int]:
+    """Three rounds of ``exchange.allreduce_mean_`` (a ``ShardedAllReduce``); in the second,
+    ``late_rank`` straggles past everyone's 1-s timeout. Returns each round's commit flag,
+    (input, output) per round, and the exchange's failure count; closes the exchange."""
+    import torch
+
+    flats, outcomes = [], []
+    for round_ in range(3):
+        flat = torch.full((numel,), float(rank + 10 * round_))
+        before = flat.clone()
+        if round_ == 1:   # a straggler: every other rank's round times out (after 1 s)
+            exchange.timeout_s = 1.0
+            straggle_after_peers_started(key, rank == late_rank, exchange.timeout_s)
+        else:
+            exchange.timeout_s = 60.0
+        outcomes.append(exchange.allreduce_mean_(flat))
+        flats.append((before, flat.clone()))
+    exchange.close()
+    return outcomes, flats, exchange.failures
+
+
+def assert_only_the_straggled_round_discarded(results: list[Any], world: int, numel: int) -> None:
+    """What ``rounds_with_a_straggler`` must give on every rank: rounds 1 and 3 commit the
+    mean of the ranks' inputs, round 2 is discarded and leaves its input untouched."""
+    import torch
+
+    for outcomes, flats, failures in results:
+        assert outcomes == [True, False, True]
+        assert failures == 1
+        before, after = flats[1]
+        assert torch.equal(before, after), "a discarded round leaves the input untouched"
+        for round_ in (0, 2):
+            want = torch.full((numel,), (world - 1) / 2 + 10 * round_)
+            torch.testing.assert_close(flats[round_][1], want, rtol=1e-6, atol=1e-6)

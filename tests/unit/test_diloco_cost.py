@@ -26,3 +26,36 @@ def test_diloco_bound_is_the_ring_bound_divided_by_h_on_single_rank_hosts(period
     _, ring_bound = strategy_time(model, "ddp", 16 * MB)
     _, bound = strategy_time(model, "diloco", 16 * MB, CostOptions(period=period))
     assert bound == pytest.approx(ring_bound / period)
+
+
+def test_auto_prices_the_tree_on_racks_and_the_owner_exchange_on_a_flat_network():
+    """two_racks (8 single-rank hosts in 2 racks): auto is FlexReduce's tree, one round per H;
+    homogeneous8 (one switch, one level): the owner exchange, as before."""
+    racks = CostModel(load_profile("two_racks"))
+    tree = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4))
+    owner = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, pattern="owner"))
+    explicit = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, pattern="tree"))
+    flexreduce = strategy_time(racks, "flexreduce", 16 * MB)
+    assert tree == explicit
+    assert tree[0] == pytest.approx(flexreduce[0] / 4)     # the same pipelined pattern, once per 4 steps
+    assert owner[0] > 3 * tree[0]                           # 4·M vs M across the 100 Mbit uplink
+    flat = CostModel(load_profile("homogeneous8"))
+    assert strategy_time(flat, "diloco", 16 * MB) == strategy_time(flat, "diloco", 16 * MB,
+                                                                   CostOptions(pattern="owner"))
+
+
+def test_tree_streams_carry_slices_of_the_same_link_loads():
+    """S streams: S flows of 1/S of the bytes on each link (the per-flow cap of a WAN is
+    then S times less binding); without a cap the busiest link's load is unchanged."""
+    from syncplane.algorithms.diloco import tree_exchange
+
+    profile = load_profile("two_racks")
+    one, four = tree_exchange(profile, 16 * MB, 1), tree_exchange(profile, 16 * MB, 4)
+    def total(phases):
+        return sum(b for phase in phases for _, _, b in phase)
+    assert total(four) == pytest.approx(total(one), rel=1e-3)   # plan rounding per stream
+    assert max(len(p) for p in four) == 4 * max(len(p) for p in one)
+    wan = CostModel(load_profile("wan_two_sites"))
+    s1 = strategy_time(wan, "diloco", 32 * MB, CostOptions(period=1, streams=1))
+    s8 = strategy_time(wan, "diloco", 32 * MB, CostOptions(period=1, streams=8))
+    assert s8[0] < s1[0] / 2    # 100 Mbit flows: 8 per pair fill the 1 Gbit site link, 1 cannot

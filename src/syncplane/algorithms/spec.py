@@ -38,6 +38,7 @@ class CostOptions:
 
     period: int = 4      # steps per round of a periodic algorithm (DiLoCo's H, torch's averager period)
     streams: int = 1     # parallel connections (DiLoCo's shards, DS-Sync's pair streams)
+    pattern: str = "auto"   # the pattern of a family that has a choice (DiLoCo's exchange: auto | owner | tree)
 
 
 #: (strategy name, cluster, payload bytes, options) -> the phases of every step of one period
@@ -61,6 +62,7 @@ class AlgorithmSpec:
             (``backward``, ``forward`` or ``step``); absent names block.
         periodic: communicates once per ``period`` steps (whole rounds are benchmarked).
         streams: bench options -> the number of parallel connections the pattern assumes.
+        pattern: bench options -> ``CostOptions.pattern`` (which pattern the step runs).
         peer: a peer from another project, benchmarked beside ours (no syncplane strategy).
     """
 
@@ -71,4 +73,5 @@ class AlgorithmSpec:
     overlap: Mapping[str, str] = field(default_factory=dict)
     periodic: bool = False
     streams: Callable[[Mapping[str, Any]], int] = lambda options: 1
+    pattern: Callable[[Mapping[str, Any]], str] = lambda options: "auto"
     peer: bool = False

@@ -66,7 +66,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int, *, steps: int = 5,
               warmup: int = 1, compute_ms: float = 0.0, period: int = 4, out_dir: Path, shards: int = 1,
-              compression: str = "none", pair_streams: int | str = "auto") -> dict[str, Any]:
+              compression: str = "none", pair_streams: int | str = "auto", exchange: str = "auto") -> dict[str, Any]:
     """Launch the bench workers on the emulated ``profile`` and assemble the report."""
     from syncplane.launcher import launch_on_cluster
 
@@ -78,22 +78,23 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
             steps = -(-steps // period) * period          # whole averaging rounds
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
                 "compute_ms": compute_ms, "period": period, "shards": shards, "compression": compression,
-                "pair_streams": pair_streams}
+                "pair_streams": pair_streams, "exchange": exchange}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
         measured = json.loads((out_dir / "results.json").read_text())["results"]
     rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period,
-                       shards=shards, pair_streams=pair_streams)
+                       shards=shards, pair_streams=pair_streams, compression=compression, exchange=exchange)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
             "steps": steps, "compute_ms": compute_ms, "period": period, "shards": shards, "pair_streams": pair_streams,
-            "compression": compression, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "compression": compression, "exchange": exchange, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "results": rows}
 
 
 def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: int, measured: dict[str, Any], *,
                 compute_ms: float = 0.0, period: int = 4, shards: int = 1,
-                pair_streams: int | str = "auto") -> list[dict[str, Any]]:
+                pair_streams: int | str = "auto", compression: str = "none",
+                exchange: str = "auto") -> list[dict[str, Any]]:
     """One report row per strategy: the workers' measurements (``measured[name]``: step
     times, bytes, NIC counters) next to the model's prediction and both bounds."""
     model = CostModel(profile)
@@ -112,8 +113,9 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             row["step_s"] = m["step_s"]
         if name not in algorithms.PLANNED:
             family = algorithms.spec_for(name)
-            options = {"shards": shards, "pair_streams": pair_streams}
-            times = algorithms.strategy_times(model, name, payload_bytes, CostOptions(period, family.streams(options)))
+            options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange}
+            times = algorithms.strategy_times(model, name, payload_bytes,
+                                              CostOptions(period, family.streams(options), family.pattern(options)))
             window = family.overlap.get(name)
             hidden = compute_split(window, compute_ms / 1000)[1]     # the compute it can hide behind
             row["predicted_s"], row["bound_s"] = max(0.0, times.predicted_s - hidden), max(0.0, times.bound_s - hidden)
@@ -217,7 +219,7 @@ def log_wandb(report: dict[str, Any], save_dir: Path) -> None:
 
 def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: int, compute_ms: float,
                json_out: str, png: str | None, wandb_log: bool, period: int = 4, shards: int = 1,
-               compression: str = "none", pair_streams: str = "auto") -> dict[str, Any]:
+               compression: str = "none", pair_streams: str = "auto", exchange: str = "auto") -> dict[str, Any]:
     profile = load_profile(cluster)
     names = parse_strategies(strategies)
     payload_bytes = parse_payload(payload)
@@ -235,9 +237,13 @@ def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: 
         raise ConfigError(f"--pair-streams: 'auto' or an integer >= 1, got {pair_streams!r}") from None
     if compression not in ("none", "int8"):
         raise ConfigError(f"--compression: allowed values: none, int8; got {compression!r}")
+    if exchange not in ("auto", "owner", "tree"):
+        raise ConfigError(f"--exchange: allowed values: auto, owner, tree; got {exchange!r}")
+    if exchange == "tree" and compression != "none":
+        raise ConfigError(f"--exchange tree carries exact fp32 only; --compression {compression} needs owner (or auto)")
     report = run_bench(profile, names, payload_bytes, steps=steps, warmup=warmup, compute_ms=compute_ms,
                        period=period, out_dir=work_dir, shards=shards, compression=compression,
-                       pair_streams=streams)
+                       pair_streams=streams, exchange=exchange)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

@@ -29,6 +29,13 @@ closed connection) on a separate control group and the buffer is overwritten onl
 *all* did; otherwise every rank keeps its input, undoes its error-feedback update,
 aborts the data groups (so peers still waiting fail fast instead of timing out) and
 rebuilds them. A failed round is skipped everywhere, never applied on some ranks only.
+
+Another pattern (``pattern``, a ``StreamPattern``): the owner exchange above is blind to
+racks and sites -- it puts 2(n−1)/n·M per rank across whatever link lies between. A
+caller may bring a topology-aware all-reduce (DiLoCo brings FlexReduce's executor, which
+``comm`` may not import: the layers point down) that runs one shard per group; this
+class keeps what is around it -- the S groups and NICs, the deadline, commit/discard with
+abort and rebuild. Such a pattern carries exact fp32 only (no error feedback).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import datetime
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -75,6 +82,21 @@ def interfaces_from_env() -> list[str] | None:
     return names or None
 
 
+class StreamPattern(Protocol):
+    """An all-reduce (mean) that runs one flat fp32 tensor per stream, each on its own group."""
+
+    def run_streams(self, tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup],
+                    deadline: float | None = None, keep: list[object] | None = None) -> int:
+        """Every tensor replaced by its mean over the ranks, tensor s on ``groups[s]``; raise
+        ``RuntimeError`` past ``deadline`` (``time.monotonic()``); put in-flight operations in
+        ``keep``; return the bytes this rank sent. Bit-identical on every rank, for any cut."""
+        ...
+
+    def bytes_per_rank(self, numel: int, element_size: int) -> int:
+        """Bytes this rank sends in one all-reduce of ``numel`` elements."""
+        ...
+
+
 class ShardedAllReduce:
     """Mean of a flat fp32 CPU tensor over all ranks on ``shards`` concurrent gloo groups.
 
@@ -89,11 +111,13 @@ class ShardedAllReduce:
         timeout_s: a round that has not completed after this long counts as failed.
         layout: ``shards`` (S shards, each cut into n owner segments) or ``pieces`` (n
             owner pieces, piece j on group ``j mod S``; see the module docstring).
+        pattern: the all-reduce run on the shards (default: the owner exchange); exact fp32
+            and the ``shards`` layout only.
     """
 
     def __init__(self, shards: int = 1, *, codec: Codec | None = None,
                  interfaces: Sequence[str] | None = None, timeout_s: float = 600.0,
-                 layout: Literal["shards", "pieces"] = "shards") -> None:
+                 layout: Literal["shards", "pieces"] = "shards", pattern: StreamPattern | None = None) -> None:
         global _instances
         if not dist.is_initialized():
             raise RuntimeError("ShardedAllReduce needs an initialized default process group")
@@ -105,6 +129,13 @@ class ShardedAllReduce:
             raise ValueError(f"layout must be 'shards' or 'pieces', got {layout!r}")
         self.shards, self.layout = shards, layout
         self.codec: Codec = codec if codec is not None else Fp32()
+        if pattern is not None and not isinstance(self.codec, Fp32):
+            raise ValueError(f"a custom exchange pattern ({type(pattern).__name__}) carries exact fp32 only; "
+                             f"codec {type(self.codec).__name__} needs the owner exchange (pattern=None)")
+        if pattern is not None and layout != "shards":
+            raise ValueError(f"a custom exchange pattern ({type(pattern).__name__}) runs on the 'shards' layout, "
+                             f"not {layout!r}")
+        self.pattern = pattern
         self.interfaces = list(interfaces) if interfaces is not None else interfaces_from_env()
         self.timeout_s = timeout_s
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -172,6 +203,8 @@ class ShardedAllReduce:
 
     def bytes_per_round(self, numel: int) -> int:
         """Bytes this rank sends in one round of ``numel`` values (both phases)."""
+        if self.pattern is not None:
+            return sum(self.pattern.bytes_per_rank(b - a, 4) for a, b in shard_bounds(numel, self.shards) if b > a)
         total = 0
         for segments in self._segments(numel):
             total += sum(self.codec.nbytes(hi - lo) for o, (lo, hi) in enumerate(segments)
@@ -247,6 +280,11 @@ class ShardedAllReduce:
     def _exchange(self, flat: torch.Tensor, feedback: tuple[ErrorFeedback, ErrorFeedback], offset: int = 0
                   ) -> tuple[torch.Tensor, int]:
         deadline = time.monotonic() + self.timeout_s
+        if self.pattern is not None:   # on a copy: a failed round must leave ``flat`` as it was
+            out = flat.clone()
+            self._inflight.append(out)
+            parts = [out[a:b] for a, b in shard_bounds(flat.numel(), self.shards)]
+            return out, self.pattern.run_streams(parts, self._groups, deadline, self._inflight)
         local_ef, owner_ef = feedback
         segments = self._segments(flat.numel())
         me, n = self.rank, self.size

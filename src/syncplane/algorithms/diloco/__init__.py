@@ -2,8 +2,9 @@
 
 Files: ``outer.py`` (the CPU outer optimizer and one round: Δ, average, step, commit or
 discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing α),
-``config.py`` (the validated settings), ``bench.py``; its exchange is the transport's sharded
-owner all-reduce (``syncplane.comm.sharded``), whose cost is declared below.
+``config.py`` (the validated settings), ``exchange.py`` (which all-reduce carries Δ: the
+transport's sharded owner exchange, ``syncplane.comm.sharded``, or FlexReduce's tree run on
+the same S streams), ``bench.py``; the cost of both patterns is declared below.
 Glue: ``strategies/diloco.py``.
 """
 
@@ -13,17 +14,49 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
+from syncplane.algorithms.diloco.exchange import choose_exchange
+from syncplane.algorithms.flexreduce.cost import flexreduce_phases
+from syncplane.algorithms.flexreduce.tree import from_profile
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
-from syncplane.cluster.cost import Phase, owner_exchange
+from syncplane.cluster.cost import FlowArray, Phase, columns_of, owner_exchange
 from syncplane.cluster.profile import ClusterProfile
+
+
+def tree_exchange(profile: ClusterProfile, payload_bytes: float, streams: int = 1) -> list[Phase]:
+    """FlexReduce's pipelined pattern on S streams, as ``ShardedAllReduce`` runs it with the
+    tree: each stream all-reduces 1/S of the payload with its own plan, and the streams'
+    wavefronts advance in lockstep -- every flow of one stream's tick, S times, at 1/S of
+    the bytes (the same link loads; S flows where a per-flow cap limits one)."""
+    phases = flexreduce_phases(from_profile(profile), payload_bytes / streams)
+    if streams == 1:
+        return phases
+    made: dict[int, FlowArray] = {}   # the steady-state tick is one object: keep it one
+    for phase in phases:
+        if id(phase) not in made:
+            src, dst, nbytes, copies = columns_of(phase)
+            made[id(phase)] = FlowArray(src, dst, nbytes, copies * streams)
+    return [made[id(phase)] for phase in phases]
 
 
 def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
-    """One owner exchange of Δ (every rank sends shard j to its owner j, owners send the
-    mean back) over ``streams`` shards, once per round of ``period`` steps."""
-    exchange = owner_exchange(profile.world_size, payload_bytes, options.streams)
+    """One exchange of Δ over ``streams`` shards, once per round of ``period`` steps: the
+    owner exchange (every rank sends shard j to its owner j, owners send the mean back),
+    or FlexReduce's tree -- ``options.pattern`` as ``exchange.choose_exchange`` resolves it
+    on this cluster (auto: the tree when ranks form hosts or racks)."""
+    levels = from_profile(profile).num_levels if profile.world_size > 1 else 1
+    chosen = choose_exchange(options.pattern, "none", levels)
+    if chosen == "tree" and profile.world_size > 1:
+        exchange = tree_exchange(profile, payload_bytes, options.streams)
+    else:
+        exchange = owner_exchange(profile.world_size, payload_bytes, options.streams)
     return [exchange] + [[] for _ in range(options.period - 1)]
+
+
+def _pattern(options: Mapping[str, Any]) -> str:
+    """The bench's exchange: int8 runs the owner exchange whatever auto would pick."""
+    exchange = str(options.get("exchange", "auto"))
+    return "owner" if exchange == "auto" and options.get("compression", "none") != "none" else exchange
 
 
 def _step(name: str, options: Mapping[str, Any]) -> DiLoCoStep:
@@ -38,4 +71,5 @@ SPEC = AlgorithmSpec(
     cost=diloco_cost,
     periodic=True,
     streams=lambda options: int(options.get("shards", 1)),
+    pattern=_pattern,
 )

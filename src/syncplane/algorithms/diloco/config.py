@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from syncplane.algorithms.diloco.exchange import check_exchange
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
 from syncplane.comm import make_codec
 
@@ -25,6 +26,11 @@ class DiLoCoConfig:
         overlap_steps: τ, inner steps a fragment's exchange runs in the background before
             its result is merged (0 = blocking); below ``sync_every // fragments``, so at
             most one fragment is on the wire at a time.
+        exchange: ``auto`` | ``owner`` | ``tree``: the pattern of the all-reduce of Δ
+            (``syncplane.algorithms.diloco.exchange``; auto = FlexReduce's tree when the job's
+            ranks form hosts/racks/sites and the payload is fp32, else the owner exchange).
+        topology: the tree for ``tree``/``auto``, as FlexReduce's (``auto``, a cluster profile
+            name / YAML path, or a list of ranks per host).
         mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
             overlap (the paper's value) and 0 (overwrite) without, the only value allowed then.
     """
@@ -39,6 +45,8 @@ class DiLoCoConfig:
     fragments: int = 1
     overlap_steps: int = 0
     mix_alpha: float | None = None
+    exchange: Literal["auto", "owner", "tree"] = "auto"
+    topology: str | list[int] = "auto"
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -48,6 +56,11 @@ class DiLoCoConfig:
         make_codec(self.compression, self.block_size)   # validates both
         if self.sync_timeout_s <= 0:
             raise ValueError(f"sync_timeout_s must be positive, got {self.sync_timeout_s}")
+        check_exchange(self.exchange, self.compression)
+        if not isinstance(self.topology, str) and (not isinstance(self.topology, (list, tuple)) or not self.topology
+                                                   or any(not isinstance(n, int) or n < 1 for n in self.topology)):
+            raise ValueError(f"topology: expected auto, a profile name / path, or a list of ranks per host "
+                             f"(each >= 1), got {self.topology!r}")
         self.alpha   # validates the streaming options
 
     @property

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from syncplane.algorithms.flexreduce.plan import Plan, plan_for
 from syncplane.algorithms.flexreduce.tree import FlexTree
 from syncplane.comm.group_cache import cached_group
 from syncplane.comm.meter import CommMeter
+from syncplane.comm.errors import TopologyError
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
 from syncplane.config import ConfigError
 
@@ -114,7 +116,7 @@ class FlexReduce:
     """
 
     def __init__(self, tree: FlexTree, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, own_group: bool = True) -> None:
         world = dist.get_world_size()
         if tree.world_size != world:
             raise ConfigError(f"flexreduce: the tree covers {tree.world_size} ranks ({tree.describe()}), "
@@ -123,9 +125,11 @@ class FlexReduce:
             raise ConfigError(f"flexreduce: chunk_bytes must be >= 0 (0 = no pipelining), got {chunk_bytes}")
         self.tree, self.chunk_bytes, self.timeout_s = tree, chunk_bytes, timeout_s
         self.rank, self.world = dist.get_rank(), world
-        self.group = cached_group("flexreduce") if world > 1 else None
+        # ``own_group=False``: the caller brings a group per stream to ``run_streams`` (DiLoCo's
+        # sharded exchange, whose groups are rebuilt after a discarded round)
+        self.group = cached_group("flexreduce") if world > 1 and own_group else None
         self._schedules: dict[int, list[LevelSchedule]] = {}
-        self._workspace: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._workspace: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def _schedule(self, numel: int) -> list[LevelSchedule]:
         sched = self._schedules.get(numel)
@@ -137,12 +141,17 @@ class FlexReduce:
                       [(len(s.sends), len(s.recvs), len(s.combines)) for s in sched])
         return sched
 
+    def chunk_sizes(self, numel: int, element_size: int) -> list[int]:
+        """Element counts of the pipeline's chunks (one chunk when pipelining is off), as
+        ``tensor_split`` cuts them: the first ``numel % count`` are one longer."""
+        per = self.chunk_bytes // element_size if self.chunk_bytes else numel
+        count = max(1, min(numel, math.ceil(numel / max(per, 1))))
+        base, extra = divmod(numel, count)
+        return [base + (1 if i < extra else 0) for i in range(count)]
+
     def chunks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The pipeline's chunks of a flat tensor (one chunk when pipelining is off)."""
-        n = tensor.numel()
-        per = self.chunk_bytes // tensor.element_size() if self.chunk_bytes else n
-        count = max(1, min(n, math.ceil(n / max(per, 1))))
-        return list(tensor.tensor_split(count))
+        """The pipeline's chunks of a flat tensor."""
+        return list(tensor.split(self.chunk_sizes(tensor.numel(), tensor.element_size())))
 
     def allreduce_mean_(self, tensor: torch.Tensor, meter: CommMeter | None = None) -> torch.Tensor:
         """Replace ``tensor`` (1-D, contiguous) by its mean over all ranks; returns it."""
@@ -150,52 +159,90 @@ class FlexReduce:
             raise ValueError(f"flexreduce: expected a flat contiguous tensor, got shape {tuple(tensor.shape)}")
         if self.world == 1:
             return tensor
+        if self.group is None:
+            raise RuntimeError("flexreduce: built with own_group=False; call run_streams with a group per stream")
         start = time.perf_counter()
-        chunks = self.chunks(tensor)
-        schedules = [self._schedule(c.numel()) for c in chunks]
-        levels = self.tree.num_levels
-        phases = [(lvl, False) for lvl in range(levels)] + [(lvl, True) for lvl in reversed(range(levels))]
-        # chunks k and k + 2L are never in flight at the same tick: 2L receive slots suffice
-        space = max((s.workspace for sched in schedules for s in sched), default=0)
-        slots = min(len(chunks), len(phases))
-        workspace = self._scratch(slots * space, tensor.dtype)
-        sent = 0
-        for tick in range(len(chunks) + len(phases) - 1):
-            handles = []
-            for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
-                level, gather = phases[tick - k]
-                slot = k % slots
-                scratch = workspace[slot * space:(slot + 1) * space]
-                handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
-                                            tag=k * len(phases) + tick - k)
-                handles.append(handle)
-                sent += nbytes
-            for handle in handles:
-                handle.wait()
+        sent = self.run_streams([tensor], [self.group])
         if meter is not None:
             meter.record(start, time.perf_counter(), sent)
         return tensor
 
+    def run_streams(self, tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup],
+                    deadline: float | None = None, keep: list[object] | None = None) -> int:
+        """The mean of every flat tensor in place, tensor s travelling on ``groups[s]`` (its own
+        connections); returns the bytes this rank sent.
+
+        The streams' wavefronts advance in lockstep: at each tick every stream posts its
+        chunks' phases, then all of them are waited for, so S streams put S flows on each link
+        at once (what a per-flow-capped WAN needs). Each stream runs the plan for its own
+        length; since an item's sum order depends on the tree only, how the payload is cut
+        into streams does not change a single bit of the result.
+
+        ``deadline`` (``time.monotonic()``): a wait past it raises ``TopologyError`` (a
+        ``RuntimeError``); the tensors are then partly reduced, so the caller works on copies
+        and aborts the groups. ``keep`` receives every in-flight operation, for the caller to
+        hold until the round is over.
+        """
+        if len(tensors) != len(groups):
+            raise ValueError(f"flexreduce: {len(tensors)} tensors but {len(groups)} groups (one group per stream)")
+        streams = [(s, t, g) for s, (t, g) in enumerate(zip(tensors, groups)) if t.numel()]
+        if self.world == 1 or not streams:
+            return 0
+        levels = self.tree.num_levels
+        phases = [(lvl, False) for lvl in range(levels)] + [(lvl, True) for lvl in reversed(range(levels))]
+        runs = []
+        for s, tensor, group in streams:
+            chunks = self.chunks(tensor)
+            schedules = [self._schedule(c.numel()) for c in chunks]
+            # chunks k and k + 2L are never in flight at the same tick: 2L receive slots suffice
+            space = max((lv.workspace for sched in schedules for lv in sched), default=0)
+            slots = min(len(chunks), len(phases))
+            runs.append((chunks, schedules, space, slots, self._scratch(s, slots * space, tensor.dtype), group))
+        sent = 0
+        for tick in range(max(len(r[0]) for r in runs) + len(phases) - 1):
+            handles = []
+            for chunks, schedules, space, slots, workspace, group in runs:
+                for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
+                    level, gather = phases[tick - k]
+                    slot = k % slots
+                    scratch = workspace[slot * space:(slot + 1) * space]
+                    handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
+                                                tag=k * len(phases) + tick - k, group=group)
+                    handles.append(handle)
+                    sent += nbytes
+            if keep is not None:
+                keep.extend(handles)
+            for handle in handles:
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TopologyError(f"rank {self.rank}: flexreduce exchange passed its deadline")
+                    handle._timeout_s = remaining
+                handle.wait()
+        return sent
+
     def _post(self, chunk: torch.Tensor, sched: LevelSchedule, scratch: torch.Tensor, level: int,
-              gather: bool, tag: int) -> tuple[Handle, int]:
-        """Launch one phase of one chunk; the handle's wait completes it (sums included)."""
+              gather: bool, tag: int, group: dist.ProcessGroup) -> tuple[Handle, int]:
+        """Launch one phase of one chunk; the handle's wait completes it (sums included).
+        Messages go straight to ``group`` (``ProcessGroup.send``/``recv``): the groups here span
+        every rank in rank order, so group ranks are the job's ranks -- and a stream's group
+        need not be registered with torch.distributed."""
         works: list[tuple[str, int, dist.Work]] = []
         nbytes = 0
         size = chunk.element_size()
         if gather:   # owners send finished pieces back to the holders, straight into place
             for m in sched.recvs:
-                works.append(("sending to", m.peer, dist.isend(chunk[m.lo:m.hi], m.peer, group=self.group, tag=tag)))
+                works.append(("sending to", m.peer, group.send([chunk[m.lo:m.hi]], m.peer, tag)))
                 nbytes += (m.hi - m.lo) * size
             for m in sched.sends:
-                works.append(("receiving from", m.peer,
-                              dist.irecv(chunk[m.lo:m.hi], m.peer, group=self.group, tag=tag)))
+                works.append(("receiving from", m.peer, group.recv([chunk[m.lo:m.hi]], m.peer, tag)))
         else:
             for m in sched.sends:
-                works.append(("sending to", m.peer, dist.isend(chunk[m.lo:m.hi], m.peer, group=self.group, tag=tag)))
+                works.append(("sending to", m.peer, group.send([chunk[m.lo:m.hi]], m.peer, tag)))
                 nbytes += (m.hi - m.lo) * size
             for m in sched.recvs:
-                works.append(("receiving from", m.peer, dist.irecv(scratch[m.slot:m.slot + m.hi - m.lo], m.peer,
-                                                                   group=self.group, tag=tag)))
+                works.append(("receiving from", m.peer,
+                              group.recv([scratch[m.slot:m.slot + m.hi - m.lo]], m.peer, tag)))
         scale = 1.0 / self.world if level == self.tree.num_levels - 1 else 1.0
 
         def finish() -> torch.Tensor:
@@ -210,14 +257,16 @@ class FlexReduce:
         return Handle(_works=works, _finish=finish, _timeout_s=self.timeout_s,
                       _what=f"flexreduce level {level} {'all-gather' if gather else 'reduce-scatter'}"), nbytes
 
-    def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        key = (numel, dtype)
+    def _scratch(self, stream: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (stream, numel, dtype)
         buf = self._workspace.get(key)
-        if buf is None:   # one per bucket size and dtype (a model has a few)
+        if buf is None:   # one per stream, bucket size and dtype (a model has a few)
             buf = self._workspace[key] = torch.empty(numel, dtype=dtype)
         return buf
 
     def bytes_per_rank(self, numel: int, element_size: int) -> int:
-        """Bytes this rank sends in one all-reduce of ``numel`` elements (both halves)."""
-        return 2 * sum((m.hi - m.lo) * element_size for s in self._schedule(numel) for m in s.sends)
-
+        """Bytes this rank sends in one all-reduce of ``numel`` elements, every chunk: its
+        reduce-scatter sends, and in the all-gather what it received as an owner (on an
+        uneven tree the two differ)."""
+        return sum((m.hi - m.lo) * element_size for n in self.chunk_sizes(numel, element_size) if n
+                   for s in self._schedule(n) for m in (*s.sends, *s.recvs))
