@@ -170,15 +170,21 @@ def test_a_killed_rank_ends_the_cluster_job_within_60_s(cluster, tmp_path):
 def test_bench_measures_ddp_and_cross_checks_bytes(cluster, tmp_path):
     from syncplane.bench.runner import run_bench
 
+    from syncplane.algorithms.canary import sketch_ratio
+
     report = run_bench(cluster, ["ddp", "atc", "canary"], 2 * 2**20, steps=2, warmup=1, out_dir=tmp_path)
     ddp, atc, canary = report["results"]
-    assert ddp["status"] == "ok" and atc["status"] == "ok" and canary["status"] == "not implemented"
+    assert ddp["status"] == atc["status"] == canary["status"] == "ok"
     assert ddp["sync_s_median"] > 0 and 0 < ddp["bound_ratio"] <= 1.2
     expected = 2 * 2 / 3 * 2 * 2**20                                   # ring: 2(n-1)/n · M
     assert ddp["bytes_sent_per_rank"] == pytest.approx(expected, rel=0.01)
     assert ddp["nic_bytes_per_rank"] == pytest.approx(expected, rel=0.15)   # wire headers, barriers
     assert atc["bytes_sent_per_rank"] == pytest.approx(2 * 2**20, rel=0.01)   # one peer: the payload once
     assert atc["nic_bytes_per_rank"] == pytest.approx(2 * 2**20, rel=0.15)
+    # canary: the ring's bytes, sketched (piece j to rank j, then every reduced piece to all)
+    sketched = sketch_ratio(2**20 // 2, 3) * expected
+    assert canary["bytes_sent_per_rank"] == pytest.approx(sketched, rel=0.01)
+    assert canary["nic_bytes_per_rank"] == pytest.approx(sketched, rel=0.25)
 
 
 def nic_tx_bytes(host: str, nic: str) -> int:
