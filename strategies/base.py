@@ -262,11 +262,15 @@ class SyncplaneStrategy(DDPStrategy):
         self.finish_pending_sync()
         if self._stashed_replica is not None or not self._shows_another_model():
             return super().lightning_module_state_dict()   # inside validation it is shown already
-        self._show_evaluation_model()
+        # Not metered: the comm meter reports what training's sync (and validation) costs,
+        # compared with DDP, whose checkpoints need no averaging; nothing is in flight here.
+        meter, self.comm_meter = self.comm_meter, CommMeter()
         try:
+            self._show_evaluation_model()
             return {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
         finally:
             self._restore_replica()
+            self.comm_meter = meter
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
