@@ -37,8 +37,6 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning.pytorch.utilities import rank_zero_info
-
 from syncplane.algorithms.diloco.exchange import build_exchange
 from syncplane.comm import ShardedAllReduce
 from syncplane.comm.host_mirror import HostMirror
@@ -90,10 +88,10 @@ class DiLoCo(SyncplaneStrategy):
         if self._exchange is not None:
             self._exchange.close()
         config = self.config
-        self._exchange, chosen = build_exchange(config.shards, config.compression, config.block_size,
-                                                config.sync_timeout_s, config.exchange, config.topology)
-        rank_zero_info(f"diloco: pseudo-gradient exchange {chosen!r} (exchange={config.exchange!r}), "
-                       f"{config.shards} stream(s)")
+        # build_exchange logs the pattern it chose (and why) on rank 0; the summary keeps it
+        self._exchange, self.details["exchange"] = build_exchange(
+            config.shards, config.compression, config.block_size, config.sync_timeout_s, config.exchange,
+            config.topology)
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
