@@ -93,3 +93,11 @@ def test_one_rank_has_nothing_to_watch_and_bad_timeouts_are_refused():
     assert alone.poll() is None and alone.watched is None
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         Heartbeat(store, 0, 2, timeout_s=0)
+
+
+def test_a_rank_that_failed_is_not_done_and_its_watcher_ends_the_others():
+    _, clock, lost, beats = ring(3, timeout_s=5)
+    rounds(beats, clock, 10)
+    beats[1].stop(done=False)                # it raised: silent, but not marked done
+    rounds(beats, clock, 10, skip=(1,))
+    assert lost and lost[0][0] == 0 and "rank 1 stopped sending heartbeats" in lost[0][1]

@@ -161,13 +161,13 @@ class Heartbeat:
                 return
             self._stop.wait(self.interval_s)
 
-    def stop(self) -> None:
-        """Stop beating and tell the watcher this rank finished cleanly (not lost)."""
+    def stop(self, done: bool = True) -> None:
+        """Stop beating; with ``done``, tell the watcher this rank finished cleanly (not lost)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s + self.interval_s)
             self._thread = None
-        if self.lost is None:
+        if done and self.lost is None:
             try:
                 self.store.set(self._key(self.rank), _DONE.decode())
             except RuntimeError:

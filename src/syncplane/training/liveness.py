@@ -43,6 +43,14 @@ class HeartbeatCallback(Callback):
                  self.heartbeat.interval_s, self.timeout_s)
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # a rank that failed is not done: stop beating without saying so, and its watcher
+        # ends the others within the timeout if its exit has not already broken their collectives
+        if self.heartbeat is not None:
+            self.heartbeat.stop(done=False)
+            self.heartbeat = None
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
