@@ -11,22 +11,11 @@ import pytest
 import torch
 
 from tests.helpers.distributed import RemoteError, run_distributed
+from tests.helpers.strategies import fit_digits
 
 
 def _train_digits(rank: int, world: int, tmp_dir: str, name: str, kwargs: dict, **trainer: object) -> torch.Tensor:
-    from lightning.fabric.plugins.environments import TorchElasticEnvironment
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from syncplane.recipes.digits import DigitsSettings, build
-    from syncplane.strategies import strategy_class
-    from tests.helpers.models import trainer_for
-
-    torch.manual_seed(7)
-    model, data = build(DigitsSettings(batch_size=16, width=8))
-    env = TorchElasticEnvironment()
-    strategy = DDPStrategy(cluster_environment=env) if name == "ddp" else strategy_class(name)(
-        cluster_environment=env, **kwargs)
-    trainer_for(strategy, tmp_dir, max_steps=5, limit_val_batches=0, **trainer).fit(model, data)
+    strategy, model = fit_digits(name, kwargs, tmp_dir, **trainer)
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     if name == "flexreduce":
         assert strategy.comm_meter.calls > 0, "the FlexReduce hook never ran"

@@ -34,3 +34,23 @@ class EveryStepAveraging(SyncplaneStrategy):
 
 class NoSync(SyncplaneStrategy):
     """Purely local training: every replica follows its own data."""
+
+
+def fit_digits(name: str, kwargs: Mapping[str, Any], tmp_dir: str, **trainer: Any) -> tuple[Any, Any]:
+    """Five steps of the small digits model under strategy ``name`` (``ddp``: Lightning's
+    own DDPStrategy), seed 7, inside a ``run_distributed`` rank; returns (strategy, model)."""
+    import torch
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from syncplane.recipes.digits import DigitsSettings, build
+    from syncplane.strategies import strategy_class
+    from tests.helpers.models import trainer_for
+
+    torch.manual_seed(7)
+    model, data = build(DigitsSettings(batch_size=16, width=8))
+    env = TorchElasticEnvironment()
+    strategy = DDPStrategy(cluster_environment=env) if name == "ddp" else strategy_class(name)(
+        cluster_environment=env, **kwargs)
+    trainer_for(strategy, tmp_dir, max_steps=5, limit_val_batches=0, **trainer).fit(model, data)
+    return strategy, model
