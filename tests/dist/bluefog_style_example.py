@@ -48,7 +48,14 @@ def main(seed, iterations=6, hierarchical=False):
     for _ in range(4 * iterations):
         bf.win_accumulate(w, name="push_sum", self_weight=share,
                           dst_weights={r: share for r in bf.out_neighbor_ranks()}, require_mutex=True)
+        # Barriers make the rounds synchronous, so the result is a fixed matrix power that the
+        # test checks exactly (asynchronous push-sum mixes at a rate that depends on timing;
+        # tests/dist/test_window.py covers that path). win_accumulate has returned only once
+        # every destination holds the deposit, so after the first barrier all of a round's
+        # deposits are in; the second keeps a fast rank's next deposit out of this collect.
+        bf.barrier()
         bf.win_update_then_collect(name="push_sum")
+        bf.barrier()
     bf.barrier()
     bf.win_update_then_collect(name="push_sum")
     p = bf.win_associated_p(name="push_sum")

@@ -4,7 +4,8 @@ References are dense float64 computations from BlueFog's definitions, built here
 independently of syncplane: exponential-2 mixing ``W[i, i + 2^k] = 1/(K+1)``; the
 one-peer schedule (step t: i sends to ``i + 2^(t mod K)``, averages ½–½ with what it
 receives); hierarchical = machine means mixed by the machine exponential-2 graph;
-push-sum conserves Σx and Σp and ``x/p`` tends to the global mean.
+push-sum (made synchronous by barriers) is that same mixing matrix applied to x and p,
+conserves Σx and Σp, and ``x/p`` tends to the global mean.
 """
 
 from __future__ import annotations
@@ -64,7 +65,14 @@ def _check(results, world, local_size, iterations=6):
     total_p = sum(r["push_sum_p"] for r in results)
     np.testing.assert_allclose(total_x, X.sum(axis=0), rtol=1e-12, atol=1e-12)   # mass conserved
     assert total_p == pytest.approx(world, abs=1e-12)
-    for r in results:
+    # synchronous push-sum: x ← Aᵀx and p ← Aᵀp with A[j, i] = 1/(outdegree + 1) for i ∈ out(j) ∪ {j},
+    # which for exponential-2 is the static mixing matrix; it is doubly stochastic, so p stays 1
+    P = X.copy()
+    for _ in range(4 * iterations):
+        P = w.T @ P
+    for i, r in enumerate(results):
+        np.testing.assert_allclose(r["push_sum_x"].numpy().reshape(-1), P[i], rtol=1e-12, atol=1e-12)
+        assert r["push_sum_p"] == pytest.approx(1.0, abs=1e-12)
         np.testing.assert_allclose(r["push_sum_x"].numpy().reshape(-1) / r["push_sum_p"], X.mean(axis=0),
                                    rtol=1e-3, atol=1e-3)
 
