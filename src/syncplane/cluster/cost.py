@@ -340,3 +340,36 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
         per_flow = 2 * (len(g) - 1) / len(g) * payload_bytes / phases / flows
         step += [(g[i], g[(i + 1) % len(g)], per_flow) for i in range(len(g)) for _ in range(flows)]
     return [list(step) for _ in range(phases)]
+
+
+def cube_steps(alpha: int, beta: int) -> list[list[tuple[int, int]]]:
+    """The two-stage cube all-reduce of Canary on BCube(α, β) (paper 004 §4.4, Table 2; BML's
+    pattern): per step, ``(stream, level)`` for each of the β streams. The payload is cut
+    into β streams; stream t reduce-scatters along levels t, t+1, … (mod β), one level per
+    step, then all-gathers back in reverse order -- so in every step the β streams use β
+    different levels, i.e. every NIC of every host at once, and only one-hop links."""
+    order = [[(t + i) % beta for i in range(beta)] for t in range(beta)]
+    scatter = [[(t, order[t][i]) for t in range(beta)] for i in range(beta)]
+    gather = [[(t, order[t][i]) for t in range(beta)] for i in reversed(range(beta))]
+    return scatter + gather
+
+
+def bcube_cube_allreduce(profile: ClusterProfile, payload_bytes: float) -> list[Phase]:
+    """The flows of ``cube_steps`` on a BCube profile (one rank per host): in step i of the
+    reduce-scatter (and the matching all-gather step) every host sends 1/α^(i+1) of its
+    stream's M/β to each of the α − 1 hosts of its level-ℓ cube; each NIC carries
+    2·(α−1)/α·(1 + 1/α + …)·M/β in all, which for β = 2 is the network bound 2(n−1)/n·M/2."""
+    cube = profile.bcube
+    if cube is None:
+        raise ValueError(f"profile {profile.name!r} is not a BCube network (no bcube key)")
+    if profile.world_size != cube.hosts:
+        raise ValueError(f"the cube all-reduce runs one rank per host: {profile.name!r} has "
+                         f"{profile.world_size} ranks on {cube.hosts} hosts")
+    steps = cube_steps(cube.alpha, cube.beta)
+    phases: list[Phase] = []
+    for k, step in enumerate(steps):
+        depth = k if k < cube.beta else 2 * cube.beta - 1 - k           # i of the step, in both stages
+        nbytes = payload_bytes / cube.beta / cube.alpha ** (depth + 1)
+        phases.append([(x, cube.with_digit(x, level, v), nbytes) for _, level in step for x in range(cube.hosts)
+                       for v in range(cube.alpha) if v != cube.digits(x)[level]])
+    return phases
