@@ -164,6 +164,8 @@ class ClusterProfile:
     def validate(self) -> None:
         if not self.racks:
             raise ConfigError("racks: a profile needs at least one rack")
+        if self.bcube is not None:
+            self._validate_bcube(self.bcube)
         seen: set[str] = set()
         for r, rack in enumerate(self.racks):
             for name in [rack.name] + [h.name for h in rack.hosts]:
@@ -182,8 +184,6 @@ class ClusterProfile:
                                       f"hosts: {', '.join(sorted(hosts))}")
             if flow.src == flow.dst:
                 raise ConfigError(f"background[{i}]: src and dst are the same host {flow.src!r}")
-        if self.bcube is not None:
-            self._validate_bcube(self.bcube)
 
     def _validate_bcube(self, cube: BCubeSpec) -> None:
         """One rack, α^β hosts, β NICs on every host (NIC ℓ is the level-ℓ port)."""
