@@ -65,3 +65,15 @@ def test_cube_pattern_on_bcube_3_2_reaches_the_network_bound_and_beats_the_ring(
     assert cube == pytest.approx(2 * 8 / 9 * payload / 2 / (100e6 / 8))
     ring = model.bound(ring_allreduce(profile.world_size, payload))
     assert ring > 1.5 * cube                                     # the ring pays relays and one NIC at a time
+
+
+def test_canary_is_priced_as_the_cube_pattern_of_its_sketched_bytes_on_bcube():
+    from syncplane.algorithms import strategy_times
+    from syncplane.algorithms.canary import sketch_ratio
+
+    profile = load_profile("bcube_3_2")
+    model, payload = CostModel(profile), 97.5 * 2**20
+    canary = strategy_times(model, "canary", payload)
+    ratio = sketch_ratio(int(payload // 4), 9 * 2)
+    assert canary.bound_s == pytest.approx(model.bound(bcube_cube_allreduce(profile, payload * ratio)))
+    assert strategy_times(model, "ddp", payload).bound_s > 5 * canary.bound_s
