@@ -155,6 +155,24 @@ def test_per_flow_cap_limits_each_tcp_stream():
     assert 2 * one < four_accepted < 1.1 * 200
 
 
+def test_bcube_hosts_relay_traffic_between_switches():
+    """BCube(2, 2): w0 and w3 share no switch; a flow to w3's NIC-0 address goes through
+    the relay w2 (w0 -NIC 1-> w2 -NIC 0-> w3), at the NIC rate, and w2's NIC 0 carries it."""
+    profile = parse_profile({"name": "test_bcube", "bcube": {"alpha": 2, "beta": 2}, "racks": [
+        {"name": "cube", "hosts": [{"name": f"w{h}", "nic_mbit": 100, "nics": 2} for h in range(4)]}]})
+    emulator.up(profile)
+    try:
+        before = nic_tx_bytes("w2", "eth0"), nic_tx_bytes("w1", "eth1")
+        relayed = tcp_mbit(profile, "w0", "w3", seconds=2.0)
+        after = nic_tx_bytes("w2", "eth0"), nic_tx_bytes("w1", "eth1")
+    finally:
+        emulator.down()
+    assert 0.4 * 100 < relayed < 1.1 * 100
+    carried = relayed * 1e6 / 8 * 2.0                     # bytes the flow moved in its 2 s
+    assert after[0] - before[0] > 0.7 * carried           # the relay forwarded them
+    assert after[1] - before[1] < 0.05 * carried          # the other relay did not
+
+
 def test_a_killed_rank_ends_the_cluster_job_within_60_s(cluster, tmp_path):
     from syncplane.launcher import LaunchError, launch_on_cluster
 

@@ -13,6 +13,14 @@ host's k NICs (gloo binds one collective to one NIC: striping needs several grou
 this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
 is the prediction ``syncplane simulate`` prints.
 
+On a BCube profile every NIC is its own link (NIC ℓ of a host plugs into its level-ℓ
+switch) and there are no uplinks. A flow between hosts one address digit apart crosses
+the sender's and receiver's NICs of that level; any other flow is relayed, hop by hop
+along the profile's BCube route, and loads every relay's NIC in and out. Which route a
+flow takes depends on the NIC its destination address belongs to; a flow of the model
+names no NIC, so it is spread evenly over the β routes (what a gloo job listing all β
+NICs does: its collectives rotate over them).
+
 The model is evaluated with numpy, all phases of a pattern in one batch: every flow
 becomes up to four (phase, link) entries, the per-link loads and flow counts are
 ``bincount``s over them, and a phase's time is a max over its entries. Consecutive
@@ -104,6 +112,10 @@ class CostModel:
         hosts, racks = self.profile.hosts, self.profile.racks
         n_hosts, n_racks = len(hosts), len(racks)
         self._host_of_rank = np.repeat(np.arange(n_hosts, dtype=np.int64), [h.spec.ranks for h in hosts])
+        self._routes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        if self.profile.bcube is not None:
+            self._init_bcube()
+            return
         self._rack_of_host = np.array([h.rack for h in hosts], dtype=np.int64)
         self._nic_in, self._up_out = n_hosts, 2 * n_hosts
         self._up_in, self._lo = 2 * n_hosts + n_racks, 2 * n_hosts + 2 * n_racks
@@ -124,23 +136,63 @@ class CostModel:
                 per_flow[base + k] = rack.per_flow_mbit * MBIT if rack.per_flow_mbit else np.inf
         self._capacity, self._per_flow, self._nics = capacity, per_flow, nics
         self._is_nic = np.arange(self._num_links) < 2 * n_hosts
-        # greedy background flows per link (paced ones count as greedy: an upper bound on their share)
+        self._count_background()
+
+    def _count_background(self) -> None:
+        """Greedy background flows per link (paced ones count as greedy: an upper bound on their share)."""
         firsts = [(self.profile.host(f.src).first_rank, self.profile.host(f.dst).first_rank)
                   for f in self.profile.background]
         self._background = np.zeros(self._num_links, dtype=np.int64)
         if firsts:
             src, dst = (np.array(c, dtype=np.int64) for c in zip(*firsts))
-            _, links = self._entries(src, dst)
+            _, links, _ = self._entries(src, dst)
             np.add.at(self._background, links, 1)
 
-    def _entries(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(flow index, link) for every link every flow crosses, grouped by link kind (so the
-        entries of one link keep the flows' order)."""
+    def _init_bcube(self) -> None:
+        """BCube links: [NIC out per (host, level) | NIC in per (host, level) | loopback per
+        host], and for every ordered host pair its (link, share of the bytes) entries: the
+        β routes' hops, each carrying 1/β (module docstring), merged where routes coincide."""
+        cube, hosts = self.profile.bcube, self.profile.hosts
+        assert cube is not None
+        n_hosts, beta = len(hosts), cube.beta
+        self._nic_in, self._lo = n_hosts * beta, 2 * n_hosts * beta
+        self._num_links = 2 * n_hosts * beta + n_hosts
+        capacity = np.full(self._num_links, np.nan)
+        per_flow = np.full(self._num_links, np.inf)
+        for h in hosts:
+            for base in (0, self._nic_in):
+                links = base + h.index * beta + np.arange(beta)
+                capacity[links] = h.spec.nic_mbit * MBIT
+                per_flow[links] = h.spec.per_flow_mbit * MBIT if h.spec.per_flow_mbit else np.inf
+            capacity[self._lo + h.index] = self.loopback_bytes_per_s
+        self._capacity, self._per_flow = capacity, per_flow
+        self._nics = np.ones(self._num_links, dtype=np.int64)       # one NIC per link
+        self._is_nic = np.arange(self._num_links) < self._lo
+        ptr, links_of, shares = [0], [], []
+        for a in range(n_hosts):
+            for b in range(n_hosts):
+                entries: dict[int, float] = {}
+                for level in range(beta) if a != b else ():
+                    for u, v, lvl in cube.route(a, b, level):
+                        for link in (u * beta + lvl, self._nic_in + v * beta + lvl):
+                            entries[link] = entries.get(link, 0.0) + 1.0 / beta
+                links_of += list(entries)
+                shares += list(entries.values())
+                ptr.append(len(links_of))
+        self._routes = (np.array(ptr, dtype=np.int64), np.array(links_of, dtype=np.int64),
+                        np.array(shares, dtype=np.float64))
+        self._count_background()
+
+    def _entries(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(flow index, link, share of the flow's bytes on it) for every link every flow
+        crosses, grouped by link kind (so the entries of one link keep the flows' order)."""
         n = self.profile.world_size
         if len(src) and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= n):
             bad = next(int(r) for r in np.concatenate([src, dst]) if not 0 <= r < n)
             raise IndexError(f"rank {bad} is outside profile {self.profile.name!r} ({n} ranks)")
         hs, hd = self._host_of_rank[src], self._host_of_rank[dst]
+        if self._routes is not None:
+            return self._bcube_entries(hs, hd)
         local = hs == hd
         remote = np.flatnonzero(~local)
         cross = remote[self._rack_of_host[hs[remote]] != self._rack_of_host[hd[remote]]]
@@ -149,7 +201,20 @@ class CostModel:
         link = np.concatenate([hs[remote], self._nic_in + hd[remote],
                                self._up_out + self._rack_of_host[hs[cross]],
                                self._up_in + self._rack_of_host[hd[cross]], self._lo + hs[inside]])
-        return flow, link
+        return flow, link, np.ones(len(flow))
+
+    def _bcube_entries(self, hs: np.ndarray, hd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_entries`` on BCube: each remote flow's precomputed route entries, loopback inside a host."""
+        assert self._routes is not None
+        ptr, links, shares = self._routes
+        pair = hs * len(self.profile.hosts) + hd
+        start, length = ptr[pair], ptr[pair + 1] - ptr[pair]
+        flow = np.repeat(np.arange(len(hs), dtype=np.int64), length)
+        within = np.arange(len(flow), dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
+        index = np.repeat(start, length) + within
+        inside = np.flatnonzero(hs == hd)
+        return (np.concatenate([flow, inside]), np.concatenate([links[index], self._lo + hs[inside]]),
+                np.concatenate([shares[index], np.ones(len(inside))]))
 
     def batch_phase_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                           num_phases: int, copies: np.ndarray | None = None,
@@ -166,7 +231,7 @@ class CostModel:
         copies = np.ones(len(src), dtype=np.int64) if copies is None else copies
         keep = (src != dst) & (nbytes > 0)
         phase, src, dst, nbytes, copies = phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep]
-        flow, link = self._entries(src, dst)
+        flow, link, share_of_bytes = self._entries(src, dst)
         num_links = self._num_links
         key = phase[flow] * num_links + link
         direct = num_phases * num_links <= 1 << 22      # few slots: index them directly, else sort
@@ -175,7 +240,7 @@ class CostModel:
         else:
             uniq, slot = np.unique(key, return_inverse=True)
             size = len(uniq)
-        load = np.bincount(slot, weights=(nbytes * copies)[flow], minlength=size)
+        load = np.bincount(slot, weights=(nbytes * copies)[flow] * share_of_bytes, minlength=size)
         count = np.bincount(slot, weights=copies[flow], minlength=size)
         used = np.flatnonzero(count > 0)
         keys = used if direct else uniq[used]
@@ -275,3 +340,36 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
         per_flow = 2 * (len(g) - 1) / len(g) * payload_bytes / phases / flows
         step += [(g[i], g[(i + 1) % len(g)], per_flow) for i in range(len(g)) for _ in range(flows)]
     return [list(step) for _ in range(phases)]
+
+
+def cube_steps(alpha: int, beta: int) -> list[list[tuple[int, int]]]:
+    """The two-stage cube all-reduce of Canary on BCube(α, β) (paper 004 §4.4, Table 2; BML's
+    pattern): per step, ``(stream, level)`` for each of the β streams. The payload is cut
+    into β streams; stream t reduce-scatters along levels t, t+1, … (mod β), one level per
+    step, then all-gathers back in reverse order -- so in every step the β streams use β
+    different levels, i.e. every NIC of every host at once, and only one-hop links."""
+    order = [[(t + i) % beta for i in range(beta)] for t in range(beta)]
+    scatter = [[(t, order[t][i]) for t in range(beta)] for i in range(beta)]
+    gather = [[(t, order[t][i]) for t in range(beta)] for i in reversed(range(beta))]
+    return scatter + gather
+
+
+def bcube_cube_allreduce(profile: ClusterProfile, payload_bytes: float) -> list[Phase]:
+    """The flows of ``cube_steps`` on a BCube profile (one rank per host): in step i of the
+    reduce-scatter (and the matching all-gather step) every host sends 1/α^(i+1) of its
+    stream's M/β to each of the α − 1 hosts of its level-ℓ cube; each NIC carries
+    2·(α−1)/α·(1 + 1/α + …)·M/β in all, which for β = 2 is the network bound 2(n−1)/n·M/2."""
+    cube = profile.bcube
+    if cube is None:
+        raise ValueError(f"profile {profile.name!r} is not a BCube network (no bcube key)")
+    if profile.world_size != cube.hosts:
+        raise ValueError(f"the cube all-reduce runs one rank per host: {profile.name!r} has "
+                         f"{profile.world_size} ranks on {cube.hosts} hosts")
+    steps = cube_steps(cube.alpha, cube.beta)
+    phases: list[Phase] = []
+    for k, step in enumerate(steps):
+        depth = k if k < cube.beta else 2 * cube.beta - 1 - k           # i of the step, in both stages
+        nbytes = payload_bytes / cube.beta / cube.alpha ** (depth + 1)
+        phases.append([(x, cube.with_digit(x, level, v), nbytes) for _, level in step for x in range(cube.hosts)
+                       for v in range(cube.alpha) if v != cube.digits(x)[level]])
+    return phases

@@ -9,6 +9,12 @@ Layout (all inside namespaces this module owns; the root namespace is not touche
   bridge) shaped at the NIC rate in each direction, address ``198.18.<k>.<i+1>/24``
   (RFC 2544's benchmarking range); ranks on one host share it and talk over loopback.
 
+A BCube profile has no rack bridges and no core: one bridge per switch (``b<level>s<k>``),
+NIC ℓ of each host on its level-ℓ switch, and every host namespace forwards IPv4 (reverse-path
+filtering off, since replies may take another relay) with a ``/32`` route to each address
+it cannot reach on-link, via the next relay host of the profile's BCube route. Each
+relayed hop leaves through the relay's shaped NIC, so relays pay for the traffic they carry.
+
 Shaping is ``tbf`` per direction, or ``htb`` with 64 per-flow classes selected by a
 ``u32`` hash of both TCP ports when ``per_flow_mbit`` caps each flow (a WAN path where
 one stream cannot fill the pipe). ``down`` deletes every namespace whose name
@@ -230,6 +236,9 @@ def _build(profile: ClusterProfile) -> None:
     switch = switch_namespace()
     _run("ip", "netns", "add", switch)
     _ns(switch, "ip", "link", "set", "lo", "up")
+    if profile.bcube is not None:
+        _build_bcube(profile, switch)
+        return
     multi_rack = len(profile.racks) > 1
     if multi_rack:
         _ns(switch, "ip", "link", "add", "core0", "type", "bridge")
@@ -247,18 +256,65 @@ def _build(profile: ClusterProfile) -> None:
             shape(switch, rack_end, rack.uplink_mbit, rack.per_flow_mbit)   # rack -> core
             shape(switch, core_end, rack.uplink_mbit, rack.per_flow_mbit)   # core -> rack
     for host in profile.hosts:
-        ns = host_namespace(host)
-        _run("ip", "netns", "add", ns)
-        _ns(ns, "ip", "link", "set", "lo", "up")
-        for k in range(host.spec.nics):
-            port = f"hp{host.index}n{k}"
-            _run("ip", "link", "add", f"eth{k}", "netns", ns, "type", "veth", "peer", "name", port,
-                 "netns", switch)
-            _ns(switch, "ip", "link", "set", port, "master", f"rack{host.rack}", "up")
-            _ns(ns, "ip", "addr", "add", f"{host.address(k)}/24", "dev", f"eth{k}")
-            _ns(ns, "ip", "link", "set", f"eth{k}", "up")
-            shape(ns, f"eth{k}", host.spec.nic_mbit, host.spec.per_flow_mbit)          # host -> switch
-            shape(switch, port, host.spec.nic_mbit, host.spec.per_flow_mbit)       # switch -> host
+        _add_host(host, switch, [f"rack{host.rack}"] * host.spec.nics)
+
+
+def _add_host(host: Host, switch: str, bridges: list[str]) -> str:
+    """The host's namespace with NIC k on ``bridges[k]``, both directions shaped."""
+    ns = host_namespace(host)
+    _run("ip", "netns", "add", ns)
+    _ns(ns, "ip", "link", "set", "lo", "up")
+    for k, bridge in enumerate(bridges):
+        port = f"hp{host.index}n{k}"
+        _run("ip", "link", "add", f"eth{k}", "netns", ns, "type", "veth", "peer", "name", port,
+             "netns", switch)
+        _ns(switch, "ip", "link", "set", port, "master", bridge, "up")
+        _ns(ns, "ip", "addr", "add", f"{host.address(k)}/24", "dev", f"eth{k}")
+        _ns(ns, "ip", "link", "set", f"eth{k}", "up")
+        shape(ns, f"eth{k}", host.spec.nic_mbit, host.spec.per_flow_mbit)          # host -> switch
+        shape(switch, port, host.spec.nic_mbit, host.spec.per_flow_mbit)       # switch -> host
+    return ns
+
+
+def bcube_routes(profile: ClusterProfile, host: Host) -> list[tuple[str, str, str]]:
+    """``(destination address, gateway address, device)`` for every address ``host`` reaches
+    through a relay: the first hop of the profile's BCube route to it (the relay's address
+    on the NIC of that hop's level)."""
+    cube = profile.bcube
+    assert cube is not None
+    routes = []
+    for other in profile.hosts:
+        if other.index == host.index:
+            continue
+        for level in range(cube.beta):
+            first = cube.route(host.index, other.index, level)[0]
+            if first[1] == other.index and first[2] == level:
+                continue                                        # on-link: same level-ℓ switch
+            relay = profile.hosts[first[1]]
+            routes.append((other.address(level), relay.address(first[2]), f"eth{first[2]}"))
+    return routes
+
+
+def _build_bcube(profile: ClusterProfile, switch: str) -> None:
+    cube = profile.bcube
+    assert cube is not None
+    for level in range(cube.beta):
+        for k in range(cube.hosts // cube.alpha):
+            _ns(switch, "ip", "link", "add", f"b{level}s{k}", "type", "bridge")
+            _ns(switch, "ip", "link", "set", f"b{level}s{k}", "up")
+    for host in profile.hosts:
+        ns = _add_host(host, switch, [f"b{level}s{cube.switch(host.index, level)}" for level in range(cube.beta)])
+        # a relay forwards; replies may come back through another relay than the request went
+        _ns(ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        for dev in ("all", "default", *(f"eth{k}" for k in range(cube.beta))):
+            _ns(ns, "sysctl", "-q", "-w", f"net.ipv4.conf.{dev}.rp_filter=0")
+        batch = "".join(f"route add {dst}/32 via {gateway} dev {dev} onlink\n"
+                        for dst, gateway, dev in bcube_routes(profile, host))
+        result = subprocess.run(["ip", "netns", "exec", ns, "ip", "-batch", "-"], capture_output=True, text=True,
+                                input=batch)
+        if result.returncode != 0:
+            raise EmulationError(f"routing {host.name} through its BCube relays failed: "
+                                 f"{result.stderr.strip() or result.stdout.strip()}")
 
 
 def is_up(profile: ClusterProfile) -> bool:

@@ -4,6 +4,14 @@ A rack is one switch; racks meet at one core switch through their uplinks. Ranks
 numbered rack by rack, host by host; processes on one host share its network
 namespace and talk over loopback. Loaded from a shipped name (``configs/cluster/``)
 or a YAML path, validated once with errors that name the field.
+
+A ``bcube: {alpha, beta}`` key makes the profile a BCube(α, β) network (Guo et al.,
+SIGCOMM 2009; Canary, paper 004 §4.4) instead: one rack of α^β hosts with β NICs each,
+no core switch and no uplink, β levels of α^(β−1) switches with α ports. Host h has
+the address digits ``h = Σ_ℓ d_ℓ·α^ℓ``; its NIC ℓ plugs into the level-ℓ switch picked by
+its other digits, so two hosts share a switch exactly when their addresses differ in
+one digit. BCube is server-centric: the others are reached through relay hosts, each
+hop fixing one digit (``bcube_route``), and the emulator makes the hosts forward.
 """
 
 from __future__ import annotations
@@ -68,6 +76,55 @@ class FlowSpec:
 
 
 @dataclass
+class BCubeSpec:
+    """BCube(α, β): α-port switches, β levels (α^β hosts, β NICs each)."""
+
+    alpha: int
+    beta: int
+
+    def validate(self) -> None:
+        if self.alpha < 2:
+            raise ConfigError(f"alpha: a BCube switch needs at least 2 ports, got {self.alpha}")
+        if not 1 <= self.beta <= 8:
+            raise ConfigError(f"beta: BCube levels (one NIC each) must be between 1 and 8, got {self.beta}")
+
+    @property
+    def hosts(self) -> int:
+        return int(self.alpha ** self.beta)
+
+    def digits(self, host: int) -> list[int]:
+        """Host ``host``'s address digits, level 0 first."""
+        return [(host // self.alpha ** level) % self.alpha for level in range(self.beta)]
+
+    def with_digit(self, host: int, level: int, value: int) -> int:
+        """The host whose address is ``host``'s with digit ``level`` set to ``value``."""
+        step = self.alpha ** level
+        return host + (value - (host // step) % self.alpha) * step
+
+    def switch(self, host: int, level: int) -> int:
+        """Index (within its level) of the level-``level`` switch NIC ``level`` of ``host``
+        plugs into: the number formed by the host's other digits."""
+        digits = self.digits(host)
+        del digits[level]
+        return sum(d * self.alpha ** i for i, d in enumerate(digits))
+
+    def route(self, src: int, dst: int, level: int) -> list[tuple[int, int, int]]:
+        """The hops ``(from host, to host, NIC level)`` a packet from ``src`` to ``dst``'s
+        NIC ``level`` address takes: every other differing digit is fixed first (highest
+        level first), digit ``level`` last, so traffic addressed to NIC ℓ arrives on NIC ℓ
+        and two hosts one digit apart talk directly. Every host routes by the same rule,
+        so a hop's next hop is the route of the rest (what the emulator installs)."""
+        hops, here = [], src
+        want = self.digits(dst)
+        for lvl in [lv for lv in reversed(range(self.beta)) if lv != level] + [level]:
+            if self.digits(here)[lvl] != want[lvl]:
+                nxt = self.with_digit(here, lvl, want[lvl])
+                hops.append((here, nxt, lvl))
+                here = nxt
+        return hops
+
+
+@dataclass
 class Host:
     """A host placed in the cluster: its index, rack, ranks and NIC addresses."""
 
@@ -94,6 +151,7 @@ class ClusterProfile:
     name: str
     racks: list[RackSpec]
     background: list[FlowSpec] = field(default_factory=list)
+    bcube: BCubeSpec | None = None
     hosts: list[Host] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -106,6 +164,8 @@ class ClusterProfile:
     def validate(self) -> None:
         if not self.racks:
             raise ConfigError("racks: a profile needs at least one rack")
+        if self.bcube is not None:
+            self._validate_bcube(self.bcube)
         seen: set[str] = set()
         for r, rack in enumerate(self.racks):
             for name in [rack.name] + [h.name for h in rack.hosts]:
@@ -125,6 +185,24 @@ class ClusterProfile:
             if flow.src == flow.dst:
                 raise ConfigError(f"background[{i}]: src and dst are the same host {flow.src!r}")
 
+    def _validate_bcube(self, cube: BCubeSpec) -> None:
+        """One rack, α^β hosts, β NICs on every host (NIC ℓ is the level-ℓ port)."""
+        where = f"BCube({cube.alpha}, {cube.beta})"
+        if len(self.racks) != 1:
+            raise ConfigError(f"racks: a {where} profile has one rack (its hosts; BCube has no core switch), "
+                              f"got {len(self.racks)}")
+        if self.racks[0].uplink_mbit is not None:
+            raise ConfigError(f"racks[0].uplink_mbit: a {where} network has no uplink (no core switch); remove it")
+        if len(self.hosts) != cube.hosts:
+            raise ConfigError(f"racks[0].hosts: {where} has alpha^beta = {cube.hosts} hosts, got {len(self.hosts)}")
+        for h, host in enumerate(self.hosts):
+            if host.spec.nics != cube.beta:
+                raise ConfigError(f"racks[0].hosts[{h}].nics: every host of {where} needs beta = {cube.beta} NICs "
+                                  f"(one per level), host {host.name!r} has {host.spec.nics}")
+
+    def is_bcube(self) -> bool:
+        return self.bcube is not None
+
     @property
     def world_size(self) -> int:
         return sum(h.spec.ranks for h in self.hosts)
@@ -134,8 +212,11 @@ class ClusterProfile:
         def plain(spec: object) -> dict[str, Any]:
             return {k: v for k, v in asdict(spec).items() if v is not None}  # type: ignore[call-overload]
 
-        return {"name": self.name, "racks": [plain(r) for r in self.racks],
+        data = {"name": self.name, "racks": [plain(r) for r in self.racks],
                 "background": [plain(f) for f in self.background]}
+        if self.bcube is not None:
+            data["bcube"] = asdict(self.bcube)
+        return data
 
     def host_of_rank(self, rank: int) -> Host:
         for host in self.hosts:
@@ -163,15 +244,18 @@ def parse_profile(data: Mapping[str, Any], where: str = "cluster") -> ClusterPro
     racks_raw = data.pop("racks", None)
     background_raw = data.pop("background", None) or []
     name = data.pop("name", None)
+    bcube_raw = data.pop("bcube", None)
     if data:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(data))}; allowed keys: background, name, racks")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(data))}; allowed keys: background, bcube, name, "
+                          "racks")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}.name: expected a non-empty string, got {name!r}")
     if not isinstance(racks_raw, list) or not racks_raw:
         raise ConfigError(f"{where}.racks: expected a non-empty list of racks")
     racks = [parse_dataclass(RackSpec, rack, f"{where}.racks[{r}]") for r, rack in enumerate(racks_raw)]
     background = [parse_dataclass(FlowSpec, f, f"{where}.background[{i}]") for i, f in enumerate(background_raw)]
-    profile = ClusterProfile(name=name, racks=racks, background=background)
+    bcube = parse_dataclass(BCubeSpec, bcube_raw, f"{where}.bcube") if bcube_raw is not None else None
+    profile = ClusterProfile(name=name, racks=racks, background=background, bcube=bcube)
     try:
         profile.validate()
     except ConfigError as exc:
@@ -199,6 +283,9 @@ def load_profile(name_or_path: str | Path) -> ClusterProfile:
 def scaled(template: ClusterProfile, racks: int, hosts_per_rack: int) -> ClusterProfile:
     """A profile of ``racks × hosts_per_rack`` hosts shaped like the template's first rack
     and host (rates, ranks per host, NICs) -- for predicting scaling past this machine."""
+    if template.bcube is not None:
+        raise ConfigError(f"cluster {template.name!r} is a BCube network: it scales by alpha and beta (write a "
+                          "profile with a larger bcube), not by racks and hosts per rack")
     if racks < 1 or hosts_per_rack < 1:
         raise ConfigError(f"scaled profile needs at least 1 rack and 1 host per rack, got {racks} x {hosts_per_rack}")
     rack0, host0 = template.racks[0], template.racks[0].hosts[0]

@@ -148,7 +148,7 @@ class ShardedAllReduce:
         # the control group outlives a data round that times out: give it room to wait for it
         self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
         self._groups = self._build_groups()
-        self._feedback: tuple[ErrorFeedback, ErrorFeedback] | None = None
+        self._feedback: tuple[ErrorFeedback, ...] | None = None
         # operations (and their buffers) of the current round: kept alive until the round
         # completes or its groups are aborted, so a late message never lands in freed memory
         self._inflight: list[object] = []
@@ -261,7 +261,7 @@ class ShardedAllReduce:
         self._generation += 1
         self._groups = self._build_groups()
 
-    def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ErrorFeedback]:
+    def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ...]:
         """(what this rank sends, what it sends as an owner) -- one residual each."""
         if self._feedback is None or self._feedback[0].residual.numel() != numel:
             self._feedback = (ErrorFeedback(self.codec, numel), ErrorFeedback(self.codec, numel))
@@ -277,7 +277,7 @@ class ShardedAllReduce:
         return [[(a + lo, a + hi) for lo, hi in shard_bounds(b - a, self.size)]
                 for a, b in shard_bounds(numel, self.shards)]
 
-    def _exchange(self, flat: torch.Tensor, feedback: tuple[ErrorFeedback, ErrorFeedback], offset: int = 0
+    def _exchange(self, flat: torch.Tensor, feedback: tuple[ErrorFeedback, ...], offset: int = 0
                   ) -> tuple[torch.Tensor, int]:
         deadline = time.monotonic() + self.timeout_s
         if self.pattern is not None:   # on a copy: a failed round must leave ``flat`` as it was

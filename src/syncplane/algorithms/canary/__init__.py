@@ -16,15 +16,19 @@ from syncplane.algorithms.canary.bench import CanaryStep, sketch_ratio
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.engine import BackwardPipeline, CanaryEngine, ExchangeFailed
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
-from syncplane.cluster.cost import Phase, owner_exchange
+from syncplane.cluster.cost import Phase, bcube_cube_allreduce, owner_exchange
 from syncplane.cluster.profile import ClusterProfile
 
 
 def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
     """One owner exchange per step of the sketched payload (~0.27 of fp32), over
-    ``streams`` gloo groups (one per NIC)."""
+    ``streams`` gloo groups (one per NIC); on a BCube profile the two-stage cube exchange
+    of it instead (β pieces per rank, one-hop links only, every NIC at once)."""
     n = profile.world_size
+    if profile.bcube is not None:
+        ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * profile.bcube.beta))
+        return [bcube_cube_allreduce(profile, payload_bytes * ratio)]
     ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n))
     return [owner_exchange(n, payload_bytes * ratio, options.streams)]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,8 +12,13 @@ import torch.distributed as dist
 
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.engine import CanaryEngine
-from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, ShardedAllReduce, shard_bounds
+from syncplane.cluster.probe import CLUSTER_ENV
+from syncplane.cluster.profile import ClusterProfile, load_profile
+from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, CubeAllReduce, ShardedAllReduce, shard_bounds
 from syncplane.comm.sharded import interfaces_from_env
+from syncplane.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def nic_count(nics: int | str) -> int:
@@ -21,8 +28,38 @@ def nic_count(nics: int | str) -> int:
     return int(nics)
 
 
+def cube_shape(profile: ClusterProfile | None = None) -> tuple[int, int] | None:
+    """(α, β) when the job runs on a BCube profile (default: the one the cluster launcher
+    named in ``SYNCPLANE_CLUSTER``), else None. The cube exchange needs what BCube's
+    addressing gives it -- β NICs on every host (the profile checks that) and one rank per
+    host (checked here, naming the field)."""
+    if profile is None:
+        path = os.environ.get(CLUSTER_ENV)
+        if not path:
+            return None
+        profile = load_profile(path)
+    if profile.bcube is None:
+        return None
+    for h, host in enumerate(profile.hosts):
+        if host.spec.ranks != 1:
+            raise ConfigError(f"cluster.racks[0].hosts[{h}].ranks: canary's cube exchange on "
+                              f"BCube({profile.bcube.alpha}, {profile.bcube.beta}) runs one rank per host, "
+                              f"host {host.name!r} has {host.spec.ranks}")
+    return profile.bcube.alpha, profile.bcube.beta
+
+
 def make_transport(config: CanaryConfig) -> ShardedAllReduce:
-    """The piece-level mesh exchange: one gloo group per NIC (a collective)."""
+    """The exchange (a collective): on a BCube profile the paper's two-stage cube all-reduce
+    (one gloo group per level, i.e. per NIC; ``config.nics`` must then be auto or β),
+    elsewhere the piece-level mesh exchange, one gloo group per NIC."""
+    shape = cube_shape()
+    if shape is not None:
+        alpha, beta = shape
+        if config.nics != "auto" and config.nics != beta:
+            raise ConfigError(f"nics: BCube({alpha}, {beta}) gives every host {beta} NICs and the cube exchange "
+                              f"uses one per level; set nics=auto or {beta}, got {config.nics}")
+        log.info("canary: two-stage cube exchange on BCube(%d, %d)", alpha, beta)
+        return CubeAllReduce(alpha, beta, codec=config.codec(), timeout_s=config.sync_timeout_s)
     return ShardedAllReduce(nic_count(config.nics), codec=config.codec(), timeout_s=config.sync_timeout_s,
                             layout="pieces")
 
@@ -40,7 +77,9 @@ class CanaryStep:
         self.engine: CanaryEngine | None = None
 
     def describe(self) -> str:
-        return f"canary: {self.config.compression}, {self.transport.shards} gloo group(s), piece layout"
+        layout = (f"cube exchange on BCube({self.transport.alpha}, {self.transport.beta})"
+                  if isinstance(self.transport, CubeAllReduce) else "piece layout")
+        return f"canary: {self.config.compression}, {self.transport.shards} gloo group(s), {layout}"
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
         per_colayer = DEFAULT_BUCKET_BYTES // payload.element_size()

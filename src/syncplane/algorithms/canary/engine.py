@@ -57,9 +57,11 @@ class CanaryEngine:
     def __init__(self, colayer_sizes: Sequence[int], pieces: int, transport: Transport) -> None:
         if pieces < 1:
             raise ConfigError(f"pieces: must be at least 1, got {pieces}")
+        # the cube exchange (BCube) cuts a colayer into β pieces per rank
+        needed = int(getattr(transport, "beta", 1)) * pieces
         for i, size in enumerate(colayer_sizes):
-            if size < pieces:
-                raise ConfigError(f"pieces: {pieces} pieces per colayer (one per rank) exceed colayer {i}'s "
+            if size < needed:
+                raise ConfigError(f"pieces: {needed} pieces per colayer exceed colayer {i}'s "
                                   f"{size} elements; give it more parameters (a larger bucket_cap_mb) or use "
                                   f"fewer ranks")
         self.sizes = list(colayer_sizes)
