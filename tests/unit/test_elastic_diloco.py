@@ -233,3 +233,24 @@ def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path
     with pytest.raises(LaunchError, match="every rank failed"):
         launch([sys.executable, "-c", "raise SystemExit(4)"], local_ranks(2), tmp_path / "b", echo_rank0=False,
                max_restarts=1)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"strategy": {"kwargs": {"fragments": 2, "sync_every": 4}}}, "elastic=true supports fragments=1 only, got fragments=2"),
+    ({"strategy": {"kwargs": {"compression": "int8"}}}, "supports compression=none only, got compression=int8"),
+    ({"strategy": {"kwargs": {"lighthouse_host": "0.0.0.0"}}}, "would listen on every interface"),
+    ({"strategy": {"kwargs": {"round_timeout_s": 0}}}, "round_timeout_s must be positive, got 0"),
+    ({"trainer": {"max_restarts": -1}}, "max_restarts: must be >= 0, got -1"),
+    ({"strategy": {"kwargs": {"elastic": False}}, "trainer": {"max_restarts": 2}}, "max_restarts=2: only elastic jobs"),
+])
+def test_elastic_settings_are_refused_before_any_worker_starts(tmp_path: Path, overrides: dict[str, Any],
+                                                               message: str) -> None:
+    from syncplane.config import ConfigError
+    from syncplane.training.job import parse_job
+
+    cfg: dict[str, Any] = {"strategy": {"name": "diloco", "kwargs": {"elastic": True}}, "recipe": {"name": "digits"}}
+    cfg["strategy"]["kwargs"].update(overrides.get("strategy", {}).get("kwargs", {}))
+    if "trainer" in overrides:
+        cfg["trainer"] = overrides["trainer"]
+    with pytest.raises(ConfigError, match=message):
+        parse_job(cfg, run_dir=str(tmp_path))
