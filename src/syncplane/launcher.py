@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from syncplane.cluster import ClusterProfile
 
 
+#: Elastic jobs: how long the other replicas get to finish once one has finished.
+_ELASTIC_FINISH_GRACE_S = 120.0
+
+
 class LaunchError(RuntimeError):
     """A rank failed (or the job timed out); the message names the rank and its log."""
 
@@ -211,11 +215,15 @@ def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, gr
 
 def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
                   start: Callable[[RankSpec, int], tuple[RankSpec, subprocess.Popen[bytes], Path]], *,
-                  max_restarts: int, timeout_s: float | None) -> None:
+                  max_restarts: int, timeout_s: float | None, finish_grace_s: float = _ELASTIC_FINISH_GRACE_S) -> None:
     """Wait for independent replicas: restart a failed one (up to ``max_restarts`` times),
     never stop the others for it (a replica restarted after the job's work is done finds that
-    out itself and exits cleanly). ``procs`` is updated in place (the caller ends what runs)."""
+    out itself and exits cleanly). Once one replica has finished, the rest get
+    ``finish_grace_s`` to finish too (replicas end at the same round); one still running then
+    (a hung replica the others left behind) is ended with the job. ``procs`` is updated in
+    place (the caller ends what runs)."""
     began = time.monotonic()
+    first_finish: float | None = None
     restarts = {spec.rank: 0 for spec, _, _ in procs}
     lost: dict[int, str] = {}
     finished: set[int] = set()
@@ -226,6 +234,7 @@ def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
                 continue
             if code == 0:
                 finished.add(spec.rank)
+                first_finish = first_finish or time.monotonic()
                 continue
             reason = f"signal {-code}" if code < 0 else f"exit code {code}"
             if restarts[spec.rank] < max_restarts:
@@ -238,6 +247,11 @@ def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
                 print(f"syncplane: rank {spec.rank} failed ({reason}) and is not restarted "
                       f"(max_restarts={max_restarts}); the others go on. Its log: {log}", flush=True)
         if len(finished) + len(lost) == len(restarts):
+            break
+        if first_finish is not None and time.monotonic() - first_finish > finish_grace_s:
+            left = ", ".join(str(s.rank) for s, p, _ in procs if p.poll() is None)
+            print(f"syncplane: rank(s) {left} still running {finish_grace_s:.0f} s after the job's first replica "
+                  "finished (hung, or restarted too late): ended", flush=True)
             break
         if timeout_s is not None and time.monotonic() - began > timeout_s:
             stuck = ", ".join(str(s.rank) for s, p, _ in procs if p.poll() is None)

@@ -8,6 +8,8 @@ The reference is DiLoCo's outer step written out in float64 (SGD, Nesterov momen
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -254,3 +256,17 @@ def test_elastic_settings_are_refused_before_any_worker_starts(tmp_path: Path, o
         cfg["trainer"] = overrides["trainer"]
     with pytest.raises(ConfigError, match=message):
         parse_job(cfg, run_dir=str(tmp_path))
+
+
+def test_launcher_ends_a_replica_left_running_after_the_others_finished(tmp_path: Path) -> None:
+    from syncplane.launcher import _wait_elastic
+
+    hung = "import os, sys, time; time.sleep(60) if os.environ['RANK'] == '1' else sys.exit(0)"
+    procs = [(spec, subprocess.Popen([sys.executable, "-c", hung], env={**os.environ, "RANK": str(spec.rank)}),
+              tmp_path / "x") for spec in local_ranks(2)]
+    try:
+        _wait_elastic(procs, lambda spec, k: procs[spec.rank], max_restarts=0, timeout_s=50, finish_grace_s=1.0)
+        assert procs[0][1].returncode == 0 and procs[1][1].poll() is None   # returned; the caller ends rank 1
+    finally:
+        procs[1][1].kill()
+        procs[1][1].wait()
