@@ -24,7 +24,7 @@ def _events(run_dir: Path) -> list[dict]:
 def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> None:
     result = train("strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.sync_every=3",
                    "strategy.kwargs.round_timeout_s=10", "strategy.kwargs.heartbeat_timeout_s=3",
-                   "trainer.devices=3", "trainer.max_epochs=8", "trainer.check_val_every_n_epoch=4",
+                   "trainer.devices=3", "trainer.max_epochs=10", "trainer.check_val_every_n_epoch=5",
                    "trainer.max_restarts=1", "+fault.kind=kill", "+fault.rank=2", "+fault.step=7", "seed=5",
                    f"hydra.run.dir={tmp_path}", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
