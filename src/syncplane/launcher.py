@@ -24,17 +24,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from syncplane.cluster.probe import CLUSTER_ENV
+from syncplane.comm.elastic import RESTART_ENV
 from syncplane.comm.heartbeat import LOST_PEER_EXIT
 from syncplane.net import free_port
 
 if TYPE_CHECKING:
     from syncplane.cluster import ClusterProfile
+
+
+#: Elastic jobs: how long the other replicas get to finish once one has finished.
+_ELASTIC_FINISH_GRACE_S = 120.0
 
 
 class LaunchError(RuntimeError):
@@ -114,11 +119,17 @@ def launch(
     echo_rank0: bool = True,
     grace_s: float = 15.0,
     timeout_s: float | None = None,
+    max_restarts: int | None = None,
 ) -> None:
     """Run ``command`` once per rank and wait; raise LaunchError if any rank fails.
 
     Each rank's stdout/stderr goes to ``log_dir/rank<i>.log``; rank 0's is also echoed
     to this process's stdout (progress and the summary table).
+
+    ``max_restarts`` (elastic jobs, whose ranks are independent replicas): a rank that
+    fails is started again, up to that many times per rank (``RESTART_ENV`` tells it which
+    start it is; its log goes on in the same file), and the others are left running. The job
+    then fails only if no rank finishes cleanly; ranks lost for good are logged.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     world_size = len(ranks)
@@ -130,7 +141,7 @@ def launch(
     logs: list[IO[bytes]] = []
     with _signals_stop_the_job():
         try:
-            for spec in ranks:
+            def start(spec: RankSpec, restart: int) -> tuple[RankSpec, subprocess.Popen[bytes], Path]:
                 rank_env = dict(base_env)
                 rank_env.update(
                     RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(world_size),
@@ -139,10 +150,11 @@ def launch(
                     PYTHONUNBUFFERED="1",
                 )
                 rank_env.update(spec.env)
+                rank_env[RESTART_ENV] = str(restart)
                 log_path = log_dir / f"rank{spec.rank}.log"
-                log = open(log_path, "wb")
+                log = open(log_path, "ab" if restart else "wb")
                 logs.append(log)
-                echo = echo_rank0 and spec.rank == 0
+                echo = echo_rank0 and spec.rank == 0 and restart == 0
                 proc = subprocess.Popen(
                     [*spec.prefix, *command], env=rank_env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE if echo else log, stderr=subprocess.STDOUT,
@@ -153,8 +165,13 @@ def launch(
                     t = threading.Thread(target=_tee, args=(proc.stdout, log, sys.stdout), daemon=True)
                     t.start()
                     threads.append(t)
-                procs.append((spec, proc, log_path))
-            _wait_all(procs, grace_s=grace_s, timeout_s=timeout_s)
+                return spec, proc, log_path
+
+            procs.extend(start(spec, 0) for spec in ranks)
+            if max_restarts is None:
+                _wait_all(procs, grace_s=grace_s, timeout_s=timeout_s)
+            else:
+                _wait_elastic(procs, start, max_restarts=max_restarts, timeout_s=timeout_s)
         finally:
             _terminate([p for _, p, _ in procs])
             for t in threads:
@@ -194,6 +211,57 @@ def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, gr
             f"rank {spec.rank} failed ({reason}); the other ranks were stopped. Its log: {log}\n"
             f"--- last lines of rank {spec.rank} ---\n{_tail(log)}"
         )
+
+
+def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
+                  start: Callable[[RankSpec, int], tuple[RankSpec, subprocess.Popen[bytes], Path]], *,
+                  max_restarts: int, timeout_s: float | None, finish_grace_s: float = _ELASTIC_FINISH_GRACE_S) -> None:
+    """Wait for independent replicas: restart a failed one (up to ``max_restarts`` times),
+    never stop the others for it (a replica restarted after the job's work is done finds that
+    out itself and exits cleanly). Once one replica has finished, the rest get
+    ``finish_grace_s`` to finish too (replicas end at the same round); one still running then
+    (a hung replica the others left behind) is ended with the job. ``procs`` is updated in
+    place (the caller ends what runs)."""
+    began = time.monotonic()
+    first_finish: float | None = None
+    restarts = {spec.rank: 0 for spec, _, _ in procs}
+    lost: dict[int, str] = {}
+    finished: set[int] = set()
+    while True:
+        for i, (spec, p, log) in enumerate(list(procs)):
+            code = p.poll()
+            if code is None or spec.rank in finished or spec.rank in lost:
+                continue
+            if code == 0:
+                finished.add(spec.rank)
+                first_finish = first_finish or time.monotonic()
+                continue
+            reason = f"signal {-code}" if code < 0 else f"exit code {code}"
+            if restarts[spec.rank] < max_restarts:
+                restarts[spec.rank] += 1
+                print(f"syncplane: rank {spec.rank} failed ({reason}); restart {restarts[spec.rank]} of "
+                      f"{max_restarts}", flush=True)
+                procs[i] = start(spec, restarts[spec.rank])
+            else:
+                lost[spec.rank] = reason
+                print(f"syncplane: rank {spec.rank} failed ({reason}) and is not restarted "
+                      f"(max_restarts={max_restarts}); the others go on. Its log: {log}", flush=True)
+        if len(finished) + len(lost) == len(restarts):
+            break
+        if first_finish is not None and time.monotonic() - first_finish > finish_grace_s:
+            left = ", ".join(str(s.rank) for s, p, _ in procs if p.poll() is None)
+            print(f"syncplane: rank(s) {left} still running {finish_grace_s:.0f} s after the job's first replica "
+                  "finished (hung, or restarted too late): ended", flush=True)
+            break
+        if timeout_s is not None and time.monotonic() - began > timeout_s:
+            stuck = ", ".join(str(s.rank) for s, p, _ in procs if p.poll() is None)
+            raise LaunchError(f"job exceeded its {timeout_s:.0f} s limit; ranks still running: {stuck}")
+        time.sleep(0.1)
+    if not finished:
+        rank, reason = next(iter(lost.items()))
+        log = next(lg for s, _, lg in procs if s.rank == rank)
+        raise LaunchError(f"every rank failed (rank {rank}: {reason}); its log: {log}\n"
+                          f"--- last lines of rank {rank} ---\n{_tail(log)}")
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]], wait_s: float = 5.0) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from syncplane.config import ConfigError
-from syncplane.launcher import die_with_parent, launch, launch_on_cluster, local_ranks
+from syncplane.launcher import RankSpec, die_with_parent, launch, launch_on_cluster, local_ranks
 from syncplane.training import external, rendezvous
-from syncplane.training.job import parse_job
+from syncplane.training.job import JobSpec, parse_job
 from syncplane.training.worker import JOB_FILE
 
 
@@ -58,13 +59,51 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         store_file = run_dir / "rendezvous.store"   # a file store: no TCP listener at all
         store_file.unlink(missing_ok=True)
         env[rendezvous.FILE_ENV] = str(store_file.resolve())
-        launch(command, local_ranks(world_size), run_dir / "logs", env=env)
+        if spec.elastic:
+            launch_elastic(command, spec, run_dir, env)
+        else:
+            launch(command, local_ranks(world_size), run_dir / "logs", env=env)
     else:
         launch_on_cluster(command, spec.cluster, run_dir / "logs")
     summary_path = run_dir / "summary.json"
+    if spec.elastic and not summary_path.exists():
+        # replica 0 was lost for good: the lowest replica that finished reports
+        for path in sorted(run_dir.glob("replica*/summary.json")):
+            summary_path.write_text(path.read_text())
+            break
     if not summary_path.exists():
         raise RuntimeError(f"the job finished but wrote no {summary_path}; see {run_dir / 'logs'}")
     return json.loads(summary_path.read_text())
+
+
+def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[str, str]) -> None:
+    """Start the quorum service, then one independent replica per rank (each a Lightning job
+    of one process with its own file-store rendezvous), restarting a failed replica up to
+    ``trainer.max_restarts`` times. The service lives as long as this launcher."""
+    from syncplane.comm import elastic
+
+    kwargs = spec.strategy.kwargs
+    lighthouse = elastic.start_lighthouse(
+        kwargs.get("lighthouse_host", "127.0.0.1"), min_replicas=1,
+        join_timeout_s=float(kwargs.get("join_timeout_s", 60.0)),
+        heartbeat_timeout_s=float(kwargs.get("heartbeat_timeout_s", 5.0)))
+    replicas = spec.trainer.devices
+    (run_dir / "elastic_fingerprint.json").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "elastic_ready", ignore_errors=True)
+    (run_dir / "elastic_done").unlink(missing_ok=True)
+    ranks = []
+    for r in range(replicas):
+        store = run_dir / f"rendezvous.replica{r}.store"
+        store.unlink(missing_ok=True)
+        ranks.append(RankSpec(rank=r, local_rank=0, local_world_size=1, env={
+            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            rendezvous.FILE_ENV: str(store.resolve()), elastic.REPLICA_ENV: str(r),
+            elastic.REPLICAS_ENV: str(replicas), elastic.LIGHTHOUSE_ENV: lighthouse.address,
+            elastic.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
+    try:
+        launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts)
+    finally:
+        lighthouse.shutdown()
 
 
 def run_as_rank(container: dict[str, Any], launched: external.ExternalLaunch, user_dir: Path | None) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class TrainerSettings:
     threads_per_rank: int = 0  # 0: split this machine's cores evenly between local ranks
     rendezvous_timeout_s: float = 300.0  # how long ranks wait for each other at start before naming the missing
     heartbeat_timeout_s: float = 15.0   # a rank silent this long counts as lost and stops the job; 0: no heartbeat
+    max_restarts: int = 0   # elastic DiLoCo: times the launcher restarts a failed replica (torchrun's flag, per replica)
 
     def validate(self) -> None:
         if self.devices < 1:
@@ -46,6 +47,8 @@ class TrainerSettings:
             raise ConfigError(f"rendezvous_timeout_s: must be positive, got {self.rendezvous_timeout_s}")
         if self.heartbeat_timeout_s < 0:
             raise ConfigError(f"heartbeat_timeout_s: must be >= 0 (0 = no heartbeat), got {self.heartbeat_timeout_s}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts: must be >= 0, got {self.max_restarts}")
 
 
 @dataclass
@@ -100,6 +103,11 @@ class JobSpec:
     cluster: Any = None        # a ClusterProfile: run every rank inside its emulated host
     fault: FaultSettings | None = None   # a failure to inject (testing what the job does)
 
+    @property
+    def elastic(self) -> bool:
+        """Elastic DiLoCo: independent replicas around a quorum service, not one process group."""
+        return self.strategy.name == "diloco" and bool(self.strategy.kwargs.get("elastic", False))
+
 
 def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> JobSpec:
     """Validate a composed config (plain containers, interpolations resolved)."""
@@ -138,6 +146,15 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
         raise ConfigError(f"resume: expected the path of an existing checkpoint file, got {resume!r}")
     trainer = parse_dataclass(TrainerSettings, cfg.get("trainer"), "trainer")
     fault = None if cfg.get("fault") is None else parse_dataclass(FaultSettings, cfg["fault"], "fault")
+    elastic = name == "diloco" and bool(kwargs.get("elastic", False))
+    if trainer.max_restarts and not elastic:
+        raise ConfigError(f"trainer.max_restarts={trainer.max_restarts}: only elastic jobs (strategy=diloco "
+                          "strategy.kwargs.elastic=true) restart a failed rank; the others stop as a group")
+    if elastic and cfg.get("cluster") is not None:
+        raise ConfigError("strategy.kwargs.elastic=true runs on this machine only for now (its quorum service "
+                          "listens on loopback); drop cluster=...")
+    if elastic and resume is not None:
+        raise ConfigError("resume: an elastic job does not resume from a checkpoint (replicas heal from a live peer)")
     if fault is not None and fault.kind == "netdown" and cfg.get("cluster") is None:
         raise ConfigError("fault.kind=netdown takes the rank's host NICs down: only on an emulated cluster "
                           "(cluster=...), never on this machine's own interfaces")

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from syncplane.cluster.probe import CLUSTER_ENV
+from syncplane.comm import elastic
 from syncplane.comm.heartbeat import Heartbeat
 from syncplane.config import ConfigError
 from syncplane.training import rendezvous
@@ -58,15 +59,22 @@ class HeartbeatCallback(Callback):
 
 
 class InjectFault(Callback):
-    """Rank ``fault.rank`` fails as ``fault.kind`` says after training step ``fault.step``."""
+    """Rank ``fault.rank`` fails as ``fault.kind`` says after training step ``fault.step``.
+
+    In an elastic job the rank is the replica (each replica is a Lightning job of one), and a
+    replica the launcher restarted does not fail again: the fault happens once per job."""
 
     def __init__(self, fault: FaultSettings) -> None:
         self.fault = fault
+        self.rank: int | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.fault.rank >= trainer.world_size:
-            raise ConfigError(f"fault.rank: {self.fault.rank} is not a rank of this job of {trainer.world_size}")
+        replica = os.environ.get(elastic.REPLICA_ENV)
+        self.rank = trainer.global_rank if replica is None else int(replica)
+        world = trainer.world_size if replica is None else int(os.environ[elastic.REPLICAS_ENV])
+        if self.fault.rank >= world:
+            raise ConfigError(f"fault.rank: {self.fault.rank} is not a rank of this job of {world}")
         if self.fault.kind == "netdown" and CLUSTER_ENV not in os.environ:
             raise ConfigError("fault.kind=netdown: this rank does not run inside an emulated host")
 
@@ -74,7 +82,7 @@ class InjectFault(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         fault = self.fault
-        if trainer.global_rank != fault.rank or trainer.global_step != fault.step:
+        if self.rank != fault.rank or trainer.global_step != fault.step or os.environ.get(elastic.RESTART_ENV, "0") != "0":
             return
         log.warning("fault: rank %d fails (%s) after step %d, as fault.* asked", fault.rank, fault.kind, fault.step)
         if fault.kind == "raise":

@@ -8,6 +8,7 @@ launching processes of its own. The same worker runs unchanged under ``torchrun`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -16,7 +17,9 @@ from typing import Any
 
 import yaml
 
+from syncplane.comm import elastic
 from syncplane.comm.basics import release_groups
+from syncplane.training import rendezvous
 from syncplane.launcher import die_with_parent
 from syncplane.training.job import JobSpec, parse_job
 
@@ -72,11 +75,13 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     from syncplane.strategies import registry
     from syncplane.training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
     from syncplane.training.liveness import HeartbeatCallback, InjectFault
-    from syncplane.training import rendezvous
     from syncplane.training.report import RunReport
 
     world_size = int(os.environ["WORLD_SIZE"])
-    configure_logging(int(os.environ.get("RANK", "0")))
+    replica = os.environ.get(elastic.REPLICA_ENV)
+    if spec.elastic and replica is not None:
+        spec = _as_replica(spec, int(replica))
+    configure_logging(int(os.environ.get("RANK", "0")) if replica is None else int(replica))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     # an emulated cluster runs every rank on this one machine
     torch.set_num_threads(_threads_per_rank(spec, world_size if spec.cluster else local_world_size))
@@ -120,6 +125,18 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     )
     trainer.fit(module, datamodule=data, ckpt_path=spec.resume)
     return report.summary
+
+
+def _as_replica(spec: JobSpec, replica: int) -> JobSpec:
+    """An elastic replica is a Lightning job of one process: replica 0 writes the job's
+    summary and history in the run folder, the others their own in ``replica<i>/``; a
+    restarted replica rendezvouses (with itself) on a fresh file store."""
+    restart = int(os.environ.get(elastic.RESTART_ENV, "0"))
+    if restart:
+        os.environ[rendezvous.FILE_ENV] = f"{os.environ[rendezvous.FILE_ENV]}.restart{restart}"
+    if replica == 0:
+        return spec
+    return dataclasses.replace(spec, run_dir=str(Path(spec.run_dir) / f"replica{replica}"))
 
 
 def main(argv: list[str] | None = None) -> int:

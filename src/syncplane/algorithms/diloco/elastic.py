@@ -1,0 +1,228 @@
+"""Elastic DiLoCo: the outer loop when replicas may leave and join between rounds.
+
+One round, for every replica in the current quorum (Lightning-free; the transport is any
+object with ``ReplicaGroup``'s four methods, ``syncplane.comm.elastic`` has the real one):
+
+1. ``begin``: Δ = θ_g − θ_local replaces θ_local in the flat buffer;
+2. ``allreduce_mean_``: Δ averaged over the quorum's members (a lost peer fails it);
+3. ``commit``: the vote -- commit (outer step, θ_g written back) or discard (θ_g and the
+   outer state unchanged; the replica keeps its local model, so the next round's Δ covers
+   both rounds and no work is lost);
+4. ``quorum``: the next membership. A replica that died is left out once its heartbeats
+   stop; a replica that asks to join (a restarted process) is admitted here, at the round
+   boundary, and, being behind, heals from a live peer: θ_g, the outer optimizer's state
+   and the round position (``state_dict``/``load_state_dict``), then starts from θ_g.
+   A replica whose commit vote disagreed with its peers' is behind too and heals the same
+   way, so the commit is decided together.
+
+Bad input: a replica started with another model size, ``sync_every`` or outer optimizer
+must not join (it would corrupt θ_g). ``JobFingerprint`` records the first replica's
+settings in the job's folder; a replica that differs fails **before** it contacts the
+quorum, naming the field, so the running replicas never see it. The same check runs again on
+the state a heal receives (a peer started by hand, outside the launcher).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+
+from syncplane.algorithms.diloco.outer import OuterOptimizer
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaTransport(Protocol):
+    """What the engine needs from the membership layer (``syncplane.comm.elastic.ReplicaGroup``)."""
+
+    def quorum(self) -> Any: ...   # returns an object with quorum_id, participants, step
+
+    def allreduce_mean_(self, flat: torch.Tensor) -> bool: ...
+
+    def commit(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class ReplicaMismatch(ValueError):
+    """A replica's settings differ from the job's; names each differing field."""
+
+
+def fingerprint(n_values: int, sync_every: int, outer_optimizer: str, outer_kwargs: Mapping[str, Any] | None,
+                shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """The settings every replica of one elastic job must share (JSON-able)."""
+    return {"model_values": int(n_values), "model_shapes": [list(s) for s in shapes], "sync_every": int(sync_every),
+            "outer_optimizer": outer_optimizer,
+            "outer_kwargs": None if outer_kwargs is None else json.loads(json.dumps(dict(outer_kwargs), sort_keys=True))}
+
+
+def differences(job: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
+    """One line per field where ``ours`` differs from ``job``."""
+    out = []
+    for key in sorted(set(job) | set(ours)):
+        if job.get(key) != ours.get(key):
+            a, b = job.get(key), ours.get(key)
+            if key == "model_shapes":
+                a, b = f"{len(a or [])} tensors {str(a)[:80]}", f"{len(b or [])} tensors {str(b)[:80]}"
+            out.append(f"{key}: the job has {a}, this replica has {b}")
+    return out
+
+
+class JobFingerprint:
+    """The job's settings in ``<folder>/elastic_fingerprint.json``, written by the first replica
+    (``O_EXCL``: exactly one writer wins) and compared by every later one."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.path = Path(folder) / "elastic_fingerprint.json"
+
+    def check(self, ours: Mapping[str, Any], replica: str) -> None:
+        """Record ``ours`` if first, else raise ``ReplicaMismatch`` naming what differs."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            job = self._read()
+            diff = differences(job, ours)
+            if diff:
+                raise ReplicaMismatch(f"{replica} cannot join this elastic DiLoCo job (it was not admitted; the "
+                                      f"running replicas go on): " + "; ".join(diff)) from None
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(dict(ours), sort_keys=True))
+
+    def _read(self) -> dict[str, Any]:
+        for _ in range(100):   # the winner may still be writing
+            text = self.path.read_text()
+            if text:
+                return json.loads(text)
+            time.sleep(0.02)
+        raise RuntimeError(f"{self.path} stays empty")
+
+
+@dataclass
+class ElasticStats:
+    """What the summary reports about membership."""
+
+    committed: int = 0
+    discarded: int = 0
+    heals: list[dict[str, Any]] = field(default_factory=list)
+    replicas: list[list[int]] = field(default_factory=list)   # [round position, quorum size] at each change
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rounds_committed": self.committed, "rounds_discarded": self.discarded,
+                "replicas_over_time": self.replicas, "heals": self.heals}
+
+
+class ElasticOuter:
+    """The outer loop of one elastic replica.
+
+    Args:
+        outer: θ_g and the outer optimizer.
+        fingerprint: this replica's ``fingerprint(...)``, checked against a healing peer's.
+        total_rounds: rounds in the whole job; the replica stops after the last (a healed
+            joiner learns how many are left from its peer).
+        on_event: called with a JSON-able record for every membership change, heal and
+            discarded round (the glue appends them to ``history.jsonl``).
+    """
+
+    def __init__(self, outer: OuterOptimizer, fingerprint: Mapping[str, Any], total_rounds: int,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.outer = outer
+        self.fingerprint = dict(fingerprint)
+        self.total_rounds = int(total_rounds)
+        self.position = 0           # rounds the job has done (committed or discarded), shared by the quorum
+        self.stats = ElasticStats()
+        self.healed = False         # set by a heal; the caller copies θ_g into its model, then clears it
+        self.transport: ReplicaTransport | None = None
+        self._quorum_id: int | None = None
+        self._size = 0
+        self._on_event = on_event or (lambda record: None)
+
+    # ----------------------------------------------------- what a healing peer receives
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": self.outer.state_dict(), "position": self.position, "fingerprint": self.fingerprint,
+                "committed": self.stats.committed, "discarded": self.stats.discarded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Heal from a live peer's state; refuses a peer with other settings."""
+        start = time.perf_counter()
+        diff = differences(state["fingerprint"], self.fingerprint)
+        if diff:
+            raise ReplicaMismatch("this replica cannot heal from its peer: " + "; ".join(diff))
+        self.outer.load_state_dict(state["outer"])
+        self.position = int(state["position"])
+        self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
+        heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
+                "load_s": round(time.perf_counter() - start, 4)}
+        self.stats.heals.append(heal)
+        self.healed = True
+
+    # ----------------------------------------------------------------- the loop
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.total_rounds
+
+    def join(self, transport: ReplicaTransport) -> None:
+        """Enter the job: the first quorum (a heal happens here for a late joiner)."""
+        self.transport = transport
+        self._next_quorum()
+
+    def round_(self, flat: torch.Tensor) -> bool:
+        """One round on ``flat = [θ_local | extras]``; True if committed (``flat``'s head
+        then holds the new θ_g). Joins the next quorum unless it was the job's last round."""
+        assert self.transport is not None, "join() first"
+        self.outer.begin_round_(flat)
+        averaged = self.transport.allreduce_mean_(flat)
+        committed = self.transport.commit() and averaged
+        if committed:
+            self.outer.finish_round_(flat)
+            self.stats.committed += 1
+        else:
+            self.stats.discarded += 1
+            self._on_event({"event": "discarded", "position": self.position, "quorum_id": self._quorum_id,
+                            "replicas": self._size})
+        self.position += 1
+        if not self.done:
+            self._next_quorum()
+        return committed
+
+    def _next_quorum(self) -> None:
+        assert self.transport is not None
+        start = time.perf_counter()
+        view = self.transport.quorum()
+        waited = time.perf_counter() - start
+        if self.healed:
+            heal = self.stats.heals[-1]
+            heal["quorum_s"] = round(waited, 3)
+            self._on_event({**heal, "quorum_id": int(view.quorum_id), "replicas": int(view.participants)})
+        if view.participants != self._size or view.quorum_id != self._quorum_id:
+            if view.participants != self._size:
+                self.stats.replicas.append([self.position, int(view.participants)])
+                self._on_event({"event": "membership", "position": self.position, "quorum_id": int(view.quorum_id),
+                                "replicas": int(view.participants), "was": self._size,
+                                "quorum_wait_s": round(waited, 3)})
+            self._quorum_id, self._size = int(view.quorum_id), int(view.participants)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+
+def _state_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0

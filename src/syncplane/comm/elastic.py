@@ -1,0 +1,235 @@
+"""Elastic replica groups on torchft: a quorum service (the Lighthouse) and, per replica,
+a torchft ``Manager`` whose gloo group is rebuilt at every membership change.
+
+Why torchft: its Lighthouse already decides membership from heartbeats (a replica that
+stops beating is dropped after ``heartbeat_timeout_s``; one that asks to join is admitted at
+the next quorum), its ``ProcessGroupGloo`` is reconfigurable (a new store prefix per quorum,
+so a dead peer never wedges the next round), and its ``Manager`` heals a replica whose step
+is behind from a live peer. What we add here, and why:
+
+- **Loopback only.** ``Manager`` binds its RPC server to ``[::]`` and its default checkpoint
+  transport is an HTTP server on all interfaces. We hand it ``PGTransport`` (the state goes
+  over the replica gloo group itself: no extra listener) and bind the RPC server to the
+  address we were given (loopback by default) -- see ``_bound_manager_server``.
+- **One replica = one process.** Each replica has its own TCP store on loopback (torchft
+  wants one per replica group) and ``world_size=1`` inside the group.
+- **Blocking quorum.** ``use_async_quorum=False``: a joining replica is healed before the
+  round starts, so every member of a quorum takes part in its average.
+
+The algorithm (what to average, when to commit) is not here: ``syncplane.algorithms.diloco.elastic``
+drives a ``ReplicaGroup`` through the small protocol it declares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Environment the launcher gives each elastic replica.
+LIGHTHOUSE_ENV = "SYNCPLANE_LIGHTHOUSE"
+REPLICA_ENV = "SYNCPLANE_REPLICA"
+REPLICAS_ENV = "SYNCPLANE_REPLICAS"
+RESTART_ENV = "SYNCPLANE_RESTART_COUNT"
+ELASTIC_DIR_ENV = "SYNCPLANE_ELASTIC_DIR"
+
+
+class ElasticUnavailable(RuntimeError):
+    """torchft is missing (``pip install 'syncplane[ft]'``)."""
+
+
+def _require_torchft() -> None:
+    # torchft's Rust side logs every quorum at INFO to stderr; warnings are what a user needs
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:   # pragma: no cover - the ft extra is installed by make setup
+        raise ElasticUnavailable("elastic=true needs torchft: pip install 'syncplane[ft]' (torchft==0.2.0)") from exc
+
+
+def check_bind_host(host: str) -> str:
+    """Refuse a wildcard bind: the quorum service must listen on loopback or on the one
+    address the user named (it accepts joins from anyone who can reach it)."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ValueError(f"elastic lighthouse_host: {host!r} is not an IP address (use 127.0.0.1 or a NIC's address)") from None
+    if ip.is_unspecified:
+        raise ValueError(f"elastic lighthouse_host: {host!r} would listen on every interface; "
+                         "give 127.0.0.1 or one NIC's address")
+    return str(ip)
+
+
+@dataclass
+class Lighthouse:
+    """A running quorum service (torchft's ``LighthouseServer``) and its address."""
+
+    server: Any
+    address: str
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+def start_lighthouse(host: str = "127.0.0.1", port: int = 0, *, min_replicas: int = 1,
+                     join_timeout_s: float = 60.0, heartbeat_timeout_s: float = 5.0,
+                     quorum_tick_ms: int = 100) -> Lighthouse:
+    """Start the quorum service in this process, bound to ``host:port`` only.
+
+    ``join_timeout_s``: how long a quorum waits for a heartbeating replica that has not asked
+    to join yet (a replica at the end of its round); ``heartbeat_timeout_s``: silence after
+    which a replica is no longer counted (a dead or hung one).
+    """
+    _require_torchft()
+    from torchft._torchft import LighthouseServer
+
+    host = check_bind_host(host)
+    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    server = LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
+                              quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+    # the server reports its hostname; replicas must dial the address it is bound to
+    bound_port = int(server.address().rsplit(":", 1)[1])
+    address = f"http://[{host}]:{bound_port}" if ":" in host else f"http://{host}:{bound_port}"
+    log.info("elastic: lighthouse on %s (min_replicas=%d, join %.1f s, heartbeat %.1f s)",
+             address, min_replicas, join_timeout_s, heartbeat_timeout_s)
+    return Lighthouse(server, address)
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _bound_manager_server(host: str) -> Iterator[None]:
+    """While a ``Manager`` is built, make its RPC server bind ``host`` instead of ``[::]``
+    (torchft 0.2.0 hard-codes the wildcard). The server class is looked up in
+    ``torchft.manager``'s namespace at construction, so swapping that name is enough."""
+    import torchft.manager as tm
+
+    original = tm.ManagerServer
+    bind_host = f"[{host}]" if ":" in host else host
+
+    def bound(**kwargs: Any) -> Any:
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"{bind_host}:{port}"})
+
+    with _PATCH_LOCK:
+        tm.ManagerServer = bound   # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            tm.ManagerServer = original   # type: ignore[assignment]
+
+
+@dataclass
+class QuorumView:
+    """What one quorum decided, as seen by this replica."""
+
+    quorum_id: int
+    participants: int
+    step: int
+
+
+class ReplicaGroup:
+    """This replica's membership in the elastic job: quorum, fault-tolerant average,
+    commit vote and healing, over a torchft ``Manager``.
+
+    Args:
+        replica_id: a stable name (``replica3``): the Lighthouse keeps a restarted process
+            apart from its dead predecessor by a fresh suffix torchft adds.
+        lighthouse: the quorum service's address.
+        state_dict / load_state_dict: what a healing replica receives from a live peer.
+        host: the address this replica's servers bind (loopback by default).
+        round_timeout_s: collectives, the commit vote and the heal transfer give up after it.
+        quorum_timeout_s: how long to wait for a quorum (a joiner waits for the others'
+            round boundary, up to one round).
+        connect_timeout_s: reaching the Lighthouse / a peer's manager.
+    """
+
+    def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], Any],
+                 load_state_dict: Callable[[Any], None], *, host: str = "127.0.0.1",
+                 round_timeout_s: float = 30.0, quorum_timeout_s: float = 120.0,
+                 connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1) -> None:
+        _require_torchft()
+        from torch.distributed import TCPStore
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        host = check_bind_host(host)
+        timeout = timedelta(seconds=round_timeout_s)
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._pg = ProcessGroupGloo(timeout=timeout)
+        transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
+        with _bound_manager_server(host):
+            self.manager = Manager(
+                pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+                use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
+                connect_timeout=timedelta(seconds=connect_timeout_s), rank=0, world_size=1, store_addr=host,
+                store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=replica_id,
+                hostname=host, heartbeat_interval=timedelta(seconds=heartbeat_interval_s),
+                checkpoint_transport=transport, init_sync=False,   # same seed everywhere: θ_0 is already equal
+            )
+
+    def quorum(self) -> QuorumView:
+        """Join the next quorum (blocking); heals this replica first if it is behind."""
+        self.manager.start_quorum()
+        return QuorumView(quorum_id=int(self.manager._quorum_id), participants=self.manager.num_participants(),
+                          step=self.manager.current_step())
+
+    def allreduce_mean_(self, flat: torch.Tensor) -> bool:
+        """Average ``flat`` in place over this quorum. False (and ``flat`` undefined) if a
+        peer was lost or timed out: the round is then discarded by ``commit``."""
+        try:
+            self.manager.allreduce(flat).wait()
+        except Exception as exc:   # torchft reports the error to the manager too
+            log.warning("elastic: average failed (%s); the round will be discarded", exc)
+            return False
+        return self.manager.errored() is None
+
+    def commit(self) -> bool:
+        """The commit vote: True when every member of this replica's group succeeded.
+        Replicas that disagree across the quorum are reconciled at the next quorum: the
+        one that did not commit is behind by one step and heals from one that did."""
+        return bool(self.manager.should_commit())
+
+    @property
+    def step(self) -> int:
+        return self.manager.current_step()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.manager.shutdown(wait=False)
+        with contextlib.suppress(Exception):
+            self._pg.shutdown()
+
+
+
+def start_barrier(folder: str | os.PathLike[str], replica: int, replicas: int, timeout_s: float) -> int:
+    """Wait until all ``replicas`` first starts have their ``ReplicaGroup`` up (heartbeating),
+    so the job's first quorum holds every replica instead of whichever started first (the
+    others would then be admitted one by one, each healing). A file per replica in
+    ``folder``; gives up after ``timeout_s`` and goes on with those present (returned)."""
+    ready = Path(folder) / "elastic_ready"
+    ready.mkdir(parents=True, exist_ok=True)
+    (ready / f"replica{replica}").touch()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        present = len(list(ready.glob("replica*")))
+        if present >= replicas:
+            return present
+        if time.monotonic() > deadline:
+            log.warning("elastic: %d of %d replicas started within %.0f s; the first quorum goes on without "
+                        "the others (they join later)", present, replicas, timeout_s)
+            return present
+        time.sleep(0.05)

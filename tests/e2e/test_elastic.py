@@ -1,0 +1,50 @@
+"""Elastic DiLoCo end to end: 3 replicas train digits; replica 2 is killed (SIGKILL) during
+round 3; the other two finish that round without it (discarded together), go on as two; the
+launcher restarts replica 2, which joins at a round boundary, heals from a live peer and
+trains to the end. Every replica that finished holds the same θ_g (digest in its summary)
+and the history shows each membership change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_train import train
+
+pytest.importorskip("torchft")
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "history.jsonl").read_text().splitlines()) if "event" in r]
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> None:
+    result = train("strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.sync_every=3",
+                   "strategy.kwargs.round_timeout_s=10", "strategy.kwargs.heartbeat_timeout_s=3",
+                   "trainer.devices=3", "trainer.max_epochs=10", "trainer.check_val_every_n_epoch=5",
+                   "trainer.max_restarts=1", "+fault.kind=kill", "+fault.rank=2", "+fault.step=7", "seed=5",
+                   f"hydra.run.dir={tmp_path}", timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "rank 2 failed (signal 9); restart 1 of 1" in result.stdout
+    events = _events(tmp_path)
+    sizes = {(e["replica"], e["replicas"]) for e in events if e["event"] == "membership"}
+    assert {(0, 3), (0, 2), (1, 2)} <= sizes                    # started as 3, went on as 2
+    discarded = [e for e in events if e["event"] == "discarded" and e["replica"] in (0, 1)]
+    assert discarded and {e["position"] for e in discarded} == {2}   # round 3, dropped by both survivors
+    heals = [e for e in events if e["event"] == "heal" and e["replica"] == 2]
+    assert len(heals) == 1 and heals[0]["position"] > 2 and heals[0]["replicas"] == 3
+    assert heals[0]["bytes"] > 0
+    assert (0, 3) in {(e["replica"], e["replicas"]) for e in events
+                      if e["event"] == "membership" and e["position"] == heals[0]["position"]}   # back to 3
+    summaries = [json.loads(p.read_text()) for p in [tmp_path / "summary.json",
+                                                      *sorted(tmp_path.glob("replica*/summary.json"))]]
+    assert len(summaries) == 3
+    details = [s["strategy_details"]["elastic"] for s in summaries]
+    assert len({d["theta_sha256"] for d in details}) == 1, details   # one θ_g everywhere
+    assert all(d["rounds_committed"] + d["rounds_discarded"] == details[0]["rounds_committed"]
+               + details[0]["rounds_discarded"] for d in details)
+    assert details[0]["replicas_over_time"][0] == [0, 3] and [3, 2] in details[0]["replicas_over_time"]
+    assert summaries[0]["metrics"]["val_acc"] > 0.8
