@@ -35,7 +35,7 @@ from syncplane import kernels
 from syncplane.algorithms.flexreduce.plan import Plan, plan_for
 from syncplane.algorithms.flexreduce.tree import FlexTree
 from syncplane.comm.group_cache import cached_group
-from syncplane.comm.meter import CommMeter
+from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
 from syncplane.config import ConfigError
@@ -168,7 +168,8 @@ class FlexReduce:
         return tensor
 
     def run_streams(self, tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup],
-                    deadline: float | None = None, keep: list[object] | None = None) -> int:
+                    deadline: float | None = None, keep: list[object] | None = None,
+                    profile: PhaseProfile | None = None) -> int:
         """The mean of every flat tensor in place, tensor s travelling on ``groups[s]`` (its own
         connections); returns the bytes this rank sent.
 
@@ -181,7 +182,9 @@ class FlexReduce:
         ``deadline`` (``time.monotonic()``): a wait past it raises ``TopologyError`` (a
         ``RuntimeError``); the tensors are then partly reduced, so the caller works on copies
         and aborts the groups. ``keep`` receives every in-flight operation, for the caller to
-        hold until the round is over.
+        hold until the round is over. ``profile`` gets, per tick, the time spent posting and
+        each stream's wait per phase (``wait/s<stream>/L<level>-rs|ag``, which includes the
+        sums, also counted alone as ``sum``).
         """
         if len(tensors) != len(groups):
             raise ValueError(f"flexreduce: {len(tensors)} tensors but {len(groups)} groups (one group per stream)")
@@ -199,30 +202,42 @@ class FlexReduce:
             slots = min(len(chunks), len(phases))
             runs.append((chunks, schedules, space, slots, self._scratch(s, slots * space, tensor.dtype), group))
         sent = 0
+        clock = time.perf_counter
         for tick in range(max(len(r[0]) for r in runs) + len(phases) - 1):
             handles = []
-            for chunks, schedules, space, slots, workspace, group in runs:
+            names = []
+            posting = clock()
+            for s, (chunks, schedules, space, slots, workspace, group) in enumerate(runs):
                 for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
                     level, gather = phases[tick - k]
                     slot = k % slots
                     scratch = workspace[slot * space:(slot + 1) * space]
                     handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
-                                                tag=k * len(phases) + tick - k, group=group)
+                                                tag=k * len(phases) + tick - k, group=group, profile=profile)
                     handles.append(handle)
+                    names.append(f"wait/s{s}/L{level}-{'ag' if gather else 'rs'}")
                     sent += nbytes
+            if profile is not None:
+                profile.add("post", clock() - posting)
             if keep is not None:
                 keep.extend(handles)
-            for handle in handles:
+            for handle, name in zip(handles, names):
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TopologyError(f"rank {self.rank}: flexreduce exchange passed its deadline")
                     handle._timeout_s = remaining
+                waiting = clock()
                 handle.wait()
+                if profile is not None:
+                    profile.add(name, clock() - waiting)
+            if profile is not None:
+                profile.add("tick", clock() - posting)
         return sent
 
     def _post(self, chunk: torch.Tensor, sched: LevelSchedule, scratch: torch.Tensor, level: int,
-              gather: bool, tag: int, group: dist.ProcessGroup) -> tuple[Handle, int]:
+              gather: bool, tag: int, group: dist.ProcessGroup,
+              profile: PhaseProfile | None = None) -> tuple[Handle, int]:
         """Launch one phase of one chunk; the handle's wait completes it (sums included).
         Messages go straight to ``group`` (``ProcessGroup.send``/``recv``): the groups here span
         every rank in rank order, so group ranks are the job's ranks -- and a stream's group
@@ -247,11 +262,14 @@ class FlexReduce:
 
         def finish() -> torch.Tensor:
             if not gather:
+                summing = time.perf_counter()
                 for c in sched.combines:
                     width = c.hi - c.lo
                     parts = [chunk[c.lo:c.hi] if s < 0 else scratch[s:s + width] for s in c.sources]
                     kernels.weighted_combine(parts[0], parts[1:], [scale] * (len(parts) - 1), scale,
                                              out=chunk[c.lo:c.hi])
+                if profile is not None:
+                    profile.add("sum", time.perf_counter() - summing)
             return chunk
 
         return Handle(_works=works, _finish=finish, _timeout_s=self.timeout_s,
