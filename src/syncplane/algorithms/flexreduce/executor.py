@@ -26,6 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,8 @@ class FlexReduce:
         self.group = cached_group("flexreduce") if world > 1 and own_group else None
         self._schedules: dict[int, list[LevelSchedule]] = {}
         self._workspace: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._pool: ThreadPoolExecutor | None = None   # run_streams' stream threads, made on first use
+        self._pool_size = 0
 
     def _schedule(self, numel: int) -> list[LevelSchedule]:
         sched = self._schedules.get(numel)
@@ -173,9 +176,9 @@ class FlexReduce:
         """The mean of every flat tensor in place, tensor s travelling on ``groups[s]`` (its own
         connections); returns the bytes this rank sent.
 
-        The streams' wavefronts advance in lockstep: at each tick every stream posts its
-        chunks' phases, then all of them are waited for, so S streams put S flows on each link
-        at once (what a per-flow-capped WAN needs). Each stream runs the plan for its own
+        Each stream runs its own wavefront on its own thread (one stream: on the caller's),
+        all at once, so S streams put S flows on each link (what a per-flow-capped WAN needs)
+        and a slow flow holds back only its own stream. Each stream runs the plan for its own
         length; since an item's sum order depends on the tree only, how the payload is cut
         into streams does not change a single bit of the result.
 
@@ -201,26 +204,45 @@ class FlexReduce:
             space = max((lv.workspace for sched in schedules for lv in sched), default=0)
             slots = min(len(chunks), len(phases))
             runs.append((chunks, schedules, space, slots, self._scratch(s, slots * space, tensor.dtype), group))
+        if len(runs) == 1:
+            return self._wavefront(*runs[0], phases, deadline, keep, profile, stream=0)
+        # one thread per stream: a stream's tick waits for its own flows only, so a flow that
+        # runs slow for a while (its TCP window, the shaper's share) delays its own stream, not
+        # every stream's next tick as a lockstep over all streams did (the waits release the GIL)
+        if self._pool is None or self._pool_size < len(runs):
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool = ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="syncplane-flexreduce")
+            self._pool_size = len(runs)
+        futures = [self._pool.submit(self._wavefront, *run, phases, deadline, keep, profile, stream=s)
+                   for s, run in enumerate(runs)]
+        wait(futures)    # every stream has stopped touching its buffers before anything is raised
+        return sum(f.result() for f in futures)
+
+    def _wavefront(self, chunks: list[torch.Tensor], schedules: list[list[LevelSchedule]], space: int, slots: int,
+                   workspace: torch.Tensor, group: dist.ProcessGroup, phases: list[tuple[int, bool]],
+                   deadline: float | None, keep: list[object] | None, profile: PhaseProfile | None,
+                   stream: int) -> int:
+        """One stream's pipeline: at tick t, chunk k runs phase t − k; returns the bytes sent."""
         sent = 0
         clock = time.perf_counter
-        for tick in range(max(len(r[0]) for r in runs) + len(phases) - 1):
+        for tick in range(len(chunks) + len(phases) - 1):
             handles = []
             names = []
             posting = clock()
-            for s, (chunks, schedules, space, slots, workspace, group) in enumerate(runs):
-                for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
-                    level, gather = phases[tick - k]
-                    slot = k % slots
-                    scratch = workspace[slot * space:(slot + 1) * space]
-                    handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
-                                                tag=k * len(phases) + tick - k, group=group, profile=profile)
-                    handles.append(handle)
-                    names.append(f"wait/s{s}/L{level}-{'ag' if gather else 'rs'}")
-                    sent += nbytes
+            for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
+                level, gather = phases[tick - k]
+                slot = k % slots
+                scratch = workspace[slot * space:(slot + 1) * space]
+                handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
+                                            tag=k * len(phases) + tick - k, group=group, profile=profile)
+                handles.append(handle)
+                names.append(f"wait/s{stream}/L{level}-{'ag' if gather else 'rs'}")
+                sent += nbytes
             if profile is not None:
                 profile.add("post", clock() - posting)
             if keep is not None:
-                keep.extend(handles)
+                keep.extend(handles)     # list.extend is atomic: streams may share ``keep``
             for handle, name in zip(handles, names):
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
@@ -232,7 +254,7 @@ class FlexReduce:
                 if profile is not None:
                     profile.add(name, clock() - waiting)
             if profile is not None:
-                profile.add("tick", clock() - posting)
+                profile.add(f"tick/s{stream}", clock() - posting)
         return sent
 
     def _post(self, chunk: torch.Tensor, sched: LevelSchedule, scratch: torch.Tensor, level: int,
