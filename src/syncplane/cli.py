@@ -203,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
                args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
-               args.exchange)
+               args.exchange, args.profile)
     return 0
 
 
@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="diloco: all-reduce of Δ (auto = FlexReduce's tree on hosts/racks/sites, else owner)")
     bench.add_argument("--compression", default="none", choices=["none", "int8"],
                        help="diloco: codec of Δ on the wire")
+    bench.add_argument("--profile", action="store_true",
+                       help="diloco: time each phase of the exchange (copies, sums, posts, waits per stream "
+                            "and level) on every rank; written to the JSON row's 'profile'")
     bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")
     bench.set_defaults(func=cmd_bench)
 

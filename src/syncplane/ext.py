@@ -24,6 +24,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -134,17 +135,34 @@ def _cuda_arch() -> str:
     return DEFAULT_CUDA_ARCH
 
 
-@functools.lru_cache(maxsize=None)
+#: Serializes the first load: ``lru_cache`` lets threads that call at once all run the loader,
+#: and a thread could then get the module while another was still initializing it ("module
+#: has no attribute 'weighted_combine'": seen with the tree exchange's stream threads).
+_load_lock = threading.Lock()
+
+
 def load_cpu(verbose: bool = False) -> ModuleType:
-    """The CPU kernel module, building it on first use; raises ExtensionError if it cannot."""
+    """The CPU kernel module, building it on first use; raises ExtensionError if it cannot.
+    Thread-safe."""
+    with _load_lock:
+        return _load_cpu(verbose)
+
+
+def load_cuda(verbose: bool = False) -> ModuleType:
+    """The CUDA kernel module (compiled with nvcc; runs only where a GPU exists). Thread-safe."""
+    with _load_lock:
+        return _load_cuda(verbose)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cpu(verbose: bool = False) -> ModuleType:
     module = _load("cpu", CPU_SOURCES, build=True, verbose=verbose)
     assert module is not None
     return module
 
 
 @functools.lru_cache(maxsize=None)
-def load_cuda(verbose: bool = False) -> ModuleType:
-    """The CUDA kernel module (compiled with nvcc; runs only where a GPU exists)."""
+def _load_cuda(verbose: bool = False) -> ModuleType:
     import torch
 
     if torch.version.cuda is None:

@@ -66,8 +66,10 @@ def _percentile(values: list[float], q: float) -> float:
 
 def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int, *, steps: int = 5,
               warmup: int = 1, compute_ms: float = 0.0, period: int = 4, out_dir: Path, shards: int = 1,
-              compression: str = "none", pair_streams: int | str = "auto", exchange: str = "auto") -> dict[str, Any]:
-    """Launch the bench workers on the emulated ``profile`` and assemble the report."""
+              compression: str = "none", pair_streams: int | str = "auto", exchange: str = "auto",
+              phase_profile: bool = False) -> dict[str, Any]:
+    """Launch the bench workers on the emulated ``profile`` and assemble the report
+    (``phase_profile``: each rank's per-phase times of the syncs that keep them, in the row)."""
     from syncplane.launcher import launch_on_cluster
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -78,7 +80,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
             steps = -(-steps // period) * period          # whole averaging rounds
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
                 "compute_ms": compute_ms, "period": period, "shards": shards, "compression": compression,
-                "pair_streams": pair_streams, "exchange": exchange}
+                "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
@@ -111,6 +113,8 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
                         if h.index not in background_senders]
             row["nic_bytes_per_rank"] = statistics.fmean(per_host) if per_host else None
             row["step_s"] = m["step_s"]
+            if m.get("profile"):
+                row["profile"] = m["profile"]
         if name not in algorithms.PLANNED:
             family = algorithms.spec_for(name)
             options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange}
@@ -219,7 +223,8 @@ def log_wandb(report: dict[str, Any], save_dir: Path) -> None:
 
 def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: int, compute_ms: float,
                json_out: str, png: str | None, wandb_log: bool, period: int = 4, shards: int = 1,
-               compression: str = "none", pair_streams: str = "auto", exchange: str = "auto") -> dict[str, Any]:
+               compression: str = "none", pair_streams: str = "auto", exchange: str = "auto",
+               phase_profile: bool = False) -> dict[str, Any]:
     profile = load_profile(cluster)
     names = parse_strategies(strategies)
     payload_bytes = parse_payload(payload)
@@ -243,7 +248,7 @@ def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: 
         raise ConfigError(f"--exchange tree carries exact fp32 only; --compression {compression} needs owner (or auto)")
     report = run_bench(profile, names, payload_bytes, steps=steps, warmup=warmup, compute_ms=compute_ms,
                        period=period, out_dir=work_dir, shards=shards, compression=compression,
-                       pair_streams=streams, exchange=exchange)
+                       pair_streams=streams, exchange=exchange, phase_profile=phase_profile)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

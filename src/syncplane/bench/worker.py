@@ -68,6 +68,9 @@ def main(spec_path: str) -> None:
         warmup = max(spec["warmup"], getattr(sync, "warmup", 0))
         for step in range(warmup):
             sync(payload, step, CommMeter())
+        phases = getattr(sync, "profile", None) if spec.get("profile") else None
+        if phases is not None:
+            phases.reset()      # the timed steps only
         times = []
         tx_before = _nic_tx_bytes()
         for step in range(spec["steps"]):
@@ -85,6 +88,10 @@ def main(spec_path: str) -> None:
             times = [sum(times[i:i + period]) / period for i in range(0, len(times) - period + 1, period)]
         results[name] = {"step_s": times, "comm_bytes": [float(t[1]) / spec["steps"] for t in per_rank],
                          "nic_tx_bytes": [float(t[0]) / spec["steps"] for t in per_rank]}
+        if phases is not None:      # every rank's, in rank order
+            profiles: list[Any] = [None] * world
+            dist.all_gather_object(profiles, phases.as_dict())
+            results[name]["profile"] = profiles
         if rank == 0:
             print(f"bench: {name} median {sorted(times)[len(times) // 2]:.3f} s/step", flush=True)
             if hasattr(sync, "describe"):

@@ -30,7 +30,7 @@ from syncplane.comm.context import (
 )
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce, hierarchical_neighbor_allreduce_tensors
-from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
+from syncplane.comm.meter import CommMeter, PhaseProfile, ring_allreduce_bytes
 from syncplane.comm.neighbor import (
     allgather,
     allgather_nonblocking,
@@ -69,7 +69,7 @@ from syncplane.comm.window import (
 )
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "Bucket", "CommMeter", "Handle", "TopologyError", "allreduce", "allreduce_mean_",
+    "DEFAULT_BUCKET_BYTES", "Bucket", "CommMeter", "Handle", "PhaseProfile", "TopologyError", "allreduce", "allreduce_mean_",
     "allreduce_nonblocking", "broadcast", "broadcast_nonblocking", "check_plan", "hierarchical_neighbor_allreduce",
     "hierarchical_neighbor_allreduce_tensors",
     "in_neighbor_ranks", "load_topology", "make_buckets", "mean_and_distance", "neighbor_allgather",

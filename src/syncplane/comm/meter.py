@@ -47,3 +47,41 @@ class CommMeter:
             yield
         finally:
             self.record(start, time.perf_counter(), bytes_sent)
+
+
+class PhaseProfile:
+    """Wall seconds spent in each phase of an exchange, per phase name (thread-safe).
+
+    Why: a round's total time says how far it is from its bound but not where the rest
+    went -- copying, summing, posting messages, or waiting on the wire (per stream, per
+    level). An exchange that is handed one (``ShardedAllReduce.profile``) adds
+    ``phase -> seconds`` and a count; off (None) it costs nothing. Names are free-form,
+    e.g. ``wait/s3/L1-rs`` (stream 3, level 1's reduce-scatter)."""
+
+    def __init__(self) -> None:
+        self._lock = Lock()
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+            self.counts[phase] = self.counts.get(phase, 0) + 1
+
+    @contextmanager
+    def time(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - start)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds.clear()
+            self.counts.clear()
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """``{phase: {"s": seconds, "n": count}}``, phases sorted by name."""
+        with self._lock:
+            return {k: {"s": round(self.seconds[k], 6), "n": self.counts[k]} for k in sorted(self.seconds)}

@@ -43,6 +43,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
-from syncplane.comm.meter import CommMeter
+from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.process_groups import control_group
 
 _TAG_SCATTER, _TAG_GATHER = 1, 2
@@ -86,10 +87,12 @@ class StreamPattern(Protocol):
     """An all-reduce (mean) that runs one flat fp32 tensor per stream, each on its own group."""
 
     def run_streams(self, tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup],
-                    deadline: float | None = None, keep: list[object] | None = None) -> int:
+                    deadline: float | None = None, keep: list[object] | None = None,
+                    profile: PhaseProfile | None = None) -> int:
         """Every tensor replaced by its mean over the ranks, tensor s on ``groups[s]``; raise
         ``RuntimeError`` past ``deadline`` (``time.monotonic()``); put in-flight operations in
-        ``keep``; return the bytes this rank sent. Bit-identical on every rank, for any cut."""
+        ``keep``; add the time of each phase to ``profile`` if given; return the bytes this
+        rank sent. Bit-identical on every rank, for any cut."""
         ...
 
     def bytes_per_rank(self, numel: int, element_size: int) -> int:
@@ -149,9 +152,12 @@ class ShardedAllReduce:
         self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
         self._groups = self._build_groups()
         self._feedback: tuple[ErrorFeedback, ...] | None = None
+        #: set a ``PhaseProfile`` to have each round's phases timed (``syncplane bench --profile``)
+        self.profile: PhaseProfile | None = None
         # operations (and their buffers) of the current round: kept alive until the round
         # completes or its groups are aborted, so a late message never lands in freed memory
         self._inflight: list[object] = []
+        self._copy = torch.empty(0)    # the pattern's working copy of the buffer
 
     # ------------------------------------------------------------------ public
 
@@ -180,17 +186,20 @@ class ShardedAllReduce:
         start = time.perf_counter()
         sent = 0
         try:
-            out, sent = self._exchange(flat, feedback, offset)
+            with self._phase("exchange"):
+                out, sent = self._exchange(flat, feedback, offset)
             ok = True
         except RuntimeError as exc:        # gloo: timeout, connection closed by a failed peer
             out, ok = None, False
             self.last_error = f"{type(exc).__name__}: {exc}"
-        committed = self._agree(ok)
+        with self._phase("agree"):
+            committed = self._agree(ok)
         if meter is not None:
             meter.record(start, time.perf_counter(), sent)
         if committed:
             assert out is not None
-            flat.copy_(out)
+            with self._phase("copy-out"):
+                flat.copy_(out)
             self._inflight.clear()
             return True
         if saved is not None:
@@ -199,6 +208,7 @@ class ShardedAllReduce:
         self.failures += 1
         self._rebuild()
         self._inflight.clear()
+        self._copy = torch.empty(0)    # a fresh working copy after a failed round
         return False
 
     def bytes_per_round(self, numel: int) -> int:
@@ -281,10 +291,15 @@ class ShardedAllReduce:
                   ) -> tuple[torch.Tensor, int]:
         deadline = time.monotonic() + self.timeout_s
         if self.pattern is not None:   # on a copy: a failed round must leave ``flat`` as it was
-            out = flat.clone()
+            with self._phase("clone"):
+                # a buffer kept between rounds: a fresh one each round costs its page faults
+                # (measured 40-80 ms for 32 MB on the loaded 2-core machine; the copy ~5 ms)
+                if self._copy.numel() != flat.numel():
+                    self._copy = torch.empty_like(flat)
+                out = self._copy.copy_(flat)
             self._inflight.append(out)
             parts = [out[a:b] for a, b in shard_bounds(flat.numel(), self.shards)]
-            return out, self.pattern.run_streams(parts, self._groups, deadline, self._inflight)
+            return out, self.pattern.run_streams(parts, self._groups, deadline, self._inflight, self.profile)
         local_ef, owner_ef = feedback
         segments = self._segments(flat.numel())
         me, n = self.rank, self.size
@@ -302,6 +317,7 @@ class ShardedAllReduce:
         gathered: dict[tuple[int, int], torch.Tensor] = {}
         keep = self._inflight
         keep.extend([scattered, gathered])
+        posting = time.perf_counter()
         for s, group in enumerate(self._groups):
             for owner, (lo, hi) in enumerate(segments[s]):
                 if hi == lo:        # nothing to send (a codec may still have a header: skip it)
@@ -321,20 +337,24 @@ class ShardedAllReduce:
                     scattered[s, src] = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
                     scatter_recvs[s].append(group.recv([scattered[s, src]], src, _TAG_SCATTER))
         keep.extend(sends + gather_recvs + [w for ws in scatter_recvs for w in ws])
+        if self.profile is not None:
+            self.profile.add("post", time.perf_counter() - posting)
 
         # owners: sum in rank order, mean, encode once, send the mean to everyone
         for s, group in enumerate(self._groups):
             lo, hi = segments[s][me]
             if hi == lo:
                 continue
-            _wait_all(scatter_recvs[s], deadline)
-            parts = [own[s] if r == me else scattered[s, r] for r in range(n)]
-            acc = self.codec.extract(parts[0], hi - lo).clone()
-            for part in parts[1:]:
-                acc += self.codec.extract(part, hi - lo)
-            acc /= n
-            data = owner_ef.compress(acc, offset + lo)
-            out[lo:hi] = self.codec.extract(data, hi - lo)
+            with self._phase(f"wait/s{s}/scatter"):
+                _wait_all(scatter_recvs[s], deadline)
+            with self._phase("sum"):
+                parts = [own[s] if r == me else scattered[s, r] for r in range(n)]
+                acc = self.codec.extract(parts[0], hi - lo).clone()
+                for part in parts[1:]:
+                    acc += self.codec.extract(part, hi - lo)
+                acc /= n
+                data = owner_ef.compress(acc, offset + lo)
+                out[lo:hi] = self.codec.extract(data, hi - lo)
             keep.append(data)
             for dst in range(n):
                 if dst != me:
@@ -342,11 +362,15 @@ class ShardedAllReduce:
                     sends.append(work)
                     keep.append(work)
                     sent += data.numel()
-        _wait_all(gather_recvs + sends, deadline)
+        with self._phase("wait/gather"):
+            _wait_all(gather_recvs + sends, deadline)
         for (s, owner), data in gathered.items():
             lo, hi = segments[s][owner]
             out[lo:hi] = self.codec.extract(data, hi - lo)
         return out, sent
+
+    def _phase(self, name: str) -> AbstractContextManager[None]:
+        return self.profile.time(name) if self.profile is not None else nullcontext()
 
     def _agree(self, ok: bool) -> bool:
         """Collective: True only if every rank's round succeeded."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.exchange import build_exchange
-from syncplane.comm import CommMeter
+from syncplane.comm import CommMeter, PhaseProfile
 
 
 class DiLoCoStep:
@@ -27,12 +28,24 @@ class DiLoCoStep:
                                                        exchange=options.get("exchange", "auto"))
         self.outer: OuterOptimizer | None = None
         self.flat = torch.empty(0)
+        # ``syncplane bench --profile``: each phase timed (the worker resets it after the warmup)
+        self.profile = PhaseProfile() if options.get("profile") else None
+        self.allreduce.profile = self.profile
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
         if self.outer is None or self.flat.numel() != payload.numel():
             self.outer, self.flat = OuterOptimizer(payload), torch.empty_like(payload)
         if (step + 1) % self.period:
             return
-        self.flat.copy_(payload)
-        if self.outer.round_(self.flat, lambda flat: self.allreduce.allreduce_mean_(flat, meter)):
-            payload.copy_(self.flat)
+        with self._phase("copy-in"):
+            self.flat.copy_(payload)
+        with self._phase("outer-delta"):       # ``OuterOptimizer.round_``, each half timed
+            self.outer.begin_round_(self.flat)
+        if self.allreduce.allreduce_mean_(self.flat, meter):
+            with self._phase("outer-step"):
+                self.outer.finish_round_(self.flat)
+            with self._phase("copy-back"):
+                payload.copy_(self.flat)
+
+    def _phase(self, name: str) -> AbstractContextManager[None]:
+        return self.profile.time(name) if self.profile is not None else nullcontext()

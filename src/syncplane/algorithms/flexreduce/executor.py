@@ -26,6 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ from syncplane import kernels
 from syncplane.algorithms.flexreduce.plan import Plan, plan_for
 from syncplane.algorithms.flexreduce.tree import FlexTree
 from syncplane.comm.group_cache import cached_group
-from syncplane.comm.meter import CommMeter
+from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
 from syncplane.config import ConfigError
@@ -130,6 +131,8 @@ class FlexReduce:
         self.group = cached_group("flexreduce") if world > 1 and own_group else None
         self._schedules: dict[int, list[LevelSchedule]] = {}
         self._workspace: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._pool: ThreadPoolExecutor | None = None   # run_streams' stream threads, made on first use
+        self._pool_size = 0
 
     def _schedule(self, numel: int) -> list[LevelSchedule]:
         sched = self._schedules.get(numel)
@@ -168,20 +171,23 @@ class FlexReduce:
         return tensor
 
     def run_streams(self, tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup],
-                    deadline: float | None = None, keep: list[object] | None = None) -> int:
+                    deadline: float | None = None, keep: list[object] | None = None,
+                    profile: PhaseProfile | None = None) -> int:
         """The mean of every flat tensor in place, tensor s travelling on ``groups[s]`` (its own
         connections); returns the bytes this rank sent.
 
-        The streams' wavefronts advance in lockstep: at each tick every stream posts its
-        chunks' phases, then all of them are waited for, so S streams put S flows on each link
-        at once (what a per-flow-capped WAN needs). Each stream runs the plan for its own
+        Each stream runs its own wavefront on its own thread (one stream: on the caller's),
+        all at once, so S streams put S flows on each link (what a per-flow-capped WAN needs)
+        and a slow flow holds back only its own stream. Each stream runs the plan for its own
         length; since an item's sum order depends on the tree only, how the payload is cut
         into streams does not change a single bit of the result.
 
         ``deadline`` (``time.monotonic()``): a wait past it raises ``TopologyError`` (a
         ``RuntimeError``); the tensors are then partly reduced, so the caller works on copies
         and aborts the groups. ``keep`` receives every in-flight operation, for the caller to
-        hold until the round is over.
+        hold until the round is over. ``profile`` gets, per tick, the time spent posting and
+        each stream's wait per phase (``wait/s<stream>/L<level>-rs|ag``, which includes the
+        sums, also counted alone as ``sum``).
         """
         if len(tensors) != len(groups):
             raise ValueError(f"flexreduce: {len(tensors)} tensors but {len(groups)} groups (one group per stream)")
@@ -198,31 +204,62 @@ class FlexReduce:
             space = max((lv.workspace for sched in schedules for lv in sched), default=0)
             slots = min(len(chunks), len(phases))
             runs.append((chunks, schedules, space, slots, self._scratch(s, slots * space, tensor.dtype), group))
+        if len(runs) == 1:
+            return self._wavefront(*runs[0], phases, deadline, keep, profile, stream=0)
+        # one thread per stream: a stream's tick waits for its own flows only, so a flow that
+        # runs slow for a while (its TCP window, the shaper's share) delays its own stream, not
+        # every stream's next tick as a lockstep over all streams did (the waits release the GIL)
+        if self._pool is None or self._pool_size < len(runs):
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool = ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="syncplane-flexreduce")
+            self._pool_size = len(runs)
+        futures = [self._pool.submit(self._wavefront, *run, phases, deadline, keep, profile, stream=s)
+                   for s, run in enumerate(runs)]
+        wait(futures)    # every stream has stopped touching its buffers before anything is raised
+        return sum(f.result() for f in futures)
+
+    def _wavefront(self, chunks: list[torch.Tensor], schedules: list[list[LevelSchedule]], space: int, slots: int,
+                   workspace: torch.Tensor, group: dist.ProcessGroup, phases: list[tuple[int, bool]],
+                   deadline: float | None, keep: list[object] | None, profile: PhaseProfile | None,
+                   stream: int) -> int:
+        """One stream's pipeline: at tick t, chunk k runs phase t − k; returns the bytes sent."""
         sent = 0
-        for tick in range(max(len(r[0]) for r in runs) + len(phases) - 1):
+        clock = time.perf_counter
+        for tick in range(len(chunks) + len(phases) - 1):
             handles = []
-            for chunks, schedules, space, slots, workspace, group in runs:
-                for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
-                    level, gather = phases[tick - k]
-                    slot = k % slots
-                    scratch = workspace[slot * space:(slot + 1) * space]
-                    handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
-                                                tag=k * len(phases) + tick - k, group=group)
-                    handles.append(handle)
-                    sent += nbytes
+            names = []
+            posting = clock()
+            for k in range(max(0, tick - len(phases) + 1), min(len(chunks), tick + 1)):
+                level, gather = phases[tick - k]
+                slot = k % slots
+                scratch = workspace[slot * space:(slot + 1) * space]
+                handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
+                                            tag=k * len(phases) + tick - k, group=group, profile=profile)
+                handles.append(handle)
+                names.append(f"wait/s{stream}/L{level}-{'ag' if gather else 'rs'}")
+                sent += nbytes
+            if profile is not None:
+                profile.add("post", clock() - posting)
             if keep is not None:
-                keep.extend(handles)
-            for handle in handles:
+                keep.extend(handles)     # list.extend is atomic: streams may share ``keep``
+            for handle, name in zip(handles, names):
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TopologyError(f"rank {self.rank}: flexreduce exchange passed its deadline")
                     handle._timeout_s = remaining
+                waiting = clock()
                 handle.wait()
+                if profile is not None:
+                    profile.add(name, clock() - waiting)
+            if profile is not None:
+                profile.add(f"tick/s{stream}", clock() - posting)
         return sent
 
     def _post(self, chunk: torch.Tensor, sched: LevelSchedule, scratch: torch.Tensor, level: int,
-              gather: bool, tag: int, group: dist.ProcessGroup) -> tuple[Handle, int]:
+              gather: bool, tag: int, group: dist.ProcessGroup,
+              profile: PhaseProfile | None = None) -> tuple[Handle, int]:
         """Launch one phase of one chunk; the handle's wait completes it (sums included).
         Messages go straight to ``group`` (``ProcessGroup.send``/``recv``): the groups here span
         every rank in rank order, so group ranks are the job's ranks -- and a stream's group
@@ -247,11 +284,14 @@ class FlexReduce:
 
         def finish() -> torch.Tensor:
             if not gather:
+                summing = time.perf_counter()
                 for c in sched.combines:
                     width = c.hi - c.lo
                     parts = [chunk[c.lo:c.hi] if s < 0 else scratch[s:s + width] for s in c.sources]
                     kernels.weighted_combine(parts[0], parts[1:], [scale] * (len(parts) - 1), scale,
                                              out=chunk[c.lo:c.hi])
+                if profile is not None:
+                    profile.add("sum", time.perf_counter() - summing)
             return chunk
 
         return Handle(_works=works, _finish=finish, _timeout_s=self.timeout_s,
