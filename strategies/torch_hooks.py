@@ -8,13 +8,28 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from syncplane.algorithms.torch_hooks import HookConfig
 from syncplane.strategies.registry import register
 
 
+class TorchHookStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` on CUDA only (a torch 1.8
+    restriction, its comment says) and silently drops it on CPU; torch's hooks run on gloo
+    today (``tests/dist/test_torch_hooks.py``), so the hook is registered on any device."""
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
+                                ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
+
+
 @register("torch_fp16")
-class TorchFp16Strategy(DDPStrategy):
+class TorchFp16Strategy(TorchHookStrategy):
     """DDP whose gradient buckets are all-reduced in fp16 (torch's ``fp16_compress_hook``).
     Args: ``DDPStrategy``'s."""
 
@@ -25,7 +40,7 @@ class TorchFp16Strategy(DDPStrategy):
 
 
 @register("torch_powersgd")
-class TorchPowerSGDStrategy(DDPStrategy):
+class TorchPowerSGDStrategy(TorchHookStrategy):
     """DDP with torch's ``powerSGD_hook``. Args: those of ``HookConfig`` (the rank, when
     compression starts, ...), then ``DDPStrategy``'s."""
 

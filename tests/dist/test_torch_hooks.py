@@ -87,6 +87,8 @@ def test_torch_hooks_against_their_definitions(tmp_path) -> None:
                 for rank in range(world):
                     errors[rank][i] = m[rank] - o
 
+    # the hooks did run through Lightning (it drops them on CPU unless the strategy registers them)
+    assert not torch.equal(fits["torch_fp16"], fits["ddp"])
     torch.testing.assert_close(fits["torch_fp16"], fits["ddp"], rtol=2e-3, atol=2e-3)
     assert not torch.equal(fits["torch_powersgd"], fits["ddp"])
     assert ((fits["torch_powersgd"] - fits["ddp"]).norm() / fits["ddp"].norm()) < 0.2

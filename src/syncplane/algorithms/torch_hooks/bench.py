@@ -4,7 +4,7 @@ reducer and hook, not a re-implementation."""
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -60,8 +60,9 @@ class TorchHookStep:
         self.warmup = self.config.start_powerSGD_iter if name == "torch_powersgd" else 0
         self._model: DistributedDataParallel | None = None
         self._numel = -1
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        # one long-lived thread (not one per step: the soak counts threads)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-hook")
+        self._running: Future[None] | None = None
         self._pending: tuple[torch.Tensor, float, CommMeter] | None = None
 
     def describe(self) -> str:
@@ -77,30 +78,23 @@ class TorchHookStep:
         return self._model
 
     def _backward(self, payload: torch.Tensor) -> None:
-        try:
-            model = self._ddp(payload.numel())
-            grads = [g.view(w.shape) for g, w in zip(payload.split([w.numel() for w in model.module.weights]),
-                                                     model.module.weights)]
-            model.zero_grad(set_to_none=False)
-            model(grads).backward()
-            torch.cat([w.grad.reshape(-1) for w in model.module.weights], out=payload)
-        except BaseException as exc:   # re-raised by wait() on the bench's thread
-            self._error = exc
+        model = self._ddp(payload.numel())
+        grads = [g.view(w.shape) for g, w in zip(payload.split([w.numel() for w in model.module.weights]),
+                                                 model.module.weights)]
+        model.zero_grad(set_to_none=False)
+        model(grads).backward()
+        torch.cat([w.grad.reshape(-1) for w in model.module.weights], out=payload)
 
     def launch(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
-        self._error = None
         self._pending = (payload, time.perf_counter(), meter)
-        self._thread = threading.Thread(target=self._backward, args=(payload,), name="torch-hook")
-        self._thread.start()
+        self._running = self._worker.submit(self._backward, payload)
 
     def wait(self) -> None:
-        if self._thread is None or self._pending is None:
+        if self._running is None or self._pending is None:
             raise RuntimeError("wait() without launch()")
-        self._thread.join()
-        payload, start, meter = self._pending
-        self._thread = self._pending = None
-        if self._error is not None:
-            raise self._error
+        running, (payload, start, meter) = self._running, self._pending
+        self._running = self._pending = None
+        running.result()   # re-raises what the backward raised
         elements = sum(self.config.compressed_elements(s) for s in payload_shapes(payload.numel()))
         width = 2 if self.config.name == "torch_fp16" else 4
         meter.record(start, time.perf_counter(), ring_allreduce_bytes(elements * width, dist.get_world_size()))
