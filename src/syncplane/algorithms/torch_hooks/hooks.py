@@ -17,6 +17,31 @@ from syncplane.config import ConfigError
 HOOK_NAMES = ("torch_fp16", "torch_powersgd")
 
 
+class SerializedState:
+    """PowerSGD's state plus the future of the bucket hooked last.
+
+    torch's ``powerSGD_hook`` launches a bucket's P all-reduce from the autograd thread and
+    its Q all-reduce from P's completion callback; with several buckets in flight the order
+    in which collectives reach the process group then depends on timing and differs
+    between ranks -- on gloo that is a size mismatch and an abort (seen on ``multi_nic``
+    with the ResNet-50 payload: "Received data size doesn't match expected size"). Waiting
+    for the previous bucket before hooking the next keeps one order on every rank; it
+    costs the overlap between buckets, not the overlap with the backward.
+    """
+
+    def __init__(self, state: powerSGD_hook.PowerSGDState) -> None:
+        self.state = state
+        self.last: Any = None
+
+
+def serialized_powersgd_hook(holder: SerializedState, bucket: Any) -> Any:
+    """torch's ``powerSGD_hook``, one bucket at a time (see ``SerializedState``)."""
+    if holder.last is not None:
+        holder.last.wait()
+    holder.last = powerSGD_hook.powerSGD_hook(holder.state, bucket)
+    return holder.last
+
+
 @dataclass(frozen=True)
 class HookConfig:
     """Args:
@@ -51,14 +76,15 @@ class HookConfig:
 
     def hook(self) -> tuple[Any, Callable[..., Any]]:
         """(state, hook) for ``DistributedDataParallel.register_comm_hook`` (the default
-        process group: ``None`` makes torch use it when the hook runs)."""
+        process group: ``None`` makes torch use it when the hook runs). PowerSGD's hook is
+        serialized over buckets (``SerializedState``)."""
         if self.name == "torch_fp16":
             return None, default_hooks.fp16_compress_hook
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=self.matrix_approximation_rank,
             start_powerSGD_iter=self.start_powerSGD_iter, min_compression_rate=self.min_compression_rate,
             use_error_feedback=self.use_error_feedback, warm_start=self.warm_start)
-        return state, powerSGD_hook.powerSGD_hook
+        return SerializedState(state), serialized_powersgd_hook
 
     def compressed_elements(self, shape: tuple[int, ...]) -> int:
         """Elements one rank all-reduces for a gradient of ``shape`` (after the warm-up)."""
