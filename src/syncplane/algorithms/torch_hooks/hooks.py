@@ -34,8 +34,10 @@ class SerializedState:
         self.last: Any = None
 
 
-def serialized_powersgd_hook(holder: SerializedState, bucket: Any) -> Any:
-    """torch's ``powerSGD_hook``, one bucket at a time (see ``SerializedState``)."""
+def serialized_powersgd_hook(holder: SerializedState, bucket):  # type: ignore[no-untyped-def]
+    """torch's ``powerSGD_hook``, one bucket at a time (see ``SerializedState``). Not
+    annotated: DDP rejects a hook whose ``bucket`` annotation is not ``dist.GradBucket``
+    itself, and this module's annotations are strings."""
     if holder.last is not None:
         holder.last.wait()
     holder.last = powerSGD_hook.powerSGD_hook(holder.state, bucket)
