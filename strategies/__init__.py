@@ -14,5 +14,6 @@ from syncplane.strategies import decentralized  # noqa: E402,F401  (atc, awc, h_
 from syncplane.strategies import diloco  # noqa: E402,F401  (diloco)
 from syncplane.strategies import ds_sync  # noqa: E402,F401  (ds_sync)
 from syncplane.strategies import flexreduce  # noqa: E402,F401  (flexreduce)
+from syncplane.strategies import torch_hooks  # noqa: E402,F401  (torch_fp16, torch_powersgd)
 
 __all__ = ["SyncplaneStrategy", "build", "names", "register", "strategy_class"]

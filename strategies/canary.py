@@ -18,7 +18,11 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
   gradient hooks.
 - ``before_parameter_update``: after the backward, wait for every colayer's exchange (the
   ones no hook started -- unused parameters, accumulation -- start now; missing gradients
-  count as zeros) and unpack the averaged gradients.
+  count as zeros) and unpack the averaged gradients. With ``staleness: s`` > 0 it waits
+  only for the aggregate of step k - s (``algorithms/canary/gei.py``) and leaves this
+  step's exchanges running; parameters with nothing due get no gradient (skipped).
+- ``before_optimizer_step``: the step starts (with ``staleness`` > 0 it is published on the
+  store, the GEI's step counters).
 - ``rank_state_dict`` / ``load_rank_state_dict``: this rank's error-feedback residuals (what
   its own pieces and the pieces it owns have not delivered yet), so a resume loses nothing.
 """
@@ -34,9 +38,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane import kernels
-from syncplane.algorithms.canary import BackwardPipeline, CanaryConfig, CanaryEngine
+from syncplane.algorithms.canary import GEI, BackwardPipeline, CanaryConfig, CanaryEngine
 from syncplane.algorithms.canary.bench import make_transport
 from syncplane.comm import Bucket, make_buckets
+from syncplane.comm.board import StoreBoard
 from syncplane.comm.sharded import ShardedAllReduce
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
@@ -45,21 +50,22 @@ from syncplane.strategies.registry import register
 @register("canary")
 class CanaryStrategy(SyncplaneStrategy):
     """Args: those of ``CanaryConfig`` (compression, exact_fraction, quantile_weight, nics,
-    bucket_cap_mb, sync_timeout_s), then ``SyncplaneStrategy``'s."""
+    bucket_cap_mb, sync_timeout_s, staleness, proportion), then ``SyncplaneStrategy``'s."""
 
-    replicas_identical = True   # every rank applies the same decoded mean gradient
+    replicas_identical = True   # every rank applies the same decoded mean gradient (of the same step)
 
     def __init__(self, compression: str = "sketch", exact_fraction: float = 0.01, quantile_weight: float = 0.3,
                  nics: int | str = "auto", bucket_cap_mb: float = 25.0, sync_timeout_s: float = 600.0,
-                 **kwargs: Any) -> None:
+                 staleness: int = 0, proportion: float | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = CanaryConfig(compression=compression, exact_fraction=exact_fraction,
                                    quantile_weight=quantile_weight, nics=nics, bucket_cap_mb=bucket_cap_mb,
-                                   sync_timeout_s=sync_timeout_s)
+                                   sync_timeout_s=sync_timeout_s, staleness=staleness, proportion=proportion)
         self._colayers: list[Bucket] = []
         self._engine: CanaryEngine | None = None
         self._transport: ShardedAllReduce | None = None
         self._pipeline: BackwardPipeline | None = None
+        self.gei: GEI | None = None
         self._hooks: list[Any] = []
         self._colayer_of: dict[int, int] = {}
         self._missing: list[int] = []
@@ -73,7 +79,10 @@ class CanaryStrategy(SyncplaneStrategy):
         self._colayers = make_buckets(list(reversed(params)), self.config.bucket_bytes)
         self._transport = make_transport(self.config)
         self._engine = CanaryEngine([c.buffer.numel() for c in self._colayers], self.world_size, self._transport)
-        self._pipeline = BackwardPipeline(self._engine, self._pack, self.comm_meter)
+        self.gei = GEI(len(self._colayers), self.config.staleness, self.config.proportion,
+                       StoreBoard(self.global_rank, self.world_size), self.config.sync_timeout_s
+                       ) if self.config.staleness > 0 else None
+        self._pipeline = BackwardPipeline(self._engine, self._pack, self.comm_meter, self.gei)
         self._colayer_of = {id(p): i for i, c in enumerate(self._colayers) for p in c.tensors}
         self._missing = [len(c.tensors) for c in self._colayers]
         overlap = self.lightning_module.trainer.accumulate_grad_batches == 1
@@ -82,7 +91,8 @@ class CanaryStrategy(SyncplaneStrategy):
         rank_zero_info(f"canary: {len(self._colayers)} colayer(s) of {self._engine.total} gradient values, "
                        f"{self.world_size} pieces each, {self.config.compression}, "
                        f"{self._transport.shards} gloo group(s), "
-                       + ("exchanged during the backward" if overlap else "exchanged after the backward (accumulation)"))
+                       + ("exchanged during the backward" if overlap else "exchanged after the backward (accumulation)")
+                       + (f", staleness {self.config.staleness}, proportion {self.config.proportion}" if self.gei else ""))
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         index = self._colayer_of[id(param)]
@@ -112,12 +122,30 @@ class CanaryStrategy(SyncplaneStrategy):
         return self._engine
 
     @override
+    def before_optimizer_step(self, optimizer: Optimizer) -> None:
+        assert self._pipeline is not None, "canary is not set up yet"
+        self._pipeline.begin()
+
+    @override
     def before_parameter_update(self, optimizer: Optimizer) -> None:
         assert self._pipeline is not None, "canary is not set up yet"
-        results = self._pipeline.finish()
+        if self.gei is None:
+            results: dict[int, torch.Tensor] = dict(enumerate(self._pipeline.finish()))
+        else:
+            # bounded staleness: this step's exchanges go on; apply the aggregate of step k - s
+            self._pipeline.end_backward()
+            settled = self._pipeline.settle()
+            results = settled[1] if settled is not None else {}
         with self._lock:
             self._missing = [len(c.tensors) for c in self._colayers]
-        for colayer, host in zip(self._colayers, results):
+        for index, colayer in enumerate(self._colayers):
+            host = results.get(index)
+            if host is None:
+                # nothing due for these parameters (the first s steps, a dropped colayer): the
+                # optimizer skips a parameter without a gradient, on every rank alike
+                for p in colayer.tensors:
+                    p.grad = None
+                continue
             if host is not colayer.buffer:
                 colayer.buffer.copy_(host)
             for p in colayer.tensors:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from syncplane.algorithms import canary, ddp, decentralized, diloco, ds_sync, flexreduce, peers
+from syncplane.algorithms import canary, ddp, decentralized, diloco, ds_sync, flexreduce, peers, torch_hooks
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster.cost import CostModel
 
 #: Every family, baseline first; peers (from other projects) last.
 SPECS: tuple[AlgorithmSpec, ...] = (ddp.SPEC, decentralized.SPEC, ds_sync.SPEC, diloco.SPEC, flexreduce.SPEC,
-                                    canary.SPEC, peers.SPEC, flexreduce.PEERS)
+                                    canary.SPEC, torch_hooks.SPEC, peers.SPEC, flexreduce.PEERS)
 
 #: Names the product promises (``docs/architecture.md``) whose package has not landed yet.
 PLANNED: dict[str, str] = {}

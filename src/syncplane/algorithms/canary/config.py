@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from syncplane.algorithms.canary.gei import check_bounds
 from syncplane.comm.codecs import CODEC_NAMES, Codec, GradientSketch, make_codec
 from syncplane.config import ConfigError
 
@@ -22,6 +23,10 @@ class CanaryConfig:
             in ``GLOO_SOCKET_IFNAME``.
         bucket_cap_mb: colayer size: gradients grouped in backward order up to this many MiB.
         sync_timeout_s: an exchange slower than this fails the step (on every rank).
+        staleness: s, a step's aggregate is applied s steps later (a rank waits only for a
+            straggler more than s steps behind); 0 = synchronous (``gei.py``).
+        proportion: p in (0, 1]: at the bound, if fewer than p of the due step's colayers
+            have arrived the late ones are dropped (re-sent later); None = never drop.
     """
 
     compression: str = "sketch"
@@ -30,6 +35,8 @@ class CanaryConfig:
     nics: int | str = "auto"
     bucket_cap_mb: float = 25.0
     sync_timeout_s: float = 600.0
+    staleness: int = 0
+    proportion: float | None = None
 
     def __post_init__(self) -> None:
         if self.compression not in CODEC_NAMES:
@@ -45,6 +52,7 @@ class CanaryConfig:
             raise ConfigError(f"bucket_cap_mb: must be positive, got {self.bucket_cap_mb}")
         if not self.sync_timeout_s > 0:
             raise ConfigError(f"sync_timeout_s: must be positive, got {self.sync_timeout_s}")
+        check_bounds(self.staleness, self.proportion)
 
     @property
     def bucket_bytes(self) -> int:

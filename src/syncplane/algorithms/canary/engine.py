@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from syncplane.algorithms.canary.gei import GEI
 from syncplane.comm import CommMeter
 from syncplane.config import ConfigError
 
@@ -104,27 +105,52 @@ class CanaryEngine:
 class BackwardPipeline:
     """Exchanges colayers on one worker thread while the backward goes on.
 
-    The glue calls ``ready(i)`` when colayer i's gradients are all produced; colayers are
-    handed to the worker strictly in index order (a colayer that completes early waits for
-    the ones before it), so every rank runs the same sequence of exchanges whatever the
-    timing. ``finish()`` hands over whatever is left (unused parameters never report
-    ready) and waits; ``take`` returns colayer i's averaged values.
+    The glue calls ``begin()`` when a step starts, ``ready(i)`` when colayer i's gradients
+    are all produced; colayers are handed to the worker strictly in index order (a colayer
+    that completes early waits for the ones before it), so every rank runs the same
+    sequence of exchanges whatever the timing. ``end_backward()`` hands over whatever is
+    left of the step (unused parameters never report ready).
+
+    Synchronous (no ``gei``): ``finish()`` ends the backward and returns every colayer's
+    averaged values. Bounded staleness (a ``GEI``): ``settle()`` returns the aggregate due
+    at this step -- that of step ``k - s``, only the colayers the GEI agreed on -- while
+    later steps' exchanges go on; what this rank sent in a dropped colayer is added to that
+    colayer's next exchange.
 
     Args:
         engine: the exchange (colayer layout, transport).
-        pack: colayer index -> its flat fp32 CPU gradient (called on the worker thread).
+        pack: colayer index -> its flat fp32 CPU gradient (may return the same buffer
+            every step). Synchronous: called on the worker thread; stale: when the colayer
+            is handed over (copied, since the next backward overwrites the gradients).
         meter: where the exchanges are counted.
+        gei: the staleness bookkeeping (None: synchronous).
     """
 
     def __init__(self, engine: CanaryEngine, pack: Callable[[int], torch.Tensor],
-                 meter: CommMeter | None = None) -> None:
-        self.engine, self._pack, self._meter = engine, pack, meter
+                 meter: CommMeter | None = None, gei: GEI | None = None) -> None:
+        self.engine, self._pack, self._meter, self.gei = engine, pack, meter, gei
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary")
         self._lock = threading.Lock()
         self._done: set[int] = set()
         self._next = 0
+        self._step = -1
         self._futures: list[Future[torch.Tensor]] = []
-        self.early = 0   # colayers handed over during the backward (before ``finish``), in total
+        self._results: dict[tuple[int, int], torch.Tensor] = {}
+        self._sent: dict[tuple[int, int], torch.Tensor] = {}
+        self._settled = -1                  # every step up to this one has been settled
+        self._late: set[tuple[int, int]] = set()   # dropped before this rank had sent them
+        self.carry: dict[int, torch.Tensor] = {}   # colayer -> what dropped exchanges did not deliver
+        self.early = 0   # colayers handed over during the backward (before the end), in total
+
+    @property
+    def stale(self) -> bool:
+        return self.gei is not None and self.gei.staleness_bound > 0
+
+    def begin(self) -> int:
+        """A step starts (publishes it on the GEI's board); returns its index."""
+        with self._lock:
+            self._step = self.gei.enter() if self.gei is not None else self._step + 1
+            return self._step
 
     def ready(self, index: int) -> None:
         """Colayer ``index`` is complete (thread-safe; autograd may call it from its threads)."""
@@ -132,25 +158,88 @@ class BackwardPipeline:
             self._done.add(index)
             self._submit_in_order(stop_at_gap=True)
 
-    def finish(self) -> list[torch.Tensor]:
-        """Every colayer's averaged values, in order (submits the rest, then waits)."""
+    def end_backward(self) -> None:
+        """Hand over the rest of this step's colayers."""
         with self._lock:
             self._submit_in_order(stop_at_gap=False)
-            futures, self._futures = self._futures, []
             self._done.clear()
             self._next = 0
+
+    def finish(self) -> list[torch.Tensor]:
+        """Synchronous: every colayer's averaged values, in order (submits the rest, waits)."""
+        if self.gei is not None:
+            raise RuntimeError("a pipeline with a GEI is settled with settle()")
+        self.end_backward()
+        with self._lock:
+            futures, self._futures = self._futures, []
         return [f.result() for f in futures]
 
+    def settle(self) -> tuple[int, dict[int, torch.Tensor]] | None:
+        """The aggregate due at this step: (its step, colayer -> averaged values), or None
+        in the first s steps (nothing produced s steps ago yet)."""
+        assert self.gei is not None, "settle() needs a GEI"
+        due = self.gei.due(self._step)
+        if due is None:
+            return None
+        decided = self.gei.settle(due)
+        with self._lock:
+            self._settled = due
+            out = {i: self._results.pop((due, i)) for i in range(len(self.engine.sizes)) if decided >> i & 1}
+            for i in range(len(self.engine.sizes)):
+                self._results.pop((due, i), None)
+                sent = self._sent.pop((due, i), None)
+                if not decided >> i & 1:
+                    if sent is not None:
+                        self._keep(i, sent)
+                    else:
+                        self._late.add((due, i))
+            self._futures = [f for f in self._futures if not f.done()]
+        return due, out
+
+    def unapplied(self) -> dict[tuple[int, int], torch.Tensor]:
+        """(step, colayer) -> averaged values that arrived but are not settled yet (after
+        ``close``: the last s steps, whose aggregates training never applies)."""
+        with self._lock:
+            return dict(self._results)
+
+    def _keep(self, index: int, sent: torch.Tensor) -> None:
+        """A dropped colayer: what this rank sent goes out again with its next exchange."""
+        self.carry[index] = self.carry[index] + sent if index in self.carry else sent
+
     def close(self) -> None:
+        """Wait for the exchanges in flight (every rank submitted the same ones) and stop."""
         self._worker.shutdown(wait=True)
 
     def _submit_in_order(self, stop_at_gap: bool) -> None:
         while self._next < len(self.engine.sizes) and (self._next in self._done or not stop_at_gap):
-            self._futures.append(self._worker.submit(self._exchange, self._next))
+            # stale: pack now -- the gradients are overwritten by the next step's backward
+            # before the worker may reach this exchange
+            packed = self._pack(self._next).clone() if self.stale else None
+            self._futures.append(self._worker.submit(self._exchange, self._step, self._next, packed))
             self._next += 1
             self.early += stop_at_gap
 
-    def _exchange(self, index: int) -> torch.Tensor:
-        flat = self._pack(index)
-        self.engine.exchange_(index, flat, self._meter)
+    def _exchange(self, step: int, index: int, packed: torch.Tensor | None) -> torch.Tensor:
+        flat = self._pack(index) if packed is None else packed
+        with self._lock:
+            carried = self.carry.pop(index, None)
+        if carried is not None:
+            flat += carried
+        if self.stale and self.gei is not None and self.gei.proportion_bound is not None:
+            with self._lock:
+                self._sent[step, index] = flat.clone()   # re-sent if the colayer is dropped
+        try:
+            self.engine.exchange_(index, flat, self._meter)
+        except BaseException as exc:
+            if self.gei is not None:
+                self.gei.fail(step, exc)
+            raise
+        if self.gei is not None:
+            with self._lock:
+                if step > self._settled:
+                    self._results[step, index] = flat
+                elif (step, index) in self._late:        # dropped while still queued here
+                    self._late.discard((step, index))
+                    self._keep(index, self._sent.pop((step, index)))
+            self.gei.arrived(step, index)
         return flat

@@ -1,0 +1,54 @@
+"""torch's own DDP communication hooks as strategies (``torch_fp16``, ``torch_powersgd``):
+Lightning's ``DDPStrategy`` with ``ddp_comm_hook`` / ``ddp_comm_state`` set from a validated
+``HookConfig`` -- the peers a user of torch would otherwise pick, trainable with the same
+recipes as ours. No ``SyncplaneStrategy`` hooks: DDP's reducer does the averaging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from syncplane.algorithms.torch_hooks import HookConfig
+from syncplane.strategies.registry import register
+
+
+class TorchHookStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` on CUDA only (a torch 1.8
+    restriction, its comment says) and silently drops it on CPU; torch's hooks run on gloo
+    today (``tests/dist/test_torch_hooks.py``), so the hook is registered on any device."""
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
+                                ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
+
+
+@register("torch_fp16")
+class TorchFp16Strategy(TorchHookStrategy):
+    """DDP whose gradient buckets are all-reduced in fp16 (torch's ``fp16_compress_hook``).
+    Args: ``DDPStrategy``'s."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.config = HookConfig(name="torch_fp16")
+        state, hook = self.config.hook()
+        super().__init__(ddp_comm_state=state, ddp_comm_hook=hook, **kwargs)
+
+
+@register("torch_powersgd")
+class TorchPowerSGDStrategy(TorchHookStrategy):
+    """DDP with torch's ``powerSGD_hook``. Args: those of ``HookConfig`` (the rank, when
+    compression starts, ...), then ``DDPStrategy``'s."""
+
+    def __init__(self, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 2,
+                 min_compression_rate: float = 2.0, use_error_feedback: bool = True, warm_start: bool = True,
+                 **kwargs: Any) -> None:
+        self.config = HookConfig(name="torch_powersgd", matrix_approximation_rank=matrix_approximation_rank,
+                                 start_powerSGD_iter=start_powerSGD_iter, min_compression_rate=min_compression_rate,
+                                 use_error_feedback=use_error_feedback, warm_start=warm_start)
+        state, hook = self.config.hook()
+        super().__init__(ddp_comm_state=state, ddp_comm_hook=hook, **kwargs)

@@ -1,0 +1,102 @@
+"""Canary's GEI (paper 004, §5.2-5.3) on an in-memory board: what is due at each step,
+the bound (wait for the first arrival of step k - s), the proportion rule (drop the late
+colayers when fewer than p arrived, the first proposal wins so every rank agrees), and
+bad bounds rejected by name."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from syncplane.algorithms.canary import GEI, CanaryConfig
+from syncplane.config import ConfigError
+
+
+class MemoryBoard:
+    """Several ranks' boards sharing one dict (the store), as ``StoreBoard`` does."""
+
+    def __init__(self, shared: dict, rank: int, world: int) -> None:
+        self.shared, self.rank, self.world = shared, rank, world
+        self.lock = shared.setdefault("lock", threading.Lock())
+
+    def advance(self) -> int:
+        with self.lock:
+            self.shared[self.rank] = self.shared.get(self.rank, 0) + 1
+            return self.shared[self.rank]
+
+    def entered(self) -> list[int]:
+        with self.lock:
+            return [self.shared.get(r, 0) for r in range(self.world)]
+
+    def agree(self, key: str, proposal: str) -> str:
+        with self.lock:
+            return self.shared.setdefault(("agree", key), proposal)
+
+
+def _geis(world: int, colayers: int, s: int, p: float | None) -> list[GEI]:
+    shared: dict = {}
+    return [GEI(colayers, s, p, MemoryBoard(shared, r, world), timeout_s=5) for r in range(world)]
+
+
+def test_due_step_and_staleness_value() -> None:
+    fast, slow = _geis(2, 3, 2, None)
+    assert [fast.enter() for _ in range(3)] == [0, 1, 2]
+    assert [fast.due(k) for k in range(4)] == [None, None, 0, 1]
+    slow.enter()
+    assert slow.staleness() == 2 and fast.staleness() == 0     # ζ - own step
+
+
+def test_synchronous_waits_for_every_colayer() -> None:
+    (gei,) = _geis(1, 3, 0, None)
+    gei.enter()
+    gei.arrived(0, 0)
+    gei.arrived(0, 1)
+    done: list[int] = []
+    waiter = threading.Thread(target=lambda: done.append(gei.settle(0)))
+    waiter.start()
+    waiter.join(0.2)
+    assert not done                                   # colayer 2 is still missing: it waits
+    gei.arrived(0, 2)
+    waiter.join(5)
+    assert done == [0b111] and gei.dropped == 0
+
+
+def test_late_colayers_are_dropped_below_the_proportion_and_every_rank_agrees() -> None:
+    a, b = _geis(2, 4, 1, 0.75)
+    for g in (a, b):
+        g.enter()
+    a.arrived(0, 0)                 # on a, only colayer 0 arrived at the bound: 1/4 < 0.75
+    assert a.settle(0) == 0b0001 and a.dropped == 3
+    for i in range(4):              # on b everything arrived, but a's proposal came first
+        b.arrived(0, i)
+    assert b.settle(0) == 0b0001 and b.dropped == 3
+
+
+def test_enough_arrived_waits_for_the_rest() -> None:
+    (gei,) = _geis(1, 4, 1, 0.5)
+    gei.enter()
+    for i in range(3):
+        gei.arrived(0, i)           # 3/4 >= 0.5: wait for colayer 3 rather than drop it
+    threading.Timer(0.1, gei.arrived, (0, 3)).start()
+    assert gei.settle(0) == 0b1111 and gei.dropped == 0
+
+
+def test_failure_and_timeout_raise_instead_of_hanging() -> None:
+    (gei,) = _geis(1, 2, 1, None)
+    gei.enter()
+    gei.fail(0, RuntimeError("peer lost"))
+    with pytest.raises(RuntimeError, match="peer lost"):
+        gei.settle(0)
+    quick = GEI(2, 1, None, MemoryBoard({}, 0, 1), timeout_s=0.05)
+    with pytest.raises(TimeoutError, match="step 3"):
+        quick.settle(3)
+
+
+@pytest.mark.parametrize("field,value", [("staleness", -1), ("staleness", 1.5), ("proportion", 0.0),
+                                         ("proportion", 1.2), ("proportion", -0.1)])
+def test_bad_bounds_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        CanaryConfig(**{field: value})
+    with pytest.raises(ConfigError, match=field):
+        GEI(2, **{"staleness": 0, "proportion": None, field: value}, board=MemoryBoard({}, 0, 1))
