@@ -114,11 +114,13 @@ def launch(
     echo_rank0: bool = True,
     grace_s: float = 15.0,
     timeout_s: float | None = None,
+    echo_to: IO[str] | None = None,
 ) -> None:
     """Run ``command`` once per rank and wait; raise LaunchError if any rank fails.
 
     Each rank's stdout/stderr goes to ``log_dir/rank<i>.log``; rank 0's is also echoed
-    to this process's stdout (progress and the summary table).
+    to this process's stdout (progress and the summary table), or to ``echo_to`` (a
+    caller running many jobs tags each line with the job it belongs to).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     world_size = len(ranks)
@@ -150,7 +152,7 @@ def launch(
                 )
                 if echo:
                     assert proc.stdout is not None
-                    t = threading.Thread(target=_tee, args=(proc.stdout, log, sys.stdout), daemon=True)
+                    t = threading.Thread(target=_tee, args=(proc.stdout, log, echo_to or sys.stdout), daemon=True)
                     t.start()
                     threads.append(t)
                 procs.append((spec, proc, log_path))

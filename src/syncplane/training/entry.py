@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -42,15 +42,23 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         # one W&B run per strategy, grouped per comparison
         sweep = Path(hydra_cfg.sweep.dir)
         container.setdefault("logger", {})["group"] = f"{sweep.parent.name}-{sweep.name}"
-    spec = parse_job(container, run_dir=str(run_dir), job_name=job_name)
+    return launch_job(container, run_dir, job_name)
 
+
+def launch_job(container: dict[str, Any], run_dir: Path, job_name: str = "train", *,
+               echo_to: IO[str] | None = None) -> dict[str, Any]:
+    """Validate a composed config, start its ranks (locally or on its emulated cluster),
+    wait, and return the summary. What ``train.py`` does per job, and ``syncplane compare``
+    per run (``echo_to`` receives rank 0's output instead of stdout)."""
+    spec = parse_job(container, run_dir=str(run_dir), job_name=job_name)
+    run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / JOB_FILE
     job_file.write_text(yaml.safe_dump({"config": container, "run_dir": str(run_dir), "job_name": job_name},
                                        sort_keys=False))
     world_size = spec.trainer.devices
     where = f"emulated cluster {spec.cluster.name!r}" if spec.cluster else "this machine"
     print(f"syncplane: {spec.strategy.name} on {spec.recipe_name} with {world_size} processes on {where}; "
-          f"run dir {run_dir}", flush=True)
+          f"run dir {run_dir}", file=echo_to or sys.stdout, flush=True)
     command = [sys.executable, "-m", "syncplane.training.worker", str(job_file)]
     if spec.cluster is None:
         env = dict(os.environ)
@@ -58,13 +66,13 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         store_file = run_dir / "rendezvous.store"   # a file store: no TCP listener at all
         store_file.unlink(missing_ok=True)
         env[rendezvous.FILE_ENV] = str(store_file.resolve())
-        launch(command, local_ranks(world_size), run_dir / "logs", env=env)
+        launch(command, local_ranks(world_size), run_dir / "logs", env=env, echo_to=echo_to)
     else:
-        launch_on_cluster(command, spec.cluster, run_dir / "logs")
+        launch_on_cluster(command, spec.cluster, run_dir / "logs", echo_to=echo_to)
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise RuntimeError(f"the job finished but wrote no {summary_path}; see {run_dir / 'logs'}")
-    return json.loads(summary_path.read_text())
+    return dict(json.loads(summary_path.read_text()))
 
 
 def run_as_rank(container: dict[str, Any], launched: external.ExternalLaunch, user_dir: Path | None) -> dict[str, Any]:
