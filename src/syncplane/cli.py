@@ -212,14 +212,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from rich.logging import RichHandler
 
-    from syncplane.training.comparison import CompareSettings, parse_list, parse_seeds, print_report, run_comparison
+    from syncplane.training.comparison import print_report, run_comparison, settings_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
-    settings = CompareSettings(
-        recipe=args.recipe, strategies=parse_list(args.strategies, "--strategies"), cluster=args.cluster,
-        target_acc=args.target_acc, seeds=parse_seeds(args.seeds), devices=args.devices, overrides=args.overrides,
-        out=Path(args.out) if args.out else Path("comparisons") / f"{args.recipe}-{args.cluster or 'local'}",
-        wandb=not args.no_wandb, wandb_mode=args.wandb_mode)
+    settings = settings_from_args(args)
     run_comparison(settings)
     print_report(settings.out)
     return 0

@@ -202,6 +202,15 @@ def _log_to_wandb(run_dir: Path, container: dict[str, Any], name: str, seed: int
         run.finish()
 
 
+def settings_from_args(args: Any) -> CompareSettings:
+    """``syncplane compare``'s parsed arguments as settings (not yet validated)."""
+    return CompareSettings(
+        recipe=args.recipe, strategies=parse_list(args.strategies, "--strategies"), cluster=args.cluster,
+        target_acc=args.target_acc, seeds=parse_seeds(args.seeds), devices=args.devices, overrides=args.overrides,
+        out=Path(args.out) if args.out else Path("comparisons") / f"{args.recipe}-{args.cluster or 'local'}",
+        wandb=not args.no_wandb, wandb_mode=args.wandb_mode)
+
+
 def parse_list(text: str, what: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
