@@ -22,7 +22,7 @@ def test_compare_two_strategies_and_torchft_peer(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "syncplane", "compare", "--recipe", "digits", "--devices", "2",
          "--strategies", "ddp,diloco,torchft_diloco,horovod", "--target-acc", "0.999", "--out", str(out),
-         "trainer.max_epochs=2", "strategy.kwargs.sync_every=4"],
+         "trainer.max_epochs=1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "comparison.json").read_text())
@@ -33,18 +33,18 @@ def test_compare_two_strategies_and_torchft_peer(tmp_path):
         assert row["status"] == "ok" and row["world_size"] == 2
         summary = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
         history = [json.loads(x) for x in (Path(row["run_dir"]) / "history.jsonl").read_text().splitlines()]
-        assert len(history) == 2                                       # one validation per epoch
+        assert len(history) == 1                                       # one validation per epoch
         assert row["val_acc"] == summary["metrics"]["val_acc"] == pytest.approx(history[-1]["val_acc"])
-        assert row["val_acc"] > 0.8                                    # digits trains in 2 epochs
-        assert row["steps"] if "steps" in row else summary["steps"] == 2 * 22   # same shards and batch
+        assert row["val_acc"] > 0.5                                    # it trained (1 epoch of digits)
+        assert summary["steps"] == 22                                  # same shards and batch: 719 samples / 32
         assert row["bytes_sent_per_rank"] > 0 and row["compute_comm_ratio"] > 0
-        # 0.999 is out of reach in 2 epochs: reported as not reached, never as the run's total time
+        # 0.999 is out of reach in 1 epoch: reported as not reached, never as the run's total time
         assert max(h["val_acc"] for h in history) < 0.999 and row["time_to_target_s"] is None
     ddp, diloco, peer = ran
     assert peer["strategy"] == "torchft_diloco"
     peer_cfg = json.loads((Path(peer["run_dir"]) / "peer" / "peer.json").read_text())
-    assert peer_cfg["sync_every"] == 4 and peer_cfg["outer_kwargs"] == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-    # DiLoCo (ours and torchft's) sends a model every H=4 steps, DDP gradients every step
+    assert peer_cfg["sync_every"] == 10 and peer_cfg["outer_kwargs"] == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    # DiLoCo (ours and torchft's) sends a model every H=10 steps, DDP gradients every step
     assert diloco["bytes_sent_per_rank"] < ddp["bytes_sent_per_rank"] / 2
     assert peer["bytes_sent_per_rank"] < ddp["bytes_sent_per_rank"] / 2
     assert rows[3]["status"].startswith("not available: run scripts/setup_horovod.sh")
