@@ -87,7 +87,8 @@ class HorovodSync(Sync):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.optim.Optimizer]:
         hvd = self.hvd
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        # no broadcast_optimizer_state: its state is empty here, and Horovod fills an empty
+        # state with a zero-gradient step, which weight decay would turn into a real update
         yield hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
 
     def step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -250,7 +251,7 @@ def train(cfg: dict[str, Any], rank: int, world: int) -> None:
                 for b in range(steps_per_epoch):
                     start = time.perf_counter()
                     rows = mine[b * batch:(b + 1) * batch]
-                    for group in base.param_groups:
+                    for group in optimizer.param_groups:   # Horovod's wrapper is a new optimizer object
                         group["lr"] = float(lrs[step])
                     optimizer.zero_grad()
                     loss = F.cross_entropy(model(train_x[rows]), train_y[rows])
