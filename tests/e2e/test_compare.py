@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)   # ~70 s on an idle 2-core machine; generous for a shared one
 def test_compare_two_strategies_and_torchft_peer(tmp_path):
     pytest.importorskip("torchft.local_sgd", reason="torchft is the ft extra (make setup installs it)")
     out = tmp_path / "report"
