@@ -175,8 +175,9 @@ def _plot(runs: list[dict[str, Any]], path: Path, target_acc: float | None = Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['summary']['strategy']}\n{Path(r['run_dir']).name}" for r in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    labels = [f"{r['summary']['strategy']}\n" + (f"seed {r['summary']['seed']}" if r["summary"].get("seed") is not None
+                                                 else Path(r["run_dir"]).name) for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     axes[0].bar(labels, [r["summary"]["throughput"]["samples_per_s"] for r in runs], color="C0")
     axes[0].set_title("throughput (samples/s, all ranks)")
     axes[1].bar(labels, [r["summary"]["comm"]["seconds"] / max(r["summary"]["steps"], 1) for r in runs], color="C1")
@@ -195,7 +196,7 @@ def _plot(runs: list[dict[str, Any]], path: Path, target_acc: float | None = Non
     axes[2].set_xlabel("seconds")
     axes[2].legend(fontsize=7)
     for ax in axes[:2]:
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=35)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
