@@ -31,6 +31,7 @@ def test_time_to_target_is_the_first_validation_reaching_it():
 def test_compute_comm_ratio():
     base = {"comm": {"seconds": 2.0}, "train_seconds": 10.0}
     assert compute_comm_ratio(base) == 4.0
+    assert compute_comm_ratio(base, [{"epoch_s": 3.0}, {"epoch_s": 3.0}]) == 2.0   # the epoch clock when known
     assert compute_comm_ratio({"comm": {"seconds": 0.0}, "train_seconds": 10.0}) is None
 
 
@@ -43,6 +44,8 @@ def test_report_rows_seeds_and_missing_peer(tmp_path):
     assert [(r["strategy"], r["status"]) for r in rows] == [("ddp", "ok")] * 2 + [("diloco", "ok")] * 2 + [
         ("horovod", "not available: run x")]
     assert [r["time_to_target_s"] for r in rows[:4]] == [20.0, 20.0, 4.0, None]
+    assert [r["compute_comm_ratio"] for r in rows[:4]] == [3.0, 3.0, 7.0, 7.0]
+    assert [r["outside_epochs_s"] for r in rows[:4]] == [0.0] * 4
     assert rows[2]["val_acc_minus_ddp"] == 0.9 - 0.8      # paired with DDP of the same seed
     assert rows[3]["val_acc_minus_ddp"] == 0.6 - 0.9
     by = {a["strategy"]: a for a in report["by_strategy"]}

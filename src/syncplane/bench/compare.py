@@ -10,8 +10,10 @@ sweep ends; ``scripts/compare.py`` rebuilds it from any set of run directories;
 With a target accuracy, each run's *time to target* is the training wall-clock (the
 sum of its epochs' ``epoch_s``, validation included) at the first validation reaching
 it -- ``None`` ("not reached") when none did, never the run's total time. Each run also
-gets its measured ``compute_comm_ratio``: (training time - communication time) /
-communication time, per rank, so a reader can place the result on their own cluster.
+gets its measured ``compute_comm_ratio``: (epoch time - communication time) /
+communication time, per rank, so a reader can place the result on their own cluster,
+and ``outside_epochs_s``: training wall time outside the epochs (a strategy's one-time
+setup), which time to target leaves out and the reader should add for short runs.
 Runs that could not happen (a peer not installed, a failed run) are rows too, with
 their reason in ``status``: never silently dropped.
 """
@@ -46,10 +48,18 @@ def time_to_target(history: Sequence[Mapping[str, Any]], target: float) -> float
     return None
 
 
-def compute_comm_ratio(summary: Mapping[str, Any]) -> float | None:
-    """(training time - communication time) / communication time, per rank; None without comm."""
+def epochs_seconds(history: Sequence[Mapping[str, Any]]) -> float:
+    """The epoch clock: the sum of the epochs' ``epoch_s`` (training and validation)."""
+    return sum(float(record.get("epoch_s", 0.0)) for record in history)
+
+
+def compute_comm_ratio(summary: Mapping[str, Any], history: Sequence[Mapping[str, Any]] = ()) -> float | None:
+    """(time - communication time) / communication time, per rank; None without comm.
+
+    The time is the epoch clock when there is a history (so a strategy's one-time setup
+    outside the epochs does not count as compute), else the training wall time."""
     comm = float(summary["comm"]["seconds"])
-    train = float(summary.get("train_seconds") or 0.0)
+    train = epochs_seconds(history) if history else float(summary.get("train_seconds") or 0.0)
     if comm <= 0 or train <= 0:
         return None
     return max(train - comm, 0.0) / comm
@@ -81,7 +91,11 @@ def build_comparison(run_dirs: Sequence[Path], out_dir: Path, *, target_acc: flo
             "comm_s_per_step": s["comm"]["seconds"] / steps, "bytes_sent_per_step": s["comm"]["bytes_sent_per_rank"] / steps,
             "consensus_distance": s["consensus_distance"], "status": "ok", "seed": s.get("seed"),
             "train_seconds": s.get("train_seconds"), "bytes_sent_per_rank": s["comm"]["bytes_sent_per_rank"],
-            "comm_seconds": s["comm"]["seconds"], "compute_comm_ratio": compute_comm_ratio(s),
+            "comm_seconds": s["comm"]["seconds"], "compute_comm_ratio": compute_comm_ratio(s, run["history"]),
+            # one-time costs outside the epoch clock (a strategy's setup at train start: groups,
+            # probes), which time to target does not include
+            "outside_epochs_s": (max(float(s["train_seconds"]) - epochs_seconds(run["history"]), 0.0)
+                                 if s.get("train_seconds") and run["history"] else None),
         }
         if target_acc is not None:
             row["time_to_target_s"] = time_to_target(run["history"], target_acc)
@@ -137,7 +151,7 @@ def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
     target = [f"time to {target_acc:g} (s)"] if target_acc is not None else []
     header = ["strategy", "ranks", *(["seed"] if any(r.get("seed") is not None for r in rows) else []), *target,
               "val acc", "Δ acc vs ddp", "samples/s", "vs ddp", "step s", "comm s/step", "MB/step", "MB/rank",
-              "compute/comm", "consensus"]
+              "compute/comm", "setup s", "consensus"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
         if r["status"] != "ok":
@@ -150,7 +164,8 @@ def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
                  _fmt(r["samples_per_s"], ",.0f"), _fmt(r.get("throughput_vs_ddp"), ".2f") + "x",
                  _fmt(r["step_s_median"], ".4f"), _fmt(r["comm_s_per_step"], ".4f"),
                  _fmt(r["bytes_sent_per_step"] / 2**20, ".2f"), _fmt(r["bytes_sent_per_rank"] / 2**20, ",.1f"),
-                 _fmt(r["compute_comm_ratio"], ".2f"), _fmt(r["consensus_distance"], ".1e")]
+                 _fmt(r["compute_comm_ratio"], ".2f"), _fmt(r.get("outside_epochs_s"), ".1f"),
+                 _fmt(r["consensus_distance"], ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
     if by_strategy and target_acc is not None:
         lines += ["", f"Time to val acc {target_acc:g}, over seeds (mean ± std, [min, max]; runs that reached it):", "",
