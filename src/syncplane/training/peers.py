@@ -209,6 +209,7 @@ def run_peer(peer: str, container: Mapping[str, Any], run_dir: Path, *, echo_to:
     summary = run_dir / "summary.json"
     if not summary.exists():
         raise RuntimeError(f"the {peer} peer finished but wrote no {summary}; see {logs}")
+    (peer_file.parent / "data.npz").unlink(missing_ok=True)   # a copy of the recipe's data (tens of MB)
     return dict(json.loads(summary.read_text()))
 
 
