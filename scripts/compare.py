@@ -2,6 +2,7 @@
 
     python scripts/compare.py multirun/2026-11-22/10-00-00            # every run below it
     python scripts/compare.py outputs/a outputs/b --out reports/ab     # chosen runs
+    python scripts/compare.py comparisons/x --target-acc 0.85          # time to another target
 
 Writes comparison.json / .md / .png (see syncplane.bench.compare) into --out
 (default: the single directory given, or ./comparison).
@@ -19,6 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, help="run directories, or a sweep directory holding them")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--target-acc", type=float, help="report each run's time to this validation accuracy")
     args = parser.parse_args()
     run_dirs: list[Path] = []
     for path in args.paths:
@@ -26,7 +28,7 @@ def main() -> None:
     if not run_dirs:
         raise SystemExit(f"no run directories (with summary.json) in {', '.join(map(str, args.paths))}")
     out = args.out or (args.paths[0] if len(args.paths) == 1 else Path("comparison"))
-    build_comparison(run_dirs, out)
+    build_comparison(run_dirs, out, target_acc=args.target_acc)
     print((out / "comparison.md").read_text())
     print(f"comparison written to {out}/comparison.{{json,md,png}}")
 

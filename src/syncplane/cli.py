@@ -1,4 +1,4 @@
-"""``syncplane`` command line: info, build-ext, emulate, bench, simulate."""
+"""``syncplane`` command line: info, build-ext, emulate, bench, compare, soak, simulate."""
 
 from __future__ import annotations
 
@@ -207,6 +207,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    import logging
+
+    from rich.logging import RichHandler
+
+    from syncplane.training.comparison import print_report, run_comparison, settings_from_args
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
+    settings = settings_from_args(args)
+    run_comparison(settings)
+    print_report(settings.out)
+    return 0
+
+
 def cmd_soak(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import parse_strategies
     from syncplane.bench.soak import print_table, run_soak
@@ -265,6 +279,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "and level) on every rank; written to the JSON row's 'profile'")
     bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")
     bench.set_defaults(func=cmd_bench)
+
+    compare = sub.add_parser("compare", help="train one recipe with several strategies and peers (horovod, "
+                                             "torchft_diloco) in turn; report time to accuracy side by side")
+    compare.add_argument("--recipe", default="digits", help="a recipe config (configs/recipe/NAME.yaml)")
+    compare.add_argument("--cluster", help="an emulated cluster (configs/cluster/NAME.yaml); default: this machine")
+    compare.add_argument("--strategies", default="ddp,diloco,torchft_diloco",
+                         help="comma-separated strategies and peers (horovod, torchft_diloco)")
+    compare.add_argument("--target-acc", type=float, help="validation accuracy whose time to reach is reported")
+    compare.add_argument("--seeds", default="42", help="comma-separated seeds; each strategy runs once per seed")
+    compare.add_argument("--devices", type=int, help="ranks (default: the cluster's slots, else trainer.devices)")
+    compare.add_argument("--out", help="report folder (default comparisons/RECIPE-CLUSTER)")
+    compare.add_argument("--no-wandb", action="store_true", help="CSV logs only, no W&B runs")
+    compare.add_argument("--wandb-mode", default="offline", help="offline (default), online or disabled")
+    compare.add_argument("overrides", nargs="*",
+                         help="Hydra overrides for every run, as for train.py: trainer.max_epochs=5 recipe.lr=0.1")
+    compare.set_defaults(func=cmd_compare)
 
     soak = sub.add_parser("soak", help="run each strategy's sync for many steps; fail if memory, descriptors, "
                                        "threads or sockets grow")

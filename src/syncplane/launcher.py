@@ -120,11 +120,13 @@ def launch(
     grace_s: float = 15.0,
     timeout_s: float | None = None,
     max_restarts: int | None = None,
+    echo_to: IO[str] | None = None,
 ) -> None:
     """Run ``command`` once per rank and wait; raise LaunchError if any rank fails.
 
     Each rank's stdout/stderr goes to ``log_dir/rank<i>.log``; rank 0's is also echoed
-    to this process's stdout (progress and the summary table).
+    to this process's stdout (progress and the summary table), or to ``echo_to`` (a
+    caller running many jobs tags each line with the job it belongs to).
 
     ``max_restarts`` (elastic jobs, whose ranks are independent replicas): a rank that
     fails is started again, up to that many times per rank (``RESTART_ENV`` tells it which
@@ -162,7 +164,7 @@ def launch(
                 )
                 if echo:
                     assert proc.stdout is not None
-                    t = threading.Thread(target=_tee, args=(proc.stdout, log, sys.stdout), daemon=True)
+                    t = threading.Thread(target=_tee, args=(proc.stdout, log, echo_to or sys.stdout), daemon=True)
                     t.start()
                     threads.append(t)
                 return spec, proc, log_path

@@ -107,7 +107,11 @@ def check_syncplane(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)        # argparse exits 2 on a bad flag
     if getattr(args, "cluster", None) and not _readers_own_file(args.cluster):
         load_profile(args.cluster)
-    if getattr(args, "strategies", None):
+    if args.command == "compare":   # strategies and training peers, composed like train.py
+        from syncplane.training.comparison import settings_from_args
+
+        settings_from_args(args).validate()
+    elif getattr(args, "strategies", None):
         parse_strategies(args.strategies)
     if getattr(args, "profile", None):
         load_profile(args.profile)

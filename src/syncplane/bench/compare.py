@@ -4,13 +4,25 @@ Reads each run directory's ``summary.json`` and ``history.jsonl`` and writes, in
 output directory: ``comparison.json``, ``comparison.md`` (a table) and
 ``comparison.png`` (throughput, communication time per step, and validation accuracy
 against wall-clock time). ``train.py -m ...`` writes one beside its runs when the
-sweep ends; ``scripts/compare.py`` rebuilds it from any set of run directories.
+sweep ends; ``scripts/compare.py`` rebuilds it from any set of run directories;
+``syncplane compare`` writes one for the strategies and peers it ran.
+
+With a target accuracy, each run's *time to target* is the training wall-clock (the
+sum of its epochs' ``epoch_s``, validation included) at the first validation reaching
+it -- ``None`` ("not reached") when none did, never the run's total time. Each run also
+gets its measured ``compute_comm_ratio``: (epoch time - communication time) /
+communication time, per rank, so a reader can place the result on their own cluster,
+and ``outside_epochs_s``: training wall time outside the epochs (a strategy's one-time
+setup), which time to target leaves out and the reader should add for short runs.
+Runs that could not happen (a peer not installed, a failed run) are rows too, with
+their reason in ``status``: never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,59 +37,162 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "summary": summary, "history": history}
 
 
-def build_comparison(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, Any]:
+def time_to_target(history: Sequence[Mapping[str, Any]], target: float) -> float | None:
+    """Training seconds until the first validation with ``val_acc >= target``; None if never."""
+    clock = 0.0
+    for record in history:
+        clock += float(record.get("epoch_s", 0.0))
+        acc = record.get("val_acc")
+        if acc is not None and acc >= target:
+            return clock
+    return None
+
+
+def epochs_seconds(history: Sequence[Mapping[str, Any]]) -> float:
+    """The epoch clock: the sum of the epochs' ``epoch_s`` (training and validation)."""
+    return sum(float(record.get("epoch_s", 0.0)) for record in history)
+
+
+def compute_comm_ratio(summary: Mapping[str, Any], history: Sequence[Mapping[str, Any]] = ()) -> float | None:
+    """(time - communication time) / communication time, per rank; None without comm.
+
+    The time is the epoch clock when there is a history (so a strategy's one-time setup
+    outside the epochs does not count as compute), else the training wall time."""
+    comm = float(summary["comm"]["seconds"])
+    train = epochs_seconds(history) if history else float(summary.get("train_seconds") or 0.0)
+    if comm <= 0 or train <= 0:
+        return None
+    return max(train - comm, 0.0) / comm
+
+
+def build_comparison(run_dirs: Sequence[Path], out_dir: Path, *, target_acc: float | None = None,
+                     missing: Sequence[Mapping[str, Any]] = (), meta: Mapping[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """Write ``comparison.{json,md,png}`` for ``run_dirs`` into ``out_dir``.
+
+    ``missing``: rows for runs that did not happen (``{"strategy", "status", ...}``);
+    ``meta``: what was compared (recipe, cluster, command), copied into the JSON."""
     runs = [load_run(Path(d)) for d in run_dirs]
-    if not runs:
+    if not runs and not missing:
         raise ValueError("no runs to compare")
     out_dir.mkdir(parents=True, exist_ok=True)
-    baseline = next((r for r in runs if r["summary"]["strategy"] == "ddp"), None)
+    ddp_runs = [r for r in runs if r["summary"]["strategy"] == "ddp"]
     rows = []
     for run in runs:
         s = run["summary"]
+        # the baseline of a run is DDP with the same seed when there is one
+        baseline = next((r for r in ddp_runs if r["summary"].get("seed") == s.get("seed")),
+                        ddp_runs[0] if ddp_runs else None)
         steps = max(s["steps"], 1)
         row = {
             "run_dir": run["run_dir"], "strategy": s["strategy"], "recipe": s["recipe"], "world_size": s["world_size"],
             "val_acc": s["metrics"]["val_acc"], "val_loss": s["metrics"]["val_loss"],
             "samples_per_s": s["throughput"]["samples_per_s"], "step_s_median": s["throughput"]["step_s_median"],
             "comm_s_per_step": s["comm"]["seconds"] / steps, "bytes_sent_per_step": s["comm"]["bytes_sent_per_rank"] / steps,
-            "consensus_distance": s["consensus_distance"],
+            "consensus_distance": s["consensus_distance"], "status": "ok", "seed": s.get("seed"),
+            "train_seconds": s.get("train_seconds"), "bytes_sent_per_rank": s["comm"]["bytes_sent_per_rank"],
+            "comm_seconds": s["comm"]["seconds"], "compute_comm_ratio": compute_comm_ratio(s, run["history"]),
+            # one-time costs outside the epoch clock (a strategy's setup at train start: groups,
+            # probes), which time to target does not include
+            "outside_epochs_s": (max(float(s["train_seconds"]) - epochs_seconds(run["history"]), 0.0)
+                                 if s.get("train_seconds") and run["history"] else None),
         }
+        if target_acc is not None:
+            row["time_to_target_s"] = time_to_target(run["history"], target_acc)
         if baseline is not None:
             b = baseline["summary"]
             row["throughput_vs_ddp"] = s["throughput"]["samples_per_s"] / b["throughput"]["samples_per_s"]
             if s["metrics"]["val_acc"] is not None and b["metrics"]["val_acc"] is not None:
                 row["val_acc_minus_ddp"] = s["metrics"]["val_acc"] - b["metrics"]["val_acc"]
         rows.append(row)
-    report = {"runs": rows}
+    rows += [{"strategy": m["strategy"], "status": m["status"], **{k: v for k, v in m.items() if k != "status"}}
+             for m in missing]
+    report: dict[str, Any] = {**({"meta": dict(meta)} if meta else {}), "runs": rows}
+    if target_acc is not None:
+        report["target_acc"] = target_acc
+        report["by_strategy"] = aggregate(rows)
     (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "comparison.md").write_text(_markdown(rows))
-    _plot(runs, out_dir / "comparison.png")
+    (out_dir / "comparison.md").write_text(_markdown(rows, target_acc, report.get("by_strategy")))
+    if runs:
+        _plot(runs, out_dir / "comparison.png", target_acc)
     return report
 
 
-def _markdown(rows: list[dict[str, Any]]) -> str:
-    def fmt(value: Any, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
+def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per strategy, over its seeds: how many runs reached the target, the mean and spread
+    (population std, min, max) of time to target over those that did, and mean throughput."""
+    out = []
+    for name in dict.fromkeys(r["strategy"] for r in rows):
+        mine = [r for r in rows if r["strategy"] == name]
+        done = [r for r in mine if r["status"] == "ok"]
+        times = [r["time_to_target_s"] for r in done if r.get("time_to_target_s") is not None]
+        out.append({
+            "strategy": name, "runs": len(done), "reached": len(times),
+            "status": "ok" if done else mine[0]["status"],
+            "time_to_target_mean_s": statistics.fmean(times) if times else None,
+            "time_to_target_std_s": statistics.pstdev(times) if len(times) > 1 else (0.0 if times else None),
+            "time_to_target_min_s": min(times) if times else None,
+            "time_to_target_max_s": max(times) if times else None,
+            "samples_per_s_mean": statistics.fmean(r["samples_per_s"] for r in done) if done else None,
+            "val_acc_mean": statistics.fmean(r["val_acc"] for r in done if r["val_acc"] is not None)
+            if any(r["val_acc"] is not None for r in done) else None,
+            "compute_comm_ratio_mean": statistics.fmean(c for r in done if (c := r["compute_comm_ratio"]) is not None)
+            if any(r["compute_comm_ratio"] is not None for r in done) else None,
+        })
+    return out
 
-    lines = ["| strategy | ranks | val acc | Δ acc vs ddp | samples/s | vs ddp | step s | comm s/step | MB/step | consensus |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
+              by_strategy: list[dict[str, Any]] | None = None) -> str:
+    target = [f"time to {target_acc:g} (s)"] if target_acc is not None else []
+    header = ["strategy", "ranks", *(["seed"] if any(r.get("seed") is not None for r in rows) else []), *target,
+              "val acc", "Δ acc vs ddp", "samples/s", "vs ddp", "step s", "comm s/step", "MB/step", "MB/rank",
+              "compute/comm", "setup s", "consensus"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
-        lines.append(" | ".join([
-            f"| {r['strategy']}", str(r["world_size"]), fmt(r["val_acc"], ".4f"), fmt(r.get("val_acc_minus_ddp"), "+.4f"),
-            fmt(r["samples_per_s"], ",.0f"), fmt(r.get("throughput_vs_ddp"), ".2f") + "x",
-            fmt(r["step_s_median"], ".4f"), fmt(r["comm_s_per_step"], ".4f"),
-            fmt(r["bytes_sent_per_step"] / 2**20, ".2f"), fmt(r["consensus_distance"], ".1e") + " |"]))
+        if r["status"] != "ok":
+            lines.append(f"| {r['strategy']} | {r['status']} |" + " |" * (len(header) - 2))
+            continue
+        reached = [] if target_acc is None else [
+            "not reached" if r.get("time_to_target_s") is None else format(r["time_to_target_s"], ".1f")]
+        cells = [r["strategy"], str(r["world_size"]), *([_fmt(r.get("seed"), "d")] if "seed" in header else []),
+                 *reached, _fmt(r["val_acc"], ".4f"), _fmt(r.get("val_acc_minus_ddp"), "+.4f"),
+                 _fmt(r["samples_per_s"], ",.0f"), _fmt(r.get("throughput_vs_ddp"), ".2f") + "x",
+                 _fmt(r["step_s_median"], ".4f"), _fmt(r["comm_s_per_step"], ".4f"),
+                 _fmt(r["bytes_sent_per_step"] / 2**20, ".2f"), _fmt(r["bytes_sent_per_rank"] / 2**20, ",.1f"),
+                 _fmt(r["compute_comm_ratio"], ".2f"), _fmt(r.get("outside_epochs_s"), ".1f"),
+                 _fmt(r["consensus_distance"], ".1e")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if by_strategy and target_acc is not None:
+        lines += ["", f"Time to val acc {target_acc:g}, over seeds (mean ± std, [min, max]; runs that reached it):", "",
+                  "| strategy | reached | time to target (s) | samples/s | final val acc | compute/comm |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for a in by_strategy:
+            if a["status"] != "ok":
+                lines.append(f"| {a['strategy']} | {a['status']} | | | | |")
+                continue
+            time = ("not reached" if a["time_to_target_mean_s"] is None else
+                    f"{a['time_to_target_mean_s']:.1f} ± {a['time_to_target_std_s']:.1f} "
+                    f"[{a['time_to_target_min_s']:.1f}, {a['time_to_target_max_s']:.1f}]")
+            lines.append(f"| {a['strategy']} | {a['reached']}/{a['runs']} | {time} | "
+                         f"{_fmt(a['samples_per_s_mean'], ',.0f')} | {_fmt(a['val_acc_mean'], '.4f')} | "
+                         f"{_fmt(a['compute_comm_ratio_mean'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
-def _plot(runs: list[dict[str, Any]], path: Path) -> None:
+def _plot(runs: list[dict[str, Any]], path: Path, target_acc: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['summary']['strategy']}\n{Path(r['run_dir']).name}" for r in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    labels = [f"{r['summary']['strategy']}\n" + (f"seed {r['summary']['seed']}" if r["summary"].get("seed") is not None
+                                                 else Path(r["run_dir"]).name) for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     axes[0].bar(labels, [r["summary"]["throughput"]["samples_per_s"] for r in runs], color="C0")
     axes[0].set_title("throughput (samples/s, all ranks)")
     axes[1].bar(labels, [r["summary"]["comm"]["seconds"] / max(r["summary"]["steps"], 1) for r in runs], color="C1")
@@ -90,11 +205,13 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> None:
                 points.append((clock, record["val_acc"]))
         if points:
             axes[2].plot(*zip(*points), marker="o", label=label.replace("\n", " "))
+    if target_acc is not None:
+        axes[2].axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:g}")
     axes[2].set_title("validation accuracy vs wall-clock")
     axes[2].set_xlabel("seconds")
     axes[2].legend(fontsize=7)
     for ax in axes[:2]:
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=35)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

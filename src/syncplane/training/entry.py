@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -43,15 +43,23 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         # one W&B run per strategy, grouped per comparison
         sweep = Path(hydra_cfg.sweep.dir)
         container.setdefault("logger", {})["group"] = f"{sweep.parent.name}-{sweep.name}"
-    spec = parse_job(container, run_dir=str(run_dir), job_name=job_name)
+    return launch_job(container, run_dir, job_name)
 
+
+def launch_job(container: dict[str, Any], run_dir: Path, job_name: str = "train", *,
+               echo_to: IO[str] | None = None) -> dict[str, Any]:
+    """Validate a composed config, start its ranks (locally or on its emulated cluster),
+    wait, and return the summary. What ``train.py`` does per job, and ``syncplane compare``
+    per run (``echo_to`` receives rank 0's output instead of stdout)."""
+    spec = parse_job(container, run_dir=str(run_dir), job_name=job_name)
+    run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / JOB_FILE
     job_file.write_text(yaml.safe_dump({"config": container, "run_dir": str(run_dir), "job_name": job_name},
                                        sort_keys=False))
     world_size = spec.trainer.devices
     where = f"emulated cluster {spec.cluster.name!r}" if spec.cluster else "this machine"
     print(f"syncplane: {spec.strategy.name} on {spec.recipe_name} with {world_size} processes on {where}; "
-          f"run dir {run_dir}", flush=True)
+          f"run dir {run_dir}", file=echo_to or sys.stdout, flush=True)
     command = [sys.executable, "-m", "syncplane.training.worker", str(job_file)]
     if spec.cluster is None:
         env = dict(os.environ)
@@ -60,11 +68,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         store_file.unlink(missing_ok=True)
         env[rendezvous.FILE_ENV] = str(store_file.resolve())
         if spec.elastic:
-            launch_elastic(command, spec, run_dir, env)
+            launch_elastic(command, spec, run_dir, env, echo_to=echo_to)
         else:
-            launch(command, local_ranks(world_size), run_dir / "logs", env=env)
+            launch(command, local_ranks(world_size), run_dir / "logs", env=env, echo_to=echo_to)
     else:
-        launch_on_cluster(command, spec.cluster, run_dir / "logs")
+        launch_on_cluster(command, spec.cluster, run_dir / "logs", echo_to=echo_to)
     summary_path = run_dir / "summary.json"
     if spec.elastic and not summary_path.exists():
         # replica 0 was lost for good: the lowest replica that finished reports
@@ -73,10 +81,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             break
     if not summary_path.exists():
         raise RuntimeError(f"the job finished but wrote no {summary_path}; see {run_dir / 'logs'}")
-    return json.loads(summary_path.read_text())
+    return dict(json.loads(summary_path.read_text()))
 
 
-def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[str, str]) -> None:
+def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[str, str],
+                   echo_to: IO[str] | None = None) -> None:
     """Start the quorum service, then one independent replica per rank (each a Lightning job
     of one process with its own file-store rendezvous), restarting a failed replica up to
     ``trainer.max_restarts`` times. The service lives as long as this launcher."""
@@ -101,7 +110,7 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
             elastic.REPLICAS_ENV: str(replicas), elastic.LIGHTHOUSE_ENV: lighthouse.address,
             elastic.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
     try:
-        launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts)
+        launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts, echo_to=echo_to)
     finally:
         lighthouse.shutdown()
 

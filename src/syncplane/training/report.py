@@ -82,8 +82,9 @@ class RunReport(Callback):
     The collectives in ``on_fit_end`` run on every rank; only rank 0 writes files.
     """
 
-    def __init__(self, run_dir: str | Path, strategy_name: str, recipe_name: str) -> None:
+    def __init__(self, run_dir: str | Path, strategy_name: str, recipe_name: str, seed: int | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.seed = seed   # recorded so comparisons pair each run with the DDP run of the same seed
         self.strategy_name, self.recipe_name = strategy_name, recipe_name
         self.step_times: list[float] = []
         self.samples = 0
@@ -180,6 +181,7 @@ class RunReport(Callback):
         self.summary = {
             "strategy": self.strategy_name,
             "recipe": self.recipe_name,
+            "seed": self.seed,
             "world_size": world,
             "steps": trainer.global_step,
             "metrics": {"val_acc": _as_float(metrics.get("val_acc")), "val_loss": _as_float(metrics.get("val_loss"))},

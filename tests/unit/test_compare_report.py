@@ -1,0 +1,58 @@
+"""The comparison report's time to target, compute/comm ratio and rows for runs that did not happen."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from syncplane.bench.compare import build_comparison, compute_comm_ratio, time_to_target
+
+
+def _run(folder: Path, strategy: str, seed: int, accs: list[float], epoch_s: float, comm_s: float) -> Path:
+    folder.mkdir(parents=True)
+    history = [{"epoch": i, "step": 10 * (i + 1), "epoch_s": epoch_s, "val_acc": a} for i, a in enumerate(accs)]
+    (folder / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    summary = {"strategy": strategy, "recipe": "digits", "seed": seed, "world_size": 2, "steps": 10 * len(accs),
+               "metrics": {"val_acc": accs[-1], "val_loss": 0.5},
+               "throughput": {"samples_per_s": 100.0, "step_s_median": 0.1},
+               "comm": {"seconds": comm_s, "bytes_sent_per_rank": 2**20 * len(accs)},
+               "consensus_distance": 0.0, "train_seconds": epoch_s * len(accs)}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+def test_time_to_target_is_the_first_validation_reaching_it():
+    history = [{"epoch_s": 2.0, "val_acc": 0.5}, {"epoch_s": 3.0, "val_acc": 0.9}, {"epoch_s": 4.0, "val_acc": 0.95}]
+    assert time_to_target(history, 0.9) == 5.0
+    assert time_to_target(history, 0.5) == 2.0
+    assert time_to_target(history, 0.96) is None     # not reached: not the total 9 s
+
+
+def test_compute_comm_ratio():
+    base = {"comm": {"seconds": 2.0}, "train_seconds": 10.0}
+    assert compute_comm_ratio(base) == 4.0
+    assert compute_comm_ratio(base, [{"epoch_s": 3.0}, {"epoch_s": 3.0}]) == 2.0   # the epoch clock when known
+    assert compute_comm_ratio({"comm": {"seconds": 0.0}, "train_seconds": 10.0}) is None
+
+
+def test_report_rows_seeds_and_missing_peer(tmp_path):
+    runs = [_run(tmp_path / "a", "ddp", 1, [0.6, 0.8], 10.0, 5.0), _run(tmp_path / "b", "ddp", 2, [0.7, 0.9], 10.0, 5.0),
+            _run(tmp_path / "c", "diloco", 1, [0.85, 0.9], 4.0, 1.0), _run(tmp_path / "d", "diloco", 2, [0.5, 0.6], 4.0, 1.0)]
+    report = build_comparison(runs, tmp_path / "out", target_acc=0.8,
+                              missing=[{"strategy": "horovod", "seed": 1, "status": "not available: run x"}])
+    rows = report["runs"]
+    assert [(r["strategy"], r["status"]) for r in rows] == [("ddp", "ok")] * 2 + [("diloco", "ok")] * 2 + [
+        ("horovod", "not available: run x")]
+    assert [r["time_to_target_s"] for r in rows[:4]] == [20.0, 20.0, 4.0, None]
+    assert [r["compute_comm_ratio"] for r in rows[:4]] == [3.0, 3.0, 7.0, 7.0]
+    assert [r["outside_epochs_s"] for r in rows[:4]] == [0.0] * 4
+    assert rows[2]["val_acc_minus_ddp"] == 0.9 - 0.8      # paired with DDP of the same seed
+    assert rows[3]["val_acc_minus_ddp"] == 0.6 - 0.9
+    by = {a["strategy"]: a for a in report["by_strategy"]}
+    assert (by["ddp"]["reached"], by["ddp"]["runs"], by["ddp"]["time_to_target_mean_s"]) == (2, 2, 20.0)
+    assert (by["diloco"]["reached"], by["diloco"]["time_to_target_mean_s"]) == (1, 4.0)
+    assert by["horovod"]["status"] == "not available: run x" and by["horovod"]["runs"] == 0
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "| diloco | 2 | 2 | not reached |" in md
+    assert "| horovod | not available: run x |" in md
+    assert "| diloco | 1/2 | 4.0 ± 0.0 [4.0, 4.0] |" in md
