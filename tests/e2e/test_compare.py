@@ -44,7 +44,8 @@ def test_compare_two_strategies_and_torchft_peer(tmp_path):
     ddp, diloco, peer = ran
     assert peer["strategy"] == "torchft_diloco"
     peer_cfg = json.loads((Path(peer["run_dir"]) / "peer" / "peer.json").read_text())
-    assert peer_cfg["sync_every"] == 10 and peer_cfg["outer_kwargs"] == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert peer_cfg["sync_every"] == 10 and peer_cfg["outer_kwargs"] == {"lr": 0.7, "momentum": 0.9, "nesterov": True,
+                                                                      "foreach": True}
     # DiLoCo (ours and torchft's) sends a model every H=10 steps, DDP gradients every step
     assert diloco["bytes_sent_per_rank"] < ddp["bytes_sent_per_rank"] / 2
     assert peer["bytes_sent_per_rank"] < ddp["bytes_sent_per_rank"] / 2

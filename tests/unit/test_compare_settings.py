@@ -31,7 +31,7 @@ def test_missing_horovod_says_how_to_install(tmp_path):
 
 def test_torchft_peer_takes_our_diloco_settings_or_refuses():
     assert _diloco_settings({"sync_every": 7, "outer_kwargs": None}) == {
-        "sync_every": 7, "outer_optimizer": "torch.optim.SGD", "outer_kwargs": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+        "sync_every": 7, "outer_optimizer": "torch.optim.SGD", "outer_kwargs": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "foreach": True},
         "sync_timeout_s": 600.0}
     with pytest.raises(ConfigError, match="strategy.kwargs.fragments: 2"):
         _diloco_settings({"fragments": 2})
