@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _timed(fn, repeats: int) -> float:
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's time for ``fn`` (after one warm-up)."""
     fn()
     samples = []
     for _ in range(repeats):
@@ -76,7 +78,7 @@ def _measure(rank: int, world: int, sizes_mb: list[float], repeats: int) -> dict
             dist.send(probe, 1)
         elif rank == 1:
             dist.recv(probe, 0)
-    bandwidth = probe.numel() * 4 / _timed(p2p, repeats)
+    bandwidth = probe.numel() * 4 / timed(p2p, repeats)
     rows = []
     for mb in sizes_mb:
         x = torch.randn(int(mb * 2**20 / 4))
@@ -97,7 +99,7 @@ def _measure(rank: int, world: int, sizes_mb: list[float], repeats: int) -> dict
             "one_peer+check": (lambda: one_peer(True), 1),
         }
         for name, (fn, factor) in ops.items():
-            seconds = _timed(fn, repeats)
+            seconds = timed(fn, repeats)
             bound = factor * payload / bandwidth
             rows.append({"ranks": world, "mb": mb, "op": name, "seconds": seconds, "bound_s": bound,
                          "bound_ratio": bound / seconds})

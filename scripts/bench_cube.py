@@ -16,28 +16,16 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from bench_comm import timed   # same directory: the shared timing loop of the comm benchmarks
 
-def _timed(fn: Callable[[], None], repeats: int) -> float:
-    fn()                                                    # warm-up (connections, allocations)
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        samples.append(elapsed.item())
-    return statistics.median(samples)
+
 
 
 def _rank(result_path: str, payload_bytes: int, repeats: int) -> None:
@@ -54,10 +42,10 @@ def _rank(result_path: str, payload_bytes: int, repeats: int) -> None:
     colayer = 25 * 2**20 // 4                               # DDP-sized colayers, as the bench's canary step
     payload = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
     parts = list(payload.split(colayer))
-    times = {"gloo_ring": _timed(lambda: [dist.all_reduce(p) for p in parts], repeats)}
+    times = {"gloo_ring": timed(lambda: [dist.all_reduce(p) for p in parts], repeats)}
     for name, codec in (("cube_fp32", None), ("cube_sketch", GradientSketch())):
         cube = CubeAllReduce(*shape, codec=codec)
-        times[name] = _timed(lambda: [cube.allreduce_mean_(p, offset=i * colayer, total=numel)
+        times[name] = timed(lambda: [cube.allreduce_mean_(p, offset=i * colayer, total=numel)
                                       for i, p in enumerate(parts)], repeats)
         cube.close()
     if dist.get_rank() == 0:
