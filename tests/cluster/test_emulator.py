@@ -76,13 +76,14 @@ else:
 
 
 def tcp_mbit(profile, src: str, dst: str, seconds: float = 2.0, streams: int = 1,
-             sender_accepts: bool = False) -> float:
+             sender_accepts: bool = False, nic: int = 0) -> float:
     """Throughput of real TCP flows from host src to host dst (the bench's own flow tool).
     ``sender_accepts``: src listens and dst connects, so every flow leaves src from one
-    port (what a server, or gloo's accepting side, does)."""
+    port (what a server, or gloo's accepting side, does). ``nic``: the listener's NIC whose
+    address the flows connect to."""
     listener, connector = (src, dst) if sender_accepts else (dst, src)
     listen_mode, connect_mode = ("accept-pump", "connect-sink") if sender_accepts else ("accept-sink", "connect-pump")
-    address = profile.host(listener).address(0)
+    address = profile.host(listener).address(nic)
     args = [address, "7001", str(streams), str(seconds)]
     server = subprocess.Popen(["ip", "netns", "exec", emulator.host_namespace(listener), sys.executable, "-c",
                                FLOW_TOOL, listen_mode, *args], stdout=subprocess.PIPE, text=True)
@@ -210,6 +211,41 @@ def nic_tx_bytes(host: str, nic: str) -> int:
     out = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(host), "cat",
                           f"/sys/class/net/{nic}/statistics/tx_bytes"], capture_output=True, text=True, check=True)
     return int(out.stdout)
+
+
+def nic_rx_bytes(host: str, nic: str) -> int:
+    """Bytes the emulated host has received on one NIC so far (the kernel's counter)."""
+    out = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(host), "cat",
+                          f"/sys/class/net/{nic}/statistics/rx_bytes"], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+def test_traffic_to_a_nic_address_arrives_on_that_nic():
+    """Two 2-NIC hosts on one switch: a flow to the peer's NIC-k address must come in through
+    its NIC k. Without per-NIC ARP answers, one NIC's MAC is learnt for both addresses and
+    both NICs' traffic squeezes through one shaped port (multi-stream S=2 ran at half rate)."""
+    profile = parse_profile({"name": "test_two_nics", "racks": [
+        {"name": "r0", "hosts": [{"name": f"m{h}", "nic_mbit": 200, "nics": 2} for h in range(2)]}]})
+    emulator.up(profile)
+    try:
+        moved = {}
+        for nic in (0, 1):
+            before = nic_rx_bytes("m1", "eth0"), nic_rx_bytes("m1", "eth1")
+            tcp_mbit(profile, "m0", "m1", seconds=1.0, nic=nic)
+            after = nic_rx_bytes("m1", "eth0"), nic_rx_bytes("m1", "eth1")
+            moved[nic] = (after[0] - before[0], after[1] - before[1])
+        neighbours = subprocess.run(["ip", "netns", "exec", emulator.host_namespace("m0"), "ip", "neigh"],
+                                    capture_output=True, text=True, check=True).stdout
+        macs = {nic: subprocess.run(["ip", "netns", "exec", emulator.host_namespace("m1"), "cat",
+                                     f"/sys/class/net/eth{nic}/address"], capture_output=True, text=True,
+                                    check=True).stdout.strip() for nic in (0, 1)}
+    finally:
+        emulator.down()
+    for nic in (0, 1):
+        on_nic, elsewhere = moved[nic][nic], moved[nic][1 - nic]
+        assert on_nic > 1e6 and elsewhere < 0.05 * on_nic, (nic, moved)
+        address = profile.host("m1").address(nic)
+        assert f"{address} dev eth{nic} lladdr {macs[nic]}" in neighbours, neighbours
 
 
 def test_train_on_an_emulated_multi_nic_cluster(tmp_path):

@@ -274,6 +274,12 @@ def _add_host(host: Host, switch: str, bridges: list[str]) -> str:
     ns = host_namespace(host)
     _run("ip", "netns", "add", ns)
     _ns(ns, "ip", "link", "set", "lo", "up")
+    if len(bridges) > 1:
+        # Linux answers ARP for any of its addresses on every interface ("ARP flux"): with two
+        # NICs on one switch, a peer learns one NIC's MAC for both addresses and all inbound
+        # traffic squeezes through that NIC's shaped port -- each of two streams then gets
+        # half a NIC. Answer only for the address of the NIC asked, and announce from it.
+        _ns(ns, "sysctl", "-q", "-w", "net.ipv4.conf.all.arp_ignore=1", "net.ipv4.conf.all.arp_announce=2")
     for k, bridge in enumerate(bridges):
         port = f"hp{host.index}n{k}"
         _run("ip", "link", "add", f"eth{k}", "netns", ns, "type", "veth", "peer", "name", port,
