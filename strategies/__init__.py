@@ -12,6 +12,7 @@ from syncplane.strategies.registry import build, names, register, strategy_class
 from syncplane.strategies import canary  # noqa: E402,F401  (canary)
 from syncplane.strategies import decentralized  # noqa: E402,F401  (atc, awc, h_atc, h_awc)
 from syncplane.strategies import diloco  # noqa: E402,F401  (diloco)
+from syncplane.strategies import diloco_elastic  # noqa: E402,F401  (diloco with elastic=true)
 from syncplane.strategies import ds_sync  # noqa: E402,F401  (ds_sync)
 from syncplane.strategies import flexreduce  # noqa: E402,F401  (flexreduce)
 from syncplane.strategies import torch_hooks  # noqa: E402,F401  (torch_fp16, torch_powersgd)

@@ -270,3 +270,19 @@ def test_launcher_ends_a_replica_left_running_after_the_others_finished(tmp_path
     finally:
         procs[1][1].kill()
         procs[1][1].wait()
+
+
+def test_diloco_with_elastic_true_builds_the_elastic_strategy_and_the_modes_do_not_mix() -> None:
+    """One strategy name for both modes: the registry's ``diloco`` class picks ``ElasticDiLoCo``
+    for ``elastic=True``; each class refuses the other mode's flag."""
+    from syncplane.strategies.diloco import DiLoCo
+    from syncplane.strategies.diloco_elastic import ElasticDiLoCo
+    from syncplane.strategies.registry import strategy_class
+
+    plain, elastic = strategy_class("diloco")(sync_every=4), strategy_class("diloco")(sync_every=4, elastic=True)
+    assert type(plain) is DiLoCo and not plain.elastic
+    assert type(elastic) is ElasticDiLoCo and elastic.elastic and elastic.round_timeout_s == 30.0
+    with pytest.raises(ValueError, match="elastic=False on ElasticDiLoCo"):
+        ElasticDiLoCo(sync_every=4)
+    with pytest.raises(ValueError, match="supports shards=1 only"):
+        DiLoCo(sync_every=4, elastic=True, shards=2)

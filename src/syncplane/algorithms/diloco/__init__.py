@@ -5,7 +5,7 @@ discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing 
 ``config.py`` (the validated settings), ``exchange.py`` (which all-reduce carries Δ: the
 transport's sharded owner exchange, ``syncplane.comm.sharded``, or FlexReduce's tree run on
 the same S streams), ``bench.py``; the cost of both patterns is declared below.
-Glue: ``strategies/diloco.py``.
+Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
 """
 
 from __future__ import annotations
