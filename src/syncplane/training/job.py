@@ -57,7 +57,8 @@ class FaultSettings:
     ``rank`` kills itself (``kill``, SIGKILL), stops (``stop``, SIGSTOP: what a hung GPU or a
     swapping host looks like), raises (``raise``), or takes its host's NICs down (``netdown``,
     emulated clusters only: the host and every rank on it drop off the network) after
-    training step ``step``."""
+    training step ``step``. A job takes a list of them (``parse_faults``): ``syncplane chaos``
+    fails a whole emulated host as one fault per rank of it."""
 
     kind: Literal["kill", "stop", "raise", "netdown"] = "stop"
     rank: int = 1
