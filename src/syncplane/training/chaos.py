@@ -17,7 +17,7 @@ The verdict is the product's promise (issue 17): a job that loses a rank ends wi
 deadline, non-zero, with an error naming a lost rank, leaving nothing behind and its last
 checkpoint intact -- and an elastic DiLoCo job goes on without the lost replica and exits 0.
 
-This module imports no Lightning (only ``torch`` to load the checkpoint): the harness is the
+This module imports no Lightning (``torch`` only, to load the checkpoint): the harness is the
 operator's side of the job, not part of it.
 """
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from syncplane.comm.elastic import REPLICA_ENV
 from syncplane.config import ConfigError
 from syncplane.training.comparison import CONFIG_DIR, compose_job
 from syncplane.training.job import FaultSettings, JobSpec, parse_job
@@ -236,7 +237,7 @@ def job_processes(job_file: Path) -> dict[int, int | None]:
             env = dict(item.partition(b"=")[::2] for item in (entry / "environ").read_bytes().split(b"\0") if item)
         except OSError:
             continue
-        rank = env.get(b"SYNCPLANE_REPLICA", env.get(b"RANK"))
+        rank = env.get(REPLICA_ENV.encode(), env.get(b"RANK"))
         found[int(entry.name)] = int(rank) if rank is not None and rank.isdigit() else None
     return found
 
@@ -498,12 +499,14 @@ def print_report(report: dict[str, Any], json_path: Path) -> None:
         faults.add_row(f["spec"], str(f["injected_by"]), str(f["lost"]), times)
     console.print(faults)
     ranks = Table(title="what each rank did (seconds after the first fault)")
-    for col in ("rank", "role", "error after", "exited after", "names lost", "its error"):
+    for col in ("rank", "role", "error after", "exited after", "names lost"):
         ranks.add_column(col, justify="right" if col.endswith("after") else "left")
+    ranks.add_column("its first error after the fault", no_wrap=True, overflow="ellipsis", max_width=90)
     for r in report["ranks"]:
+        survivor = r["role"] == "survivor"
         ranks.add_row(str(r["rank"]), r["role"] + (" (restarted)" if r["restarted"] else ""), _seconds(r["error_after_s"]),
-                      _seconds(r["exited_after_s"]), "yes" if r["names_lost_rank"] else "no",
-                      (r["error"] or "-")[:80])
+                      _seconds(r["exited_after_s"]), ("yes" if r["names_lost_rank"] else "no") if survivor else "-",
+                      r["error"] or "-")
     console.print(ranks)
     launcher = report["launcher"]
     console.print(f"launcher: exit code {launcher['exit_code']}, ended {_seconds(launcher['ended_after_s'])} s after "
