@@ -93,6 +93,14 @@ def test_prepare_refuses_a_bad_job_before_it_starts(tmp_path: Path, overrides: l
     assert not (tmp_path / "logs").exists()
 
 
+def test_prepare_refuses_a_run_directory_that_holds_a_run(tmp_path: Path) -> None:
+    plan = chaos.prepare(["strategy=ddp", "trainer.devices=2"], ["kill:rank=1:step=3"], tmp_path / "new")
+    assert plan.run_dir == (tmp_path / "new").resolve() and plan.job.faults == [FaultSettings("kill", 1, 3)]
+    (tmp_path / "job.yaml").write_text("config: {}\n")
+    with pytest.raises(ConfigError, match="holds a run already; give a fresh directory"):
+        chaos.prepare(["strategy=ddp"], ["kill:rank=1:step=3"], tmp_path)
+
+
 def test_the_job_config_takes_one_fault_or_a_list_and_a_rank_fails_once() -> None:
     assert parse_faults(None) == []
     assert parse_faults({"kind": "kill", "rank": 1, "step": 3}) == [FaultSettings("kill", 1, 3)]
@@ -127,9 +135,10 @@ def test_the_watcher_reads_fault_and_error_lines_as_they_appear(tmp_path: Path) 
 
 def test_the_watcher_sees_a_rank_process_start_and_end(tmp_path: Path) -> None:
     job_file = tmp_path / "job.yaml"
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(job_file)],
-                            env={"RANK": "1", "PATH": "/usr/bin:/bin"})
+    rank = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)",
+                             str(job_file)], env={"RANK": "1", "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE)
     try:
+        assert rank.stdout is not None and rank.stdout.readline() == b"up\n"   # it runs the command by now
         assert chaos.job_processes(job_file) == {rank.pid: 1}
         watch = chaos.JobWatch(tmp_path, 2, started=0.0)
         watch.poll()
@@ -137,6 +146,7 @@ def test_the_watcher_sees_a_rank_process_start_and_end(tmp_path: Path) -> None:
     finally:
         rank.kill()
         rank.wait()
+        rank.stdout.close()
     watch.poll()
     assert not watch.ranks[1].alive and watch.ranks[1].exited_at is not None
     assert chaos.job_processes(job_file) == {}

@@ -180,6 +180,9 @@ def prepare(overrides: list[str], faults: list[str], run_dir: Path) -> ChaosPlan
             raise ConfigError(f"{override!r}: give faults with --fault KIND:rank=N:step=S, not as a job override")
         if key.startswith("hydra."):
             raise ConfigError(f"{override!r}: syncplane chaos sets the run directory itself (--out)")
+    run_dir = run_dir.resolve()
+    if (run_dir / "job.yaml").exists():   # its old logs would be read as this run's
+        raise ConfigError(f"--out {run_dir}: holds a run already; give a fresh directory")
     specs = [parse_fault(text) for text in faults]
     container = compose_job(list(overrides), "the job")
     devices = (container.get("trainer") or {}).get("devices", 2)
@@ -193,7 +196,7 @@ def prepare(overrides: list[str], faults: list[str], run_dir: Path) -> ChaosPlan
     planned = plan_faults(specs, devices, profile)
     container["fault"] = fault_config(planned)
     job = parse_job(container, run_dir=str(run_dir))
-    return ChaosPlan(list(overrides), job, planned, run_dir.resolve())
+    return ChaosPlan(list(overrides), job, planned, run_dir)
 
 
 # ------------------------------------------------------------------ watching the job
