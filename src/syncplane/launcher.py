@@ -143,7 +143,7 @@ def launch(
     procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]] = []
     threads: list[threading.Thread] = []
     logs: list[IO[bytes]] = []
-    with _signals_stop_the_job():
+    with signals_stop_the_job():
         try:
             def start(spec: RankSpec, restart: int) -> tuple[RankSpec, subprocess.Popen[bytes], Path]:
                 rank_env = dict(base_env)
@@ -297,7 +297,7 @@ _LOST_PEER_GRACE_S = 3.0
 
 
 @contextlib.contextmanager
-def _signals_stop_the_job() -> Iterator[None]:
+def signals_stop_the_job() -> Iterator[None]:
     """While ranks run, SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) raise
     ``LaunchError`` in the launcher, so its ``finally`` ends the ranks. Python's default
     SIGTERM would end the launcher alone and leave its ranks running, blocked in gloo."""

@@ -38,6 +38,7 @@ from typing import Any
 
 from syncplane.comm.elastic import REPLICA_ENV
 from syncplane.config import ConfigError
+from syncplane.launcher import signals_stop_the_job
 from syncplane.training.comparison import CONFIG_DIR, compose_job
 from syncplane.training.job import FaultSettings, JobSpec, parse_job
 
@@ -296,7 +297,8 @@ def run_job(plan: ChaosPlan, timeout_s: float, poll_s: float = 0.1) -> Observati
     started = time.monotonic()
     watch = JobWatch(run_dir, plan.job.trainer.devices, started)
     stopped = False
-    with open(output_path, "wb") as output:
+    # SIGTERM or SIGHUP to chaos end the job too (train.py ends its ranks on the SIGTERM it gets)
+    with open(output_path, "wb") as output, signals_stop_the_job():
         job = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             while job.poll() is None:
