@@ -125,11 +125,13 @@ def test_the_watcher_reads_fault_and_error_lines_as_they_appear(tmp_path: Path) 
     assert watch.ranks[2].fired_at is not None and watch.ranks[0].errors == []   # half a line is not read yet
     with open(tmp_path / "logs" / "rank0.log", "a") as f:
         f.write("ding heartbeats 3 s ago; noticed by rank 1\nTraceback (most recent call last):\n"
-                "torch.distributed.DistBackendError: Connection closed by peer\n")
+                "torch.distributed.DistBackendError: Connection closed by peer\n"
+                "[rank0]: RuntimeError: [pair.cc:561] Connection closed by peer [198.18.0.2]:61104\n")
     watch.poll()
     assert [line for _, line in watch.ranks[0].errors] == [
         "syncplane: rank 2 stopped sending heartbeats 3 s ago; noticed by rank 1",
-        "torch.distributed.DistBackendError: Connection closed by peer"]
+        "torch.distributed.DistBackendError: Connection closed by peer",
+        "[rank0]: RuntimeError: [pair.cc:561] Connection closed by peer [198.18.0.2]:61104"]
     assert watch.ranks[1] == RankSeen()
 
 

@@ -49,8 +49,9 @@ KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultSettings)["k
 #: The line ``InjectFault`` logs on the rank as it fails.
 FAULT_LINE = re.compile(r"fault: rank (\d+) fails \((\w+)\) after step (\d+)")
 #: An error a rank writes as it stops: the heartbeat's ``syncplane: ...`` line, or the last
-#: line of a Python traceback (``RuntimeError: ...``, ``torch.distributed.DistBackendError: ...``).
-ERROR_LINE = re.compile(r"^(?:syncplane: .+|(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Timeout)(?:: .*)?)$")
+#: line of a Python traceback (``RuntimeError: ...``, ``torch.distributed.DistBackendError: ...``),
+#: which torch prefixes with ``[rankN]: `` on a failed collective.
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:syncplane: .+|(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Timeout)(?:: .*)?)$")
 #: What ``train.py`` writes on stderr when the job fails (its ``main``).
 LAUNCHER_ERROR = re.compile(r"^syncplane: (?:training failed|invalid configuration|cannot run on the emulated "
                             r"cluster|rendezvous)[^\n]*", re.M)
@@ -505,8 +506,8 @@ def print_report(report: dict[str, Any], json_path: Path) -> None:
     console.print(faults)
     ranks = Table(title="what each rank did (seconds after the first fault)")
     for col in ("rank", "role", "error after", "exited after", "names lost"):
-        ranks.add_column(col, justify="right" if col.endswith("after") else "left")
-    ranks.add_column("its first error after the fault", no_wrap=True, overflow="ellipsis", max_width=90)
+        ranks.add_column(col, justify="right" if col.endswith("after") else "left", no_wrap=True)
+    ranks.add_column("its first error after the fault", no_wrap=True, overflow="ellipsis", max_width=60)
     for r in report["ranks"]:
         survivor = r["role"] == "survivor"
         ranks.add_row(str(r["rank"]), r["role"] + (" (restarted)" if r["restarted"] else ""), _seconds(r["error_after_s"]),
