@@ -1,4 +1,4 @@
-"""``syncplane`` command line: info, build-ext, emulate, bench, compare, soak, simulate."""
+"""``syncplane`` command line: info, build-ext, emulate, bench, compare, chaos, soak, simulate."""
 
 from __future__ import annotations
 
@@ -221,6 +221,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    import logging
+    import time
+
+    from syncplane.training.chaos import prepare, print_report, run_chaos
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.deadline_s <= 0 or args.timeout_s <= 0:
+        raise ConfigError(f"--deadline-s and --timeout-s must be positive, got {args.deadline_s} and {args.timeout_s}")
+    out = Path(args.out) if args.out else Path("outputs") / "chaos" / time.strftime("%Y-%m-%d/%H-%M-%S")
+    plan = prepare(args.overrides, args.fault, out)
+    json_path = Path(args.json) if args.json else plan.run_dir / "chaos.json"
+    report = run_chaos(plan, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
+    print_report(report, json_path)
+    return 0 if report["ok"] else 1
+
+
 def cmd_soak(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import parse_strategies
     from syncplane.bench.soak import print_table, run_soak
@@ -295,6 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("overrides", nargs="*",
                          help="Hydra overrides for every run, as for train.py: trainer.max_epochs=5 recipe.lr=0.1")
     compare.set_defaults(func=cmd_compare)
+
+    chaos = sub.add_parser("chaos", help="train a job, fail chosen ranks or emulated hosts at chosen steps, and "
+                                         "report what the job did (exit 0 when it failed fast and clean)")
+    chaos.add_argument("--fault", action="append", required=True, metavar="KIND:rank=N:step=S",
+                       help="kill, stop (SIGSTOP: a hang), raise or netdown (emulated clusters), on rank=N or on "
+                            "host=N (every rank of emulated host N) after training step S; repeat for more faults")
+    chaos.add_argument("--deadline-s", type=float, default=30.0,
+                       help="the job must have ended this long after the first fault (not for elastic DiLoCo, "
+                            "which must go on)")
+    chaos.add_argument("--timeout-s", type=float, default=900.0, help="stop the whole job after this long")
+    chaos.add_argument("--out", help="the job's run directory (default outputs/chaos/DATE/TIME)")
+    chaos.add_argument("--json", help="where to write the report (default OUT/chaos.json)")
+    chaos.add_argument("overrides", nargs="*",
+                       help="the job, as for train.py: strategy=ddp trainer.devices=4 cluster=multi_nic ...")
+    chaos.set_defaults(func=cmd_chaos)
 
     soak = sub.add_parser("soak", help="run each strategy's sync for many steps; fail if memory, descriptors, "
                                        "threads or sockets grow")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -37,6 +38,7 @@ from syncplane.net import free_port
 if TYPE_CHECKING:
     from syncplane.cluster import ClusterProfile
 
+log = logging.getLogger(__name__)
 
 #: Elastic jobs: how long the other replicas get to finish once one has finished.
 _ELASTIC_FINISH_GRACE_S = 120.0
@@ -93,10 +95,10 @@ def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir
                master_port=29500, **kwargs)  # type: ignore[arg-type]
 
 
-def _tee(stream: IO[bytes], log: IO[bytes], echo: IO[str]) -> None:
+def _tee(stream: IO[bytes], log_file: IO[bytes], echo: IO[str]) -> None:
     for line in iter(stream.readline, b""):
-        log.write(line)
-        log.flush()
+        log_file.write(line)
+        log_file.flush()
         echo.write(line.decode(errors="replace"))
         echo.flush()
 
@@ -141,7 +143,7 @@ def launch(
     procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]] = []
     threads: list[threading.Thread] = []
     logs: list[IO[bytes]] = []
-    with _signals_stop_the_job():
+    with signals_stop_the_job():
         try:
             def start(spec: RankSpec, restart: int) -> tuple[RankSpec, subprocess.Popen[bytes], Path]:
                 rank_env = dict(base_env)
@@ -154,17 +156,17 @@ def launch(
                 rank_env.update(spec.env)
                 rank_env[RESTART_ENV] = str(restart)
                 log_path = log_dir / f"rank{spec.rank}.log"
-                log = open(log_path, "ab" if restart else "wb")
-                logs.append(log)
+                log_file = open(log_path, "ab" if restart else "wb")
+                logs.append(log_file)
                 echo = echo_rank0 and spec.rank == 0 and restart == 0
                 proc = subprocess.Popen(
                     [*spec.prefix, *command], env=rank_env, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE if echo else log, stderr=subprocess.STDOUT,
+                    stdout=subprocess.PIPE if echo else log_file, stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: we can end it and its children
                 )
                 if echo:
                     assert proc.stdout is not None
-                    t = threading.Thread(target=_tee, args=(proc.stdout, log, echo_to or sys.stdout), daemon=True)
+                    t = threading.Thread(target=_tee, args=(proc.stdout, log_file, echo_to or sys.stdout), daemon=True)
                     t.start()
                     threads.append(t)
                 return spec, proc, log_path
@@ -178,8 +180,8 @@ def launch(
             _terminate([p for _, p, _ in procs])
             for t in threads:
                 t.join(timeout=5)
-            for log in logs:
-                log.close()
+            for log_file in logs:
+                log_file.close()
 
 
 def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, grace_s: float,
@@ -188,11 +190,11 @@ def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, gr
     failure: tuple[RankSpec, int, Path] | None = None
     failed_at = 0.0
     while True:
-        running = [(s, p, log) for s, p, log in procs if p.poll() is None]
+        running = [(s, p, path) for s, p, path in procs if p.poll() is None]
         if failure is None:
-            for s, p, log in procs:
+            for s, p, path in procs:
                 if p.returncode not in (None, 0):
-                    failure, failed_at = (s, p.returncode, log), time.monotonic()
+                    failure, failed_at = (s, p.returncode, path), time.monotonic()
                     break
         if not running:
             break
@@ -207,11 +209,11 @@ def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, gr
             raise LaunchError(f"job exceeded its {timeout_s:.0f} s limit; ranks still running: {stuck}")
         time.sleep(0.1)
     if failure is not None:
-        spec, code, log = failure
+        spec, code, failed_log = failure
         reason = f"signal {-code}" if code < 0 else f"exit code {code}"
         raise LaunchError(
-            f"rank {spec.rank} failed ({reason}); the other ranks were stopped. Its log: {log}\n"
-            f"--- last lines of rank {spec.rank} ---\n{_tail(log)}"
+            f"rank {spec.rank} failed ({reason}); the other ranks were stopped. Its log: {failed_log}\n"
+            f"--- last lines of rank {spec.rank} ---\n{_tail(failed_log)}"
         )
 
 
@@ -230,7 +232,7 @@ def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
     lost: dict[int, str] = {}
     finished: set[int] = set()
     while True:
-        for i, (spec, p, log) in enumerate(list(procs)):
+        for i, (spec, p, rank_log) in enumerate(list(procs)):
             code = p.poll()
             if code is None or spec.rank in finished or spec.rank in lost:
                 continue
@@ -241,19 +243,19 @@ def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
             reason = f"signal {-code}" if code < 0 else f"exit code {code}"
             if restarts[spec.rank] < max_restarts:
                 restarts[spec.rank] += 1
-                print(f"syncplane: rank {spec.rank} failed ({reason}); restart {restarts[spec.rank]} of "
-                      f"{max_restarts}", flush=True)
+                log.warning("rank %d failed (%s); restart %d of %d", spec.rank, reason,
+                            restarts[spec.rank], max_restarts)
                 procs[i] = start(spec, restarts[spec.rank])
             else:
                 lost[spec.rank] = reason
-                print(f"syncplane: rank {spec.rank} failed ({reason}) and is not restarted "
-                      f"(max_restarts={max_restarts}); the others go on. Its log: {log}", flush=True)
+                log.warning("rank %d failed (%s) and is not restarted (max_restarts=%d); the others "
+                            "go on. Its log: %s", spec.rank, reason, max_restarts, rank_log)
         if len(finished) + len(lost) == len(restarts):
             break
         if first_finish is not None and time.monotonic() - first_finish > finish_grace_s:
             left = ", ".join(str(s.rank) for s, p, _ in procs if p.poll() is None)
-            print(f"syncplane: rank(s) {left} still running {finish_grace_s:.0f} s after the job's first replica "
-                  "finished (hung, or restarted too late): ended", flush=True)
+            log.warning("rank(s) %s still running %.0f s after the job's first replica finished (hung, "
+                        "or restarted too late): ended", left, finish_grace_s)
             break
         if timeout_s is not None and time.monotonic() - began > timeout_s:
             stuck = ", ".join(str(s.rank) for s, p, _ in procs if p.poll() is None)
@@ -261,9 +263,9 @@ def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
         time.sleep(0.1)
     if not finished:
         rank, reason = next(iter(lost.items()))
-        log = next(lg for s, _, lg in procs if s.rank == rank)
-        raise LaunchError(f"every rank failed (rank {rank}: {reason}); its log: {log}\n"
-                          f"--- last lines of rank {rank} ---\n{_tail(log)}")
+        lost_log = next(lg for s, _, lg in procs if s.rank == rank)
+        raise LaunchError(f"every rank failed (rank {rank}: {reason}); its log: {lost_log}\n"
+                          f"--- last lines of rank {rank} ---\n{_tail(lost_log)}")
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]], wait_s: float = 5.0) -> None:
@@ -295,7 +297,7 @@ _LOST_PEER_GRACE_S = 3.0
 
 
 @contextlib.contextmanager
-def _signals_stop_the_job() -> Iterator[None]:
+def signals_stop_the_job() -> Iterator[None]:
     """While ranks run, SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) raise
     ``LaunchError`` in the launcher, so its ``finally`` ends the ranks. Python's default
     SIGTERM would end the launcher alone and leave its ranks running, blocked in gloo."""

@@ -28,7 +28,9 @@ def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> Non
                    "trainer.max_restarts=1", "+fault.kind=kill", "+fault.rank=2", "+fault.step=7", "seed=5",
                    f"hydra.run.dir={tmp_path}", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "rank 2 failed (signal 9); restart 1 of 1" in result.stdout
+    # the launcher's log record, through train.py's (Hydra's) logging: on the terminal and in the job's train.log
+    assert "[syncplane.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1" in result.stdout
+    assert "rank 2 failed (signal 9); restart 1 of 1" in (tmp_path / "train.log").read_text()
     events = _events(tmp_path)
     sizes = {(e["replica"], e["replicas"]) for e in events if e["event"] == "membership"}
     assert {(0, 3), (0, 2), (1, 2)} <= sizes                    # started as 3, went on as 2

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from syncplane.cluster import emulator
+from syncplane.training.chaos import job_processes
 from tests.e2e.test_train import ROOT, train
 from tests.helpers.emulation import requires_emulation
 
@@ -29,16 +30,7 @@ DEADLINE_S = 30.0
 
 def _job_processes(run_dir: Path) -> list[int]:
     """Pids of processes whose command line names this run's job file (its ranks)."""
-    marker = str(run_dir / "job.yaml").encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
+    return sorted(job_processes(run_dir / "job.yaml"))
 
 
 @pytest.fixture

@@ -111,6 +111,10 @@ def check_syncplane(argv: list[str]) -> None:
         from syncplane.training.comparison import settings_from_args
 
         settings_from_args(args).validate()
+    elif args.command == "chaos":   # the job composed like train.py, the faults placed on it
+        from syncplane.training.chaos import prepare
+
+        prepare(args.overrides, args.fault, Path(args.out or "outputs/chaos/check"))
     elif getattr(args, "strategies", None):
         parse_strategies(args.strategies)
     if getattr(args, "profile", None):

@@ -8,6 +8,7 @@ The reference is DiLoCo's outer step written out in float64 (SGD, Nesterov momen
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -220,18 +221,28 @@ def test_lighthouse_refuses_a_wildcard_or_a_name(host: str) -> None:
         check_bind_host(host)
 
 
-def test_launcher_restarts_a_failed_replica_and_leaves_the_others(tmp_path: Path) -> None:
+def test_launcher_restarts_a_failed_replica_and_leaves_the_others(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     # rank 1 fails on its first start, succeeds on its restart; rank 0 is never touched
     code = ("import os, sys; r = os.environ['RANK']; k = os.environ['SYNCPLANE_RESTART_COUNT']; "
             "print('start', r, k); sys.exit(3 if (r, k) == ('1', '0') else 0)")
-    launch([sys.executable, "-c", code], local_ranks(2), tmp_path, echo_rank0=False, max_restarts=1)
+    with caplog.at_level(logging.WARNING, logger="syncplane.launcher"):
+        launch([sys.executable, "-c", code], local_ranks(2), tmp_path, echo_rank0=False, max_restarts=1)
     assert (tmp_path / "rank1.log").read_text().split() == ["start", "1", "0", "start", "1", "1"]
     assert (tmp_path / "rank0.log").read_text().split() == ["start", "0", "0"]
+    # the restart is the launcher's log record (train.py's Hydra logging shows it and keeps it in train.log)
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("syncplane.launcher", "WARNING", "rank 1 failed (exit code 3); restart 1 of 1")]
 
 
-def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path) -> None:
+def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     lost_one = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
-    launch([sys.executable, "-c", lost_one], local_ranks(2), tmp_path / "a", echo_rank0=False, max_restarts=0)
+    with caplog.at_level(logging.WARNING, logger="syncplane.launcher"):
+        launch([sys.executable, "-c", lost_one], local_ranks(2), tmp_path / "a", echo_rank0=False, max_restarts=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rank 1 failed (exit code 3) and is not restarted (max_restarts=0); the others go on. Its log: "
+        f"{tmp_path / 'a' / 'rank1.log'}"]
     with pytest.raises(LaunchError, match="every rank failed"):
         launch([sys.executable, "-c", "raise SystemExit(4)"], local_ranks(2), tmp_path / "b", echo_rank0=False,
                max_restarts=1)
@@ -258,15 +269,19 @@ def test_elastic_settings_are_refused_before_any_worker_starts(tmp_path: Path, o
         parse_job(cfg, run_dir=str(tmp_path))
 
 
-def test_launcher_ends_a_replica_left_running_after_the_others_finished(tmp_path: Path) -> None:
+def test_launcher_ends_a_replica_left_running_after_the_others_finished(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     from syncplane.launcher import _wait_elastic
 
     hung = "import os, sys, time; time.sleep(60) if os.environ['RANK'] == '1' else sys.exit(0)"
     procs = [(spec, subprocess.Popen([sys.executable, "-c", hung], env={**os.environ, "RANK": str(spec.rank)}),
               tmp_path / "x") for spec in local_ranks(2)]
     try:
-        _wait_elastic(procs, lambda spec, k: procs[spec.rank], max_restarts=0, timeout_s=50, finish_grace_s=1.0)
+        with caplog.at_level(logging.WARNING, logger="syncplane.launcher"):
+            _wait_elastic(procs, lambda spec, k: procs[spec.rank], max_restarts=0, timeout_s=50, finish_grace_s=1.0)
         assert procs[0][1].returncode == 0 and procs[1][1].poll() is None   # returned; the caller ends rank 1
+        assert [r.getMessage() for r in caplog.records] == [
+            "rank(s) 1 still running 1 s after the job's first replica finished (hung, or restarted too late): ended"]
     finally:
         procs[1][1].kill()
         procs[1][1].wait()

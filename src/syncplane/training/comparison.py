@@ -67,14 +67,27 @@ class CompareSettings:
             raise ConfigError(f"--wandb-mode: offline, online or disabled, got {self.wandb_mode!r}")
 
 
-def compose(settings: CompareSettings, name: str, seed: int, group: str) -> dict[str, Any]:
-    """The job config ``train.py`` would compose for run ``name`` (a peer takes its base
-    strategy's config: torchft's DiLoCo gets our DiLoCo's H and outer optimizer)."""
+def compose_job(overrides: list[str], what: str) -> dict[str, Any]:
+    """The job config ``python train.py OVERRIDES`` composes, as plain resolved containers
+    (no ``hydra`` key); a bad override is a ConfigError naming ``what`` was composed."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
+    try:
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            cfg = hydra_compose("config", overrides=overrides)
+    except HydraException as exc:
+        raise ConfigError(f"composing {what}: {exc}") from None
+    container: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    container.pop("hydra", None)
+    return container
+
+
+def compose(settings: CompareSettings, name: str, seed: int, group: str) -> dict[str, Any]:
+    """The job config ``train.py`` would compose for run ``name`` (a peer takes its base
+    strategy's config: torchft's DiLoCo gets our DiLoCo's H and outer optimizer)."""
     from syncplane.training.peers import BASE_STRATEGY
 
     overrides = [f"strategy={BASE_STRATEGY.get(name, name)}", f"recipe={settings.recipe}", f"seed={seed}",
@@ -83,13 +96,7 @@ def compose(settings: CompareSettings, name: str, seed: int, group: str) -> dict
                  *([f"logger.mode={settings.wandb_mode}"] if settings.wandb else []),
                  *([f"trainer.devices={settings.devices}"] if settings.devices else []),
                  *settings.overrides]
-    try:
-        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            cfg = hydra_compose("config", overrides=overrides)
-    except HydraException as exc:
-        raise ConfigError(f"composing {name}: {exc}") from None
-    container: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    container.pop("hydra", None)
+    container = compose_job(overrides, name)
     if container.get("cluster") is not None and settings.devices is None \
             and not any(o.startswith("trainer.devices=") for o in settings.overrides):
         from syncplane.cluster import parse_profile

@@ -57,7 +57,8 @@ class FaultSettings:
     ``rank`` kills itself (``kill``, SIGKILL), stops (``stop``, SIGSTOP: what a hung GPU or a
     swapping host looks like), raises (``raise``), or takes its host's NICs down (``netdown``,
     emulated clusters only: the host and every rank on it drop off the network) after
-    training step ``step``."""
+    training step ``step``. A job takes a list of them (``parse_faults``): ``syncplane chaos``
+    fails a whole emulated host as one fault per rank of it."""
 
     kind: Literal["kill", "stop", "raise", "netdown"] = "stop"
     rank: int = 1
@@ -101,7 +102,8 @@ class JobSpec:
     job_name: str = "train"
     resume: str | None = None  # a checkpoint to continue from
     cluster: Any = None        # a ClusterProfile: run every rank inside its emulated host
-    fault: FaultSettings | None = None   # a failure to inject (testing what the job does)
+    # failures to inject (testing what the job does): ``fault`` is one mapping or a list of them
+    faults: list[FaultSettings] = field(default_factory=list)
 
     @property
     def elastic(self) -> bool:
@@ -145,7 +147,7 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     if resume is not None and not (isinstance(resume, str) and Path(resume).is_file()):
         raise ConfigError(f"resume: expected the path of an existing checkpoint file, got {resume!r}")
     trainer = parse_dataclass(TrainerSettings, cfg.get("trainer"), "trainer")
-    fault = None if cfg.get("fault") is None else parse_dataclass(FaultSettings, cfg["fault"], "fault")
+    faults = parse_faults(cfg.get("fault"))
     elastic = name == "diloco" and bool(kwargs.get("elastic", False))
     if trainer.max_restarts and not elastic:
         raise ConfigError(f"trainer.max_restarts={trainer.max_restarts}: only elastic jobs (strategy=diloco "
@@ -155,7 +157,7 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
                           "listens on loopback); drop cluster=...")
     if elastic and resume is not None:
         raise ConfigError("resume: an elastic job does not resume from a checkpoint (replicas heal from a live peer)")
-    if fault is not None and fault.kind == "netdown" and cfg.get("cluster") is None:
+    if any(f.kind == "netdown" for f in faults) and cfg.get("cluster") is None:
         raise ConfigError("fault.kind=netdown takes the rank's host NICs down: only on an emulated cluster "
                           "(cluster=...), never on this machine's own interfaces")
     cluster = None
@@ -184,5 +186,24 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
         job_name=job_name,
         resume=resume,
         cluster=cluster,
-        fault=fault,
+        faults=faults,
     )
+
+
+def parse_faults(value: Any) -> list[FaultSettings]:
+    """``fault``: null, one mapping (``fault={kind:stop,rank:2,step:15}``) or a list of them
+    (``syncplane chaos`` fails a whole host: one entry per rank). A rank fails once: a second
+    fault on it could never happen (a stopped or killed rank takes no more steps), so a list
+    that names a rank twice is refused rather than silently half-run."""
+    if value is None:
+        return []
+    if isinstance(value, Mapping):
+        return [parse_dataclass(FaultSettings, value, "fault")]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"fault: expected a mapping or a non-empty list of mappings, got {value!r}")
+    faults = [parse_dataclass(FaultSettings, item, f"fault[{i}]") for i, item in enumerate(value)]
+    ranks = [f.rank for f in faults]
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise ConfigError(f"fault: rank(s) {', '.join(map(str, twice))} given more than one fault; a rank fails once")
+    return faults

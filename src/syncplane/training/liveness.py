@@ -59,7 +59,9 @@ class HeartbeatCallback(Callback):
 
 
 class InjectFault(Callback):
-    """Rank ``fault.rank`` fails as ``fault.kind`` says after training step ``fault.step``.
+    """Rank ``fault.rank`` fails as ``fault.kind`` says after training step ``fault.step``
+    (one callback per fault of the job's ``fault`` list; ``syncplane chaos`` reads the line it
+    logs, ``fault: rank R fails (KIND) after step S``, to time the job's reaction).
 
     In an elastic job the rank is the replica (each replica is a Lightning job of one), and a
     replica the launcher restarted does not fail again: the fault happens once per job."""

@@ -117,7 +117,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
         deterministic=trainer_cfg.deterministic,
         logger=make_loggers(spec) or False,
         callbacks=[report, checkpoints, HeartbeatCallback(trainer_cfg.heartbeat_timeout_s),
-                   *([InjectFault(spec.fault)] if spec.fault is not None else [])],
+                   *(InjectFault(f) for f in spec.faults)],
         plugins=[AtomicCheckpointIO()],
         default_root_dir=spec.run_dir,
         enable_progress_bar=False,  # one line per epoch instead (logs are files, not TTYs)
