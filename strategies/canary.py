@@ -186,7 +186,7 @@ class CanaryStrategy(SyncplaneStrategy):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             kernels.unpack(colayer.buffer, [p.grad for p in colayer.tensors])
-        if self.gei is not None and self.config.momentum_compensation and self.gei.stale_at():
+        if results and self.gei is not None and self.config.momentum_compensation and self.gei.stale_at():
             self._compensation.apply(optimizer.param_groups)   # for this update only
 
     @override
@@ -203,6 +203,7 @@ class CanaryStrategy(SyncplaneStrategy):
             self.engine.load_state_dict(state["canary"])
 
     def _release(self) -> None:
+        self._compensation.restore()   # an update that failed half-way leaves the recipe's momentum
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

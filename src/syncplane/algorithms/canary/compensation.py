@@ -13,15 +13,17 @@ on by default when ``staleness`` > 0, chosen by measurement
    the recipe's. The multiplicative reading (keeping ``(1 - μ)`` times ``1/(s+1)``
    constant, 0.9 -> 0.7) was measured too and is far worse (simulation: 0.81 vs 0.97).
    Why lower momentum at all: the largest stable step of heavy-ball with an s-step delay,
-   ``η·λ/(1 - μ)``, is nearly independent of μ (about 0.6 for s = 2; 38 for μ = 0.9
+   ``η·λ/(1 - μ)``, is nearly independent of μ (0.5-0.6 for s = 2; 38 for μ = 0.9
    without delay), so a synchronous run tuned for μ = 0.9 sits far outside the delayed
    system's stable region; dropping μ widens the stable ``η·λ`` range ninefold.
 2. **Synchronous warm-up.** The first ``warmup_steps`` optimizer steps run at s = 0, then
    every rank switches to s at the same step (the global step, so a resume does not redo
    it). Early training is where a delayed gradient hurts most: with compensation alone
-   digits reaches 0.967, with 44 synchronous steps first 0.990 (ddp 0.991). A warm-up
-   without compensation does not help (0.58: the sharpness reached under synchronous
-   momentum 0.9 is unstable once the delay starts) -- the two are needed together.
+   the simulated digits run reaches 0.967, with the default 50 synchronous steps first
+   0.990 (synchronous: 0.991). A warm-up without compensation does not help (0.62: the
+   sharpness reached under synchronous momentum 0.9 is unstable once the delay starts)
+   -- the two are needed together. An LR ramp instead of the synchronous warm-up does
+   not help either (0.957-0.970).
 
 The compensation is applied to the optimizer's param groups for one update only and put
 back right after it (``MomentumCompensation``), so LR schedulers, logs and checkpoints
@@ -73,6 +75,7 @@ class MomentumCompensation:
     def __init__(self, staleness: int) -> None:
         self.staleness = staleness
         self._saved: list[tuple[MutableMapping[str, Any], float]] = []
+        self.updates = 0     # updates that ran with a compensated momentum
 
     def plan(self, param_groups: Sequence[MutableMapping[str, Any]]) -> list[tuple[float, float] | None]:
         """Per param group: (recipe momentum, momentum while stale), or None where the group
@@ -88,6 +91,7 @@ class MomentumCompensation:
             if "momentum" in group:
                 self._saved.append((group, group["momentum"]))
                 group["momentum"] = compensated_momentum(float(group["momentum"]), self.staleness)
+        self.updates += bool(self._saved)
 
     def restore(self) -> None:
         """Put back exactly the values ``apply`` replaced (a no-op if nothing was applied)."""
