@@ -157,6 +157,11 @@ class CanaryStrategy(SyncplaneStrategy):
             momentum = "momentum while stale " + ", ".join(
                 "-" if p is None else f"{p[0]:g} -> {p[1]:.3f}" for p in plan) + " (per param group; " \
                 f"minus the {implicit_momentum(config.staleness):.3f} the delay adds, Mitliagkas et al. 2016)"
+        self.details["staleness"] = {"s": config.staleness, "warmup_steps": config.warmup_steps,
+                                     "stale_from_step": self.step + left,
+                                     "momentum_while_stale": [None if p is None or not config.momentum_compensation
+                                                              else p[1] for p in plan],
+                                     "compensated_updates": 0}
         rank_zero_info(f"canary: staleness {config.staleness} from global step {self.step + left} "
                        f"({left} synchronous warm-up step(s) first, warmup_steps={config.warmup_steps}); {momentum}")
 
@@ -192,6 +197,8 @@ class CanaryStrategy(SyncplaneStrategy):
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         self._compensation.restore()
+        if "staleness" in self.details:   # summary.json's strategy_details
+            self.details["staleness"]["compensated_updates"] = self._compensation.updates
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:

@@ -52,9 +52,12 @@ def test_a_compensated_update_is_heavy_ball_with_the_lowered_momentum_then_resto
         v = d if step == 0 else mu * v + d
         w = w - 0.1 * v
         torch.testing.assert_close(model.weight.detach(), w, rtol=1e-12, atol=1e-12)
-    with pytest.raises(RuntimeError, match="twice"):
-        compensation.apply(optimizer.param_groups)
-        compensation.apply(optimizer.param_groups)
+    assert compensation.updates == 2
+    compensation.apply(optimizer.param_groups)
+    compensation.apply(optimizer.param_groups)         # a closure run twice: lowered once, not twice
+    assert [gr["momentum"] for gr in optimizer.param_groups] == [0.9 - 2 / 3, 0.0] and compensation.updates == 3
+    compensation.restore()
+    assert [gr["momentum"] for gr in optimizer.param_groups] == [0.9, 0.5]
 
 
 def test_checkpoint_holds_the_recipes_momentum_and_loads_with_weights_only() -> None:

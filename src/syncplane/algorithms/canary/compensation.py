@@ -84,9 +84,11 @@ class MomentumCompensation:
                 if "momentum" in g else None for g in param_groups]
 
     def apply(self, param_groups: Sequence[MutableMapping[str, Any]]) -> None:
-        """Set the compensated momentum; ``restore`` must follow the update."""
+        """Set the compensated momentum; ``restore`` must follow the update. A second call
+        before the restore (a closure evaluated twice) changes nothing: the momentum is
+        lowered once, from the recipe's value."""
         if self._saved:
-            raise RuntimeError("momentum compensation applied twice without a restore in between")
+            return
         for group in param_groups:
             if "momentum" in group:
                 self._saved.append((group, group["momentum"]))
