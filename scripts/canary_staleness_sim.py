@@ -10,6 +10,7 @@ codec is left out (s = 0 with it is within 0.6 point of ddp), so this isolates t
 
     python scripts/canary_staleness_sim.py                      # the table in docs/strategies/canary.md
     python scripts/canary_staleness_sim.py --only s2_default --seeds 42
+    python scripts/canary_staleness_sim.py --stability          # why momentum must drop while stale
 
 Ranks are simulated faithfully where it matters: each rank's 32-sample batch goes
 through the model on its own (batch-norm statistics per rank), the loss is the mean over
@@ -94,12 +95,38 @@ def simulate(staleness: int, momentum: float, warmup_steps: int, compensation: b
         return float((model(x_val).argmax(1) == y_val).float().mean())
 
 
+def max_stable_step(momentum: float, staleness: int) -> float:
+    """The largest η·λ for which heavy-ball with an s-step delay is stable on a quadratic of
+    curvature λ: ``w[k+1] = w[k] + μ (w[k] - w[k-1]) - η λ w[k-s]``, whose characteristic
+    polynomial is ``z^(s+2) - (1+μ) z^(s+1) + μ z^s + ηλ z`` (bisection on its largest root)."""
+    import numpy as np
+
+    def stable(h: float) -> bool:
+        coefficients = np.zeros(staleness + 3)
+        coefficients[0], coefficients[1], coefficients[2] = 1.0, -(1.0 + momentum), momentum
+        coefficients[staleness + 1] += h
+        return float(np.max(np.abs(np.roots(coefficients)))) < 1.0
+
+    low, high = 0.0, 4.0
+    for _ in range(50):
+        low, high = ((low + high) / 2, high) if stable((low + high) / 2) else (low, (low + high) / 2)
+    return low
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(SETTINGS), help="comma-separated settings")
     parser.add_argument("--seeds", default="42,1,2", help="comma-separated seeds (mean reported)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--stability", action="store_true",
+                        help="only print the largest stable η·λ and η·λ/(1-μ) per momentum and staleness")
     args = parser.parse_args()
+    if args.stability:
+        for staleness in (0, 1, 2, 3):
+            print(f"s={staleness}  " + "  ".join(
+                f"μ={mu}: {max_stable_step(mu, staleness):.3f} ({max_stable_step(mu, staleness) / (1 - mu):.2f})"
+                for mu in (0.0, 0.233, 0.5, 0.7, 0.9)))
+        return
     torch.set_num_threads(args.threads)
     # a step with nothing due skips optimizer.step(), which torch's scheduler warns about
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
