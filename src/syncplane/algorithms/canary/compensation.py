@@ -14,8 +14,9 @@ on by default when ``staleness`` > 0, chosen by measurement
    constant, 0.9 -> 0.7) was measured too and is far worse (simulation: 0.81 vs 0.97).
    Why lower momentum at all: the largest stable step of heavy-ball with an s-step delay,
    ``η·λ/(1 - μ)``, is nearly independent of μ (0.5-0.6 for s = 2; 38 for μ = 0.9
-   without delay), so a synchronous run tuned for μ = 0.9 sits far outside the delayed
-   system's stable region; dropping μ widens the stable ``η·λ`` range ninefold.
+   without delay): at a fixed LR, dropping μ from 0.9 to 0.233 once the delay starts
+   widens the stable ``η·λ`` range ninefold (0.051 -> 0.455;
+   ``scripts/canary_staleness_sim.py --stability``).
 2. **Synchronous warm-up.** The first ``warmup_steps`` optimizer steps run at s = 0, then
    every rank switches to s at the same step (the global step, so a resume does not redo
    it). Early training is where a delayed gradient hurts most: with compensation alone
