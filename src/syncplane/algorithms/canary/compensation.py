@@ -21,9 +21,9 @@ on by default when ``staleness`` > 0, chosen by measurement
    every rank switches to s at the same step (the global step, so a resume does not redo
    it). Early training is where a delayed gradient hurts most: with compensation alone
    the simulated digits run reaches 0.967, with the default 50 synchronous steps first
-   0.990 (synchronous: 0.991). A warm-up without compensation does not help (0.62: the
-   sharpness reached under synchronous momentum 0.9 is unstable once the delay starts)
-   -- the two are needed together. An LR ramp instead of the synchronous warm-up does
+   0.990 (synchronous: 0.991). A warm-up without compensation does not help (0.62: momentum
+   0.9 with the delay is as unstable after the warm-up as before it) -- the two are
+   needed together. An LR ramp instead of the synchronous warm-up does
    not help either (0.957-0.970).
 
 The compensation is applied to the optimizer's param groups for one update only and put
