@@ -20,7 +20,7 @@ from pathlib import Path
 SETTINGS = {
     "ddp": ["strategy=ddp"],
     "canary_s0": ["strategy=canary"],
-    "canary_s2": ["strategy=canary", "+strategy.kwargs.staleness=2"],   # the defaults: warm-up 50, compensation
+    "canary_s2": ["strategy=canary", "+strategy.kwargs.staleness=2"],   # the defaults: warm-up 100, compensation
     # staleness as before issue 14's remedy (stale from step 0, the recipe's momentum)
     "canary_s2_plain": ["strategy=canary", "+strategy.kwargs.staleness=2", "+strategy.kwargs.warmup_steps=0",
                         "+strategy.kwargs.momentum_compensation=false"],

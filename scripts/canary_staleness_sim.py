@@ -40,7 +40,7 @@ SETTINGS = {
     "s2_m0_plain": (2, 0.0, 0, False),
     "s2_compensated": (2, 0.9, 0, True),        # compensation alone
     "s2_warmup_only": (2, 0.9, 50, False),      # warm-up alone
-    "s2_default": (2, 0.9, 50, True),           # what a user gets: warm-up 50 + compensation
+    "s2_default": (2, 0.9, 50, True),           # warm-up 50 + compensation (the shipped default is 100)
     "s1_default": (1, 0.9, 50, True),
     "s3_default": (3, 0.9, 50, True),
 }

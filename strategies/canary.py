@@ -64,7 +64,7 @@ class CanaryStrategy(SyncplaneStrategy):
 
     def __init__(self, compression: str = "sketch", exact_fraction: float = 0.01, quantile_weight: float = 0.3,
                  nics: int | str = "auto", bucket_cap_mb: float = 25.0, sync_timeout_s: float = 600.0,
-                 staleness: int = 0, proportion: float | None = None, warmup_steps: int = 50,
+                 staleness: int = 0, proportion: float | None = None, warmup_steps: int = 100,
                  momentum_compensation: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = CanaryConfig(compression=compression, exact_fraction=exact_fraction,

@@ -97,4 +97,4 @@ def test_bad_schedule_settings_name_the_field(field, value) -> None:
 
 def test_defaults_warm_up_and_compensate() -> None:
     config = CanaryConfig(staleness=2)
-    assert config.warmup_steps == 50 and config.momentum_compensation is True
+    assert config.warmup_steps == 100 and config.momentum_compensation is True

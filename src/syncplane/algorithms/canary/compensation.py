@@ -20,11 +20,12 @@ remedies below 0.989). Both are on by default when ``staleness`` > 0, chosen by 
 2. **Synchronous warm-up.** The first ``warmup_steps`` optimizer steps run at s = 0, then
    every rank switches to s at the same step (the global step, so a resume does not redo
    it). Early training is where a delayed gradient hurts most: with compensation alone
-   the simulated digits run reaches 0.967, with the default 50 synchronous steps first
+   the simulated digits run reaches 0.967, with 50 synchronous steps first
    0.990 (synchronous: 0.991). A warm-up without compensation does not help (0.62: momentum
    0.9 with the delay is as unstable after the warm-up as before it) -- the two are
    needed together. An LR ramp instead of the synchronous warm-up does
-   not help either (0.957-0.970).
+   not help either (0.957-0.970). Default 100 steps: on fashion_mnist (1 epoch, 234 steps)
+   50 left 3.3 points to ddp, 100 leaves 0.77; digits is 0.989 with either.
 
 The compensation is applied to the optimizer's param groups for one update only and put
 back right after it (``MomentumCompensation``), so LR schedulers, logs and checkpoints

@@ -45,7 +45,7 @@ class CanaryConfig:
     sync_timeout_s: float = 600.0
     staleness: int = 0
     proportion: float | None = None
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     momentum_compensation: bool = True
 
     def __post_init__(self) -> None:
