@@ -20,7 +20,10 @@ from pathlib import Path
 SETTINGS = {
     "ddp": ["strategy=ddp"],
     "canary_s0": ["strategy=canary"],
-    "canary_s2": ["strategy=canary", "+strategy.kwargs.staleness=2"],
+    "canary_s2": ["strategy=canary", "+strategy.kwargs.staleness=2"],   # the defaults: warm-up 100, compensation
+    # staleness as before issue 14's remedy (stale from step 0, the recipe's momentum)
+    "canary_s2_plain": ["strategy=canary", "+strategy.kwargs.staleness=2", "+strategy.kwargs.warmup_steps=0",
+                        "+strategy.kwargs.momentum_compensation=false"],
 }
 
 
@@ -31,7 +34,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="trainer.max_epochs (default: the trainer's)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default="outputs/canary_convergence")
-    parser.add_argument("--only", default=",".join(SETTINGS), help="comma-separated settings to run")
+    parser.add_argument("--only", default="ddp,canary_s0,canary_s2",
+                        help=f"comma-separated settings to run, of: {', '.join(SETTINGS)}")
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
     args = parser.parse_args()
     root = Path(args.out) / args.recipe

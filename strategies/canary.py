@@ -22,7 +22,13 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
   only for the aggregate of step k - s (``algorithms/canary/gei.py``) and leaves this
   step's exchanges running; parameters with nothing due get no gradient (skipped).
 - ``before_optimizer_step``: the step starts (with ``staleness`` > 0 it is published on the
-  store, the GEI's step counters).
+  store, the GEI's step counters). The first one tells the GEI the global step it starts
+  at (the synchronous warm-up counts global steps: a resume does not warm up again) and
+  logs the staleness schedule with the optimizer's momentum before and while stale.
+- ``before_parameter_update`` (stale steps, ``momentum_compensation``): the param groups'
+  momentum is lowered for this update only (``algorithms/canary/compensation.py``) and
+  ``after_optimizer_step`` puts the recipe's value back, so schedulers, logs and
+  checkpoints never see the compensated one.
 - ``rank_state_dict`` / ``load_rank_state_dict``: this rank's error-feedback residuals (what
   its own pieces and the pieces it owns have not delivered yet), so a resume loses nothing.
 """
@@ -40,6 +46,7 @@ from typing_extensions import override
 from syncplane import kernels
 from syncplane.algorithms.canary import GEI, BackwardPipeline, CanaryConfig, CanaryEngine
 from syncplane.algorithms.canary.bench import make_transport
+from syncplane.algorithms.canary.compensation import MomentumCompensation, implicit_momentum
 from syncplane.comm import Bucket, make_buckets
 from syncplane.comm.board import StoreBoard
 from syncplane.comm.sharded import ShardedAllReduce
@@ -50,17 +57,20 @@ from syncplane.strategies.registry import register
 @register("canary")
 class CanaryStrategy(SyncplaneStrategy):
     """Args: those of ``CanaryConfig`` (compression, exact_fraction, quantile_weight, nics,
-    bucket_cap_mb, sync_timeout_s, staleness, proportion), then ``SyncplaneStrategy``'s."""
+    bucket_cap_mb, sync_timeout_s, staleness, proportion, warmup_steps,
+    momentum_compensation), then ``SyncplaneStrategy``'s."""
 
     replicas_identical = True   # every rank applies the same decoded mean gradient (of the same step)
 
     def __init__(self, compression: str = "sketch", exact_fraction: float = 0.01, quantile_weight: float = 0.3,
                  nics: int | str = "auto", bucket_cap_mb: float = 25.0, sync_timeout_s: float = 600.0,
-                 staleness: int = 0, proportion: float | None = None, **kwargs: Any) -> None:
+                 staleness: int = 0, proportion: float | None = None, warmup_steps: int = 100,
+                 momentum_compensation: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = CanaryConfig(compression=compression, exact_fraction=exact_fraction,
                                    quantile_weight=quantile_weight, nics=nics, bucket_cap_mb=bucket_cap_mb,
-                                   sync_timeout_s=sync_timeout_s, staleness=staleness, proportion=proportion)
+                                   sync_timeout_s=sync_timeout_s, staleness=staleness, proportion=proportion,
+                                   warmup_steps=warmup_steps, momentum_compensation=momentum_compensation)
         self._colayers: list[Bucket] = []
         self._engine: CanaryEngine | None = None
         self._transport: ShardedAllReduce | None = None
@@ -71,6 +81,8 @@ class CanaryStrategy(SyncplaneStrategy):
         self._missing: list[int] = []
         self._lock = threading.Lock()
         self._early_before = 0
+        self._compensation = MomentumCompensation(self.config.staleness)
+        self._started = False      # the first step since setup_sync (the GEI learns the global step)
 
     @override
     def setup_sync(self) -> None:
@@ -80,8 +92,9 @@ class CanaryStrategy(SyncplaneStrategy):
         self._transport = make_transport(self.config)
         self._engine = CanaryEngine([c.buffer.numel() for c in self._colayers], self.world_size, self._transport)
         self.gei = GEI(len(self._colayers), self.config.staleness, self.config.proportion,
-                       StoreBoard(self.global_rank, self.world_size), self.config.sync_timeout_s
-                       ) if self.config.staleness > 0 else None
+                       StoreBoard(self.global_rank, self.world_size), self.config.sync_timeout_s,
+                       warmup_steps=self.config.warmup_steps) if self.config.staleness > 0 else None
+        self._started = False
         self._pipeline = BackwardPipeline(self._engine, self._pack, self.comm_meter, self.gei)
         self._colayer_of = {id(p): i for i, c in enumerate(self._colayers) for p in c.tensors}
         self._missing = [len(c.tensors) for c in self._colayers]
@@ -124,7 +137,33 @@ class CanaryStrategy(SyncplaneStrategy):
     @override
     def before_optimizer_step(self, optimizer: Optimizer) -> None:
         assert self._pipeline is not None, "canary is not set up yet"
+        if not self._started:
+            self._started = True
+            if self.gei is not None:
+                self.gei.resume_at(self.step)
+                self._log_schedule(optimizer)
         self._pipeline.begin()
+
+    def _log_schedule(self, optimizer: Optimizer) -> None:
+        """Rank 0: when the staleness starts and what the momentum is while stale."""
+        assert self.gei is not None
+        config, left = self.config, self.gei.sync_until
+        plan = self._compensation.plan(optimizer.param_groups)
+        if not config.momentum_compensation:
+            momentum = "momentum not compensated (momentum_compensation: false)"
+        elif all(p is None for p in plan):
+            momentum = "no param group has a momentum to compensate (e.g. Adam's betas are left as they are)"
+        else:
+            momentum = "momentum while stale " + ", ".join(
+                "-" if p is None else f"{p[0]:g} -> {p[1]:.3f}" for p in plan) + " (per param group; " \
+                f"minus the {implicit_momentum(config.staleness):.3f} the delay adds, Mitliagkas et al. 2016)"
+        self.details["staleness"] = {"s": config.staleness, "warmup_steps": config.warmup_steps,
+                                     "stale_from_step": self.step + left,
+                                     "momentum_while_stale": [None if p is None or not config.momentum_compensation
+                                                              else p[1] for p in plan],
+                                     "compensated_updates": 0}
+        rank_zero_info(f"canary: staleness {config.staleness} from global step {self.step + left} "
+                       f"({left} synchronous warm-up step(s) first, warmup_steps={config.warmup_steps}); {momentum}")
 
     @override
     def before_parameter_update(self, optimizer: Optimizer) -> None:
@@ -152,6 +191,14 @@ class CanaryStrategy(SyncplaneStrategy):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             kernels.unpack(colayer.buffer, [p.grad for p in colayer.tensors])
+        if results and self.gei is not None and self.config.momentum_compensation and self.gei.stale_at():
+            self._compensation.apply(optimizer.param_groups)   # for this update only
+
+    @override
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        self._compensation.restore()
+        if "staleness" in self.details:   # summary.json's strategy_details
+            self.details["staleness"]["compensated_updates"] = self._compensation.updates
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
@@ -163,6 +210,7 @@ class CanaryStrategy(SyncplaneStrategy):
             self.engine.load_state_dict(state["canary"])
 
     def _release(self) -> None:
+        self._compensation.restore()   # an update that failed half-way leaves the recipe's momentum
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -6,6 +6,10 @@ slower than the others.
   (nothing applied in the first two steps), every rank applies identical aggregates, and
   right after a rank settles step k's aggregate no rank is more than 2 steps behind it
   (read on the GEI's step counters: an event order, not a timing).
+- ``staleness=2`` after a 2-step synchronous warm-up, SGD momentum 0.9 compensated while
+  stale (``MomentumCompensation``, 0.9 - 2/3): the trajectory equals the float64
+  reference of heavy-ball with the recipe's momentum on the warm-up's own gradients, then
+  nothing for 2 steps, then ``k - 2``'s gradient with the lowered momentum.
 - ``staleness=1, proportion=1``: late colayers are dropped, the same ones on every rank,
   and nothing is lost: what was applied, what is still in flight and what the ranks carry
   for their next exchange add up to every gradient produced.
@@ -35,28 +39,41 @@ def _grad(w: torch.Tensor, rank: int, step: int) -> torch.Tensor:
     return x.T @ (x @ w - y) / B
 
 
-def _reference(s: int) -> list[torch.Tensor]:
-    """w after every step, float64, from the definition of a delayed gradient."""
-    ws, grads = [torch.zeros(D, dtype=torch.float64)], []
+def _reference(s: int, warmup: int = 0, momentum: float = 0.0) -> list[torch.Tensor]:
+    """w after every step, float64, from the definition of a delayed gradient: step k
+    applies its own gradient in the warm-up (k < warmup), then that of step k - s (none
+    if k - s < warmup); heavy-ball v = mu v + g (v = g the first time, as torch's SGD),
+    mu lowered by s / (s + 1) (not below 0) once stale."""
+    ws, grads, v = [torch.zeros(D, dtype=torch.float64)], [], None
     for k in range(STEPS):
         grads.append(torch.stack([_grad(ws[k], r, k) for r in range(WORLD)]).mean(0))
-        ws.append(ws[k] - LR * grads[k - s] if k >= s else ws[k].clone())
+        due = k if k < warmup else k - s
+        if due < warmup and k >= warmup:
+            ws.append(ws[k].clone())
+            continue
+        mu = momentum if k < warmup else max(0.0, momentum - s / (s + 1))
+        v = grads[due] if v is None else mu * v + grads[due]
+        ws.append(ws[k] - LR * v)
     return ws[1:]
 
 
-def _run(rank: int, world: int, s: int, p: float | None, fixed_grads: bool):
-    from syncplane.algorithms.canary import GEI, BackwardPipeline, CanaryConfig, CanaryEngine
+def _run(rank: int, world: int, s: int, p: float | None, fixed_grads: bool, warmup: int = 0,
+         momentum: float | None = None):
+    from syncplane.algorithms.canary import GEI, BackwardPipeline, CanaryConfig, CanaryEngine, MomentumCompensation
     from syncplane.algorithms.canary.bench import make_transport
     from syncplane.comm.board import StoreBoard
 
     transport = make_transport(CanaryConfig(compression="none", nics=1, sync_timeout_s=60))
     board = StoreBoard(rank, world)
-    gei = GEI(len(SIZES), s, p, board, timeout_s=60)
+    gei = GEI(len(SIZES), s, p, board, timeout_s=60, warmup_steps=warmup)
     current: dict[str, torch.Tensor] = {}
     offsets = [sum(SIZES[:i]) for i in range(len(SIZES))]
     pipe = BackwardPipeline(CanaryEngine(SIZES, world, transport),
                             lambda i: current["g"][offsets[i]:offsets[i] + SIZES[i]], gei=gei)
     w = torch.zeros(D, dtype=torch.float32)
+    if momentum is not None:                                # the strategy's optimizer path
+        param = torch.nn.Parameter(w)
+        optimizer, compensation = torch.optim.SGD([param], lr=LR, momentum=momentum), MomentumCompensation(s)
     trajectory, applied, lags, produced = [], [], [], torch.zeros(D, dtype=torch.float64)
     pause = 0.03 * (3 if rank == SLOW else 1)
     for k in range(STEPS):
@@ -76,8 +93,15 @@ def _run(rank: int, world: int, s: int, p: float | None, fixed_grads: bool):
         if settled is not None:
             due, out = settled
             applied.append((due, {i: v.clone() for i, v in out.items()}))
-            for i, v in out.items():
-                w[offsets[i]:offsets[i] + SIZES[i]] -= LR * v
+            if momentum is None:
+                for i, v in out.items():
+                    w[offsets[i]:offsets[i] + SIZES[i]] -= LR * v
+            else:
+                param.grad = torch.cat([out[i] for i in range(len(SIZES))])
+                if gei.stale_at():
+                    compensation.apply(optimizer.param_groups)
+                optimizer.step()
+                compensation.restore()
         trajectory.append(w.clone())
     pipe.close()
     transport.close()
@@ -88,7 +112,8 @@ def _run(rank: int, world: int, s: int, p: float | None, fixed_grads: bool):
 
 def _both(rank: int, world: int) -> tuple[dict, dict]:
     """Both scenarios in one set of processes (spawning them is most of the cost)."""
-    return _run(rank, world, 2, None, False), _run(rank, world, 1, 1.0, True)
+    return (_run(rank, world, 2, None, False), _run(rank, world, 1, 1.0, True),
+            _run(rank, world, 2, None, False, warmup=2, momentum=0.9))
 
 
 def _same_aggregates(results: list[dict]) -> None:
@@ -103,14 +128,14 @@ def _same_aggregates(results: list[dict]) -> None:
 def test_bounded_staleness_on_real_gloo() -> None:
     print("seed", SEED)
     both = run_distributed(_both, WORLD, timeout=150)
-    _check_delayed_gradient([a for a, _ in both])
-    _check_drops([b for _, b in both])
+    _check_delayed_gradient([a for a, _, _ in both], _reference(2))
+    _check_drops([b for _, b, _ in both])
+    _check_delayed_gradient([c for _, _, c in both], _reference(2, warmup=2, momentum=0.9))
 
 
-def _check_delayed_gradient(results: list[dict]) -> None:
+def _check_delayed_gradient(results: list[dict], reference: list[torch.Tensor]) -> None:
     s = 2
     _same_aggregates(results)
-    reference = _reference(s)
     for rank, out in enumerate(results):
         assert [due for due, _ in out["applied"]] == list(range(STEPS - s))
         for k, (got, want) in enumerate(zip(out["trajectory"], reference)):

@@ -20,6 +20,8 @@ def _train(rank: int, world: int, tmp_dir: str, name: str, kwargs: dict, **train
     if name == "canary" and kwargs.get("staleness"):
         gei = strategy.gei
         state["gei"] = (gei.step, gei.dropped, gei.max_lag)
+        # updates with the momentum compensated, and the recipe's momentum afterwards
+        state["momentum"] = (strategy._compensation.updates, strategy.optimizers[0].param_groups[0]["momentum"])
     if name == "canary":
         assert strategy.comm_meter.calls > 0, "the canary exchange never ran"
         # exchanges started by the gradient hooks while the backward ran (none under accumulation)
@@ -34,16 +36,18 @@ def _all(rank: int, world: int, tmp_dir: str):  # type: ignore[no-untyped-def]
     sketch = _train(rank, world, tmp_dir, "canary", {"bucket_cap_mb": 0.01})
     ddp_acc = _train(rank, world, tmp_dir, "ddp", {}, accumulate_grad_batches=2)
     exact_acc = _train(rank, world, tmp_dir, "canary", {"compression": "none"}, accumulate_grad_batches=2)
-    stale = _train(rank, world, tmp_dir, "canary", {"bucket_cap_mb": 0.01, "staleness": 2})
+    stale = _train(rank, world, tmp_dir, "canary", {"bucket_cap_mb": 0.01, "staleness": 2, "warmup_steps": 1})
     return ddp, exact, sketch, ddp_acc, exact_acc, stale
 
 
 def test_canary_trains_like_ddp_and_keeps_replicas_identical(tmp_path) -> None:
     results = run_distributed(_all, 2, str(tmp_path), timeout=400)
     for (ddp, _), (exact, _), (sketch, state), (ddp_acc, _), (exact_acc, _), (stale, stale_state) in results:
-        # staleness 2: 5 steps entered, aggregates of steps 0-2 applied, replicas identical
+        # staleness 2 after 1 synchronous step: 5 steps entered, step 0's aggregate applied at
+        # step 0, steps 1-2's at 3-4 with the momentum compensated, replicas identical
         assert torch.equal(stale, results[0][5][0]) and not torch.equal(stale, sketch)
         assert stale_state["gei"][0] == 4 and stale_state["gei"][1] == 0 and stale_state["gei"][2] <= 2
+        assert stale_state["momentum"] == (2, 0.9)
         torch.testing.assert_close(exact, ddp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(exact_acc, ddp_acc, rtol=1e-5, atol=1e-5)
         assert not torch.equal(exact_acc, exact)                         # accumulation did change the run

@@ -1,7 +1,8 @@
 """Canary's GEI (paper 004, §5.2-5.3) on an in-memory board: what is due at each step,
 the bound (wait for the first arrival of step k - s), the proportion rule (drop the late
 colayers when fewer than p arrived, the first proposal wins so every rank agrees), and
-bad bounds rejected by name."""
+bad bounds rejected by name; the synchronous warm-up before the staleness starts (the
+same global switch step after a resume, never a drop while synchronous)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ class MemoryBoard:
             return self.shared.setdefault(("agree", key), proposal)
 
 
-def _geis(world: int, colayers: int, s: int, p: float | None) -> list[GEI]:
+def _geis(world: int, colayers: int, s: int, p: float | None, warmup_steps: int = 0) -> list[GEI]:
     shared: dict = {}
-    return [GEI(colayers, s, p, MemoryBoard(shared, r, world), timeout_s=5) for r in range(world)]
+    return [GEI(colayers, s, p, MemoryBoard(shared, r, world), timeout_s=5, warmup_steps=warmup_steps)
+            for r in range(world)]
 
 
 def test_due_step_and_staleness_value() -> None:
@@ -45,6 +47,33 @@ def test_due_step_and_staleness_value() -> None:
     assert [fast.due(k) for k in range(4)] == [None, None, 0, 1]
     slow.enter()
     assert slow.staleness() == 2 and fast.staleness() == 0     # ζ - own step
+
+
+def test_warmup_is_synchronous_then_stale_from_the_same_global_step_after_a_resume() -> None:
+    (gei,) = _geis(1, 2, 2, None, warmup_steps=3)
+    # steps 0-2 apply their own aggregate, 3-4 nothing (0-2 are applied already), then k - 2
+    assert [gei.due(k) for k in range(8)] == [0, 1, 2, None, None, 3, 4, 5]
+    assert [gei.stale_at(k) for k in range(5)] == [False, False, False, True, True]
+    (resumed,) = _geis(1, 2, 2, None, warmup_steps=3)
+    resumed.resume_at(1)               # a checkpoint at global step 1: two warm-up steps left
+    assert [resumed.due(k) for k in range(6)] == [0, 1, None, None, 2, 3]   # = global 1-2, -, -, 3, 4
+    assert resumed.stale_at(2) and not resumed.stale_at(1)                    # switch at global step 3
+    (late,) = _geis(1, 2, 2, None, warmup_steps=3)
+    late.resume_at(10)                 # past the warm-up: stale at once
+    assert late.sync_until == 0 and [late.due(k) for k in range(3)] == [None, None, 0]
+    late.enter()
+    with pytest.raises(RuntimeError, match="before the first step"):
+        late.resume_at(0)
+
+
+def test_warmup_never_drops_even_below_the_proportion() -> None:
+    a, b = _geis(2, 2, 1, 1.0, warmup_steps=1)
+    for g in (a, b):
+        g.enter()
+        g.arrived(0, 0)            # 1/2 < p at the bound: a stale step would drop colayer 1
+    threading.Timer(0.1, lambda: [g.arrived(0, 1) for g in (a, b)]).start()
+    assert a.settle(0) == 0b11 and b.settle(0) == 0b11 and a.dropped == b.dropped == 0
+    assert not any(isinstance(key, tuple) for key in a.board.shared)   # nothing was put to a vote
 
 
 def test_synchronous_waits_for_every_colayer() -> None:
@@ -94,7 +123,8 @@ def test_failure_and_timeout_raise_instead_of_hanging() -> None:
 
 
 @pytest.mark.parametrize("field,value", [("staleness", -1), ("staleness", 1.5), ("proportion", 0.0),
-                                         ("proportion", 1.2), ("proportion", -0.1)])
+                                         ("proportion", 1.2), ("proportion", -0.1), ("warmup_steps", -1),
+                                         ("warmup_steps", 2.5), ("warmup_steps", True)])
 def test_bad_bounds_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         CanaryConfig(**{field: value})

@@ -1,7 +1,8 @@
 """Canary (Zhou et al., paper 004): the gradient sketch and the piece-level mesh exchange.
 
 Files: ``config.py`` (validated settings), ``engine.py`` (colayers through the piece-level
-exchange, error feedback in the rank state), ``gei.py`` (bounded staleness), ``bench.py``. The codec is
+exchange, error feedback in the rank state), ``gei.py`` (bounded staleness), ``compensation.py`` (what staleness does to momentum
+and the synchronous warm-up before it starts), ``bench.py``. The codec is
 ``syncplane.comm.GradientSketch`` (compiled kernels in ``csrc``); the transport is
 ``syncplane.comm.ShardedAllReduce(layout="pieces")``, one gloo group per NIC.
 Glue: ``strategies/canary.py``.
@@ -15,6 +16,7 @@ from typing import Any
 from syncplane.algorithms.canary.bench import CanaryStep, sketch_ratio
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.gei import GEI, check_bounds
+from syncplane.algorithms.canary.compensation import MomentumCompensation, compensated_momentum
 from syncplane.algorithms.canary.engine import BackwardPipeline, CanaryEngine, ExchangeFailed
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase, bcube_cube_allreduce, owner_exchange
@@ -47,4 +49,4 @@ SPEC = AlgorithmSpec(
     streams=lambda options: int(options.get("shards") or 1),
 )
 
-__all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "check_bounds", "canary_cost", "sketch_ratio"]
+__all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "sketch_ratio"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from syncplane.algorithms.canary.compensation import check_schedule
 from syncplane.algorithms.canary.gei import check_bounds
 from syncplane.comm.codecs import CODEC_NAMES, Codec, GradientSketch, make_codec
 from syncplane.config import ConfigError
@@ -27,6 +28,13 @@ class CanaryConfig:
             straggler more than s steps behind); 0 = synchronous (``gei.py``).
         proportion: p in (0, 1]: at the bound, if fewer than p of the due step's colayers
             have arrived the late ones are dropped (re-sent later); None = never drop.
+        warmup_steps: with ``staleness`` > 0, this many optimizer steps run synchronously
+            first (then every rank switches to s at the same global step); 0 = stale from
+            the first step. Without it a delayed gradient under momentum diverges early
+            (``compensation.py``; measured in docs/strategies/canary.md).
+        momentum_compensation: with ``staleness`` > 0, lower the optimizer's momentum while
+            stale by the momentum the delay adds, ``μ' = max(0, μ - s/(s+1))``
+            (Mitliagkas et al. 2016), for each update only (checkpoints keep the recipe's).
     """
 
     compression: str = "sketch"
@@ -37,6 +45,8 @@ class CanaryConfig:
     sync_timeout_s: float = 600.0
     staleness: int = 0
     proportion: float | None = None
+    warmup_steps: int = 100
+    momentum_compensation: bool = True
 
     def __post_init__(self) -> None:
         if self.compression not in CODEC_NAMES:
@@ -53,6 +63,7 @@ class CanaryConfig:
         if not self.sync_timeout_s > 0:
             raise ConfigError(f"sync_timeout_s: must be positive, got {self.sync_timeout_s}")
         check_bounds(self.staleness, self.proportion)
+        check_schedule(self.warmup_steps, self.momentum_compensation)
 
     @property
     def bucket_bytes(self) -> int:

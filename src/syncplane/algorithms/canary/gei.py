@@ -18,6 +18,11 @@ The policy, ``staleness: s`` and ``proportion: p``:
   colayers of the same step and replicas stay identical; a rank keeps what it sent in a
   dropped colayer and adds it to that colayer's next exchange (error feedback).
   ``proportion=None`` never drops (wait for every colayer at the bound).
+- ``warmup_steps: W``: the first W steps are synchronous (each applies its own aggregate,
+  never dropped), then staleness s starts; steps W .. W + s - 1 apply nothing (every
+  aggregate before W is applied already), as the first s steps do without a warm-up. The
+  switch is counted in global steps (``resume_at``), so every rank switches at the same
+  step and a resume past W does not warm up again (``compensation.py`` says why).
 
 Lightning-free; the board is injected (``syncplane.comm.board.StoreBoard`` in production,
 an in-memory one in unit tests).
@@ -29,6 +34,7 @@ import threading
 import time
 from typing import Protocol
 
+from syncplane.algorithms.canary.compensation import check_schedule
 from syncplane.config import ConfigError
 
 
@@ -61,15 +67,19 @@ class GEI:
         board: every rank's step counter and the agreements.
         timeout_s: the longest ``settle`` waits for an arrival (a lost peer fails the
             step instead of hanging it).
+        warmup_steps: W, synchronous steps before the staleness starts (global steps).
     """
 
     def __init__(self, colayers: int, staleness: int, proportion: float | None, board: Board,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, warmup_steps: int = 0) -> None:
         check_bounds(staleness, proportion)
+        check_schedule(warmup_steps, False)
         if colayers < 1:
             raise ConfigError(f"colayers: expected at least 1, got {colayers}")
         self.colayers, self.staleness_bound, self.proportion_bound = colayers, staleness, proportion
         self.board, self.timeout_s = board, timeout_s
+        self.warmup_steps = warmup_steps
+        self.sync_until = warmup_steps       # this GEI's steps before this one are synchronous
         self.full = (1 << colayers) - 1
         self.step = -1                       # the step this rank is in (entered, not yet settled)
         self.rows: dict[int, int] = {}       # step -> bitmask of arrived colayers
@@ -79,6 +89,18 @@ class GEI:
         self._cond = threading.Condition()
 
     # --------------------------------------------------------------- progress
+
+    def resume_at(self, global_step: int) -> None:
+        """This GEI's step 0 is global step ``global_step`` (a resume): the warm-up left is
+        what remains of ``warmup_steps``. Call before the first ``enter``; every rank
+        passes the same step (restored from the same checkpoint)."""
+        if self.step != -1:
+            raise RuntimeError("resume_at() must come before the first step")
+        self.sync_until = max(0, self.warmup_steps - global_step)
+
+    def stale_at(self, step: int | None = None) -> bool:
+        """Whether ``step`` (this one by default) applies a delayed aggregate (past the warm-up)."""
+        return self.staleness_bound > 0 and (self.step if step is None else step) >= self.sync_until
 
     def enter(self) -> int:
         """This rank starts its next step (publishes it on the board); returns its index."""
@@ -101,9 +123,13 @@ class GEI:
             self._cond.notify_all()
 
     def due(self, step: int | None = None) -> int | None:
-        """The step whose aggregate is applied at ``step`` (this one by default)."""
-        due = (self.step if step is None else step) - self.staleness_bound
-        return due if due >= 0 else None
+        """The step whose aggregate is applied at ``step`` (this one by default): itself in
+        the warm-up, then ``step - s``; None when that was applied already (or never made)."""
+        step = self.step if step is None else step
+        if step < self.sync_until:
+            return step
+        due = step - self.staleness_bound
+        return due if due >= self.sync_until else None
 
     def staleness(self) -> int:
         """ζ minus this rank's step: how far the fastest rank is ahead of this one."""
@@ -121,8 +147,8 @@ class GEI:
         colayers to apply (the same on every rank). Raises the exchange's error if it
         failed, TimeoutError after ``timeout_s`` without an arrival."""
         self._wait(step, lambda row: row != 0)          # the bound: every rank produced part of it
-        if self.staleness_bound == 0 or self.proportion_bound is None:
-            decided = self.full
+        if self.staleness_bound == 0 or self.proportion_bound is None or step < self.sync_until:
+            decided = self.full                          # synchronous (or the warm-up): never drop
         else:
             row = self.rows[step]
             proposal = self.full if self.proportion(step) >= self.proportion_bound else row
