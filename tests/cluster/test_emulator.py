@@ -163,9 +163,9 @@ def test_bcube_hosts_relay_traffic_between_switches():
         {"name": "cube", "hosts": [{"name": f"w{h}", "nic_mbit": 100, "nics": 2} for h in range(4)]}]})
     emulator.up(profile)
     try:
-        before = nic_tx_bytes("w2", "eth0"), nic_tx_bytes("w1", "eth1")
+        before = nic_bytes("w2", "eth0"), nic_bytes("w1", "eth1")
         relayed = tcp_mbit(profile, "w0", "w3", seconds=2.0)
-        after = nic_tx_bytes("w2", "eth0"), nic_tx_bytes("w1", "eth1")
+        after = nic_bytes("w2", "eth0"), nic_bytes("w1", "eth1")
     finally:
         emulator.down()
     assert 0.4 * 100 < relayed < 1.1 * 100
@@ -206,17 +206,12 @@ def test_bench_measures_ddp_and_cross_checks_bytes(cluster, tmp_path):
     assert canary["nic_bytes_per_rank"] == pytest.approx(sketched, rel=0.25)
 
 
-def nic_tx_bytes(host: str, nic: str) -> int:
-    """Bytes the emulated host has sent on one NIC so far (the kernel's counter)."""
+def nic_bytes(host: str, nic: str, direction: str = "tx") -> int:
+    """Bytes the emulated host has sent (``tx``) or received (``rx``) on one NIC so far (the
+    kernel's counter)."""
     out = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(host), "cat",
-                          f"/sys/class/net/{nic}/statistics/tx_bytes"], capture_output=True, text=True, check=True)
-    return int(out.stdout)
-
-
-def nic_rx_bytes(host: str, nic: str) -> int:
-    """Bytes the emulated host has received on one NIC so far (the kernel's counter)."""
-    out = subprocess.run(["ip", "netns", "exec", emulator.host_namespace(host), "cat",
-                          f"/sys/class/net/{nic}/statistics/rx_bytes"], capture_output=True, text=True, check=True)
+                          f"/sys/class/net/{nic}/statistics/{direction}_bytes"], capture_output=True, text=True,
+                         check=True)
     return int(out.stdout)
 
 
@@ -230,9 +225,9 @@ def test_traffic_to_a_nic_address_arrives_on_that_nic():
     try:
         moved = {}
         for nic in (0, 1):
-            before = nic_rx_bytes("m1", "eth0"), nic_rx_bytes("m1", "eth1")
+            before = nic_bytes("m1", "eth0", "rx"), nic_bytes("m1", "eth1", "rx")
             tcp_mbit(profile, "m0", "m1", seconds=1.0, nic=nic)
-            after = nic_rx_bytes("m1", "eth0"), nic_rx_bytes("m1", "eth1")
+            after = nic_bytes("m1", "eth0", "rx"), nic_bytes("m1", "eth1", "rx")
             moved[nic] = (after[0] - before[0], after[1] - before[1])
         neighbours = subprocess.run(["ip", "netns", "exec", emulator.host_namespace("m0"), "ip", "neigh"],
                                     capture_output=True, text=True, check=True).stdout
@@ -254,7 +249,7 @@ def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
         result = subprocess.run(
             [sys.executable, "train.py", "cluster=multi_nic", "trainer.devices=4", "trainer.max_epochs=1",
              "strategy=ddp", f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        sent = {(host, nic): nic_tx_bytes(host, nic) for host in ("n0", "n1") for nic in ("eth0", "eth1")}
+        sent = {(host, nic): nic_bytes(host, nic) for host in ("n0", "n1") for nic in ("eth0", "eth1")}
     finally:
         emulator.down()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

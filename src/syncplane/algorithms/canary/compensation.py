@@ -58,11 +58,16 @@ def compensated_momentum(momentum: float, staleness: int) -> float:
     return max(0.0, momentum - implicit_momentum(staleness))
 
 
-def check_schedule(warmup_steps: int, momentum_compensation: bool) -> None:
-    """Raise ``ConfigError`` naming the field for a bad warm-up or compensation switch."""
+def check_warmup(warmup_steps: int) -> None:
+    """Raise ``ConfigError`` naming the field for a bad warm-up length."""
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ConfigError(f"warmup_steps: expected an integer >= 0 (synchronous steps before staleness "
                           f"starts; 0 = stale from the first step), got {warmup_steps!r}")
+
+
+def check_schedule(warmup_steps: int, momentum_compensation: bool) -> None:
+    """Raise ``ConfigError`` naming the field for a bad warm-up or compensation switch."""
+    check_warmup(warmup_steps)
     if not isinstance(momentum_compensation, bool):
         raise ConfigError(f"momentum_compensation: expected true or false, got {momentum_compensation!r}")
 

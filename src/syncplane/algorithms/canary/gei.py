@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Protocol
 
-from syncplane.algorithms.canary.compensation import check_schedule
+from syncplane.algorithms.canary.compensation import check_warmup
 from syncplane.config import ConfigError
 
 
@@ -73,7 +73,7 @@ class GEI:
     def __init__(self, colayers: int, staleness: int, proportion: float | None, board: Board,
                  timeout_s: float = 600.0, warmup_steps: int = 0) -> None:
         check_bounds(staleness, proportion)
-        check_schedule(warmup_steps, False)
+        check_warmup(warmup_steps)
         if colayers < 1:
             raise ConfigError(f"colayers: expected at least 1, got {colayers}")
         self.colayers, self.staleness_bound, self.proportion_bound = colayers, staleness, proportion
