@@ -45,7 +45,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane.comm import DEFAULT_BUCKET_BYTES, Bucket, CommMeter, allreduce_mean_, make_buckets, mean_and_distance
+from syncplane.comm import (DEFAULT_BUCKET_BYTES, Bucket, CommMeter, PhaseProfile, allreduce_mean_, make_buckets,
+                            mean_and_distance)
 from syncplane.comm.process_groups import control_group
 from syncplane.strategies import replicas
 
@@ -83,6 +84,11 @@ class SyncplaneStrategy(DDPStrategy):
         #: What the strategy decided at setup that a reader of the summary needs (e.g. what
         #: H-ATC took as a machine); written to ``summary.json`` as ``strategy_details``.
         self.details: dict[str, Any] = {}
+        #: Wall seconds of the one-time and per-checkpoint work outside the training steps
+        #: (``setup/*``: control group, initial broadcast, ``setup_sync``; ``checkpoint/*``:
+        #: the consensus model, the per-rank replicas), so a run's time outside its epochs is
+        #: accounted for in ``summary.json`` (``timing.phases``) instead of left unexplained.
+        self.phases = PhaseProfile()
 
     # ------------------------------------------------------------ extension points
 
@@ -178,9 +184,12 @@ class SyncplaneStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
-        control_group()   # the gloo group for CPU-side collectives, before any strategy makes groups
-        _sync_module_states(self.model)
-        self.setup_sync()
+        with self.phases.time("setup/control_group"):
+            control_group()   # the gloo group for CPU-side collectives, before any strategy makes groups
+        with self.phases.time("setup/broadcast"):
+            _sync_module_states(self.model)
+        with self.phases.time("setup/setup_sync"):
+            self.setup_sync()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
@@ -266,7 +275,8 @@ class SyncplaneStrategy(DDPStrategy):
         # compared with DDP, whose checkpoints need no averaging; nothing is in flight here.
         meter, self.comm_meter = self.comm_meter, CommMeter()
         try:
-            self._show_evaluation_model()
+            with self.phases.time("checkpoint/consensus"):
+                self._show_evaluation_model()
             return {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
         finally:
             self._restore_replica()
@@ -279,8 +289,9 @@ class SyncplaneStrategy(DDPStrategy):
         rank_state = self.rank_state_dict()
         if self.world_size > 1 and (not self.replicas_identical or rank_state):
             # a collective (every rank saves): rank 0 receives every replica and its rank state
-            extra["replicas"] = replicas.gather_replicas(self.lightning_module, self.optimizers,
-                                                         self._stash_by_tensor(), rank_state)
+            with self.phases.time("checkpoint/replicas"):
+                extra["replicas"] = replicas.gather_replicas(self.lightning_module, self.optimizers,
+                                                             self._stash_by_tensor(), rank_state)
         checkpoint["syncplane"] = extra
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
