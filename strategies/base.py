@@ -27,10 +27,12 @@ synchronization itself becomes ours. Overridden hooks, and why:
   replica (Lightning writes from rank 0 only).
 - ``restore_checkpoint_after_setup``: True, so a resumed replica is loaded after the
   initial broadcast of ``configure_ddp``, not overwritten by it.
-- ``save_checkpoint`` / ``load_model_state_dict`` / ``load_optimizer_state_dict``: the
-  checkpoint's ``"syncplane"`` entry carries the strategy's extra state
-  (``sync_state_dict``) and every rank's own replica and optimizer state, so a resume
-  on the same world size continues exactly where each replica was.
+- ``save_checkpoint`` / ``load_checkpoint`` / ``load_model_state_dict`` /
+  ``load_optimizer_state_dict`` / ``remove_checkpoint``: the checkpoint's ``"syncplane"``
+  entry carries the strategy's extra state (``sync_state_dict``); every rank writes its
+  own replica and optimizer state beside it (``replicas``: a local write per rank, not a
+  gather through rank 0's links) and reads it back, so a resume on the same world size
+  continues exactly where each replica was.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing_extensions import override
 
 from syncplane.comm import (DEFAULT_BUCKET_BYTES, Bucket, CommMeter, PhaseProfile, allreduce_mean_, make_buckets,
                             mean_and_distance)
+from syncplane.comm.collectives import control_barrier
 from syncplane.comm.process_groups import control_group
 from syncplane.strategies import replicas
 
@@ -287,13 +290,32 @@ class SyncplaneStrategy(DDPStrategy):
         self.finish_pending_sync()
         extra: dict[str, Any] = {"strategy": type(self).__name__, "state": self.sync_state_dict()}
         rank_state = self.rank_state_dict()
-        if self.world_size > 1 and (not self.replicas_identical or rank_state):
-            # a collective (every rank saves): rank 0 receives every replica and its rank state
+        per_rank = self.world_size > 1 and (not self.replicas_identical or rank_state)
+        if per_rank:
+            # a collective (every rank saves): each rank writes its replica and rank state
             with self.phases.time("checkpoint/replicas"):
-                extra["replicas"] = replicas.gather_replicas(self.lightning_module, self.optimizers,
-                                                             self._stash_by_tensor(), rank_state)
+                state = replicas.replica_state(self.lightning_module, self.optimizers, self._stash_by_tensor(),
+                                               rank_state)
+                extra["replica_shards"] = replicas.save_own_replica(self.checkpoint_io, filepath, state,
+                                                                    self.global_rank, self.world_size)
         checkpoint["syncplane"] = extra
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        with self.phases.time("checkpoint/write"):
+            super().save_checkpoint(checkpoint, filepath, storage_options)   # rank 0 writes it
+        if per_rank:
+            control_barrier()   # the new checkpoint is in place: older replicas can go
+            replicas.prune_replicas(filepath, self.global_rank, keep=extra["replica_shards"]["tag"])
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        replicas.attach_own_replica(self.checkpoint_io, checkpoint_path, checkpoint, self.global_rank,
+                                    self.world_size)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        replicas.prune_replicas(filepath, self.global_rank)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

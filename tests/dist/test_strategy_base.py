@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from syncplane.strategies.replicas import load_replicas, shard_dir
 from tests.helpers.distributed import run_distributed
 
 
@@ -91,6 +92,7 @@ def _consensus_checkpoint(rank: int, world: int, tmp_dir: str):
     trainer.fit(model, RegressionData(seed=rank))
     own = _params(model)
     trainer.save_checkpoint(f"{tmp_dir}/consensus.ckpt")   # collective: every rank calls it
+    trainer.save_checkpoint(f"{tmp_dir}/consensus.ckpt")   # again: its replicas replace the first save's
     after_save = _params(model)
     replicas = [torch.cat([p.reshape(-1) for p in own])]
     gathered = [torch.empty_like(replicas[0]) for _ in range(world)]
@@ -112,9 +114,13 @@ def test_checkpoint_holds_the_consensus_and_replicas_are_kept(tmp_path):
         for x, y, z in zip(own, after_save, after_validate):
             assert torch.equal(x, y) and torch.equal(x, z)
     assert checkpoint["syncplane"]["strategy"] == "NoSync"
-    # each rank's own replica is kept in the checkpoint for an exact resume
+    # each rank's own replica is kept beside the checkpoint for an exact resume: one file
+    # per rank, of the save the checkpoint names (the first save's are gone)
+    tag = checkpoint["syncplane"]["replica_shards"]["tag"]
+    assert sorted(p.name for p in shard_dir(tmp_path / "consensus.ckpt").iterdir()) == [
+        f"{tag}.rank0.pt", f"{tag}.rank1.pt"]
     for rank, (own, *_rest) in enumerate(results):
-        saved_replica = list(checkpoint["syncplane"]["replicas"][rank]["model"].values())
+        saved_replica = list(load_replicas(tmp_path / "consensus.ckpt")[rank]["model"].values())
         for saved_tensor, own_tensor in zip(saved_replica, own):
             assert torch.equal(saved_tensor, own_tensor)
 
