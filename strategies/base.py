@@ -37,6 +37,7 @@ synchronization itself becomes ours. Overridden hooks, and why:
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -49,7 +50,7 @@ from typing_extensions import override
 
 from syncplane.comm import (DEFAULT_BUCKET_BYTES, Bucket, CommMeter, PhaseProfile, allreduce_mean_, make_buckets,
                             mean_and_distance)
-from syncplane.comm.collectives import control_barrier
+from syncplane.comm.collectives import control_barrier, every_rank
 from syncplane.comm.process_groups import control_group
 from syncplane.strategies import replicas
 
@@ -83,6 +84,10 @@ class SyncplaneStrategy(DDPStrategy):
         self.comm_meter = CommMeter()
         self._metered = (0.0, 0)   # comm meter totals at the last logged step
         self._stashed_replica: list[torch.Tensor] | None = None
+        #: (step, this rank's replica, the consensus shown) of the last validation, until the
+        #: next optimizer step: the checkpoint saved right after each epoch's validation
+        #: shows that consensus again instead of averaging the model over the network anew.
+        self._validated: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._model_buckets: list[Bucket] | None = None   # built once: the model's tensors do not move
         #: What the strategy decided at setup that a reader of the summary needs (e.g. what
         #: H-ATC took as a machine); written to ``summary.json`` as ``strategy_details``.
@@ -165,6 +170,7 @@ class SyncplaneStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._model_buckets = None   # a new fit/validate may bring a different module
+        self._validated = None
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)
         else:
@@ -197,6 +203,7 @@ class SyncplaneStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Any = None, **kwargs: Any) -> Any:
+        self._validated = None   # the replicas move on: the last validation's consensus is stale
         self.before_optimizer_step(optimizer)
 
         def closure_then_sync() -> Any:
@@ -244,6 +251,22 @@ class SyncplaneStrategy(DDPStrategy):
         if self.consensus_eval and not self.replicas_identical and self.world_size > 1:
             self.average_replicas_()
 
+    def _show_validated_model(self) -> bool:
+        """Collective: put the last validation's consensus back in place of the replica (as
+        ``_show_evaluation_model`` would, without its all-reduce) when it is still the
+        consensus: no step since, and every rank's replica bitwise unchanged (a callback may
+        have edited it). False, showing nothing, otherwise."""
+        validated = self._validated
+        current = (validated is not None and validated[0] == self.step
+                   and all(torch.equal(a, b) for a, b in zip(self.model_tensors(), validated[1])))
+        if not every_rank(current):
+            return False
+        assert validated is not None
+        self._stashed_replica = validated[1]
+        with torch.no_grad():
+            torch._foreach_copy_(self.model_tensors(), validated[2])
+        return True
+
     def _restore_replica(self) -> None:
         if self._stashed_replica is not None:
             with torch.no_grad():
@@ -259,6 +282,10 @@ class SyncplaneStrategy(DDPStrategy):
 
     @override
     def on_validation_end(self) -> None:
+        if self._stashed_replica is not None and self.evaluation_tensors() is None:
+            # the consensus of the replicas (not of other tensors, e.g. DS-Sync's EMA models,
+            # which the replica check of _show_validated_model would not cover)
+            self._validated = (self.step, self._stashed_replica, [t.detach().clone() for t in self.model_tensors()])
         self._restore_replica()
         super().on_validation_end()
 
@@ -278,8 +305,12 @@ class SyncplaneStrategy(DDPStrategy):
         # compared with DDP, whose checkpoints need no averaging; nothing is in flight here.
         meter, self.comm_meter = self.comm_meter, CommMeter()
         try:
-            with self.phases.time("checkpoint/consensus"):
+            start = time.perf_counter()
+            reused = self._show_validated_model()
+            if not reused:
                 self._show_evaluation_model()
+            self.phases.add("checkpoint/consensus_reused" if reused else "checkpoint/consensus",
+                            time.perf_counter() - start)
             return {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
         finally:
             self._restore_replica()

@@ -32,5 +32,6 @@ def test_summary_accounts_for_the_checkpoints_between_epochs(tmp_path):
     assert timing["outside_epochs_s"] == summary["train_seconds"] - sum(epochs)
     # the saves are disjoint from the epochs' clock and inside the training clock
     assert 0.0 < timing["checkpoint_s"] <= timing["outside_epochs_s"] + 1e-3
+    assert 0.0 <= timing["before_first_epoch_s"] <= timing["outside_epochs_s"] - timing["checkpoint_s"] + 1e-3
     assert timing["setup_s"] > 0.0 and timing["before_train_s"] >= 0.0
     assert timing["phases"] is None   # a plain Lightning strategy has no breakdown of its own

@@ -96,6 +96,14 @@ def agreed_token(group: dist.ProcessGroup | None = None) -> str:
     return str(token[0])
 
 
+def every_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Collective: True when ``flag`` is True on every rank of ``group`` (one integer over
+    the control group), so that all ranks take the same branch."""
+    votes = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=control_group(group))
+    return bool(votes.item())
+
+
 def control_barrier(group: dist.ProcessGroup | None = None) -> None:
     """Collective: wait until every rank of ``group`` reaches it (over the control group,
     so also where the data group is NCCL)."""

@@ -11,7 +11,8 @@ median over steps of the slowest rank's step.
 ``setup_s`` (the strategy's setup: process groups, initial broadcast, its own buffers),
 ``before_train_s`` (resume and the sanity-check validation), and, inside
 ``train_seconds`` but outside the epochs' ``epoch_s`` clock, ``outside_epochs_s`` and
-the part of it that ``checkpoint_s`` (the ``checkpoints`` saves between epochs) takes;
+the parts of it that ``checkpoint_s`` (the ``checkpoints`` saves between epochs) and
+``before_first_epoch_s`` take;
 ``phases`` is the strategy's own breakdown (``SyncplaneStrategy.phases``) when it has one.
 
 Optional extras a recipe's LightningModule can provide (added keys, never replacing
@@ -106,6 +107,7 @@ class RunReport(Callback):
         self._setup_s = 0.0
         self._before_train_s = 0.0
         self._train_end = 0.0
+        self._first_epoch_start: float | None = None
         self._epoch_seconds: list[float] = []
         self.meter: CommMeter | None = None
         self.summary: dict[str, Any] | None = None
@@ -142,6 +144,8 @@ class RunReport(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
+        if self._first_epoch_start is None:
+            self._first_epoch_start = self._epoch_start
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -189,9 +193,11 @@ class RunReport(Callback):
         totals = torch.tensor([float(self.samples), self.meter.seconds, float(self.meter.bytes_sent),
                                float(self.tokens)], dtype=torch.float64)
         saves = self._checkpoint_saves(trainer)
-        # the slowest rank's: training wall time, setup, before training, checkpoint saves
+        # the slowest rank's: training wall time, setup, before training, checkpoint saves,
+        # training clock before the first epoch
+        before_first_epoch = (self._first_epoch_start or self._fit_start) - self._fit_start
         timings = torch.tensor([self._train_seconds, self._setup_s, self._before_train_s,
-                                sum(seconds for _, seconds in saves)], dtype=torch.float64)
+                                sum(seconds for _, seconds in saves), before_first_epoch], dtype=torch.float64)
         steps = torch.tensor(self.step_times, dtype=torch.float64)
         if distributed:
             dist.all_reduce(totals, group=control_group())   # CPU tensors: never the NCCL group
@@ -204,7 +210,7 @@ class RunReport(Callback):
             dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=control_group())
         distance = mean_and_distance([p.detach() for p in pl_module.parameters()]) if distributed else 0.0
         metrics = trainer.callback_metrics
-        train_seconds, setup_s, before_train_s, checkpoint_s = timings.tolist()
+        train_seconds, setup_s, before_train_s, checkpoint_s, before_first_epoch_s = timings.tolist()
         seconds = max(train_seconds, 1e-9)
         phases = getattr(trainer.strategy, "phases", None)
         counts_tokens = callable(getattr(pl_module, "batch_tokens", None))
@@ -230,7 +236,7 @@ class RunReport(Callback):
                 "setup_s": setup_s, "before_train_s": before_train_s,
                 "outside_epochs_s": max(train_seconds - sum(self._epoch_seconds), 0.0)
                 if self._epoch_seconds else None,
-                "checkpoint_s": checkpoint_s, "checkpoints": len(saves),
+                "checkpoint_s": checkpoint_s, "checkpoints": len(saves), "before_first_epoch_s": before_first_epoch_s,
                 "phases": phases.as_dict() if isinstance(phases, PhaseProfile) else None,
             },
             "strategy_details": dict(getattr(trainer.strategy, "details", {})),
