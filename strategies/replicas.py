@@ -46,8 +46,9 @@ def replica_state(module: torch.nn.Module, optimizers: Sequence[Optimizer],
 
 
 def shard_dir(checkpoint_path: str | os.PathLike[str]) -> Path:
-    """The folder of a checkpoint's per-rank replicas: ``<checkpoint>.replicas``."""
-    path = Path(checkpoint_path)
+    """The folder of a checkpoint's per-rank replicas: ``<checkpoint>.replicas``, beside the
+    file a link points to (Lightning's ``save_last="link"`` makes ``last.ckpt`` a link)."""
+    path = Path(os.path.realpath(checkpoint_path))
     return path.with_name(f"{path.name}.replicas")
 
 

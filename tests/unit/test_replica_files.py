@@ -33,6 +33,8 @@ def test_each_rank_reads_back_its_own_replica(tmp_path):
         own = replicas.own_replica(checkpoint, rank, 3)
         assert own["rank_state"] == {"r": rank} and torch.equal(own["model"]["w"], states[rank]["model"]["w"])
     assert [r["rank_state"]["r"] for r in replicas.load_replicas(path)] == [0, 1, 2]
+    (tmp_path / "link.ckpt").symlink_to(path)      # save_last="link": the replicas are the target's
+    assert [r["rank_state"]["r"] for r in replicas.load_replicas(tmp_path / "link.ckpt")] == [0, 1, 2]
 
 
 def test_another_world_size_resumes_from_the_consensus(tmp_path):
