@@ -27,14 +27,17 @@ synchronization itself becomes ours. Overridden hooks, and why:
   replica (Lightning writes from rank 0 only).
 - ``restore_checkpoint_after_setup``: True, so a resumed replica is loaded after the
   initial broadcast of ``configure_ddp``, not overwritten by it.
-- ``save_checkpoint`` / ``load_model_state_dict`` / ``load_optimizer_state_dict``: the
-  checkpoint's ``"syncplane"`` entry carries the strategy's extra state
-  (``sync_state_dict``) and every rank's own replica and optimizer state, so a resume
-  on the same world size continues exactly where each replica was.
+- ``save_checkpoint`` / ``load_checkpoint`` / ``load_model_state_dict`` /
+  ``load_optimizer_state_dict`` / ``remove_checkpoint``: the checkpoint's ``"syncplane"``
+  entry carries the strategy's extra state (``sync_state_dict``); every rank writes its
+  own replica and optimizer state beside it (``replicas``: a local write per rank, not a
+  gather through rank 0's links) and reads it back, so a resume on the same world size
+  continues exactly where each replica was.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -45,7 +48,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane.comm import DEFAULT_BUCKET_BYTES, Bucket, CommMeter, allreduce_mean_, make_buckets, mean_and_distance
+from syncplane.comm import (DEFAULT_BUCKET_BYTES, Bucket, CommMeter, PhaseProfile, allreduce_mean_, make_buckets,
+                            mean_and_distance)
+from syncplane.comm.collectives import control_barrier, every_rank
 from syncplane.comm.process_groups import control_group
 from syncplane.strategies import replicas
 
@@ -79,10 +84,19 @@ class SyncplaneStrategy(DDPStrategy):
         self.comm_meter = CommMeter()
         self._metered = (0.0, 0)   # comm meter totals at the last logged step
         self._stashed_replica: list[torch.Tensor] | None = None
+        #: (step, this rank's replica, the consensus shown) of the last validation, until the
+        #: next optimizer step: the checkpoint saved right after each epoch's validation
+        #: shows that consensus again instead of averaging the model over the network anew.
+        self._validated: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._model_buckets: list[Bucket] | None = None   # built once: the model's tensors do not move
         #: What the strategy decided at setup that a reader of the summary needs (e.g. what
         #: H-ATC took as a machine); written to ``summary.json`` as ``strategy_details``.
         self.details: dict[str, Any] = {}
+        #: Wall seconds of the one-time and per-checkpoint work outside the training steps
+        #: (``setup/*``: control group, initial broadcast, ``setup_sync``; ``checkpoint/*``:
+        #: the consensus model, the per-rank replicas), so a run's time outside its epochs is
+        #: accounted for in ``summary.json`` (``timing.phases``) instead of left unexplained.
+        self.phases = PhaseProfile()
 
     # ------------------------------------------------------------ extension points
 
@@ -156,6 +170,7 @@ class SyncplaneStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._model_buckets = None   # a new fit/validate may bring a different module
+        self._validated = None
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)
         else:
@@ -178,13 +193,17 @@ class SyncplaneStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
-        control_group()   # the gloo group for CPU-side collectives, before any strategy makes groups
-        _sync_module_states(self.model)
-        self.setup_sync()
+        with self.phases.time("setup/control_group"):
+            control_group()   # the gloo group for CPU-side collectives, before any strategy makes groups
+        with self.phases.time("setup/broadcast"):
+            _sync_module_states(self.model)
+        with self.phases.time("setup/setup_sync"):
+            self.setup_sync()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Any = None, **kwargs: Any) -> Any:
+        self._validated = None   # the replicas move on: the last validation's consensus is stale
         self.before_optimizer_step(optimizer)
 
         def closure_then_sync() -> Any:
@@ -232,6 +251,22 @@ class SyncplaneStrategy(DDPStrategy):
         if self.consensus_eval and not self.replicas_identical and self.world_size > 1:
             self.average_replicas_()
 
+    def _show_validated_model(self) -> bool:
+        """Collective: put the last validation's consensus back in place of the replica (as
+        ``_show_evaluation_model`` would, without its all-reduce) when it is still the
+        consensus: no step since, and every rank's replica bitwise unchanged (a callback may
+        have edited it). False, showing nothing, otherwise."""
+        validated = self._validated
+        current = (validated is not None and validated[0] == self.step
+                   and all(torch.equal(a, b) for a, b in zip(self.model_tensors(), validated[1])))
+        if not every_rank(current):
+            return False
+        assert validated is not None
+        self._stashed_replica = validated[1]
+        with torch.no_grad():
+            torch._foreach_copy_(self.model_tensors(), validated[2])
+        return True
+
     def _restore_replica(self) -> None:
         if self._stashed_replica is not None:
             with torch.no_grad():
@@ -247,6 +282,10 @@ class SyncplaneStrategy(DDPStrategy):
 
     @override
     def on_validation_end(self) -> None:
+        if self._stashed_replica is not None and self.evaluation_tensors() is None:
+            # the consensus of the replicas (not of other tensors, e.g. DS-Sync's EMA models,
+            # which the replica check of _show_validated_model would not cover)
+            self._validated = (self.step, self._stashed_replica, [t.detach().clone() for t in self.model_tensors()])
         self._restore_replica()
         super().on_validation_end()
 
@@ -266,7 +305,12 @@ class SyncplaneStrategy(DDPStrategy):
         # compared with DDP, whose checkpoints need no averaging; nothing is in flight here.
         meter, self.comm_meter = self.comm_meter, CommMeter()
         try:
-            self._show_evaluation_model()
+            start = time.perf_counter()
+            reused = self._show_validated_model()
+            if not reused:
+                self._show_evaluation_model()
+            self.phases.add("checkpoint/consensus_reused" if reused else "checkpoint/consensus",
+                            time.perf_counter() - start)
             return {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
         finally:
             self._restore_replica()
@@ -277,12 +321,32 @@ class SyncplaneStrategy(DDPStrategy):
         self.finish_pending_sync()
         extra: dict[str, Any] = {"strategy": type(self).__name__, "state": self.sync_state_dict()}
         rank_state = self.rank_state_dict()
-        if self.world_size > 1 and (not self.replicas_identical or rank_state):
-            # a collective (every rank saves): rank 0 receives every replica and its rank state
-            extra["replicas"] = replicas.gather_replicas(self.lightning_module, self.optimizers,
-                                                         self._stash_by_tensor(), rank_state)
+        per_rank = self.world_size > 1 and (not self.replicas_identical or rank_state)
+        if per_rank:
+            # a collective (every rank saves): each rank writes its replica and rank state
+            with self.phases.time("checkpoint/replicas"):
+                state = replicas.replica_state(self.lightning_module, self.optimizers, self._stash_by_tensor(),
+                                               rank_state)
+                extra["replica_shards"] = replicas.save_own_replica(self.checkpoint_io, filepath, state,
+                                                                    self.global_rank, self.world_size)
         checkpoint["syncplane"] = extra
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        with self.phases.time("checkpoint/write"):
+            super().save_checkpoint(checkpoint, filepath, storage_options)   # rank 0 writes it
+        if per_rank:
+            control_barrier()   # the new checkpoint is in place: older replicas can go
+            replicas.prune_replicas(filepath, self.global_rank, keep=extra["replica_shards"]["tag"])
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        replicas.attach_own_replica(self.checkpoint_io, checkpoint_path, checkpoint, self.global_rank,
+                                    self.world_size)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        replicas.prune_replicas(filepath, self.global_rank)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

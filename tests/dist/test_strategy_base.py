@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from syncplane.strategies.replicas import load_replicas, shard_dir
 from tests.helpers.distributed import run_distributed
 
 
@@ -91,6 +92,7 @@ def _consensus_checkpoint(rank: int, world: int, tmp_dir: str):
     trainer.fit(model, RegressionData(seed=rank))
     own = _params(model)
     trainer.save_checkpoint(f"{tmp_dir}/consensus.ckpt")   # collective: every rank calls it
+    trainer.save_checkpoint(f"{tmp_dir}/consensus.ckpt")   # again: its replicas replace the first save's
     after_save = _params(model)
     replicas = [torch.cat([p.reshape(-1) for p in own])]
     gathered = [torch.empty_like(replicas[0]) for _ in range(world)]
@@ -112,11 +114,53 @@ def test_checkpoint_holds_the_consensus_and_replicas_are_kept(tmp_path):
         for x, y, z in zip(own, after_save, after_validate):
             assert torch.equal(x, y) and torch.equal(x, z)
     assert checkpoint["syncplane"]["strategy"] == "NoSync"
-    # each rank's own replica is kept in the checkpoint for an exact resume
+    # each rank's own replica is kept beside the checkpoint for an exact resume: one file
+    # per rank, of the save the checkpoint names (the first save's are gone)
+    tag = checkpoint["syncplane"]["replica_shards"]["tag"]
+    assert sorted(p.name for p in shard_dir(tmp_path / "consensus.ckpt").iterdir()) == [
+        f"{tag}.rank0.pt", f"{tag}.rank1.pt"]
     for rank, (own, *_rest) in enumerate(results):
-        saved_replica = list(checkpoint["syncplane"]["replicas"][rank]["model"].values())
+        saved_replica = list(load_replicas(tmp_path / "consensus.ckpt")[rank]["model"].values())
         for saved_tensor, own_tensor in zip(saved_replica, own):
             assert torch.equal(saved_tensor, own_tensor)
+
+
+def _checkpoint_after_validation(rank: int, world: int, tmp_dir: str, edit: bool):
+    import torch
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.pytorch import Callback
+
+    from syncplane.training.checkpoint_io import LastCheckpoint
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+    from tests.helpers.strategies import NoSync
+
+    class EditRankOne(Callback):
+        """Between the validation and the checkpoint (Lightning runs checkpoint callbacks
+        last): changes rank 1's replica, so the validation's consensus is no longer one."""
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            if edit and rank == 1:
+                with torch.no_grad():
+                    next(pl_module.parameters()).add_(1.0)
+
+    torch.manual_seed(7)
+    model = TinyRegressor()
+    strategy = NoSync(cluster_environment=TorchElasticEnvironment())
+    trainer = trainer_for(strategy, tmp_dir, max_epochs=1, limit_val_batches=2, enable_checkpointing=True,
+                          callbacks=[EditRankOne(), LastCheckpoint(tmp_dir)])
+    trainer.fit(model, RegressionData(seed=rank))
+    return _params(model), strategy.phases.as_dict()
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_checkpoint_after_validation_reuses_its_consensus_only_while_it_is_one(edit, tmp_path):
+    """The checkpoint saved right after a validation shows the consensus that validation
+    averaged (no second all-reduce) -- unless a replica changed in between."""
+    (own0, phases), (own1, _) = run_distributed(_checkpoint_after_validation, 2, str(tmp_path), edit)
+    saved = list(torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"].values())
+    for saved_tensor, a, b in zip(saved, own0, own1):
+        torch.testing.assert_close(saved_tensor, (a + b) / 2, rtol=1e-6, atol=1e-7)
+    assert ("checkpoint/consensus" in phases) == edit and ("checkpoint/consensus_reused" in phases) != edit
 
 
 def _resume(rank: int, world: int, tmp_dir: str):

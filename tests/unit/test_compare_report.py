@@ -8,7 +8,8 @@ from pathlib import Path
 from syncplane.bench.compare import build_comparison, compute_comm_ratio, time_to_target
 
 
-def _run(folder: Path, strategy: str, seed: int, accs: list[float], epoch_s: float, comm_s: float) -> Path:
+def _run(folder: Path, strategy: str, seed: int, accs: list[float], epoch_s: float, comm_s: float,
+         timing: dict | None = None) -> Path:
     folder.mkdir(parents=True)
     history = [{"epoch": i, "step": 10 * (i + 1), "epoch_s": epoch_s, "val_acc": a} for i, a in enumerate(accs)]
     (folder / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
@@ -16,7 +17,8 @@ def _run(folder: Path, strategy: str, seed: int, accs: list[float], epoch_s: flo
                "metrics": {"val_acc": accs[-1], "val_loss": 0.5},
                "throughput": {"samples_per_s": 100.0, "step_s_median": 0.1},
                "comm": {"seconds": comm_s, "bytes_sent_per_rank": 2**20 * len(accs)},
-               "consensus_distance": 0.0, "train_seconds": epoch_s * len(accs)}
+               "consensus_distance": 0.0, "train_seconds": epoch_s * len(accs) + (timing or {}).get("checkpoint_s", 0.0),
+               **({"timing": timing} if timing else {})}
     (folder / "summary.json").write_text(json.dumps(summary))
     return folder
 
@@ -37,7 +39,8 @@ def test_compute_comm_ratio():
 
 def test_report_rows_seeds_and_missing_peer(tmp_path):
     runs = [_run(tmp_path / "a", "ddp", 1, [0.6, 0.8], 10.0, 5.0), _run(tmp_path / "b", "ddp", 2, [0.7, 0.9], 10.0, 5.0),
-            _run(tmp_path / "c", "diloco", 1, [0.85, 0.9], 4.0, 1.0), _run(tmp_path / "d", "diloco", 2, [0.5, 0.6], 4.0, 1.0)]
+            _run(tmp_path / "c", "diloco", 1, [0.85, 0.9], 4.0, 1.0, {"checkpoint_s": 3.0, "setup_s": 0.5}),
+            _run(tmp_path / "d", "diloco", 2, [0.5, 0.6], 4.0, 1.0)]
     report = build_comparison(runs, tmp_path / "out", target_acc=0.8,
                               missing=[{"strategy": "horovod", "seed": 1, "status": "not available: run x"}])
     rows = report["runs"]
@@ -45,7 +48,9 @@ def test_report_rows_seeds_and_missing_peer(tmp_path):
         ("horovod", "not available: run x")]
     assert [r["time_to_target_s"] for r in rows[:4]] == [20.0, 20.0, 4.0, None]
     assert [r["compute_comm_ratio"] for r in rows[:4]] == [3.0, 3.0, 7.0, 7.0]
-    assert [r["outside_epochs_s"] for r in rows[:4]] == [0.0] * 4
+    assert [r["outside_epochs_s"] for r in rows[:4]] == [0.0, 0.0, 3.0, 0.0]
+    # what the run's timing says that time outside the epochs was (None: not recorded)
+    assert [(r["checkpoint_s"], r["setup_s"]) for r in rows[:4]] == [(None, None)] * 2 + [(3.0, 0.5), (None, None)]
     assert rows[2]["val_acc_minus_ddp"] == 0.9 - 0.8      # paired with DDP of the same seed
     assert rows[3]["val_acc_minus_ddp"] == 0.6 - 0.9
     by = {a["strategy"]: a for a in report["by_strategy"]}
@@ -54,5 +59,6 @@ def test_report_rows_seeds_and_missing_peer(tmp_path):
     assert by["horovod"]["status"] == "not available: run x" and by["horovod"]["runs"] == 0
     md = (tmp_path / "out" / "comparison.md").read_text()
     assert "| diloco | 2 | 2 | not reached |" in md
+    assert "| outside epochs s | ckpt s | setup s |" in md and "| 7.00 | 3.0 | 3.0 | 0.5 |" in md
     assert "| horovod | not available: run x |" in md
     assert "| diloco | 1/2 | 4.0 ± 0.0 [4.0, 4.0] |" in md

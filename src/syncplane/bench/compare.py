@@ -12,8 +12,11 @@ sum of its epochs' ``epoch_s``, validation included) at the first validation rea
 it -- ``None`` ("not reached") when none did, never the run's total time. Each run also
 gets its measured ``compute_comm_ratio``: (epoch time - communication time) /
 communication time, per rank, so a reader can place the result on their own cluster,
-and ``outside_epochs_s``: training wall time outside the epochs (a strategy's one-time
-setup), which time to target leaves out and the reader should add for short runs.
+and ``outside_epochs_s``: training wall time outside the epochs, which time to target
+leaves out and the reader should add for short runs. Runs that record ``timing``
+(``RunReport``) also get ``checkpoint_s`` (the part of it spent saving checkpoints between
+epochs: for strategies whose replicas differ, every rank's replica and optimizer state)
+and ``setup_s`` (the strategy's setup before training: process groups, initial broadcast).
 Runs that could not happen (a peer not installed, a failed run) are rows too, with
 their reason in ``status``: never silently dropped.
 """
@@ -92,10 +95,12 @@ def build_comparison(run_dirs: Sequence[Path], out_dir: Path, *, target_acc: flo
             "consensus_distance": s["consensus_distance"], "status": "ok", "seed": s.get("seed"),
             "train_seconds": s.get("train_seconds"), "bytes_sent_per_rank": s["comm"]["bytes_sent_per_rank"],
             "comm_seconds": s["comm"]["seconds"], "compute_comm_ratio": compute_comm_ratio(s, run["history"]),
-            # one-time costs outside the epoch clock (a strategy's setup at train start: groups,
-            # probes), which time to target does not include
+            # training wall time outside the epoch clock (mostly the checkpoints saved between
+            # epochs), which time to target does not include
             "outside_epochs_s": (max(float(s["train_seconds"]) - epochs_seconds(run["history"]), 0.0)
                                  if s.get("train_seconds") and run["history"] else None),
+            "checkpoint_s": (s.get("timing") or {}).get("checkpoint_s"),
+            "setup_s": (s.get("timing") or {}).get("setup_s"),
         }
         if target_acc is not None:
             row["time_to_target_s"] = time_to_target(run["history"], target_acc)
@@ -151,7 +156,7 @@ def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
     target = [f"time to {target_acc:g} (s)"] if target_acc is not None else []
     header = ["strategy", "ranks", *(["seed"] if any(r.get("seed") is not None for r in rows) else []), *target,
               "val acc", "Δ acc vs ddp", "samples/s", "vs ddp", "step s", "comm s/step", "MB/step", "MB/rank",
-              "compute/comm", "setup s", "consensus"]
+              "compute/comm", "outside epochs s", "ckpt s", "setup s", "consensus"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
         if r["status"] != "ok":
@@ -165,6 +170,7 @@ def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
                  _fmt(r["step_s_median"], ".4f"), _fmt(r["comm_s_per_step"], ".4f"),
                  _fmt(r["bytes_sent_per_step"] / 2**20, ".2f"), _fmt(r["bytes_sent_per_rank"] / 2**20, ",.1f"),
                  _fmt(r["compute_comm_ratio"], ".2f"), _fmt(r.get("outside_epochs_s"), ".1f"),
+                 _fmt(r.get("checkpoint_s"), ".1f"), _fmt(r.get("setup_s"), ".1f"),
                  _fmt(r["consensus_distance"], ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
     if by_strategy and target_acc is not None:

@@ -7,6 +7,7 @@ process-group API directly.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 from contextlib import AbstractContextManager, nullcontext
@@ -79,11 +80,34 @@ def mean_and_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
 
 def gather_to_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
     """Collective: rank 0 gets every rank's ``obj`` (picklable; tensors travel on the CPU),
-    the others None. How per-rank state (replicas, EMAs, residuals) reaches a checkpoint
-    that rank 0 alone writes."""
+    the others None. For small objects: large per-rank state (a checkpoint's replicas) is
+    better written by each rank itself than pulled through rank 0's links."""
     gathered: list[Any] | None = [None] * world_size(group) if dist.get_rank(group) == 0 else None
     dist.gather_object(obj, gathered, group=group, group_dst=0)
     return gathered
+
+
+def agreed_token(group: dist.ProcessGroup | None = None) -> str:
+    """Collective: a fresh random token that rank 0 draws and every rank receives (over
+    the control group): names what the ranks write together (one checkpoint save's
+    per-rank files), unique also across restarts, where counters repeat."""
+    token = [uuid.uuid4().hex[:12] if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(token, group=control_group(group), group_src=0)
+    return str(token[0])
+
+
+def every_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Collective: True when ``flag`` is True on every rank of ``group`` (one integer over
+    the control group), so that all ranks take the same branch."""
+    votes = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=control_group(group))
+    return bool(votes.item())
+
+
+def control_barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Collective: wait until every rank of ``group`` reaches it (over the control group,
+    so also where the data group is NCCL)."""
+    dist.barrier(group=control_group(group))
 
 
 def rank0_decides(measurement: torch.Tensor, decide: Callable[[torch.Tensor], Sequence[float]], size: int,

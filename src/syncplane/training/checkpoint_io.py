@@ -9,6 +9,7 @@ hold tensors and plain containers, never pickled objects.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,16 @@ class LastCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: str | os.PathLike[str]) -> None:
         super().__init__(dirpath=dirpath, filename="last", save_top_k=1, save_last=False,
                          enable_version_counter=False)
+        #: (start, seconds) of every save on this rank (perf_counter): saves run between
+        #: epochs, inside the training clock, and a strategy's per-rank state can make them
+        #: the largest part of a run's time outside its epochs (``RunReport``'s ``timing``).
+        self.saves: list[tuple[float, float]] = []
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        start = time.perf_counter()
+        super()._save_checkpoint(trainer, filepath)
+        self.saves.append((start, time.perf_counter() - start))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

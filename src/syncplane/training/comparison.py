@@ -204,7 +204,10 @@ def _log_to_wandb(run_dir: Path, container: dict[str, Any], name: str, seed: int
         run.summary.update({"samples_per_s": summary["throughput"]["samples_per_s"],
                             "comm_seconds": summary["comm"]["seconds"],
                             "bytes_sent_per_rank": summary["comm"]["bytes_sent_per_rank"],
-                            "train_seconds": summary["train_seconds"]})
+                            "train_seconds": summary["train_seconds"],
+                            # where the time outside the steps went (runs of RunReport; peers have none)
+                            **{f"timing/{k}": v for k, v in (summary.get("timing") or {}).items()
+                               if isinstance(v, (int, float))}})
     finally:
         run.finish()
 

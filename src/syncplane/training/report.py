@@ -7,6 +7,14 @@
 *every* rank (all-reduced), not rank 0's times the world size; step time is the
 median over steps of the slowest rank's step.
 
+``timing`` says where the wall time outside the training steps goes (slowest rank):
+``setup_s`` (the strategy's setup: process groups, initial broadcast, its own buffers),
+``before_train_s`` (resume and the sanity-check validation), and, inside
+``train_seconds`` but outside the epochs' ``epoch_s`` clock, ``outside_epochs_s`` and
+the parts of it that ``checkpoint_s`` (the ``checkpoints`` saves between epochs) and
+``before_first_epoch_s`` take;
+``phases`` is the strategy's own breakdown (``SyncplaneStrategy.phases``) when it has one.
+
 Optional extras a recipe's LightningModule can provide (added keys, never replacing
 the contract's): ``batch_tokens(batch) -> int`` adds ``throughput.tokens_per_s``;
 ``train_flops_per_sample() -> float`` adds ``throughput.model_flops_per_s`` and, on
@@ -29,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from syncplane.comm import CommMeter, mean_and_distance, ring_allreduce_bytes
+from syncplane.comm import CommMeter, PhaseProfile, mean_and_distance, ring_allreduce_bytes
 from syncplane.comm.process_groups import control_group
 
 
@@ -94,13 +102,28 @@ class RunReport(Callback):
         self._fit_start = 0.0
         self._train_seconds = 0.0
         self._epoch_start = 0.0
+        self._setup_start: float | None = None
+        self._fit_started = 0.0
+        self._setup_s = 0.0
+        self._before_train_s = 0.0
+        self._train_end = 0.0
+        self._first_epoch_start: float | None = None
+        self._epoch_seconds: list[float] = []
         self.meter: CommMeter | None = None
         self.summary: dict[str, Any] | None = None
 
     # -------------------------------------------------------------- measuring
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._setup_start = time.perf_counter()   # right before the strategy's setup
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_started = time.perf_counter()
+        if self._setup_start is not None:
+            self._setup_s = self._fit_started - self._setup_start
         if trainer.is_global_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)   # a user's script may name a new folder
         strategy_meter = getattr(trainer.strategy, "comm_meter", None)
@@ -116,10 +139,13 @@ class RunReport(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        self._before_train_s = self._fit_start - self._fit_started if self._fit_started else 0.0
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
+        if self._first_epoch_start is None:
+            self._first_epoch_start = self._epoch_start
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -137,15 +163,19 @@ class RunReport(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._train_seconds = time.perf_counter() - self._fit_start
+        self._train_end = time.perf_counter()
+        self._train_seconds = self._train_end - self._fit_start
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if trainer.sanity_checking:
+            return
+        epoch_s = round(time.perf_counter() - self._epoch_start, 3)
+        self._epoch_seconds.append(epoch_s)
+        if not trainer.is_global_zero:
             return
         metrics = {k: _as_float(v) for k, v in trainer.callback_metrics.items()}
-        record = {"epoch": trainer.current_epoch, "step": trainer.global_step,
-                  "epoch_s": round(time.perf_counter() - self._epoch_start, 3), **metrics}
+        record = {"epoch": trainer.current_epoch, "step": trainer.global_step, "epoch_s": epoch_s, **metrics}
         with open(self.run_dir / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if v is not None)
@@ -162,11 +192,16 @@ class RunReport(Callback):
         assert self.meter is not None
         totals = torch.tensor([float(self.samples), self.meter.seconds, float(self.meter.bytes_sent),
                                float(self.tokens)], dtype=torch.float64)
-        train_seconds = torch.tensor([self._train_seconds], dtype=torch.float64)
+        saves = self._checkpoint_saves(trainer)
+        # the slowest rank's: training wall time, setup, before training, checkpoint saves,
+        # training clock before the first epoch
+        before_first_epoch = (self._first_epoch_start or self._fit_start) - self._fit_start
+        timings = torch.tensor([self._train_seconds, self._setup_s, self._before_train_s,
+                                sum(seconds for _, seconds in saves), before_first_epoch], dtype=torch.float64)
         steps = torch.tensor(self.step_times, dtype=torch.float64)
         if distributed:
             dist.all_reduce(totals, group=control_group())   # CPU tensors: never the NCCL group
-            dist.all_reduce(train_seconds, op=dist.ReduceOp.MAX, group=control_group())
+            dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=control_group())
             # ranks normally run equally many steps (DistributedSampler pads the shards);
             # agree on the common prefix anyway so the all-reduce below cannot mismatch
             common = torch.tensor([len(steps)], dtype=torch.int64)
@@ -175,7 +210,9 @@ class RunReport(Callback):
             dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=control_group())
         distance = mean_and_distance([p.detach() for p in pl_module.parameters()]) if distributed else 0.0
         metrics = trainer.callback_metrics
-        seconds = max(train_seconds.item(), 1e-9)
+        train_seconds, setup_s, before_train_s, checkpoint_s, before_first_epoch_s = timings.tolist()
+        seconds = max(train_seconds, 1e-9)
+        phases = getattr(trainer.strategy, "phases", None)
         counts_tokens = callable(getattr(pl_module, "batch_tokens", None))
         flops_per_s = None if self.flops_per_sample is None else float(totals[0]) * self.flops_per_sample / seconds
         self.summary = {
@@ -186,7 +223,7 @@ class RunReport(Callback):
             "steps": trainer.global_step,
             "metrics": {"val_acc": _as_float(metrics.get("val_acc")), "val_loss": _as_float(metrics.get("val_loss"))},
             "throughput": {
-                "samples_per_s": float(totals[0] / max(train_seconds.item(), 1e-9)),
+                "samples_per_s": float(totals[0] / seconds),
                 "step_s_median": statistics.median(steps.tolist()) if len(steps) else None,
                 "tokens_per_s": float(totals[3] / seconds) if counts_tokens else None,
                 "model_flops_per_s": flops_per_s,
@@ -194,7 +231,14 @@ class RunReport(Callback):
             },
             "comm": {"seconds": float(totals[1] / world), "bytes_sent_per_rank": float(totals[2] / world)},
             "consensus_distance": distance,
-            "train_seconds": train_seconds.item(),
+            "train_seconds": train_seconds,
+            "timing": {
+                "setup_s": setup_s, "before_train_s": before_train_s,
+                "outside_epochs_s": max(train_seconds - sum(self._epoch_seconds), 0.0)
+                if self._epoch_seconds else None,
+                "checkpoint_s": checkpoint_s, "checkpoints": len(saves), "before_first_epoch_s": before_first_epoch_s,
+                "phases": phases.as_dict() if isinstance(phases, PhaseProfile) else None,
+            },
             "strategy_details": dict(getattr(trainer.strategy, "details", {})),
         }
         if trainer.is_global_zero:
@@ -203,6 +247,14 @@ class RunReport(Callback):
             tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
             tmp.replace(path)
             print_summary(self.summary, path)
+
+
+    def _checkpoint_saves(self, trainer: pl.Trainer) -> list[tuple[float, float]]:
+        """(start, seconds) of the checkpoint saves inside the training clock (this rank):
+        every checkpoint callback that times its saves (``LastCheckpoint.saves``)."""
+        return [(start, seconds) for callback in trainer.checkpoint_callbacks
+                for start, seconds in getattr(callback, "saves", ())
+                if self._fit_start <= start < self._train_end]
 
 
 def _mfu(trainer: pl.Trainer, flops_per_s: float | None) -> float | None:
@@ -250,6 +302,8 @@ def print_summary(summary: dict[str, Any], path: Path) -> None:
         ("bytes sent per rank", fmt(summary["comm"]["bytes_sent_per_rank"], ",.0f")),
         ("consensus distance", fmt(summary["consensus_distance"], ".2e")),
         ("training wall time (s)", fmt(summary["train_seconds"], ".1f")),
+        ("  of which checkpoints (s)", fmt(summary["timing"]["checkpoint_s"], ".1f")),
+        ("setup before training (s)", fmt(summary["timing"]["setup_s"], ".1f")),
     ]
     for name, value in rows:
         table.add_row(name, value)
