@@ -203,6 +203,10 @@ def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, gr
         # others have read the same verdict, and the lost one may be hung, never to exit
         grace = min(grace_s, _LOST_PEER_GRACE_S) if failure is not None and failure[1] == LOST_PEER_EXIT else grace_s
         if failure is not None and now - failed_at > grace:
+            if failure[1] == LOST_PEER_EXIT:
+                # what still runs is the lost rank itself (stopped, or cut off from the network):
+                # it cannot act on SIGTERM, so the polite stop would only add its wait to the job's end
+                _terminate([p for _, p, _ in running], signals=(signal.SIGKILL,))
             break
         if timeout_s is not None and now - start > timeout_s:
             stuck = ", ".join(str(s.rank) for s, _, _ in running)
@@ -268,10 +272,12 @@ def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
                           f"--- last lines of rank {rank} ---\n{_tail(lost_log)}")
 
 
-def _terminate(procs: list[subprocess.Popen[bytes]], wait_s: float = 5.0) -> None:
-    """SIGTERM every still-running rank's process group, then SIGKILL what remains."""
+def _terminate(procs: list[subprocess.Popen[bytes]], wait_s: float = 5.0,
+               signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL)) -> None:
+    """Send ``signals`` in turn (by default SIGTERM, then SIGKILL) to every still-running
+    rank's process group, ``wait_s`` apart, until none is left."""
     alive = [p for p in procs if p.poll() is None]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in signals:
         for p in alive:
             try:
                 os.killpg(p.pid, sig)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from syncplane.comm.heartbeat import LOST_PEER_EXIT
 from syncplane.launcher import PARENT_ENV, LaunchError, launch, local_ranks
 
 PRINT_ENV = "import os; print('rank', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'])"
@@ -60,3 +61,18 @@ def test_a_stopped_rank_gets_its_sigterm(tmp_path):
     with pytest.raises(LaunchError, match=r"rank 0 failed \(exit code 3\)"):
         launch([sys.executable, "-c", script], local_ranks(3), tmp_path, echo_rank0=False, grace_s=0.5)
     assert (tmp_path / "ended1").exists() and (tmp_path / "ended2").exists()
+
+
+def test_after_a_lost_peer_verdict_the_rank_left_running_is_killed_without_the_sigterm_wait(tmp_path):
+    """Rank 0 leaves because it lost a peer; rank 1 (the lost one: cut off, or deaf to SIGTERM)
+    is still running. The polite stop (SIGTERM, 5 s, SIGKILL) would only add its 5 s to the
+    job's end, which the 30 s promise of a lost host cannot afford on a loaded machine."""
+    script = ("import os, signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"if os.environ['RANK'] == '0':\n    time.sleep(0.5); sys.exit({LOST_PEER_EXIT})\n"
+              "time.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=rf"rank 0 failed \(exit code {LOST_PEER_EXIT}\)"):
+        launch([sys.executable, "-c", script], local_ranks(2), tmp_path, echo_rank0=False)
+    # 0.5 s + the lost-peer grace (3 s); with the SIGTERM wait it was 8.5 s or more
+    assert time.monotonic() - start < 7.0
