@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from syncplane import net
 from syncplane import algorithms
 from syncplane.bench.syncs import compute_split
 from syncplane.comm import CommMeter
@@ -55,7 +56,7 @@ def timed_step(sync: Any, payload: torch.Tensor, step: int, meter: CommMeter, wi
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout_s", 300)))
+    net.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout_s", 300)))
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = int(spec["payload_bytes"]) // 4
     results = {}

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from syncplane import net
 from syncplane.cluster.cost import CostModel
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mb <= 0:
         parser.error(f"--mb must be positive, got {args.mb}")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    net.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         topo = probe(int(args.mb * 2**20), refresh=args.refresh)
         if dist.get_rank() == 0:

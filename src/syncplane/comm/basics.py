@@ -17,6 +17,7 @@ import networkx as nx
 import torch
 import torch.distributed as dist
 
+from syncplane import net
 from syncplane.comm import context, group_cache, process_groups, window
 from syncplane.comm.neighbor import allreduce_, broadcast_
 
@@ -36,7 +37,7 @@ def init(topology_fn: Callable[[int], nx.DiGraph] | None = None, is_weighted: bo
     global _started_here, _local_sizes
     if not dist.is_initialized():
         chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+        net.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
         _started_here = True
     sizes: list[object] = [None] * size()
     dist.all_gather_object(sizes, local_size())

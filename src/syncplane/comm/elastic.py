@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from syncplane.net import tcp_store_server
+
 log = logging.getLogger(__name__)
 
 #: Environment the launcher gives each elastic replica.
@@ -161,14 +163,13 @@ class ReplicaGroup:
                  round_timeout_s: float = 30.0, quorum_timeout_s: float = 120.0,
                  connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1) -> None:
         _require_torchft()
-        from torch.distributed import TCPStore
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
         host = check_bind_host(host)
         timeout = timedelta(seconds=round_timeout_s)
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._store = tcp_store_server(host, 0)
         self._pg = ProcessGroupGloo(timeout=timeout)
         transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
         with _bound_manager_server(host):

@@ -9,8 +9,9 @@ layers), its initial weights, the data, every rank's sample order per epoch (wha
 Lightning's ``DistributedSampler`` gives that rank) and the learning rate of every step.
 This file only replays them in a plain torch loop with the peer's own synchronization.
 
-Deliberately imports nothing but the standard library, numpy and torch: Horovod 0.28.1
-runs it under torch 2.0.1 in its own virtualenv, where syncplane cannot be imported.
+Deliberately imports nothing but the standard library, numpy and torch at module level:
+Horovod 0.28.1 runs it under torch 2.0.1 in its own virtualenv, where syncplane cannot be
+imported (the torchft peer, which runs in syncplane's environment, imports its store helper).
 It writes the same ``history.jsonl`` and ``summary.json`` as ``syncplane.training.report``
 (the contract comparisons read), with ``strategy`` set to the peer's name.
 """
@@ -136,7 +137,14 @@ class TorchftDiLoCoSync(Sync):
 
         self.dist = dist
         master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore(master, port, world, rank == 0, timeout=timedelta(seconds=300))
+        # this class runs in syncplane's own environment (torchft beside our torch), so it
+        # may use syncplane's stores, which listen only on the address named
+        from syncplane.net import tcp_store_server
+
+        if rank == 0:
+            store = tcp_store_server(master, port, world, timeout=timedelta(seconds=300), wait_for_workers=True)
+        else:
+            store = dist.TCPStore(master, port, world, False, timeout=timedelta(seconds=300))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         me = _own_address(master)
         self.lighthouse = None
@@ -145,7 +153,7 @@ class TorchftDiLoCoSync(Sync):
             lighthouse_port = self.lighthouse.address().rsplit(":", 1)[1]
             store.set("syncplane_lighthouse", f"http://{me}:{lighthouse_port}")
         lighthouse = store.get("syncplane_lighthouse").decode()
-        self.replica_store = dist.TCPStore(me, 0, 1, True, wait_for_workers=False)
+        self.replica_store = tcp_store_server(me, 0)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         timeout = timedelta(seconds=float(cfg.get("sync_timeout_s", 600.0)))

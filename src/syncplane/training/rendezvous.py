@@ -1,12 +1,12 @@
 """How the ranks of a job find each other, and what a rank says when some never come.
 
 - **Local jobs** (``python train.py`` starting its own processes): a ``FileStore`` in the
-  run directory. No TCP listener at all -- torch's ``TCPStore`` server would listen on
-  every interface (``*:PORT`` in ``ss -ltn``), and torch offers no bind address for it.
+  run directory. No TCP listener at all.
 - **External launchers and emulated clusters**: a ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT``,
   the address the user (``torchrun --rdzv-endpoint``, SLURM's first node) or the emulator
-  (rank 0's NIC) names. Under torchrun the agent's store is reused (its rendezvous already
-  admitted every node).
+  (rank 0's NIC) names, listening on that address only (``syncplane.net``: torch's
+  own server would listen on every interface). Under torchrun the agent's store is reused
+  (its rendezvous already admitted every node).
 
 Either way every rank checks in under ``syncplane/<restart>/joined/<rank>`` and waits for
 all the others up to ``trainer.rendezvous_timeout_s``; on timeout *every* rank that got
@@ -24,6 +24,8 @@ from typing import Mapping
 
 import torch.distributed as dist
 
+from syncplane.net import env_store
+
 #: Where a local job's ranks rendezvous (a file path); set by ``train.py``'s own launcher.
 FILE_ENV = "SYNCPLANE_RENDEZVOUS_FILE"
 
@@ -38,15 +40,12 @@ def backend_for(accelerator: str) -> str:
     return "nccl" if accelerator in ("gpu", "cuda") else "gloo"
 
 
-def _store(rank: int, world: int, timeout: datetime.timedelta, env: Mapping[str, str]) -> tuple[dist.Store, str]:
+def _store(world: int, timeout: datetime.timedelta, env: Mapping[str, str]) -> tuple[dist.Store, str]:
     path = env.get(FILE_ENV)
     if path:
         return dist.FileStore(path, world), f"file {path}"
     addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
-    agent_hosts_it = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_hosts_it, timeout=timeout,
-                          wait_for_workers=False)
-    return store, f"{addr}:{port}"
+    return env_store(timeout, env), f"{addr}:{port}"
 
 
 def wait_for_all(store: dist.Store, rank: int, world: int, timeout_s: float, where: str, prefix: str) -> None:
@@ -74,7 +73,7 @@ def join(accelerator: str, timeout_s: float, env: Mapping[str, str] | None = Non
         return
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, where = _store(rank, world, timeout, env)
+    store, where = _store(world, timeout, env)
     prefix = _prefix(env)
     wait_for_all(store, rank, world, timeout_s, where, prefix)
     dist.init_process_group(backend_for(accelerator), store=dist.PrefixStore(f"{prefix}/pg", store), rank=rank,
