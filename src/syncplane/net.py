@@ -99,13 +99,18 @@ def tcp_store_server(host: str, port: int, world_size: int | None = None, *,
         raise
 
 
+def master_endpoint(env: Mapping[str, str]) -> tuple[str, int]:
+    """The job store's address and port from torchrun-style variables (torch's defaults)."""
+    return env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+
+
 def env_store(timeout: datetime.timedelta, env: Mapping[str, str] | None = None) -> dist.Store:
     """The job's store from torchrun-style variables (``MASTER_ADDR``/``MASTER_PORT``,
     ``RANK``, ``WORLD_SIZE``), as ``init_method="env://"`` would make it, but with rank 0's
     server on ``MASTER_ADDR`` alone. Under torchrun (``TORCHELASTIC_USE_AGENT_STORE``) the
     agent already hosts it, and every rank is a client."""
     env = os.environ if env is None else env
-    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+    addr, port = master_endpoint(env)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return tcp_store_server(addr, port, world, timeout=timeout)

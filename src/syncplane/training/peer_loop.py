@@ -136,15 +136,12 @@ class TorchftDiLoCoSync(Sync):
         from datetime import timedelta
 
         self.dist = dist
-        master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        master = os.environ["MASTER_ADDR"]
         # this class runs in syncplane's own environment (torchft beside our torch), so it
         # may use syncplane's stores, which listen only on the address named
-        from syncplane.net import tcp_store_server
+        from syncplane.net import env_store, tcp_store_server
 
-        if rank == 0:
-            store = tcp_store_server(master, port, world, timeout=timedelta(seconds=300), wait_for_workers=True)
-        else:
-            store = dist.TCPStore(master, port, world, False, timeout=timedelta(seconds=300))
+        store = env_store(timedelta(seconds=300))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         me = _own_address(master)
         self.lighthouse = None

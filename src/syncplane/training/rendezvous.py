@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from syncplane.net import env_store
+from syncplane.net import env_store, master_endpoint
 
 #: Where a local job's ranks rendezvous (a file path); set by ``train.py``'s own launcher.
 FILE_ENV = "SYNCPLANE_RENDEZVOUS_FILE"
@@ -44,7 +44,7 @@ def _store(world: int, timeout: datetime.timedelta, env: Mapping[str, str]) -> t
     path = env.get(FILE_ENV)
     if path:
         return dist.FileStore(path, world), f"file {path}"
-    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+    addr, port = master_endpoint(env)
     return env_store(timeout, env), f"{addr}:{port}"
 
 
@@ -94,7 +94,7 @@ def heartbeat_store(timeout_s: float, env: Mapping[str, str] | None = None) -> t
     path = env.get(FILE_ENV)
     if path:
         return dist.FileStore(path, -1), f"file {path}", prefix
-    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+    addr, port = master_endpoint(env)
     store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     return store, f"{addr}:{port}", prefix
