@@ -122,6 +122,7 @@ def launch(
     grace_s: float = 15.0,
     timeout_s: float | None = None,
     max_restarts: int | None = None,
+    restart_delay_s: float = 0.0,
     echo_to: IO[str] | None = None,
 ) -> None:
     """Run ``command`` once per rank and wait; raise LaunchError if any rank fails.
@@ -134,6 +135,9 @@ def launch(
     fails is started again, up to that many times per rank (``RESTART_ENV`` tells it which
     start it is; its log goes on in the same file), and the others are left running. The job
     then fails only if no rank finishes cleanly; ranks lost for good are logged.
+    ``restart_delay_s``: how long a failed rank stays down before its restart -- a crash loop
+    does not spin, and its peers have time to notice the loss and go on without it, rather
+    than racing a replica that comes straight back.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     world_size = len(ranks)
@@ -175,7 +179,8 @@ def launch(
             if max_restarts is None:
                 _wait_all(procs, grace_s=grace_s, timeout_s=timeout_s)
             else:
-                _wait_elastic(procs, start, max_restarts=max_restarts, timeout_s=timeout_s)
+                _wait_elastic(procs, start, max_restarts=max_restarts, timeout_s=timeout_s,
+                              restart_delay_s=restart_delay_s)
         finally:
             _terminate([p for _, p, _ in procs])
             for t in threads:
@@ -223,20 +228,27 @@ def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, gr
 
 def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
                   start: Callable[[RankSpec, int], tuple[RankSpec, subprocess.Popen[bytes], Path]], *,
-                  max_restarts: int, timeout_s: float | None, finish_grace_s: float = _ELASTIC_FINISH_GRACE_S) -> None:
-    """Wait for independent replicas: restart a failed one (up to ``max_restarts`` times),
-    never stop the others for it (a replica restarted after the job's work is done finds that
-    out itself and exits cleanly). Once one replica has finished, the rest get
-    ``finish_grace_s`` to finish too (replicas end at the same round); one still running then
-    (a hung replica the others left behind) is ended with the job. ``procs`` is updated in
-    place (the caller ends what runs)."""
+                  max_restarts: int, timeout_s: float | None, finish_grace_s: float = _ELASTIC_FINISH_GRACE_S,
+                  restart_delay_s: float = 0.0) -> None:
+    """Wait for independent replicas: restart a failed one (up to ``max_restarts`` times,
+    ``restart_delay_s`` after it failed), never stop the others for it (a replica restarted
+    after the job's work is done finds that out itself and exits cleanly). Once one replica
+    has finished, the rest get ``finish_grace_s`` to finish too (replicas end at the same
+    round); one still running then (a hung replica the others left behind) is ended with the
+    job. ``procs`` is updated in place (the caller ends what runs)."""
     began = time.monotonic()
     first_finish: float | None = None
     restarts = {spec.rank: 0 for spec, _, _ in procs}
     lost: dict[int, str] = {}
     finished: set[int] = set()
+    due: dict[int, float] = {}   # index in procs -> when its restart starts
     while True:
         for i, (spec, p, rank_log) in enumerate(list(procs)):
+            if i in due:
+                if time.monotonic() >= due[i]:
+                    del due[i]
+                    procs[i] = start(spec, restarts[spec.rank])
+                continue
             code = p.poll()
             if code is None or spec.rank in finished or spec.rank in lost:
                 continue
@@ -247,9 +259,9 @@ def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
             reason = f"signal {-code}" if code < 0 else f"exit code {code}"
             if restarts[spec.rank] < max_restarts:
                 restarts[spec.rank] += 1
-                log.warning("rank %d failed (%s); restart %d of %d", spec.rank, reason,
-                            restarts[spec.rank], max_restarts)
-                procs[i] = start(spec, restarts[spec.rank])
+                log.warning("rank %d failed (%s); restart %d of %d%s", spec.rank, reason, restarts[spec.rank],
+                            max_restarts, f" in {restart_delay_s:g} s" if restart_delay_s else "")
+                due[i] = time.monotonic() + restart_delay_s
             else:
                 lost[spec.rank] = reason
                 log.warning("rank %d failed (%s) and is not restarted (max_restarts=%d); the others "

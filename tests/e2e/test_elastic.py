@@ -2,7 +2,22 @@
 round 3; the other two finish that round without it (discarded together), go on as two; the
 launcher restarts replica 2, which joins at a round boundary, heals from a live peer and
 trains to the end. Every replica that finished holds the same θ_g (digest in its summary)
-and the history shows each membership change."""
+and the history shows each membership change.
+
+Timing is arranged so that this sequence is the only one possible (a clean-clone run once saw
+the restarted replica, back after ≈ 5 s, join the survivors' next quorum, so they never went
+on as two): a survivor whose round waited on the other survivor (not on the dead replica)
+gives the round up after ``round_timeout_s`` = 5 s, and the launcher restarts replica 2 only
+``trainer.restart_delay_s`` = 4 s after it died; the restarted process then needs ≈ 9 s to
+ask to join. Measured: the quorum of two formed 3-5 s after the kill, the joiner asked 13-14 s
+after it, and healed at round 17-22 of 50.
+
+The outer step is plain averaging (SGD, lr 1, no momentum): with DiLoCo's default Nesterov
+(lr 0.7, momentum 0.9) at H = 3, digits' accuracy swings from epoch to epoch (0.81-0.91 in a
+run with no failure at all; one run with a late heal ended with a training loss of 3.7), which
+would test the optimizer's noise rather than the heal. With plain averaging: 0.986 and 0.989
+in two runs with the heal, hence the 0.95 bar.
+"""
 
 from __future__ import annotations
 
@@ -23,14 +38,15 @@ def _events(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> None:
     result = train("strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.sync_every=3",
-                   "strategy.kwargs.round_timeout_s=10", "strategy.kwargs.heartbeat_timeout_s=3",
-                   "trainer.devices=3", "trainer.max_epochs=10", "trainer.check_val_every_n_epoch=5",
-                   "trainer.max_restarts=1", "+fault.kind=kill", "+fault.rank=2", "+fault.step=7", "seed=5",
+                   "strategy.kwargs.outer_kwargs={lr:1.0,momentum:0.0}", "strategy.kwargs.round_timeout_s=5",
+                   "strategy.kwargs.heartbeat_timeout_s=3", "trainer.devices=3", "trainer.max_epochs=10",
+                   "trainer.check_val_every_n_epoch=5", "trainer.max_restarts=1", "trainer.restart_delay_s=4",
+                   "+fault.kind=kill", "+fault.rank=2", "+fault.step=7", "seed=5",
                    f"hydra.run.dir={tmp_path}", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the launcher's log record, through train.py's (Hydra's) logging: on the terminal and in the job's train.log
-    assert "[syncplane.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1" in result.stdout
-    assert "rank 2 failed (signal 9); restart 1 of 1" in (tmp_path / "train.log").read_text()
+    assert "[syncplane.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1 in 4 s" in result.stdout
+    assert "rank 2 failed (signal 9); restart 1 of 1 in 4 s" in (tmp_path / "train.log").read_text()
     events = _events(tmp_path)
     sizes = {(e["replica"], e["replicas"]) for e in events if e["event"] == "membership"}
     assert {(0, 3), (0, 2), (1, 2)} <= sizes                    # started as 3, went on as 2
@@ -49,4 +65,4 @@ def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> Non
     assert all(d["rounds_committed"] + d["rounds_discarded"] == details[0]["rounds_committed"]
                + details[0]["rounds_discarded"] for d in details)
     assert details[0]["replicas_over_time"][0] == [0, 3] and [3, 2] in details[0]["replicas_over_time"]
-    assert summaries[0]["metrics"]["val_acc"] > 0.8
+    assert summaries[0]["metrics"]["val_acc"] > 0.95

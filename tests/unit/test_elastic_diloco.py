@@ -235,6 +235,19 @@ def test_launcher_restarts_a_failed_replica_and_leaves_the_others(tmp_path: Path
         ("syncplane.launcher", "WARNING", "rank 1 failed (exit code 3); restart 1 of 1")]
 
 
+def test_launcher_waits_restart_delay_s_before_a_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # each start of rank 1 records when it began; the first exits 3 at once, the restart succeeds
+    code = ("import os, sys, time; k = os.environ['SYNCPLANE_RESTART_COUNT']; "
+            "print('start', k, time.monotonic(), flush=True); "
+            "sys.exit(3 if (os.environ['RANK'], k) == ('1', '0') else 0)")
+    with caplog.at_level(logging.WARNING, logger="syncplane.launcher"):
+        launch([sys.executable, "-c", code], local_ranks(2), tmp_path, echo_rank0=False, max_restarts=1,
+               restart_delay_s=2.0)
+    starts = [float(line.split()[2]) for line in (tmp_path / "rank1.log").read_text().splitlines()]
+    assert len(starts) == 2 and starts[1] - starts[0] >= 2.0, starts
+    assert [r.getMessage() for r in caplog.records] == ["rank 1 failed (exit code 3); restart 1 of 1 in 2 s"]
+
+
 def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     lost_one = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
@@ -254,6 +267,7 @@ def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path
     ({"strategy": {"kwargs": {"lighthouse_host": "0.0.0.0"}}}, "would listen on every interface"),
     ({"strategy": {"kwargs": {"round_timeout_s": 0}}}, "round_timeout_s must be positive, got 0"),
     ({"trainer": {"max_restarts": -1}}, "max_restarts: must be >= 0, got -1"),
+    ({"trainer": {"restart_delay_s": -1}}, "restart_delay_s: must be >= 0, got -1"),
     ({"strategy": {"kwargs": {"elastic": False}}, "trainer": {"max_restarts": 2}}, "max_restarts=2: only elastic jobs"),
 ])
 def test_elastic_settings_are_refused_before_any_worker_starts(tmp_path: Path, overrides: dict[str, Any],

@@ -110,7 +110,8 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
             elastic.REPLICAS_ENV: str(replicas), elastic.LIGHTHOUSE_ENV: lighthouse.address,
             elastic.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
     try:
-        launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts, echo_to=echo_to)
+        launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts,
+               restart_delay_s=spec.trainer.restart_delay_s, echo_to=echo_to)
     finally:
         lighthouse.shutdown()
 

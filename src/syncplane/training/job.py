@@ -33,6 +33,7 @@ class TrainerSettings:
     rendezvous_timeout_s: float = 300.0  # how long ranks wait for each other at start before naming the missing
     heartbeat_timeout_s: float = 15.0   # a rank silent this long counts as lost and stops the job; 0: no heartbeat
     max_restarts: int = 0   # elastic DiLoCo: times the launcher restarts a failed replica (torchrun's flag, per replica)
+    restart_delay_s: float = 0.0   # elastic DiLoCo: wait before a restart (the others go on without it first)
 
     def validate(self) -> None:
         if self.devices < 1:
@@ -49,6 +50,8 @@ class TrainerSettings:
             raise ConfigError(f"heartbeat_timeout_s: must be >= 0 (0 = no heartbeat), got {self.heartbeat_timeout_s}")
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts: must be >= 0, got {self.max_restarts}")
+        if self.restart_delay_s < 0:
+            raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
 
 
 @dataclass
