@@ -395,9 +395,14 @@ def background_flows(profile: ClusterProfile, log_dir: Path | None = None) -> It
                 raise EmulationError(f"a background flow exited at start (code {dead[0].returncode})")
         yield procs
     finally:
-        for p in procs:
+        for p in procs:           # SIGTERM first: each flow then logs the bytes it moved
             if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=3)
+            except subprocess.TimeoutExpired:
                 p.kill()
-            p.wait()
+                p.wait()
         for log in logs:
             log.close()
