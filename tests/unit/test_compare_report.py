@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from syncplane.bench.compare import build_comparison, compute_comm_ratio, time_to_target
+from syncplane.bench.compare import build_comparison, compute_comm_ratio, load_run, per_strategy, time_to_target
 
 
 def _run(folder: Path, strategy: str, seed: int, accs: list[float], epoch_s: float, comm_s: float,
@@ -62,3 +62,16 @@ def test_report_rows_seeds_and_missing_peer(tmp_path):
     assert "| outside epochs s | ckpt s | setup s |" in md and "| 7.00 | 3.0 | 3.0 | 0.5 |" in md
     assert "| horovod | not available: run x |" in md
     assert "| diloco | 1/2 | 4.0 ± 0.0 [4.0, 4.0] |" in md
+
+
+def test_plot_groups_seeds_per_strategy(tmp_path):
+    """The chart draws one bar per strategy over its seeds (not one per run), and a
+    strategy none of whose runs reached the target still gets its row."""
+    dirs = [_run(tmp_path / "a", "ddp", 1, [0.6, 0.8], 10.0, 5.0), _run(tmp_path / "b", "diloco", 1, [0.5, 0.6], 4.0, 1.0),
+            _run(tmp_path / "c", "ddp", 2, [0.85, 0.9], 10.0, 5.0), _run(tmp_path / "d", "diloco", 2, [0.5, 0.7], 4.0, 1.0)]
+    runs = [load_run(d) for d in dirs]
+    assert per_strategy(runs, lambda r: time_to_target(r["history"], 0.8)) == [("ddp", [20.0, 10.0]),
+                                                                               ("diloco", [None, None])]
+    assert per_strategy(runs, lambda r: r["summary"]["seed"]) == [("ddp", [1, 2]), ("diloco", [1, 2])]
+    build_comparison(dirs, tmp_path / "out", target_acc=0.8)
+    assert (tmp_path / "out" / "comparison.png").stat().st_size > 1000

@@ -2,8 +2,9 @@
 
 Reads each run directory's ``summary.json`` and ``history.jsonl`` and writes, into the
 output directory: ``comparison.json``, ``comparison.md`` (a table) and
-``comparison.png`` (throughput, communication time per step, and validation accuracy
-against wall-clock time). ``train.py -m ...`` writes one beside its runs when the
+``comparison.png`` (per strategy, over its seeds: time to the target accuracy,
+throughput, communication time per step; and validation accuracy against the training
+clock). ``train.py -m ...`` writes one beside its runs when the
 sweep ends; ``scripts/compare.py`` rebuilds it from any set of run directories;
 ``syncplane compare`` writes one for the strategies and peers it ran.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,34 +191,80 @@ def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
     return "\n".join(lines) + "\n"
 
 
+def per_strategy(runs: Sequence[Mapping[str, Any]], value: Callable[[Mapping[str, Any]], float | None]
+                 ) -> list[tuple[str, list[float | None]]]:
+    """``value`` of each run, grouped by strategy in the order strategies first appear.
+
+    The plot draws one bar per strategy (the mean over its seeds, whiskers at min and max,
+    a dot per seed) rather than one bar per run: with three seeds of nine strategies, 27
+    rotated labels are unreadable, and the spread is what a reader needs to see."""
+    groups: dict[str, list[float | None]] = {}
+    for run in runs:
+        groups.setdefault(run["summary"]["strategy"], []).append(value(run))
+    return list(groups.items())
+
+
+def _bars(ax: Any, groups: list[tuple[str, list[float | None]]], title: str, color: str,
+          missing: str | None = None) -> None:
+    """Horizontal bars, one per strategy: mean of the values that exist, min-max whiskers,
+    one dot per run; ``missing`` is written where some (or all) of a strategy's runs have no
+    value (a target not reached), with how many did."""
+    names = [name for name, _ in groups]
+    for y, (_, values) in enumerate(groups):
+        have = [v for v in values if v is not None]
+        if have:
+            mean = statistics.fmean(have)
+            ax.barh(y, mean, color=color, alpha=0.8,
+                    xerr=[[mean - min(have)], [max(have) - mean]] if len(have) > 1 else None, capsize=3)
+            ax.plot(have, [y] * len(have), "o", color="black", markersize=3)
+        if missing is not None and len(have) < len(values):
+            ax.text(max(have, default=0.0), y, f"  {len(have)}/{len(values)} {missing}", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_title(title)
+
+
 def _plot(runs: list[dict[str, Any]], path: Path, target_acc: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['summary']['strategy']}\n" + (f"seed {r['summary']['seed']}" if r["summary"].get("seed") is not None
-                                                 else Path(r["run_dir"]).name) for r in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    axes[0].bar(labels, [r["summary"]["throughput"]["samples_per_s"] for r in runs], color="C0")
-    axes[0].set_title("throughput (samples/s, all ranks)")
-    axes[1].bar(labels, [r["summary"]["comm"]["seconds"] / max(r["summary"]["steps"], 1) for r in runs], color="C1")
-    axes[1].set_title("communication time per step (s)")
-    for run, label in zip(runs, labels):
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    seeds = len({r["summary"].get("seed") for r in runs})
+    if seeds > 1:
+        fig.suptitle(f"{seeds} seeds: bars are means, whiskers min-max, a dot per run")
+    if target_acc is not None:
+        _bars(axes[0, 0], per_strategy(runs, lambda r: time_to_target(r["history"], target_acc)),
+              f"time to val acc {target_acc:g} (s, lower is better)", "C2", missing="reached")
+    else:
+        _bars(axes[0, 0], per_strategy(runs, lambda r: r["summary"]["metrics"]["val_acc"]),
+              "final validation accuracy", "C2")
+    _bars(axes[0, 1], per_strategy(runs, lambda r: r["summary"]["throughput"]["samples_per_s"]),
+          "throughput (samples/s, all ranks)", "C0")
+    _bars(axes[1, 0], per_strategy(runs, lambda r: r["summary"]["comm"]["seconds"] / max(r["summary"]["steps"], 1)),
+          "communication time per step (s)", "C1")
+    # one colour per strategy; every seed is a line of that colour, named once in the legend
+    curves = axes[1, 1]
+    colours: dict[str, str] = {}
+    for run in runs:
+        name = run["summary"]["strategy"]
         clock, points = 0.0, []
         for record in run["history"]:
             clock += record.get("epoch_s", 0.0)
             if record.get("val_acc") is not None:
                 points.append((clock, record["val_acc"]))
-        if points:
-            axes[2].plot(*zip(*points), marker="o", label=label.replace("\n", " "))
+        if not points:
+            continue
+        first = name not in colours
+        colour = colours.setdefault(name, f"C{len(colours) % 10}")
+        curves.plot(*zip(*points), marker="o", markersize=3, color=colour, linewidth=1,
+                    linestyle="-" if len(colours) <= 10 else "--", label=name if first else None)
     if target_acc is not None:
-        axes[2].axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:g}")
-    axes[2].set_title("validation accuracy vs wall-clock")
-    axes[2].set_xlabel("seconds")
-    axes[2].legend(fontsize=7)
-    for ax in axes[:2]:
-        ax.tick_params(axis="x", labelsize=7, labelrotation=35)
+        curves.axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:g}")
+    curves.set_title("validation accuracy vs training clock" + (" (a line per seed)" if seeds > 1 else ""))
+    curves.set_xlabel("seconds")
+    curves.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
