@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 
 def build_network(spec: list[list[Any]]) -> nn.Sequential:
@@ -227,22 +228,21 @@ class TorchftDiLoCoSync(Sync):
 SYNCS = {"horovod": HorovodSync, "torchft_diloco": TorchftDiLoCoSync}
 
 
-def replica_average(model: nn.Module, dist: Any) -> tuple[nn.Module, float]:
+def replica_average(model: nn.Module, dist: Any) -> tuple[nn.Module, int]:
     """A copy of ``model`` holding the mean over the ranks of its floating-point parameters
     and buffers (one all-reduce on the default group of ``dist``, ``torch.distributed``),
-    and the bytes a ring all-reduce of them sends per rank. Training goes on from ``model``."""
+    and the bytes a ring all-reduce of them sends per rank. Training goes on from ``model``.
+    Only the torchft peer calls it, in syncplane's environment (hence the import here)."""
+    from syncplane.comm.meter import ring_allreduce_bytes
+
     average = copy.deepcopy(model)
     tensors = [t for t in (*average.parameters(), *average.buffers()) if t.is_floating_point()]
-    with torch.no_grad():
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
     world = dist.get_world_size()
-    return average, 2 * (world - 1) / world * flat.numel() * flat.element_size()
+    with torch.no_grad():
+        flat = parameters_to_vector(tensors)
+        dist.all_reduce(flat)
+        vector_to_parameters(flat / world, tensors)
+    return average, ring_allreduce_bytes(flat.numel() * flat.element_size(), world)
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sync: Sync, rank: int, world: int) -> tuple[float, float]:
