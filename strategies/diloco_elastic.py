@@ -96,7 +96,8 @@ class ElasticDiLoCo(DiLoCo):
             trainer.should_stop = True
             return
         group = ft.ReplicaGroup(f"replica{self._replica}", os.environ[ft.LIGHTHOUSE_ENV],
-                                self._elastic.state_dict, self._elastic.load_state_dict, host=self.lighthouse_host,
+                                self._elastic.state_dict, self._elastic.load_state_dict,
+                                host=ft.check_bind_host(os.environ.get(ft.BIND_ENV, self.lighthouse_host)),
                                 round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s)
         if restart == "0":
             ft.start_barrier(os.environ[ft.ELASTIC_DIR_ENV], self._replica, elastic_identity()[1], self.quorum_timeout_s)

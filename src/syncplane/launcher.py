@@ -78,19 +78,28 @@ def cluster_ranks(profile: "ClusterProfile") -> list[RankSpec]:
     return specs
 
 
-def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir: Path, **kwargs: object) -> None:
-    """Bring the emulated cluster up (if it is not), run the profile's background flows,
-    and launch every rank in its host, rendezvousing on rank 0's NIC."""
+@contextlib.contextmanager
+def cluster_session(profile: "ClusterProfile", log_dir: Path) -> Iterator[list[RankSpec]]:
+    """Bring the emulated cluster up (if it is not) and run the profile's background flows
+    while the caller launches; yields every rank's spec, each inside its host and told which
+    cluster it runs on (topology-aware strategies read it: ``syncplane.cluster.probe``)."""
     from syncplane.cluster import emulator
 
     import yaml
 
-    # ranks learn which cluster they run on (topology-aware strategies read it: syncplane.cluster.probe)
     log_dir.mkdir(parents=True, exist_ok=True)
     profile_file = log_dir / "cluster.yaml"
     profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
     ranks = [replace(s, env={**s.env, CLUSTER_ENV: str(profile_file.resolve())}) for s in cluster_ranks(profile)]
     with emulator.in_use(profile), emulator.background_flows(profile, log_dir):
+        yield ranks
+
+
+def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir: Path, **kwargs: object) -> None:
+    """Launch every rank in its host of the emulated cluster, rendezvousing on rank 0's NIC."""
+    from syncplane.cluster import emulator
+
+    with cluster_session(profile, log_dir) as ranks:
         launch(command, ranks, log_dir, master_addr=emulator.master_addr(profile),
                master_port=29500, **kwargs)  # type: ignore[arg-type]
 

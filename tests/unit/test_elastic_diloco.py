@@ -269,6 +269,8 @@ def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path
     ({"trainer": {"max_restarts": -1}}, "max_restarts: must be >= 0, got -1"),
     ({"trainer": {"restart_delay_s": -1}}, "restart_delay_s: must be >= 0, got -1"),
     ({"strategy": {"kwargs": {"elastic": False}}, "trainer": {"max_restarts": 2}}, "max_restarts=2: only elastic jobs"),
+    ({"strategy": {"kwargs": {"lighthouse_host": "198.18.0.1"}}, "cluster": "wan_two_sites"},
+     "lighthouse_host=198.18.0.1: on an emulated cluster the quorum service runs on host 0"),
 ])
 def test_elastic_settings_are_refused_before_any_worker_starts(tmp_path: Path, overrides: dict[str, Any],
                                                                message: str) -> None:
@@ -279,6 +281,8 @@ def test_elastic_settings_are_refused_before_any_worker_starts(tmp_path: Path, o
     cfg["strategy"]["kwargs"].update(overrides.get("strategy", {}).get("kwargs", {}))
     if "trainer" in overrides:
         cfg["trainer"] = overrides["trainer"]
+    if "cluster" in overrides:
+        cfg["cluster"] = overrides["cluster"]
     with pytest.raises(ConfigError, match=message):
         parse_job(cfg, run_dir=str(tmp_path))
 

@@ -45,6 +45,9 @@ REPLICA_ENV = "SYNCPLANE_REPLICA"
 REPLICAS_ENV = "SYNCPLANE_REPLICAS"
 RESTART_ENV = "SYNCPLANE_RESTART_COUNT"
 ELASTIC_DIR_ENV = "SYNCPLANE_ELASTIC_DIR"
+#: The address a replica's servers bind when the launcher places it (an emulated host's NIC);
+#: unset, the strategy's ``lighthouse_host`` (loopback by default).
+BIND_ENV = "SYNCPLANE_ELASTIC_BIND"
 
 
 class ElasticUnavailable(RuntimeError):

@@ -8,10 +8,12 @@ run directory, and starts one worker per rank with ``syncplane.launcher``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -19,9 +21,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from syncplane.config import ConfigError
-from syncplane.launcher import RankSpec, die_with_parent, launch, launch_on_cluster, local_ranks
+from syncplane.launcher import cluster_session, die_with_parent, launch, launch_on_cluster, local_ranks
 from syncplane.training import external, rendezvous
 from syncplane.training.job import JobSpec, parse_job
+from syncplane.training.lighthouse import lighthouse_process
 from syncplane.training.worker import JOB_FILE
 
 
@@ -71,6 +74,8 @@ def launch_job(container: dict[str, Any], run_dir: Path, job_name: str = "train"
             launch_elastic(command, spec, run_dir, env, echo_to=echo_to)
         else:
             launch(command, local_ranks(world_size), run_dir / "logs", env=env, echo_to=echo_to)
+    elif spec.elastic:
+        launch_elastic(command, spec, run_dir, dict(os.environ), echo_to=echo_to)
     else:
         launch_on_cluster(command, spec.cluster, run_dir / "logs", echo_to=echo_to)
     summary_path = run_dir / "summary.json"
@@ -88,32 +93,45 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
                    echo_to: IO[str] | None = None) -> None:
     """Start the quorum service, then one independent replica per rank (each a Lightning job
     of one process with its own file-store rendezvous), restarting a failed replica up to
-    ``trainer.max_restarts`` times. The service lives as long as this launcher."""
+    ``trainer.max_restarts`` times. The service lives as long as this launcher: in this
+    process on loopback for a local job; on an emulated cluster, as a process on host 0
+    bound to that host's first NIC (``syncplane.training.lighthouse``), and each replica's
+    own servers bind its host's first NIC."""
     from syncplane.comm import elastic
 
     kwargs = spec.strategy.kwargs
-    lighthouse = elastic.start_lighthouse(
-        kwargs.get("lighthouse_host", "127.0.0.1"), min_replicas=1,
-        join_timeout_s=float(kwargs.get("join_timeout_s", 60.0)),
-        heartbeat_timeout_s=float(kwargs.get("heartbeat_timeout_s", 5.0)))
+    timeouts = {"join_timeout_s": float(kwargs.get("join_timeout_s", 60.0)),
+                "heartbeat_timeout_s": float(kwargs.get("heartbeat_timeout_s", 5.0))}
     replicas = spec.trainer.devices
     (run_dir / "elastic_fingerprint.json").unlink(missing_ok=True)
     shutil.rmtree(run_dir / "elastic_ready", ignore_errors=True)
     (run_dir / "elastic_done").unlink(missing_ok=True)
-    ranks = []
-    for r in range(replicas):
-        store = run_dir / f"rendezvous.replica{r}.store"
-        store.unlink(missing_ok=True)
-        ranks.append(RankSpec(rank=r, local_rank=0, local_world_size=1, env={
-            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-            rendezvous.FILE_ENV: str(store.resolve()), elastic.REPLICA_ENV: str(r),
-            elastic.REPLICAS_ENV: str(replicas), elastic.LIGHTHOUSE_ENV: lighthouse.address,
-            elastic.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
-    try:
+    with contextlib.ExitStack() as stack:
+        if spec.cluster is None:
+            places = local_ranks(replicas)
+            binds = [str(kwargs.get("lighthouse_host", "127.0.0.1"))] * replicas
+            service = elastic.start_lighthouse(binds[0], **timeouts)
+            stack.callback(service.shutdown)
+            address = service.address
+        else:
+            from syncplane.cluster import emulator
+
+            places = stack.enter_context(cluster_session(spec.cluster, run_dir / "logs"))
+            binds = [spec.cluster.host_of_rank(r).address(0) for r in range(replicas)]
+            address = stack.enter_context(lighthouse_process(
+                emulator.rank_prefix(spec.cluster, 0), binds[0], log_file=run_dir / "logs" / "lighthouse.log",
+                env=env, **timeouts))
+        ranks = []
+        for place, bind in zip(places, binds):
+            store = run_dir / f"rendezvous.replica{place.rank}.store"
+            store.unlink(missing_ok=True)
+            ranks.append(replace(place, local_rank=0, local_world_size=1, env={
+                **place.env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                rendezvous.FILE_ENV: str(store.resolve()), elastic.REPLICA_ENV: str(place.rank),
+                elastic.REPLICAS_ENV: str(replicas), elastic.LIGHTHOUSE_ENV: address, elastic.BIND_ENV: bind,
+                elastic.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
         launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts,
                restart_delay_s=spec.trainer.restart_delay_s, echo_to=echo_to)
-    finally:
-        lighthouse.shutdown()
 
 
 def run_as_rank(container: dict[str, Any], launched: external.ExternalLaunch, user_dir: Path | None) -> dict[str, Any]:

@@ -155,9 +155,9 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     if trainer.max_restarts and not elastic:
         raise ConfigError(f"trainer.max_restarts={trainer.max_restarts}: only elastic jobs (strategy=diloco "
                           "strategy.kwargs.elastic=true) restart a failed rank; the others stop as a group")
-    if elastic and cfg.get("cluster") is not None:
-        raise ConfigError("strategy.kwargs.elastic=true runs on this machine only for now (its quorum service "
-                          "listens on loopback); drop cluster=...")
+    if elastic and cfg.get("cluster") is not None and kwargs.get("lighthouse_host", "127.0.0.1") != "127.0.0.1":
+        raise ConfigError(f"strategy.kwargs.lighthouse_host={kwargs['lighthouse_host']}: on an emulated cluster the "
+                          "quorum service runs on host 0 and binds its first NIC; leave lighthouse_host unset")
     if elastic and resume is not None:
         raise ConfigError("resume: an elastic job does not resume from a checkpoint (replicas heal from a live peer)")
     if any(f.kind == "netdown" for f in faults) and cfg.get("cluster") is None:
