@@ -30,7 +30,12 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
   ``after_optimizer_step`` puts the recipe's value back, so schedulers, logs and
   checkpoints never see the compensated one.
 - ``rank_state_dict`` / ``load_rank_state_dict``: this rank's error-feedback residuals (what
-  its own pieces and the pieces it owns have not delivered yet), so a resume loses nothing.
+  its own pieces and the pieces it owns have not delivered yet) and what it sent in dropped
+  colayers (re-sent with their next exchange), so a resume loses nothing.
+- ``finish_pending_sync`` / ``sync_state_dict`` / ``load_sync_state_dict`` (staleness): before
+  a checkpoint the exchanges in flight complete, and the aggregates of the last s steps,
+  exchanged but not applied yet, are saved (the same on every rank); a resume applies them
+  at the steps the interrupted run would have, so it continues bit-identically.
 """
 
 from __future__ import annotations
@@ -201,13 +206,38 @@ class CanaryStrategy(SyncplaneStrategy):
             self.details["staleness"]["compensated_updates"] = self._compensation.updates
 
     @override
+    def finish_pending_sync(self) -> None:
+        if self._pipeline is not None and self.gei is not None:
+            self._pipeline.drain()   # stale: the exchanges in flight complete; nothing is applied early
+
+    @override
+    def sync_state_dict(self) -> dict[str, Any]:
+        if self._pipeline is None or self.gei is None:
+            return {}
+        return {"unsettled": self._pipeline.unsettled(), "dropped": self.gei.dropped, "max_lag": self.gei.max_lag,
+                "compensated_updates": self._compensation.updates}
+
+    @override
+    def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._pipeline is None or self.gei is None or not state:
+            return
+        self._pipeline.restore_unsettled(state.get("unsettled", {}))
+        self.gei.dropped, self.gei.max_lag = int(state.get("dropped", 0)), int(state.get("max_lag", 0))
+        self._compensation.updates = int(state.get("compensated_updates", 0))
+
+    @override
     def rank_state_dict(self) -> dict[str, Any]:
-        return {"canary": self.engine.state_dict()} if self._engine is not None else {}
+        if self._engine is None:
+            return {}
+        carry = self._pipeline.carry if self._pipeline is not None else {}
+        return {"canary": self.engine.state_dict(), "carry": {i: t.clone() for i, t in carry.items()}}
 
     @override
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
         if "canary" in state:
             self.engine.load_state_dict(state["canary"])
+        if self._pipeline is not None:
+            self._pipeline.carry = {int(i): t for i, t in state.get("carry", {}).items()}
 
     def _release(self) -> None:
         self._compensation.restore()   # an update that failed half-way leaves the recipe's momentum

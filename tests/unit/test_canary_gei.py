@@ -66,6 +66,21 @@ def test_warmup_is_synchronous_then_stale_from_the_same_global_step_after_a_resu
         late.resume_at(0)
 
 
+def test_steps_restored_from_a_checkpoint_are_due_first_and_never_dropped() -> None:
+    """A resume past the warm-up with s = 2: the checkpoint's two unsettled steps become
+    steps -2 and -1 and are applied at steps 0 and 1, as the interrupted run would have;
+    a proportion bound does not drop them (they arrived whole before the checkpoint)."""
+    (gei,) = _geis(1, 3, 2, 1.0, warmup_steps=3)
+    gei.resume_at(10)
+    gei.restored(-2, 0b111)
+    gei.restored(-1, 0b111)
+    assert [gei.due(k) for k in range(4)] == [-2, -1, 0, 1]
+    gei.enter()
+    assert gei.settle(-2) == 0b111 and gei.due(0) is None     # settled once
+    with pytest.raises(ValueError, match="before this GEI's first step"):
+        gei.restored(0, 0b1)
+
+
 def test_warmup_never_drops_even_below_the_proportion() -> None:
     a, b = _geis(2, 2, 1, 1.0, warmup_steps=1)
     for g in (a, b):

@@ -202,6 +202,41 @@ class BackwardPipeline:
         with self._lock:
             return dict(self._results)
 
+    def drain(self) -> None:
+        """Wait for every exchange handed over so far (a collective in effect: every rank
+        handed over the same ones), without applying anything: a checkpoint then holds
+        every aggregate in flight, and the residuals no worker is still writing."""
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:
+            future.result()
+
+    def unsettled(self) -> dict[int, dict[int, torch.Tensor]]:
+        """After ``drain``, between steps: the aggregates exchanged but not applied yet, by how
+        many steps before the next one they were made (0: the last step's) -> colayer ->
+        averaged values. The same on every rank (what a resume must apply first)."""
+        with self._lock:
+            out: dict[int, dict[int, torch.Tensor]] = {}
+            for (step, index), values in sorted(self._results.items()):
+                out.setdefault(self._step - step, {})[index] = values.clone()
+            return out
+
+    def restore_unsettled(self, pending: Mapping[int, Mapping[int, torch.Tensor]]) -> None:
+        """Before the first step after a resume: the checkpoint's ``unsettled`` aggregates
+        become this pipeline's steps -1, -2, ..., which the GEI makes due first, exactly when
+        the run that wrote the checkpoint would have applied them."""
+        assert self.gei is not None, "only a stale pipeline leaves aggregates unsettled"
+        with self._lock:
+            if self._step != -1:
+                raise RuntimeError("restore_unsettled() must come before the first step")
+            for back, colayers in pending.items():
+                step = -1 - int(back)
+                mask = 0
+                for index, values in colayers.items():
+                    self._results[step, int(index)] = values
+                    mask |= 1 << int(index)
+                self.gei.restored(step, mask)
+
     def _keep(self, index: int, sent: torch.Tensor) -> None:
         """A dropped colayer: what this rank sent goes out again with its next exchange."""
         self.carry[index] = self.carry[index] + sent if index in self.carry else sent

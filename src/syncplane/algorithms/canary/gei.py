@@ -86,6 +86,7 @@ class GEI:
         self.failed: dict[int, BaseException] = {}
         self.dropped = 0                     # colayers dropped so far (every rank counts the same)
         self.max_lag = 0                     # largest ζ - step seen right after a settle
+        self._restored: set[int] = set()     # steps before this GEI's first: made before a resume
         self._cond = threading.Condition()
 
     # --------------------------------------------------------------- progress
@@ -97,6 +98,17 @@ class GEI:
         if self.step != -1:
             raise RuntimeError("resume_at() must come before the first step")
         self.sync_until = max(0, self.warmup_steps - global_step)
+
+    def restored(self, step: int, arrived: int) -> None:
+        """Step ``step`` (< 0) was made before the resume and its colayers ``arrived`` (a
+        bitmask) are in hand: ``due`` returns it when the run that wrote the checkpoint would
+        have applied it."""
+        if step >= 0:
+            raise ValueError(f"restored steps come before this GEI's first step (< 0), got {step}")
+        with self._cond:
+            self._restored.add(step)
+            self.rows[step] = arrived
+            self._cond.notify_all()
 
     def stale_at(self, step: int | None = None) -> bool:
         """Whether ``step`` (this one by default) applies a delayed aggregate (past the warm-up)."""
@@ -129,7 +141,7 @@ class GEI:
         if step < self.sync_until:
             return step
         due = step - self.staleness_bound
-        return due if due >= self.sync_until else None
+        return due if due >= self.sync_until or due in self._restored else None
 
     def staleness(self) -> int:
         """ζ minus this rank's step: how far the fastest rank is ahead of this one."""
@@ -157,6 +169,7 @@ class GEI:
         with self._cond:
             self.rows.pop(step, None)
             self.failed.pop(step, None)
+            self._restored.discard(step)
         self.dropped += bin(self.full & ~decided).count("1")
         self.max_lag = max(self.max_lag, self.staleness())
         return decided
