@@ -5,27 +5,54 @@ recipes as ours. No ``SyncplaneStrategy`` hooks: DDP's reducer does the averagin
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from syncplane.algorithms.torch_hooks import HookConfig
+from syncplane.comm import CommMeter, ring_allreduce_bytes
 from syncplane.strategies.registry import register
 
 
 class TorchHookStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` on CUDA only (a torch 1.8
     restriction, its comment says) and silently drops it on CPU; torch's hooks run on gloo
-    today (``tests/dist/test_torch_hooks.py``), so the hook is registered on any device."""
+    today (``tests/dist/test_torch_hooks.py``), so the hook is registered on any device.
+
+    The hook is registered metered (``comm_meter``: each bucket from launch to completion,
+    and the bytes the hook really sends), because DDP takes one comm hook only: the run
+    report, which meters plain DDP with a hook of its own, reads this meter instead."""
+
+    config: HookConfig
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.comm_meter = CommMeter()
 
     @override
     def _register_ddp_hooks(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
+        assert isinstance(self.model, DistributedDataParallel) and self._ddp_comm_hook is not None
+        hook, config, meter, world = self._ddp_comm_hook, self.config, self.comm_meter, self.world_size
+
+        # Unannotated on purpose: DDP checks a hook's annotations against the real classes.
+        def metered(state, bucket):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            elements, width = config.sent(state, [tuple(p.shape) for p in bucket.parameters()],
+                                          bucket.buffer().numel())
+
+            def done(fut):  # type: ignore[no-untyped-def]
+                meter.record(start, time.perf_counter(), ring_allreduce_bytes(elements * width, world))
+                return fut.value()
+
+            return hook(state, bucket).then(done)
+
         _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
-                                ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
+                                ddp_comm_hook=metered, ddp_comm_wrapper=self._ddp_comm_wrapper)
 
 
 @register("torch_fp16")
@@ -52,3 +79,12 @@ class TorchPowerSGDStrategy(TorchHookStrategy):
                                  use_error_feedback=use_error_feedback, warm_start=warm_start)
         state, hook = self.config.hook()
         super().__init__(ddp_comm_state=state, ddp_comm_hook=hook, **kwargs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # torch's PowerSGDState holds a numpy RNG (no weights_only load) and bucket-indexed
+        # matrices for a layout DDP rebuilds after each process's first backward
+        rank_zero_warn("torch_powersgd: Lightning's DDPStrategy saves no comm-hook state, so this resume starts "
+                       f"PowerSGD over ({self.config.start_powerSGD_iter} uncompressed steps, then fresh low-rank and "
+                       "error-feedback state): it does not continue the interrupted run bit-identically")
+        return super().load_checkpoint(checkpoint_path, weights_only)

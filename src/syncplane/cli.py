@@ -231,11 +231,29 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     if args.deadline_s <= 0 or args.timeout_s <= 0:
         raise ConfigError(f"--deadline-s and --timeout-s must be positive, got {args.deadline_s} and {args.timeout_s}")
     out = Path(args.out) if args.out else Path("outputs") / "chaos" / time.strftime("%Y-%m-%d/%H-%M-%S")
+    if args.matrix:
+        return _chaos_matrix(args, out)
+    if not args.fault:
+        raise ConfigError("syncplane chaos: give at least one --fault KIND:rank=N:step=S (or --matrix)")
     plan = prepare(args.overrides, args.fault, out)
     json_path = Path(args.json) if args.json else plan.run_dir / "chaos.json"
     report = run_chaos(plan, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
     print_report(report, json_path)
     return 0 if report["ok"] else 1
+
+
+def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
+    from syncplane.bench.runner import parse_strategies
+    from syncplane.training.chaos import matrix_plans, print_matrix, run_matrix
+
+    if args.fault:
+        raise ConfigError("--matrix places one fault per cell (--kinds, --rank, --step); drop --fault")
+    plans = matrix_plans(parse_strategies(args.strategies), [k.strip() for k in args.kinds.split(",") if k.strip()],
+                         args.overrides, out, rank=args.rank, step=args.step)
+    json_path = Path(args.json) if args.json else out / "matrix.json"
+    rows = run_matrix(plans, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
+    print_matrix(rows, args.deadline_s, json_path)
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
@@ -315,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos = sub.add_parser("chaos", help="train a job, fail chosen ranks or emulated hosts at chosen steps, and "
                                          "report what the job did (exit 0 when it failed fast and clean)")
-    chaos.add_argument("--fault", action="append", required=True, metavar="KIND:rank=N:step=S",
+    chaos.add_argument("--fault", action="append", metavar="KIND:rank=N:step=S",
                        help="kill, stop (SIGSTOP: a hang), raise or netdown (emulated clusters), on rank=N or on "
                             "host=N (every rank of emulated host N) after training step S; repeat for more faults")
     chaos.add_argument("--deadline-s", type=float, default=30.0,
@@ -323,7 +341,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "which must go on)")
     chaos.add_argument("--timeout-s", type=float, default=900.0, help="stop the whole job after this long")
     chaos.add_argument("--out", help="the job's run directory (default outputs/chaos/DATE/TIME)")
-    chaos.add_argument("--json", help="where to write the report (default OUT/chaos.json)")
+    chaos.add_argument("--json", help="where to write the report (default OUT/chaos.json, OUT/matrix.json)")
+    chaos.add_argument("--matrix", action="store_true",
+                       help="one job per strategy x fault kind (--strategies, --kinds), one fault each (--rank, "
+                            "--step), and a table of the outcomes; exit 0 when every cell kept the promise")
+    chaos.add_argument("--strategies", default="all", help="--matrix: comma-separated strategy names, or all")
+    chaos.add_argument("--kinds", default="kill,stop,netdown",
+                       help="--matrix: fault kinds (netdown runs on cluster=multi_nic unless the job names a cluster)")
+    chaos.add_argument("--rank", type=int, default=2, help="--matrix: the rank that fails (default 2)")
+    chaos.add_argument("--step", type=int, default=12,
+                       help="--matrix: the step after which it fails (default 12: just after the first epoch's "
+                            "checkpoint of digits on 4 ranks)")
     chaos.add_argument("overrides", nargs="*",
                        help="the job, as for train.py: strategy=ddp trainer.devices=4 cluster=multi_nic ...")
     chaos.set_defaults(func=cmd_chaos)

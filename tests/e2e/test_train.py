@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,3 +104,28 @@ def test_info_reports_extension_and_strategies():
     assert cuda is False or (cuda is True and info["extension"]["nvcc"] is True), info["extension"]
     assert "ddp" in info["strategies"]
     assert info["backends"]["gloo"] is True
+
+
+@pytest.mark.slow
+def test_torchs_own_hooks_train_from_train_py_and_count_what_they_send(tmp_path):
+    """``strategy=torch_fp16`` / ``torch_powersgd`` through train.py, as a user compares them
+    (they failed to start before: the run report registered a second comm hook on their DDP).
+    Their bytes are what the hooks send: fp16 half of DDP's ring all-reduce of the model
+    every step; PowerSGD the whole model for its ``start_powerSGD_iter`` = 2 steps, then the
+    low-rank factors (matrices) and the vectors."""
+    from syncplane.algorithms.torch_hooks import HookConfig
+    from syncplane.comm import ring_allreduce_bytes
+    from syncplane.recipes.digits import DigitsSettings, build
+
+    result = train("-m", "strategy=torch_fp16,torch_powersgd", "trainer.max_epochs=1", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    shapes = [tuple(p.shape) for p in build(DigitsSettings())[0].parameters()]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    fp16 = json.loads((tmp_path / "0-torch_fp16" / "summary.json").read_text())
+    powersgd = json.loads((tmp_path / "1-torch_powersgd" / "summary.json").read_text())
+    steps = fp16["steps"]
+    assert steps == powersgd["steps"] == 22 and fp16["metrics"]["val_acc"] > 0.5
+    assert fp16["comm"]["bytes_sent_per_rank"] == steps * ring_allreduce_bytes(numel * 2, 2)
+    compressed = sum(HookConfig(name="torch_powersgd").compressed_elements(s) for s in shapes)
+    assert powersgd["comm"]["bytes_sent_per_rank"] == (2 * ring_allreduce_bytes(numel * 4, 2)
+                                                       + (steps - 2) * ring_allreduce_bytes(compressed * 4, 2))

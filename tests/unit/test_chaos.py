@@ -279,3 +279,25 @@ def test_an_elastic_job_must_go_on(tmp_path: Path) -> None:
     assert went_on["ranks"][2]["restarted"]
     stopped = chaos.analyse(plan, Observation(ranks=ranks, ended_at=20.0, exit_code=1, output=""), None, 30)
     assert stopped["problems"] == ["the elastic job exited 1; it should have gone on without the lost replica(s) [2]"]
+
+
+def test_the_matrix_plans_every_cell_up_front_and_puts_netdown_on_a_cluster(tmp_path: Path) -> None:
+    plans = chaos.matrix_plans(["ddp", "atc"], ["kill", "netdown"], ["trainer.devices=4"], tmp_path, rank=2, step=12)
+    cells = [(p.job.strategy.name, p.faults[0].spec.kind, p.job.cluster and p.job.cluster.name) for p in plans]
+    assert cells == [("ddp", "kill", None), ("ddp", "netdown", chaos.NETDOWN_CLUSTER), ("atc", "kill", None),
+                     ("atc", "netdown", chaos.NETDOWN_CLUSTER)]
+    assert [p.run_dir.name for p in plans] == ["ddp-kill", "ddp-netdown", "atc-kill", "atc-netdown"]
+    assert plans[1].faults[0].lost == [2, 3]          # netdown loses rank 2's whole host
+
+
+@pytest.mark.parametrize(("strategies", "kinds", "overrides", "message"), [
+    (["ddp"], ["kill"], ["strategy=atc"], "--matrix sets the strategy per cell"),
+    (["ddp"], ["explode"], [], "--kinds: unknown explode"),
+    (["ddp"], [], [], r"--kinds: unknown \(none given\)"),
+    (["ddp", "atc"], ["stop"], ["trainer.devices=1"], "rank 2"),   # the last cell's problem, before any runs
+])
+def test_a_bad_matrix_is_refused_before_any_cell_runs(tmp_path: Path, strategies: list[str], kinds: list[str],
+                                                       overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        chaos.matrix_plans(strategies, kinds, overrides, tmp_path, rank=2, step=12)
+    assert not any(tmp_path.iterdir())

@@ -111,6 +111,11 @@ def check_syncplane(argv: list[str]) -> None:
         from syncplane.training.comparison import settings_from_args
 
         settings_from_args(args).validate()
+    elif args.command == "chaos" and args.matrix:   # every cell planned, as the command does first
+        from syncplane.training.chaos import matrix_plans
+
+        matrix_plans(parse_strategies(args.strategies), args.kinds.split(","), args.overrides,
+                     Path(args.out or "outputs/chaos/check"), rank=args.rank, step=args.step)
     elif args.command == "chaos":   # the job composed like train.py, the faults placed on it
         from syncplane.training.chaos import prepare
 

@@ -101,3 +101,15 @@ def test_a_rank_that_failed_is_not_done_and_its_watcher_ends_the_others():
     beats[1].stop(done=False)                # it raised: silent, but not marked done
     rounds(beats, clock, 10, skip=(1,))
     assert lost and lost[0][0] == 0 and "rank 1 stopped sending heartbeats" in lost[0][1]
+
+
+def test_a_rank_whose_collective_broke_reads_the_verdict_it_had_not_polled_yet():
+    """Rank 1 finds rank 2 lost and leaves; rank 3's all-reduce breaks before its own next
+    poll: ``verdict`` gives it the job's message (whom it lost), not the transport's."""
+    _, clock, lost, beats = ring(4, timeout_s=10)
+    rounds(beats, clock, 20)
+    assert beats[3].verdict() is None                    # nothing lost yet
+    rounds(beats, clock, 14, skip=(2, 3))                # rank 3 is inside a collective, not polling
+    assert lost[0][0] == 1 and 3 not in [r for r, _ in lost]
+    assert beats[3].verdict() == lost[0][1] and "rank 2 stopped sending heartbeats" in lost[0][1]
+    assert beats[1].verdict() == lost[0][1]              # the rank that found it: its own message

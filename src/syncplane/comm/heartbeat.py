@@ -137,6 +137,19 @@ class Heartbeat:
                 f"host lost the network; trainer.heartbeat_timeout_s={self.timeout_s:g}); noticed by "
                 f"rank {self.rank}")
 
+    def verdict(self) -> str | None:
+        """The job's verdict if some rank (this one or another) found a rank lost, else None.
+        A rank whose collective broke because its peers left on that verdict reports it, not
+        the transport's error ("connection closed by peer" names no one)."""
+        if self.lost is not None:
+            return self.lost
+        try:
+            if self.store.check([self._key("abort")]):
+                return self.store.get(self._key("abort")).decode()
+        except RuntimeError:
+            pass   # the store is gone with the job: nothing to add to the rank's own error
+        return None
+
     def _report(self, message: str) -> str:
         self.lost = message
         self.on_lost(message)

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from syncplane.cluster.probe import CLUSTER_ENV
 from syncplane.comm import elastic
-from syncplane.comm.heartbeat import Heartbeat
+from syncplane.comm.heartbeat import Heartbeat, exit_now
 from syncplane.config import ConfigError
 from syncplane.training import rendezvous
 from syncplane.training.job import FaultSettings
@@ -48,8 +48,13 @@ class HeartbeatCallback(Callback):
         # a rank that failed is not done: stop beating without saying so, and its watcher
         # ends the others within the timeout if its exit has not already broken their collectives
         if self.heartbeat is not None:
+            verdict = self.heartbeat.verdict()
             self.heartbeat.stop(done=False)
             self.heartbeat = None
+            if verdict is not None:
+                # its collective broke because peers left on the heartbeat's verdict: say whom the job lost
+                first = str(exception).strip().splitlines()[0][:160] if str(exception).strip() else ""
+                exit_now(f"{verdict} (this rank's own error followed: {type(exception).__name__}: {first})")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

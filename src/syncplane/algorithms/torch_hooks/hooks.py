@@ -88,6 +88,17 @@ class HookConfig:
             use_error_feedback=self.use_error_feedback, warm_start=self.warm_start)
         return SerializedState(state), serialized_powersgd_hook
 
+    def sent(self, state: Any, shapes: list[tuple[int, ...]], numel: int) -> tuple[int, int]:
+        """(elements, bytes per element) one rank all-reduces for a bucket of ``numel`` values
+        holding gradients of ``shapes``, when the hook (with its ``state``) runs now:
+        PowerSGD sends the whole bucket until ``start_powerSGD_iter``, then its low-rank factors."""
+        if self.name == "torch_fp16":
+            return numel, 2
+        inner = state.state if isinstance(state, SerializedState) else state
+        if inner.iter < inner.start_powerSGD_iter:
+            return numel, 4
+        return sum(self.compressed_elements(shape) for shape in shapes), 4
+
     def compressed_elements(self, shape: tuple[int, ...]) -> int:
         """Elements one rank all-reduces for a gradient of ``shape`` (after the warm-up)."""
         numel = 1
