@@ -113,3 +113,56 @@ def test_a_rank_whose_collective_broke_reads_the_verdict_it_had_not_polled_yet()
     assert lost[0][0] == 1 and 3 not in [r for r, _ in lost]
     assert beats[3].verdict() == lost[0][1] and "rank 2 stopped sending heartbeats" in lost[0][1]
     assert beats[1].verdict() == lost[0][1]              # the rank that found it: its own message
+
+
+def census(beats, clock, searcher: int, dead: tuple[int, ...]):
+    """Run rank ``searcher``'s ``find_lost`` while the other ranks (but ``dead``) beat on the
+    hand-moved clock each time it sleeps, as their heartbeat threads would."""
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+        for b in beats:
+            if b.rank not in dead:
+                b.poll()
+    return beats[searcher].find_lost(sleep=sleep)
+
+
+def test_a_killed_rank_is_named_at_once_by_a_rank_whose_collective_broke():
+    """Rank 2 is killed; rank 0's all-reduce breaks 2 s later, long before rank 2's watcher
+    would time out (10 s): ``find_lost`` names it within two beat intervals, posts the verdict,
+    and a second survivor reports the same message."""
+    store, clock, lost, beats = ring(4, timeout_s=10)
+    rounds(beats, clock, 20)
+    started = clock.now
+    message = census(beats, clock, 0, dead=(2,))
+    assert message is not None and "rank 2 stopped sending heartbeats" in message and "rank 1" not in message
+    assert clock.now - started <= 2 * beats[0].interval_s + 0.5
+    assert lost == []                                    # nobody's watcher had timed out yet
+    assert store.get("syncplane/heartbeat/abort").decode() == message
+    assert census(beats, clock, 3, dead=(2,)) == message  # the verdict is read, not searched again
+
+
+def test_find_lost_names_every_silent_rank_and_nobody_when_all_beat():
+    _, clock, _, beats = ring(6, timeout_s=10)
+    rounds(beats, clock, 20)
+    assert census(beats, clock, 0, dead=()) is None          # a peer raised: nobody is lost
+    beats[5].stop()                                           # finished cleanly: not lost
+    message = census(beats, clock, 1, dead=(2, 3, 5))
+    assert message is not None and message.startswith("rank 2 and rank 3 stopped")
+    assert "rank 5" not in message
+
+
+def test_find_lost_without_a_store_is_the_rank_own_error():
+    class Gone(dist.HashStore):
+        def check(self, keys):
+            raise RuntimeError("Connection reset by peer")
+    beat = Heartbeat(Gone(), 0, 2, timeout_s=5)
+    assert beat.find_lost(sleep=lambda _: None) is None
+
+
+def test_only_a_broken_collective_makes_a_rank_look_for_the_lost():
+    from syncplane.training.liveness import is_transport_error
+
+    assert is_transport_error(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert is_transport_error(dist.DistNetworkError("Connection reset by peer"))
+    assert not is_transport_error(RuntimeError("fault injected: rank 2 raised after step 12"))
+    assert not is_transport_error(ValueError("bad shape"))

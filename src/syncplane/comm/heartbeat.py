@@ -150,6 +150,55 @@ class Heartbeat:
             pass   # the store is gone with the job: nothing to add to the rank's own error
         return None
 
+    def find_lost(self, window_s: float | None = None, sleep: Callable[[float], None] = time.sleep) -> str | None:
+        """Name the ranks that stopped beating, now rather than ``timeout_s`` from now.
+
+        Why: a rank that is *killed* breaks its peers' collectives within a second or two, and
+        the transport's error ("connection closed by peer") names no one; waiting for its
+        watcher's timeout would end the job a quarter-minute later. So a rank whose collective
+        broke reads every rank's counter, waits ``window_s`` (default two beat intervals, long
+        enough for every live rank to beat at least once) while its own heartbeat thread goes
+        on beating, and reads again: the ranks whose counter did not move (and that did not
+        finish cleanly) are lost. The first rank to find them posts the verdict, so every rank
+        reports the same one. Returns None when every rank still beats (this rank's error was
+        its own, or a peer raised) or the store is gone."""
+        verdict = self.verdict()
+        if verdict is not None or self.world_size < 2:
+            return verdict
+        window = 2 * self.interval_s + 0.5 if window_s is None else window_s
+        try:
+            before = self._counters()
+            waited = 0.0
+            while waited < window:
+                step = min(self.interval_s / 2, window - waited)
+                sleep(step)
+                waited += step
+                verdict = self.verdict()
+                if verdict is not None:
+                    return verdict
+            after = self._counters()
+        except RuntimeError:
+            return None   # the store went with the job: the rank's own error is all there is
+        silent = [r for r in range(self.world_size)
+                  if r != self.rank and after[r] != _DONE and after[r] == before[r]]
+        if not silent:
+            return None
+        names = " and ".join(f"rank {r}" for r in silent)
+        message = (f"{names} stopped sending heartbeats (gone, or hung) while rank {self.rank}'s collective "
+                   f"broke; found by rank {self.rank} within {window:.0f} s")
+        try:
+            if not self.store.check([self._key("abort")]):
+                self.store.set(self._key("abort"), message)
+            else:   # another rank posted first: report its message, so that all say the same
+                message = self.store.get(self._key("abort")).decode()
+        except RuntimeError:
+            pass
+        return message
+
+    def _counters(self) -> list[bytes | None]:
+        keys = [self._key(r) for r in range(self.world_size)]
+        return [self.store.get(k) if self.store.check([k]) else None for k in keys]
+
     def _report(self, message: str) -> str:
         self.lost = message
         self.on_lost(message)

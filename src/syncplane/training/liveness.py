@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 from typing import Any
@@ -23,6 +24,17 @@ from syncplane.training import rendezvous
 from syncplane.training.job import FaultSettings
 
 log = logging.getLogger(__name__)
+
+
+_TRANSPORT = re.compile(r"gloo|nccl|connection|socket|peer|broken pipe|timed out", re.IGNORECASE)
+
+
+def is_transport_error(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective that broke under this rank (torch's ``DistError``
+    family, or gloo's plain RuntimeErrors about its connections), rather than this rank's
+    own failure, which needs no search for a lost peer."""
+    return isinstance(exception, dist.DistError) or (
+        isinstance(exception, RuntimeError) and _TRANSPORT.search(str(exception)) is not None)
 
 
 class HeartbeatCallback(Callback):
@@ -48,11 +60,14 @@ class HeartbeatCallback(Callback):
         # a rank that failed is not done: stop beating without saying so, and its watcher
         # ends the others within the timeout if its exit has not already broken their collectives
         if self.heartbeat is not None:
-            verdict = self.heartbeat.verdict()
+            # a broken collective (a peer killed, or gone on the heartbeat's verdict): say whom
+            # the job lost; the heartbeat goes on beating while it looks, so peers doing the
+            # same count this rank as alive
+            verdict = (self.heartbeat.find_lost() if is_transport_error(exception)
+                       else self.heartbeat.verdict())
             self.heartbeat.stop(done=False)
             self.heartbeat = None
             if verdict is not None:
-                # its collective broke because peers left on the heartbeat's verdict: say whom the job lost
                 first = str(exception).strip().splitlines()[0][:160] if str(exception).strip() else ""
                 exit_now(f"{verdict} (this rank's own error followed: {type(exception).__name__}: {first})")
 
