@@ -11,23 +11,14 @@ import torch
 
 from syncplane.comm import GradientSketch, shard_bounds
 from tests.helpers.distributed import run_distributed
+from tests.helpers.models import colayer_grads
 
 SIZES = [1031, 4, 3000]      # colayers in exchange order (one barely larger than the pieces)
 STEPS = 2
 
 
 def _grads(world: int, step: int, seed: int, sizes: list[int] = SIZES) -> list[list[torch.Tensor]]:
-    """[rank][colayer] gradients of one step, heavy-tailed so the sketch's exact values matter."""
-    g = torch.Generator().manual_seed(seed * 1000 + step)
-    out = []
-    for r in range(world):
-        colayers = []
-        for size in sizes:
-            x = torch.randn(size, generator=g) * (r + 1)
-            x[torch.randint(0, size, (max(1, size // 500),), generator=g)] *= 300.0
-            colayers.append(x)
-        out.append(colayers)
-    return out
+    return colayer_grads(world, seed, sizes, step)
 
 
 def _run(rank: int, world: int, seed: int, nic_counts: list[int], compressions: list[str],

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.models import colayer_grads
 
 SIZES = [1031, 8, 3000]          # colayers; 8 = β·n pieces exactly
 SEED = 20261122
@@ -23,11 +24,6 @@ racks:
   - name: cube
     hosts:
 """
-
-
-def _grads(world: int, seed: int) -> list[list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(size, generator=g) * (r + 1) for size in SIZES] for r in range(world)]
 
 
 def _run(rank: int, world: int, profile_path: str, seed: int):
@@ -41,7 +37,7 @@ def _run(rank: int, world: int, profile_path: str, seed: int):
         transport = make_transport(CanaryConfig(compression=compression, sync_timeout_s=60))
         assert isinstance(transport, CubeAllReduce) and (transport.alpha, transport.beta) == (2, 2)
         engine = CanaryEngine(SIZES, world, transport)
-        colayers = [c.clone() for c in _grads(world, seed)[rank]]
+        colayers = [c.clone() for c in colayer_grads(world, seed, SIZES)[rank]]
         meter = CommMeter()
         engine.exchange_all_(colayers, meter)
         predicted = sum(transport.bytes_per_round(size) for size in SIZES)
@@ -61,7 +57,7 @@ def test_cube_exchange_is_the_dense_mean_on_bcube_2_2(tmp_path):
     profile.write_text(BCUBE_2_2 + "".join(f"      - {{name: w{h}, nic_mbit: 100, nics: 2}}\n" for h in range(world)))
     print(f"seed {SEED}")
     results = run_distributed(_run, world, str(profile), SEED, timeout=200)
-    grads = _grads(world, SEED)
+    grads = colayer_grads(world, SEED, SIZES)
     dense = [torch.stack([grads[r][c].double() for r in range(world)]).mean(0) for c in range(len(SIZES))]
     for compression in ("none", "sketch"):
         for rank in range(world):

@@ -57,3 +57,19 @@ def trainer_for(strategy, tmp_dir: str, **kwargs):
                     num_sanity_val_steps=0, default_root_dir=tmp_dir, plugins=[AtomicCheckpointIO()])
     defaults.update(kwargs)
     return Trainer(strategy=strategy, **defaults)
+
+
+def colayer_grads(world: int, seed: int, sizes: list[int], step: int = 0) -> list[list[torch.Tensor]]:
+    """[rank][colayer] gradients of one step for the exchange tests, fresh for each seed and
+    heavy-tailed (1 value in 500 scaled by 300) so that a sketch's exact values matter; rank
+    r's are scaled by r + 1 so that a mean that mixes ranks up shows."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    out = []
+    for r in range(world):
+        colayers = []
+        for size in sizes:
+            x = torch.randn(size, generator=g) * (r + 1)
+            x[torch.randint(0, size, (max(1, size // 500),), generator=g)] *= 300.0
+            colayers.append(x)
+        out.append(colayers)
+    return out

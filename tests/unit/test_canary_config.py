@@ -12,7 +12,7 @@ from syncplane.config import ConfigError
 @pytest.mark.parametrize("field, value", [("compression", "zip"), ("exact_fraction", 1.5),
                                           ("exact_fraction", -0.1), ("quantile_weight", 2.0),
                                           ("nics", 0), ("nics", "two"), ("bucket_cap_mb", 0.0),
-                                          ("sync_timeout_s", -1.0)])
+                                          ("sync_timeout_s", -1.0), ("exchange", "tree")])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ConfigError, match=f"^{field}: "):
         CanaryConfig(**{field: value})
@@ -84,3 +84,27 @@ def test_pipeline_hands_colayers_over_in_order_whatever_order_they_complete(test
     assert pipeline.early == 3
     assert [torch.equal(a, b * 2) for a, b in zip(pipeline.finish(), grads)] == [True] * 4
     pipeline.close()
+
+
+class _Residuals(_NoTransport):
+    """A stand-in with residuals and a shape (``radices``), recording what it was given back."""
+
+    def __init__(self, radices):  # type: ignore[no-untyped-def]
+        self.radices, self.loaded = radices, []
+
+    def state_dict(self):  # type: ignore[no-untyped-def]
+        return {"residuals": "r"}
+
+    def load_state_dict(self, state):  # type: ignore[no-untyped-def]
+        self.loaded.append(state)
+
+
+def test_residuals_of_another_exchange_shape_are_not_loaded(caplog):
+    saved = CanaryEngine([100, 50], 4, _Residuals([2, 2])).state_dict()
+    assert saved["exchange"] == "_Residuals[2, 2]"
+    same = _Residuals([2, 2])
+    CanaryEngine([100, 50], 4, same).load_state_dict(saved)
+    assert same.loaded == [{"residuals": "r"}]
+    other = _Residuals([4])
+    CanaryEngine([100, 50], 4, other).load_state_dict(saved)
+    assert other.loaded == [] and "residuals start from zero" in caplog.text

@@ -77,6 +77,14 @@ def test_error_feedback_slices_and_restore(test_seed):
     assert torch.equal(feedback.residual, torch.zeros(20))
     with pytest.raises(ValueError, match=r"slice \[15, 25\) is outside"):
         feedback.compress(torch.randn(10, generator=g), offset=15)
+    # a round saves and puts back only the slice it touches; the rest is not copied
+    feedback.compress(torch.randn(10, generator=g), offset=0)
+    kept = feedback.residual[:10].clone()
+    saved = feedback.snapshot(10, 10)
+    assert saved.numel() == 10
+    feedback.compress(torch.randn(10, generator=g), offset=10)
+    feedback.restore(saved, 10)
+    assert torch.equal(feedback.residual[10:], torch.zeros(10)) and torch.equal(feedback.residual[:10], kept)
 
 
 def test_bad_codec_inputs_name_the_value():

@@ -12,11 +12,20 @@ import pytest
 from syncplane.cluster import load_profile
 from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster.cost import CostModel, bcube_cube_allreduce, ring_allreduce
-from syncplane.comm.cube import cube_schedule
+from syncplane.cluster.cost import nested_allreduce
+from syncplane.comm.cube import cube_schedule, digit_schedule, nested_schedule
 
 
 def _digits(alpha: int, beta: int, x: int) -> list[int]:
     return [(x // alpha ** lv) % alpha for lv in range(beta)]
+
+
+def _mixed_digits(radices: list[int], x: int) -> list[int]:
+    out = []
+    for a in radices:
+        out.append(x % a)
+        x //= a
+    return out
 
 
 @pytest.mark.parametrize("alpha,beta", [(2, 2), (3, 2), (2, 3), (4, 1), (3, 3)])
@@ -77,3 +86,97 @@ def test_canary_is_priced_as_the_cube_pattern_of_its_sketched_bytes_on_bcube():
     ratio = sketch_ratio(int(payload // 4), 9 * 2)
     assert canary.bound_s == pytest.approx(model.bound(bcube_cube_allreduce(profile, payload * ratio)))
     assert strategy_times(model, "ddp", payload).bound_s > 5 * canary.bound_s
+
+
+def _play(radices: list[int], plans: list, streams: int) -> None:
+    """Play a digit schedule out on sets of contributions: peers differ in the step's digit
+    only, sends match receives, each rank owns its piece fully summed after the
+    reduce-scatter and holds every piece after the all-gather."""
+    n = len(plans)
+    levels = len(radices)
+    contrib = [[{p: {me} for p in range(n)} for _ in range(streams)] for me in range(n)]
+    final = [[set() for _ in range(streams)] for _ in range(n)]
+    for k in range(2 * levels):
+        new = [[dict(c) for c in contrib[me]] for me in range(n)]
+        for me in range(n):
+            for step in plans[me][k]:
+                for peer, pieces in step.sends.items():
+                    diff = [a != b for a, b in zip(_mixed_digits(radices, me), _mixed_digits(radices, peer))]
+                    assert diff.count(True) == 1 and diff.index(True) == step.level
+                    theirs = next(s for s in plans[peer][k] if s.stream == step.stream)
+                    assert theirs.recvs[me] == pieces and theirs.level == step.level
+                    for p in pieces:
+                        if step.gather:
+                            final[peer][step.stream].add(p)
+                        else:
+                            new[peer][step.stream][p] = new[peer][step.stream][p] | contrib[me][step.stream][p]
+                            new[me][step.stream].pop(p, None)
+        contrib = new
+        if k == levels - 1:
+            for me in range(n):
+                for t in range(streams):
+                    assert contrib[me][t] == {me: set(range(n))}
+                    final[me][t] = {me}
+    assert all(final[me][t] == set(range(n)) for me in range(n) for t in range(streams))
+
+
+@pytest.mark.parametrize("radices", [[2, 2], [4, 2], [2, 3], [3, 2, 2], [2, 2, 2, 2], [5]])
+@pytest.mark.parametrize("streams", [1, 2])
+def test_nested_schedule_goes_innermost_first_and_is_complete(radices, streams):
+    n = 1
+    for a in radices:
+        n *= a
+    plans = [nested_schedule(radices, me, streams) for me in range(n)]
+    for row in plans[0]:
+        assert len({step.level for step in row}) == 1          # every stream on the same level
+    assert [row[0].level for row in plans[0]] == list(range(len(radices))) + list(reversed(range(len(radices))))
+    _play(radices, plans, streams)
+
+
+def test_the_cube_is_the_digit_schedule_with_rotated_orders():
+    assert cube_schedule(3, 2, 4) == digit_schedule([3, 3], [[0, 1], [1, 0]], 4)
+
+
+@pytest.mark.parametrize("profile_name, radices", [("two_racks", [4, 2]), ("multi_nic", [2, 2]),
+                                                   ("wan_two_sites", [2, 2]), ("homogeneous8", [8]),
+                                                   ("asymmetric_2_3", None), ("uneven_three_racks", None)])
+def test_regular_trees_give_the_radices_of_their_ranks(profile_name, radices):
+    from syncplane.algorithms.flexreduce.tree import from_profile
+
+    assert from_profile(load_profile(profile_name)).radices() == radices
+
+
+def test_radices_need_leaves_in_rank_order_and_levels_of_one_degree():
+    from syncplane.algorithms.flexreduce.tree import from_host_sizes, from_nested
+
+    assert from_host_sizes([3, 3, 3]).radices() == [3, 3]
+    assert from_nested([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]).radices() == [2, 2, 2]
+    assert from_nested([[0, 2], [1, 3]]).radices() is None            # ranks not numbered host by host
+    assert from_nested([[[0, 1], [2, 3]], [4, 5]]).radices() is None    # a rack of ranks beside racks of hosts
+
+
+def test_nested_pattern_puts_only_the_last_level_on_the_uplink():
+    """On two racks of four, across the uplink each rank sends M/8 each way (M per uplink
+    and direction in all: the network's bound); the flat mesh sends 4x that."""
+    profile = load_profile("two_racks")
+    model, payload = CostModel(profile), 100e6
+    nested = nested_allreduce([4, 2], payload)
+    cross = [(s, d, b) for phase in nested for s, d, b in phase if (s < 4) != (d < 4)]
+    assert sum(b for s, _, b in cross if s < 4) == pytest.approx(payload)
+    assert all(b == pytest.approx(payload / 8) for _, _, b in cross)
+    bound = allreduce_network_bound(profile, payload)
+    across = nested[1:3]                          # the cross-rack reduce-scatter and all-gather
+    assert model.bound(across) == pytest.approx(bound.seconds, rel=1e-9)
+    # the intra-rack phases (3/4·M on each 400 Mbit NIC, twice) come on top, not overlapped
+    assert model.bound(nested) == pytest.approx(bound.seconds + 2 * 0.75 * payload / (400e6 / 8))
+    assert model.bound(ring_allreduce(8, payload)) > 1.25 * model.bound(nested)
+
+
+def test_canary_is_priced_nested_where_ranks_are_grouped_and_as_a_mesh_on_request():
+    from syncplane.algorithms import strategy_times
+    from syncplane.algorithms.spec import CostOptions
+
+    model, payload = CostModel(load_profile("two_racks")), 97.5 * 2**20
+    nested = strategy_times(model, "canary", payload)
+    mesh = strategy_times(model, "canary", payload, CostOptions(pattern="owner"))
+    assert mesh.bound_s > 2.5 * nested.bound_s

@@ -342,6 +342,34 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
     return [list(step) for _ in range(phases)]
 
 
+def nested_allreduce(radices: Sequence[int], payload_bytes: float, streams: int = 1,
+                     exact_levels: Sequence[int] = (), exact_bytes: float | None = None) -> list[Phase]:
+    """The nested exchange (``comm.NestedAllReduce``): ranks grouped in levels of
+    ``radices`` (innermost first); reduce-scatter level by level, each rank sending the
+    part of what it holds whose level-i digit is a peer's to that peer -- M/(a₀·…·aᵢ) per
+    peer, over ``streams`` flows -- then the all-gather back in reverse. Across the outermost
+    level each rank sends M/n per peer each way: the network's bound for racks. The
+    reduce-scatter of an ``exact_levels`` level carries ``exact_bytes`` (the raw fp32
+    payload) instead of ``payload_bytes`` (the encoded one)."""
+    n = int(np.prod(radices)) if radices else 1
+    if n < 2:
+        return []
+    ranks = np.arange(n, dtype=np.int64)
+    scatter: list[Phase] = []
+    gather: list[Phase] = []
+    stride = 1
+    for level, radix in enumerate(radices):
+        digit = np.repeat((ranks // stride) % radix, radix - 1)
+        src = np.repeat(ranks, radix - 1)
+        dst = src + (((digit + np.tile(np.arange(1, radix, dtype=np.int64), n)) % radix) - digit) * stride
+        stride *= radix
+        copies = np.full(len(src), streams, dtype=np.int64)
+        sent = exact_bytes if level in exact_levels and exact_bytes is not None else payload_bytes
+        scatter.append(FlowArray(src, dst, np.full(len(src), sent / stride / streams), copies))
+        gather.append(FlowArray(src, dst, np.full(len(src), payload_bytes / stride / streams), copies))
+    return scatter + gather[::-1]
+
+
 def cube_steps(alpha: int, beta: int) -> list[list[tuple[int, int]]]:
     """The two-stage cube all-reduce of Canary on BCube(α, β) (paper 004 §4.4, Table 2; BML's
     pattern): per step, ``(stream, level)`` for each of the β streams. The payload is cut

@@ -187,11 +187,16 @@ class ErrorFeedback:
         residual.copy_(wanted - self.codec.extract(data, wanted.numel()))
         return data
 
-    def snapshot(self) -> torch.Tensor:
-        return self.residual.clone()
+    def snapshot(self, offset: int = 0, numel: int | None = None) -> torch.Tensor:
+        """A copy of the residuals of ``[offset, offset + numel)`` (default: all): only the
+        slice a round touches. Canary exchanges a 25 MiB colayer of a ResNet-50-sized buffer
+        at a time; copying all 97.5 MB of each residual for every colayer was 64 % of a
+        rank's time on ``multi_nic``."""
+        end = self.residual.numel() if numel is None else offset + numel
+        return self.residual[offset:end].clone()
 
-    def restore(self, saved: torch.Tensor) -> None:
-        self.residual.copy_(saved)
+    def restore(self, saved: torch.Tensor, offset: int = 0) -> None:
+        self.residual[offset:offset + saved.numel()].copy_(saved)
 
 
 def _check_fp32(x: torch.Tensor) -> None:

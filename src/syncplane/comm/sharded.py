@@ -182,7 +182,8 @@ class ShardedAllReduce:
         if offset < 0 or offset + flat.numel() > total:
             raise ValueError(f"slice [{offset}, {offset + flat.numel()}) is outside a buffer of {total} values")
         feedback = self._error_feedback(total)
-        saved = [f.snapshot() for f in feedback] if not isinstance(self.codec, Fp32) else None
+        # only the slice this round touches: a round that fails puts it back
+        saved = [f.snapshot(offset, flat.numel()) for f in feedback] if not isinstance(self.codec, Fp32) else None
         start = time.perf_counter()
         sent = 0
         try:
@@ -204,7 +205,7 @@ class ShardedAllReduce:
             return True
         if saved is not None:
             for f, s in zip(feedback, saved):
-                f.restore(s)
+                f.restore(s, offset)
         self.failures += 1
         self._rebuild()
         self._inflight.clear()

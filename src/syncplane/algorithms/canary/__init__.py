@@ -1,10 +1,12 @@
-"""Canary (Zhou et al., paper 004): the gradient sketch and the piece-level mesh exchange.
+"""Canary (Zhou et al., paper 004): the gradient sketch and the piece-level exchange (the
+paper's mesh; its cube on BCube; nested by host and rack where the ranks are grouped).
 
 Files: ``config.py`` (validated settings), ``engine.py`` (colayers through the piece-level
 exchange, error feedback in the rank state), ``gei.py`` (bounded staleness), ``compensation.py`` (what staleness does to momentum
 and the synchronous warm-up before it starts), ``bench.py``. The codec is
 ``syncplane.comm.GradientSketch`` (compiled kernels in ``csrc``); the transport is
-``syncplane.comm.ShardedAllReduce(layout="pieces")``, one gloo group per NIC.
+``syncplane.comm.ShardedAllReduce(layout="pieces")``, one gloo group per NIC, or
+``CubeAllReduce`` / ``NestedAllReduce`` (``bench.make_transport`` picks).
 Glue: ``strategies/canary.py``.
 """
 
@@ -18,20 +20,29 @@ from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.gei import GEI, check_bounds
 from syncplane.algorithms.canary.compensation import MomentumCompensation, compensated_momentum
 from syncplane.algorithms.canary.engine import BackwardPipeline, CanaryEngine, ExchangeFailed
+from syncplane.algorithms.flexreduce.tree import from_profile
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
-from syncplane.cluster.cost import Phase, bcube_cube_allreduce, owner_exchange
+from syncplane.cluster.cost import Phase, bcube_cube_allreduce, nested_allreduce, owner_exchange
 from syncplane.cluster.profile import ClusterProfile
 
 
 def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
-    """One owner exchange per step of the sketched payload (~0.27 of fp32), over
-    ``streams`` gloo groups (one per NIC); on a BCube profile the two-stage cube exchange
-    of it instead (β pieces per rank, one-hop links only, every NIC at once)."""
+    """One exchange per step of the sketched payload (~0.27 of fp32), as training would pick
+    it (``options.pattern``: ``owner`` = the mesh, ``tree`` = nested): on a BCube profile the
+    two-stage cube exchange (β pieces per rank, one-hop links only, every NIC at once);
+    where the ranks are grouped in hosts or racks the nested exchange, over ``streams``;
+    else the flat piece mesh (an owner exchange)."""
     n = profile.world_size
-    if profile.bcube is not None:
+    if profile.bcube is not None and options.pattern != "owner":
         ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * profile.bcube.beta))
         return [bcube_cube_allreduce(profile, payload_bytes * ratio)]
+    radices = from_profile(profile).radices() if options.pattern != "owner" else None
+    if radices is not None and len(radices) > 1:
+        ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * options.streams))
+        in_host = profile.hosts[0].spec.ranks
+        exact = [0] if in_host > 1 and radices[0] == in_host else []   # as make_transport picks
+        return [nested_allreduce(radices, payload_bytes * ratio, options.streams, exact, payload_bytes)]
     ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n))
     return [owner_exchange(n, payload_bytes * ratio, options.streams)]
 
@@ -47,6 +58,7 @@ SPEC = AlgorithmSpec(
     bench_step=_step,
     cost=canary_cost,
     streams=lambda options: int(options.get("shards") or 1),
+    pattern=lambda options: str(options.get("exchange") or "auto"),
 )
 
 __all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "sketch_ratio"]

@@ -11,6 +11,10 @@ from syncplane.comm.codecs import CODEC_NAMES, Codec, GradientSketch, make_codec
 from syncplane.config import ConfigError
 
 
+#: how the pieces travel (``CanaryConfig.exchange``)
+EXCHANGES = ("auto", "mesh", "nested")
+
+
 @dataclass(frozen=True)
 class CanaryConfig:
     """Args:
@@ -21,7 +25,16 @@ class CanaryConfig:
         quantile_weight: the sketch's boundaries: this times the sample quantiles plus the
             rest times a uniform grid (1 = the paper's equal-count buckets).
         nics: gloo groups (one per NIC, pieces spread over them); ``auto`` = one per name
-            in ``GLOO_SOCKET_IFNAME``.
+            in ``GLOO_SOCKET_IFNAME`` (two per name for the nested exchange on hosts of
+            several ranks, which overlaps the in-host hop of one with the wire of the other).
+        exchange: ``auto`` (the cube exchange on a BCube profile; the nested exchange where
+            ranks are grouped in hosts or racks of equal size -- reduce-scatter inside the
+            host, then the rack, then across, so slow uplinks carry only the last level's
+            share; else the flat piece mesh), ``mesh`` (the paper's mesh: piece j of every
+            rank straight to rank j) or ``nested`` (an error where the ranks are not grouped).
+        compress_in_host: whether the nested exchange also sketches what ranks of one host
+            send each other (default no: raw fp32 through memory costs no wire, and
+            encoding it would cost CPU and accuracy for nothing).
         bucket_cap_mb: colayer size: gradients grouped in backward order up to this many MiB.
         sync_timeout_s: an exchange slower than this fails the step (on every rank).
         staleness: s, a step's aggregate is applied s steps later (a rank waits only for a
@@ -41,6 +54,8 @@ class CanaryConfig:
     exact_fraction: float = 0.01
     quantile_weight: float = 0.3
     nics: int | str = "auto"
+    exchange: str = "auto"
+    compress_in_host: bool = False
     bucket_cap_mb: float = 25.0
     sync_timeout_s: float = 600.0
     staleness: int = 0
@@ -58,6 +73,8 @@ class CanaryConfig:
         if not (self.nics == "auto" or (isinstance(self.nics, int) and not isinstance(self.nics, bool)
                                          and self.nics >= 1)):
             raise ConfigError(f"nics: expected auto or an integer >= 1, got {self.nics!r}")
+        if self.exchange not in EXCHANGES:
+            raise ConfigError(f"exchange: allowed values: {', '.join(EXCHANGES)}; got {self.exchange!r}")
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb: must be positive, got {self.bucket_cap_mb}")
         if not self.sync_timeout_s > 0:

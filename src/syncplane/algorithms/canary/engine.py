@@ -58,8 +58,8 @@ class CanaryEngine:
     def __init__(self, colayer_sizes: Sequence[int], pieces: int, transport: Transport) -> None:
         if pieces < 1:
             raise ConfigError(f"pieces: must be at least 1, got {pieces}")
-        # the cube exchange (BCube) cuts a colayer into β pieces per rank
-        needed = int(getattr(transport, "beta", 1)) * pieces
+        # the cube and nested exchanges cut a colayer into one piece per rank and stream
+        needed = int(getattr(transport, "streams", 1)) * pieces
         for i, size in enumerate(colayer_sizes):
             if size < needed:
                 raise ConfigError(f"pieces: {needed} pieces per colayer exceed colayer {i}'s "
@@ -92,12 +92,24 @@ class CanaryEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback residuals (per-rank state: each rank saves its own)."""
-        return {"sizes": list(self.sizes), "transport": self.transport.state_dict()}
+        return {"sizes": list(self.sizes), "exchange": self.exchange, "transport": self.transport.state_dict()}
+
+    @property
+    def exchange(self) -> str:
+        """The exchange's shape, e.g. ``NestedAllReduce[4, 2]``: residuals are kept per
+        position of the buffer and per hop of one shape (own pieces, relayed sums, owned
+        means), and mean nothing to another shape; the stream or NIC count does not matter."""
+        radices = getattr(self.transport, "radices", None)
+        return type(self.transport).__name__ + (f"{radices}" if radices is not None else "")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if list(state.get("sizes", self.sizes)) != self.sizes:
             log.warning("canary: the checkpoint's colayers %s differ from this model's %s; "
                         "error-feedback residuals start from zero", state.get("sizes"), self.sizes)
+            return
+        if state.get("exchange", self.exchange) != self.exchange:
+            log.warning("canary: the checkpoint was written with the exchange %s, this job runs %s; "
+                        "error-feedback residuals start from zero", state.get("exchange"), self.exchange)
             return
         self.transport.load_state_dict(state.get("transport", {}))
 

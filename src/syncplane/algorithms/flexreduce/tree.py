@@ -129,6 +129,22 @@ class FlexTree:
             raise KeyError(f"rank {rank} is not in the tree")
         return found
 
+    def radices(self) -> list[int] | None:
+        """The degree of each level, bottom first, when the tree is regular -- every branch
+        of a level has the same degree and its children one level below it, the leaves in
+        rank order -- so that rank r's place at level ℓ is digit ℓ of r in these radices
+        (what Canary's nested exchange addresses ranks by: ``comm.NestedAllReduce``); else
+        None (an uneven tree, or a single rank)."""
+        if self.root.is_leaf or list(self.root.leaves) != list(range(self.world_size)):
+            return None
+        out = []
+        for nodes in self.levels():
+            degrees = {n.degree for n in nodes}
+            if len(degrees) != 1 or any(c.height != n.height - 1 for n in nodes for c in n.children):
+                return None
+            out.append(degrees.pop())
+        return out
+
     def describe(self) -> str:
         """One line: the nested shape, e.g. ``core[m0[0,1], m1[2,3,4]]``."""
         def text(node: Node) -> str:
