@@ -98,6 +98,7 @@ class DigitAllReduce(ShardedAllReduce):
             raise ValueError(f"orders: each stream visits every level once, got {self.orders} for "
                              f"{len(self.radices)} level(s)")
         self.group_by = group_by
+        self._schedules: dict[int, list[list[CubeStep]]] = {}
         groups = len(self.radices) if group_by == "level" else len(self.orders)
         super().__init__(groups, codec=codec, interfaces=interfaces, timeout_s=timeout_s, layout="pieces")
 
@@ -112,7 +113,10 @@ class DigitAllReduce(ShardedAllReduce):
         return _mixed_digit(self.radices, x, level)
 
     def steps(self, me: int) -> list[list[CubeStep]]:
-        return digit_schedule(self.radices, self.orders, me)
+        """Rank ``me``'s schedule, built once per rank (every colayer of every step uses it)."""
+        if me not in self._schedules:
+            self._schedules[me] = digit_schedule(self.radices, self.orders, me)
+        return self._schedules[me]
 
     def pieces(self, numel: int) -> list[list[tuple[int, int]]]:
         """``[stream][piece] -> (start, end)`` in the flat buffer."""
