@@ -18,6 +18,11 @@ from syncplane.config import ConfigError
 from syncplane.ext import ExtensionError
 from syncplane.launcher import LaunchError
 
+#: ``--exchange`` of bench and simulate: one flag for the two families that have a choice
+EXCHANGE_HELP = ("diloco: all-reduce of Δ (auto = FlexReduce's tree on hosts/racks/sites, else owner); "
+                 "canary: owner = the paper's piece mesh, tree = the nested exchange (auto = nested where ranks "
+                 "are grouped evenly, the cube on BCube)")
+
 
 def _version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
@@ -306,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ds_sync: TCP connections per direction of a two-rank group, or auto "
                             "(timed at setup, as the strategy does by default)")
     bench.add_argument("--exchange", default="auto", choices=["auto", "owner", "tree"],
-                       help="diloco: all-reduce of Δ (auto = FlexReduce's tree on hosts/racks/sites, else owner)")
+                       help=EXCHANGE_HELP)
     bench.add_argument("--compression", default="none", choices=["none", "int8"],
                        help="diloco: codec of Δ on the wire")
     bench.add_argument("--profile", action="store_true",
@@ -381,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="parallel connections of the multi-stream algorithms (DiLoCo's shards, "
                                "DS-Sync's pair streams)")
     simulate.add_argument("--exchange", default="auto", choices=["auto", "owner", "tree"],
-                          help="diloco: all-reduce of Δ (auto = FlexReduce's tree on hosts/racks/sites, else owner)")
+                          help=EXCHANGE_HELP)
     simulate.add_argument("--json", help="also write the predictions here")
     simulate.add_argument("--plan", action="store_true",
                           help="also print FlexReduce's plan on this cluster (reduce calls per learner, bytes per "
