@@ -186,11 +186,8 @@ class Heartbeat:
         names = " and ".join(f"rank {r}" for r in silent)
         message = (f"{names} stopped sending heartbeats (gone, or hung) while rank {self.rank}'s collective "
                    f"broke; found by rank {self.rank} within {window:.0f} s")
-        try:
-            if not self.store.check([self._key("abort")]):
-                self.store.set(self._key("abort"), message)
-            else:   # another rank posted first: report its message, so that all say the same
-                message = self.store.get(self._key("abort")).decode()
+        try:   # atomically: the first rank to post wins, and every rank reports its message
+            message = self.store.compare_set(self._key("abort"), "", message).decode()
         except RuntimeError:
             pass
         return message
