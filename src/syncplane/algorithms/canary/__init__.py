@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.canary.bench import CanaryStep, sketch_ratio
+from syncplane.algorithms.canary.bench import CanaryStep, innermost_is_host, sketch_ratio
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.gei import GEI, check_bounds
 from syncplane.algorithms.canary.compensation import MomentumCompensation, compensated_momentum
@@ -40,8 +40,7 @@ def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     radices = from_profile(profile).radices() if options.pattern != "owner" else None
     if radices is not None and len(radices) > 1:
         ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * options.streams))
-        in_host = profile.hosts[0].spec.ranks
-        exact = [0] if in_host > 1 and radices[0] == in_host else []   # as make_transport picks
+        exact = [0] if innermost_is_host(radices, profile.hosts[0].spec.ranks) else []   # as make_transport picks
         return [nested_allreduce(radices, payload_bytes * ratio, options.streams, exact, payload_bytes)]
     ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n))
     return [owner_exchange(n, payload_bytes * ratio, options.streams)]

@@ -62,7 +62,13 @@ def job_radices(world_size: int) -> tuple[list[int] | None, str, bool]:
     except ConfigError as exc:
         return None, str(exc), False
     radices = tree.radices()
-    return radices, tree.describe(), bool(radices) and per_host > 1 and radices[0] == per_host
+    return radices, tree.describe(), innermost_is_host(radices, per_host)
+
+
+def innermost_is_host(radices: list[int] | None, ranks_per_host: int) -> bool:
+    """Whether the nested exchange's level 0 is the ranks of one host (its hop then goes
+    through memory, raw): the transport and the cost model decide it here, alike."""
+    return bool(radices) and ranks_per_host > 1 and radices[0] == ranks_per_host
 
 
 def make_transport(config: CanaryConfig) -> ShardedAllReduce:
