@@ -3,7 +3,9 @@ every shipped profile and a few scaled ones, as the per-flow Python cost model o
 f9d8229 computed them (run there, before the vectorized model replaced it).
 
 ``tests/unit/test_cost_reference.py`` holds the current model to these numbers. Re-run
-only to record a deliberate change of the model's answers, and say why in the commit:
+only to record a deliberate change of the model's answers, and say why in the commit
+(FlexReduce's rows were re-recorded so, with the current model, when its pattern changed;
+the test's docstring says how):
 
     python tests/data/record_cost_reference.py
 """

@@ -5,7 +5,11 @@ running the per-flow model (commit f9d8229) before it was replaced: every strate
 on every shipped profile and four scaled ones, two payloads, three (period, streams).
 DiLoCo's rows were recorded with its owner exchange (its only pattern then): they are
 checked with ``pattern="owner"``; its tree pattern is FlexReduce's (tested below and in
-``test_diloco_cost.py``).
+``test_diloco_cost.py``). FlexReduce's own rows (``flexreduce``, ``flexreduce_levelwise``)
+were re-recorded with the current model when its pattern changed on purpose (2026-11-25:
+the root of two children as one swap phase, and one flow per connection): the bounds
+differ only where a per-flow cap or a greedy flow's fair share makes the flow count
+matter (``wan_two_sites``, ``two_racks_contended``), the predictions by one α elsewhere.
 """
 
 from __future__ import annotations

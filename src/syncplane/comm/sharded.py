@@ -84,9 +84,18 @@ def interfaces_from_env() -> list[str] | None:
 
 
 class StreamPattern(Protocol):
-    """An all-reduce (mean) that runs one flat fp32 tensor per stream, each on its own group."""
+    """An all-reduce (mean) that runs one flat fp32 tensor per stream, each on its own groups.
 
-    def run_streams(self, tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup],
+    A stream has two groups, ``(up, down)``: a message from rank x to rank y travels on
+    ``up`` when x < y, else on ``down``, so each TCP connection carries data one way only.
+    Why: gloo sends a message only once the receiver has said it posted the receive, and
+    that notice travels on the same connection as the data going the other way; on a
+    shaped link it waits behind up to a queue of it (measured on ``wan_two_sites``: a
+    pair's swap of 0.5 MB took 77 ms a tick where the wire needs 42 ms).
+    """
+
+    def run_streams(self, tensors: Sequence[torch.Tensor],
+                    groups: Sequence[tuple[dist.ProcessGroup, dist.ProcessGroup]],
                     deadline: float | None = None, keep: list[object] | None = None,
                     profile: PhaseProfile | None = None) -> int:
         """Every tensor replaced by its mean over the ranks, tensor s on ``groups[s]``; raise
@@ -151,6 +160,8 @@ class ShardedAllReduce:
         # the control group outlives a data round that times out: give it room to wait for it
         self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
         self._groups = self._build_groups()
+        # a pattern's second group per stream (``StreamPattern``: one connection per direction)
+        self._down = self._build_groups("down") if pattern is not None else []
         self._feedback: tuple[ErrorFeedback, ...] | None = None
         #: set a ``PhaseProfile`` to have each round's phases timed (``syncplane bench --profile``)
         self.profile: PhaseProfile | None = None
@@ -245,9 +256,9 @@ class ShardedAllReduce:
         """Abort every group (no further exchanges; ``state_dict`` still works). Idempotent."""
         if self._control is None:
             return
-        for group in [*self._groups, self._control]:
+        for group in [*self._groups, *self._down, self._control]:
             _release(group)
-        self._groups, self._control = [], None
+        self._groups, self._down, self._control = [], [], None
 
     # ------------------------------------------------------------------ internals
 
@@ -260,17 +271,18 @@ class ShardedAllReduce:
         prefix = f"syncplane/sharded/{self._id}/{self._generation}/{name}"
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), self.rank, self.size, options)
 
-    def _build_groups(self) -> list[dist.ProcessGroupGloo]:
+    def _build_groups(self, suffix: str = "") -> list[dist.ProcessGroupGloo]:
         # A round's deadline is enforced by ``_wait_all``; the groups' own timeout only bounds
         # connecting them, which a short ``timeout_s`` on a loaded machine must not fail.
         nics, connect_s = self.interfaces or [None], max(self.timeout_s, _CONNECT_TIMEOUT_S)
-        return [self._group(f"shard{s}", nics[s % len(nics)], connect_s) for s in range(self.shards)]
+        return [self._group(f"shard{s}{suffix}", nics[s % len(nics)], connect_s) for s in range(self.shards)]
 
     def _rebuild(self) -> None:
-        for group in self._groups:
+        for group in [*self._groups, *self._down]:
             _release(group)
         self._generation += 1
         self._groups = self._build_groups()
+        self._down = self._build_groups("down") if self.pattern is not None else []
 
     def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ...]:
         """(what this rank sends, what it sends as an owner) -- one residual each."""
@@ -300,7 +312,8 @@ class ShardedAllReduce:
                 out = self._copy.copy_(flat)
             self._inflight.append(out)
             parts = [out[a:b] for a, b in shard_bounds(flat.numel(), self.shards)]
-            return out, self.pattern.run_streams(parts, self._groups, deadline, self._inflight, self.profile)
+            groups = list(zip(self._groups, self._down))
+            return out, self.pattern.run_streams(parts, groups, deadline, self._inflight, self.profile)
         local_ef, owner_ef = feedback
         segments = self._segments(flat.numel())
         me, n = self.rank, self.size

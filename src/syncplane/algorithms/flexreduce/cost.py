@@ -13,6 +13,11 @@ Pipelined (what ``executor.FlexReduce`` runs by default), the same flows are cut
 chunks and run as a wavefront: tick s carries 1/K of phase s − k of every chunk k in
 flight, so the phases' loads on different links overlap and only the busiest link's
 total remains, plus (2L − 1) ticks of fill and drain.
+
+As the executor runs it: a root of two children is one swap phase (the reduce-scatter's
+and the all-gather's flows at once: 2L − 1 phases), and what one rank sends another in a
+phase or tick is one flow -- one connection per direction and stream, whatever number of
+calls or chunks it carries -- so a per-flow cap (a WAN) applies to their sum.
 """
 
 from __future__ import annotations
@@ -21,29 +26,41 @@ import math
 
 import numpy as np
 
-from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES
+from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES, pairwise_root
 from syncplane.algorithms.flexreduce.plan import Plan, plan_for
 from syncplane.algorithms.flexreduce.tree import FlexTree, from_profile
 from syncplane.algorithms.spec import CostOptions
-from syncplane.cluster.cost import FlowArray, Phase, columns_of, ring_allreduce
+from syncplane.cluster.cost import Flow, FlowArray, Phase, columns_of, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
 
 ELEMENT_SIZE = 4   # the bench's payload is float32
 
 
-def level_phases(plan: Plan, element_size: int = ELEMENT_SIZE, scale: float = 1.0) -> list[Phase]:
-    """The 2L phases of one all-reduce: reduce-scatter levels up, all-gather levels down."""
+def level_phases(plan: Plan, element_size: int = ELEMENT_SIZE, scale: float = 1.0,
+                 swap_root: bool = False) -> list[Phase]:
+    """The phases of one all-reduce: reduce-scatter levels up, all-gather levels down (2L);
+    with ``swap_root`` the root's two phases are one (2L − 1)."""
     up = [plan.flows(level, element_size) for level in range(plan.num_levels)]
     down = [plan.flows(level, element_size, gather=True) for level in reversed(range(plan.num_levels))]
-    return [[(s, d, b * scale) for s, d, b in phase] for phase in up + down]
+    phases = up[:-1] + [up[-1] + down[0]] + down[1:] if swap_root and up else up + down
+    return [_per_connection([(s, d, b * scale) for s, d, b in phase]) for phase in phases]
+
+
+def _per_connection(flows: list[Flow]) -> list[Flow]:
+    """One flow per (src, dst): the executor sends one message per pair and phase."""
+    merged: dict[tuple[int, int], float] = {}
+    for s, d, b in flows:
+        merged[s, d] = merged.get((s, d), 0.0) + b
+    return [(s, d, b) for (s, d), b in merged.items()]
 
 
 def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                      element_size: int = ELEMENT_SIZE) -> list[Phase]:
+                      element_size: int = ELEMENT_SIZE, swap_root: bool = True) -> list[Phase]:
     """FlexReduce of ``payload_bytes`` on ``tree``: level by level (``chunk_bytes=0``, the
-    paper's schedule) or as the executor's wavefront over chunks."""
+    paper's schedule) or as the executor's wavefront over chunks; the root a swap where the
+    executor makes it one (``swap_root=False``: the paper's root)."""
     numel = max(1, int(payload_bytes // element_size))
-    phases = level_phases(plan_for(tree, numel), element_size)
+    phases = level_phases(plan_for(tree, numel), element_size, swap_root=swap_root and pairwise_root(tree))
     chunks = max(1, math.ceil(numel * element_size / chunk_bytes)) if chunk_bytes else 1
     if chunks == 1 or not phases:
         return phases
@@ -51,13 +68,16 @@ def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = D
     # as columns: at 1,024 ranks a tick holds thousands of flows and there are ~100 ticks;
     # the steady state (every phase active) is one object, so the cost model prices it once
     columns = [columns_of(phase) for phase in phases]
+    width = tree.world_size
     made: dict[tuple[int, ...], FlowArray] = {}
     ticks: list[Phase] = []
     for tick in range(chunks + len(phases) - 1):
         active = tuple(tick - k for k in range(chunks) if 0 <= tick - k < len(phases))
         if active not in made:
-            src, dst, nbytes, copies = (np.concatenate([columns[p][i] for p in active]) for i in range(4))
-            made[active] = FlowArray(src, dst, nbytes * share, copies)
+            src, dst, nbytes = (np.concatenate([columns[p][i] for p in active]) for i in range(3))
+            # the chunks in flight at a tick share their pairs' connections: one flow per pair
+            pairs, where = np.unique(src * width + dst, return_inverse=True)
+            made[active] = FlowArray(pairs // width, pairs % width, np.bincount(where, weights=nbytes) * share)
         ticks.append(made[active])
     return ticks
 

@@ -12,12 +12,23 @@ rank ends bit-identical. The root level sums with weight 1/world: the mean, in t
 same pass. Partial sums accumulate in float32 inside the kernel (bf16 in, bf16 out).
 
 All messages of a level are in flight together (``batch``-style ``isend``/``irecv`` on
-a process group of FlexReduce's own, created once up front). Beyond the paper, a bucket
+two process groups of FlexReduce's own, created once up front: a message from rank x to y
+goes on the first when x < y, else on the second -- one connection per direction, see
+``syncplane.comm.StreamPattern``). Beyond the paper, a bucket
 is cut into chunks of ``chunk_bytes`` and the 2L phases (reduce-scatter levels up, all-
 gather levels down) run as a wavefront: at tick s chunk k runs phase s − k, so while
 chunk k crosses the slow root link, chunk k+1 is being reduced inside its hosts and
 chunk k−1 gathered back. On a multi-level tree the levels' times then overlap instead of
 adding up; ``chunk_bytes=0`` runs the paper's schedule (one level after the other).
+
+A root of two children (two racks, two sites: the common top of a tree) is a *swap*:
+each holder sends its partial of the pair's range to the other and both sum it, in child
+order, in one phase -- the bytes each way of its reduce-scatter plus all-gather, one
+phase instead of two. That takes a tick off the wavefront's fill and drain across the
+slowest link (a quarter of the cross time with 4 chunks per stream), and it leaves one
+message per pair and tick on that link where the wavefront had a reduce-scatter and an
+all-gather sharing one connection. The sums are the same kernel calls in the same order,
+so the result is bit-identical to the paper's root (``swap_root=False``).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from syncplane import kernels
-from syncplane.algorithms.flexreduce.plan import Plan, plan_for
+from syncplane.algorithms.flexreduce.plan import Plan, fractional_plan, plan_for
 from syncplane.algorithms.flexreduce.tree import FlexTree
 from syncplane.comm.group_cache import cached_group
 from syncplane.comm.meter import CommMeter, PhaseProfile
@@ -71,6 +82,15 @@ class LevelSchedule:
     recvs: tuple[Message, ...]
     combines: tuple[Combine, ...]
     workspace: int
+    swap: bool = False     # the root's swap: sends and receives are one exchange, no all-gather
+
+
+def pairwise_root(tree: FlexTree) -> bool:
+    """True when the root can be a swap: every piece of its level has two holders, one of
+    which owns it (a root of two children on an even enough tree; the plan's fractions,
+    so it holds for every element count)."""
+    levels, _, _ = fractional_plan(tree)
+    return bool(levels) and all(len(holders) == 2 and owner in holders for _, _, holders, owner in levels[-1])
 
 
 def _messages(plan: Plan, level: int, me: int) -> tuple[list[Message], list[Message], list[Combine], int]:
@@ -99,13 +119,36 @@ def _messages(plan: Plan, level: int, me: int) -> tuple[list[Message], list[Mess
     return sends, recvs, combines, slot
 
 
-def rank_schedule(plan: Plan, me: int) -> list[LevelSchedule]:
+def _swap_messages(plan: Plan, level: int, me: int) -> tuple[list[Message], list[Message], list[Combine], int]:
+    """The root's swap for ``me``: to the other holder of each of its pieces, its partial of
+    them (one message: the two holders' ranges meet in one interval), and every piece it
+    holds summed in child order."""
+    mine = [c for c in plan.levels[level] if me in c.holders]
+    spans: dict[int, list[int]] = {}
+    for c in mine:
+        peer = c.holders[1] if c.holders[0] == me else c.holders[0]
+        lo_hi = spans.setdefault(peer, [c.lo, c.hi])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], c.lo), max(lo_hi[1], c.hi)
+    sends = [Message(peer, lo, hi) for peer, (lo, hi) in sorted(spans.items())]
+    recvs, slot = [], 0
+    for m in sends:
+        recvs.append(Message(m.peer, m.lo, m.hi, slot))
+        slot += m.hi - m.lo
+    where = {m.peer: m for m in recvs}
+    combines = [Combine(c.lo, c.hi, tuple(-1 if h == me else where[h].slot + (c.lo - where[h].lo) for h in c.holders))
+                for c in mine]
+    return sends, recvs, combines, slot
+
+
+def rank_schedule(plan: Plan, me: int, swap_root: bool = False) -> list[LevelSchedule]:
     """Per level, what ``me`` sends, receives and sums in the reduce-scatter (the all-gather
-    swaps sends and receives)."""
+    swaps sends and receives); with ``swap_root`` (see ``pairwise_root``) the last level is
+    the root's swap."""
     out = []
     for level in range(plan.num_levels):
-        sends, recvs, combines, workspace = _messages(plan, level, me)
-        out.append(LevelSchedule(tuple(sends), tuple(recvs), tuple(combines), workspace))
+        swap = swap_root and level == plan.num_levels - 1
+        sends, recvs, combines, workspace = (_swap_messages if swap else _messages)(plan, level, me)
+        out.append(LevelSchedule(tuple(sends), tuple(recvs), tuple(combines), workspace, swap))
     return out
 
 
@@ -117,7 +160,7 @@ class FlexReduce:
     """
 
     def __init__(self, tree: FlexTree, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, own_group: bool = True) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, own_group: bool = True, swap_root: bool = True) -> None:
         world = dist.get_world_size()
         if tree.world_size != world:
             raise ConfigError(f"flexreduce: the tree covers {tree.world_size} ranks ({tree.describe()}), "
@@ -126,9 +169,12 @@ class FlexReduce:
             raise ConfigError(f"flexreduce: chunk_bytes must be >= 0 (0 = no pipelining), got {chunk_bytes}")
         self.tree, self.chunk_bytes, self.timeout_s = tree, chunk_bytes, timeout_s
         self.rank, self.world = dist.get_rank(), world
+        #: the root runs as a swap (module doc) where the tree allows; False: the paper's root
+        self.swap_root = swap_root and pairwise_root(tree)
         # ``own_group=False``: the caller brings a group per stream to ``run_streams`` (DiLoCo's
         # sharded exchange, whose groups are rebuilt after a discarded round)
-        self.group = cached_group("flexreduce") if world > 1 and own_group else None
+        self.groups = ((cached_group("flexreduce"), cached_group("flexreduce/down"))
+                       if world > 1 and own_group else None)
         self._schedules: dict[int, list[LevelSchedule]] = {}
         self._workspace: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._pool: ThreadPoolExecutor | None = None   # run_streams' stream threads, made on first use
@@ -139,10 +185,17 @@ class FlexReduce:
         if sched is None:
             plan = plan_for(self.tree, numel)
             plan.check(numel)
-            sched = self._schedules[numel] = rank_schedule(plan, self.rank)
+            sched = self._schedules[numel] = rank_schedule(plan, self.rank, self.swap_root)
             log.debug("flexreduce: rank %d, %d elements: %s", self.rank, numel,
                       [(len(s.sends), len(s.recvs), len(s.combines)) for s in sched])
         return sched
+
+    def phases(self) -> list[tuple[int, bool]]:
+        """(level, all-gather?) of each phase: levels up, then down; the root's swap is its
+        one phase (its all-gather is part of it)."""
+        levels = self.tree.num_levels
+        down = levels - 1 if self.swap_root else levels
+        return [(lvl, False) for lvl in range(levels)] + [(lvl, True) for lvl in reversed(range(down))]
 
     def chunk_sizes(self, numel: int, element_size: int) -> list[int]:
         """Element counts of the pipeline's chunks (one chunk when pipelining is off), as
@@ -162,19 +215,20 @@ class FlexReduce:
             raise ValueError(f"flexreduce: expected a flat contiguous tensor, got shape {tuple(tensor.shape)}")
         if self.world == 1:
             return tensor
-        if self.group is None:
-            raise RuntimeError("flexreduce: built with own_group=False; call run_streams with a group per stream")
+        if self.groups is None:
+            raise RuntimeError("flexreduce: built with own_group=False; call run_streams with groups per stream")
         start = time.perf_counter()
-        sent = self.run_streams([tensor], [self.group])
+        sent = self.run_streams([tensor], [self.groups])
         if meter is not None:
             meter.record(start, time.perf_counter(), sent)
         return tensor
 
-    def run_streams(self, tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup],
+    def run_streams(self, tensors: Sequence[torch.Tensor], groups: Sequence[tuple[dist.ProcessGroup, dist.ProcessGroup]],
                     deadline: float | None = None, keep: list[object] | None = None,
                     profile: PhaseProfile | None = None) -> int:
         """The mean of every flat tensor in place, tensor s travelling on ``groups[s]`` (its own
-        connections); returns the bytes this rank sent.
+        connections: the (up, down) pair of ``syncplane.comm.StreamPattern``); returns the
+        bytes this rank sent.
 
         Each stream runs its own wavefront on its own thread (one stream: on the caller's),
         all at once, so S streams put S flows on each link (what a per-flow-capped WAN needs)
@@ -190,17 +244,16 @@ class FlexReduce:
         sums, also counted alone as ``sum``).
         """
         if len(tensors) != len(groups):
-            raise ValueError(f"flexreduce: {len(tensors)} tensors but {len(groups)} groups (one group per stream)")
+            raise ValueError(f"flexreduce: {len(tensors)} tensors but {len(groups)} group pairs (one per stream)")
         streams = [(s, t, g) for s, (t, g) in enumerate(zip(tensors, groups)) if t.numel()]
         if self.world == 1 or not streams:
             return 0
-        levels = self.tree.num_levels
-        phases = [(lvl, False) for lvl in range(levels)] + [(lvl, True) for lvl in reversed(range(levels))]
+        phases = self.phases()
         runs = []
         for s, tensor, group in streams:
             chunks = self.chunks(tensor)
             schedules = [self._schedule(c.numel()) for c in chunks]
-            # chunks k and k + 2L are never in flight at the same tick: 2L receive slots suffice
+            # chunks k and k + len(phases) are never in flight at the same tick: that many slots suffice
             space = max((lv.workspace for sched in schedules for lv in sched), default=0)
             slots = min(len(chunks), len(phases))
             runs.append((chunks, schedules, space, slots, self._scratch(s, slots * space, tensor.dtype), group))
@@ -220,7 +273,8 @@ class FlexReduce:
         return sum(f.result() for f in futures)
 
     def _wavefront(self, chunks: list[torch.Tensor], schedules: list[list[LevelSchedule]], space: int, slots: int,
-                   workspace: torch.Tensor, group: dist.ProcessGroup, phases: list[tuple[int, bool]],
+                   workspace: torch.Tensor, groups: tuple[dist.ProcessGroup, dist.ProcessGroup],
+                   phases: list[tuple[int, bool]],
                    deadline: float | None, keep: list[object] | None, profile: PhaseProfile | None,
                    stream: int) -> int:
         """One stream's pipeline: at tick t, chunk k runs phase t − k; returns the bytes sent."""
@@ -234,10 +288,11 @@ class FlexReduce:
                 level, gather = phases[tick - k]
                 slot = k % slots
                 scratch = workspace[slot * space:(slot + 1) * space]
-                handle, nbytes = self._post(chunks[k], schedules[k][level], scratch, level, gather,
-                                            tag=k * len(phases) + tick - k, group=group, profile=profile)
+                sched = schedules[k][level]
+                handle, nbytes = self._post(chunks[k], sched, scratch, level, gather,
+                                            tag=k * len(phases) + tick - k, groups=groups, profile=profile)
                 handles.append(handle)
-                names.append(f"wait/s{stream}/L{level}-{'ag' if gather else 'rs'}")
+                names.append(f"wait/s{stream}/L{level}-{'swap' if sched.swap else 'ag' if gather else 'rs'}")
                 sent += nbytes
             if profile is not None:
                 profile.add("post", clock() - posting)
@@ -258,28 +313,39 @@ class FlexReduce:
         return sent
 
     def _post(self, chunk: torch.Tensor, sched: LevelSchedule, scratch: torch.Tensor, level: int,
-              gather: bool, tag: int, group: dist.ProcessGroup,
+              gather: bool, tag: int, groups: tuple[dist.ProcessGroup, dist.ProcessGroup],
               profile: PhaseProfile | None = None) -> tuple[Handle, int]:
-        """Launch one phase of one chunk; the handle's wait completes it (sums included).
-        Messages go straight to ``group`` (``ProcessGroup.send``/``recv``): the groups here span
-        every rank in rank order, so group ranks are the job's ranks -- and a stream's group
-        need not be registered with torch.distributed."""
+        """Launch one phase of one chunk; the handle's wait completes it (sums included). The
+        root's swap runs as a reduce-scatter whose sends and receives mirror each other: a
+        holder's own range goes out and is summed over in place once its send is done (the
+        handle waits for every message before ``finish``).
+        Messages go straight to the groups (``ProcessGroup.send``/``recv``), ``groups[0]`` up
+        the ranks and ``groups[1]`` down: the groups here span every rank in rank order, so
+        group ranks are the job's ranks -- and a stream's group need not be registered with
+        torch.distributed."""
+        me, up, down = self.rank, groups[0], groups[1]
+
+        def send(peer: int, data: torch.Tensor) -> dist.Work:
+            return (up if me < peer else down).send([data], peer, tag)
+
+        def recv(peer: int, data: torch.Tensor) -> dist.Work:
+            return (up if peer < me else down).recv([data], peer, tag)
+
         works: list[tuple[str, int, dist.Work]] = []
         nbytes = 0
         size = chunk.element_size()
         if gather:   # owners send finished pieces back to the holders, straight into place
             for m in sched.recvs:
-                works.append(("sending to", m.peer, group.send([chunk[m.lo:m.hi]], m.peer, tag)))
+                works.append(("sending to", m.peer, send(m.peer, chunk[m.lo:m.hi])))
                 nbytes += (m.hi - m.lo) * size
             for m in sched.sends:
-                works.append(("receiving from", m.peer, group.recv([chunk[m.lo:m.hi]], m.peer, tag)))
+                works.append(("receiving from", m.peer, recv(m.peer, chunk[m.lo:m.hi])))
         else:
             for m in sched.sends:
-                works.append(("sending to", m.peer, group.send([chunk[m.lo:m.hi]], m.peer, tag)))
+                works.append(("sending to", m.peer, send(m.peer, chunk[m.lo:m.hi])))
                 nbytes += (m.hi - m.lo) * size
             for m in sched.recvs:
-                works.append(("receiving from", m.peer,
-                              group.recv([scratch[m.slot:m.slot + m.hi - m.lo]], m.peer, tag)))
+                works.append(("receiving from", m.peer, recv(m.peer, scratch[m.slot:m.slot + m.hi - m.lo])))
         scale = 1.0 / self.world if level == self.tree.num_levels - 1 else 1.0
 
         def finish() -> torch.Tensor:
@@ -307,6 +373,6 @@ class FlexReduce:
     def bytes_per_rank(self, numel: int, element_size: int) -> int:
         """Bytes this rank sends in one all-reduce of ``numel`` elements, every chunk: its
         reduce-scatter sends, and in the all-gather what it received as an owner (on an
-        uneven tree the two differ)."""
+        uneven tree the two differ); at the root's swap, its sends."""
         return sum((m.hi - m.lo) * element_size for n in self.chunk_sizes(numel, element_size) if n
-                   for s in self._schedule(n) for m in (*s.sends, *s.recvs))
+                   for s in self._schedule(n) for m in (*s.sends, *(() if s.swap else s.recvs)))
