@@ -164,7 +164,7 @@ class DigitAllReduce(ShardedAllReduce):
         for k, row in enumerate(self.steps(me)):
             posted: list[tuple[CubeStep, dict[int, torch.Tensor], list[dist.Work]]] = []
             for step in row:
-                group = self._groups[step.level if self.group_by == "level" else step.stream]
+                index = step.level if self.group_by == "level" else step.stream
                 wire = self._wire(step)
                 buffers: dict[int, torch.Tensor] = {}
                 works: list[dist.Work] = []
@@ -179,14 +179,14 @@ class DigitAllReduce(ShardedAllReduce):
                                  for p in ps]
                     data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
                     if data.numel():
-                        sends.append(group.send([data], peer, _TAG_BASE + k))
+                        sends.append(self._link(index, me, peer).send([data], peer, _TAG_BASE + k))
                         keep.append(data)
                         sent += data.numel()
                 for peer, ps in step.recvs.items():
                     nbytes = sum(wire.nbytes(size(step.stream, p)) for p in ps)
                     if nbytes:
                         buffers[peer] = torch.empty(nbytes, dtype=torch.uint8)
-                        works.append(group.recv([buffers[peer]], peer, _TAG_BASE + k))
+                        works.append(self._link(index, peer, me).recv([buffers[peer]], peer, _TAG_BASE + k))
                 keep.extend(buffers.values())
                 posted.append((step, buffers, works))
             keep.extend(sends)

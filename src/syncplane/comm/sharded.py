@@ -3,8 +3,9 @@
 Why several streams: one TCP connection cannot fill a long, lossy path (the DiLoCo
 blog measured 116 Mbit/s with one stream, 1.24 Gbit/s with eight), and gloo runs one
 collective over one connection bound to one NIC. So the buffer is cut into S shards,
-each travelling on its own gloo process group (own connections, own I/O thread), and
-group s is bound to NIC ``s mod k`` of the host's k NICs (``GLOO_SOCKET_IFNAME`` lists
+each travelling on its own pair of gloo process groups (own connections, own I/O thread;
+one group for messages up the ranks, one down: ``StreamPattern`` says why), and
+shard s is bound to NIC ``s mod k`` of the host's k NICs (``GLOO_SOCKET_IFNAME`` lists
 them, comma-separated). The groups are built once, up front, from the default group's
 store (``dist.ProcessGroupGloo(PrefixStore(...), rank, size, options)``: the
 documented way to give a gloo group its own device; measured in ``docs/comm.md``).
@@ -113,7 +114,7 @@ class ShardedAllReduce:
     """Mean of a flat fp32 CPU tensor over all ranks on ``shards`` concurrent gloo groups.
 
     Construction is collective (call it on every rank in the same order): it builds
-    ``shards`` data groups and one control group on the default group's store.
+    2 × ``shards`` data groups and one control group on the default group's store.
 
     Args:
         shards: number of shards, i.e. concurrent streams (1 is the plain path).
@@ -160,8 +161,8 @@ class ShardedAllReduce:
         # the control group outlives a data round that times out: give it room to wait for it
         self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
         self._groups = self._build_groups()
-        # a pattern's second group per stream (``StreamPattern``: one connection per direction)
-        self._down = self._build_groups("down") if pattern is not None else []
+        # a second group per stream: one TCP connection per direction (``StreamPattern`` says why)
+        self._down = self._build_groups("down")
         self._feedback: tuple[ErrorFeedback, ...] | None = None
         #: set a ``PhaseProfile`` to have each round's phases timed (``syncplane bench --profile``)
         self.profile: PhaseProfile | None = None
@@ -282,7 +283,12 @@ class ShardedAllReduce:
             _release(group)
         self._generation += 1
         self._groups = self._build_groups()
-        self._down = self._build_groups("down") if self.pattern is not None else []
+        self._down = self._build_groups("down")
+
+    def _link(self, index: int, src: int, dst: int) -> dist.ProcessGroupGloo:
+        """Stream ``index``'s connection for a message from ``src`` to ``dst``: its first
+        group up the ranks, its second down (``StreamPattern`` says why)."""
+        return self._groups[index] if src < dst else self._down[index]
 
     def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ...]:
         """(what this rank sends, what it sends as an owner) -- one residual each."""
@@ -332,7 +338,7 @@ class ShardedAllReduce:
         keep = self._inflight
         keep.extend([scattered, gathered])
         posting = time.perf_counter()
-        for s, group in enumerate(self._groups):
+        for s in range(len(self._groups)):
             for owner, (lo, hi) in enumerate(segments[s]):
                 if hi == lo:        # nothing to send (a codec may still have a header: skip it)
                     continue
@@ -340,22 +346,22 @@ class ShardedAllReduce:
                 if owner == me:
                     own[s] = data
                 else:
-                    sends.append(group.send([data], owner, _TAG_SCATTER))
+                    sends.append(self._link(s, me, owner).send([data], owner, _TAG_SCATTER))
                     keep.append(data)
                     sent += data.numel()
                     gathered[s, owner] = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
-                    gather_recvs.append(group.recv([gathered[s, owner]], owner, _TAG_GATHER))
+                    gather_recvs.append(self._link(s, owner, me).recv([gathered[s, owner]], owner, _TAG_GATHER))
             lo, hi = segments[s][me]
             for src in range(n):
                 if src != me and hi > lo:
                     scattered[s, src] = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
-                    scatter_recvs[s].append(group.recv([scattered[s, src]], src, _TAG_SCATTER))
+                    scatter_recvs[s].append(self._link(s, src, me).recv([scattered[s, src]], src, _TAG_SCATTER))
         keep.extend(sends + gather_recvs + [w for ws in scatter_recvs for w in ws])
         if self.profile is not None:
             self.profile.add("post", time.perf_counter() - posting)
 
         # owners: sum in rank order, mean, encode once, send the mean to everyone
-        for s, group in enumerate(self._groups):
+        for s in range(len(self._groups)):
             lo, hi = segments[s][me]
             if hi == lo:
                 continue
@@ -372,7 +378,7 @@ class ShardedAllReduce:
             keep.append(data)
             for dst in range(n):
                 if dst != me:
-                    work = group.send([data], dst, _TAG_GATHER)
+                    work = self._link(s, me, dst).send([data], dst, _TAG_GATHER)
                     sends.append(work)
                     keep.append(work)
                     sent += data.numel()
