@@ -3,7 +3,8 @@ executor run by ``ShardedAllReduce`` on S streams.
 
 - The result is the mean of fresh seeded inputs (checked against a float64 dense mean),
   bit-identical on every rank, and bit-identical for S = 1 and S = 3 (an item's sum
-  order depends on the tree only); the bytes sent are what ``bytes_per_round`` says.
+  order depends on the tree only), with the root as a swap or not; the bytes sent are
+  what ``bytes_per_round`` says.
 - ``auto`` picks the tree on an uneven multi-host tree and the owner exchange on one host
   or with int8; ``tree`` with int8 is refused on every rank before any data moves.
 - A straggler's round times out and is discarded on every rank (inputs untouched); the
@@ -60,7 +61,9 @@ def _tree_means(rank: int, world: int, hosts: list[int], sizes: list[int], shard
     return out, choices, refused
 
 
-@pytest.mark.parametrize("hosts", [[1, 3, 2], pytest.param([2, 1], marks=pytest.mark.slow)])
+# [1, 3, 2]: a root of three hosts (the paper's reduce-scatter and all-gather); [2, 2]: a root
+# of two, run as one swap phase on each stream's pair of groups
+@pytest.mark.parametrize("hosts", [[1, 3, 2], [2, 2], pytest.param([2, 1], marks=pytest.mark.slow)])
 def test_tree_exchange_is_the_dense_mean_identical_on_every_rank_for_any_stream_count(hosts):
     world, sizes, shard_counts = sum(hosts), [4099, 2, 5], [1, 3]
     print(f"seed {SEED}, hosts {hosts}")
