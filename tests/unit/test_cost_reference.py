@@ -10,6 +10,8 @@ were re-recorded with the current model when its pattern changed on purpose (202
 the root of two children as one swap phase, and one flow per connection): the bounds
 differ only where a per-flow cap or a greedy flow's fair share makes the flow count
 matter (``wan_two_sites``, ``two_racks_contended``), the predictions by one α elsewhere.
+DiLoCo's one-stream rows on ``multi_nic`` were re-recorded when streams became pinned to
+NICs (``FlowArray.pinned``): one stream has one of a host's two NICs, so twice the time.
 """
 
 from __future__ import annotations

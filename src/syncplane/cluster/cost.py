@@ -9,7 +9,8 @@ where a flow crosses its source host's NIC (egress), the destination host's NIC
 (ingress) and, between racks, both racks' uplinks; flows inside one host use loopback.
 A link carrying g greedy background flows next to f of ours gives ours f/(f+g) of its
 capacity (TCP fair share); one flow uses one NIC, f flows use at most min(f, k) of a
-host's k NICs (gloo binds one collective to one NIC: striping needs several groups). With α = 0
+host's k NICs (gloo binds one collective to one NIC: striping needs several groups), and
+flows of S streams pinned to NICs round-robin (``FlowArray.pinned``) use S/⌈S/k⌉. With α = 0
 this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
 is the prediction ``syncplane simulate`` prints.
 
@@ -66,6 +67,10 @@ class FlowArray:
     dst: np.ndarray
     nbytes: np.ndarray
     copies: np.ndarray | None = None          # None: one flow per row
+    #: the copies are streams pinned round-robin to their host's NICs (stream s on NIC
+    #: s mod k, as ``ShardedAllReduce`` binds its groups): S streams get S/⌈S/k⌉ NICs'
+    #: worth of a host's capacity (one stream: one NIC), not min(flows, k)
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         if self.copies is None:
@@ -218,9 +223,10 @@ class CostModel:
 
     def batch_phase_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                           num_phases: int, copies: np.ndarray | None = None,
-                          alpha_s: float | None = None) -> np.ndarray:
+                          alpha_s: float | None = None, pinned: np.ndarray | None = None) -> np.ndarray:
         """The time of each of ``num_phases`` phases whose flows are given as columns
-        (flow i belongs to phase ``phase[i]``; ``copies[i]`` identical flows, default 1).
+        (flow i belongs to phase ``phase[i]``; ``copies[i]`` identical flows, default 1;
+        ``pinned[i]`` > 0: they are that many streams pinned to NICs, ``FlowArray.pinned``).
 
         The formula of the module docstring, vectorized: per (phase, link) the bytes and
         flows are summed (in flow order, as the per-flow loop did), each link's time is its
@@ -229,8 +235,10 @@ class CostModel:
         """
         alpha = self.alpha_s if alpha_s is None else alpha_s
         copies = np.ones(len(src), dtype=np.int64) if copies is None else copies
+        pinned = np.zeros(len(src), dtype=np.int64) if pinned is None else pinned
         keep = (src != dst) & (nbytes > 0)
-        phase, src, dst, nbytes, copies = phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep]
+        phase, src, dst, nbytes, copies, pinned = (phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep],
+                                                   pinned[keep])
         flow, link, share_of_bytes = self._entries(src, dst)
         num_links = self._num_links
         key = phase[flow] * num_links + link
@@ -242,11 +250,15 @@ class CostModel:
             size = len(uniq)
         load = np.bincount(slot, weights=(nbytes * copies)[flow] * share_of_bytes, minlength=size)
         count = np.bincount(slot, weights=copies[flow], minlength=size)
+        streams = np.zeros(size, dtype=np.int64)
+        np.maximum.at(streams, slot, pinned[flow])
         used = np.flatnonzero(count > 0)
         keys = used if direct else uniq[used]
         links, owner = keys % num_links, keys // num_links
-        load, count = load[used], count[used]
-        capacity = self._capacity[links] * np.where(self._is_nic[links], np.minimum(self._nics[links], count), 1)
+        load, count, streams = load[used], count[used], streams[used]
+        nics = self._nics[links]
+        spread = np.where(streams > 0, streams / np.maximum(np.ceil(streams / nics), 1), np.minimum(nics, count))
+        capacity = self._capacity[links] * np.where(self._is_nic[links], spread, 1)
         share = count / (count + self._background[links])
         busiest = np.zeros(num_phases)
         np.maximum.at(busiest, owner, load / (capacity * share))
@@ -276,7 +288,9 @@ class CostModel:
         columns = [columns_of(p) for p in distinct]
         owner = np.repeat(np.arange(len(distinct), dtype=np.int64), [len(c[0]) for c in columns])
         src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
-        times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s).tolist()
+        pinned = np.concatenate([c[3] if isinstance(p, FlowArray) and p.pinned else np.zeros_like(c[3])
+                                 for p, c in zip(distinct, columns)])
+        times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned).tolist()
         return [times[i] for i in which]
 
     def phase_time(self, flows: Phase | Sequence[Flow], alpha_s: float | None = None) -> float:
@@ -317,7 +331,7 @@ def owner_exchange(world_size: int, payload_bytes: float, streams: int = 1) -> l
     src, dst = np.divmod(np.arange(world_size * world_size, dtype=np.int64), world_size)
     pairs = src != dst
     step = FlowArray(src[pairs], dst[pairs], np.full(int(pairs.sum()), payload_bytes / world_size / streams),
-                     np.full(int(pairs.sum()), streams, dtype=np.int64))
+                     np.full(int(pairs.sum()), streams, dtype=np.int64), pinned=True)
     return [step, step]
 
 
@@ -365,8 +379,8 @@ def nested_allreduce(radices: Sequence[int], payload_bytes: float, streams: int 
         stride *= radix
         copies = np.full(len(src), streams, dtype=np.int64)
         sent = exact_bytes if level in exact_levels and exact_bytes is not None else payload_bytes
-        scatter.append(FlowArray(src, dst, np.full(len(src), sent / stride / streams), copies))
-        gather.append(FlowArray(src, dst, np.full(len(src), payload_bytes / stride / streams), copies))
+        scatter.append(FlowArray(src, dst, np.full(len(src), sent / stride / streams), copies, pinned=True))
+        gather.append(FlowArray(src, dst, np.full(len(src), payload_bytes / stride / streams), copies, pinned=True))
     return scatter + gather[::-1]
 
 
