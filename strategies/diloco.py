@@ -40,7 +40,7 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane.algorithms.diloco.exchange import build_exchange
+from syncplane.algorithms.diloco.exchange import build_exchange, resolve_shards
 from syncplane.comm import ShardedAllReduce
 from syncplane.comm.host_mirror import HostMirror
 from syncplane.algorithms.diloco.config import DiLoCoConfig
@@ -70,7 +70,7 @@ class DiLoCo(SyncplaneStrategy):
         return super().__new__(cls)
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
-                 outer_kwargs: dict[str, Any] | None = None, shards: int = 1,
+                 outer_kwargs: dict[str, Any] | None = None, shards: int | Literal["auto"] = 1,
                  compression: Literal["none", "int8"] = "none", block_size: int = 256,
                  sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
                  mix_alpha: float | None = None, exchange: Literal["auto", "owner", "tree"] = "auto",
@@ -115,8 +115,10 @@ class DiLoCo(SyncplaneStrategy):
             self._exchange.close()
         config = self.config
         # build_exchange logs the pattern it chose (and why) on rank 0; the summary keeps it
+        self.details["shards"] = resolve_shards(config.shards, config.topology, self.world_size, config.exchange,
+                                                config.compression)
         self._exchange, self.details["exchange"] = build_exchange(
-            config.shards, config.compression, config.block_size, config.sync_timeout_s, config.exchange,
+            self.details["shards"], config.compression, config.block_size, config.sync_timeout_s, config.exchange,
             config.topology)
 
     @override

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -35,25 +37,29 @@ def _diloco(**kwargs):
     return DiLoCo(cluster_environment=TorchElasticEnvironment(), **kwargs)
 
 
-def _vs_ddp(rank: int, world: int, tmp_dir: str, steps: int):
+def _vs_ddp(rank: int, world: int, tmp_dir: str, steps: int, cluster: str | None = None,
+            diloco_kwargs: dict | None = None):
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch.strategies import DDPStrategy
 
+    from syncplane.cluster.probe import CLUSTER_ENV
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
+    if cluster is not None:      # as the cluster launcher sets it
+        os.environ[CLUSTER_ENV] = cluster
     results = {}
     for name, strategy in [("ddp", DDPStrategy(cluster_environment=TorchElasticEnvironment())),
-                           ("diloco", _diloco(sync_every=1, **PLAIN_AVERAGING))]:
+                           ("diloco", _diloco(sync_every=1, **PLAIN_AVERAGING, **(diloco_kwargs or {})))]:
         torch.manual_seed(123)
         model = TinyRegressor()
         trainer_for(strategy, tmp_dir, max_steps=steps, limit_val_batches=0).fit(model, RegressionData())
         results[name] = _params(model)
-    return results, strategy.rounds, strategy.comm_meter.bytes_sent
+    return results, strategy.rounds, strategy.comm_meter.bytes_sent, strategy.details
 
 
 def test_h1_with_plain_outer_sgd_equals_ddp(tmp_path):
     results = run_distributed(_vs_ddp, 2, str(tmp_path), 5, timeout=180)
-    for params, rounds, sent in results:
+    for params, rounds, sent, _ in results:
         assert rounds == 5 and sent > 0
         for ddp, diloco in zip(params["ddp"], params["diloco"]):
             torch.testing.assert_close(diloco, ddp, rtol=1e-6, atol=1e-6)
@@ -61,6 +67,31 @@ def test_h1_with_plain_outer_sgd_equals_ddp(tmp_path):
 
     torch.manual_seed(123)
     assert any(not torch.allclose(a, b) for a, b in zip(results[0][0]["diloco"], _params(TinyRegressor())))
+
+
+WAN_PAIR = """name: wan_pair
+racks:
+  - {name: a, uplink_mbit: 1000, per_flow_mbit: 100, hosts: [{name: a0, nic_mbit: 10000, ranks: 1}]}
+  - {name: b, uplink_mbit: 1000, per_flow_mbit: 100, hosts: [{name: b0, nic_mbit: 10000, ranks: 1}]}
+"""
+
+
+def test_auto_shards_come_from_the_launchers_profile_and_still_equal_ddp(tmp_path):
+    """``shards: auto`` under a cluster profile (two sites, 100 Mbit per TCP flow on a 1 Gbit
+    link: one pair needs ≥ 10 flows) runs the streams the cost model picks (two ranks: one
+    level, so the owner exchange); H = 1 with plain outer SGD is still DDP."""
+    from syncplane.algorithms.diloco.exchange import auto_streams
+    from syncplane.cluster import load_profile
+
+    profile = tmp_path / "wan_pair.yaml"
+    profile.write_text(WAN_PAIR)
+    want, _ = auto_streams(load_profile(str(profile)))
+    assert want == 16
+    results = run_distributed(_vs_ddp, 2, str(tmp_path), 3, str(profile), {"shards": "auto"}, timeout=180)
+    for params, rounds, _, details in results:
+        assert rounds == 3 and details["shards"] == want and details["exchange"] == "owner"
+        for ddp, diloco in zip(params["ddp"], params["diloco"]):
+            torch.testing.assert_close(diloco, ddp, rtol=1e-6, atol=1e-6)
 
 
 def training_batches(rank: int, world: int, steps: int) -> list:
@@ -218,7 +249,7 @@ def test_bad_configuration_names_the_value():
         DiLoCo(sync_every=0)
     with pytest.raises(ValueError, match="unknown compression 'fp8'"):
         DiLoCo(compression="fp8")
-    with pytest.raises(ValueError, match="shards must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="shards must be an integer of at least 1, or 'auto', got 0"):
         DiLoCo(shards=0)
     with pytest.raises(ValueError, match="exchange: allowed values: auto, owner, tree; got 'ring'"):
         DiLoCo(exchange="ring")

@@ -14,27 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
-from syncplane.algorithms.diloco.exchange import choose_exchange
-from syncplane.algorithms.flexreduce.cost import flexreduce_phases
+from syncplane.algorithms.diloco.exchange import choose_exchange, tree_exchange
 from syncplane.algorithms.flexreduce.tree import from_profile
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
-from syncplane.cluster.cost import FlowArray, Phase, columns_of, owner_exchange
+from syncplane.cluster.cost import Phase, owner_exchange
 from syncplane.cluster.profile import ClusterProfile
-
-
-def tree_exchange(profile: ClusterProfile, payload_bytes: float, streams: int = 1) -> list[Phase]:
-    """FlexReduce's pipelined pattern on S streams, as ``ShardedAllReduce`` runs it with the
-    tree: each stream all-reduces 1/S of the payload with its own plan, and the streams'
-    wavefronts advance in lockstep -- every flow of one stream's tick, S times, at 1/S of
-    the bytes (the same link loads; S flows where a per-flow cap limits one), stream s on
-    NIC s mod k of its host (one stream: one NIC, however many flows)."""
-    phases = flexreduce_phases(from_profile(profile), payload_bytes / streams)
-    made: dict[int, FlowArray] = {}   # the steady-state tick is one object: keep it one
-    for phase in phases:
-        if id(phase) not in made:
-            src, dst, nbytes, copies = columns_of(phase)
-            made[id(phase)] = FlowArray(src, dst, nbytes, copies * streams, pinned=True)
-    return [made[id(phase)] for phase in phases]
 
 
 def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,

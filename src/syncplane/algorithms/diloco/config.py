@@ -17,7 +17,8 @@ class DiLoCoConfig:
         sync_every: H, inner steps per round.
         outer_optimizer: class path of the outer torch optimizer.
         outer_kwargs: its arguments; None = lr 0.7, momentum 0.9, Nesterov (for SGD).
-        shards: S concurrent gloo streams for the exchange (bound to the host's NICs in turn).
+        shards: S concurrent gloo streams for the exchange (bound to the host's NICs in turn),
+            or ``auto``: from the job's cluster profile (``exchange.resolve_shards``).
         compression: ``none`` (exact fp32) or ``int8`` (blockwise scale + error feedback).
         block_size: values per int8 scale.
         sync_timeout_s: an exchange slower than this is discarded on every rank.
@@ -38,7 +39,7 @@ class DiLoCoConfig:
     sync_every: int = 10
     outer_optimizer: str = "torch.optim.SGD"
     outer_kwargs: dict[str, Any] | None = None
-    shards: int = 1
+    shards: int | Literal["auto"] = 1
     compression: Literal["none", "int8"] = "none"
     block_size: int = 256
     sync_timeout_s: float = 600.0
@@ -51,8 +52,9 @@ class DiLoCoConfig:
     def __post_init__(self) -> None:
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be at least 1, got {self.sync_every}")
-        if self.shards < 1:
-            raise ValueError(f"shards must be at least 1, got {self.shards}")
+        if self.shards != "auto" and (isinstance(self.shards, bool) or not isinstance(self.shards, int)
+                                      or self.shards < 1):
+            raise ValueError(f"shards must be an integer of at least 1, or 'auto', got {self.shards!r}")
         make_codec(self.compression, self.block_size)   # validates both
         if self.sync_timeout_s <= 0:
             raise ValueError(f"sync_timeout_s must be positive, got {self.sync_timeout_s}")

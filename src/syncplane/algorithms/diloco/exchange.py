@@ -16,22 +16,34 @@ deadline and commit/discard -- so there is one tree executor for FlexReduce and 
   into hosts, racks or sites (the launcher's cluster profile, ``SYNCPLANE_CLUSTER``, else
   hosts of ``LOCAL_WORLD_SIZE`` ranks) -- and the payload is fp32; otherwise ``owner``. A
   single-host job (every local run) keeps the owner exchange.
+
+``shards: auto``: S from the job's cluster profile (``topology`` when it names one, else
+the launcher's): the fewest of 1, 2, 4, 8, 16 streams whose bound in the cost model is
+within 10 % of the best -- as many TCP connections as a per-flow-capped link needs, one per
+NIC where hosts have several. The bound scales with the payload (α = 0), so the choice does
+not depend on the model's size. Without a profile: 1 stream, and the log says so.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from syncplane.algorithms.flexreduce.cost import flexreduce_phases
 from syncplane.algorithms.flexreduce.executor import FlexReduce
-from syncplane.algorithms.flexreduce.tree import FlexTree, job_tree
+from syncplane.algorithms.flexreduce.tree import FlexTree, from_profile, job_tree
+from syncplane.cluster.cost import CostModel, FlowArray, Phase, columns_of, owner_exchange
+from syncplane.cluster.probe import CLUSTER_ENV
+from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.comm import ShardedAllReduce, make_codec
 
 log = logging.getLogger(__name__)
 
 EXCHANGES = ("auto", "owner", "tree")
+STREAM_CHOICES = (1, 2, 4, 8, 16)   # ``shards: auto`` tries these (each stream is 2 gloo groups)
 
 
 def check_exchange(exchange: str, compression: str) -> None:
@@ -49,6 +61,58 @@ def choose_exchange(exchange: str, compression: str, levels: int) -> str:
     if exchange != "auto":
         return exchange
     return "tree" if levels > 1 and compression == "none" else "owner"
+
+
+def tree_exchange(profile: ClusterProfile, payload_bytes: float, streams: int = 1) -> list[Phase]:
+    """FlexReduce's pipelined pattern on S streams, as ``ShardedAllReduce`` runs it with the
+    tree: each stream all-reduces 1/S of the payload with its own plan, and the streams'
+    wavefronts advance in lockstep -- every flow of one stream's tick, S times, at 1/S of
+    the bytes (the same link loads; S flows where a per-flow cap limits one), stream s on
+    NIC s mod k of its host (one stream: one NIC, however many flows)."""
+    phases = flexreduce_phases(from_profile(profile), payload_bytes / streams)
+    made: dict[int, FlowArray] = {}   # the steady-state tick is one object: keep it one
+    for phase in phases:
+        if id(phase) not in made:
+            src, dst, nbytes, copies = columns_of(phase)
+            made[id(phase)] = FlowArray(src, dst, nbytes, copies * streams, pinned=True)
+    return [made[id(phase)] for phase in phases]
+
+
+def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",
+                 within: float = 1.1) -> tuple[int, dict[int, float]]:
+    """``shards: auto`` on ``profile`` (module doc): S, and the bound in seconds per GB of each
+    candidate (what the log shows)."""
+    levels = from_profile(profile).num_levels if profile.world_size > 1 else 1
+    chosen = choose_exchange(exchange, compression, levels)
+    model, payload = CostModel(profile, alpha_s=0.0), 1e9
+    bounds = {}
+    for streams in STREAM_CHOICES:
+        phases = (tree_exchange(profile, payload, streams) if chosen == "tree"
+                  else owner_exchange(profile.world_size, payload, streams))
+        bounds[streams] = model.bound(phases)
+    best = min(bounds.values())
+    return next(s for s in STREAM_CHOICES if bounds[s] <= best * within), bounds
+
+
+def resolve_shards(shards: int | str, topology: str | Sequence[int], world_size: int, exchange: str = "auto",
+                   compression: str = "none") -> int:
+    """The stream count for ``shards`` (an int, or ``auto``: see the module doc); logs the
+    choice. The same on every rank: a pure function of the settings and the profile."""
+    if shards != "auto":
+        return int(shards)
+    name = topology if isinstance(topology, str) and topology != "auto" else os.environ.get(CLUSTER_ENV)
+    if not name:
+        log.info("diloco: shards auto -> 1 stream (no cluster profile: set topology to one, or shards)")
+        return 1
+    profile = load_profile(name)
+    if profile.world_size != world_size:
+        log.warning("diloco: shards auto -> 1 stream (profile %s has %d ranks, the job %d)",
+                    profile.name, profile.world_size, world_size)
+        return 1
+    streams, bounds = auto_streams(profile, exchange, compression)
+    log.info("diloco: shards auto -> %d stream(s) on %s (bound per GB: %s)", streams, profile.name,
+             ", ".join(f"S={s} {b:.2f} s" for s, b in bounds.items()))
+    return streams
 
 
 def build_exchange(shards: int, compression: str = "none", block_size: int = 256, timeout_s: float = 600.0,
