@@ -47,7 +47,7 @@ def test_auto_prices_the_tree_on_racks_and_the_owner_exchange_on_a_flat_network(
 def test_tree_streams_carry_slices_of_the_same_link_loads():
     """S streams: S flows of 1/S of the bytes on each link (the per-flow cap of a WAN is
     then S times less binding); without a cap the busiest link's load is unchanged."""
-    from syncplane.algorithms.diloco import tree_exchange
+    from syncplane.algorithms.diloco.exchange import tree_exchange
 
     profile = load_profile("two_racks")
     one, four = tree_exchange(profile, 16 * MB, 1), tree_exchange(profile, 16 * MB, 4)

@@ -4,7 +4,8 @@ Files: ``outer.py`` (the CPU outer optimizer and one round: Δ, average, step, c
 discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing α),
 ``config.py`` (the validated settings), ``exchange.py`` (which all-reduce carries Δ: the
 transport's sharded owner exchange, ``syncplane.comm.sharded``, or FlexReduce's tree run on
-the same S streams), ``bench.py``; the cost of both patterns is declared below.
+the same S streams; their cost, and ``shards: auto``), ``bench.py``; the cost of a round
+is declared below.
 Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
 """
 
@@ -14,10 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
-from syncplane.algorithms.diloco.exchange import choose_exchange, tree_exchange
-from syncplane.algorithms.flexreduce.tree import from_profile
+from syncplane.algorithms.diloco.exchange import exchange_phases
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
-from syncplane.cluster.cost import Phase, owner_exchange
+from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
 
 
@@ -27,12 +27,7 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     owner exchange (every rank sends shard j to its owner j, owners send the mean back),
     or FlexReduce's tree -- ``options.pattern`` as ``exchange.choose_exchange`` resolves it
     on this cluster (auto: the tree when ranks form hosts or racks)."""
-    levels = from_profile(profile).num_levels if profile.world_size > 1 else 1
-    chosen = choose_exchange(options.pattern, "none", levels)
-    if chosen == "tree" and profile.world_size > 1:
-        exchange = tree_exchange(profile, payload_bytes, options.streams)
-    else:
-        exchange = owner_exchange(profile.world_size, payload_bytes, options.streams)
+    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern)
     return [exchange] + [[] for _ in range(options.period - 1)]
 
 

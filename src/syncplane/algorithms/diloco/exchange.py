@@ -78,18 +78,22 @@ def tree_exchange(profile: ClusterProfile, payload_bytes: float, streams: int = 
     return [made[id(phase)] for phase in phases]
 
 
+def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int, exchange: str = "auto",
+                    compression: str = "none") -> list[Phase]:
+    """One all-reduce of Δ on ``streams`` streams, as the pattern ``exchange`` resolves to on
+    this cluster (``choose_exchange``): the owner exchange or FlexReduce's tree."""
+    levels = from_profile(profile).num_levels if profile.world_size > 1 else 1
+    if choose_exchange(exchange, compression, levels) == "tree" and profile.world_size > 1:
+        return tree_exchange(profile, payload_bytes, streams)
+    return owner_exchange(profile.world_size, payload_bytes, streams)
+
+
 def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",
                  within: float = 1.1) -> tuple[int, dict[int, float]]:
     """``shards: auto`` on ``profile`` (module doc): S, and the bound in seconds per GB of each
     candidate (what the log shows)."""
-    levels = from_profile(profile).num_levels if profile.world_size > 1 else 1
-    chosen = choose_exchange(exchange, compression, levels)
-    model, payload = CostModel(profile, alpha_s=0.0), 1e9
-    bounds = {}
-    for streams in STREAM_CHOICES:
-        phases = (tree_exchange(profile, payload, streams) if chosen == "tree"
-                  else owner_exchange(profile.world_size, payload, streams))
-        bounds[streams] = model.bound(phases)
+    model = CostModel(profile, alpha_s=0.0)
+    bounds = {s: model.bound(exchange_phases(profile, 1e9, s, exchange, compression)) for s in STREAM_CHOICES}
     best = min(bounds.values())
     return next(s for s in STREAM_CHOICES if bounds[s] <= best * within), bounds
 
