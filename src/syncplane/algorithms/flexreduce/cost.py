@@ -26,11 +26,11 @@ import math
 
 import numpy as np
 
-from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES, pairwise_root
-from syncplane.algorithms.flexreduce.plan import Plan, plan_for
+from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES
+from syncplane.algorithms.flexreduce.plan import Plan, pairwise_root, plan_for
 from syncplane.algorithms.flexreduce.tree import FlexTree, from_profile
 from syncplane.algorithms.spec import CostOptions
-from syncplane.cluster.cost import Flow, FlowArray, Phase, columns_of, ring_allreduce
+from syncplane.cluster.cost import FlowArray, Phase, columns_of, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
 
 ELEMENT_SIZE = 4   # the bench's payload is float32
@@ -43,15 +43,16 @@ def level_phases(plan: Plan, element_size: int = ELEMENT_SIZE, scale: float = 1.
     up = [plan.flows(level, element_size) for level in range(plan.num_levels)]
     down = [plan.flows(level, element_size, gather=True) for level in reversed(range(plan.num_levels))]
     phases = up[:-1] + [up[-1] + down[0]] + down[1:] if swap_root and up else up + down
-    return [_per_connection([(s, d, b * scale) for s, d, b in phase]) for phase in phases]
+    return [_per_connection([columns_of(phase)], plan.world_size, scale) for phase in phases]
 
 
-def _per_connection(flows: list[Flow]) -> list[Flow]:
-    """One flow per (src, dst): the executor sends one message per pair and phase."""
-    merged: dict[tuple[int, int], float] = {}
-    for s, d, b in flows:
-        merged[s, d] = merged.get((s, d), 0.0) + b
-    return [(s, d, b) for (s, d), b in merged.items()]
+def _per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0) -> FlowArray:
+    """The flows of ``columns`` (``columns_of`` of phases that run at once) as one flow per
+    (src, dst), bytes summed: the executor sends a pair one message per phase, and the
+    chunks in flight at a tick share their pairs' connections."""
+    src, dst, nbytes = (np.concatenate([c[i] for c in columns]) for i in range(3))
+    pairs, where = np.unique(src * width + dst, return_inverse=True)
+    return FlowArray(pairs // width, pairs % width, np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale)
 
 
 def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -64,20 +65,15 @@ def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = D
     chunks = max(1, math.ceil(numel * element_size / chunk_bytes)) if chunk_bytes else 1
     if chunks == 1 or not phases:
         return phases
-    share = 1.0 / chunks
     # as columns: at 1,024 ranks a tick holds thousands of flows and there are ~100 ticks;
     # the steady state (every phase active) is one object, so the cost model prices it once
     columns = [columns_of(phase) for phase in phases]
-    width = tree.world_size
     made: dict[tuple[int, ...], FlowArray] = {}
     ticks: list[Phase] = []
     for tick in range(chunks + len(phases) - 1):
         active = tuple(tick - k for k in range(chunks) if 0 <= tick - k < len(phases))
         if active not in made:
-            src, dst, nbytes = (np.concatenate([columns[p][i] for p in active]) for i in range(3))
-            # the chunks in flight at a tick share their pairs' connections: one flow per pair
-            pairs, where = np.unique(src * width + dst, return_inverse=True)
-            made[active] = FlowArray(pairs // width, pairs % width, np.bincount(where, weights=nbytes) * share)
+            made[active] = _per_connection([columns[p] for p in active], tree.world_size, 1.0 / chunks)
         ticks.append(made[active])
     return ticks
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from syncplane import kernels
-from syncplane.algorithms.flexreduce.plan import Plan, fractional_plan, plan_for
+from syncplane.algorithms.flexreduce.plan import Plan, pairwise_root, plan_for
 from syncplane.algorithms.flexreduce.tree import FlexTree
 from syncplane.comm.group_cache import cached_group
 from syncplane.comm.meter import CommMeter, PhaseProfile
@@ -83,14 +83,6 @@ class LevelSchedule:
     combines: tuple[Combine, ...]
     workspace: int
     swap: bool = False     # the root's swap: sends and receives are one exchange, no all-gather
-
-
-def pairwise_root(tree: FlexTree) -> bool:
-    """True when the root can be a swap: every piece of its level has two holders, one of
-    which owns it (a root of two children on an even enough tree; the plan's fractions,
-    so it holds for every element count)."""
-    levels, _, _ = fractional_plan(tree)
-    return bool(levels) and all(len(holders) == 2 and owner in holders for _, _, holders, owner in levels[-1])
 
 
 def _messages(plan: Plan, level: int, me: int) -> tuple[list[Message], list[Message], list[Combine], int]:

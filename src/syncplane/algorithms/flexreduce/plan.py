@@ -33,6 +33,7 @@ from itertools import pairwise
 from syncplane.algorithms.flexreduce.tree import FlexTree, Node
 
 Interval = tuple[int, int]
+_CACHE_LIMIT = 64    # plans (and fractional plans) kept per process
 
 
 @dataclass(frozen=True)
@@ -140,10 +141,33 @@ def _assign_ranges(node: Node, level: int, portion: dict[int, Fraction],
     return pieces
 
 
-def fractional_plan(tree: FlexTree) -> tuple[list[list[tuple[Fraction, Fraction, tuple[int, ...], int]]],
-                                             list[dict[int, tuple[Fraction, Fraction]]],
-                                             list[dict[int, Fraction]]]:
-    """The plan on [0, 1): per level its pieces, the ranges after it and the portions after it."""
+FractionalPlan = tuple[list[list[tuple[Fraction, Fraction, tuple[int, ...], int]]],
+                       list[dict[int, tuple[Fraction, Fraction]]], list[dict[int, Fraction]]]
+_FRACTIONAL: dict[tuple, FractionalPlan] = {}
+
+
+def fractional_plan(tree: FlexTree) -> FractionalPlan:
+    """The plan on [0, 1): per level its pieces, the ranges after it and the portions after it.
+    Cached per tree shape (exact fractions: seconds at 1,024 ranks, and every element count's
+    plan, the executor and the cost model start from it); callers read it, never change it."""
+    key = tree.key()
+    cached = _FRACTIONAL.get(key)
+    if cached is None:
+        if len(_FRACTIONAL) >= _CACHE_LIMIT:
+            _FRACTIONAL.pop(next(iter(_FRACTIONAL)))
+        cached = _FRACTIONAL[key] = _fractional_plan(tree)
+    return cached
+
+
+def pairwise_root(tree: FlexTree) -> bool:
+    """True when the root can be a swap (``executor``): every piece of its level has two
+    holders, one of which owns it -- a root of two children on an even enough tree. From
+    the fractions, so it holds for every element count."""
+    levels, _, _ = fractional_plan(tree)
+    return bool(levels) and all(len(holders) == 2 and owner in holders for _, _, holders, owner in levels[-1])
+
+
+def _fractional_plan(tree: FlexTree) -> FractionalPlan:
     portion = {r: Fraction(1) for r in range(tree.world_size)}
     current = {r: (Fraction(0), Fraction(1)) for r in range(tree.world_size)}
     levels, ranges, portions = [], [], []
@@ -181,7 +205,6 @@ def make_plan(tree: FlexTree, numel: int) -> Plan:
 
 
 _CACHE: dict[tuple[tuple, int], Plan] = {}
-_CACHE_LIMIT = 64
 
 
 def plan_for(tree: FlexTree, numel: int) -> Plan:
