@@ -46,7 +46,7 @@ from syncplane.comm.neighbor import (
 )
 from syncplane.comm.p2p import Handle
 from syncplane.comm.cube import CubeAllReduce, NestedAllReduce
-from syncplane.comm.sharded import ShardedAllReduce, StreamPattern, shard_bounds
+from syncplane.comm.sharded import ShardedAllReduce, StreamPattern, directed, shard_bounds
 from syncplane.comm.window import (
     get_current_created_window_names,
     get_win_version,
@@ -78,7 +78,7 @@ __all__ = [
     "win_accumulate", "win_create", "win_free", "win_get", "win_mutex", "win_put", "win_update",
     "win_update_then_collect", "window",
     # codecs and the sharded multi-stream all-reduce (DiLoCo's transport)
-    "CubeAllReduce", "NestedAllReduce", "ErrorFeedback", "Fp32", "GradientSketch", "Int8Blockwise", "ShardedAllReduce", "StreamPattern", "make_codec",
+    "CubeAllReduce", "NestedAllReduce", "ErrorFeedback", "Fp32", "GradientSketch", "Int8Blockwise", "ShardedAllReduce", "StreamPattern", "directed", "make_codec",
     "shard_bounds",
     # BlueFog parity (docs/comm.md compatibility table)
     "allgather", "allgather_nonblocking", "get_current_created_window_names", "get_win_version",

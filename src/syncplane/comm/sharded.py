@@ -110,6 +110,13 @@ class StreamPattern(Protocol):
         ...
 
 
+def directed(up: dist.ProcessGroup, down: dist.ProcessGroup, src: int, dst: int) -> dist.ProcessGroup:
+    """The group of a stream's pair that carries a message from ``src`` to ``dst``: ``up``
+    the ranks, else ``down`` (``StreamPattern`` says why). Sender and receiver both call it
+    with the same (src, dst), so they meet on one group."""
+    return up if src < dst else down
+
+
 class ShardedAllReduce:
     """Mean of a flat fp32 CPU tensor over all ranks on ``shards`` concurrent gloo groups.
 
@@ -160,9 +167,7 @@ class ShardedAllReduce:
         first = self.interfaces[0] if self.interfaces else None
         # the control group outlives a data round that times out: give it room to wait for it
         self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
-        self._groups = self._build_groups()
-        # a second group per stream: one TCP connection per direction (``StreamPattern`` says why)
-        self._down = self._build_groups("down")
+        self._groups, self._down = self._build_groups()
         self._feedback: tuple[ErrorFeedback, ...] | None = None
         #: set a ``PhaseProfile`` to have each round's phases timed (``syncplane bench --profile``)
         self.profile: PhaseProfile | None = None
@@ -272,23 +277,24 @@ class ShardedAllReduce:
         prefix = f"syncplane/sharded/{self._id}/{self._generation}/{name}"
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), self.rank, self.size, options)
 
-    def _build_groups(self, suffix: str = "") -> list[dist.ProcessGroupGloo]:
+    def _build_groups(self) -> tuple[list[dist.ProcessGroupGloo], list[dist.ProcessGroupGloo]]:
+        """Each stream's (up, down) groups, stream s on NIC ``s mod k`` (``StreamPattern``)."""
         # A round's deadline is enforced by ``_wait_all``; the groups' own timeout only bounds
         # connecting them, which a short ``timeout_s`` on a loaded machine must not fail.
         nics, connect_s = self.interfaces or [None], max(self.timeout_s, _CONNECT_TIMEOUT_S)
-        return [self._group(f"shard{s}{suffix}", nics[s % len(nics)], connect_s) for s in range(self.shards)]
+        up, down = ([self._group(f"shard{s}{suffix}", nics[s % len(nics)], connect_s) for s in range(self.shards)]
+                    for suffix in ("", "down"))
+        return up, down
 
     def _rebuild(self) -> None:
         for group in [*self._groups, *self._down]:
             _release(group)
         self._generation += 1
-        self._groups = self._build_groups()
-        self._down = self._build_groups("down")
+        self._groups, self._down = self._build_groups()
 
     def _link(self, index: int, src: int, dst: int) -> dist.ProcessGroupGloo:
-        """Stream ``index``'s connection for a message from ``src`` to ``dst``: its first
-        group up the ranks, its second down (``StreamPattern`` says why)."""
-        return self._groups[index] if src < dst else self._down[index]
+        """Stream ``index``'s connection for a message from ``src`` to ``dst``."""
+        return directed(self._groups[index], self._down[index], src, dst)
 
     def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ...]:
         """(what this rank sends, what it sends as an owner) -- one residual each."""

@@ -27,17 +27,15 @@ not depend on the model's size. Without a profile: 1 stream, and the log says so
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from syncplane.algorithms.flexreduce.cost import flexreduce_phases
 from syncplane.algorithms.flexreduce.executor import FlexReduce
-from syncplane.algorithms.flexreduce.tree import FlexTree, from_profile, job_tree
+from syncplane.algorithms.flexreduce.tree import FlexTree, from_profile, job_profile, job_tree
 from syncplane.cluster.cost import CostModel, FlowArray, Phase, columns_of, owner_exchange
-from syncplane.cluster.probe import CLUSTER_ENV
-from syncplane.cluster.profile import ClusterProfile, load_profile
+from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm import ShardedAllReduce, make_codec
 
 log = logging.getLogger(__name__)
@@ -104,11 +102,10 @@ def resolve_shards(shards: int | str, topology: str | Sequence[int], world_size:
     choice. The same on every rank: a pure function of the settings and the profile."""
     if shards != "auto":
         return int(shards)
-    name = topology if isinstance(topology, str) and topology != "auto" else os.environ.get(CLUSTER_ENV)
-    if not name:
+    profile = job_profile(topology)
+    if profile is None:
         log.info("diloco: shards auto -> 1 stream (no cluster profile: set topology to one, or shards)")
         return 1
-    profile = load_profile(name)
     if profile.world_size != world_size:
         log.warning("diloco: shards auto -> 1 stream (profile %s has %d ranks, the job %d)",
                     profile.name, profile.world_size, world_size)

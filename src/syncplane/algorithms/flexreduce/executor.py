@@ -50,6 +50,7 @@ from syncplane.comm.group_cache import cached_group
 from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
+from syncplane.comm.sharded import directed
 from syncplane.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -315,13 +316,13 @@ class FlexReduce:
         the ranks and ``groups[1]`` down: the groups here span every rank in rank order, so
         group ranks are the job's ranks -- and a stream's group need not be registered with
         torch.distributed."""
-        me, up, down = self.rank, groups[0], groups[1]
+        me = self.rank
 
         def send(peer: int, data: torch.Tensor) -> dist.Work:
-            return (up if me < peer else down).send([data], peer, tag)
+            return directed(*groups, me, peer).send([data], peer, tag)
 
         def recv(peer: int, data: torch.Tensor) -> dist.Work:
-            return (up if peer < me else down).recv([data], peer, tag)
+            return directed(*groups, peer, me).recv([data], peer, tag)
 
         works: list[tuple[str, int, dist.Work]] = []
         nbytes = 0

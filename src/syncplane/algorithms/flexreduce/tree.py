@@ -207,12 +207,20 @@ def from_racks_and_hosts(racks: Sequence[Sequence[int]], hosts: Sequence[Sequenc
     return from_nested(nested, world_size)
 
 
+def job_profile(topology: str | Sequence[int] = "auto") -> ClusterProfile | None:
+    """The job's cluster profile: the one ``topology`` names, or for ``auto`` the one the
+    launcher ran us on (``SYNCPLANE_CLUSTER``); None for ranks per host or no profile."""
+    if not isinstance(topology, str):
+        return None
+    name = os.environ.get(CLUSTER_ENV) if topology == "auto" else topology
+    return load_profile(name) if name else None
+
+
 def job_hosts(world_size: int) -> list[list[int]]:
     """The ranks of each host of this job: the launcher's profile, else torchrun's
     ``LOCAL_WORLD_SIZE`` blocks of consecutive ranks."""
-    cluster = os.environ.get(CLUSTER_ENV)
-    if cluster:
-        profile = load_profile(cluster)
+    profile = job_profile()
+    if profile is not None:
         profile.check_world_size(world_size, where="world size")
         return [list(h.ranks) for h in profile.hosts]
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -226,9 +234,7 @@ def job_tree(topology: str | Sequence[int], world_size: int) -> FlexTree:
     ``LOCAL_WORLD_SIZE`` ranks; a profile name or YAML path; or ranks per host (a list)."""
     if not isinstance(topology, str):
         return from_host_sizes([int(s) for s in topology], world_size)
-    if topology == "auto":
-        cluster = os.environ.get(CLUSTER_ENV)
-        if cluster:
-            return from_profile(load_profile(cluster), world_size)
-        return from_local_world_size(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    return from_profile(load_profile(topology), world_size)
+    profile = job_profile(topology)
+    if profile is not None:
+        return from_profile(profile, world_size)
+    return from_local_world_size(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
