@@ -22,9 +22,9 @@ from omegaconf import DictConfig
 def main(cfg: DictConfig) -> None:
     from syncplane.cluster.emulator import EmulationError
     from syncplane.config import ConfigError
-    from syncplane.launcher import LaunchError
-    from syncplane.training.entry import run_job
-    from syncplane.training.rendezvous import RendezvousTimeout
+    from syncplane.runtime.launcher import LaunchError
+    from syncplane.runtime.entry import run_job
+    from syncplane.runtime.rendezvous import RendezvousTimeout
 
     try:
         run_job(cfg)

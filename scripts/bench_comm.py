@@ -123,7 +123,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from syncplane.launcher import free_port
+    from syncplane.runtime.launcher import free_port
 
     results = []
     if args.cluster:
@@ -132,7 +132,7 @@ def main() -> None:
         from pathlib import Path
 
         from syncplane.cluster import load_profile
-        from syncplane.launcher import launch_on_cluster
+        from syncplane.runtime.launcher import launch_on_cluster
 
         profile = load_profile(args.cluster)
         args.ranks = [profile.world_size]

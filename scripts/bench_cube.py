@@ -5,7 +5,7 @@
 ``syncplane bench`` times Canary as it runs in training (always the gradient sketch); on a
 2-core machine emulating 9 hosts that measures the codec's CPU as much as the network.
 This script separates the two, in one run on the same cluster: gloo's ``all_reduce`` (the
-ring DDP runs, over the relays), ``CubeAllReduce`` with exact fp32 (the topology's gain
+ring DDP runs, over the relays), the cube exchange (``syncplane.exchanges.CubeExchange``) with exact fp32 (the topology's gain
 alone) and with the gradient sketch (what Canary sends). Time = median over repeats of
 the slowest rank; the cost model's bound of each pattern is printed beside it.
 """
@@ -30,12 +30,14 @@ from bench_comm import timed   # same directory: the shared timing loop of the c
 
 def _rank(result_path: str, payload_bytes: int, repeats: int) -> None:
     """One rank inside an emulated host (started by ``launch_on_cluster``, torchrun env)."""
-    from syncplane.algorithms.canary.bench import cube_shape
-    from syncplane.comm import CubeAllReduce, GradientSketch
+    from syncplane.comm import GradientSketch, StreamRunner
+    from syncplane.exchanges import CubeExchange, cube_shape
+    from syncplane.job import JobContext
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
-    shape = cube_shape()
+    job = JobContext.from_environment()
+    shape = cube_shape(job.profile) if job.profile is not None else None
     if shape is None:
         raise SystemExit("bench_cube: the cluster is not a BCube profile")
     numel = payload_bytes // 4
@@ -44,7 +46,7 @@ def _rank(result_path: str, payload_bytes: int, repeats: int) -> None:
     parts = list(payload.split(colayer))
     times = {"gloo_ring": timed(lambda: [dist.all_reduce(p) for p in parts], repeats)}
     for name, codec in (("cube_fp32", None), ("cube_sketch", GradientSketch())):
-        cube = CubeAllReduce(*shape, codec=codec)
+        cube = StreamRunner(CubeExchange(*shape), codec=codec, interfaces=job.interfaces)
         times[name] = timed(lambda: [cube.allreduce_mean_(p, offset=i * colayer, total=numel)
                                       for i, p in enumerate(parts)], repeats)
         cube.close()
@@ -69,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     from syncplane.bench.runner import parse_payload
     from syncplane.cluster import load_profile
     from syncplane.cluster.bound import allreduce_network_bound
-    from syncplane.cluster.cost import CostModel, bcube_cube_allreduce, ring_allreduce
-    from syncplane.launcher import launch_on_cluster
+    from syncplane.cluster.cost import CostModel, ring_allreduce
+    from syncplane.exchanges.digit import cube_cost
+    from syncplane.runtime.launcher import launch_on_cluster
 
     profile = load_profile(args.cluster)
     if profile.bcube is None:
@@ -84,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     model = CostModel(profile)
     ratio = sketch_ratio(25 * 2**20 // 4, profile.world_size * profile.bcube.beta)
     bounds = {"gloo_ring": model.bound(ring_allreduce(profile.world_size, payload)),
-              "cube_fp32": model.bound(bcube_cube_allreduce(profile, payload)),
-              "cube_sketch": model.bound(bcube_cube_allreduce(profile, payload * ratio))}
+              "cube_fp32": model.bound(cube_cost(profile, payload)),
+              "cube_sketch": model.bound(cube_cost(profile, payload * ratio))}
     network = allreduce_network_bound(profile, payload).seconds
     rows = [{"pattern": k, "seconds": v, "bound_s": bounds[k], "bound_ratio": bounds[k] / v,
              "network_bound_ratio": network / v, "vs_ring": times["gloo_ring"] / v} for k, v in times.items()]

@@ -5,7 +5,7 @@
 
 Every rank runs in its emulated host (same namespaces and shaping as ``syncplane
 bench``) with Horovod's own gloo rendezvous (its HTTP rendezvous server runs inside
-rank 0's host; ``syncplane.training.peers.horovod_job``). Needs root. The result is Horovod itself, measured -- not an imitation.
+rank 0's host; ``syncplane.experiments.peers.horovod_job``). Needs root. The result is Horovod itself, measured -- not an imitation.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from syncplane.bench.runner import parse_payload
 from syncplane.cluster import load_profile
 from syncplane.algorithms import strategy_time
 from syncplane.cluster.cost import CostModel
-from syncplane.launcher import launch
-from syncplane.training.peers import HOROVOD_VENV, horovod_job
+from syncplane.runtime.launcher import launch
+from syncplane.experiments.peers import HOROVOD_VENV, horovod_job
 
 HERE = Path(__file__).resolve().parent
 

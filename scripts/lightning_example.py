@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import syncplane.strategies  # noqa: F401  (registers atc, awc, h_atc, h_awc, ds_sync, diloco, flexreduce)
 from syncplane.strategies.decentralized import ATC
-from syncplane.training.report import RunReport
+from syncplane.runtime.report import RunReport
 
 
 class Classifier(pl.LightningModule):

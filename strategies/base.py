@@ -7,7 +7,7 @@ synchronization itself becomes ours. Overridden hooks, and why:
 - ``setup`` / ``_setup_model``: never wrap; outside fitting, do not broadcast rank 0's
   weights over the other replicas (Lightning's DDP does, before validate/test).
 - ``configure_ddp``: do not wrap in DDP (there is no gradient all-reduce); create the
-  gloo control group (``syncplane.comm.process_groups``: CPU-side collectives never ride
+  gloo control group (``syncplane.algorithms.replicas``: CPU-side collectives never ride
   the NCCL default group); broadcast
   rank 0's initial module state so every replica starts equal; call ``setup_sync``,
   where subclasses create process groups (a collective: same order on every rank).
@@ -48,14 +48,29 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane.comm import (DEFAULT_BUCKET_BYTES, Bucket, CommMeter, PhaseProfile, allreduce_mean_, make_buckets,
-                            mean_and_distance)
-from syncplane.comm.collectives import control_barrier, every_rank
-from syncplane.comm.process_groups import control_group
+from syncplane.algorithms import replicas as replica_ops
+from syncplane.algorithms.replicas import DEFAULT_BUCKET_BYTES, CommMeter, ModelReplicas, PhaseProfile
+from syncplane.job import JobContext
 from syncplane.strategies import replicas
 
 
-class SyncplaneStrategy(DDPStrategy):
+class JobAware:
+    """A strategy that knows the job's shape (``job``)."""
+
+    _job: JobContext | None = None
+    global_rank: int
+    world_size: int
+
+    @property
+    def job(self) -> JobContext:
+        """The job's shape: what the runtime handed over, else (a plain Lightning script) the
+        launcher's (``JobContext.from_environment``), seen from this rank."""
+        if self._job is None:
+            self._job = JobContext.from_environment()
+        return self._job.with_size(self.global_rank, self.world_size)
+
+
+class SyncplaneStrategy(JobAware, DDPStrategy):
     """Base for our strategies; subclasses implement the sync extension points.
 
     Args:
@@ -72,8 +87,9 @@ class SyncplaneStrategy(DDPStrategy):
     replicas_identical: bool = False
 
     def __init__(self, consensus_eval: bool = True, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
-                 consensus_every: int = 0, **kwargs: Any) -> None:
+                 consensus_every: int = 0, job: JobContext | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._job = job
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         if consensus_every < 0:
@@ -88,7 +104,7 @@ class SyncplaneStrategy(DDPStrategy):
         #: next optimizer step: the checkpoint saved right after each epoch's validation
         #: shows that consensus again instead of averaging the model over the network anew.
         self._validated: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
-        self._model_buckets: list[Bucket] | None = None   # built once: the model's tensors do not move
+        self._model_replicas: ModelReplicas | None = None   # built once: the model's tensors do not move
         #: What the strategy decided at setup that a reader of the summary needs (e.g. what
         #: H-ATC took as a machine); written to ``summary.json`` as ``strategy_details``.
         self.details: dict[str, Any] = {}
@@ -100,8 +116,9 @@ class SyncplaneStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ extension points
 
-    def setup_sync(self) -> None:
-        """Create process groups and buffers; runs once on every rank after the model is placed."""
+    def setup_sync(self, job: JobContext) -> None:
+        """Create process groups and buffers; runs once on every rank after the model is placed.
+        ``job``: the job's shape (hosts, racks, the cluster profile, NICs)."""
 
     def before_optimizer_step(self, optimizer: Optimizer) -> None:
         """At the start of a real step, before the closure's forward and backward."""
@@ -158,18 +175,21 @@ class SyncplaneStrategy(DDPStrategy):
     def average_replicas_(self, tensors: list[torch.Tensor] | None = None) -> None:
         """Replace ``tensors`` (default: the whole model) by their mean over all ranks."""
         if tensors is None:
-            if self._model_buckets is None:
-                self._model_buckets = make_buckets(self.model_tensors(), self.bucket_bytes)
-            buckets = self._model_buckets
+            self.model_replicas().average_(self.comm_meter)
         else:
-            buckets = make_buckets(tensors, self.bucket_bytes)
-        allreduce_mean_(buckets, meter=self.comm_meter)
+            replica_ops.average_(tensors, self.bucket_bytes, self.comm_meter)
+
+    def model_replicas(self) -> ModelReplicas:
+        """The model's tensors fused into buckets, built on first use."""
+        if self._model_replicas is None:
+            self._model_replicas = ModelReplicas(self.model_tensors(), self.bucket_bytes)
+        return self._model_replicas
 
     # ------------------------------------------------------------ Lightning hooks
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._model_buckets = None   # a new fit/validate may bring a different module
+        self._model_replicas = None   # a new fit/validate may bring a different module
         self._validated = None
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)
@@ -194,11 +214,11 @@ class SyncplaneStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         assert self.model is not None
         with self.phases.time("setup/control_group"):
-            control_group()   # the gloo group for CPU-side collectives, before any strategy makes groups
+            replica_ops.start_control()   # the gloo group for CPU-side collectives, before any strategy makes groups
         with self.phases.time("setup/broadcast"):
             _sync_module_states(self.model)
         with self.phases.time("setup/setup_sync"):
-            self.setup_sync()
+            self.setup_sync(self.job)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
@@ -228,7 +248,7 @@ class SyncplaneStrategy(DDPStrategy):
         self._metered = (seconds, sent)
         if self.consensus_every and self.world_size > 1 and (self.step + 1) % self.consensus_every == 0:
             self.finish_pending_sync()
-            distance = mean_and_distance(self.model_tensors())
+            distance = replica_ops.consensus_distance(self.model_tensors())
             module.log("sync/consensus_distance", distance, on_step=True, on_epoch=False)
 
     def evaluation_tensors(self) -> list[torch.Tensor] | None:
@@ -259,7 +279,7 @@ class SyncplaneStrategy(DDPStrategy):
         validated = self._validated
         current = (validated is not None and validated[0] == self.step
                    and all(torch.equal(a, b) for a, b in zip(self.model_tensors(), validated[1])))
-        if not every_rank(current):
+        if not replica_ops.every_rank(current):
             return False
         assert validated is not None
         self._stashed_replica = validated[1]
@@ -333,7 +353,7 @@ class SyncplaneStrategy(DDPStrategy):
         with self.phases.time("checkpoint/write"):
             super().save_checkpoint(checkpoint, filepath, storage_options)   # rank 0 writes it
         if per_rank:
-            control_barrier()   # the new checkpoint is in place: older replicas can go
+            replica_ops.control_barrier()   # the new checkpoint is in place: older replicas can go
             replicas.prune_replicas(filepath, self.global_rank, keep=extra["replica_shards"]["tag"])
 
     @override

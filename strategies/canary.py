@@ -48,13 +48,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane import kernels
 from syncplane.algorithms.canary import GEI, BackwardPipeline, CanaryConfig, CanaryEngine
 from syncplane.algorithms.canary.bench import make_transport
 from syncplane.algorithms.canary.compensation import MomentumCompensation, implicit_momentum
-from syncplane.comm import Bucket, make_buckets
-from syncplane.comm.board import StoreBoard
-from syncplane.comm.sharded import ShardedAllReduce
+from syncplane.algorithms.canary.colayers import Colayers, make_gei
+from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
@@ -78,13 +76,11 @@ class CanaryStrategy(SyncplaneStrategy):
                                    compress_in_host=compress_in_host, bucket_cap_mb=bucket_cap_mb,
                                    sync_timeout_s=sync_timeout_s, staleness=staleness, proportion=proportion,
                                    warmup_steps=warmup_steps, momentum_compensation=momentum_compensation)
-        self._colayers: list[Bucket] = []
+        self._colayers: Colayers | None = None
         self._engine: CanaryEngine | None = None
-        self._transport: ShardedAllReduce | None = None
         self._pipeline: BackwardPipeline | None = None
         self.gei: GEI | None = None
         self._hooks: list[Any] = []
-        self._colayer_of: dict[int, int] = {}
         self._missing: list[int] = []
         self._lock = threading.Lock()
         self._early_before = 0
@@ -92,43 +88,33 @@ class CanaryStrategy(SyncplaneStrategy):
         self._started = False      # the first step since setup_sync (the GEI learns the global step)
 
     @override
-    def setup_sync(self) -> None:
+    def setup_sync(self, job: JobContext) -> None:
         self._release()
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        self._colayers = make_buckets(list(reversed(params)), self.config.bucket_bytes)
-        self._transport = make_transport(self.config)
-        self._engine = CanaryEngine([c.buffer.numel() for c in self._colayers], self.world_size, self._transport)
-        self.gei = GEI(len(self._colayers), self.config.staleness, self.config.proportion,
-                       StoreBoard(self.global_rank, self.world_size), self.config.sync_timeout_s,
-                       warmup_steps=self.config.warmup_steps) if self.config.staleness > 0 else None
+        colayers = self._colayers = Colayers(params, self.config.bucket_bytes)
+        self._engine = CanaryEngine(colayers.sizes, self.world_size, make_transport(self.config, job))
+        self.gei = make_gei(self.config, len(colayers), self.global_rank, self.world_size)
         self._started = False
-        self._pipeline = BackwardPipeline(self._engine, self._pack, self.comm_meter, self.gei)
-        self._colayer_of = {id(p): i for i, c in enumerate(self._colayers) for p in c.tensors}
-        self._missing = [len(c.tensors) for c in self._colayers]
+        self._pipeline = BackwardPipeline(self._engine, colayers.pack, self.comm_meter, self.gei)
+        self._missing = colayers.counts()
         overlap = self.lightning_module.trainer.accumulate_grad_batches == 1
         if overlap:
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         rank_zero_info(f"canary: {len(self._colayers)} colayer(s) of {self._engine.total} gradient values, "
                        f"{self.world_size} pieces each, {self.config.compression}, "
-                       f"{self._engine.exchange} over {self._transport.shards} gloo group(s), "
+                       f"{self._engine.exchange} over {self._engine.transport.streams} stream(s), "
                        + ("exchanged during the backward" if overlap else "exchanged after the backward (accumulation)")
                        + (f", staleness {self.config.staleness}, proportion {self.config.proportion}" if self.gei else ""))
 
     def _grad_ready(self, param: torch.Tensor) -> None:
-        index = self._colayer_of[id(param)]
+        assert self._colayers is not None
+        index = self._colayers.index_of(param)
         with self._lock:
             self._missing[index] -= 1
             complete = self._missing[index] == 0
         if complete:
             assert self._pipeline is not None
             self._pipeline.ready(index)
-
-    def _pack(self, index: int) -> torch.Tensor:
-        """Colayer ``index``'s gradients as one flat fp32 host buffer (worker thread)."""
-        colayer = self._colayers[index]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in colayer.tensors]
-        kernels.pack(grads, colayer.buffer)
-        return colayer.buffer.to("cpu", torch.float32)
 
     @property
     def overlapped_colayers(self) -> int:
@@ -182,22 +168,12 @@ class CanaryStrategy(SyncplaneStrategy):
             self._pipeline.end_backward()
             settled = self._pipeline.settle()
             results = settled[1] if settled is not None else {}
+        assert self._colayers is not None
         with self._lock:
-            self._missing = [len(c.tensors) for c in self._colayers]
-        for index, colayer in enumerate(self._colayers):
-            host = results.get(index)
-            if host is None:
-                # nothing due for these parameters (the first s steps, a dropped colayer): the
-                # optimizer skips a parameter without a gradient, on every rank alike
-                for p in colayer.tensors:
-                    p.grad = None
-                continue
-            if host is not colayer.buffer:
-                colayer.buffer.copy_(host)
-            for p in colayer.tensors:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            kernels.unpack(colayer.buffer, [p.grad for p in colayer.tensors])
+            self._missing = self._colayers.counts()
+        for index in range(len(self._colayers)):
+            # nothing due (the first s steps, a dropped colayer): its gradients are cleared
+            self._colayers.unpack(index, results.get(index))
         if results and self.gei is not None and self.config.momentum_compensation and self.gei.stale_at():
             self._compensation.apply(optimizer.param_groups)   # for this update only
 
@@ -250,9 +226,8 @@ class CanaryStrategy(SyncplaneStrategy):
             self._pipeline.close()
             self._early_before = self._pipeline.early
             self._pipeline = None
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        if self._engine is not None:
+            self._engine.transport.close()
 
     @override
     def teardown(self) -> None:

@@ -37,9 +37,9 @@ from typing_extensions import override
 
 from syncplane.algorithms.decentralized.config import DecentralizedConfig
 from syncplane.algorithms.decentralized.machines import machines_for
-from syncplane.comm import context, topology
-from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager
-from syncplane.algorithms.decentralized.schedule import build_schedule
+from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager, release
+from syncplane.algorithms.decentralized.schedule import build_graph, build_schedule
+from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.first_reads import FirstReads
 from syncplane.strategies.registry import register
@@ -77,17 +77,17 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         self._probe_reads = False                                    # watch the next training_step's reads
 
     @override
-    def setup_sync(self) -> None:
+    def setup_sync(self, job: JobContext) -> None:
         config = self.config
         machines: list[list[int]] | None = None
         if self.hierarchical:   # collective on every rank: machines of any sizes (see machines_for)
-            used, machines = machines_for(config.machines, config.ranks_per_machine, self.world_size)
+            used, machines = machines_for(job, config.machines, config.ranks_per_machine, self.world_size)
             sizes = [len(ranks) for ranks in machines]
             self.details = {"machines": used, "machine_sizes": sizes}
             if self.is_global_zero:
                 log.info("%s: machines = %s, %d machines of %s ranks", type(self).__name__, used, len(sizes), sizes)
         participants = len(machines) if machines is not None else self.world_size
-        graph = getattr(topology, config.topology)(participants, **config.topology_kwargs)
+        graph = build_graph(config.topology, participants, **config.topology_kwargs)
         schedule = build_schedule(config.schedule, graph)
         # AWC combines the parameters before the update, but the forward changes buffers
         # (BatchNorm running statistics) after its exchange started: those are mixed
@@ -160,7 +160,7 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        context.reset()             # the machine groups and the background worker go with the process groups
+        release()             # the machine groups and the background worker go with the process groups
         super().teardown()
 
 

@@ -28,8 +28,8 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
 Elastic mode (``elastic=true``) is ``ElasticDiLoCo`` in ``syncplane.strategies.diloco_elastic``:
 ``DiLoCo(..., elastic=True)`` constructs one, so configs keep naming ``strategy=diloco``.
 
-Host<->device copies (``syncplane.comm.host_mirror``) run on a side CUDA stream when the
-model is on a GPU; on CPU the same calls are plain copies.
+The state and the rounds are ``syncplane.algorithms.diloco.engine.DiLoCoEngine``'s; host<->device
+copies run on a side CUDA stream when the model is on a GPU, plain copies on CPU.
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane.algorithms.diloco.exchange import build_exchange, resolve_shards
-from syncplane.comm import ShardedAllReduce
-from syncplane.comm.host_mirror import HostMirror
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round
+from syncplane.algorithms.diloco.engine import DiLoCoEngine
+from syncplane.algorithms.diloco.streaming import Round
+from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
@@ -73,7 +72,7 @@ class DiLoCo(SyncplaneStrategy):
                  outer_kwargs: dict[str, Any] | None = None, shards: int | Literal["auto"] = 1,
                  compression: Literal["none", "int8"] = "none", block_size: int = 256,
                  sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
-                 mix_alpha: float | None = None, exchange: Literal["auto", "owner", "tree"] = "auto",
+                 mix_alpha: float | None = None, exchange: Literal["auto", "mesh", "tree", "owner"] = "auto",
                  topology: str | list[int] = "auto", elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", **kwargs: Any) -> None:
@@ -86,9 +85,7 @@ class DiLoCo(SyncplaneStrategy):
         self.mix_alpha = self.config.alpha
         self.rounds = 0     # committed outer steps (one per fragment round)
         self.skipped = 0    # discarded rounds
-        self._outer: FragmentedOuter | None = None
-        self._exchange: ShardedAllReduce | None = None
-        self._host: HostMirror | None = None
+        self._engine: DiLoCoEngine | None = None
         if bool(elastic) != self.ELASTIC:
             raise ValueError(f"elastic={elastic!r} on {type(self).__name__}: construct DiLoCo(..., elastic=...), "
                              "which picks the class for the mode")
@@ -101,80 +98,62 @@ class DiLoCo(SyncplaneStrategy):
     # ------------------------------------------------------------ extension points
 
     @override
-    def setup_sync(self) -> None:
-        tensors = self.model_tensors()
+    def setup_sync(self, job: JobContext) -> None:
         n_params = sum(p.numel() for p in self.lightning_module.parameters())
-        self._host = HostMirror(tensors)       # [θ_local | floating buffers], fp32 on the host
-        self._host.to_host(tensors)
-        if self._outer is not None:
-            self._outer.close()
-        self._outer = FragmentedOuter(self._host.buffer, n_params, self.fragments, self.sync_every,
-                                      self.config.outer_optimizer, self.config.outer_kwargs, pin=self._host.on_gpu)
-        self._host.check_cuts(tensors, [start for start, _ in self._outer.bounds[1:]])
-        if self._exchange is not None:
-            self._exchange.close()
-        config = self.config
-        # build_exchange logs the pattern it chose (and why) on rank 0; the summary keeps it
-        self.details["shards"] = resolve_shards(config.shards, config.topology, self.world_size, config.exchange,
-                                                config.compression)
-        self._exchange, self.details["exchange"] = build_exchange(
-            self.details["shards"], config.compression, config.block_size, config.sync_timeout_s, config.exchange,
-            config.topology)
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = engine = DiLoCoEngine(self.model_tensors(), n_params, self.config, job)
+        self.details["shards"], self.details["exchange"] = engine.shards, engine.exchange_name
+
+    @property
+    def engine(self) -> DiLoCoEngine:
+        if self._engine is None:
+            raise RuntimeError("diloco is not set up yet (setup_sync runs when fitting starts)")
+        return self._engine
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        assert self._outer is not None
+        outer = self.engine.outer
         done = self.step + 1   # self.step (trainer.global_step) counts the steps before this one
-        for fragment in self._outer.starting(done):
+        for fragment in outer.starting(done):
             if self.overlap_steps == 0:
                 self.outer_sync(fragment)
             else:
                 self._launch(fragment, done, background=True)
-        for round_ in self._outer.pop_due(done):
+        for round_ in outer.pop_due(done):
             self._merge(round_)
 
     def outer_sync(self, fragment: int = 0) -> bool:
         """One blocking round of a fragment (the whole model when P = 1): average Δ (and
         the floating buffers), outer step, copy back. True if committed."""
-        assert self._outer is not None
         self._launch(fragment, self.step + 1, background=False)
-        round_ = self._outer.pop(fragment)
+        round_ = self.engine.outer.pop(fragment)
         self._merge(round_)
         return bool(round_.committed)
 
     @property
     def outer_params(self) -> torch.Tensor:
         """θ_g, the global parameters (a flat copy)."""
-        assert self._outer is not None
-        return self._outer.params
+        return self.engine.outer.params
 
     @override
     def finish_pending_sync(self) -> None:
-        if self._outer is not None:
-            self._outer.wait()
+        if self._engine is not None:
+            self._engine.outer.wait()
 
     def _launch(self, fragment: int, done: int, background: bool) -> None:
-        assert self._outer is not None and self._exchange is not None
-        exchange, total = self._exchange, self._host.buffer.numel()
-        start, end = self._outer.bounds[fragment]
-        # the fragment's slice of the host buffer is reused in place for its Δ and the result
-        self._host.to_host(self.model_tensors(), start, end)
-        self._outer.launch(fragment, lambda flat, offset: exchange.allreduce_mean_(
-            flat, self.comm_meter, offset=offset, total=total), due=done + self.overlap_steps, background=background)
+        """Start a round of ``fragment`` after step ``done``; it merges ``overlap_steps`` later."""
+        self.engine.launch(self.model_tensors(), fragment, done + self.overlap_steps, background, self.comm_meter)
 
     def _merge(self, round_: Round) -> None:
-        if not round_.committed:
+        if self.engine.merge(self.model_tensors(), round_, self.mix_alpha):
+            self.rounds += 1
+        else:
             self.skipped += 1
-            return
-        assert self._outer is not None
-        self._host.from_host(self.model_tensors(), *self._outer.bounds[round_.fragment], alpha=self.mix_alpha)
-        self.rounds += 1
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
-        assert self._outer is not None
-        assert self._exchange is not None
-        return {**self._outer.state_dict(), "sync_every": self.sync_every, "fragments": self.fragments,
+        return {**self.engine.outer.state_dict(), "sync_every": self.sync_every, "fragments": self.fragments,
                 "overlap_steps": self.overlap_steps, "rounds": self.rounds, "skipped": self.skipped}
 
     @override
@@ -187,26 +166,20 @@ class DiLoCo(SyncplaneStrategy):
             if saved != ours:
                 raise ValueError(f"the checkpoint was written with {key}={saved}, this run has "
                                  f"{key}={ours}: rounds would not line up")
-        assert self._outer is not None and self._exchange is not None
-        self._outer.load_state_dict(state)
+        self.engine.outer.load_state_dict(state)
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback residuals (int8 only)."""
-        assert self._exchange is not None
-        return {"exchange": self._exchange.state_dict()}
+        return self.engine.rank_state_dict()
 
     @override
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
-        assert self._exchange is not None
-        self._exchange.load_state_dict(state.get("exchange", {}))
+        self.engine.load_rank_state_dict(state)
 
     @override
     def teardown(self) -> None:
-        if self._outer is not None:
-            self._outer.close()
-        if self._exchange is not None:
-            self._exchange.close()   # its state stays readable for a checkpoint after fit
+        if self._engine is not None:
+            self._engine.close()   # its state stays readable for a checkpoint after fit
         super().teardown()
-

@@ -2,7 +2,7 @@
 
 ``DiLoCo(..., elastic=True)`` (``strategy=diloco strategy.kwargs.elastic=true``) constructs
 this class; the engine is ``syncplane.algorithms.diloco.elastic`` and the transport
-``syncplane.comm.elastic`` (torchft's Manager, Lighthouse and reconfigurable gloo groups).
+``syncplane.algorithms.diloco.ft`` (torchft's Manager, Lighthouse and reconfigurable gloo groups).
 Kept apart from ``DiLoCo`` because almost every hook differs, and why:
 
 - ``distributed_sampler_kwargs``: Lightning sees a process group of one; the training shard
@@ -37,8 +37,9 @@ from typing_extensions import override
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.elastic import ElasticOuter, JobFingerprint, fingerprint
 from syncplane.algorithms.diloco.outer import OuterOptimizer
-from syncplane.comm import elastic as ft
-from syncplane.comm.host_mirror import HostMirror
+from syncplane.algorithms.diloco import ft
+from syncplane.algorithms.diloco.engine import host_mirror
+from syncplane.job import ElasticPlace, JobContext, missing_elastic
 from syncplane.strategies.diloco import DiLoCo
 
 
@@ -57,30 +58,37 @@ class ElasticDiLoCo(DiLoCo):
         self._local_steps = 0
         self._replica = 0
 
+    def _place(self) -> ElasticPlace:
+        """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
+        place = self.job.elastic
+        if place is None:
+            raise ValueError("elastic=true runs under syncplane's launcher (train.py / syncplane train), which "
+                             f"starts the lighthouse and the replicas; missing {', '.join(missing_elastic())}")
+        return place
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         stage = self.lightning_module.trainer.state.stage if self.lightning_module is not None else None
         if stage is not None and stage != RunningStage.TRAINING:
             return {"num_replicas": 1, "rank": 0}
-        replica, replicas = elastic_identity()
-        return {"num_replicas": replicas, "rank": replica}
+        place = self._place()
+        return {"num_replicas": place.replicas, "rank": place.replica}
 
     @override
-    def setup_sync(self) -> None:
-        self._replica, _ = elastic_identity()
+    def setup_sync(self, job: JobContext) -> None:
+        self._replica = self._place().replica
         tensors = self.model_tensors()
         params = list(self.lightning_module.parameters())
         n_params = sum(p.numel() for p in params)
-        self._host = HostMirror(tensors)
-        self._host.to_host(tensors)
+        self._host = host_mirror(tensors)
         config = self.config
         outer = OuterOptimizer(self._host.buffer[:n_params], config.outer_optimizer, config.outer_kwargs,
                                pin=self._host.on_gpu)
         ours = fingerprint(self._host.buffer.numel(), self.sync_every, config.outer_optimizer, config.outer_kwargs,
                            [tuple(t.shape) for t in tensors])
         # before any contact with the quorum: a replica with other settings never disturbs it
-        JobFingerprint(os.environ[ft.ELASTIC_DIR_ENV]).check(ours, f"replica {self._replica}")
+        JobFingerprint(self._place().folder).check(ours, f"replica {self._replica}")
         self._elastic = ElasticOuter(outer, ours, total_rounds=0, on_event=self._record_event)
         self.details["exchange"] = "torchft quorum (elastic)"
 
@@ -90,17 +98,18 @@ class ElasticDiLoCo(DiLoCo):
         assert self._elastic is not None
         trainer = self.lightning_module.trainer
         self._elastic.total_rounds = int(trainer.estimated_stepping_batches) // self.sync_every
-        restart = os.environ.get(ft.RESTART_ENV, "0")
+        place = self._place()
+        restart = str(place.restarts)
         if self._done_marker().exists():   # restarted after the job's last round: nothing to rejoin
             self._record_event({"event": "start", "restart": int(restart), "job_done": True})
             trainer.should_stop = True
             return
-        group = ft.ReplicaGroup(f"replica{self._replica}", os.environ[ft.LIGHTHOUSE_ENV],
+        group = ft.ReplicaGroup(f"replica{self._replica}", place.lighthouse,
                                 self._elastic.state_dict, self._elastic.load_state_dict,
-                                host=ft.check_bind_host(os.environ.get(ft.BIND_ENV, self.lighthouse_host)),
+                                host=ft.check_bind_host(place.bind or self.lighthouse_host),
                                 round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s)
         if restart == "0":
-            ft.start_barrier(os.environ[ft.ELASTIC_DIR_ENV], self._replica, elastic_identity()[1], self.quorum_timeout_s)
+            ft.start_barrier(place.folder, self._replica, place.replicas, self.quorum_timeout_s)
         self._record_event({"event": "start", "restart": int(restart), "total_rounds": self._elastic.total_rounds})
         self._elastic.join(group)
         self._adopt_if_healed()
@@ -132,7 +141,7 @@ class ElasticDiLoCo(DiLoCo):
             self.lightning_module.trainer.should_stop = True
 
     def _done_marker(self) -> Path:
-        return Path(os.environ[ft.ELASTIC_DIR_ENV]) / "elastic_done"
+        return self._place().folder / "elastic_done"
 
     def _adopt_if_healed(self) -> None:
         """After a heal, this replica starts from the peer's θ_g (its buffers stay its own)."""
@@ -149,7 +158,7 @@ class ElasticDiLoCo(DiLoCo):
         """Membership changes, heals and discarded rounds go to the job's ``history.jsonl``
         (one ``O_APPEND`` write per line: replicas share the file)."""
         line = json.dumps({"replica": self._replica, "time": round(time.time(), 3), **record}) + "\n"
-        path = Path(os.environ[ft.ELASTIC_DIR_ENV]) / "history.jsonl"
+        path = self._place().folder / "history.jsonl"
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line.encode())
@@ -193,12 +202,3 @@ def check_elastic(config: DiLoCoConfig, **timeouts: float) -> None:
     for key, (value, allowed) in unsupported.items():
         if value != allowed:
             raise ValueError(f"elastic=true supports {key}={allowed} only, got {key}={value}")
-
-
-def elastic_identity() -> tuple[int, int]:
-    """(replica index, replicas at start) from the launcher's environment."""
-    missing = [k for k in (ft.REPLICA_ENV, ft.REPLICAS_ENV, ft.LIGHTHOUSE_ENV, ft.ELASTIC_DIR_ENV) if k not in os.environ]
-    if missing:
-        raise ValueError(f"elastic=true runs under syncplane's launcher (train.py / syncplane train), which starts "
-                         f"the lighthouse and the replicas; missing {', '.join(missing)}")
-    return int(os.environ[ft.REPLICA_ENV]), int(os.environ[ft.REPLICAS_ENV])

@@ -33,10 +33,8 @@ from typing_extensions import override
 from syncplane.algorithms.ds_sync.config import DSSyncConfig
 from syncplane.algorithms.ds_sync.engine import DSSync
 from syncplane.algorithms.ds_sync.pair_streams import PairStreams
-from syncplane.algorithms.ds_sync.runtime import ds_sync_for
-from syncplane.cluster import probe
-from syncplane.comm import make_buckets
-from syncplane.comm.process_groups import control_group
+from syncplane.algorithms.ds_sync.runtime import ds_sync_for_job
+from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
 
@@ -59,11 +57,10 @@ class DSSyncStrategy(SyncplaneStrategy):
         self._ema_model: list[torch.Tensor] | None = None
 
     @override
-    def setup_sync(self) -> None:
-        topo = probe.resolve_topology(self.config.topology, self.config.probe_bytes, group=control_group())
-        self._runtime = ds_sync_for(topo, self.config)
+    def setup_sync(self, job: JobContext) -> None:
+        self._runtime, table = ds_sync_for_job(job, self.config)
         if self.is_global_zero:
-            log.info("ds_sync topology:\n%s", probe.table_text(topo, self.config.slow_factor))
+            log.info("ds_sync topology:\n%s", table)
             log.info("ds_sync: %s", self._runtime.streams.describe())
         if self.config.ema:
             self._ema_model = [t.detach().clone() for t in self.model_tensors()]
@@ -76,9 +73,7 @@ class DSSyncStrategy(SyncplaneStrategy):
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        if self._model_buckets is None:
-            self._model_buckets = make_buckets(self.model_tensors(), self.bucket_bytes)
-        self.runtime.sync_(self._model_buckets, self.comm_meter)
+        self.runtime.sync_(self.model_replicas().buckets, self.comm_meter)
         if self._ema_model is not None:
             torch._foreach_lerp_(self._ema_model, self.model_tensors(), 1.0 - self.config.ema_decay)
 

@@ -19,24 +19,22 @@ reduced in DDP's order while the backward goes on (as DDP's own async all-reduce
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES, FlexReduce
-from syncplane.algorithms.flexreduce.plan import describe, plan_for
-from syncplane.algorithms.flexreduce.tree import job_tree
-from syncplane.comm import CommMeter
+from syncplane.algorithms.flexreduce.hook import DEFAULT_CHUNK_BYTES, FlexReduceHook
+from syncplane.algorithms.replicas import CommMeter
 from syncplane.config import ConfigError
+from syncplane.job import JobContext
+from syncplane.strategies.base import JobAware
 from syncplane.strategies.registry import register
 
 
 @register("flexreduce")
-class FlexReduceStrategy(DDPStrategy):
+class FlexReduceStrategy(JobAware, DDPStrategy):
     """Args:
         topology: ``auto`` (the launcher's cluster profile, else hosts of
             ``LOCAL_WORLD_SIZE`` ranks), a cluster profile name / YAML path, or a list of
@@ -48,7 +46,7 @@ class FlexReduceStrategy(DDPStrategy):
     """
 
     def __init__(self, topology: str | list[int] = "auto", chunk_mb: float = DEFAULT_CHUNK_BYTES / 2**20,
-                 bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
+                 bucket_cap_mb: float = 25.0, job: JobContext | None = None, **kwargs: Any) -> None:
         if kwargs.get("ddp_comm_hook") is not None:
             raise ConfigError("flexreduce: ddp_comm_hook is FlexReduce itself; it cannot be set")
         if chunk_mb < 0:
@@ -60,41 +58,19 @@ class FlexReduceStrategy(DDPStrategy):
         if bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb: must be positive, got {bucket_cap_mb}")
         super().__init__(bucket_cap_mb=bucket_cap_mb, **kwargs)   # on to torch DDP
-        self.topology, self.chunk_bytes = topology, int(chunk_mb * 2**20)
+        self.topology, self.chunk_bytes, self._job = topology, int(chunk_mb * 2**20), job
         self.comm_meter = CommMeter()
-        self.engine: FlexReduce | None = None
-        self._worker: ThreadPoolExecutor | None = None
+        self.engine: FlexReduceHook | None = None
 
     @override
     def _register_ddp_hooks(self) -> None:
         assert self.model is not None
-        tree = job_tree(self.topology, self.world_size)
-        self.engine = FlexReduce(tree, chunk_bytes=self.chunk_bytes)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexreduce")
-        rank_zero_info(f"flexreduce: tree {tree.describe()}, chunks of {self.chunk_bytes / 2**20:g} MiB\n"
-                       + describe(tree, plan_for(tree, sum(p.numel() for p in self.model.parameters())), 4))
-        self.model.register_comm_hook(None, self._hook)   # type: ignore[operator]
-
-    def _hook(self, state, bucket):  # type: ignore[no-untyped-def]
-        """DDP communication hook (``dist.GradBucket`` -> ``Future[Tensor]``): the bucket's mean
-        gradient, computed off the backward's thread. Unannotated on purpose: torch compares
-        the annotations with the real classes, and this module's are strings."""
-        assert self.engine is not None and self._worker is not None
-        buffer, engine, meter = bucket.buffer(), self.engine, self.comm_meter
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(engine.allreduce_mean_(buffer, meter))
-            except BaseException as exc:   # surfaces in the backward, on this rank, with its message
-                future.set_exception(exc)
-
-        self._worker.submit(run)
-        return future
+        self.engine = FlexReduceHook(self.job, self.topology, self.chunk_bytes, self.comm_meter)
+        rank_zero_info(self.engine.describe(sum(p.numel() for p in self.model.parameters())))
+        self.model.register_comm_hook(None, self.engine.hook)   # type: ignore[operator]
 
     @override
     def teardown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        if self.engine is not None:
+            self.engine.close()
         super().teardown()

@@ -16,13 +16,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from syncplane import algorithms
 from syncplane.config import ConfigError, signature_params
+from syncplane.job import JobContext
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 
 S = TypeVar("S", bound=type[Strategy])
 
 #: Arguments the launcher supplies; a config may not set them.
 RESERVED_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-                   "precision_plugin", "process_group_backend")
+                   "precision_plugin", "process_group_backend", "job")
 
 BASELINE = "ddp"
 _ours: dict[str, type[Strategy]] = {}
@@ -92,8 +93,15 @@ def validate(name: str, kwargs: Mapping[str, Any]) -> None:
 
 
 def build(name: str, kwargs: Mapping[str, Any], cluster_environment: ClusterEnvironment,
-          process_group_backend: str | None = None) -> Strategy:
-    """Instantiate strategy ``name`` for a worker (kwargs already validated)."""
+          process_group_backend: str | None = None, job: JobContext | None = None) -> Strategy:
+    """Instantiate strategy ``name`` for a worker (kwargs already validated); ours get the
+    job's context (``job``), Lightning's DDP does not take one."""
     cls = strategy_class(name)
+    extra = {"job": job} if job is not None and cls is not DDPStrategy and "job" in _init_params(cls) else {}
     return cls(cluster_environment=cluster_environment, process_group_backend=process_group_backend,
-               **dict(kwargs))
+               **dict(kwargs), **extra)
+
+
+def _init_params(cls: type[Strategy]) -> set[str]:
+    return {name for klass in cls.__mro__ if issubclass(klass, DDPStrategy) and "__init__" in vars(klass)
+            for name in signature_params(klass.__init__)}

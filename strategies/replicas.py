@@ -32,7 +32,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 
-from syncplane.comm.collectives import agreed_token, control_barrier
+from syncplane.algorithms.replicas import agreed_token, control_barrier
 
 
 def replica_state(module: torch.nn.Module, optimizers: Sequence[Optimizer],

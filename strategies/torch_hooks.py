@@ -5,7 +5,6 @@ recipes as ours. No ``SyncplaneStrategy`` hooks: DDP's reducer does the averagin
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -15,7 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from syncplane.algorithms.torch_hooks import HookConfig
-from syncplane.comm import CommMeter, ring_allreduce_bytes
+from syncplane.algorithms.torch_hooks.hooks import metered
+from syncplane.algorithms.replicas import CommMeter
 from syncplane.strategies.registry import register
 
 
@@ -37,22 +37,9 @@ class TorchHookStrategy(DDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel) and self._ddp_comm_hook is not None
-        hook, config, meter, world = self._ddp_comm_hook, self.config, self.comm_meter, self.world_size
-
-        # Unannotated on purpose: DDP checks a hook's annotations against the real classes.
-        def metered(state, bucket):  # type: ignore[no-untyped-def]
-            start = time.perf_counter()
-            elements, width = config.sent(state, [tuple(p.shape) for p in bucket.parameters()],
-                                          bucket.buffer().numel())
-
-            def done(fut):  # type: ignore[no-untyped-def]
-                meter.record(start, time.perf_counter(), ring_allreduce_bytes(elements * width, world))
-                return fut.value()
-
-            return hook(state, bucket).then(done)
-
+        hook = metered(self._ddp_comm_hook, self.config, self.comm_meter, self.world_size)
         _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
-                                ddp_comm_hook=metered, ddp_comm_wrapper=self._ddp_comm_wrapper)
+                                ddp_comm_hook=hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
 
 
 @register("torch_fp16")

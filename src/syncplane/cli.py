@@ -16,12 +16,15 @@ from syncplane.cluster.cost import DEFAULT_ALPHA_S
 from syncplane.cluster.emulator import EmulationError
 from syncplane.config import ConfigError
 from syncplane.ext import ExtensionError
-from syncplane.launcher import LaunchError
+from syncplane.runtime.launcher import LaunchError
 
-#: ``--exchange`` of bench and simulate: one flag for the two families that have a choice
-EXCHANGE_HELP = ("diloco: all-reduce of Δ (auto = FlexReduce's tree on hosts/racks/sites, else owner); "
-                 "canary: owner = the paper's piece mesh, tree = the nested exchange (auto = nested where ranks "
-                 "are grouped evenly, the cube on BCube)")
+#: ``--exchange`` of bench and simulate: one vocabulary (``syncplane.exchanges``) for every
+#: family that has a choice; a family that does not run the name given uses auto
+EXCHANGE_CHOICES = ["auto", "mesh", "tree", "nested", "cube", "owner"]
+EXCHANGE_HELP = ("the exchange of the families that have one: mesh (every rank owns 1/n), tree (FlexReduce's plan; "
+                 "diloco), nested (by host and rack; canary), cube (BCube; canary); auto = the most topology-aware "
+                 "one that can run. A family that does not run the name given uses auto. 'owner' is the old name "
+                 "of mesh")
 
 
 def _version(package: str) -> str | None:
@@ -184,9 +187,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         binding = next(v for v in rows.values() if v).network_binding
         print(f"network bound of one all-reduce: set by {binding} (per communicating step)")
     if args.plan:
-        from syncplane.algorithms.flexreduce.cost import ELEMENT_SIZE
-        from syncplane.algorithms.flexreduce.plan import describe, plan_for
-        from syncplane.algorithms.flexreduce.tree import from_profile
+        from syncplane.exchanges.tree.cost import ELEMENT_SIZE
+        from syncplane.exchanges.tree.plan import describe, plan_for
+        from syncplane.exchanges.tree.tree import from_profile
 
         tree = from_profile(profile)
         print(describe(tree, plan_for(tree, payload // ELEMENT_SIZE), ELEMENT_SIZE))
@@ -217,7 +220,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from rich.logging import RichHandler
 
-    from syncplane.training.comparison import print_report, run_comparison, settings_from_args
+    from syncplane.experiments.comparison import print_report, run_comparison, settings_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
     settings = settings_from_args(args)
@@ -230,7 +233,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     import logging
     import time
 
-    from syncplane.training.chaos import prepare, print_report, run_chaos
+    from syncplane.experiments.chaos import prepare, print_report, run_chaos
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.deadline_s <= 0 or args.timeout_s <= 0:
@@ -249,7 +252,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
     from syncplane.bench.runner import parse_strategies
-    from syncplane.training.chaos import matrix_plans, print_matrix, run_matrix
+    from syncplane.experiments.chaos import matrix_plans, print_matrix, run_matrix
 
     if args.fault:
         raise ConfigError("--matrix places one fault per cell (--kinds, --rank, --step); drop --fault")
@@ -310,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--pair-streams", default="auto",
                        help="ds_sync: TCP connections per direction of a two-rank group, or auto "
                             "(timed at setup, as the strategy does by default)")
-    bench.add_argument("--exchange", default="auto", choices=["auto", "owner", "tree"],
+    bench.add_argument("--exchange", default="auto", choices=EXCHANGE_CHOICES,
                        help=EXCHANGE_HELP)
     bench.add_argument("--compression", default="none", choices=["none", "int8"],
                        help="diloco: codec of Δ on the wire")
@@ -385,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--streams", type=int, default=1,
                           help="parallel connections of the multi-stream algorithms (DiLoCo's shards, "
                                "DS-Sync's pair streams)")
-    simulate.add_argument("--exchange", default="auto", choices=["auto", "owner", "tree"],
+    simulate.add_argument("--exchange", default="auto", choices=EXCHANGE_CHOICES,
                           help=EXCHANGE_HELP)
     simulate.add_argument("--json", help="also write the predictions here")
     simulate.add_argument("--plan", action="store_true",

@@ -17,7 +17,7 @@ pytestmark = requires_emulation
 
 
 def test_probe_recovers_both_racks_of_two_racks(tmp_path):
-    from syncplane.launcher import launch_on_cluster
+    from syncplane.runtime.launcher import launch_on_cluster
 
     profile = load_profile("two_racks")
     out = tmp_path / "topology.json"

@@ -176,7 +176,7 @@ def test_bcube_hosts_relay_traffic_between_switches():
 
 
 def test_a_killed_rank_ends_the_cluster_job_within_60_s(cluster, tmp_path):
-    from syncplane.launcher import LaunchError, launch_on_cluster
+    from syncplane.runtime.launcher import LaunchError, launch_on_cluster
 
     script = ("import os, sys, time\n"
               "if os.environ['RANK'] == '2': sys.exit(7)\n"

@@ -25,11 +25,12 @@ def _run(rank: int, world: int, seed: int, nic_counts: list[int], compressions: 
          sizes: list[int] = SIZES):
     from syncplane.algorithms.canary import CanaryConfig, CanaryEngine
     from syncplane.algorithms.canary.bench import make_transport
+    from syncplane.job import JobContext
 
     results = {}
     for compression in compressions:
         for nics in nic_counts:
-            transport = make_transport(CanaryConfig(compression=compression, nics=nics, sync_timeout_s=60))
+            transport = make_transport(CanaryConfig(compression=compression, nics=nics, sync_timeout_s=60), JobContext.from_environment())
             engine = CanaryEngine(sizes, world, transport)
             steps = []
             for step in range(STEPS):

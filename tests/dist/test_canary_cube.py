@@ -30,12 +30,15 @@ def _run(rank: int, world: int, profile_path: str, seed: int):
     os.environ["SYNCPLANE_CLUSTER"] = profile_path
     from syncplane.algorithms.canary import CanaryConfig, CanaryEngine
     from syncplane.algorithms.canary.bench import make_transport
-    from syncplane.comm import CommMeter, CubeAllReduce
+    from syncplane.comm import CommMeter
+    from syncplane.exchanges import CubeExchange
+    from syncplane.job import JobContext
 
     out = {}
     for compression in ("none", "sketch"):
-        transport = make_transport(CanaryConfig(compression=compression, sync_timeout_s=60))
-        assert isinstance(transport, CubeAllReduce) and (transport.alpha, transport.beta) == (2, 2)
+        transport = make_transport(CanaryConfig(compression=compression, sync_timeout_s=60), JobContext.from_environment())
+        cube = transport.exchange
+        assert isinstance(cube, CubeExchange) and (cube.alpha, cube.beta) == (2, 2)
         engine = CanaryEngine(SIZES, world, transport)
         colayers = [c.clone() for c in colayer_grads(world, seed, SIZES)[rank]]
         meter = CommMeter()
@@ -44,7 +47,7 @@ def _run(rank: int, world: int, profile_path: str, seed: int):
         out[compression] = (colayers, engine.state_dict(), meter.bytes_sent, predicted)
         transport.close()
     try:
-        CubeAllReduce(3, 2)
+        CubeExchange(3, 2).check(world)
     except ValueError as exc:
         out["bad"] = str(exc)
     return out

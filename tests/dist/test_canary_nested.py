@@ -34,21 +34,24 @@ def _run(rank: int, world: int, profile_path: str, seed: int):
     os.environ["SYNCPLANE_CLUSTER"] = profile_path
     from syncplane.algorithms.canary import CanaryConfig, CanaryEngine
     from syncplane.algorithms.canary.bench import make_transport
-    from syncplane.comm import CommMeter, NestedAllReduce
+    from syncplane.comm import CommMeter
+    from syncplane.exchanges import NestedExchange
+    from syncplane.job import JobContext
 
     out = {}
     for compression, nics, in_host in (("none", 1, False), ("none", 2, False), ("sketch", 1, False),
                                        ("sketch", 2, False), ("sketch", 1, True)):
         transport = make_transport(CanaryConfig(compression=compression, nics=nics, compress_in_host=in_host,
-                                                sync_timeout_s=60))
-        assert isinstance(transport, NestedAllReduce) and transport.streams == nics
+                                                sync_timeout_s=60), JobContext.from_environment())
+        nested = transport.exchange
+        assert isinstance(nested, NestedExchange) and nested.parts == nics
         engine = CanaryEngine(SIZES, world, transport)
         colayers = [c.clone() for c in colayer_grads(world, seed, SIZES)[rank]]
         meter = CommMeter()
         engine.exchange_all_(colayers, meter)
         predicted = sum(transport.bytes_per_round(size) for size in SIZES)
-        out[(compression, nics, in_host)] = (colayers, meter.bytes_sent, predicted, transport.radices,
-                                             sorted(transport.exact_levels))
+        out[(compression, nics, in_host)] = (colayers, meter.bytes_sent, predicted, nested.radices,
+                                             sorted(nested.exact_levels))
         transport.close()
     return out
 
@@ -57,7 +60,7 @@ def _reference(inputs: list[torch.Tensor], radices: list[int], streams: int, exa
     """The nested exchange with the sketch, by its definition, all ranks in one process:
     the reduce-scatter of an ``exact`` level sends raw fp32."""
     from syncplane.comm import GradientSketch, shard_bounds
-    from syncplane.comm.cube import _mixed_digit, nested_schedule
+    from syncplane.exchanges.digit import _mixed_digit, nested_schedule
 
     codec = GradientSketch()
     n = len(inputs)
@@ -131,9 +134,10 @@ def _refused(rank: int, world: int):
     from syncplane.algorithms.canary import CanaryConfig
     from syncplane.algorithms.canary.bench import make_transport
     from syncplane.config import ConfigError
+    from syncplane.job import JobContext
 
     try:
-        make_transport(CanaryConfig(exchange="nested"))
+        make_transport(CanaryConfig(exchange="nested"), JobContext.from_environment())
     except ConfigError as exc:
         return str(exc)
     return None

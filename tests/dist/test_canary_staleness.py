@@ -61,9 +61,10 @@ def _run(rank: int, world: int, s: int, p: float | None, fixed_grads: bool, warm
          momentum: float | None = None):
     from syncplane.algorithms.canary import GEI, BackwardPipeline, CanaryConfig, CanaryEngine, MomentumCompensation
     from syncplane.algorithms.canary.bench import make_transport
+    from syncplane.job import JobContext
     from syncplane.comm.board import StoreBoard
 
-    transport = make_transport(CanaryConfig(compression="none", nics=1, sync_timeout_s=60))
+    transport = make_transport(CanaryConfig(compression="none", nics=1, sync_timeout_s=60), JobContext.from_environment())
     board = StoreBoard(rank, world)
     gei = GEI(len(SIZES), s, p, board, timeout_s=60, warmup_steps=warmup)
     current: dict[str, torch.Tensor] = {}

@@ -42,7 +42,7 @@ def _vs_ddp(rank: int, world: int, tmp_dir: str, steps: int, cluster: str | None
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch.strategies import DDPStrategy
 
-    from syncplane.cluster.probe import CLUSTER_ENV
+    from syncplane.job import CLUSTER_ENV
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
     if cluster is not None:      # as the cluster launcher sets it
@@ -89,7 +89,7 @@ def test_auto_shards_come_from_the_launchers_profile_and_still_equal_ddp(tmp_pat
     assert want == 16
     results = run_distributed(_vs_ddp, 2, str(tmp_path), 3, str(profile), {"shards": "auto"}, timeout=180)
     for params, rounds, _, details in results:
-        assert rounds == 3 and details["shards"] == want and details["exchange"] == "owner"
+        assert rounds == 3 and details["shards"] == want and details["exchange"] == "mesh"
         for ddp, diloco in zip(params["ddp"], params["diloco"]):
             torch.testing.assert_close(diloco, ddp, rtol=1e-6, atol=1e-6)
 
@@ -156,9 +156,9 @@ def _recorded_nesterov(rank: int, world: int, tmp_dir: str, late_round: int):
             local = [t.detach().clone() for t in self.lightning_module.parameters()]
             # only the late round has a short timeout, and its straggler waits until the
             # other rank is in the round: the commit list does not depend on the load
-            self._exchange.timeout_s = 1.0 if len(self.log) == late_round else 60.0
+            self.engine.exchange.timeout_s = 1.0 if len(self.log) == late_round else 60.0
             if len(self.log) == late_round:
-                straggle_after_peers_started(f"diloco-late-{late_round}", rank == 1, self._exchange.timeout_s)
+                straggle_after_peers_started(f"diloco-late-{late_round}", rank == 1, self.engine.exchange.timeout_s)
             committed = super().outer_sync(fragment)
             self.log.append((local, committed))
             return committed
@@ -251,7 +251,7 @@ def test_bad_configuration_names_the_value():
         DiLoCo(compression="fp8")
     with pytest.raises(ValueError, match="shards must be an integer of at least 1, or 'auto', got 0"):
         DiLoCo(shards=0)
-    with pytest.raises(ValueError, match="exchange: allowed values: auto, owner, tree; got 'ring'"):
+    with pytest.raises(ValueError, match="exchange: allowed values: auto, mesh, tree \\(or the old owner\\); got 'ring'"):
         DiLoCo(exchange="ring")
     with pytest.raises(ValueError, match="exchange='tree' carries exact fp32 only; compression='int8'"):
         DiLoCo(exchange="tree", compression="int8")

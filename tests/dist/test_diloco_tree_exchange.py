@@ -1,5 +1,5 @@
 """DiLoCo's topology-aware exchange (``exchange=tree``) on real gloo processes: FlexReduce's
-executor run by ``ShardedAllReduce`` on S streams.
+executor run by ``StreamRunner`` on S streams.
 
 - The result is the mean of fresh seeded inputs (checked against a float64 dense mean),
   bit-identical on every rank, and bit-identical for S = 1 and S = 3 (an item's sum
@@ -32,12 +32,15 @@ def _inputs(world: int, numel: int, seed: int) -> list[torch.Tensor]:
 def _tree_means(rank: int, world: int, hosts: list[int], sizes: list[int], shard_counts: list[int], seed: int):
     from syncplane.algorithms.diloco.exchange import build_exchange
     from syncplane.comm import CommMeter
+    from syncplane.job import JobContext
+
+    job = JobContext(rank=rank, world_size=world)
 
     out = {}
     for shards in shard_counts:
-        exchange, chosen = build_exchange(shards, exchange="tree", topology=hosts, timeout_s=60)
-        assert chosen == "tree" and exchange.pattern is not None
-        exchange.pattern.chunk_bytes = 1024   # many chunks: the wavefront, not one message per level
+        exchange, chosen = build_exchange(job, shards, exchange="tree", topology=hosts, timeout_s=60)
+        assert chosen == "tree"
+        exchange.exchange.executor.chunk_bytes = 1024   # many chunks: the wavefront, not one message per level
         for numel in sizes:
             flat = _inputs(world, numel, seed)[rank].clone()
             meter = CommMeter()
@@ -48,13 +51,13 @@ def _tree_means(rank: int, world: int, hosts: list[int], sizes: list[int], shard
     choices = {}
     for label, kwargs in {"uneven hosts": {"topology": hosts}, "one host": {"topology": [world]},
                           "int8": {"topology": hosts, "compression": "int8"}}.items():
-        exchange, choices[label] = build_exchange(1, exchange="auto", timeout_s=60, **kwargs)
+        exchange, choices[label] = build_exchange(job, 1, exchange="auto", timeout_s=60, **kwargs)
         # a rank that aborts its groups while a peer is still connecting to them fails the
         # peer's construction ("connection closed by peer": seen at load 40 on 2 cores)
         dist.barrier()
         exchange.close()
     try:
-        build_exchange(1, compression="int8", exchange="tree", topology=hosts)
+        build_exchange(job, 1, compression="int8", exchange="tree", topology=hosts)
         refused = None
     except ValueError as exc:
         refused = str(exc)
@@ -78,7 +81,7 @@ def test_tree_exchange_is_the_dense_mean_identical_on_every_rank_for_any_stream_
                 assert torch.equal(flat, first), f"S={shards}, {numel} values: not bit-identical to rank 0, S=1"
                 assert sent == predicted
     for _, choices, refused in results:
-        assert choices == {"uneven hosts": "tree", "one host": "owner", "int8": "owner"}
+        assert choices == {"uneven hosts": "tree", "one host": "mesh", "int8": "mesh"}
         assert refused is not None and "exchange='tree' carries exact fp32 only" in refused
     # the rank alone on its host reduces nothing in-host: it sends only its share up the tree
     sent = [out[1, 4099][1] for out, _, _ in results]
@@ -87,8 +90,10 @@ def test_tree_exchange_is_the_dense_mean_identical_on_every_rank_for_any_stream_
 
 def _straggler(rank: int, world: int, hosts: list[int], late_rank: int):
     from syncplane.algorithms.diloco.exchange import build_exchange
+    from syncplane.job import JobContext
 
-    exchange, _ = build_exchange(2, exchange="tree", topology=hosts, timeout_s=60.0)
+    exchange, _ = build_exchange(JobContext(rank=rank, world_size=world), 2, exchange="tree", topology=hosts,
+                                 timeout_s=60.0)
     return rounds_with_a_straggler(exchange, rank, late_rank, 3000, "tree_straggler")
 
 
@@ -117,7 +122,7 @@ def _vs_ddp_tree(rank: int, world: int, tmp_dir: str, steps: int):
         model = TinyRegressor()
         trainer_for(strategy, tmp_dir, max_steps=steps, limit_val_batches=0).fit(model, RegressionData())
         results[name] = [p.detach().clone() for p in model.parameters()]
-    return results, strategy.rounds, strategy._exchange.pattern is not None
+    return results, strategy.rounds, strategy.engine.exchange_name == "tree"
 
 
 def test_h1_with_plain_outer_sgd_and_the_tree_exchange_equals_ddp(tmp_path):

@@ -1,4 +1,4 @@
-"""``syncplane.comm.elastic`` on real processes: two replicas form a torchft quorum through a
+"""``syncplane.algorithms.diloco.ft`` on real processes: two replicas form a torchft quorum through a
 Lighthouse on loopback, average a seeded tensor (checked against a float64 mean), vote to
 commit, and the quorum service and each replica's RPC server listen on loopback only."""
 
@@ -13,7 +13,7 @@ from tests.helpers.distributed import run_distributed
 
 pytest.importorskip("torchft")
 
-from syncplane.comm import elastic  # noqa: E402
+from syncplane.algorithms.diloco import ft as elastic  # noqa: E402
 
 SEED = 2024
 N = 1000

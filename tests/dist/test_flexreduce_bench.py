@@ -1,5 +1,5 @@
 """The bench's FlexReduce step and its ``hier_allreduce`` peer on real gloo processes, with
-the hosts of a cluster profile (``SYNCPLANE_CLUSTER``, as the launcher sets it): both must
+the hosts of a cluster profile (the job's context, as the launcher would give it): both must
 return the dense float64 mean of the ranks' payloads (seeded data, rebuilt on each rank)."""
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ def _payload(rank: int, numel: int) -> torch.Tensor:
 
 
 def _steps(rank: int, world: int, profile: str) -> dict:
-    import os
-
-    os.environ["SYNCPLANE_CLUSTER"] = profile
     from syncplane.algorithms.flexreduce.bench import FlexReduceStep, HierAllReduceStep
     from syncplane.comm import CommMeter
+    from syncplane.job import JobContext
+
+    job = JobContext(rank=rank, world_size=world, cluster=profile)   # as the launcher places the ranks
 
     numel = 3001
     out = {"reference": torch.stack([_payload(r, numel) for r in range(world)]).mean(0)}
-    for name, step in (("flexreduce", FlexReduceStep({}, chunk_bytes=2048)), ("hier", HierAllReduceStep({}))):
+    for name, step in (("flexreduce", FlexReduceStep({}, job, chunk_bytes=2048)), ("hier", HierAllReduceStep(job))):
         meter = CommMeter()
         payload = _payload(rank, numel).float()
         step(payload, 0, meter)
         out[name], out[f"{name}_calls"] = payload, meter.calls
-    out["hosts"] = HierAllReduceStep({}).hosts
+    out["hosts"] = HierAllReduceStep(job).hosts
     return out
 
 

@@ -25,8 +25,8 @@ def _data(seed: int, rank: int, numel: int) -> torch.Tensor:
 
 
 def _run(rank: int, world: int, shape: list) -> list:
-    from syncplane.algorithms.flexreduce.executor import FlexReduce
-    from syncplane.algorithms.flexreduce.tree import from_nested
+    from syncplane.exchanges.tree.executor import FlexReduce
+    from syncplane.exchanges.tree.tree import from_nested
 
     tree = from_nested(shape, world)
     piped = FlexReduce(tree, chunk_bytes=4096)          # several chunks for the larger sizes
@@ -78,8 +78,8 @@ def test_flexreduce_equals_dense_mean(name: str) -> None:
 
 
 def _wrong_world(rank: int, world: int) -> str:
-    from syncplane.algorithms.flexreduce.executor import FlexReduce
-    from syncplane.algorithms.flexreduce.tree import from_host_sizes
+    from syncplane.exchanges.tree.executor import FlexReduce
+    from syncplane.exchanges.tree.tree import from_host_sizes
     from syncplane.config import ConfigError
 
     try:

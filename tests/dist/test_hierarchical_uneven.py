@@ -98,10 +98,11 @@ def _run(rank: int, world: int, machines: list[list[int]], seed: int) -> dict:
     import os
 
     from syncplane.algorithms.decentralized.machines import machines_for
+    from syncplane.job import JobContext
 
     host = next(i for i, ranks in enumerate(machines) if rank in ranks)
     os.environ["GROUP_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(host), str(len(machines[host]))
-    return {"auto": machines_for("auto"), "static": _static(seed, machines, rank),
+    return {"auto": machines_for(JobContext.from_environment(), "auto"), "static": _static(seed, machines, rank),
             "dynamic": _dynamic(seed, machines, rank), "engine": _engine(seed, machines, rank)}
 
 

@@ -14,7 +14,7 @@ from tests.helpers.distributed import run_distributed
 def _average_of_random_replicas(rank: int, world: int, seed: int):
     import torch.distributed as dist
 
-    from syncplane.training.peer_loop import replica_average
+    from syncplane.experiments.peer_loop import replica_average
 
     torch.manual_seed(seed * 100 + rank)            # every rank its own replica
     model = nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))

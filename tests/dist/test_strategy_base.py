@@ -130,7 +130,7 @@ def _checkpoint_after_validation(rank: int, world: int, tmp_dir: str, edit: bool
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch import Callback
 
-    from syncplane.training.checkpoint_io import LastCheckpoint
+    from syncplane.runtime.checkpoint_io import LastCheckpoint
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
     from tests.helpers.strategies import NoSync
 

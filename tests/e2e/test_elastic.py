@@ -57,7 +57,7 @@ def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path, replic
             emulator.down()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the launcher's log record, through train.py's (Hydra's) logging: on the terminal and in the job's train.log
-    assert "[syncplane.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1 in 4 s" in result.stdout
+    assert "[syncplane.runtime.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1 in 4 s" in result.stdout
     assert "rank 2 failed (signal 9); restart 1 of 1 in 4 s" in (tmp_path / "train.log").read_text()
     events = _events(tmp_path)
     sizes = {(e["replica"], e["replicas"]) for e in events if e["event"] == "membership"}

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from syncplane.launcher import free_port
+from syncplane.runtime.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["recipe=digits", "trainer.max_epochs=1", "trainer.devices=2", "logger.csv=false"]

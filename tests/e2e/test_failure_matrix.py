@@ -34,7 +34,7 @@ import pytest
 
 from syncplane import algorithms
 from syncplane.cluster import emulator
-from syncplane.training.chaos import matrix_plans, run_matrix
+from syncplane.experiments.chaos import matrix_plans, run_matrix
 from tests.helpers.emulation import requires_emulation
 
 DEADLINE_S = 30.0

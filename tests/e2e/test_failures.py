@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from syncplane.training.chaos import job_processes
+from syncplane.experiments.chaos import job_processes
 from tests.e2e.test_train import ROOT, train
 
 #: the issue's target, with default settings

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from syncplane.launcher import free_port
+from syncplane.runtime.launcher import free_port
 
 
 class RemoteError(RuntimeError):
@@ -127,7 +127,7 @@ def straggle_after_peers_started(key: str, late: bool, timeout_s: float) -> None
 
 def rounds_with_a_straggler(exchange: Any, rank: int, late_rank: int, numel: int, key: str
                             ) -> tuple[list[bool], list[tuple[Any, Any]], int]:
-    """Three rounds of ``exchange.allreduce_mean_`` (a ``ShardedAllReduce``); in the second,
+    """Three rounds of ``exchange.allreduce_mean_`` (a ``StreamRunner``); in the second,
     ``late_rank`` straggles past everyone's 1-s timeout. Returns each round's commit flag,
     (input, output) per round, and the exchange's failure count; closes the exchange."""
     import torch

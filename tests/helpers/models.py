@@ -50,7 +50,7 @@ def trainer_for(strategy, tmp_dir: str, **kwargs):
 
     from lightning.pytorch import Trainer
 
-    from syncplane.training.checkpoint_io import AtomicCheckpointIO
+    from syncplane.runtime.checkpoint_io import AtomicCheckpointIO
 
     defaults = dict(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

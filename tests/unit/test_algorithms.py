@@ -50,16 +50,16 @@ def test_periodic_families_are_amortized_over_their_period():
         assert ten == pytest.approx((one[0] / 10, one[1] / 10))
 
 
-@pytest.mark.parametrize(("local_world_size", "expected"), [("4", "host"), ("1", "rack")])
-def test_hierarchical_machines_auto_means_hosts_when_hosts_run_several_ranks(monkeypatch, local_world_size, expected):
+@pytest.mark.parametrize(("largest_host", "expected"), [(4, "host"), (1, "rack")])
+def test_hierarchical_machines_auto_means_hosts_when_hosts_run_several_ranks(largest_host, expected):
     from syncplane.algorithms.decentralized.machines import machines_for, resolve_machines
+    from syncplane.job import JobContext
 
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
-    assert resolve_machines("auto") == expected
+    assert resolve_machines("auto", largest_host) == expected
     assert resolve_machines("rack") == "rack" and resolve_machines("host") == "host"
-    assert resolve_machines("auto", largest_host=2) == "host" and resolve_machines("auto", largest_host=1) == "rack"
-    assert machines_for("auto", ranks_per_machine=3, world_size=6) == ("explicit", [[0, 1, 2], [3, 4, 5]])
+    job = JobContext(world_size=6)
+    assert machines_for(job, "auto", ranks_per_machine=3, world_size=6) == ("explicit", [[0, 1, 2], [3, 4, 5]])
     with pytest.raises(ValueError, match="world size 7 is not a multiple of ranks_per_machine 3"):
-        machines_for("auto", ranks_per_machine=3, world_size=7)
+        machines_for(job, "auto", ranks_per_machine=3, world_size=7)
     with pytest.raises(ValueError, match="unknown machine kind 'node'; allowed values: auto, host, rack"):
         resolve_machines("node")

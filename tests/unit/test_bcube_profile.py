@@ -113,12 +113,12 @@ def test_a_bcube_profile_is_not_scaled_by_racks():
 
 
 def test_canary_picks_the_cube_exchange_only_on_bcube_and_needs_one_rank_per_host():
-    from syncplane.algorithms.canary.bench import cube_shape
+    from syncplane.exchanges import cube_shape
 
     assert cube_shape(load_profile("bcube_3_2")) == (3, 2)
     assert cube_shape(load_profile("multi_nic")) is None
     data = cube_data()
     data["racks"][0]["hosts"][2]["ranks"] = 2
-    with pytest.raises(ConfigError, match=r"cluster.racks\[0\].hosts\[2\].ranks: canary's cube exchange on "
+    with pytest.raises(ConfigError, match=r"cluster.racks\[0\].hosts\[2\].ranks: the cube exchange on "
                                           r"BCube\(2, 2\) runs one rank per host, host 'w2' has 2"):
         cube_shape(parse_profile(data))

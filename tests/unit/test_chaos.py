@@ -16,9 +16,9 @@ import torch
 
 from syncplane.cluster import load_profile
 from syncplane.config import ConfigError
-from syncplane.training import chaos
-from syncplane.training.chaos import FaultSpec, Observation, RankSeen, parse_fault, plan_faults
-from syncplane.training.job import FaultSettings, parse_faults, parse_job
+from syncplane.experiments import chaos
+from syncplane.experiments.chaos import FaultSpec, Observation, RankSeen, parse_fault, plan_faults
+from syncplane.runtime.settings import FaultSettings, parse_faults, parse_job
 
 MULTI_NIC = load_profile("multi_nic")   # hosts n0 (ranks 0, 1) and n1 (ranks 2, 3)
 
@@ -273,7 +273,7 @@ def test_an_elastic_job_must_go_on(tmp_path: Path) -> None:
                      "trainer": {"devices": 3, "max_restarts": 1}}, run_dir=str(tmp_path))
     plan = chaos.ChaosPlan([], job, plan_faults([parse_fault("kill:rank=2:step=7")], 3), tmp_path)
     ranks = {0: RankSeen(), 1: RankSeen(), 2: RankSeen(fired_at=10.0, exited_at=10.2, restarted=True)}
-    output = "[2026-11-23 03:00:00,000][syncplane.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1\n"
+    output = "[2026-11-23 03:00:00,000][syncplane.runtime.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1\n"
     went_on = chaos.analyse(plan, Observation(ranks=ranks, ended_at=60.0, exit_code=0, output=output), None, 30)
     assert went_on["ok"] and went_on["launcher"]["records"] == ["rank 2 failed (signal 9); restart 1 of 1"]
     assert went_on["ranks"][2]["restarted"]

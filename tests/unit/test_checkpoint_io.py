@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncplane.training.checkpoint_io import AtomicCheckpointIO
+from syncplane.runtime.checkpoint_io import AtomicCheckpointIO
 
 
 def test_round_trip_loads_with_weights_only(tmp_path):

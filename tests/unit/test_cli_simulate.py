@@ -37,7 +37,7 @@ def test_period_and_streams_are_inputs_and_are_reported(tmp_path):
 
     ratio = sketch_ratio(16 * 2**20 // 4, one["world_size"])
     assert 0.25 < ratio < 0.3
-    owner = {r["strategy"]: r for r in simulate(tmp_path, "--period", "1", "--exchange", "owner")["results"]}
+    owner = {r["strategy"]: r for r in simulate(tmp_path, "--period", "1", "--exchange", "mesh")["results"]}
     assert owner["canary"]["bound_s"] == pytest.approx(ratio * owner["diloco"]["bound_s"], rel=0.02)
     assert rows["canary"]["bound_s"] < owner["canary"]["bound_s"] / 2
     assert rows["canary"]["bound_s"] < rows["ddp"]["bound_s"]

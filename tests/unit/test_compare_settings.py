@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from syncplane.config import ConfigError
-from syncplane.training.comparison import CompareSettings
-from syncplane.training.peers import _diloco_settings, network_spec, unavailable_reason
+from syncplane.experiments.comparison import CompareSettings
+from syncplane.experiments.peers import _diloco_settings, network_spec, unavailable_reason
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -41,7 +41,7 @@ def test_network_spec_round_trips_and_refuses_unknown_layers():
     import torch
     from torch import nn
 
-    from syncplane.training.peer_loop import build_network
+    from syncplane.experiments.peer_loop import build_network
 
     net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                         nn.Dropout(0.25), nn.Linear(4 * 14 * 14, 10, bias=False))

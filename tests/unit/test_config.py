@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from syncplane.config import ConfigError
-from syncplane.training.job import parse_job
+from syncplane.runtime.settings import parse_job
 
 GOOD = {
     "strategy": {"name": "ddp", "kwargs": {}},
@@ -68,7 +68,7 @@ def test_a_gpu_job_without_nvcc_is_refused_before_launch(monkeypatch, tmp_path):
     """On a GPU the strategies' CUDA kernels compile on first use: with no nvcc (and nothing
     cached) the job stops in the launching process, saying what to install."""
     from syncplane import ext
-    from syncplane.training.job import parse_job
+    from syncplane.runtime.settings import parse_job
 
     monkeypatch.setattr(ext, "_find_cuda_home", lambda: None)
     monkeypatch.setattr(ext, "_load", lambda *args, **kwargs: None)       # nothing cached

@@ -4,7 +4,7 @@
 running the per-flow model (commit f9d8229) before it was replaced: every strategy and peer,
 on every shipped profile and four scaled ones, two payloads, three (period, streams).
 DiLoCo's rows were recorded with its owner exchange (its only pattern then): they are
-checked with ``pattern="owner"``; its tree pattern is FlexReduce's (tested below and in
+checked with ``pattern="mesh"``; its tree pattern is FlexReduce's (tested below and in
 ``test_diloco_cost.py``). FlexReduce's own rows (``flexreduce``, ``flexreduce_levelwise``)
 were re-recorded with the current model when its pattern changed on purpose (2026-11-25:
 the root of two children as one swap phase, and one flow per connection): the bounds
@@ -23,7 +23,8 @@ import pytest
 
 from syncplane.algorithms import CostOptions, strategy_time
 from syncplane.cluster import load_profile
-from syncplane.cluster.cost import CostModel, FlowArray, owner_exchange
+from syncplane.cluster.cost import CostModel, FlowArray
+from syncplane.exchanges.mesh import cost as owner_exchange
 from syncplane.cluster.profile import scaled
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -45,7 +46,7 @@ def test_every_recorded_answer_is_reproduced():
     mismatches = []
     for row in ROWS:
         model = models.setdefault(row["profile"], CostModel(_profile(row["profile"])))
-        options = CostOptions(period=row["period"], streams=row["streams"], pattern="owner")
+        options = CostOptions(period=row["period"], streams=row["streams"], pattern="mesh")
         got = strategy_time(model, row["strategy"], PAYLOADS[row["payload"]], options)
         want = (row["predicted_s"], row["bound_s"])
         if got != pytest.approx(want, rel=1e-12, abs=1e-15):

@@ -11,9 +11,9 @@ import pytest
 
 from syncplane.cluster import load_profile
 from syncplane.cluster.bound import allreduce_network_bound
-from syncplane.cluster.cost import CostModel, bcube_cube_allreduce, ring_allreduce
-from syncplane.cluster.cost import nested_allreduce
-from syncplane.comm.cube import cube_schedule, digit_schedule, nested_schedule
+from syncplane.cluster.cost import CostModel, ring_allreduce
+from syncplane.exchanges.digit import cube_cost as bcube_cube_allreduce, nested_cost as nested_allreduce
+from syncplane.exchanges.digit import cube_schedule, digit_schedule, nested_schedule
 
 
 def _digits(alpha: int, beta: int, x: int) -> list[int]:
@@ -141,13 +141,13 @@ def test_the_cube_is_the_digit_schedule_with_rotated_orders():
                                                    ("wan_two_sites", [2, 2]), ("homogeneous8", [8]),
                                                    ("asymmetric_2_3", None), ("uneven_three_racks", None)])
 def test_regular_trees_give_the_radices_of_their_ranks(profile_name, radices):
-    from syncplane.algorithms.flexreduce.tree import from_profile
+    from syncplane.exchanges.tree.tree import from_profile
 
     assert from_profile(load_profile(profile_name)).radices() == radices
 
 
 def test_radices_need_leaves_in_rank_order_and_levels_of_one_degree():
-    from syncplane.algorithms.flexreduce.tree import from_host_sizes, from_nested
+    from syncplane.exchanges.tree.tree import from_host_sizes, from_nested
 
     assert from_host_sizes([3, 3, 3]).radices() == [3, 3]
     assert from_nested([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]).radices() == [2, 2, 2]
@@ -178,5 +178,5 @@ def test_canary_is_priced_nested_where_ranks_are_grouped_and_as_a_mesh_on_reques
 
     model, payload = CostModel(load_profile("two_racks")), 97.5 * 2**20
     nested = strategy_times(model, "canary", payload)
-    mesh = strategy_times(model, "canary", payload, CostOptions(pattern="owner"))
+    mesh = strategy_times(model, "canary", payload, CostOptions(pattern="mesh"))
     assert mesh.bound_s > 2.5 * nested.bound_s

@@ -6,7 +6,8 @@ import pytest
 
 from syncplane.cluster import load_profile
 from syncplane.algorithms import CostOptions, strategy_time
-from syncplane.cluster.cost import CostModel, owner_exchange
+from syncplane.cluster.cost import CostModel
+from syncplane.exchanges.mesh import cost as owner_exchange
 
 MB = 2**20
 
@@ -33,7 +34,7 @@ def test_auto_prices_the_tree_on_racks_and_the_owner_exchange_on_a_flat_network(
     homogeneous8 (one switch, one level): the owner exchange, as before."""
     racks = CostModel(load_profile("two_racks"))
     tree = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4))
-    owner = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, pattern="owner"))
+    owner = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, pattern="mesh"))
     explicit = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, pattern="tree"))
     flexreduce = strategy_time(racks, "flexreduce", 16 * MB)
     assert tree == explicit
@@ -41,13 +42,13 @@ def test_auto_prices_the_tree_on_racks_and_the_owner_exchange_on_a_flat_network(
     assert owner[0] > 3 * tree[0]                           # 4·M vs M across the 100 Mbit uplink
     flat = CostModel(load_profile("homogeneous8"))
     assert strategy_time(flat, "diloco", 16 * MB) == strategy_time(flat, "diloco", 16 * MB,
-                                                                   CostOptions(pattern="owner"))
+                                                                   CostOptions(pattern="mesh"))
 
 
 def test_tree_streams_carry_slices_of_the_same_link_loads():
     """S streams: S flows of 1/S of the bytes on each link (the per-flow cap of a WAN is
     then S times less binding); without a cap the busiest link's load is unchanged."""
-    from syncplane.algorithms.diloco.exchange import tree_exchange
+    from syncplane.exchanges.tree.exchange import cost as tree_exchange
 
     profile = load_profile("two_racks")
     one, four = tree_exchange(profile, 16 * MB, 1), tree_exchange(profile, 16 * MB, 4)
@@ -62,7 +63,7 @@ def test_tree_streams_carry_slices_of_the_same_link_loads():
 
 
 def test_a_stream_is_pinned_to_one_nic_however_many_flows_its_ranks_send():
-    """multi_nic: 2 hosts of 2 ranks, 2 × 100 Mbit NICs each. ``ShardedAllReduce`` binds stream
+    """multi_nic: 2 hosts of 2 ranks, 2 × 100 Mbit NICs each. ``StreamRunner`` binds stream
     s to NIC s mod 2, so the two ranks of a host sending on one stream share one NIC (the
     emulator measured 1.476 s for DiLoCo's S = 1 round of 16 MB: one NIC's 1.34 s floor, not
     two NICs' 0.67 s); flows not pinned (gloo's collectives rotating over the devices) spread."""

@@ -17,7 +17,7 @@ import pytest
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import auto_streams, resolve_shards
 from syncplane.cluster import load_profile
-from syncplane.cluster.probe import CLUSTER_ENV
+from syncplane.job import CLUSTER_ENV, JobContext
 
 
 @pytest.mark.parametrize(("profile", "streams"), [("wan_two_sites", 8), ("multi_nic", 2), ("two_racks", 1),
@@ -35,20 +35,19 @@ def test_owner_exchange_and_int8_are_priced_as_they_run() -> None:
     assert chosen > 1 and bounds[1] > 2 * bounds[chosen]
 
 
-def test_resolve_uses_the_topology_profile_then_the_launchers(monkeypatch: pytest.MonkeyPatch,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.delenv(CLUSTER_ENV, raising=False)
-    assert resolve_shards(3, "auto", 4) == 3                              # an integer is kept
+def test_resolve_uses_the_topology_profile_then_the_jobs(caplog: pytest.LogCaptureFixture) -> None:
+    plain = JobContext(world_size=4)
+    assert resolve_shards(3, plain) == 3                                  # an integer is kept
     with caplog.at_level(logging.INFO, logger="syncplane.algorithms.diloco.exchange"):
-        assert resolve_shards("auto", "auto", 4) == 1
+        assert resolve_shards("auto", plain) == 1
     assert "no cluster profile" in caplog.text
-    assert resolve_shards("auto", "wan_two_sites", 4) == 8                # topology names the profile
-    assert resolve_shards("auto", [2, 2], 4) == 1                         # ranks per host: no profile
-    monkeypatch.setenv(CLUSTER_ENV, "multi_nic")                          # the launcher's profile
-    assert resolve_shards("auto", "auto", 4) == 2
+    assert resolve_shards("auto", plain, "wan_two_sites") == 8            # topology names the profile
+    assert resolve_shards("auto", plain, [2, 2]) == 1                     # ranks per host: no profile
+    placed = JobContext.from_environment({CLUSTER_ENV: "multi_nic"}, rank=0, world_size=4)   # the launcher's
+    assert resolve_shards("auto", placed) == 2
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="syncplane.algorithms.diloco.exchange"):
-        assert resolve_shards("auto", "auto", 8) == 1                     # a profile of another size
+        assert resolve_shards("auto", placed.with_size(0, 8)) == 1        # a profile of another size
     assert "multi_nic has 4 ranks, the job 8" in caplog.text
 
 

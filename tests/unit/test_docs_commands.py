@@ -79,7 +79,7 @@ def check_train(overrides: list[str], tmp_path: Path) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from syncplane.training.job import parse_job
+    from syncplane.runtime.settings import parse_job
 
     multirun = "-m" in overrides or "--multirun" in overrides
     kept = []
@@ -108,16 +108,16 @@ def check_syncplane(argv: list[str]) -> None:
     if getattr(args, "cluster", None) and not _readers_own_file(args.cluster):
         load_profile(args.cluster)
     if args.command == "compare":   # strategies and training peers, composed like train.py
-        from syncplane.training.comparison import settings_from_args
+        from syncplane.experiments.comparison import settings_from_args
 
         settings_from_args(args).validate()
     elif args.command == "chaos" and args.matrix:   # every cell planned, as the command does first
-        from syncplane.training.chaos import matrix_plans
+        from syncplane.experiments.chaos import matrix_plans
 
         matrix_plans(parse_strategies(args.strategies), args.kinds.split(","), args.overrides,
                      Path(args.out or "outputs/chaos/check"), rank=args.rank, step=args.step)
     elif args.command == "chaos":   # the job composed like train.py, the faults placed on it
-        from syncplane.training.chaos import prepare
+        from syncplane.experiments.chaos import prepare
 
         prepare(args.overrides, args.fault, Path(args.out or "outputs/chaos/check"))
     elif getattr(args, "strategies", None):

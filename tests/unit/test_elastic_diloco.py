@@ -27,8 +27,8 @@ from syncplane.algorithms.diloco.elastic import (
     fingerprint,
 )
 from syncplane.algorithms.diloco.outer import OuterOptimizer
-from syncplane.comm.elastic import check_bind_host
-from syncplane.launcher import LaunchError, launch, local_ranks
+from syncplane.algorithms.diloco.ft import check_bind_host
+from syncplane.runtime.launcher import LaunchError, launch, local_ranks
 
 SEED = 1234
 LR, MU = 0.7, 0.9
@@ -226,13 +226,13 @@ def test_launcher_restarts_a_failed_replica_and_leaves_the_others(tmp_path: Path
     # rank 1 fails on its first start, succeeds on its restart; rank 0 is never touched
     code = ("import os, sys; r = os.environ['RANK']; k = os.environ['SYNCPLANE_RESTART_COUNT']; "
             "print('start', r, k); sys.exit(3 if (r, k) == ('1', '0') else 0)")
-    with caplog.at_level(logging.WARNING, logger="syncplane.launcher"):
+    with caplog.at_level(logging.WARNING, logger="syncplane.runtime.launcher"):
         launch([sys.executable, "-c", code], local_ranks(2), tmp_path, echo_rank0=False, max_restarts=1)
     assert (tmp_path / "rank1.log").read_text().split() == ["start", "1", "0", "start", "1", "1"]
     assert (tmp_path / "rank0.log").read_text().split() == ["start", "0", "0"]
     # the restart is the launcher's log record (train.py's Hydra logging shows it and keeps it in train.log)
     assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("syncplane.launcher", "WARNING", "rank 1 failed (exit code 3); restart 1 of 1")]
+        ("syncplane.runtime.launcher", "WARNING", "rank 1 failed (exit code 3); restart 1 of 1")]
 
 
 def test_launcher_waits_restart_delay_s_before_a_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -240,7 +240,7 @@ def test_launcher_waits_restart_delay_s_before_a_restart(tmp_path: Path, caplog:
     code = ("import os, sys, time; k = os.environ['SYNCPLANE_RESTART_COUNT']; "
             "print('start', k, time.monotonic(), flush=True); "
             "sys.exit(3 if (os.environ['RANK'], k) == ('1', '0') else 0)")
-    with caplog.at_level(logging.WARNING, logger="syncplane.launcher"):
+    with caplog.at_level(logging.WARNING, logger="syncplane.runtime.launcher"):
         launch([sys.executable, "-c", code], local_ranks(2), tmp_path, echo_rank0=False, max_restarts=1,
                restart_delay_s=2.0)
     starts = [float(line.split()[2]) for line in (tmp_path / "rank1.log").read_text().splitlines()]
@@ -251,7 +251,7 @@ def test_launcher_waits_restart_delay_s_before_a_restart(tmp_path: Path, caplog:
 def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     lost_one = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
-    with caplog.at_level(logging.WARNING, logger="syncplane.launcher"):
+    with caplog.at_level(logging.WARNING, logger="syncplane.runtime.launcher"):
         launch([sys.executable, "-c", lost_one], local_ranks(2), tmp_path / "a", echo_rank0=False, max_restarts=0)
     assert [r.getMessage() for r in caplog.records] == [
         f"rank 1 failed (exit code 3) and is not restarted (max_restarts=0); the others go on. Its log: "
@@ -275,7 +275,7 @@ def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path
 def test_elastic_settings_are_refused_before_any_worker_starts(tmp_path: Path, overrides: dict[str, Any],
                                                                message: str) -> None:
     from syncplane.config import ConfigError
-    from syncplane.training.job import parse_job
+    from syncplane.runtime.settings import parse_job
 
     cfg: dict[str, Any] = {"strategy": {"name": "diloco", "kwargs": {"elastic": True}}, "recipe": {"name": "digits"}}
     cfg["strategy"]["kwargs"].update(overrides.get("strategy", {}).get("kwargs", {}))
@@ -289,13 +289,13 @@ def test_elastic_settings_are_refused_before_any_worker_starts(tmp_path: Path, o
 
 def test_launcher_ends_a_replica_left_running_after_the_others_finished(tmp_path: Path,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    from syncplane.launcher import _wait_elastic
+    from syncplane.runtime.launcher import _wait_elastic
 
     hung = "import os, sys, time; time.sleep(60) if os.environ['RANK'] == '1' else sys.exit(0)"
     procs = [(spec, subprocess.Popen([sys.executable, "-c", hung], env={**os.environ, "RANK": str(spec.rank)}),
               tmp_path / "x") for spec in local_ranks(2)]
     try:
-        with caplog.at_level(logging.WARNING, logger="syncplane.launcher"):
+        with caplog.at_level(logging.WARNING, logger="syncplane.runtime.launcher"):
             _wait_elastic(procs, lambda spec, k: procs[spec.rank], max_restarts=0, timeout_s=50, finish_grace_s=1.0)
         assert procs[0][1].returncode == 0 and procs[1][1].poll() is None   # returned; the caller ends rank 1
         assert [r.getMessage() for r in caplog.records] == [

@@ -5,27 +5,27 @@ from __future__ import annotations
 
 import pytest
 
-from syncplane.algorithms.flexreduce.tree import job_hosts, job_tree
+from syncplane.exchanges.tree.tree import job_tree
+from syncplane.job import JobContext
 from syncplane.config import ConfigError
 
 
-def test_job_tree_from_launcher_profile(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SYNCPLANE_CLUSTER", "asymmetric_3_2_4")
-    assert job_tree("auto", 9).describe() == "r0[m0[0, 1, 2], m1[3, 4], m2[5, 6, 7, 8]]"
-    assert job_hosts(9) == [[0, 1, 2], [3, 4], [5, 6, 7, 8]]
+def test_job_tree_from_launcher_profile() -> None:
+    job = JobContext.from_environment({"SYNCPLANE_CLUSTER": "asymmetric_3_2_4"}, rank=0, world_size=9)
+    assert job_tree(job).describe() == "r0[m0[0, 1, 2], m1[3, 4], m2[5, 6, 7, 8]]"
+    assert job.hosts() == [[0, 1, 2], [3, 4], [5, 6, 7, 8]]
     with pytest.raises(ConfigError, match="has 9 ranks, but the job has 5 processes"):
-        job_tree("auto", 5)
+        job_tree(job.with_size(0, 5))
 
 
-def test_job_tree_from_local_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SYNCPLANE_CLUSTER", raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert job_tree("auto", 6).describe() == "core[core.0[0, 1], core.1[2, 3], core.2[4, 5]]"
-    assert job_tree([1, 3], 4).describe() == "core[0, core.1[1, 2, 3]]"
-    assert job_tree("two_racks", 8).num_levels == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+def test_job_tree_from_local_world_size() -> None:
+    job = JobContext.from_environment({"LOCAL_WORLD_SIZE": "2"}, rank=0, world_size=6)
+    assert job_tree(job).describe() == "core[core.0[0, 1], core.1[2, 3], core.2[4, 5]]"
+    assert job_tree(job.with_size(0, 4), [1, 3]).describe() == "core[0, core.1[1, 2, 3]]"
+    assert job_tree(job.with_size(0, 8), "two_racks").num_levels == 2
+    job = JobContext.from_environment({"LOCAL_WORLD_SIZE": "4"}, rank=0, world_size=6)
     with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=4 does not divide the world size 6"):
-        job_tree("auto", 6)
+        job_tree(job)
 
 
 @pytest.mark.parametrize("kwargs, message", [

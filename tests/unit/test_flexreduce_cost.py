@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from syncplane.algorithms.flexreduce.cost import flexreduce_phases
-from syncplane.algorithms.flexreduce.tree import from_profile
+from syncplane.exchanges.tree.cost import flexreduce_phases
+from syncplane.exchanges.tree.tree import from_profile
 from syncplane.algorithms import strategy_time
 from syncplane.cluster.cost import MBIT, CostModel
 from syncplane.cluster.profile import load_profile

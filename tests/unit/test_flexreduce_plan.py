@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from syncplane.algorithms.flexreduce import plan as P
-from syncplane.algorithms.flexreduce import tree as T
+from syncplane.exchanges.tree import plan as P
+from syncplane.exchanges.tree import tree as T
 from syncplane.cluster.profile import load_profile
 from syncplane.config import ConfigError
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from syncplane.launcher import LaunchError
-from syncplane.training.lighthouse import lighthouse_process
+from syncplane.runtime.launcher import LaunchError
+from syncplane.runtime.lighthouse import lighthouse_process
 
 pytest.importorskip("torchft")
 

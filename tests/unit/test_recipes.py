@@ -384,7 +384,7 @@ def compose_job(tmp_path: Path, *overrides: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from syncplane.training.job import parse_job
+    from syncplane.runtime.settings import parse_job
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
@@ -427,7 +427,7 @@ def test_presets_reject_a_bad_data_root(tmp_path):
 def test_mfu_divides_model_flops_by_the_peak_of_every_gpu(monkeypatch, precision, dtype):
     import lightning.fabric.utilities.throughput as lightning_throughput
 
-    from syncplane.training.report import _mfu
+    from syncplane.runtime.report import _mfu
 
     asked = []
 

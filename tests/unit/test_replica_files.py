@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from syncplane.strategies import replicas
-from syncplane.training.checkpoint_io import AtomicCheckpointIO
+from syncplane.runtime.checkpoint_io import AtomicCheckpointIO
 
 
 def _write(tmp_path, tag: str, world: int) -> tuple:

@@ -13,8 +13,8 @@ import json
 
 from lightning.pytorch import Trainer
 
-from syncplane.training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
-from syncplane.training.report import RunReport
+from syncplane.runtime.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
+from syncplane.runtime.report import RunReport
 from tests.helpers.models import RegressionData, TinyRegressor
 
 

@@ -19,6 +19,7 @@ import torch
 from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm.meter import CommMeter
+from syncplane.job import JobContext
 
 
 class SyncStep(Protocol):
@@ -38,14 +39,14 @@ class CostOptions:
 
     period: int = 4      # steps per round of a periodic algorithm (DiLoCo's H, torch's averager period)
     streams: int = 1     # parallel connections (DiLoCo's shards, DS-Sync's pair streams)
-    pattern: str = "auto"   # the pattern of a family that has a choice (DiLoCo's exchange: auto | owner | tree)
+    pattern: str = "auto"   # the exchange of a family that has a choice (``syncplane.exchanges.NAMES``)
 
 
 #: (strategy name, cluster, payload bytes, options) -> the phases of every step of one period
 #: (an idle step is an empty list): a step costs the period's mean.
 CostPattern = Callable[[str, ClusterProfile, float, CostOptions], list[list[Phase]]]
-#: (strategy name, bench options) -> the step the bench times.
-StepFactory = Callable[[str, Mapping[str, Any]], SyncStep]
+#: (strategy name, bench options, the job's shape) -> the step the bench times.
+StepFactory = Callable[[str, Mapping[str, Any], JobContext], SyncStep]
 
 
 @dataclass(frozen=True)

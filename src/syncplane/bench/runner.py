@@ -70,7 +70,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
               phase_profile: bool = False) -> dict[str, Any]:
     """Launch the bench workers on the emulated ``profile`` and assemble the report
     (``phase_profile``: each rank's per-phase times of the syncs that keep them, in the row)."""
-    from syncplane.launcher import launch_on_cluster
+    from syncplane.runtime.launcher import launch_on_cluster
 
     out_dir.mkdir(parents=True, exist_ok=True)
     implemented = [s for s in strategies if s not in algorithms.PLANNED]

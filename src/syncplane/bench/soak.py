@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from syncplane import algorithms
+from syncplane.job import JobContext
 from syncplane.comm import CommMeter
 from syncplane.comm.basics import release_groups
 
@@ -77,10 +78,11 @@ def worker(spec_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=120))
     rank, steps = dist.get_rank(), int(spec["steps"])
+    job = JobContext.from_environment(rank=rank, world_size=dist.get_world_size())
     every = max(1, steps // int(spec["samples"]))
     results: dict[str, Any] = {}
     for name in spec["strategies"]:
-        sync = algorithms.spec_for(name).bench_step(name, spec)
+        sync = algorithms.spec_for(name).bench_step(name, spec, job)
         payload = torch.randn(int(spec["payload_bytes"]) // 4, generator=torch.Generator().manual_seed(rank))
         meter, at, samples = CommMeter(), [], []
         start = time.perf_counter()
@@ -108,7 +110,7 @@ def run_soak(strategies: list[str], *, steps: int, ranks: int, payload_bytes: in
              samples: int = 50, rss_tolerance_mb: float = RSS_TOLERANCE_MB) -> dict[str, Any]:
     """Launch ``ranks`` local processes (loopback, a file store: no listener beyond gloo's
     on ``lo``) that soak every strategy in turn; returns rank 0's results."""
-    from syncplane.launcher import launch, local_ranks
+    from syncplane.runtime.launcher import launch, local_ranks
 
     out_dir.mkdir(parents=True, exist_ok=True)
     store = out_dir / "store"

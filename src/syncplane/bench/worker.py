@@ -25,6 +25,7 @@ import torch.distributed as dist
 from syncplane import net
 from syncplane import algorithms
 from syncplane.bench.syncs import compute_split
+from syncplane.job import JobContext
 from syncplane.comm import CommMeter
 from syncplane.comm.basics import release_groups
 
@@ -58,11 +59,12 @@ def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     net.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout_s", 300)))
     rank, world = dist.get_rank(), dist.get_world_size()
+    job = JobContext.from_environment(rank=rank, world_size=world)
     numel = int(spec["payload_bytes"]) // 4
     results = {}
     for name in spec["strategies"]:
         family = algorithms.spec_for(name)
-        sync = family.bench_step(name, spec)
+        sync = family.bench_step(name, spec, job)
         period = getattr(sync, "period", 1)   # periodic syncs are amortized over their rounds
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         meter = CommMeter()

@@ -30,9 +30,9 @@ identical phases (a ring's 2(n−1) steps) are evaluated once. That is what lets
 formula's above (``tests/unit/test_cost_reference.py`` holds it to the values the
 earlier per-flow Python loop computed on every shipped profile).
 
-The generic patterns below (ring, neighbour exchange, owner exchange, concurrent groups)
-are building blocks; which pattern an algorithm runs is declared by its package
-(``syncplane.algorithms.<family>``), which composes them. A phase is a list of flow
+The generic patterns below (ring, neighbour exchange, concurrent groups) are building
+blocks; the exchanges price themselves beside their code (``syncplane.exchanges``), and
+which pattern an algorithm runs is declared by its package (``syncplane.algorithms.<family>``). A phase is a list of flow
 tuples or, for the big all-to-all patterns, a ``FlowArray`` (the same flows as columns).
 """
 
@@ -321,20 +321,6 @@ def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float) -> 
     return [[(src, dst, payload_bytes) for src, dsts in sends.items() for dst in dsts]]
 
 
-def owner_exchange(world_size: int, payload_bytes: float, streams: int = 1) -> list[Phase]:
-    """DiLoCo's exchange (``comm.sharded``): every rank sends segment j (M/n) to its owner j,
-    then every owner sends its averaged segment to everyone -- two phases of n(n−1)
-    concurrent flows of M/n (times ``streams`` flows of 1/streams of it: one per shard);
-    each rank sends 2(n−1)/n·M, like a ring."""
-    if world_size < 2:
-        return []
-    src, dst = np.divmod(np.arange(world_size * world_size, dtype=np.int64), world_size)
-    pairs = src != dst
-    step = FlowArray(src[pairs], dst[pairs], np.full(int(pairs.sum()), payload_bytes / world_size / streams),
-                     np.full(int(pairs.sum()), streams, dtype=np.int64), pinned=True)
-    return [step, step]
-
-
 def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float,
                                 pair_streams: int = 1) -> list[Phase]:
     """Disjoint groups, each running a ring all-reduce at the same time (DS-Sync's step).
@@ -354,64 +340,3 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
         per_flow = 2 * (len(g) - 1) / len(g) * payload_bytes / phases / flows
         step += [(g[i], g[(i + 1) % len(g)], per_flow) for i in range(len(g)) for _ in range(flows)]
     return [list(step) for _ in range(phases)]
-
-
-def nested_allreduce(radices: Sequence[int], payload_bytes: float, streams: int = 1,
-                     exact_levels: Sequence[int] = (), exact_bytes: float | None = None) -> list[Phase]:
-    """The nested exchange (``comm.NestedAllReduce``): ranks grouped in levels of
-    ``radices`` (innermost first); reduce-scatter level by level, each rank sending the
-    part of what it holds whose level-i digit is a peer's to that peer -- M/(a₀·…·aᵢ) per
-    peer, over ``streams`` flows -- then the all-gather back in reverse. Across the outermost
-    level each rank sends M/n per peer each way: the network's bound for racks. The
-    reduce-scatter of an ``exact_levels`` level carries ``exact_bytes`` (the raw fp32
-    payload) instead of ``payload_bytes`` (the encoded one)."""
-    n = int(np.prod(radices)) if radices else 1
-    if n < 2:
-        return []
-    ranks = np.arange(n, dtype=np.int64)
-    scatter: list[Phase] = []
-    gather: list[Phase] = []
-    stride = 1
-    for level, radix in enumerate(radices):
-        digit = np.repeat((ranks // stride) % radix, radix - 1)
-        src = np.repeat(ranks, radix - 1)
-        dst = src + (((digit + np.tile(np.arange(1, radix, dtype=np.int64), n)) % radix) - digit) * stride
-        stride *= radix
-        copies = np.full(len(src), streams, dtype=np.int64)
-        sent = exact_bytes if level in exact_levels and exact_bytes is not None else payload_bytes
-        scatter.append(FlowArray(src, dst, np.full(len(src), sent / stride / streams), copies, pinned=True))
-        gather.append(FlowArray(src, dst, np.full(len(src), payload_bytes / stride / streams), copies, pinned=True))
-    return scatter + gather[::-1]
-
-
-def cube_steps(alpha: int, beta: int) -> list[list[tuple[int, int]]]:
-    """The two-stage cube all-reduce of Canary on BCube(α, β) (paper 004 §4.4, Table 2; BML's
-    pattern): per step, ``(stream, level)`` for each of the β streams. The payload is cut
-    into β streams; stream t reduce-scatters along levels t, t+1, … (mod β), one level per
-    step, then all-gathers back in reverse order -- so in every step the β streams use β
-    different levels, i.e. every NIC of every host at once, and only one-hop links."""
-    order = [[(t + i) % beta for i in range(beta)] for t in range(beta)]
-    scatter = [[(t, order[t][i]) for t in range(beta)] for i in range(beta)]
-    gather = [[(t, order[t][i]) for t in range(beta)] for i in reversed(range(beta))]
-    return scatter + gather
-
-
-def bcube_cube_allreduce(profile: ClusterProfile, payload_bytes: float) -> list[Phase]:
-    """The flows of ``cube_steps`` on a BCube profile (one rank per host): in step i of the
-    reduce-scatter (and the matching all-gather step) every host sends 1/α^(i+1) of its
-    stream's M/β to each of the α − 1 hosts of its level-ℓ cube; each NIC carries
-    2·(α−1)/α·(1 + 1/α + …)·M/β in all, which for β = 2 is the network bound 2(n−1)/n·M/2."""
-    cube = profile.bcube
-    if cube is None:
-        raise ValueError(f"profile {profile.name!r} is not a BCube network (no bcube key)")
-    if profile.world_size != cube.hosts:
-        raise ValueError(f"the cube all-reduce runs one rank per host: {profile.name!r} has "
-                         f"{profile.world_size} ranks on {cube.hosts} hosts")
-    steps = cube_steps(cube.alpha, cube.beta)
-    phases: list[Phase] = []
-    for k, step in enumerate(steps):
-        depth = k if k < cube.beta else 2 * cube.beta - 1 - k           # i of the step, in both stages
-        nbytes = payload_bytes / cube.beta / cube.alpha ** (depth + 1)
-        phases.append([(x, cube.with_digit(x, level, v), nbytes) for _, level in step for x in range(cube.hosts)
-                       for v in range(cube.alpha) if v != cube.digits(x)[level]])
-    return phases

@@ -35,11 +35,11 @@ import torch.distributed as dist
 
 from syncplane import net
 from syncplane.cluster.cost import CostModel
+from syncplane.job import CLUSTER_ENV, JobContext
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
 
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "syncplane" / "probe"
-CLUSTER_ENV = "SYNCPLANE_CLUSTER"      # set by the cluster launcher: the profile file the ranks run on
 MIN_GAP_RATIO = 2.0                    # a rack boundary: bandwidth drops by at least this factor
 
 
@@ -265,16 +265,17 @@ def topology_from_measurements(bw: np.ndarray, lat: np.ndarray, host_ids: Sequen
 
 
 def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool = False,
-          group: Any = None) -> Topology:
-    """Collective: measure (or load from the cache) this job's topology; same result on every rank."""
+          group: Any = None, job: JobContext | None = None) -> Topology:
+    """Collective: measure (or load from the cache) this job's topology; same result on every
+    rank. ``job``: the job's context (default: the launcher's, ``JobContext.from_environment``)."""
     n = dist.get_world_size()
-    host_id = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", dist.get_rank())))
+    job = job if job is not None else JobContext.from_environment(rank=dist.get_rank(), world_size=n)
+    host_id = int(job.node_rank) if job.node_rank is not None else dist.get_rank()
     ids = [0] * n
     dist.all_gather_object(ids, host_id, group=group)
-    cluster_file = os.environ.get(CLUSTER_ENV)      # the emulated cluster's profile (its content, not its path)
+    cluster_file = job.cluster      # the emulated cluster's profile (its content, not its path)
     cluster = Path(cluster_file).read_text() if cluster_file and Path(cluster_file).exists() else ""
-    key = hashlib.sha1(json.dumps([n, ids, os.environ.get("MASTER_ADDR", ""), nbytes,
-                                   cluster]).encode()).hexdigest()[:16]
+    key = hashlib.sha1(json.dumps([n, ids, job.master_addr, nbytes, cluster]).encode()).hexdigest()[:16]
     path = cache_dir / f"{key}.json" if cache_dir is not None else None
     box: list[Any] = [None]
     if dist.get_rank() == 0 and path is not None and path.exists() and not refresh:
@@ -294,15 +295,17 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     return topo
 
 
-def resolve_topology(source: str = "auto", probe_bytes: int = 2**20, refresh: bool = False,
+def resolve_topology(job: JobContext, source: str = "auto", probe_bytes: int = 2**20, refresh: bool = False,
                      group: Any = None) -> Topology:
     """Collective (over ``group``: pass the job's gloo control group; the probe moves CPU
-    tensors, which an NCCL default group refuses). ``auto``: the profile the launcher named (``SYNCPLANE_CLUSTER``) if any, else
-    a probe; ``probe``: always probe; anything else: a shipped profile name or a YAML path."""
+    tensors, which an NCCL default group refuses). ``auto``: the profile the job was placed on
+    (``job.cluster``) if any, else a probe; ``probe``: always probe; anything else: a shipped
+    profile name or a YAML path."""
     world = dist.get_world_size()
-    if source == "probe" or (source == "auto" and not os.environ.get(CLUSTER_ENV)):
-        return probe(probe_bytes, refresh=refresh, group=group)
-    name = os.environ[CLUSTER_ENV] if source == "auto" else source
+    if source == "probe" or (source == "auto" and not job.cluster):
+        return probe(probe_bytes, refresh=refresh, group=group, job=job)
+    name = job.cluster if source == "auto" else source
+    assert name is not None
     return from_profile(load_profile(name), world)
 
 

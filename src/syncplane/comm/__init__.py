@@ -45,8 +45,7 @@ from syncplane.comm.neighbor import (
     neighbor_allreduce_tensors,
 )
 from syncplane.comm.p2p import Handle
-from syncplane.comm.cube import CubeAllReduce, NestedAllReduce
-from syncplane.comm.sharded import ShardedAllReduce, StreamPattern, directed, shard_bounds
+from syncplane.comm.streams import Round, StreamExchange, StreamRunner, directed, shard_bounds
 from syncplane.comm.window import (
     get_current_created_window_names,
     get_win_version,
@@ -77,8 +76,8 @@ __all__ = [
     "push_sum_average", "ring_allreduce_bytes", "set_machine_topology", "set_topology", "topology",
     "win_accumulate", "win_create", "win_free", "win_get", "win_mutex", "win_put", "win_update",
     "win_update_then_collect", "window",
-    # codecs and the sharded multi-stream all-reduce (DiLoCo's transport)
-    "CubeAllReduce", "NestedAllReduce", "ErrorFeedback", "Fp32", "GradientSketch", "Int8Blockwise", "ShardedAllReduce", "StreamPattern", "directed", "make_codec",
+    # codecs and the stream runner (groups per NIC, deadline, commit/discard)
+    "ErrorFeedback", "Fp32", "GradientSketch", "Int8Blockwise", "Round", "StreamExchange", "StreamRunner", "directed", "make_codec",
     "shard_bounds",
     # BlueFog parity (docs/comm.md compatibility table)
     "allgather", "allgather_nonblocking", "get_current_created_window_names", "get_win_version",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
-import os
 from collections.abc import Callable, Iterable
 
 import networkx as nx
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from syncplane import net
 from syncplane.comm import context, group_cache, process_groups, window
 from syncplane.comm.neighbor import allreduce_, broadcast_
+from syncplane.launch import Launch
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,13 @@ def rank() -> int:
 
 def local_size() -> int:
     """Processes on this machine (torchrun's ``LOCAL_WORLD_SIZE``; 1 when not launched by it)."""
-    return context.local_size_from_env()
+    return context.launched_local_size()
 
 
 def local_rank() -> int:
     """This process's index on its machine (``LOCAL_RANK``, else ``rank mod local_size``)."""
-    return int(os.environ.get("LOCAL_RANK", rank() % local_size()))
+    launched = Launch.read().local_rank
+    return launched if launched is not None else rank() % local_size()
 
 
 def machine_size() -> int:

@@ -2,9 +2,9 @@
 decisions, without a collective (so a fast rank can read a slow one's progress, and ranks
 can agree on a value without waiting for each other).
 
-Used by Canary's bounded staleness (``syncplane.algorithms.canary.gei``): the counters
-are the paper's GEI matrix row number ζ, the decisions which late colayers every rank
-drops. Transport only: what the values mean is the algorithm's.
+An algorithm with bounded staleness keeps its per-rank counters here and posts the
+decisions every rank must share (which late pieces to drop). Transport only: what the
+values mean is the algorithm's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class StoreBoard:
     """Counters and decisions under a prefix of the default process group's store.
 
     Every rank must build its boards in the same order (the prefix counts instances, as
-    ``ShardedAllReduce``'s groups do), so that rank r's ``n``-th board meets the others'.
+    ``StreamRunner``'s groups do), so that rank r's ``n``-th board meets the others'.
     """
 
     def __init__(self, rank: int, world_size: int, store: dist.Store | None = None) -> None:

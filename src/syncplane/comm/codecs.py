@@ -14,7 +14,7 @@ buckets that average the heavy tail away. Error per element is at most
 ``max|block| / 254``. Implemented with torch ops (vectorized on the whole tensor);
 there is no compiled kernel for it yet.
 
-``GradientSketch`` is Canary's gradient sketch (paper 004, §4.3.1): uint8 codes into a
+``GradientSketch`` is an 8-bit quantile-bucket gradient sketch: uint8 codes into a
 per-piece codebook of 256 bucket means, plus the largest-magnitude ``exact_fraction`` of
 the values sent exactly, so a heavy tail is neither clipped nor allowed to widen the
 buckets. Its encode and decode run in the compiled kernels (``kernels.sketch_encode``).
@@ -101,7 +101,7 @@ class Int8Blockwise:
 
 @dataclass(frozen=True)
 class GradientSketch:
-    """Canary's gradient sketch of one piece: 256 buckets, uint8 codes, a codebook of means.
+    """A gradient sketch of one piece: 256 buckets, uint8 codes, a codebook of means.
 
     Layout: ``[codebook: 256 x fp32][k exact values: fp32][their indices: int32][codes: n x
     uint8]`` with ``k = ceil(exact_fraction * n)``, about 1.08 bytes per value at the
@@ -113,7 +113,8 @@ class GradientSketch:
     relative MSE is 1.8-5x that of ``Int8Blockwise``. Sending the top 1% exactly and
     placing the boundaries at ``quantile_weight`` x the sample's quantiles plus the rest
     x a uniform grid over its range gives 0.6x int8's MSE on a Gaussian, 0.1x on
-    Student-t(3), and 0.5-0.6x on real gradients (``docs/strategies/canary.md``). ``quantile_weight=1`` is the paper's rule.
+    Student-t(3), and 0.5-0.6x on real gradients (``docs/kernels.md``). ``quantile_weight=1`` is
+    the plain quantile rule.
     """
 
     exact_fraction: float = 0.01
@@ -152,7 +153,7 @@ CODEC_NAMES = ("none", "int8", "sketch")
 
 def make_codec(name: str, block: int = 256) -> Codec:
     """``"none"`` (exact fp32), ``"int8"`` (blockwise, ``block`` values per scale) or
-    ``"sketch"`` (Canary's gradient sketch with its defaults)."""
+    ``"sketch"`` (the gradient sketch with its defaults)."""
     if name == "none":
         return Fp32()
     if name == "int8":
@@ -189,9 +190,8 @@ class ErrorFeedback:
 
     def snapshot(self, offset: int = 0, numel: int | None = None) -> torch.Tensor:
         """A copy of the residuals of ``[offset, offset + numel)`` (default: all): only the
-        slice a round touches. Canary exchanges a 25 MiB colayer of a ResNet-50-sized buffer
-        at a time; copying all 97.5 MB of each residual for every colayer was 64 % of a
-        rank's time on ``multi_nic``."""
+        slice a round touches: a caller that exchanges a large buffer a slice at a time then
+        copies only that slice, not every residual in full for every slice."""
         end = self.residual.numel() if numel is None else offset + numel
         return self.residual[offset:end].clone()
 

@@ -9,7 +9,6 @@ creates the intra-machine process groups (a collective: call it on every rank).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from syncplane.comm import topology
 from syncplane.comm.process_groups import control_group
+from syncplane.launch import Launch
 
 Group = dist.ProcessGroup | None
 log = logging.getLogger(__name__)
@@ -195,9 +195,10 @@ def out_neighbor_ranks(group: Group = None) -> list[int]:
     return sorted(k for k in load_topology(group).successors(me) if k != me)
 
 
-def local_size_from_env() -> int:
-    """Processes per machine as launched (torchrun's LOCAL_WORLD_SIZE), else 1."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+def launched_local_size() -> int:
+    """Processes per machine as launched (torchrun's ``LOCAL_WORLD_SIZE``), else 1: the BlueFog
+    API's default machine (``syncplane.launch`` reads the launcher's variables)."""
+    return Launch.read().local_world_size or 1
 
 
 def set_machine_topology(graph: nx.DiGraph | None = None, local_size: int | None = None,
@@ -212,7 +213,7 @@ def set_machine_topology(graph: nx.DiGraph | None = None, local_size: int | None
     if machines is not None and local_size is not None:
         raise ValueError("set_machine_topology takes machines or local_size, not both")
     if machines is None:
-        layout = consecutive_machines(n, local_size if local_size is not None else local_size_from_env())
+        layout = consecutive_machines(n, local_size if local_size is not None else launched_local_size())
     else:
         layout = check_machines(machines, n)
     graph = topology.ExponentialTwoGraph(len(layout)) if graph is None else graph

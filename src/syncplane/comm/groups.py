@@ -2,7 +2,7 @@
 
 The groups of one step partition the ranks, so each rank runs exactly one all-reduce
 and the groups proceed concurrently, independently of each other -- no global barrier
-(DS-Sync's point: a slow group delays only its own members).
+(a slow group delays only its own members).
 
 Process groups are created once, up front, for every group a pattern can use:
 ``dist.new_group`` is a collective over *all* ranks, called in the same order
@@ -34,7 +34,7 @@ class GroupSet:
     the same share, so k streams next to one foreign flow get k/(k+1) of the link instead
     of ½ (NCCL's ``NCCL_NSOCKS_PERTHREAD`` idea), and they fill paths that cap each flow
     (WAN). On a link of its own, one stream is faster (measured): hence a choice, made by
-    measurement (``comm.pair_streams``). In DS-Sync the pairs are the inter-rack groups.
+    measurement by the caller.
     """
 
     def __init__(self, groups: Iterable[Sequence[int]], max_pair_streams: int = 1) -> None:

@@ -1,8 +1,8 @@
 """A flat fp32 host copy of a model's tensors, and the copies between the two.
 
-Why a module of its own: strategies whose state lives on the CPU (DiLoCo's outer
-parameters and optimizer) need the model laid out in one flat host buffer, copied there
-and back -- in full or one slice (a Streaming-DiLoCo fragment) at a time, the slice
+Why a module of its own: strategies whose state lives on the CPU (an outer optimizer's
+parameters and state) need the model laid out in one flat host buffer, copied there
+and back -- in full or one slice (a fragment) at a time, the slice
 possibly cutting a tensor in two. On a GPU the buffer is pinned and the copies run on a
 side CUDA stream, so they do not queue behind (or block) the training stream; on the
 CPU the same calls are plain copies. No Lightning here.
@@ -19,8 +19,8 @@ import torch
 
 class HostMirror:
     """``buffer = [t₀ | t₁ | …]`` flattened, fp32 (or ``dtype``), on the host; ``spans[i]`` is
-    tensor i's range. The one host-side flattening of a model (DiLoCo's outer state, the
-    float64 consensus distance); device-side fusion is ``Bucket`` (same dtype, kernels)."""
+    tensor i's range. The one host-side flattening of a model (an outer optimizer's state,
+    the float64 consensus distance); device-side fusion is ``Bucket`` (same dtype, kernels)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
         if not tensors:

@@ -54,7 +54,7 @@ class PhaseProfile:
 
     Why: a round's total time says how far it is from its bound but not where the rest
     went -- copying, summing, posting messages, or waiting on the wire (per stream, per
-    level). An exchange that is handed one (``ShardedAllReduce.profile``) adds
+    level). An exchange that is handed one (``StreamRunner.profile``) adds
     ``phase -> seconds`` and a count; off (None) it costs nothing. Names are free-form,
     e.g. ``wait/s3/L1-rs`` (stream 3, level 1's reduce-scatter)."""
 

@@ -24,11 +24,42 @@ from syncplane.comm.meter import CommMeter
 DEFAULT_TIMEOUT_S = 60.0
 
 
+#: One launched message: what it does ("sending to", "receiving from", ...), the peer, its work.
+Posted = tuple[str, int, dist.Work]
+
+
+def wait_works(works: Sequence[Posted], *, what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+               deadline: float | None = None) -> None:
+    """Wait for every launched message, each within ``timeout_s`` and all before ``deadline``
+    (``time.monotonic()``), whichever comes first; raise ``TopologyError`` (a ``RuntimeError``)
+    naming the message and peer that did not complete. The one post/wait/deadline loop of every
+    exchange: neighbour operations, the stream runner's patterns and the tree's wavefront."""
+    for kind, peer, work in works:
+        who = f"rank {peer}" if peer >= 0 else "the group"
+        remaining = timeout_s if deadline is None else min(timeout_s, deadline - time.monotonic())
+        if remaining <= 0:
+            raise TopologyError(f"rank {dist.get_rank()}: {what} passed its deadline ({kind} {who} not done)")
+        try:
+            work.wait(datetime.timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            first_line = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            if not _is_timeout(exc):
+                # a local failure (unsupported dtype, closed connection, ...): say what it was
+                raise TopologyError(f"rank {dist.get_rank()}: {what} failed while {kind} {who}: "
+                                    f"{first_line}") from exc
+            raise TopologyError(
+                f"rank {dist.get_rank()}: {what} did not complete within {remaining:.0f} s "
+                f"({kind} {who} never finished: {first_line}). "
+                "Do the senders' and receivers' plans agree? (enable_topo_check=True names the ranks)"
+            ) from exc
+
+
 @dataclass
 class Handle:
-    """A launched operation; ``wait()`` returns its result (once; later calls return it again)."""
+    """A launched operation; ``wait()`` returns its result (once; later calls return it again).
+    Build one with ``Handle.launched`` (or ``completed`` for a result already there)."""
 
-    _works: list[tuple[str, int, dist.Work]] = field(default_factory=list)
+    _works: list[Posted] = field(default_factory=list)
     _finish: Callable[[], torch.Tensor] | None = None
     _timeout_s: float = DEFAULT_TIMEOUT_S
     _what: str = "neighbor operation"
@@ -37,35 +68,31 @@ class Handle:
     _start: float = 0.0
     _bytes_sent: int = 0
 
+    @classmethod
+    def launched(cls, works: Sequence[Posted], finish: Callable[[], torch.Tensor], *, what: str,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, meter: CommMeter | None = None,
+                 start: float = 0.0, bytes_sent: int = 0) -> Handle:
+        """A handle over messages already posted: ``wait()`` waits for them, then runs ``finish``
+        (and records ``bytes_sent`` since ``start`` in ``meter``)."""
+        return cls(_works=list(works), _finish=finish, _timeout_s=timeout_s, _what=what, _meter=meter,
+                   _start=start, _bytes_sent=bytes_sent)
+
     def poll(self) -> bool:
         """Whether ``wait()`` would return without blocking (BlueFog's ``poll``)."""
         return self._result is not None or all(work.is_completed() for _, _, work in self._works)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, deadline: float | None = None) -> torch.Tensor:
+        """The result, once every message is done; ``deadline`` (``time.monotonic()``) caps the
+        wait below the handle's own timeout."""
         if self._result is not None:
             return self._result
-        timeout = datetime.timedelta(seconds=self._timeout_s)
-        for kind, peer, work in self._works:
-            try:
-                work.wait(timeout)
-            except RuntimeError as exc:
-                first_line = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-                if not _is_timeout(exc):
-                    # a local failure (unsupported dtype, closed connection, ...): say what it was
-                    raise TopologyError(f"rank {dist.get_rank()}: {self._what} failed while {kind} rank {peer}: "
-                                        f"{first_line}") from exc
-                raise TopologyError(
-                    f"rank {dist.get_rank()}: {self._what} did not complete within {self._timeout_s:.0f} s "
-                    f"({kind} rank {peer} never finished: {first_line}). "
-                    "Do the senders' and receivers' plans agree? (enable_topo_check=True names the ranks)"
-                ) from exc
+        wait_works(self._works, what=self._what, timeout_s=self._timeout_s, deadline=deadline)
         self._works = []
         assert self._finish is not None
         self._result = self._finish()
         if self._meter is not None:
             self._meter.record(self._start, time.perf_counter(), self._bytes_sent)
         return self._result
-
 
 #: dtypes gloo's collectives (broadcast, all-reduce, all-gather) accept; measured on torch 2.14.
 #: Point-to-point sends move raw bytes and take every dtype.
@@ -141,8 +168,6 @@ def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[
         peers = ", ".join(f"{kind} rank {peer}" for kind, peer in labels)
         raise TopologyError(f"rank {dist.get_rank()}: {what} could not start ({peers}): "
                             f"{str(exc).splitlines()[0][:200]}") from exc
-    return Handle(
-        _works=[(kind, peer, work) for (kind, peer), work in zip(labels, works)],
-        _finish=finish, _timeout_s=timeout_s, _what=what, _meter=meter, _start=start,
-        _bytes_sent=sum(t.numel() * t.element_size() for _, t in sends),
-    )
+    return Handle.launched([(kind, peer, work) for (kind, peer), work in zip(labels, works)], finish,
+                           what=what, timeout_s=timeout_s, meter=meter, start=start,
+                           bytes_sent=sum(t.numel() * t.element_size() for _, t in sends))

@@ -7,7 +7,7 @@ Two kinds of traffic cross the ranks:
   device the model lives on: NCCL for CUDA tensors (Lightning makes the default group NCCL
   on GPUs), gloo for CPU tensors.
 - **control** -- small CPU-side collectives: the topology check, consensus distance,
-  DS-Sync's adjustment and pair-stream trial, SWA and replica gathers, the bandwidth probe,
+  group adjustments and pair-stream trials, SWA and replica gathers, the bandwidth probe,
   run-summary totals, barriers. NCCL refuses CPU tensors ("No backend type associated with
   device type cpu", seen on an H100 at the first topology check), so these go over a gloo
   group made for them, on every device alike -- also on CPU jobs, where the default group

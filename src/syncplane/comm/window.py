@@ -34,6 +34,7 @@ from torch.distributed import rpc
 from syncplane.comm import context, topology
 from syncplane.comm.errors import TopologyError
 from syncplane.net import free_port
+from syncplane.launch import Launch
 
 LOCK_TIMEOUT_S = 60.0
 
@@ -64,9 +65,10 @@ def _worker(rank: int) -> str:
 def _ensure_rpc() -> None:
     if rpc.api._is_current_rpc_agent_set():
         return
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        os.environ.setdefault("TP_SOCKET_IFNAME", os.environ["GLOO_SOCKET_IFNAME"])
-    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    launch = Launch.read()
+    if launch.interfaces:   # tensorpipe takes its NIC from its own variable only
+        os.environ.setdefault("TP_SOCKET_IFNAME", ",".join(launch.interfaces))
+    address = launch.master_addr or "127.0.0.1"
     port = [free_port(address) if dist.get_rank() == 0 else 0]
     dist.broadcast_object_list(port, src=0)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}:{port[0]}", num_worker_threads=16)

@@ -4,9 +4,9 @@ paper's mesh; its cube on BCube; nested by host and rack where the ranks are gro
 Files: ``config.py`` (validated settings), ``engine.py`` (colayers through the piece-level
 exchange, error feedback in the rank state), ``gei.py`` (bounded staleness), ``compensation.py`` (what staleness does to momentum
 and the synchronous warm-up before it starts), ``bench.py``. The codec is
-``syncplane.comm.GradientSketch`` (compiled kernels in ``csrc``); the transport is
-``syncplane.comm.ShardedAllReduce(layout="pieces")``, one gloo group per NIC, or
-``CubeAllReduce`` / ``NestedAllReduce`` (``bench.make_transport`` picks).
+``syncplane.comm.GradientSketch`` (compiled kernels in ``csrc``); the exchange is the
+exchange layer's piece mesh, nested or cube exchange (``syncplane.exchanges``; ``bench.make_transport``
+picks through ``syncplane.exchanges.choose``), run by ``syncplane.comm.StreamRunner``.
 Glue: ``strategies/canary.py``.
 """
 
@@ -15,39 +15,42 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.canary.bench import CanaryStep, innermost_is_host, sketch_ratio
+from syncplane.algorithms.canary.bench import EXCHANGES, CanaryStep, innermost_is_host, sketch_ratio
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.gei import GEI, check_bounds
 from syncplane.algorithms.canary.compensation import MomentumCompensation, compensated_momentum
 from syncplane.algorithms.canary.engine import BackwardPipeline, CanaryEngine, ExchangeFailed
-from syncplane.algorithms.flexreduce.tree import from_profile
+from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
-from syncplane.cluster.cost import Phase, bcube_cube_allreduce, nested_allreduce, owner_exchange
+from syncplane.cluster.cost import Phase
+from syncplane.exchanges import JobShape, choose, digit, mesh
 from syncplane.cluster.profile import ClusterProfile
 
 
 def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
-    """One exchange per step of the sketched payload (~0.27 of fp32), as training would pick
-    it (``options.pattern``: ``owner`` = the mesh, ``tree`` = nested): on a BCube profile the
-    two-stage cube exchange (β pieces per rank, one-hop links only, every NIC at once);
-    where the ranks are grouped in hosts or racks the nested exchange, over ``streams``;
-    else the flat piece mesh (an owner exchange)."""
+    """One exchange per step of the sketched payload (~0.27 of fp32), as training would pick it
+    (``options.pattern`` through ``syncplane.exchanges.choose``): on a BCube profile the
+    two-stage cube exchange (β pieces per rank, one-hop links only, every NIC at once); where
+    the ranks are grouped in hosts or racks the nested exchange, over ``streams``; else the
+    flat piece mesh."""
     n = profile.world_size
-    if profile.bcube is not None and options.pattern != "owner":
+    shape = JobShape.of_profile(profile)
+    chosen = choose(options.pattern, shape, allowed=EXCHANGES, exact=False, strict=False)
+    if chosen.name == "cube" and profile.bcube is not None:
         ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * profile.bcube.beta))
-        return [bcube_cube_allreduce(profile, payload_bytes * ratio)]
-    radices = from_profile(profile).radices() if options.pattern != "owner" else None
-    if radices is not None and len(radices) > 1:
+        return [digit.cube_cost(profile, payload_bytes * ratio)]
+    radices = shape.radices
+    if chosen.name == "nested" and radices is not None:
         ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * options.streams))
         exact = [0] if innermost_is_host(radices, profile.hosts[0].spec.ranks) else []   # as make_transport picks
-        return [nested_allreduce(radices, payload_bytes * ratio, options.streams, exact, payload_bytes)]
+        return [digit.nested_cost(radices, payload_bytes * ratio, options.streams, exact, payload_bytes)]
     ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n))
-    return [owner_exchange(n, payload_bytes * ratio, options.streams)]
+    return [mesh.cost(n, payload_bytes * ratio, options.streams)]
 
 
-def _step(name: str, options: Mapping[str, Any]) -> CanaryStep:
-    return CanaryStep(options)
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> CanaryStep:
+    return CanaryStep(options, job)
 
 
 SPEC = AlgorithmSpec(

@@ -9,10 +9,11 @@ from syncplane.algorithms.canary.compensation import check_schedule
 from syncplane.algorithms.canary.gei import check_bounds
 from syncplane.comm.codecs import CODEC_NAMES, Codec, GradientSketch, make_codec
 from syncplane.config import ConfigError
+from syncplane.exchanges import normalize
 
 
-#: how the pieces travel (``CanaryConfig.exchange``)
-EXCHANGES = ("auto", "mesh", "nested")
+#: how the pieces travel (``CanaryConfig.exchange``; the vocabulary is ``syncplane.exchanges.NAMES``)
+EXCHANGES = ("auto", "mesh", "nested", "cube")
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class CanaryConfig:
             ranks are grouped in hosts or racks of equal size -- reduce-scatter inside the
             host, then the rack, then across, so slow uplinks carry only the last level's
             share; else the flat piece mesh), ``mesh`` (the paper's mesh: piece j of every
-            rank straight to rank j) or ``nested`` (an error where the ranks are not grouped).
+            rank straight to rank j), ``nested`` (an error where the ranks are not grouped) or
+            ``cube`` (an error off a BCube profile).
         compress_in_host: whether the nested exchange also sketches what ranks of one host
             send each other (default no: raw fp32 through memory costs no wire, and
             encoding it would cost CPU and accuracy for nothing).
@@ -73,8 +75,11 @@ class CanaryConfig:
         if not (self.nics == "auto" or (isinstance(self.nics, int) and not isinstance(self.nics, bool)
                                          and self.nics >= 1)):
             raise ConfigError(f"nics: expected auto or an integer >= 1, got {self.nics!r}")
-        if self.exchange not in EXCHANGES:
-            raise ConfigError(f"exchange: allowed values: {', '.join(EXCHANGES)}; got {self.exchange!r}")
+        try:
+            exchange = normalize(self.exchange, allowed=EXCHANGES)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        object.__setattr__(self, "exchange", exchange)
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb: must be positive, got {self.bucket_cap_mb}")
         if not self.sync_timeout_s > 0:

@@ -6,7 +6,7 @@ sums them in rank order, averages, re-encodes the reduced piece and sends it to 
 rank. Error feedback on both compressions: each rank keeps what its own pieces lost, each
 owner what its re-encoded piece lost (residuals per position of the whole gradient, so
 every colayer keeps its own). All of that is the transport's piece layout
-(``syncplane.comm.ShardedAllReduce(layout="pieces")``: piece j travels on the gloo group
+(``syncplane.comm.StreamRunner`` over ``syncplane.exchanges.MeshExchange(layout="pieces")``: piece j travels on the gloo group
 of NIC ``j mod k``); the engine owns the colayers, their positions and their residuals.
 
 Lightning-free, and the transport is injected, so tests run it on any exchange that has
@@ -52,14 +52,14 @@ class CanaryEngine:
     Args:
         colayer_sizes: element count of every colayer, in exchange (backward) order.
         pieces: pieces per colayer (the world size: piece j is owned by rank j).
-        transport: the exchange (``ShardedAllReduce(layout="pieces")`` in production).
+        transport: the exchange (``MeshExchange(layout="pieces")`` on a ``StreamRunner`` in production).
     """
 
     def __init__(self, colayer_sizes: Sequence[int], pieces: int, transport: Transport) -> None:
         if pieces < 1:
             raise ConfigError(f"pieces: must be at least 1, got {pieces}")
-        # the cube and nested exchanges cut a colayer into one piece per rank and stream
-        needed = int(getattr(transport, "streams", 1)) * pieces
+        # the cube and nested exchanges cut a colayer into one piece per rank and part
+        needed = int(getattr(getattr(transport, "exchange", None), "parts", 1)) * pieces
         for i, size in enumerate(colayer_sizes):
             if size < needed:
                 raise ConfigError(f"pieces: {needed} pieces per colayer exceed colayer {i}'s "
@@ -96,11 +96,12 @@ class CanaryEngine:
 
     @property
     def exchange(self) -> str:
-        """The exchange's shape, e.g. ``NestedAllReduce[4, 2]``: residuals are kept per
+        """The exchange's shape, e.g. ``NestedExchange[4, 2]``: residuals are kept per
         position of the buffer and per hop of one shape (own pieces, relayed sums, owned
         means), and mean nothing to another shape; the stream or NIC count does not matter."""
-        radices = getattr(self.transport, "radices", None)
-        return type(self.transport).__name__ + (f"{radices}" if radices is not None else "")
+        pattern = getattr(self.transport, "exchange", self.transport)
+        radices = getattr(pattern, "radices", None)
+        return type(pattern).__name__ + (f"{radices}" if radices is not None else "")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if list(state.get("sizes", self.sizes)) != self.sizes:

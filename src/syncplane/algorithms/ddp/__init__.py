@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.ddp.bench import DDPStep
+from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
@@ -20,7 +21,7 @@ def ddp_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: 
     return [ring_allreduce(profile.world_size, payload_bytes)]
 
 
-def _step(name: str, options: Mapping[str, Any]) -> DDPStep:
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DDPStep:
     return DDPStep()
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from syncplane.algorithms.decentralized.bench import NeighborAveragingStep
 from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps, one_peer_steps
+from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
@@ -29,8 +30,8 @@ def decentralized_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     return pattern(profile, payload_bytes, options)
 
 
-def _step(name: str, options: Mapping[str, Any]) -> NeighborAveragingStep:
-    return NeighborAveragingStep(options, hierarchical=_hierarchical(name))
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> NeighborAveragingStep:
+    return NeighborAveragingStep(options, job, hierarchical=_hierarchical(name))
 
 
 SPEC = AlgorithmSpec(

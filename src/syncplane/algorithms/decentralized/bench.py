@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager
 from syncplane.algorithms.decentralized.machines import machines_for
-from syncplane.algorithms.decentralized.schedule import build_schedule
-from syncplane.comm import CommMeter, topology
+from syncplane.job import JobContext
+from syncplane.algorithms.decentralized.schedule import build_graph, build_schedule
+from syncplane.comm import CommMeter
 
 
 class NeighborAveragingStep:
@@ -23,12 +24,12 @@ class NeighborAveragingStep:
     one-peer schedule differ in cost (2^t flows cross a rack uplink at step t), so
     ``period`` makes the worker report the mean over whole periods."""
 
-    def __init__(self, options: Mapping[str, Any], hierarchical: bool = False) -> None:
+    def __init__(self, options: Mapping[str, Any], job: JobContext, hierarchical: bool = False) -> None:
         self.hierarchical = hierarchical
         self.bucket_mb = float(options.get("bucket_mb", NEIGHBOR_BUCKET_BYTES / 2**20))
-        self.machines = machines_for(options.get("machines", "rack"))[1] if hierarchical else None
+        self.machines = machines_for(job, options.get("machines", "rack"))[1] if hierarchical else None
         participants = len(self.machines) if self.machines is not None else dist.get_world_size()
-        graph = getattr(topology, options.get("topology", "ExponentialTwoGraph"))(participants)
+        graph = build_graph(options.get("topology", "ExponentialTwoGraph"), participants)
         self.schedule = build_schedule(options.get("schedule", "one_peer"), graph)
         self.period = self.schedule.period
         self.averager: NeighborAverager | None = None

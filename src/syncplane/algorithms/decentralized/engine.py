@@ -131,3 +131,9 @@ class NeighborAverager:
             bucket = self.buckets[index]
             if len(bucket.tensors) > 1 or self.hierarchical:
                 bucket.unpack(result)
+
+
+def release() -> None:
+    """Drop the neighbour operations' per-job state (machine groups, the background worker):
+    they go with the process groups at the end of a fit."""
+    context.reset()

@@ -7,35 +7,34 @@ shards by the largest machine); every rank must be in exactly one machine.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from syncplane.cluster.probe import resolve_topology
-from syncplane.comm.context import check_machines, consecutive_machines, local_size_from_env
+from syncplane.comm.context import check_machines, consecutive_machines
 from syncplane.comm.process_groups import control_group
+from syncplane.job import JobContext
 
 MACHINE_KINDS = ("auto", "host", "rack")
 
 
-def resolve_machines(kind: str = "auto", largest_host: int | None = None) -> str:
+def resolve_machines(kind: str = "auto", largest_host: int = 1) -> str:
     """``auto`` -> ``host`` when some host runs several ranks (a machine is then what the word
     says: the ranks sharing a host's NIC), else ``rack`` (one rank per host, as on the
     emulated ``two_racks``: a machine is a rack behind its uplink). Other kinds unchanged.
 
     ``largest_host``: the most ranks any host runs -- every rank must pass the same value, or
     ranks of a one-rank host and of a two-rank host would choose differently (``machines_for``
-    gathers it); default: this process's ``LOCAL_WORLD_SIZE``."""
+    gathers it)."""
     if kind not in MACHINE_KINDS:
         raise ValueError(f"unknown machine kind {kind!r}; allowed values: {', '.join(MACHINE_KINDS)}")
     if kind != "auto":
         return kind
-    largest = local_size_from_env() if largest_host is None else largest_host
-    return "host" if largest > 1 else "rack"
+    return "host" if largest_host > 1 else "rack"
 
 
-def machines_for(kind: str, ranks_per_machine: int | None = None,
+def machines_for(job: JobContext, kind: str, ranks_per_machine: int | None = None,
                  world_size: int | None = None) -> tuple[str, list[list[int]]]:
     """(what a machine is, each machine's ranks) for the hierarchical forms: an explicit size
     (``ranks_per_machine`` consecutive ranks) wins over ``kind``. The first is reported in
@@ -48,20 +47,19 @@ def machines_for(kind: str, ranks_per_machine: int | None = None,
         return "explicit", consecutive_machines(world, ranks_per_machine)
     if kind not in MACHINE_KINDS:
         resolve_machines(kind)                       # the error names the allowed values
-    launched = _gather_launch()
+    launched = _gather_launch(job)
     kind = resolve_machines(kind, largest_host=max(size for _, size in launched))
     if kind == "host":
         return "host", host_machines(launched)
-    racks = resolve_topology("auto", group=control_group()).racks
+    racks = resolve_topology(job, "auto", group=control_group()).racks
     return "rack", check_machines(racks, world)
 
 
-def _gather_launch() -> list[tuple[str | None, int]]:
-    """Every rank's (node id, ``LOCAL_WORLD_SIZE``) as launched; the node id is the launcher's
-    ``GROUP_RANK`` (torchrun, ``syncplane launch``) or ``NODE_RANK``, None without either."""
-    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK"))
+def _gather_launch(job: JobContext) -> list[tuple[str | None, int]]:
+    """Every rank's (node id, ``LOCAL_WORLD_SIZE``) as launched (``job.node_rank``: the
+    launcher's ``GROUP_RANK`` or ``NODE_RANK``, None without either)."""
     gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (node, local_size_from_env()), group=control_group())
+    dist.all_gather_object(gathered, (job.node_rank, job.local_world_size or 1), group=control_group())
     return [(None if n is None else str(n), int(s)) for n, s in gathered]  # type: ignore[misc]
 
 

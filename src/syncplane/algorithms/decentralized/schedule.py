@@ -123,3 +123,12 @@ def build_schedule(kind: str, graph: nx.DiGraph) -> Schedule:
         raise ValueError(f"unknown schedule {kind!r}; allowed values: {', '.join(SCHEDULES)}")
     schedule.check()
     return schedule
+
+
+def build_graph(name: str, participants: int, **kwargs: object) -> nx.DiGraph:
+    """The static graph ``name`` (a builder of ``syncplane.comm.topology``, e.g.
+    ``ExponentialTwoGraph``) over ``participants`` ranks or machines."""
+    builder = getattr(topology, name, None)
+    if builder is None:
+        raise ValueError(f"topology: unknown graph {name!r}")
+    return builder(participants, **kwargs)

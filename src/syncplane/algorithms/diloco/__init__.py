@@ -3,7 +3,7 @@
 Files: ``outer.py`` (the CPU outer optimizer and one round: Δ, average, step, commit or
 discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing α),
 ``config.py`` (the validated settings), ``exchange.py`` (which all-reduce carries Δ: the
-transport's sharded owner exchange, ``syncplane.comm.sharded``, or FlexReduce's tree run on
+transport's sharded owner exchange, ``syncplane.comm.streams``, or FlexReduce's tree run on
 the same S streams; their cost, and ``shards: auto``), ``bench.py``; the cost of a round
 is declared below.
 Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
@@ -16,6 +16,7 @@ from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.exchange import exchange_phases
+from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
@@ -24,21 +25,21 @@ from syncplane.cluster.profile import ClusterProfile
 def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
     """One exchange of Δ over ``streams`` shards, once per round of ``period`` steps: the
-    owner exchange (every rank sends shard j to its owner j, owners send the mean back),
-    or FlexReduce's tree -- ``options.pattern`` as ``exchange.choose_exchange`` resolves it
-    on this cluster (auto: the tree when ranks form hosts or racks)."""
+    mesh (every rank sends shard j to its owner j, owners send the mean back) or the tree --
+    ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this cluster (auto:
+    the tree when ranks form hosts or racks)."""
     exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern)
     return [exchange] + [[] for _ in range(options.period - 1)]
 
 
 def _pattern(options: Mapping[str, Any]) -> str:
-    """The bench's exchange: int8 runs the owner exchange whatever auto would pick."""
+    """The bench's exchange: int8 runs the mesh whatever auto would pick."""
     exchange = str(options.get("exchange", "auto"))
-    return "owner" if exchange == "auto" and options.get("compression", "none") != "none" else exchange
+    return "mesh" if exchange == "auto" and options.get("compression", "none") != "none" else exchange
 
 
-def _step(name: str, options: Mapping[str, Any]) -> DiLoCoStep:
-    return DiLoCoStep(options)
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DiLoCoStep:
+    return DiLoCoStep(options, job)
 
 
 SPEC = AlgorithmSpec(

@@ -11,19 +11,20 @@ import torch
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.exchange import build_exchange
 from syncplane.comm import CommMeter, PhaseProfile
+from syncplane.job import JobContext
 
 
 class DiLoCoStep:
     """DiLoCo's sync on the payload (the strategy's own pieces): every ``period`` (= H)
     steps, Δ = θ_g − θ_local on CPU, its mean over ranks on ``options["shards"]`` concurrent
     gloo streams (``options["compression"]``: none | int8; ``options["exchange"]``: auto |
-    owner | tree, ``syncplane.algorithms.diloco.exchange``), an outer step, θ_local ← θ_g;
+    mesh | tree, ``syncplane.algorithms.diloco.exchange``), an outer step, θ_local ← θ_g;
     nothing on the other steps. ``period`` makes the worker report the mean per step over
     whole rounds."""
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+    def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", 4))
-        self.allreduce, self.exchange = build_exchange(int(options.get("shards", 1)),
+        self.allreduce, self.exchange = build_exchange(job, int(options.get("shards", 1)),
                                                        options.get("compression", "none"),
                                                        exchange=options.get("exchange", "auto"))
         self.outer: OuterOptimizer | None = None

@@ -1,7 +1,7 @@
 """Elastic DiLoCo: the outer loop when replicas may leave and join between rounds.
 
 One round, for every replica in the current quorum (Lightning-free; the transport is any
-object with ``ReplicaGroup``'s four methods, ``syncplane.comm.elastic`` has the real one):
+object with ``ReplicaGroup``'s four methods, ``syncplane.algorithms.diloco.ft`` has the real one):
 
 1. ``begin``: Δ = θ_g − θ_local replaces θ_local in the flat buffer;
 2. ``allreduce_mean_``: Δ averaged over the quorum's members (a lost peer fails it);
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaTransport(Protocol):
-    """What the engine needs from the membership layer (``syncplane.comm.elastic.ReplicaGroup``)."""
+    """What the engine needs from the membership layer (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
 
     def quorum(self) -> Any: ...   # returns an object with quorum_id, participants, step
 

@@ -1,27 +1,19 @@
-"""Which all-reduce carries DiLoCo's pseudo-gradient: the owner exchange or FlexReduce's tree.
+"""Which all-reduce carries DiLoCo's pseudo-gradient, on how many streams.
 
-The owner exchange (``syncplane.comm.sharded``) sends every rank's segment j to rank j and
-the mean back: 2(n−1)/n·M per rank, wherever the ranks are. On racks or sites that puts
-about (n/racks)·M across each slow uplink per round; a hierarchical pattern puts M. So on a
-cluster with a hierarchy the exchange is FlexReduce (``syncplane.algorithms.flexreduce``:
-reduce inside the host/rack, cross the slow link with the rack's share, gather back),
-run by ``ShardedAllReduce`` on its S streams -- one shard per gloo group, the same
-deadline and commit/discard -- so there is one tree executor for FlexReduce and DiLoCo.
+DiLoCo runs two of the exchange layer's patterns (``syncplane.exchanges``): the ``mesh``
+(every rank owns 1/n: 2(n−1)/n·M per rank, wherever the ranks are; any codec) and the
+``tree`` (FlexReduce's plan: reduce inside the host/rack, cross the slow link with the rack's
+share, gather back; exact fp32 only), both run by ``syncplane.comm.StreamRunner`` on S
+streams with one deadline and commit/discard. On racks or sites the mesh puts about
+(n/racks)·M across each slow uplink per round, the tree M. ``exchange: auto`` (default)
+takes the tree when the job's tree has more than one level (hosts, racks or sites: the
+job's cluster profile, else its hosts) and the payload is fp32; otherwise the mesh.
 
-``exchange``:
-- ``owner``: the owner exchange (any codec).
-- ``tree``: FlexReduce's plan on the job's tree (exact fp32 only: its all-gather forwards
-  the root's sums, which an int8 codec would have to carry re-encoded at every hop).
-- ``auto`` (default): ``tree`` when the job's tree has more than one level -- ranks grouped
-  into hosts, racks or sites (the launcher's cluster profile, ``SYNCPLANE_CLUSTER``, else
-  hosts of ``LOCAL_WORLD_SIZE`` ranks) -- and the payload is fp32; otherwise ``owner``. A
-  single-host job (every local run) keeps the owner exchange.
-
-``shards: auto``: S from the job's cluster profile (``topology`` when it names one, else
-the launcher's): the fewest of 1, 2, 4, 8, 16 streams whose bound in the cost model is
-within 10 % of the best -- as many TCP connections as a per-flow-capped link needs, one per
-NIC where hosts have several. The bound scales with the payload (α = 0), so the choice does
-not depend on the model's size. Without a profile: 1 stream, and the log says so.
+``shards: auto``: S from the job's cluster profile (``topology`` when it names one, else the
+job's own): the fewest of 1, 2, 4, 8, 16 streams whose bound in the cost model is within
+10 % of the best -- as many TCP connections as a per-flow-capped link needs, one per NIC
+where hosts have several. The bound scales with the payload (α = 0), so the choice does not
+depend on the model's size. Without a profile: 1 stream, and the log says so.
 """
 
 from __future__ import annotations
@@ -29,61 +21,39 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import torch.distributed as dist
-
-from syncplane.algorithms.flexreduce.cost import flexreduce_phases
-from syncplane.algorithms.flexreduce.executor import FlexReduce
-from syncplane.algorithms.flexreduce.tree import FlexTree, from_profile, job_profile, job_tree
-from syncplane.cluster.cost import CostModel, FlowArray, Phase, columns_of, owner_exchange
+from syncplane.cluster.cost import CostModel, Phase
 from syncplane.cluster.profile import ClusterProfile
-from syncplane.comm import ShardedAllReduce, make_codec
+from syncplane.comm import StreamRunner, make_codec
+from syncplane.exchanges import JobShape, MeshExchange, TreeExchange, choose, normalize
+from syncplane.exchanges import mesh
+from syncplane.exchanges.tree import exchange as tree
+from syncplane.exchanges.tree.tree import job_tree
+from syncplane.job import JobContext
 
 log = logging.getLogger(__name__)
 
-EXCHANGES = ("auto", "owner", "tree")
+#: The exchanges DiLoCo runs (``syncplane.exchanges.NAMES`` is the vocabulary).
+EXCHANGES = ("mesh", "tree")
 STREAM_CHOICES = (1, 2, 4, 8, 16)   # ``shards: auto`` tries these (each stream is 2 gloo groups)
 
 
 def check_exchange(exchange: str, compression: str) -> None:
-    """Refuse an unknown exchange, or the tree with a lossy codec (clear errors, before any step)."""
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange: allowed values: {', '.join(EXCHANGES)}; got {exchange!r}")
-    if exchange == "tree" and compression != "none":
+    """Refuse an exchange DiLoCo does not run, or the tree with a lossy codec (clear errors,
+    before any step); the job's shape is checked when the exchange is built."""
+    name = normalize(exchange, allowed=("auto", *EXCHANGES))
+    if name == "tree" and compression != "none":
         raise ValueError(f"exchange='tree' carries exact fp32 only; compression={compression!r} needs "
-                         "exchange='owner' (or 'auto', which picks it)")
-
-
-def choose_exchange(exchange: str, compression: str, levels: int) -> str:
-    """``owner`` or ``tree`` for a job whose tree has ``levels`` levels (see the module doc)."""
-    check_exchange(exchange, compression)
-    if exchange != "auto":
-        return exchange
-    return "tree" if levels > 1 and compression == "none" else "owner"
-
-
-def tree_exchange(profile: ClusterProfile, payload_bytes: float, streams: int = 1) -> list[Phase]:
-    """FlexReduce's pipelined pattern on S streams, as ``ShardedAllReduce`` runs it with the
-    tree: each stream all-reduces 1/S of the payload with its own plan, and the streams'
-    wavefronts advance in lockstep -- every flow of one stream's tick, S times, at 1/S of
-    the bytes (the same link loads; S flows where a per-flow cap limits one), stream s on
-    NIC s mod k of its host (one stream: one NIC, however many flows)."""
-    phases = flexreduce_phases(from_profile(profile), payload_bytes / streams)
-    made: dict[int, FlowArray] = {}   # the steady-state tick is one object: keep it one
-    for phase in phases:
-        if id(phase) not in made:
-            src, dst, nbytes, copies = columns_of(phase)
-            made[id(phase)] = FlowArray(src, dst, nbytes, copies * streams, pinned=True)
-    return [made[id(phase)] for phase in phases]
+                         "exchange='mesh' (or 'auto', which picks it)")
 
 
 def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int, exchange: str = "auto",
                     compression: str = "none") -> list[Phase]:
-    """One all-reduce of Δ on ``streams`` streams, as the pattern ``exchange`` resolves to on
-    this cluster (``choose_exchange``): the owner exchange or FlexReduce's tree."""
-    levels = from_profile(profile).num_levels if profile.world_size > 1 else 1
-    if choose_exchange(exchange, compression, levels) == "tree" and profile.world_size > 1:
-        return tree_exchange(profile, payload_bytes, streams)
-    return owner_exchange(profile.world_size, payload_bytes, streams)
+    """One all-reduce of Δ on ``streams`` streams, as ``exchange`` resolves on this cluster."""
+    chosen = choose(exchange, JobShape.of_profile(profile), allowed=EXCHANGES, exact=compression == "none",
+                    strict=False)
+    if chosen.name == "tree" and profile.world_size > 1:
+        return tree.cost(profile, payload_bytes, streams)
+    return mesh.cost(profile.world_size, payload_bytes, streams)
 
 
 def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",
@@ -96,19 +66,19 @@ def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: s
     return next(s for s in STREAM_CHOICES if bounds[s] <= best * within), bounds
 
 
-def resolve_shards(shards: int | str, topology: str | Sequence[int], world_size: int, exchange: str = "auto",
-                   compression: str = "none") -> int:
+def resolve_shards(shards: int | str, job: JobContext, topology: str | Sequence[int] = "auto",
+                   exchange: str = "auto", compression: str = "none") -> int:
     """The stream count for ``shards`` (an int, or ``auto``: see the module doc); logs the
     choice. The same on every rank: a pure function of the settings and the profile."""
     if shards != "auto":
         return int(shards)
-    profile = job_profile(topology)
+    profile = job.profile_for(topology)
     if profile is None:
         log.info("diloco: shards auto -> 1 stream (no cluster profile: set topology to one, or shards)")
         return 1
-    if profile.world_size != world_size:
+    if profile.world_size != job.world_size:
         log.warning("diloco: shards auto -> 1 stream (profile %s has %d ranks, the job %d)",
-                    profile.name, profile.world_size, world_size)
+                    profile.name, profile.world_size, job.world_size)
         return 1
     streams, bounds = auto_streams(profile, exchange, compression)
     log.info("diloco: shards auto -> %d stream(s) on %s (bound per GB: %s)", streams, profile.name,
@@ -116,22 +86,20 @@ def resolve_shards(shards: int | str, topology: str | Sequence[int], world_size:
     return streams
 
 
-def build_exchange(shards: int, compression: str = "none", block_size: int = 256, timeout_s: float = 600.0,
-                   exchange: str = "auto", topology: str | Sequence[int] = "auto") -> tuple[ShardedAllReduce, str]:
-    """DiLoCo's exchange for this job (a collective: it builds the S gloo groups) and the
-    pattern chosen. ``topology`` as FlexReduce's (``auto``, a profile, or ranks per host)."""
+def build_exchange(job: JobContext, shards: int, compression: str = "none", block_size: int = 256,
+                   timeout_s: float = 600.0, exchange: str = "auto",
+                   topology: str | Sequence[int] = "auto") -> tuple[StreamRunner, str]:
+    """DiLoCo's exchange for this job (a collective: it builds the S streams' gloo groups) and
+    the pattern chosen. ``topology`` as FlexReduce's (``auto``, a profile, or ranks per host)."""
     check_exchange(exchange, compression)
-    codec = make_codec(compression, block_size)
-    tree: FlexTree | None = None
-    if exchange != "owner" and dist.get_world_size() > 1:
-        tree = job_tree(topology, dist.get_world_size())
-    chosen = choose_exchange(exchange, compression, tree.num_levels if tree is not None else 1)
-    pattern = None
-    if chosen == "tree" and tree is not None:
-        pattern = FlexReduce(tree, timeout_s=timeout_s, own_group=False)
-    why = "" if exchange != "auto" else (
-        " (auto: int8 needs the owner exchange)" if compression != "none" and tree is not None and tree.num_levels > 1
-        else f" (auto: {'a' if chosen == 'tree' else 'no'} host/rack hierarchy)")
-    log.info("diloco: exchange %s%s, %d stream(s)%s", chosen, why, shards,
-             f", tree {tree.describe()}" if pattern is not None and tree is not None else "")
-    return ShardedAllReduce(shards, codec=codec, timeout_s=timeout_s, pattern=pattern), chosen
+    shape = JobShape.of_job(job, topology) if exchange not in ("mesh", "owner") else JobShape(None)
+    chosen = choose(exchange, shape, allowed=EXCHANGES, exact=compression == "none")
+    if chosen.name == "tree" and job.world_size > 1:
+        pattern = TreeExchange(job_tree(job, topology), shards, timeout_s=timeout_s)
+        log.info("diloco: exchange tree (%s), %d stream(s), tree %s", chosen.reason, shards, pattern.tree.describe())
+    else:
+        pattern = MeshExchange(shards)
+        log.info("diloco: exchange mesh (%s), %d stream(s)", chosen.reason, shards)
+    runner = StreamRunner(pattern, codec=make_codec(compression, block_size), interfaces=job.interfaces,
+                          timeout_s=timeout_s)
+    return runner, chosen.name

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from syncplane.algorithms.diloco.outer import OuterOptimizer
-from syncplane.comm.sharded import shard_bounds
+from syncplane.comm.streams import shard_bounds
 
 #: ``average_(flat_slice, offset)``: the slice's mean over ranks in place; True if committed.
 Average = Callable[[torch.Tensor, int], bool]

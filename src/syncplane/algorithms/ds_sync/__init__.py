@@ -15,11 +15,12 @@ from typing import Any
 from syncplane.algorithms.ds_sync.bench import DSSyncStep
 from syncplane.algorithms.ds_sync.cost import ds_sync_steps
 from syncplane.algorithms.ds_sync.pair_streams import connections
+from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec
 
 
-def _step(name: str, options: Mapping[str, Any]) -> DSSyncStep:
-    return DSSyncStep(options)
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DSSyncStep:
+    return DSSyncStep(options, job)
 
 
 SPEC = AlgorithmSpec(

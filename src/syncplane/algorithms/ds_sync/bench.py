@@ -8,10 +8,9 @@ from typing import Any
 import torch
 
 from syncplane.algorithms.ds_sync.config import DSSyncConfig
-from syncplane.algorithms.ds_sync.runtime import ds_sync_for
-from syncplane.cluster.probe import resolve_topology
+from syncplane.algorithms.ds_sync.runtime import ds_sync_for_job
+from syncplane.job import JobContext
 from syncplane.comm import DEFAULT_BUCKET_BYTES, Bucket, CommMeter, make_buckets
-from syncplane.comm.process_groups import control_group
 
 
 class DSSyncStep:
@@ -22,10 +21,10 @@ class DSSyncStep:
     ``options["pair_streams"]`` (default ``"auto"``, as the strategy) is the number of
     connections per direction a pair swaps over; ``auto``'s trial runs in the warm-up."""
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+    def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         config = DSSyncConfig(adjust_every=int(options.get("adjust_every", 0)),
                               pair_streams=options.get("pair_streams", "auto"))
-        self.runtime = ds_sync_for(resolve_topology("auto", group=control_group()), config)
+        self.runtime = ds_sync_for_job(job, config)[0]
         self.warmup = self.runtime.streams.trial_length if self.runtime.streams.trial_from is not None else 0
         self._buckets: tuple[int, list[Bucket]] | None = None
 

@@ -8,8 +8,9 @@ import torch.distributed as dist
 
 from syncplane.algorithms.ds_sync.engine import DSSync, Reprobe
 from syncplane.algorithms.ds_sync.config import DSSyncConfig
-from syncplane.cluster.probe import Topology, measure_rounds, round_robin_rounds
+from syncplane.cluster.probe import Topology, measure_rounds, resolve_topology, round_robin_rounds, table_text
 from syncplane.comm.process_groups import control_group
+from syncplane.job import JobContext
 
 
 def reprober(topo: Topology, nbytes: int = 2**20, slow_factor: float = 0.5) -> Reprobe:
@@ -32,3 +33,11 @@ def ds_sync_for(topo: Topology, config: DSSyncConfig) -> DSSync:
     return DSSync(topo.racks, topo.bandwidth, slow_ranks, slow_racks, adjust_every=config.adjust_every,
                   imbalance=config.imbalance, reprobe=reprober(topo, config.probe_bytes, config.slow_factor),
                   pair_streams=config.pair_streams)
+
+
+def ds_sync_for_job(job: JobContext, config: DSSyncConfig) -> tuple[DSSync, str]:
+    """DS-Sync for this job (a collective: probes the network when ``config.topology`` says so,
+    over the control group, then builds every group): the runtime, and the topology as a
+    table for the log."""
+    topo = resolve_topology(job, config.topology, config.probe_bytes, group=control_group())
+    return ds_sync_for(topo, config), table_text(topo, config.slow_factor)

@@ -1,7 +1,9 @@
 """FlexReduce (Lee et al.): an all-reduce with uneven portions planned on the network tree.
 
-``tree`` builds the tree, ``plan`` is the paper's planner (pure), ``executor`` runs a plan
-on torch.distributed, ``cost`` is its α-β pattern, ``bench`` its bench step and peer.
+The tree, the planner, the executor and the tree's cost are the exchange layer's
+(``syncplane.exchanges.tree``: DiLoCo runs the same tree); this package declares the strategy
+(``cost``: its patterns for the catalogue, ``bench``: its bench step and peers).
+Glue: ``strategies/flexreduce.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from syncplane.algorithms.flexreduce.cost import (
     flexreduce_steps,
     hierarchical_allreduce_steps,
 )
+from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, SyncStep
 
 
@@ -24,10 +27,10 @@ def _cost(name, profile, payload_bytes, options):  # type: ignore[no-untyped-def
     return pattern(name, profile, payload_bytes, options)
 
 
-def _step(name: str, options: Mapping[str, Any]) -> SyncStep:
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> SyncStep:
     if name == "hier_allreduce":
-        return HierAllReduceStep(dict(options))
-    return FlexReduceStep(dict(options), chunk_bytes=0 if name == "flexreduce_levelwise" else None)
+        return HierAllReduceStep(job)
+    return FlexReduceStep(dict(options), job, chunk_bytes=0 if name == "flexreduce_levelwise" else None)
 
 
 SPEC = AlgorithmSpec(

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 
-from syncplane.algorithms.flexreduce.cost import ELEMENT_SIZE
-from syncplane.algorithms.flexreduce.plan import describe, plan_for
-from syncplane.algorithms.flexreduce.tree import from_profile
-from syncplane.algorithms import strategy_time
-from syncplane.cluster.cost import CostModel
+from syncplane.exchanges.tree.cost import ELEMENT_SIZE
+from syncplane.exchanges.tree.plan import describe, plan_for
+from syncplane.exchanges.tree.tree import from_profile
+from syncplane.algorithms.flexreduce.cost import hierarchical_allreduce_steps
+from syncplane.algorithms.spec import CostOptions
+from syncplane.cluster.cost import CostModel, ring_allreduce
+from syncplane.exchanges.tree.cost import flexreduce_phases
 from syncplane.cluster.profile import load_profile
 
 
@@ -24,9 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     tree = from_profile(profile)
     print(describe(tree, plan_for(tree, payload // ELEMENT_SIZE), ELEMENT_SIZE))
     model = CostModel(profile)
-    for name in ("ddp", "flexreduce", "flexreduce_levelwise", "hier_allreduce"):
-        predicted, bound = strategy_time(model, name, payload)
-        print(f"  {name:>20}: predicted {predicted:.3f} s, bound {bound:.3f} s")
+    patterns = {"ddp": ring_allreduce(profile.world_size, payload),
+                "flexreduce": flexreduce_phases(tree, payload),
+                "flexreduce_levelwise": flexreduce_phases(tree, payload, chunk_bytes=0),
+                "hier_allreduce": hierarchical_allreduce_steps("hier_allreduce", profile, payload, CostOptions())[0]}
+    for name, phases in patterns.items():
+        print(f"  {name:>20}: predicted {model.time(phases):.3f} s, bound {model.bound(phases):.3f} s")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from syncplane.algorithms.flexreduce.executor import DEFAULT_CHUNK_BYTES, FlexReduce
-from syncplane.algorithms.flexreduce.tree import job_hosts, job_tree
+from syncplane.exchanges.tree.executor import DEFAULT_CHUNK_BYTES, FlexReduce
+from syncplane.exchanges.tree.tree import job_tree
+from syncplane.job import JobContext
 from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES   # torch DDP's, as the bench's DDP row
 from syncplane.comm.group_cache import cached_group
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
@@ -30,10 +31,10 @@ from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
 class FlexReduceStep:
     """The ``flexreduce`` strategy's gradient all-reduce on the bench payload."""
 
-    def __init__(self, spec: dict, chunk_bytes: int | None = None) -> None:
+    def __init__(self, spec: dict, job: JobContext, chunk_bytes: int | None = None) -> None:
         if chunk_bytes is None:
             chunk_bytes = int(float(spec.get("chunk_mb", DEFAULT_CHUNK_BYTES / 2**20)) * 2**20)
-        self.engine = FlexReduce(job_tree(spec.get("topology", "auto"), dist.get_world_size()),
+        self.engine = FlexReduce(job_tree(job, spec.get("topology", "auto")),
                                  chunk_bytes=chunk_bytes)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexreduce")
         self._pending: list[Future] = []
@@ -59,9 +60,9 @@ class FlexReduceStep:
 class HierAllReduceStep:
     """Reduce in the host, all-reduce among host leaders, broadcast in the host (sum → mean)."""
 
-    def __init__(self, spec: dict) -> None:
+    def __init__(self, job: JobContext) -> None:
         world, me = dist.get_world_size(), dist.get_rank()
-        self.hosts = job_hosts(world)
+        self.hosts = job.hosts()
         self.world = world
         # every rank creates every group, in the same order (new_group is a collective)
         host_groups = [cached_group("hier_host", h) if len(h) > 1 else None for h in self.hosts]

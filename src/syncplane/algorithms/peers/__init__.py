@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.peers.bench import TorchHierarchicalAveraging, TorchPeriodicAveraging
+from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, SyncStep
 from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
@@ -19,9 +20,9 @@ def periodic_allreduce_cost(name: str, profile: ClusterProfile, payload_bytes: f
     return [ring_allreduce(profile.world_size, payload_bytes)] + [[] for _ in range(options.period - 1)]
 
 
-def _step(name: str, options: Mapping[str, Any]) -> SyncStep:
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> SyncStep:
     period = int(options.get("period", 4))
-    return TorchPeriodicAveraging(period) if name == "torch_periodic" else TorchHierarchicalAveraging(period)
+    return TorchPeriodicAveraging(period) if name == "torch_periodic" else TorchHierarchicalAveraging(period, job)
 
 
 SPEC = AlgorithmSpec(

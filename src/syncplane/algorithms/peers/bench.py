@@ -10,7 +10,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
 
 from syncplane.comm import CommMeter, ring_allreduce_bytes
-from syncplane.comm.context import local_size_from_env
+from syncplane.job import JobContext
 
 
 class TorchPeriodicAveraging:
@@ -39,10 +39,10 @@ class TorchPeriodicAveraging:
 
 class TorchHierarchicalAveraging(TorchPeriodicAveraging):
     """torch's ``HierarchicalModelAverager``: average inside each host every ``period // 2``
-    steps and across all ranks every ``period`` (a host = ``LOCAL_WORLD_SIZE`` ranks)."""
+    steps and across all ranks every ``period`` (a host = the job's ``local_world_size`` ranks)."""
 
-    def __init__(self, period: int) -> None:
-        local = local_size_from_env()
+    def __init__(self, period: int, job: JobContext) -> None:
+        local = job.local_world_size or 1
         world = dist.get_world_size()
         if local <= 1 or world % local or local == world:
             raise ValueError("torch_hierarchical needs several hosts with the same number (>1) of ranks each")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
@@ -29,7 +30,7 @@ def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options:
     return [ring_allreduce(n, 4 * p) + ring_allreduce(n, 4 * q)]
 
 
-def _step(name: str, options: Mapping[str, Any]) -> TorchHookStep:
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> TorchHookStep:
     return TorchHookStep(name, options)
 
 

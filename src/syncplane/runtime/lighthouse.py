@@ -22,8 +22,8 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from syncplane.comm import elastic
-from syncplane.launcher import PARENT_ENV, LaunchError, die_with_parent
+from syncplane.algorithms.diloco import ft as elastic
+from syncplane.runtime.launcher import PARENT_ENV, LaunchError, die_with_parent
 
 #: How long the service may take to start (an interpreter importing torchft and torch).
 START_TIMEOUT_S = 60.0
@@ -35,7 +35,7 @@ def lighthouse_process(prefix: Sequence[str], host: str, *, log_file: Path, env:
                        heartbeat_timeout_s: float = 5.0) -> Iterator[str]:
     """Run the quorum service with ``prefix`` (``ip netns exec <host>``) bound to ``host``;
     yields its address. Its log (torchft's warnings) goes to ``log_file``."""
-    command = [*prefix, sys.executable, "-m", "syncplane.training.lighthouse", "--host", host,
+    command = [*prefix, sys.executable, "-m", "syncplane.runtime.lighthouse", "--host", host,
                "--min-replicas", str(min_replicas), "--join-timeout-s", str(join_timeout_s),
                "--heartbeat-timeout-s", str(heartbeat_timeout_s)]
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,7 @@ def _read_address(proc: subprocess.Popen[bytes], log_file: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m syncplane.training.lighthouse",
+    parser = argparse.ArgumentParser(prog="python -m syncplane.runtime.lighthouse",
                                      description="Serve an elastic job's quorum until SIGTERM.")
     parser.add_argument("--host", required=True, help="the one address to bind (a NIC's, or 127.0.0.1)")
     parser.add_argument("--min-replicas", type=int, default=1)

@@ -110,8 +110,8 @@ def export(container: Mapping[str, Any], peer: str, run_dir: Path) -> Path:
     from syncplane.comm import ring_allreduce_bytes
     from syncplane.recipes.classifier import ImageClassifier
     from syncplane.recipes.optim import schedule_factor
-    from syncplane.training.job import parse_job
-    from syncplane.training.worker import _threads_per_rank
+    from syncplane.runtime.settings import parse_job
+    from syncplane.runtime.worker import threads_per_rank
 
     spec = parse_job(container, run_dir=str(run_dir))
     world, trainer = spec.trainer.devices, spec.trainer
@@ -149,7 +149,7 @@ def export(container: Mapping[str, Any], peer: str, run_dir: Path) -> Path:
     np.save(folder / "lrs.npy", np.asarray([module.lr * factor(s) for s in range(total)], dtype=np.float64))
     np.savez(folder / "weights.npz", **{k: v.detach().cpu().numpy() for k, v in module.network.state_dict().items()})
     param_bytes = sum(p.numel() * p.element_size() for p in module.network.parameters())
-    threads = _threads_per_rank(spec, world)   # every rank on this machine, emulated cluster or not
+    threads = threads_per_rank(spec, world)   # every rank on this machine, emulated cluster or not
     cfg: dict[str, Any] = {
         "peer": peer, "recipe": spec.recipe_name, "run_dir": str(run_dir.resolve()), "seed": spec.seed,
         "epochs": trainer.max_epochs, "batch_size": batch, "momentum": module.momentum,
@@ -185,8 +185,8 @@ def _diloco_settings(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def run_peer(peer: str, container: Mapping[str, Any], run_dir: Path, *, echo_to: IO[str] | None = None,
              horovod_venv: Path = HOROVOD_VENV) -> dict[str, Any]:
     """Train the job ``container`` describes with ``peer``; returns its summary."""
-    from syncplane.launcher import launch, launch_on_cluster, local_ranks
-    from syncplane.training.job import parse_job
+    from syncplane.runtime.launcher import launch, launch_on_cluster, local_ranks
+    from syncplane.runtime.settings import parse_job
 
     reason = unavailable_reason(peer, horovod_venv)
     if reason is not None:
@@ -241,7 +241,7 @@ def horovod_job(python: Path, profile: Any, world_size: int, log_dir: Path) -> I
     ``profile`` (server in rank 0's host, every rank in its own host), or on loopback when
     ``profile`` is None -- and the ranks to launch (``RankSpec``s with Horovod's variables)."""
     from syncplane.cluster import emulator
-    from syncplane.launcher import RankSpec
+    from syncplane.runtime.launcher import RankSpec
 
     with ExitStack() as stack:
         if profile is None:

@@ -1,4 +1,4 @@
-"""One rank of a training job: ``python -m syncplane.training.worker JOB.yaml``.
+"""One rank of a training job: ``python -m syncplane.runtime.worker JOB.yaml``.
 
 The launcher starts this with torchrun's environment variables (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); Lightning's
@@ -17,16 +17,18 @@ from typing import Any
 
 import yaml
 
-from syncplane.comm import elastic
 from syncplane.comm.basics import release_groups
-from syncplane.training import rendezvous
-from syncplane.launcher import die_with_parent
-from syncplane.training.job import JobSpec, parse_job
+from syncplane.job import JobContext
+from syncplane.runtime import rendezvous
+from syncplane.runtime.launcher import die_with_parent
+from syncplane.runtime.settings import JobSpec, parse_job
 
 JOB_FILE = "job.yaml"
 
 
-def _threads_per_rank(spec: JobSpec, local_world_size: int) -> int:
+def threads_per_rank(spec: JobSpec, local_world_size: int) -> int:
+    """Torch threads for one rank: the job's ``trainer.threads_per_rank``, else the machine's
+    cores shared by the ``local_world_size`` ranks on it."""
     if spec.trainer.threads_per_rank > 0:
         return spec.trainer.threads_per_rank
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
@@ -73,18 +75,21 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
 
     from syncplane import recipes
     from syncplane.strategies import registry
-    from syncplane.training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
-    from syncplane.training.liveness import HeartbeatCallback, InjectFault
-    from syncplane.training.report import RunReport
+    from syncplane.runtime.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
+    from syncplane.runtime.liveness import HeartbeatCallback, InjectFault
+    from syncplane.runtime.report import RunReport
 
-    world_size = int(os.environ["WORLD_SIZE"])
-    replica = os.environ.get(elastic.REPLICA_ENV)
+    # the job's shape, read from the launcher once, here; everything below gets it as an argument
+    job = JobContext.from_environment(run_dir=spec.run_dir)
+    world_size = job.world_size
+    replica = job.elastic.replica if job.elastic is not None else None
     if spec.elastic and replica is not None:
-        spec = _as_replica(spec, int(replica))
-    configure_logging(int(os.environ.get("RANK", "0")) if replica is None else int(replica))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        spec = _as_replica(spec, replica, job.elastic.restarts if job.elastic is not None else 0)
+        job = dataclasses.replace(job, run_dir=Path(spec.run_dir))
+    configure_logging(job.rank if replica is None else replica)
+    local_world_size = job.local_world_size or world_size
     # an emulated cluster runs every rank on this one machine
-    torch.set_num_threads(_threads_per_rank(spec, world_size if spec.cluster else local_world_size))
+    torch.set_num_threads(threads_per_rank(spec, world_size if spec.cluster else local_world_size))
     # Same seed on every rank: identical initial weights (broadcast anyway) and a shared
     # shuffle; the DistributedSampler gives each rank its own shard.
     seed_everything(spec.seed, workers=True, verbose=False)
@@ -93,7 +98,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     # then finds the group initialized and joins it
     rendezvous.join(spec.trainer.accelerator, spec.trainer.rendezvous_timeout_s)
     module, data = recipes.get(spec.recipe_name).build(spec.recipe)
-    strategy = registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment())
+    strategy = registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment(), job=job)
     report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name, spec.seed)
     checkpoints = LastCheckpoint(Path(spec.run_dir) / "checkpoints")
     trainer_cfg = spec.trainer
@@ -127,11 +132,10 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     return report.summary
 
 
-def _as_replica(spec: JobSpec, replica: int) -> JobSpec:
+def _as_replica(spec: JobSpec, replica: int, restart: int) -> JobSpec:
     """An elastic replica is a Lightning job of one process: replica 0 writes the job's
     summary and history in the run folder, the others their own in ``replica<i>/``; a
     restarted replica rendezvouses (with itself) on a fresh file store."""
-    restart = int(os.environ.get(elastic.RESTART_ENV, "0"))
     if restart:
         os.environ[rendezvous.FILE_ENV] = f"{os.environ[rendezvous.FILE_ENV]}.restart{restart}"
     if replica == 0:
@@ -142,9 +146,11 @@ def _as_replica(spec: JobSpec, replica: int) -> JobSpec:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m syncplane.training.worker RUN_DIR/job.yaml", file=sys.stderr)
+        print("usage: python -m syncplane.runtime.worker RUN_DIR/job.yaml", file=sys.stderr)
         return 2
     die_with_parent()   # a launcher killed outright takes its ranks with it
+    # torchft's Rust side logs every quorum at INFO to stderr; warnings are what a user needs
+    os.environ.setdefault("RUST_LOG", "warn")
     job = yaml.safe_load(Path(args[0]).read_text())
     spec = parse_job(job["config"], run_dir=job["run_dir"], job_name=job.get("job_name", "train"))
     try:

@@ -4,7 +4,7 @@
 
 Peers (``horovod``, ``torchft_diloco``) are the yardsticks a syncplane strategy is
 compared against, so they must train *exactly* what the strategies train: the parent
-(``syncplane.training.peers``) exports the recipe's network (as a list of ``torch.nn``
+(``syncplane.experiments.peers``) exports the recipe's network (as a list of ``torch.nn``
 layers), its initial weights, the data, every rank's sample order per epoch (what
 Lightning's ``DistributedSampler`` gives that rank) and the learning rate of every step.
 This file only replays them in a plain torch loop with the peer's own synchronization.
@@ -12,7 +12,7 @@ This file only replays them in a plain torch loop with the peer's own synchroniz
 Deliberately imports nothing but the standard library, numpy and torch at module level:
 Horovod 0.28.1 runs it under torch 2.0.1 in its own virtualenv, where syncplane cannot be
 imported (the torchft peer, which runs in syncplane's environment, imports its store helper).
-It writes the same ``history.jsonl`` and ``summary.json`` as ``syncplane.training.report``
+It writes the same ``history.jsonl`` and ``summary.json`` as ``syncplane.runtime.report``
 (the contract comparisons read), with ``strategy`` set to the peer's name.
 """
 

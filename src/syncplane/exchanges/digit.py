@@ -1,4 +1,5 @@
-"""Canary's two-stage cube all-reduce (mean) for a BCube(α, β) network (paper 004 §4.4, Fig. 13, Table 2).
+"""The digit exchanges: the two-stage cube all-reduce (mean) for a BCube(α, β) network (Canary's
+network), and the same schedule nested by hosts and racks.
 
 In BCube(α, β) the n = α^β hosts have β NICs; NIC ℓ of host x plugs into a switch shared
 with the α − 1 hosts whose address differs from x's in digit ℓ only (x's *level-ℓ cube*).
@@ -20,15 +21,14 @@ In every step the β streams use β different levels, so every NIC of every host
 one stream's traffic, and per NIC that is ``2·(α−1)/α·(1 + 1/α + … + 1/α^(β−1))·M/β`` --
 for β = 2 exactly the network's bound ``2(n−1)/n·M/2``.
 
-The transport is ``ShardedAllReduce`` with β groups, group ℓ bound to NIC ℓ (the
-``interfaces``, default ``GLOO_SOCKET_IFNAME``): commit or discard, deadline, abort and
-rebuild are its. A lossy codec compresses a rank's own pieces once (error feedback
+The runner is ``syncplane.comm.StreamRunner`` with β streams, stream ℓ bound to NIC ℓ (the
+``interfaces`` its caller names): commit or discard, deadline, abort and rebuild are its. A lossy codec compresses a rank's own pieces once (error feedback
 ``local``), each relayed partial sum once (``relay``) and the owner's mean once (``owner``);
 every rank decodes the same owner bytes, so replicas agree exactly. With the exact
 codec the result is the mean up to fp32 rounding of the (cube-ordered) sums.
 
 The same schedule on *mixed-radix* addresses is the **nested** exchange for ranks grouped in
-hosts and racks (``NestedAllReduce``): rank r's digits are its place in its host, its host's
+hosts and racks (``NestedExchange``): rank r's digits are its place in its host, its host's
 place in its rack, its rack (radices = ranks per host, hosts per rack, racks). Every stream
 visits the levels innermost first -- reduce-scatter inside the host, then inside the rack,
 then across racks, and the all-gather back out -- so the slow links carry only the last
@@ -40,20 +40,19 @@ same bits for any stream count.
 
 from __future__ import annotations
 
-import logging
 import math
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
-from syncplane.comm.sharded import ShardedAllReduce, _wait_all, shard_bounds
-
-log = logging.getLogger(__name__)
+from syncplane.cluster.cost import FlowArray, Phase
+from syncplane.cluster.profile import ClusterProfile
+from syncplane.comm.codecs import Codec, Fp32
+from syncplane.comm.streams import Round, shard_bounds
 
 _TAG_BASE = 64
 _FP32 = Fp32()
@@ -72,21 +71,20 @@ class CubeStep:
     recvs: dict[int, list[int]]                     # peer -> pieces this rank receives from it
 
 
-class DigitAllReduce(ShardedAllReduce):
+class DigitExchange:
     """Mean of a flat fp32 CPU tensor over ranks addressed by mixed-radix digits, each
     stream reduce-scattering along its own order of levels (one peer set per step: the
     ranks that differ from this one in that step's digit only), then all-gathering back.
 
-    ``CubeAllReduce`` (BCube: streams rotate over the levels, level ℓ on NIC ℓ) and
-    ``NestedAllReduce`` (hosts and racks: innermost level first, stream t on NIC t) are its
-    two schedules. Collective construction (every rank, same order), like
-    ``ShardedAllReduce``; ``group_by`` says which of a step's indices picks its gloo group.
+    ``CubeExchange`` (BCube: streams rotate over the levels, level ℓ on NIC ℓ) and
+    ``NestedExchange`` (hosts and racks: innermost level first, stream t on NIC t) are its
+    two schedules; ``group_by`` says which of a step's indices picks its stream group.
     """
 
+    feedback_slots = 3     # (this rank's own pieces, relayed partial sums, owned means)
+
     def __init__(self, radices: Sequence[int], orders: Sequence[Sequence[int]], *,
-                 group_by: Literal["level", "stream"], codec: Codec | None = None,
-                 exact_levels: Sequence[int] = (), interfaces: Sequence[str] | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 group_by: Literal["level", "stream"], exact_levels: Sequence[int] = ()) -> None:
         self.radices = [int(a) for a in radices]
         self.exact_levels = frozenset(int(lv) for lv in exact_levels)
         if not self.exact_levels <= set(range(len(self.radices))):
@@ -99,13 +97,21 @@ class DigitAllReduce(ShardedAllReduce):
                              f"{len(self.radices)} level(s)")
         self.group_by = group_by
         self._schedules: dict[int, list[list[CubeStep]]] = {}
-        groups = len(self.radices) if group_by == "level" else len(self.orders)
-        super().__init__(groups, codec=codec, interfaces=interfaces, timeout_s=timeout_s, layout="pieces")
 
     @property
     def streams(self) -> int:
-        """Pieces per rank and colayer: the buffer is cut into ``streams`` parts of n pieces."""
+        """Stream groups: one per level (cube) or per stream (nested)."""
+        return len(self.radices) if self.group_by == "level" else len(self.orders)
+
+    @property
+    def parts(self) -> int:
+        """Pieces per rank and colayer: the buffer is cut into ``parts`` parts of n pieces."""
         return len(self.orders)
+
+    def check(self, size: int) -> None:
+        if math.prod(self.radices) != size:
+            raise ValueError(f"radices: groups of {self.radices} hold {math.prod(self.radices)} ranks, but the "
+                             f"job has {size}")
 
     # ------------------------------------------------------------------ the schedule
 
@@ -118,44 +124,37 @@ class DigitAllReduce(ShardedAllReduce):
             self._schedules[me] = digit_schedule(self.radices, self.orders, me)
         return self._schedules[me]
 
-    def pieces(self, numel: int) -> list[list[tuple[int, int]]]:
-        """``[stream][piece] -> (start, end)`` in the flat buffer."""
-        return [[(a + lo, a + hi) for lo, hi in shard_bounds(b - a, self.size)]
-                for a, b in shard_bounds(numel, self.streams)]
+    def pieces(self, numel: int, size: int) -> list[list[tuple[int, int]]]:
+        """``[part][piece] -> (start, end)`` in the flat buffer."""
+        return [[(a + lo, a + hi) for lo, hi in shard_bounds(b - a, size)]
+                for a, b in shard_bounds(numel, self.parts)]
 
-    def bytes_per_round(self, numel: int) -> int:
-        """Bytes this rank sends in one round of ``numel`` values (both stages)."""
-        bounds = self.pieces(numel)
-        return sum(self._wire(step).nbytes(hi - lo) for row in self.steps(self.rank) for step in row
+    def bytes_per_round(self, numel: int, codec: Codec, rank: int, size: int) -> int:
+        """Bytes ``rank`` sends in one round of ``numel`` values (both stages)."""
+        bounds = self.pieces(numel, size)
+        return sum(self._wire(step, codec).nbytes(hi - lo) for row in self.steps(rank) for step in row
                    for ps in step.sends.values() for lo, hi in (bounds[step.stream][p] for p in ps) if hi > lo)
 
-    def _wire(self, step: CubeStep) -> Codec:
+    def _wire(self, step: CubeStep, codec: Codec) -> Codec:
         """What a step's messages are in: the owners' encoded means in the all-gather; in the
         reduce-scatter the codec, or raw fp32 on an exact level (ranks of one host, whose
         messages never touch a wire: encoding them would cost CPU and accuracy for nothing)."""
-        return _FP32 if not step.gather and step.level in self.exact_levels else self.codec
+        return _FP32 if not step.gather and step.level in self.exact_levels else codec
 
     # ------------------------------------------------------------------ the exchange
 
-    def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ...]:
-        """(this rank's own pieces, relayed partial sums, owned means) -- one residual each."""
-        if self._feedback is None or self._feedback[0].residual.numel() != numel:
-            self._feedback = tuple(ErrorFeedback(self.codec, numel) for _ in range(3))
-        return self._feedback
-
-    def _exchange(self, flat: torch.Tensor, feedback: tuple[ErrorFeedback, ...], offset: int = 0
-                  ) -> tuple[torch.Tensor, int]:
-        deadline = time.monotonic() + self.timeout_s
-        local_ef, relay_ef, owner_ef = feedback
-        me, n, codec, levels = self.rank, self.size, self.codec, len(self.radices)
-        if flat.numel() < n * self.streams:
-            raise ValueError(f"pieces: the {type(self).__name__} cuts a buffer into streams * n = "
-                             f"{n * self.streams} pieces, more than its {flat.numel()} elements")
-        bounds = self.pieces(flat.numel())
+    def run(self, round: Round) -> tuple[torch.Tensor, int]:
+        flat, codec, offset = round.flat, round.codec, round.offset
+        local_ef, relay_ef, owner_ef = round.feedback
+        me, n, levels = round.rank, round.size, len(self.radices)
+        if flat.numel() < n * self.parts:
+            raise ValueError(f"pieces: the {type(self).__name__} cuts a buffer into parts * n = "
+                             f"{n * self.parts} pieces, more than its {flat.numel()} elements")
+        bounds = self.pieces(flat.numel(), n)
         partial: list[dict[int, torch.Tensor]] = [{p: flat[lo:hi] for p, (lo, hi) in enumerate(s)} for s in bounds]
         encoded: list[dict[int, torch.Tensor]] = [{} for _ in bounds]        # owner bytes, forwarded as they are
         out = torch.empty_like(flat)
-        keep, sent, sends = self._inflight, 0, []
+        keep, sent, sends = round.keep, 0, []
 
         def size(t: int, p: int) -> int:
             lo, hi = bounds[t][p]
@@ -165,7 +164,7 @@ class DigitAllReduce(ShardedAllReduce):
             posted: list[tuple[CubeStep, dict[int, torch.Tensor], list[dist.Work]]] = []
             for step in row:
                 index = step.level if self.group_by == "level" else step.stream
-                wire = self._wire(step)
+                wire = self._wire(step, codec)
                 buffers: dict[int, torch.Tensor] = {}
                 works: list[dist.Work] = []
                 for peer, ps in step.sends.items():
@@ -179,27 +178,27 @@ class DigitAllReduce(ShardedAllReduce):
                                  for p in ps]
                     data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
                     if data.numel():
-                        sends.append(self._link(index, me, peer).send([data], peer, _TAG_BASE + k))
+                        sends.append(round.link(index, me, peer).send([data], peer, _TAG_BASE + k))
                         keep.append(data)
                         sent += data.numel()
                 for peer, ps in step.recvs.items():
                     nbytes = sum(wire.nbytes(size(step.stream, p)) for p in ps)
                     if nbytes:
                         buffers[peer] = torch.empty(nbytes, dtype=torch.uint8)
-                        works.append(self._link(index, peer, me).recv([buffers[peer]], peer, _TAG_BASE + k))
+                        works.append(round.link(index, peer, me).recv([buffers[peer]], peer, _TAG_BASE + k))
                 keep.extend(buffers.values())
                 posted.append((step, buffers, works))
             keep.extend(sends)
             for step, buffers, works in posted:
                 keep.extend(works)
-                _wait_all(works, deadline)
+                round.wait(works)
                 t = step.stream
                 if step.gather:
                     for peer, ps in step.recvs.items():
                         for p, data in zip(ps, _split(buffers.get(peer), [codec.nbytes(size(t, p)) for p in ps])):
                             encoded[t][p] = data
                     continue
-                wire = self._wire(step)
+                wire = self._wire(step, codec)
                 mine = self.digit(me, step.level)
                 sources = {self.digit(peer, step.level): peer for peer in step.recvs}
                 kept = next(iter(step.recvs.values()))             # the same pieces from every peer
@@ -220,7 +219,7 @@ class DigitAllReduce(ShardedAllReduce):
                     mean = summed[me].div_(n)
                     encoded[t][me] = owner_ef.compress(mean, offset + lo)
                     keep.append(encoded[t][me])
-        _wait_all(sends, deadline)
+        round.wait(sends)
         for t, s in enumerate(bounds):
             for p, (lo, hi) in enumerate(s):
                 if hi > lo:
@@ -228,67 +227,49 @@ class DigitAllReduce(ShardedAllReduce):
         return out, sent
 
 
-class CubeAllReduce(DigitAllReduce):
-    """Mean of a flat fp32 CPU tensor over the α^β ranks of a BCube(α, β), one rank per host.
-
-    Collective construction (every rank, same order), like ``ShardedAllReduce``.
+class CubeExchange(DigitExchange):
+    """The cube all-reduce over the α^β ranks of a BCube(α, β), one rank per host: β streams,
+    level ℓ on stream (and NIC) ℓ.
 
     Args:
         alpha: ports per switch (hosts per cube).
         beta: levels (NICs per host, streams).
-        codec: what travels (default exact fp32).
-        interfaces: NIC names, level ℓ on ``interfaces[ℓ]`` (default ``GLOO_SOCKET_IFNAME``).
-        timeout_s: a round slower than this is discarded on every rank.
     """
 
-    def __init__(self, alpha: int, beta: int, *, codec: Codec | None = None,
-                 interfaces: Sequence[str] | None = None, timeout_s: float = 600.0) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("CubeAllReduce needs an initialized default process group")
+    def __init__(self, alpha: int, beta: int) -> None:
         if alpha < 2:
             raise ValueError(f"alpha: a BCube switch has at least 2 ports, got {alpha}")
         if beta < 1:
             raise ValueError(f"beta: a BCube has at least 1 level, got {beta}")
-        if alpha ** beta != dist.get_world_size():
-            raise ValueError(f"world size: BCube({alpha}, {beta}) has alpha^beta = {alpha ** beta} hosts with one "
-                             f"rank each, but the job has {dist.get_world_size()} ranks")
         self.alpha, self.beta = alpha, beta
-        super().__init__([alpha] * beta, _rotations(beta), group_by="level", codec=codec,
-                         interfaces=interfaces, timeout_s=timeout_s)
-        if self.interfaces is not None and len(self.interfaces) != beta:
-            log.warning("cube all-reduce: %d levels but %d NIC(s) named (%s); levels share NICs",
-                        beta, len(self.interfaces), ",".join(self.interfaces))
+        super().__init__([alpha] * beta, _rotations(beta), group_by="level")
+
+    def check(self, size: int) -> None:
+        if self.alpha ** self.beta != size:
+            raise ValueError(f"world size: BCube({self.alpha}, {self.beta}) has alpha^beta = "
+                             f"{self.alpha ** self.beta} hosts with one rank each, but the job has {size} ranks")
 
 
-class NestedAllReduce(DigitAllReduce):
-    """Mean of a flat fp32 CPU tensor over ranks grouped in nested groups of equal size
-    (ranks in hosts, hosts in racks): reduce-scatter innermost level first, all-gather
-    back out (module docstring). Rank r's digit ℓ is its place at level ℓ, so ranks must
-    be numbered group by group (as ``torchrun`` and syncplane's launcher number them).
+class NestedExchange(DigitExchange):
+    """Ranks grouped in nested groups of equal size (ranks in hosts, hosts in racks):
+    reduce-scatter innermost level first, all-gather back out (module docstring). Rank r's
+    digit ℓ is its place at level ℓ, so ranks must be numbered group by group (as
+    ``torchrun`` and syncplane's launcher number them).
 
     Args:
         radices: group size per level, innermost first; their product is the world size.
         streams: concurrent streams, each carrying 1/streams of the buffer on its own gloo
-            group, stream t on NIC ``t mod k`` of the ``interfaces``.
+            group, stream t on NIC ``t mod k``.
         exact_levels: levels whose reduce-scatter sends raw fp32 instead of the codec (the
             ranks of one host: memory bandwidth, no wire); the owners' encoded means still
             travel encoded.
-        codec, interfaces, timeout_s: as ``ShardedAllReduce``.
     """
 
-    def __init__(self, radices: Sequence[int], *, streams: int = 1, codec: Codec | None = None,
-                 exact_levels: Sequence[int] = (), interfaces: Sequence[str] | None = None,
-                 timeout_s: float = 600.0) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("NestedAllReduce needs an initialized default process group")
-        radices = [int(a) for a in radices]
-        if math.prod(radices) != dist.get_world_size():
-            raise ValueError(f"radices: groups of {radices} hold {math.prod(radices)} ranks, but the job has "
-                             f"{dist.get_world_size()}")
+    def __init__(self, radices: Sequence[int], *, streams: int = 1, exact_levels: Sequence[int] = ()) -> None:
         if streams < 1:
             raise ValueError(f"streams: must be at least 1, got {streams}")
-        super().__init__(radices, [list(range(len(radices)))] * streams, group_by="stream", codec=codec,
-                         exact_levels=exact_levels, interfaces=interfaces, timeout_s=timeout_s)
+        super().__init__([int(a) for a in radices], [list(range(len(radices)))] * streams, group_by="stream",
+                         exact_levels=exact_levels)
 
 
 def _mixed_digit(radices: Sequence[int], x: int, level: int) -> int:
@@ -308,7 +289,7 @@ def _rotations(beta: int) -> list[list[int]]:
 def digit_schedule(radices: Sequence[int], orders: Sequence[Sequence[int]], me: int) -> list[list[CubeStep]]:
     """Rank ``me``'s part of the digit all-reduce: per step (one reduce-scatter step per
     level, then the all-gather steps in reverse), one ``CubeStep`` per stream, stream t
-    taking the levels in ``orders[t]`` (``DigitAllReduce``)."""
+    taking the levels in ``orders[t]`` (``DigitExchange``)."""
     n, streams, depth = math.prod(radices), len(orders), len(radices)
     held = [list(range(n)) for _ in range(streams)]         # pieces whose partial sums this rank holds
     schedule: list[list[CubeStep]] = []
@@ -343,7 +324,7 @@ def cube_schedule(alpha: int, beta: int, me: int) -> list[list[CubeStep]]:
 
 
 def nested_schedule(radices: Sequence[int], me: int, streams: int = 1) -> list[list[CubeStep]]:
-    """Rank ``me``'s part of the nested exchange (``NestedAllReduce``): innermost level first."""
+    """Rank ``me``'s part of the nested exchange (``NestedExchange``): innermost level first."""
     return digit_schedule(radices, [list(range(len(radices)))] * streams, me)
 
 
@@ -355,5 +336,69 @@ def _split(data: torch.Tensor | None, sizes: list[int]) -> Iterator[torch.Tensor
         start += nbytes
 
 
-__all__ = ["CubeAllReduce", "CubeStep", "DigitAllReduce", "NestedAllReduce", "cube_schedule", "digit_schedule",
-           "nested_schedule"]
+
+# ----------------------------------------------------------------------------- cost
+
+
+def nested_cost(radices: Sequence[int], payload_bytes: float, streams: int = 1,
+                     exact_levels: Sequence[int] = (), exact_bytes: float | None = None) -> list[Phase]:
+    """The nested exchange (``NestedExchange``): ranks grouped in levels of
+    ``radices`` (innermost first); reduce-scatter level by level, each rank sending the
+    part of what it holds whose level-i digit is a peer's to that peer -- M/(a₀·…·aᵢ) per
+    peer, over ``streams`` flows -- then the all-gather back in reverse. Across the outermost
+    level each rank sends M/n per peer each way: the network's bound for racks. The
+    reduce-scatter of an ``exact_levels`` level carries ``exact_bytes`` (the raw fp32
+    payload) instead of ``payload_bytes`` (the encoded one)."""
+    n = int(np.prod(radices)) if radices else 1
+    if n < 2:
+        return []
+    ranks = np.arange(n, dtype=np.int64)
+    scatter: list[Phase] = []
+    gather: list[Phase] = []
+    stride = 1
+    for level, radix in enumerate(radices):
+        digit = np.repeat((ranks // stride) % radix, radix - 1)
+        src = np.repeat(ranks, radix - 1)
+        dst = src + (((digit + np.tile(np.arange(1, radix, dtype=np.int64), n)) % radix) - digit) * stride
+        stride *= radix
+        copies = np.full(len(src), streams, dtype=np.int64)
+        sent = exact_bytes if level in exact_levels and exact_bytes is not None else payload_bytes
+        scatter.append(FlowArray(src, dst, np.full(len(src), sent / stride / streams), copies, pinned=True))
+        gather.append(FlowArray(src, dst, np.full(len(src), payload_bytes / stride / streams), copies, pinned=True))
+    return scatter + gather[::-1]
+
+
+def cube_steps(alpha: int, beta: int) -> list[list[tuple[int, int]]]:
+    """The two-stage cube all-reduce on BCube(α, β) (BML's pattern): per step, ``(stream, level)`` for each of the β streams. The payload is cut
+    into β streams; stream t reduce-scatters along levels t, t+1, … (mod β), one level per
+    step, then all-gathers back in reverse order -- so in every step the β streams use β
+    different levels, i.e. every NIC of every host at once, and only one-hop links."""
+    order = [[(t + i) % beta for i in range(beta)] for t in range(beta)]
+    scatter = [[(t, order[t][i]) for t in range(beta)] for i in range(beta)]
+    gather = [[(t, order[t][i]) for t in range(beta)] for i in reversed(range(beta))]
+    return scatter + gather
+
+
+def cube_cost(profile: ClusterProfile, payload_bytes: float) -> list[Phase]:
+    """The flows of ``cube_steps`` on a BCube profile (one rank per host): in step i of the
+    reduce-scatter (and the matching all-gather step) every host sends 1/α^(i+1) of its
+    stream's M/β to each of the α − 1 hosts of its level-ℓ cube; each NIC carries
+    2·(α−1)/α·(1 + 1/α + …)·M/β in all, which for β = 2 is the network bound 2(n−1)/n·M/2."""
+    cube = profile.bcube
+    if cube is None:
+        raise ValueError(f"profile {profile.name!r} is not a BCube network (no bcube key)")
+    if profile.world_size != cube.hosts:
+        raise ValueError(f"the cube all-reduce runs one rank per host: {profile.name!r} has "
+                         f"{profile.world_size} ranks on {cube.hosts} hosts")
+    steps = cube_steps(cube.alpha, cube.beta)
+    phases: list[Phase] = []
+    for k, step in enumerate(steps):
+        depth = k if k < cube.beta else 2 * cube.beta - 1 - k           # i of the step, in both stages
+        nbytes = payload_bytes / cube.beta / cube.alpha ** (depth + 1)
+        phases.append([(x, cube.with_digit(x, level, v), nbytes) for _, level in step for x in range(cube.hosts)
+                       for v in range(cube.alpha) if v != cube.digits(x)[level]])
+    return phases
+
+
+__all__ = ["CubeExchange", "CubeStep", "DigitExchange", "NestedExchange", "cube_cost", "cube_schedule", "cube_steps",
+           "digit_schedule", "nested_cost", "nested_schedule"]

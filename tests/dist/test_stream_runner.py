@@ -1,4 +1,4 @@
-"""``ShardedAllReduce`` on real gloo processes: the mean of every rank's buffer, bit-identical
+"""``StreamRunner`` running the mesh exchange (``MeshExchange``) on real gloo processes: the mean of every rank's buffer, bit-identical
 for every shard count, int8 within its error bound, and commit-or-discard on a failure."""
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ def _dense_mean(xs: list[torch.Tensor]) -> torch.Tensor:
 
 def _sharded_means(rank: int, world: int, sizes: list[int], shard_counts: list[int], seed: int,
                    compression: str):
-    from syncplane.comm import CommMeter, ShardedAllReduce, make_codec
+    from syncplane.comm import CommMeter, StreamRunner, make_codec
+    from syncplane.exchanges import MeshExchange
 
     out = {}
     for shards in shard_counts:
-        exchange = ShardedAllReduce(shards, codec=make_codec(compression, 16), timeout_s=30)
+        exchange = StreamRunner(MeshExchange(shards), codec=make_codec(compression, 16), timeout_s=30)
         for numel in sizes:   # one exchange serves buffers of any size
             flat = _inputs(world, numel, seed)[rank].clone()
             meter = CommMeter()
@@ -73,9 +74,10 @@ def test_int8_mean_is_within_the_codec_bound_and_identical_on_every_rank():
 
 
 def _straggler(rank: int, world: int, late_rank: int):
-    from syncplane.comm import ShardedAllReduce
+    from syncplane.comm import StreamRunner
+    from syncplane.exchanges import MeshExchange
 
-    return rounds_with_a_straggler(ShardedAllReduce(2, timeout_s=60.0), rank, late_rank, 1000, "straggler")
+    return rounds_with_a_straggler(StreamRunner(MeshExchange(2), timeout_s=60.0), rank, late_rank, 1000, "straggler")
 
 
 @pytest.mark.parametrize("world", [3])
@@ -85,9 +87,10 @@ def test_a_timed_out_round_is_discarded_on_every_rank_and_the_next_commits(world
 
 
 def _bad_input(rank: int, world: int):
-    from syncplane.comm import ShardedAllReduce
+    from syncplane.comm import StreamRunner
+    from syncplane.exchanges import MeshExchange
 
-    exchange = ShardedAllReduce(1, timeout_s=5)
+    exchange = StreamRunner(MeshExchange(1), timeout_s=5)
     try:
         exchange.allreduce_mean_(torch.zeros(4, dtype=torch.float64))
     except ValueError as exc:

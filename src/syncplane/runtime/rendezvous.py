@@ -85,7 +85,7 @@ def _prefix(env: Mapping[str, str]) -> str:
 
 
 def heartbeat_store(timeout_s: float, env: Mapping[str, str] | None = None) -> tuple[dist.Store, str, str]:
-    """A client of the job's store for the heartbeat (``syncplane.comm.heartbeat``), its
+    """A client of the job's store for the heartbeat (``syncplane.runtime.heartbeat``), its
     address for messages, and the key prefix: a TCP client of its own whose operations give
     up after ``timeout_s`` (the training's client waits up to the process-group timeout),
     or the same file store (a file never hangs)."""

@@ -39,24 +39,11 @@ from syncplane.net import tcp_store_server
 
 log = logging.getLogger(__name__)
 
-#: Environment the launcher gives each elastic replica.
-LIGHTHOUSE_ENV = "SYNCPLANE_LIGHTHOUSE"
-REPLICA_ENV = "SYNCPLANE_REPLICA"
-REPLICAS_ENV = "SYNCPLANE_REPLICAS"
-RESTART_ENV = "SYNCPLANE_RESTART_COUNT"
-ELASTIC_DIR_ENV = "SYNCPLANE_ELASTIC_DIR"
-#: The address a replica's servers bind when the launcher places it (an emulated host's NIC);
-#: unset, the strategy's ``lighthouse_host`` (loopback by default).
-BIND_ENV = "SYNCPLANE_ELASTIC_BIND"
-
-
 class ElasticUnavailable(RuntimeError):
     """torchft is missing (``pip install 'syncplane[ft]'``)."""
 
 
 def _require_torchft() -> None:
-    # torchft's Rust side logs every quorum at INFO to stderr; warnings are what a user needs
-    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft  # noqa: F401
     except ImportError as exc:   # pragma: no cover - the ft extra is installed by make setup

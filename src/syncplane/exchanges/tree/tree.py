@@ -16,14 +16,13 @@ instead of delaying a shallow host to its rack's level.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from syncplane.cluster.probe import CLUSTER_ENV
-from syncplane.cluster.profile import ClusterProfile, load_profile
+from syncplane.cluster.profile import ClusterProfile
 from syncplane.config import ConfigError
+from syncplane.job import JobContext
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ class FlexTree:
         """The degree of each level, bottom first, when the tree is regular -- every branch
         of a level has the same degree and its children one level below it, the leaves in
         rank order -- so that rank r's place at level ℓ is digit ℓ of r in these radices
-        (what Canary's nested exchange addresses ranks by: ``comm.NestedAllReduce``); else
+        (what Canary's nested exchange addresses ranks by: ``syncplane.exchanges.NestedExchange``); else
         None (an uneven tree, or a single rank)."""
         if self.root.is_leaf or list(self.root.leaves) != list(range(self.world_size)):
             return None
@@ -207,34 +206,12 @@ def from_racks_and_hosts(racks: Sequence[Sequence[int]], hosts: Sequence[Sequenc
     return from_nested(nested, world_size)
 
 
-def job_profile(topology: str | Sequence[int] = "auto") -> ClusterProfile | None:
-    """The job's cluster profile: the one ``topology`` names, or for ``auto`` the one the
-    launcher ran us on (``SYNCPLANE_CLUSTER``); None for ranks per host or no profile."""
+def job_tree(job: JobContext, topology: str | Sequence[int] = "auto") -> FlexTree:
+    """The job's tree: ``auto`` = the cluster profile the job was placed on, else its hosts
+    (``JobContext.hosts``); a profile name or YAML path; or ranks per host (a list)."""
     if not isinstance(topology, str):
-        return None
-    name = os.environ.get(CLUSTER_ENV) if topology == "auto" else topology
-    return load_profile(name) if name else None
-
-
-def job_hosts(world_size: int) -> list[list[int]]:
-    """The ranks of each host of this job: the launcher's profile, else torchrun's
-    ``LOCAL_WORLD_SIZE`` blocks of consecutive ranks."""
-    profile = job_profile()
+        return from_host_sizes([int(s) for s in topology], job.world_size)
+    profile = job.profile_for(topology)
     if profile is not None:
-        profile.check_world_size(world_size, where="world size")
-        return [list(h.ranks) for h in profile.hosts]
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if local < 1 or world_size % local:
-        raise ConfigError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world_size}")
-    return [list(range(first, first + local)) for first in range(0, world_size, local)]
-
-
-def job_tree(topology: str | Sequence[int], world_size: int) -> FlexTree:
-    """The job's tree: ``auto`` = the cluster profile the launcher ran us on, else hosts of
-    ``LOCAL_WORLD_SIZE`` ranks; a profile name or YAML path; or ranks per host (a list)."""
-    if not isinstance(topology, str):
-        return from_host_sizes([int(s) for s in topology], world_size)
-    profile = job_profile(topology)
-    if profile is not None:
-        return from_profile(profile, world_size)
-    return from_local_world_size(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        return from_profile(profile, job.world_size)
+    return from_nested(job.hosts(), job.world_size)

@@ -14,7 +14,7 @@ same pass. Partial sums accumulate in float32 inside the kernel (bf16 in, bf16 o
 All messages of a level are in flight together (``batch``-style ``isend``/``irecv`` on
 two process groups of FlexReduce's own, created once up front: a message from rank x to y
 goes on the first when x < y, else on the second -- one connection per direction, see
-``syncplane.comm.StreamPattern``). Beyond the paper, a bucket
+``syncplane.comm.streams.directed``). Beyond the paper, a bucket
 is cut into chunks of ``chunk_bytes`` and the 2L phases (reduce-scatter levels up, all-
 gather levels down) run as a wavefront: at tick s chunk k runs phase s − k, so while
 chunk k crosses the slow root link, chunk k+1 is being reduced inside its hosts and
@@ -44,13 +44,12 @@ import torch
 import torch.distributed as dist
 
 from syncplane import kernels
-from syncplane.algorithms.flexreduce.plan import Plan, pairwise_root, plan_for
-from syncplane.algorithms.flexreduce.tree import FlexTree
+from syncplane.exchanges.tree.plan import Plan, pairwise_root, plan_for
+from syncplane.exchanges.tree.tree import FlexTree
 from syncplane.comm.group_cache import cached_group
 from syncplane.comm.meter import CommMeter, PhaseProfile
-from syncplane.comm.errors import TopologyError
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
-from syncplane.comm.sharded import directed
+from syncplane.comm.streams import directed
 from syncplane.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -220,7 +219,7 @@ class FlexReduce:
                     deadline: float | None = None, keep: list[object] | None = None,
                     profile: PhaseProfile | None = None) -> int:
         """The mean of every flat tensor in place, tensor s travelling on ``groups[s]`` (its own
-        connections: the (up, down) pair of ``syncplane.comm.StreamPattern``); returns the
+        connections: the (up, down) pair of ``syncplane.comm.streams.directed``); returns the
         bytes this rank sent.
 
         Each stream runs its own wavefront on its own thread (one stream: on the caller's),
@@ -292,13 +291,8 @@ class FlexReduce:
             if keep is not None:
                 keep.extend(handles)     # list.extend is atomic: streams may share ``keep``
             for handle, name in zip(handles, names):
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TopologyError(f"rank {self.rank}: flexreduce exchange passed its deadline")
-                    handle._timeout_s = remaining
                 waiting = clock()
-                handle.wait()
+                handle.wait(deadline)
                 if profile is not None:
                     profile.add(name, clock() - waiting)
             if profile is not None:
@@ -353,8 +347,8 @@ class FlexReduce:
                     profile.add("sum", time.perf_counter() - summing)
             return chunk
 
-        return Handle(_works=works, _finish=finish, _timeout_s=self.timeout_s,
-                      _what=f"flexreduce level {level} {'all-gather' if gather else 'reduce-scatter'}"), nbytes
+        return Handle.launched(works, finish, timeout_s=self.timeout_s,
+                               what=f"flexreduce level {level} {'all-gather' if gather else 'reduce-scatter'}"), nbytes
 
     def _scratch(self, stream: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         key = (stream, numel, dtype)

@@ -5,7 +5,7 @@ Every run is composed from ``configs/`` exactly as ``python train.py strategy=NA
 recipe=R cluster=C seed=S [overrides]`` would compose it (Hydra's compose API), so any
 override that works for ``train.py`` works here. Strategies run through the same
 launcher as ``train.py``; peers (``horovod``, ``torchft_diloco``: see
-``syncplane.training.peers``) run the same recipe in their own framework. A peer that
+``syncplane.experiments.peers``) run the same recipe in their own framework. A peer that
 is not installed, or a run that fails, becomes a row saying so. The report is
 ``syncplane.bench.compare``'s (time to the target accuracy, throughput, bytes, final
 accuracy, compute/comm ratio, accuracy-vs-time curves); all runs share one W&B group
@@ -46,7 +46,7 @@ class CompareSettings:
     def validate(self) -> None:
         from syncplane.strategies import registry
 
-        from syncplane.training.peers import PEERS
+        from syncplane.experiments.peers import PEERS
 
         if not self.strategies:
             raise ConfigError("--strategies: give at least one strategy or peer")
@@ -88,7 +88,7 @@ def compose_job(overrides: list[str], what: str) -> dict[str, Any]:
 def compose(settings: CompareSettings, name: str, seed: int, group: str) -> dict[str, Any]:
     """The job config ``train.py`` would compose for run ``name`` (a peer takes its base
     strategy's config: torchft's DiLoCo gets our DiLoCo's H and outer optimizer)."""
-    from syncplane.training.peers import BASE_STRATEGY
+    from syncplane.experiments.peers import BASE_STRATEGY
 
     overrides = [f"strategy={BASE_STRATEGY.get(name, name)}", f"recipe={settings.recipe}", f"seed={seed}",
                  *([f"cluster={settings.cluster}"] if settings.cluster else []),
@@ -130,10 +130,10 @@ class _Progress(io.TextIOBase):
 def run_comparison(settings: CompareSettings) -> dict[str, Any]:
     """Run every (strategy or peer, seed) in turn; write and return the report."""
     from syncplane.bench.compare import build_comparison
-    from syncplane.launcher import LaunchError
-    from syncplane.training.entry import launch_job
-    from syncplane.training.job import parse_job
-    from syncplane.training.peers import PEERS, run_peer, unavailable_reason
+    from syncplane.runtime.launcher import LaunchError
+    from syncplane.runtime.entry import launch_job
+    from syncplane.runtime.settings import parse_job
+    from syncplane.experiments.peers import PEERS, run_peer, unavailable_reason
 
     settings.validate()
     out = settings.out

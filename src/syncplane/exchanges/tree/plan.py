@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from itertools import pairwise
 
-from syncplane.algorithms.flexreduce.tree import FlexTree, Node
+from syncplane.exchanges.tree.tree import FlexTree, Node
 
 Interval = tuple[int, int]
 _CACHE_LIMIT = 64    # plans (and fractional plans) kept per process

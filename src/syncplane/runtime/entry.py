@@ -3,7 +3,7 @@
 This runs in the process Hydra created for one job (one per multirun job). It never
 initializes torch.distributed itself; it validates the whole config first (so a typo
 fails before any worker starts), writes the resolved config as ``job.yaml`` in the
-run directory, and starts one worker per rank with ``syncplane.launcher``.
+run directory, and starts one worker per rank with ``syncplane.runtime.launcher``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from typing import IO, Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from syncplane import job as job_env
 from syncplane.config import ConfigError
-from syncplane.launcher import cluster_session, die_with_parent, launch, launch_on_cluster, local_ranks
-from syncplane.training import external, rendezvous
-from syncplane.training.job import JobSpec, parse_job
-from syncplane.training.lighthouse import lighthouse_process
-from syncplane.training.worker import JOB_FILE
+from syncplane.runtime.launcher import cluster_session, die_with_parent, launch, launch_on_cluster, local_ranks
+from syncplane.runtime import external, rendezvous
+from syncplane.runtime.settings import JobSpec, parse_job
+from syncplane.runtime.lighthouse import lighthouse_process
+from syncplane.runtime.worker import JOB_FILE
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def launch_job(container: dict[str, Any], run_dir: Path, job_name: str = "train"
     where = f"emulated cluster {spec.cluster.name!r}" if spec.cluster else "this machine"
     print(f"syncplane: {spec.strategy.name} on {spec.recipe_name} with {world_size} processes on {where}; "
           f"run dir {run_dir}", file=echo_to or sys.stdout, flush=True)
-    command = [sys.executable, "-m", "syncplane.training.worker", str(job_file)]
+    command = [sys.executable, "-m", "syncplane.runtime.worker", str(job_file)]
     if spec.cluster is None:
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local job: gloo listens on loopback only
@@ -95,9 +96,9 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
     of one process with its own file-store rendezvous), restarting a failed replica up to
     ``trainer.max_restarts`` times. The service lives as long as this launcher: in this
     process on loopback for a local job; on an emulated cluster, as a process on host 0
-    bound to that host's first NIC (``syncplane.training.lighthouse``), and each replica's
+    bound to that host's first NIC (``syncplane.runtime.lighthouse``), and each replica's
     own servers bind its host's first NIC."""
-    from syncplane.comm import elastic
+    from syncplane.algorithms.diloco import ft as elastic
 
     kwargs = spec.strategy.kwargs
     timeouts = {"join_timeout_s": float(kwargs.get("join_timeout_s", 60.0)),
@@ -127,9 +128,9 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
             store.unlink(missing_ok=True)
             ranks.append(replace(place, local_rank=0, local_world_size=1, env={
                 **place.env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                rendezvous.FILE_ENV: str(store.resolve()), elastic.REPLICA_ENV: str(place.rank),
-                elastic.REPLICAS_ENV: str(replicas), elastic.LIGHTHOUSE_ENV: address, elastic.BIND_ENV: bind,
-                elastic.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
+                rendezvous.FILE_ENV: str(store.resolve()), job_env.REPLICA_ENV: str(place.rank),
+                job_env.REPLICAS_ENV: str(replicas), job_env.LIGHTHOUSE_ENV: address, job_env.BIND_ENV: bind,
+                job_env.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
         launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts,
                restart_delay_s=spec.trainer.restart_delay_s, echo_to=echo_to)
 
@@ -140,7 +141,7 @@ def run_as_rank(container: dict[str, Any], launched: external.ExternalLaunch, us
     Validation runs here on every rank before anything distributed happens, with the
     same errors as a local job, plus the launch's own checks (devices per node, a run
     directory every rank agrees on and can write)."""
-    from syncplane.training import worker
+    from syncplane.runtime import worker
 
     die_with_parent()   # torchrun's agent (or srun) killed outright takes this rank with it
     strategy = str((container.get("strategy") or {}).get("name"))

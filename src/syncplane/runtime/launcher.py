@@ -30,9 +30,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from syncplane.cluster.probe import CLUSTER_ENV
-from syncplane.comm.elastic import RESTART_ENV
-from syncplane.comm.heartbeat import LOST_PEER_EXIT
+from syncplane.job import CLUSTER_ENV
+from syncplane.job import RESTART_ENV
+from syncplane.runtime.heartbeat import LOST_PEER_EXIT
 from syncplane.net import free_port
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ steps, and report what the job did.
 A fault is ``KIND:rank=N:step=S`` or ``KIND:host=N:step=S`` (``kill``: SIGKILL, ``stop``:
 SIGSTOP -- a hung GPU or a swapping host, ``raise``: an exception, ``netdown``: the host's
 NICs go down, emulated clusters only). A host is every rank of an emulated host (``cluster=``).
-The faults become the job's ``fault`` list (``syncplane.training.liveness.InjectFault`` fires
+The faults become the job's ``fault`` list (``syncplane.runtime.liveness.InjectFault`` fires
 them inside the ranks, after the training step), the job runs exactly as ``python train.py
 OVERRIDES`` would, and while it runs this module watches it from outside, as an operator
 would: the ranks' logs (when each fault fired, the first error each rank wrote after it),
@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from syncplane.comm.elastic import REPLICA_ENV
+from syncplane.job import REPLICA_ENV
 from syncplane.config import ConfigError
-from syncplane.launcher import signals_stop_the_job
-from syncplane.training.comparison import CONFIG_DIR, compose_job
-from syncplane.training.job import FaultSettings, JobSpec, parse_job
+from syncplane.runtime.launcher import signals_stop_the_job
+from syncplane.experiments.comparison import CONFIG_DIR, compose_job
+from syncplane.runtime.settings import FaultSettings, JobSpec, parse_job
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:syncplane: .+|(?:[A-Za-z_][\w.]*
 LAUNCHER_ERROR = re.compile(r"^syncplane: (?:training failed|invalid configuration|cannot run on the emulated "
                             r"cluster|rendezvous)[^\n]*", re.M)
 #: The launcher's own log records (restarts of elastic replicas), as Hydra's job logging writes them.
-LAUNCHER_RECORD = re.compile(r"\[syncplane\.launcher\]\[\w+\] - (.*)")
+LAUNCHER_RECORD = re.compile(r"\[syncplane\.runtime\.launcher\]\[\w+\] - (.*)")
 
 
 # ------------------------------------------------------------------ what to inject

@@ -1,0 +1,82 @@
+"""DiLoCo's per-rank state and its rounds, Lightning-free: the model's fp32 host mirror (its
+parameters, then floating buffers, in one flat buffer), the outer optimizer per fragment
+(``streaming.FragmentedOuter``) and the exchange of Δ (``exchange.build_exchange``).
+
+A round of fragment f: its slice of the live model is copied to the host (Δ is formed in
+place), averaged over the ranks, stepped by the outer optimizer, and -- once committed, at its
+due step -- copied back (mixed with ``alpha`` under Streaming DiLoCo). A discarded round
+leaves the replica as it was on every rank; the next round's Δ covers both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from syncplane.algorithms.diloco.config import DiLoCoConfig
+from syncplane.algorithms.diloco.exchange import build_exchange, resolve_shards
+from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round
+from syncplane.comm.host_mirror import HostMirror
+from syncplane.comm.meter import CommMeter
+from syncplane.job import JobContext
+
+
+def host_mirror(tensors: Sequence[torch.Tensor]) -> HostMirror:
+    """The model's tensors laid out in one flat fp32 host buffer, filled from them (copies on
+    a side CUDA stream when the model is on a GPU; plain copies on CPU)."""
+    mirror = HostMirror(list(tensors))
+    mirror.to_host(list(tensors))
+    return mirror
+
+
+class DiLoCoEngine:
+    """A collective to construct (the exchange's stream groups): every rank, same order.
+
+    Args:
+        tensors: the model's tensors, parameters first, then floating buffers.
+        n_params: how many of their values are parameters (the outer optimizer's part).
+        config: the validated settings.
+        job: the job's shape (the exchange's tree, NICs, ``shards: auto``).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], n_params: int, config: DiLoCoConfig, job: JobContext) -> None:
+        self.config = config
+        self.host = host_mirror(tensors)
+        self.outer = FragmentedOuter(self.host.buffer, n_params, config.fragments, config.sync_every,
+                                     config.outer_optimizer, config.outer_kwargs, pin=self.host.on_gpu)
+        self.host.check_cuts(list(tensors), [start for start, _ in self.outer.bounds[1:]])
+        # build_exchange logs the pattern it chose (and why) on rank 0
+        self.shards = resolve_shards(config.shards, job, config.topology, config.exchange, config.compression)
+        self.exchange, self.exchange_name = build_exchange(job, self.shards, config.compression, config.block_size,
+                                                           config.sync_timeout_s, config.exchange, config.topology)
+
+    def launch(self, tensors: Sequence[torch.Tensor], fragment: int, due: int, background: bool,
+               meter: CommMeter) -> None:
+        """Start fragment ``fragment``'s round from the live model (merged at step ``due``)."""
+        exchange, total = self.exchange, self.host.buffer.numel()
+        start, end = self.outer.bounds[fragment]
+        # the fragment's slice of the host buffer is reused in place for its Δ and the result
+        self.host.to_host(list(tensors), start, end)
+        self.outer.launch(fragment, lambda flat, offset: exchange.allreduce_mean_(
+            flat, meter, offset=offset, total=total), due=due, background=background)
+
+    def merge(self, tensors: Sequence[torch.Tensor], round_: Round, alpha: float) -> bool:
+        """A finished round into the live model (nothing when it was discarded); True if applied."""
+        if not round_.committed:
+            return False
+        self.host.from_host(list(tensors), *self.outer.bounds[round_.fragment], alpha=alpha)
+        return True
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's error-feedback residuals (int8 only)."""
+        return {"exchange": self.exchange.state_dict()}
+
+    def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.exchange.load_state_dict(state.get("exchange", {}))
+
+    def close(self) -> None:
+        """Stop the outer's background work and the exchange (its state stays readable)."""
+        self.outer.close()
+        self.exchange.close()

@@ -1,0 +1,47 @@
+"""What every strategy does with the model's replicas, whatever its algorithm: average them
+(the consensus that validation and checkpoints show), measure how far apart they are, and
+agree on control decisions over the gloo control group (a vote, a barrier, a token), so
+that all ranks take the same branch. Lightning-free: ``syncplane.strategies.base`` calls it,
+and strategies reach the transport only through here and their own algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, PhaseProfile, allreduce_mean_, make_buckets
+from syncplane.comm.collectives import agreed_token, control_barrier, every_rank, mean_and_distance
+from syncplane.comm.process_groups import control_group
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "CommMeter", "ModelReplicas", "PhaseProfile", "agreed_token", "average_",
+           "consensus_distance", "control_barrier", "every_rank", "start_control"]
+
+
+def start_control() -> None:
+    """Create the gloo group for control collectives (a collective: call it on every rank,
+    before any strategy creates groups of its own)."""
+    control_group()
+
+
+def average_(tensors: Sequence[torch.Tensor], bucket_bytes: int, meter: CommMeter | None = None) -> None:
+    """Replace ``tensors`` by their mean over all ranks (fused into buckets of ``bucket_bytes``)."""
+    allreduce_mean_(make_buckets(list(tensors), bucket_bytes), meter=meter)
+
+
+def consensus_distance(tensors: Sequence[torch.Tensor]) -> float:
+    """``mean_i ‖xᵢ − x̄‖ / ‖x̄‖`` over all ranks (a collective; 0.0 on one process)."""
+    return mean_and_distance(tensors)
+
+
+class ModelReplicas:
+    """The model's tensors (parameters, then floating buffers) fused into buckets once -- the
+    model's tensors do not move -- for averages of the whole replica."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> None:
+        self.buckets = make_buckets(list(tensors), bucket_bytes)
+
+    def average_(self, meter: CommMeter | None = None) -> None:
+        """Every rank's replica replaced by the mean over all ranks."""
+        allreduce_mean_(self.buckets, meter=meter)

@@ -1,0 +1,321 @@
+"""The stream runner: an all-reduce (mean) of a flat fp32 CPU buffer on several gloo streams,
+with a deadline and commit or discard. The pattern that moves the bytes is brought by the
+caller (``syncplane.exchanges``: the owner mesh, the tree, the cube and nested exchanges).
+
+Why several streams: one TCP connection cannot fill a long, lossy path, and gloo runs one
+collective over one connection bound to one NIC. So an exchange declares how many streams
+it runs on; each stream travels on its own pair of gloo process groups (own connections,
+own I/O thread; one group for messages up the ranks, one down: ``directed`` says why), and
+stream s is bound to NIC ``s mod k`` of the ``interfaces`` the caller names. The groups are
+built once, up front, from the default group's store (``dist.ProcessGroupGloo(PrefixStore(...),
+rank, size, options)``: the documented way to give a gloo group its own device).
+
+Commit or discard: every rank reports whether its part succeeded (no timeout, no closed
+connection) on a separate control group and the buffer is overwritten only if *all* did;
+otherwise every rank keeps its input, undoes its error-feedback update, aborts the data
+groups (so peers still waiting fail fast instead of timing out) and rebuilds them. A failed
+round is skipped everywhere, never applied on some ranks only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
+from syncplane.comm.meter import CommMeter, PhaseProfile
+from syncplane.comm.p2p import wait_works
+
+_CONNECT_TIMEOUT_S = 60.0   # floor of the time a data group may take to connect
+_instances = 0   # advanced identically on every rank (construction is collective)
+
+
+def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
+    """``shards`` contiguous ``[start, end)`` ranges covering ``[0, numel)`` without gap or
+    overlap; sizes differ by at most one (the first ``numel % shards`` are longer), and
+    some are empty when ``numel < shards``."""
+    if numel < 0:
+        raise ValueError(f"numel must be non-negative, got {numel}")
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
+    base, extra = divmod(numel, shards)
+    bounds, start = [], 0
+    for i in range(shards):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def directed(up: dist.ProcessGroup, down: dist.ProcessGroup, src: int, dst: int) -> dist.ProcessGroup:
+    """The group of a stream's pair that carries a message from ``src`` to ``dst``: ``up`` the
+    ranks, else ``down``. Sender and receiver both call it with the same (src, dst), so they
+    meet on one group, and each TCP connection carries data one way only. Why: gloo sends a
+    message only once the receiver has said it posted the receive, and that notice travels on
+    the same connection as the data going the other way; on a shaped link it would wait
+    behind a queue of that data."""
+    return up if src < dst else down
+
+
+@dataclass
+class Round:
+    """One round of an exchange, as the runner hands it over: the input, the codec and this
+    rank's error-feedback residuals, the stream groups, the deadline, and where in-flight
+    operations are kept until the round is over."""
+
+    flat: torch.Tensor
+    offset: int                  # where ``flat`` starts in the logical buffer (error feedback positions)
+    codec: Codec
+    feedback: tuple[ErrorFeedback, ...]
+    rank: int
+    size: int
+    groups: list[tuple[dist.ProcessGroup, dist.ProcessGroup]]
+    deadline: float              # ``time.monotonic()``
+    profile: PhaseProfile | None = None
+    keep: list[object] = field(default_factory=list)
+    scratch: torch.Tensor | None = None   # a working copy of ``flat`` the runner keeps between rounds
+
+    def link(self, stream: int, src: int, dst: int) -> dist.ProcessGroup:
+        """Stream ``stream``'s connection for a message from ``src`` to ``dst`` (``directed``)."""
+        return directed(*self.groups[stream], src, dst)
+
+    def wait(self, works: Sequence[dist.Work]) -> None:
+        """Wait for ``works`` within the round's deadline (``RuntimeError`` past it)."""
+        wait_works([("exchanging with", -1, w) for w in works], what="stream exchange", timeout_s=math.inf,
+                   deadline=self.deadline)
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """Time a phase of the round into the profile, when one is set."""
+        return self.profile.time(name) if self.profile is not None else nullcontext()
+
+    def working_copy(self) -> torch.Tensor:
+        """``flat`` copied into the runner's scratch buffer: a pattern that reduces in place
+        works on it, so that a failed round leaves ``flat`` as it was."""
+        assert self.scratch is not None and self.scratch.numel() == self.flat.numel()
+        return self.scratch.copy_(self.flat)
+
+
+class StreamExchange(Protocol):
+    """An all-reduce (mean) pattern that the runner runs on its streams.
+
+    ``streams``: stream groups it uses; ``feedback_slots``: error-feedback residuals it keeps per
+    rank (0: it carries exact fp32 only); ``check(size)`` raises ``ValueError`` when it cannot
+    run on ``size`` ranks; ``run`` returns the mean (bit-identical on every rank) and the bytes
+    this rank sent, raising ``RuntimeError`` on a timeout or lost peer; ``bytes_per_round``
+    counts what ``run`` sends."""
+
+    streams: int
+    feedback_slots: int
+
+    def check(self, size: int) -> None: ...
+
+    def run(self, round: Round) -> tuple[torch.Tensor, int]: ...
+
+    def bytes_per_round(self, numel: int, codec: Codec, rank: int, size: int) -> int: ...
+
+
+class StreamRunner:
+    """Runs an exchange (mean of a flat fp32 CPU tensor over all ranks) on its own gloo streams.
+
+    Construction is collective (call it on every rank in the same order): it builds
+    2 × ``exchange.streams`` data groups and one control group on the default group's store.
+
+    Args:
+        exchange: the pattern (``syncplane.exchanges``).
+        codec: what travels on the wire (default exact fp32; ``Int8Blockwise`` ~1/4); only an
+            exchange with error-feedback slots carries a lossy codec.
+        interfaces: NIC names; stream s is bound to ``interfaces[s % len]``. Default: gloo's
+            default device.
+        timeout_s: a round that has not completed after this long counts as failed.
+    """
+
+    def __init__(self, exchange: StreamExchange, *, codec: Codec | None = None,
+                 interfaces: Sequence[str] | None = None, timeout_s: float = 600.0) -> None:
+        global _instances
+        if not dist.is_initialized():
+            raise RuntimeError("StreamRunner needs an initialized default process group")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.codec: Codec = codec if codec is not None else Fp32()
+        if exchange.feedback_slots == 0 and not isinstance(self.codec, Fp32):
+            raise ValueError(f"the {type(exchange).__name__} carries exact fp32 only; codec "
+                             f"{type(self.codec).__name__} needs an exchange that compresses (the mesh)")
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        exchange.check(self.size)
+        self.exchange = exchange
+        self.interfaces = list(interfaces) if interfaces else None
+        self.timeout_s = timeout_s
+        self.failures = 0
+        self.last_error: str | None = None
+        self._id, _instances = _instances, _instances + 1
+        self._generation = 0
+        self._store = distributed_c10d._get_default_store()
+        first = self.interfaces[0] if self.interfaces else None
+        # the control group outlives a data round that times out: give it room to wait for it
+        self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
+        self._groups = self._build_groups()
+        self._feedback: tuple[ErrorFeedback, ...] | None = None
+        #: set a ``PhaseProfile`` to have each round's phases timed (``syncplane bench --profile``)
+        self.profile: PhaseProfile | None = None
+        # operations (and their buffers) of the current round: kept alive until the round
+        # completes or its groups are aborted, so a late message never lands in freed memory
+        self._inflight: list[object] = []
+        self._copy = torch.empty(0)    # the patterns' working copy of the buffer, kept between rounds
+
+    @property
+    def streams(self) -> int:
+        return self.exchange.streams
+
+    # ------------------------------------------------------------------ public
+
+    def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
+                        offset: int = 0, total: int | None = None) -> bool:
+        """Replace ``flat`` by its mean over all ranks; return True if committed.
+
+        On False (some rank failed) ``flat`` is unchanged on every rank. ``flat`` may be
+        the slice ``[offset, offset + flat.numel())`` of a logical buffer of ``total``
+        values (default: all of it): error feedback is kept per position of that buffer,
+        so slices exchanged in turn (fragments of a model) keep their own residuals.
+        """
+        if flat.dtype != torch.float32 or flat.dim() != 1 or flat.device.type != "cpu" \
+                or not flat.is_contiguous():
+            raise ValueError(f"expected a contiguous 1-D float32 CPU tensor, got {flat.dtype} "
+                             f"shape {tuple(flat.shape)} on {flat.device}")
+        if self.size == 1:
+            return True
+        if self._control is None:
+            raise RuntimeError("this StreamRunner was closed")
+        total = flat.numel() if total is None else total
+        if offset < 0 or offset + flat.numel() > total:
+            raise ValueError(f"slice [{offset}, {offset + flat.numel()}) is outside a buffer of {total} values")
+        feedback = self._error_feedback(total)
+        # only the slice this round touches: a round that fails puts it back
+        saved = [f.snapshot(offset, flat.numel()) for f in feedback] if not isinstance(self.codec, Fp32) else None
+        if self._copy.numel() != flat.numel():
+            # a buffer kept between rounds: a fresh one each round costs its page faults
+            self._copy = torch.empty_like(flat)
+        round_ = Round(flat, offset, self.codec, feedback, self.rank, self.size, list(self._groups),
+                       time.monotonic() + self.timeout_s, self.profile, self._inflight, self._copy)
+        start = time.perf_counter()
+        sent = 0
+        try:
+            with round_.phase("exchange"):
+                out, sent = self.exchange.run(round_)
+            ok = True
+        except RuntimeError as exc:        # gloo: timeout, connection closed by a failed peer
+            out, ok = None, False
+            self.last_error = f"{type(exc).__name__}: {exc}"
+        with round_.phase("agree"):
+            committed = self._agree(ok)
+        if meter is not None:
+            meter.record(start, time.perf_counter(), sent)
+        if committed:
+            assert out is not None
+            with round_.phase("copy-out"):
+                flat.copy_(out)
+            self._inflight.clear()
+            return True
+        if saved is not None:
+            for f, s in zip(feedback, saved):
+                f.restore(s, offset)
+        self.failures += 1
+        self._rebuild()
+        self._inflight.clear()
+        self._copy = torch.empty(0)    # a fresh working copy after a failed round
+        return False
+
+    def bytes_per_round(self, numel: int) -> int:
+        """Bytes this rank sends in one round of ``numel`` values."""
+        return self.exchange.bytes_per_round(numel, self.codec, self.rank, self.size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's error-feedback residuals (empty for exact fp32). They differ per rank:
+        a strategy saves them as per-rank state, which the checkpoint gathers from every rank.
+        Not a collective."""
+        if isinstance(self.codec, Fp32) or self._feedback is None:
+            return {}
+        return {"residuals": torch.stack([f.residual for f in self._feedback])}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back this rank's residuals (what ``state_dict`` returned on this rank)."""
+        mine = state.get("residuals")
+        if mine is None:
+            return
+        for feedback, saved in zip(self._error_feedback(mine.shape[1]), mine):
+            feedback.restore(saved)
+
+    def close(self) -> None:
+        """Abort every group (no further exchanges; ``state_dict`` still works). Idempotent."""
+        if self._control is None:
+            return
+        for group in [*(g for pair in self._groups for g in pair), self._control]:
+            _release(group)
+        self._groups, self._control = [], None
+
+    # ------------------------------------------------------------------ internals
+
+    def _group(self, name: str, interface: str | None, timeout_s: float) -> dist.ProcessGroupGloo:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        device = (dist.ProcessGroupGloo.create_device(interface=interface) if interface
+                  else dist.ProcessGroupGloo.create_default_device())
+        options._devices = [device]
+        prefix = f"syncplane/sharded/{self._id}/{self._generation}/{name}"
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), self.rank, self.size, options)
+
+    def _build_groups(self) -> list[tuple[dist.ProcessGroupGloo, dist.ProcessGroupGloo]]:
+        """Each stream's (up, down) groups, stream s on NIC ``s mod k`` (``directed``)."""
+        # A round's deadline is enforced by ``Round.wait``; the groups' own timeout only bounds
+        # connecting them, which a short ``timeout_s`` on a loaded machine must not fail.
+        nics, connect_s = self.interfaces or [None], max(self.timeout_s, _CONNECT_TIMEOUT_S)
+        up = [self._group(f"shard{s}", nics[s % len(nics)], connect_s) for s in range(self.streams)]
+        down = [self._group(f"shard{s}down", nics[s % len(nics)], connect_s) for s in range(self.streams)]
+        return list(zip(up, down))
+
+    def _rebuild(self) -> None:
+        for pair in self._groups:
+            for group in pair:
+                _release(group)
+        self._generation += 1
+        self._groups = self._build_groups()
+
+    def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ...]:
+        """One residual per slot the exchange declares."""
+        if self._feedback is None or self._feedback[0].residual.numel() != numel:
+            slots = max(1, self.exchange.feedback_slots)
+            self._feedback = tuple(ErrorFeedback(self.codec, numel) for _ in range(slots))
+        return self._feedback
+
+    def _agree(self, ok: bool) -> bool:
+        """Collective: True only if every rank's round succeeded."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        assert self._control is not None
+        try:
+            self._control.allreduce([flag], options).wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"rank {self.rank}: the commit/discard agreement itself failed "
+                               f"(a rank is gone?): {exc}") from exc
+        return bool(flag.item())
+
+
+def _release(group: dist.ProcessGroupGloo) -> None:
+    """Abort ``group`` so that anything still in flight on it fails now. Newer torch gives gloo
+    groups ``abort`` (2.14 has it); torch 2.6, the floor, does not: there the group is only
+    dropped, and an operation still in flight keeps its sockets until its own timeout."""
+    abort = getattr(group, "abort", None)
+    if abort is not None:
+        abort()
+
+
+__all__ = ["Round", "StreamExchange", "StreamRunner", "directed", "shard_bounds"]

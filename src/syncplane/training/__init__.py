@@ -1,1 +1,0 @@
-"""Running training jobs: config parsing, the Hydra entry, the per-rank worker, reports."""
