@@ -205,7 +205,8 @@ def _then_unpack(inner: Handle, bucket: object) -> Handle:
 _MAX_DIMS = 64
 _HEADER = 3 + _MAX_DIMS
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+           torch.uint16, torch.uint32, torch.uint64)
 
 
 def _gather_shape(tensor: torch.Tensor) -> torch.Size:
