@@ -111,9 +111,9 @@ def _errors(rank, world):
         out["shape"] = str(exc)
     start = time.monotonic()
     try:
-        sc.broadcast(torch.ones(3, dtype=torch.int16), root_rank=0)
+        sc.broadcast(torch.ones(3, dtype=torch.uint64), root_rank=0)      # gloo has no exact carrier
     except TypeError as exc:
-        out["int16"] = (str(exc), time.monotonic() - start)
+        out["uint64"] = (str(exc), time.monotonic() - start)
     try:
         sc.neighbor_allreduce(torch.ones(3, dtype=torch.int32))
     except TypeError as exc:
@@ -129,8 +129,8 @@ def test_errors_are_bluefog_value_errors_and_bad_dtypes_fail_fast():
         kind, message = out["mismatch"]
         assert kind == "TopologyError" and "rank 0 sends to rank 1, which does not expect it" in message
         assert "rank 1 sends float32 [4] to rank 2, which holds float32 [3]" in out["shape"]
-        message, seconds = out["int16"]
-        assert "int16" in message and "gloo" in message and seconds < 5
+        message, seconds = out["uint64"]
+        assert "uint64" in message and "gloo" in message and seconds < 5
         assert "int32" in out["int_allreduce"]
         torch.testing.assert_close(out["after"], torch.full((2,), float(sum(range(world)))))
 
@@ -243,3 +243,105 @@ def test_mismatch_error_is_a_value_error_type():
     assert issubclass(TopologyError, ValueError)
     with pytest.raises(ValueError, match="rank 3"):
         raise TopologyError("rank 3 sends to rank 1, which does not expect it")
+
+
+# ------------------------------------------------------------------ the drop-in's collectives (issue 31)
+
+
+def _local_allreduce(rank, world, local, seed):
+    import os
+
+    os.environ.update(LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local))   # as torchrun sets them
+    import syncplane.comm.bluefog_compat as bf
+
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    ints = torch.randint(-1000, 1000, (6,), generator=g, dtype=torch.int32)
+    before = x.clone()
+    out = {"machine": (bf.local_size(), bf.machine_rank())}
+    out["mean"] = bf.allreduce(x, is_hierarchical_local=True)
+    out["sum"] = bf.allreduce(x, average=False, is_hierarchical_local=True, name="s")
+    out["mean_nb"] = bf.synchronize(bf.allreduce_nonblocking(x, True, True))     # BlueFog's positional order
+    out["int_sum"] = bf.allreduce(ints, False, True)
+    out["global"] = bf.allreduce(x, False, False, "g")
+    out["untouched"] = torch.equal(x, before)
+    y = x.clone()
+    out["in_place"] = (bf.allreduce_(y, is_hierarchical_local=True) is y, y)
+    z = x.clone()
+    bf.wait(bf.allreduce_nonblocking_(z, False, True, "z"))
+    out["in_place_sum"] = z
+    try:
+        bf.allreduce(ints, average=True, is_hierarchical_local=True)
+        out["int_mean"] = None
+    except TypeError as exc:
+        out["int_mean"] = str(exc)
+    out["after"] = bf.allreduce(torch.ones(1), average=False)                    # still in step
+    return x, ints, out
+
+
+@pytest.mark.parametrize("world,local", [(4, 2), (3, 1)])
+def test_allreduce_is_hierarchical_local_reduces_inside_the_machine(world, local, test_seed):
+    """BlueFog: ``is_hierarchical_local=True`` averages (or sums) over the ranks of the
+    caller's machine (``rank // local_size``) only; ``allreduce_`` does it in place."""
+    results = run_distributed(_local_allreduce, world, local, test_seed)
+    X, INTS = [r[0] for r in results], [r[1] for r in results]
+    for rank, (x, ints, out) in enumerate(results):
+        machine = range(rank // local * local, (rank // local + 1) * local)
+        assert out["machine"] == (local, rank // local)
+        total = X[machine[0]].clone()
+        for j in machine[1:]:
+            total += X[j]
+        assert torch.equal(out["sum"], total) and torch.equal(out["in_place_sum"], total)   # one add: exact
+        for mean in (out["mean"], out["mean_nb"], out["in_place"][1]):
+            assert torch.equal(mean, total / local)
+        assert out["in_place"][0] is True and out["untouched"] is True
+        assert torch.equal(out["int_sum"], sum(INTS[j] for j in machine))
+        torch.testing.assert_close(out["global"], sum(X), rtol=1e-14, atol=1e-14)
+        assert "average=True" in out["int_mean"]
+        assert out["after"].item() == world
+
+
+def _narrow_dtypes(rank, world, seed):
+    import syncplane.comm as sc
+    import syncplane.comm.bluefog_compat as bf
+
+    g = torch.Generator().manual_seed(seed + rank)
+    out = {}
+    for dtype, low, high in [(torch.int16, -2**15, 2**15), (torch.uint16, 0, 2**16), (torch.uint32, 0, 2**32)]:
+        x = torch.randint(low, high, (rank + 1, 3), generator=g, dtype=torch.int64)
+        x[0, :2] = torch.tensor([low, high - 1])                     # both ends of the range
+        x = x.to(dtype)
+        out[dtype] = (x, bf.broadcast(x[:1], 1, "b"), bf.allgather(x, "g"), bf.broadcast_(x[:1].clone(), 0))
+    for dtype in (torch.int8, torch.uint8, torch.bool, torch.float16, torch.bfloat16):   # gloo carries these
+        x = torch.randint(0, 2, (2,), generator=g).to(dtype)
+        out[dtype] = (x, bf.broadcast(x, 0), bf.allgather(x))
+    out["int16_sum"] = sc.allreduce(torch.full((2,), 1000 * (rank + 1), dtype=torch.int16), average=False)
+    try:
+        bf.broadcast(torch.ones(2, dtype=torch.uint64), 0)
+        out["uint64"] = None
+    except TypeError as exc:
+        out["uint64"] = str(exc)
+    out["after"] = bf.allreduce(torch.ones(1), average=False)
+    return out
+
+
+def test_int16_and_other_narrow_integers_broadcast_and_gather_exactly(test_seed):
+    """BlueFog broadcasts and gathers int16; gloo refuses it (and uint16/uint32): they
+    travel widened and come back in their own dtype, every value exact."""
+    world = 3
+    results = run_distributed(_narrow_dtypes, world, test_seed)
+    for out in results:
+        for dtype in (torch.int16, torch.uint16, torch.uint32):
+            mine, from_one, gathered, from_zero = out[dtype]
+            for got in (from_one, gathered, from_zero):
+                assert got.dtype == dtype
+            assert torch.equal(from_one, results[1][dtype][0][:1])
+            assert torch.equal(from_zero, results[0][dtype][0][:1])
+            assert torch.equal(gathered, torch.cat([r[dtype][0] for r in results]))
+        for dtype in (torch.int8, torch.uint8, torch.bool, torch.float16, torch.bfloat16):
+            _, got, gathered = out[dtype]
+            assert got.dtype == dtype and torch.equal(got, results[0][dtype][0])
+            assert torch.equal(gathered, torch.cat([r[dtype][0] for r in results]))
+        assert out["int16_sum"].dtype == torch.int16 and out["int16_sum"].tolist() == [6000, 6000]
+        assert "uint64" in out["uint64"] and "gloo" in out["uint64"]
+        assert out["after"].item() == world

@@ -6,8 +6,9 @@ Names only -- every call forwards to the syncplane function that implements Blue
 semantics (see the compatibility table in docs/comm.md). The adaptations here are
 signatures, nothing else: BlueFog's ``name=`` argument (an MPI request label) is
 accepted and ignored, BlueFog's default of unweighted topologies
-(``is_weighted=False``) is kept, and a one-tensor hierarchical non-blocking call maps
-onto syncplane's list form. Calls syncplane deliberately does not provide (MPI
+(``is_weighted=False``) is kept, ``allreduce``'s ``is_hierarchical_local`` picks the
+machine's process group, and a one-tensor hierarchical non-blocking call maps onto
+syncplane's list form. Calls syncplane deliberately does not provide (MPI
 queries, the timeline, the ``Distributed*Optimizer`` wrappers -- use syncplane's
 strategies) raise ``NotImplementedError`` saying so, or return BlueFog's "not
 available" answer where BlueFog itself has one.
@@ -25,13 +26,20 @@ import torch
 
 from syncplane.comm import basics, check, context, hierarchical, neighbor, window
 from syncplane.comm import topology as topology_util
-from syncplane.comm.p2p import Handle
+from syncplane.comm.p2p import Handle, completed
 
 
-def _ignore_name(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """BlueFog labels requests with ``name=``; syncplane needs no label."""
+def _ignore_name(fn: Callable[..., Any], positional: int | None = None) -> Callable[..., Any]:
+    """BlueFog labels requests with ``name=``; syncplane needs no label. Where BlueFog
+    takes ``name`` positionally, after its ``positional`` arguments, that one is dropped
+    too (it would otherwise land in syncplane's ``group``)."""
     @functools.wraps(fn)
     def call(*args: Any, name: str | None = None, **kwargs: Any) -> Any:
+        if positional is not None and len(args) > positional:
+            if len(args) > positional + 1:
+                raise TypeError(f"{fn.__name__}() takes at most {positional + 1} positional arguments "
+                                f"({positional} and name), got {len(args)}")
+            args = args[:positional]
         return fn(*args, **kwargs)
     return call
 
@@ -82,16 +90,43 @@ resume = _unsupported("resume", "there is no background MPI thread to pause")
 
 
 # ---------------------------------------------------------------- collectives
-allreduce = _ignore_name(neighbor.allreduce)
-allreduce_nonblocking = _ignore_name(neighbor.allreduce_nonblocking)
-allreduce_ = _ignore_name(neighbor.allreduce_)
-allreduce_nonblocking_ = _ignore_name(neighbor.allreduce_nonblocking_)
-allgather = _ignore_name(neighbor.allgather)
-allgather_nonblocking = _ignore_name(neighbor.allgather_nonblocking)
-broadcast = _ignore_name(neighbor.broadcast)
-broadcast_nonblocking = _ignore_name(neighbor.broadcast_nonblocking)
-broadcast_ = _ignore_name(neighbor.broadcast_)
-broadcast_nonblocking_ = _ignore_name(neighbor.broadcast_nonblocking_)
+def _allreduce(tensor: torch.Tensor, average: bool, is_hierarchical_local: bool, in_place: bool) -> Handle:
+    """BlueFog's all-reduce: over every rank, or with ``is_hierarchical_local`` over this
+    rank's machine only (the machines of ``set_machine_topology``; by default
+    ``LOCAL_WORLD_SIZE`` consecutive ranks, BlueFog's ``rank // local_size``)."""
+    start = neighbor.allreduce_nonblocking_ if in_place else neighbor.allreduce_nonblocking
+    if not is_hierarchical_local:
+        return start(tensor, average)
+    layout = context.machine_layout()
+    group = layout.groups[layout.machine_of(basics.rank())]
+    if group is None:      # alone on its machine: the machine's sum and mean are this tensor
+        neighbor.allreduce_dtype(tensor, average)      # the same TypeError as on a larger machine
+        return completed(tensor if in_place else tensor.detach().clone())
+    return start(tensor, average, group)
+
+
+def _allreduce_call(what: str, in_place: bool, blocking: bool) -> Callable[..., Any]:
+    """BlueFog's ``allreduce`` / ``allreduce_nonblocking`` / their in-place ``_`` forms."""
+    def call(tensor: torch.Tensor, average: bool = True, is_hierarchical_local: bool = False,
+             name: str | None = None) -> torch.Tensor | Handle:
+        handle = _allreduce(tensor, average, is_hierarchical_local, in_place)
+        return handle.wait() if blocking else handle
+    call.__name__ = call.__qualname__ = what
+    return call
+
+
+allreduce = _allreduce_call("allreduce", in_place=False, blocking=True)
+allreduce_nonblocking = _allreduce_call("allreduce_nonblocking", in_place=False, blocking=False)
+allreduce_ = _allreduce_call("allreduce_", in_place=True, blocking=True)
+allreduce_nonblocking_ = _allreduce_call("allreduce_nonblocking_", in_place=True, blocking=False)
+
+
+allgather = _ignore_name(neighbor.allgather, positional=1)
+allgather_nonblocking = _ignore_name(neighbor.allgather_nonblocking, positional=1)
+broadcast = _ignore_name(neighbor.broadcast, positional=2)
+broadcast_nonblocking = _ignore_name(neighbor.broadcast_nonblocking, positional=2)
+broadcast_ = _ignore_name(neighbor.broadcast_, positional=2)
+broadcast_nonblocking_ = _ignore_name(neighbor.broadcast_nonblocking_, positional=2)
 neighbor_allgather = _ignore_name(neighbor.neighbor_allgather)
 neighbor_allgather_nonblocking = _ignore_name(neighbor.neighbor_allgather_nonblocking)
 neighbor_allreduce = _ignore_name(neighbor.neighbor_allreduce)

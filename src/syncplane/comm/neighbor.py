@@ -32,7 +32,7 @@ from syncplane.comm.check import check_if_enabled
 from syncplane.comm.context import Group
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.meter import CommMeter
-from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle, check_collective_dtype, completed, exchange
+from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle, collective_dtype, completed, exchange
 from syncplane.comm.process_groups import control_group
 
 Weights = Mapping[int, float]
@@ -205,7 +205,8 @@ def _then_unpack(inner: Handle, bucket: object) -> Handle:
 _MAX_DIMS = 64
 _HEADER = 3 + _MAX_DIMS
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+           torch.uint16, torch.uint32, torch.uint64)
 
 
 def _gather_shape(tensor: torch.Tensor) -> torch.Size:
@@ -316,7 +317,7 @@ def allgather_nonblocking(tensor: torch.Tensor, group: Group = None, timeout_s: 
     """Launch ``allgather``; the sizes are all-gathered (and checked) at the call."""
     what = "allgather"
     tensor = tensor.detach().contiguous()
-    check_collective_dtype(tensor, what, group)
+    carrier = collective_dtype(tensor, what, group)
     n = context.size(group)
     mine = _header(tensor)
     headers = torch.empty(n * _HEADER, dtype=torch.int64)
@@ -329,15 +330,15 @@ def allgather_nonblocking(tensor: torch.Tensor, group: Group = None, timeout_s: 
         raise ValueError(f"{what}: tensors cannot be concatenated: " + "; ".join(problems))
     shape = _gather_shape(tensor)
     counts = [int(h[2]) for h in headers]
-    padded = tensor.new_zeros(max(counts) or 1)
+    padded = tensor.new_zeros(max(counts) or 1, dtype=carrier)
     padded[: tensor.numel()] = tensor.reshape(-1)
-    gathered = tensor.new_empty(n * padded.numel())
+    gathered = padded.new_empty(n * padded.numel())
     work = dist.all_gather_into_tensor(gathered, padded, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
         rows = gathered.view(n, -1)
         parts = [rows[j, : counts[j]].reshape(int(headers[j][3]), *shape[1:]) for j in range(n)]
-        return torch.cat(parts)
+        return torch.cat(parts).to(tensor.dtype)
 
     return Handle(_works=[("all-gathering with", -1, work)], _finish=finish, _timeout_s=timeout_s, _what=what)
 
@@ -352,16 +353,25 @@ def allgather(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return allgather_nonblocking(tensor, group).wait()
 
 
+def allreduce_dtype(tensor: torch.Tensor, average: bool, group: Group = None) -> torch.dtype:
+    """The dtype ``tensor`` is all-reduced in (``collective_dtype``); a mean needs a
+    floating-point or complex tensor (``TypeError`` otherwise, as in BlueFog)."""
+    if average and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"allreduce: average=True needs a floating-point tensor, got dtype {tensor.dtype}; "
+                        "pass average=False for a sum")
+    return collective_dtype(tensor, "allreduce", group)
+
+
 def allreduce_nonblocking(tensor: torch.Tensor, average: bool = True, group: Group = None,
                           timeout_s: float = DEFAULT_TIMEOUT_S) -> Handle:
-    """Global all-reduce (sum or mean) of a copy of ``tensor``, handle style."""
-    check_collective_dtype(tensor, "allreduce", group)
-    result = tensor.detach().clone()
+    """Global all-reduce (sum or mean) of a copy of ``tensor``, handle style (see
+    ``allreduce_dtype`` for the dtypes)."""
+    result = tensor.detach().to(allreduce_dtype(tensor, average, group), copy=True)
     n = context.size(group)
     work = dist.all_reduce(result, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
-        return result.div_(n) if average else result
+        return result.div_(n) if average else result.to(tensor.dtype)
 
     return Handle(_works=[("all-reducing with", -1, work)], _finish=finish, _timeout_s=timeout_s,
                   _what="allreduce")
@@ -390,11 +400,11 @@ def broadcast_nonblocking(tensor: torch.Tensor, root_rank: int, group: Group = N
     """Copy of ``tensor`` as held by ``root_rank`` (a group rank), handle style."""
     if not 0 <= root_rank < context.size(group):
         raise TopologyError(f"broadcast root {root_rank} is outside a group of size {context.size(group)}")
-    check_collective_dtype(tensor, "broadcast", group)
-    result = tensor.detach().clone().contiguous()
+    carrier = collective_dtype(tensor, "broadcast", group)
+    result = tensor.detach().to(carrier, memory_format=torch.contiguous_format, copy=True)
     work = dist.broadcast(result, group=group, group_src=root_rank, async_op=True)
-    return Handle(_works=[("broadcast from", root_rank, work)], _finish=lambda: result, _timeout_s=timeout_s,
-                  _what="broadcast")
+    return Handle(_works=[("broadcast from", root_rank, work)], _finish=lambda: result.to(tensor.dtype),
+                  _timeout_s=timeout_s, _what="broadcast")
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, group: Group = None) -> torch.Tensor:

@@ -102,17 +102,27 @@ GLOO_COLLECTIVE_DTYPES = frozenset({
 })
 
 
-def check_collective_dtype(tensor: torch.Tensor, what: str, group: Group = None) -> None:
-    """Refuse, before anything is sent, a dtype the backend's collectives cannot carry.
+#: dtypes gloo's collectives refuse, each carried as a wider integer dtype they accept that
+#: holds every value exactly (widened before, narrowed after). BlueFog broadcasts and gathers
+#: int16; uint64 and float8 have no exact carrier and are refused.
+GLOO_CARRIERS = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 
-    Gloo fails an int16 broadcast with "Invalid scalar type" and can leave the process
-    group unusable; every rank calls with the same dtype, so every rank raises this
-    ``TypeError`` at once instead.
+
+def collective_dtype(tensor: torch.Tensor, what: str, group: Group = None) -> torch.dtype:
+    """The dtype ``tensor`` travels as in a collective: its own, or under gloo the exact
+    carrier of ``GLOO_CARRIERS``.
+
+    Any other dtype gloo refuses raises ``TypeError`` before anything is sent: gloo fails
+    it with "Invalid scalar type" and can leave the process group unusable; every rank
+    calls with the same dtype, so every rank raises at once.
     """
-    if dist.get_backend(group) == "gloo" and tensor.dtype not in GLOO_COLLECTIVE_DTYPES:
-        allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in GLOO_COLLECTIVE_DTYPES))
-        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported by the gloo backend's collectives "
-                        f"(supported: {allowed}); cast the tensor first")
+    if dist.get_backend(group) != "gloo" or tensor.dtype in GLOO_COLLECTIVE_DTYPES:
+        return tensor.dtype
+    if tensor.dtype in GLOO_CARRIERS:
+        return GLOO_CARRIERS[tensor.dtype]
+    allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in {*GLOO_COLLECTIVE_DTYPES, *GLOO_CARRIERS}))
+    raise TypeError(f"{what}: dtype {tensor.dtype} is not supported by the gloo backend's collectives "
+                    f"(supported: {allowed}); cast the tensor first")
 
 
 def _is_timeout(exc: BaseException) -> bool:

@@ -45,7 +45,8 @@ class _Window:
     buffers: dict[int, torch.Tensor]
     #: writes (put / accumulate / get) into each buffer since the owner last read it
     versions: dict[int, int] = field(default_factory=dict)
-    #: push-sum's associated scalar p and one p buffer per in-neighbour (BlueFog's associated p)
+    #: push-sum's associated scalar p and one p buffer per in-neighbour (BlueFog's associated p:
+    #: p starts at 1 and its buffers at 0, whatever ``zero_init``)
     p: float = 1.0
     p_buffers: dict[int, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)     # guards everything above
@@ -109,10 +110,10 @@ def _remote_write(name: str, src: int, value: torch.Tensor, accumulate: bool, p:
     return True
 
 
-def _remote_read(name: str) -> tuple[torch.Tensor, float]:
+def _remote_read(name: str) -> torch.Tensor:
     window = _get(name)
     with window.lock:
-        return window.tensor.detach().clone(), window.p
+        return window.tensor.detach().clone()
 
 
 def _remote_mutex(name: str, acquire: bool) -> bool:
@@ -133,8 +134,9 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
 
     One buffer per in-neighbour of the static topology, initialised -- as in BlueFog --
     with a copy of the *caller's own* tensor (zeros with ``zero_init``), so
-    ``win_create(x); win_update()`` returns x. Associated p starts at 1 (its buffers at 1,
-    or 0 with ``zero_init``).
+    ``win_create(x); win_update()`` returns x. Associated p starts at 1 and its buffers at
+    0, with or without ``zero_init`` (BlueFog's p window), so a collect right after
+    creation leaves p at 1.
     """
     _ensure_rpc()
     if not isinstance(name, str) or not name:
@@ -145,7 +147,7 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
     start = torch.zeros_like if zero_init else torch.clone
     buffers = {j: start(tensor.detach()) for j in sources}
     _windows[name] = _Window(tensor=tensor, buffers=buffers, versions={j: 0 for j in sources},
-                             p_buffers={j: 0.0 if zero_init else 1.0 for j in sources})
+                             p_buffers={j: 0.0 for j in sources})
     dist.barrier()   # every window exists before anyone writes into it
     return True
 
@@ -177,8 +179,11 @@ def get_win_version(name: str) -> dict[int, int]:
 
 
 def turn_on_win_ops_with_associated_p() -> None:
-    """Window ops also carry each window's scalar p: a put/accumulate sends ``p × weight``,
-    ``win_update`` mixes p with the same weights, a get fetches p (push-sum's weight)."""
+    """Window ops also carry each window's scalar p (push-sum's weight), as in BlueFog: a
+    put/accumulate overwrites/adds ``p × weight`` into the destination's p buffer and then
+    scales p by ``self_weight``; ``win_update`` mixes p and the p buffers with the tensor's
+    weights (also with ``clone=True``) and ``reset`` zeroes the p buffers it read; a get
+    moves no p."""
     global _with_associated_p
     _with_associated_p = True
 
@@ -306,11 +311,9 @@ def win_get_nonblocking(name: str, src_weights: Mapping[int, float] | None = Non
         handle.finish.enter_context(win_mutex(name, ranks=list(sources)))
 
     def store(j: int, future: torch.futures.Future) -> None:
-        value, p = future.wait()
-        with window.lock:
+        value = future.wait()
+        with window.lock:     # no p moves: BlueFog's get leaves the p buffers alone
             window.buffers[j].copy_(value * sources[j])
-            if _with_associated_p:
-                window.p_buffers[j] = p * sources[j]
             window.versions[j] += 1
 
     def fetch(j: int) -> torch.futures.Future:
@@ -321,7 +324,8 @@ def win_get_nonblocking(name: str, src_weights: Mapping[int, float] | None = Non
 
 
 def win_get(name: str, src_weights: Mapping[int, float] | None = None, require_mutex: bool = False) -> bool:
-    """Fetch each source's window tensor (× weight) into this rank's buffers (pull style)."""
+    """Fetch each source's window tensor (× weight) into this rank's buffers (pull style).
+    Associated p is not fetched (as in BlueFog)."""
     return win_wait(win_get_nonblocking(name, src_weights, require_mutex))
 
 
@@ -333,7 +337,9 @@ def win_update(name: str, self_weight: float | None = None, neighbor_weights: Ma
     Updates the window tensor in place and returns it (a copy with ``clone=True``, the
     window tensor untouched); ``reset`` zeroes the buffers it read. The buffers read are
     marked as seen (``get_win_version`` 0). ``require_mutex`` holds this rank's window
-    mutex, so no neighbour's ``require_mutex`` write interleaves.
+    mutex, so no neighbour's ``require_mutex`` write interleaves. With associated p on,
+    ``p ← a·p + Σ_j w_j·p_j`` -- also with ``clone``, as in BlueFog -- and ``reset``
+    zeroes the p buffers read.
     """
     window = _get(name)
     if self_weight is None and neighbor_weights is None:
@@ -353,12 +359,13 @@ def win_update(name: str, self_weight: float | None = None, neighbor_weights: Ma
             window.versions[j] = 0
             if reset:
                 window.buffers[j].zero_()
-                window.p_buffers[j] = 0.0
+        if _with_associated_p:
+            window.p = p
+            if reset:
+                window.p_buffers.update({j: 0.0 for j in neighbor_weights})
         if clone:
             return result
         window.tensor.copy_(result)
-        if _with_associated_p:
-            window.p = p
         return window.tensor
 
 
