@@ -251,3 +251,16 @@ def test_readme_links_every_guide():
     guides = [d for d in DOCS[1:] if d.parent.name in ("docs", "strategies")]
     missing = [_where(d) for d in guides if f"({_where(d)}" not in text]
     assert not missing, f"README.md links no guide page for: {', '.join(missing)}"
+
+
+#: Each strategy's guide: its configuration table lists every key of its YAML.
+GUIDES = {"atc": "decentralized", "awc": "decentralized", "h_atc": "decentralized", "h_awc": "decentralized",
+          "ds_sync": "ds_sync", "diloco": "diloco", "flexreduce": "flexreduce", "canary": "canary"}
+
+
+@pytest.mark.parametrize("name", sorted(GUIDES))
+def test_every_setting_is_in_its_guides_configuration_table(name):
+    page = ROOT / "docs" / "strategies" / f"{GUIDES[name]}.md"
+    documented = {k for ns, k in docs_check.config_keys(page.read_text(), strategy_page=True) if ns == "strategy.kwargs"}
+    settings = set(yaml.safe_load((ROOT / "configs" / "strategy" / f"{name}.yaml").read_text())["kwargs"] or {})
+    assert settings <= documented, f"{_where(page)}: no configuration row for {', '.join(sorted(settings - documented))}"
