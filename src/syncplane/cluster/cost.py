@@ -68,7 +68,7 @@ class FlowArray:
     nbytes: np.ndarray
     copies: np.ndarray | None = None          # None: one flow per row
     #: the copies are streams pinned round-robin to their host's NICs (stream s on NIC
-    #: s mod k, as ``ShardedAllReduce`` binds its groups): S streams get S/⌈S/k⌉ NICs'
+    #: s mod k, as ``comm.StreamRunner`` binds its groups): S streams get S/⌈S/k⌉ NICs'
     #: worth of a host's capacity (one stream: one NIC), not min(flows, k)
     pinned: bool = False
 
