@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from syncplane.algorithms import canary, ddp, decentralized, diloco, ds_sync, flexreduce, peers, torch_hooks
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, JobWorld
 from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster.cost import CostModel
 
@@ -93,5 +93,5 @@ def strategy_time(model: CostModel, name: str, payload_bytes: float, options: Co
     return times.predicted_s, times.bound_s
 
 
-__all__ = ["PLANNED", "SPECS", "AlgorithmSpec", "CostOptions", "StrategyTimes", "all_names", "description", "peer_names",
+__all__ = ["PLANNED", "SPECS", "AlgorithmSpec", "CostOptions", "JobWorld", "StrategyTimes", "all_names", "description", "peer_names",
            "spec_for", "strategy_names", "strategy_time", "strategy_times"]

@@ -49,6 +49,22 @@ StepFactory = Callable[[str, Mapping[str, Any]], SyncStep]
 
 
 @dataclass(frozen=True)
+class JobWorld:
+    """What the launching process knows of a job's ranks before any starts: how many, how
+    many share a host when there is no profile (the launcher's ``LOCAL_WORLD_SIZE``), and the
+    emulated cluster's profile (what a worker later reads from ``SYNCPLANE_CLUSTER``)."""
+
+    size: int
+    local_size: int
+    profile: ClusterProfile | None = None
+
+
+#: (strategy name, its checked kwargs, the job's world) -> None, or ConfigError / ValueError
+#: naming the key: the settings whose validity depends on the ranks, checked before launch.
+JobCheck = Callable[[str, Mapping[str, Any], JobWorld], None]
+
+
+@dataclass(frozen=True)
 class AlgorithmSpec:
     """One algorithm family (ATC/AWC/H-ATC/H-AWC are one family; so are torch's averagers).
 
@@ -64,6 +80,8 @@ class AlgorithmSpec:
         streams: bench options -> the number of parallel connections the pattern assumes.
         pattern: bench options -> ``CostOptions.pattern`` (which pattern the step runs).
         peer: a peer from another project, benchmarked beside ours (no syncplane strategy).
+        check_job: the settings that depend on the job's ranks (a profile to load, a tree
+            the exchange needs), checked in the launching process before any rank starts.
     """
 
     family: str
@@ -75,3 +93,4 @@ class AlgorithmSpec:
     streams: Callable[[Mapping[str, Any]], int] = lambda options: 1
     pattern: Callable[[Mapping[str, Any]], str] = lambda options: "auto"
     peer: bool = False
+    check_job: JobCheck = lambda name, kwargs, world: None

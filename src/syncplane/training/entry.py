@@ -20,6 +20,7 @@ from typing import IO, Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from syncplane.algorithms.spec import JobWorld
 from syncplane.config import ConfigError
 from syncplane.launcher import cluster_session, die_with_parent, launch, launch_on_cluster, local_ranks
 from syncplane.training import external, rendezvous
@@ -145,7 +146,8 @@ def run_as_rank(container: dict[str, Any], launched: external.ExternalLaunch, us
     die_with_parent()   # torchrun's agent (or srun) killed outright takes this rank with it
     strategy = str((container.get("strategy") or {}).get("name"))
     run_dir = external.run_dir_for(launched, user_dir, strategy)
-    spec = parse_job(container, run_dir=str(run_dir))
+    spec = parse_job(container, run_dir=str(run_dir),
+                     world=JobWorld(size=launched.world_size, local_size=launched.local_world_size))
     if spec.cluster is not None:
         raise ConfigError("cluster: an emulated cluster starts its own ranks; leave cluster unset under "
                           f"{launched.launcher} (rank {launched.rank})")

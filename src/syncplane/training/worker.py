@@ -19,6 +19,7 @@ import yaml
 
 from syncplane.comm import elastic
 from syncplane.comm.basics import release_groups
+from syncplane.config import ConfigError
 from syncplane.training import rendezvous
 from syncplane.launcher import die_with_parent
 from syncplane.training.job import JobSpec, parse_job
@@ -146,11 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     die_with_parent()   # a launcher killed outright takes its ranks with it
     job = yaml.safe_load(Path(args[0]).read_text())
-    spec = parse_job(job["config"], run_dir=job["run_dir"], job_name=job.get("job_name", "train"))
     try:
-        run(spec)
-    finally:
-        close_process_group()
+        spec = parse_job(job["config"], run_dir=job["run_dir"], job_name=job.get("job_name", "train"))
+        try:
+            run(spec)
+        finally:
+            close_process_group()
+    except ConfigError as exc:
+        # a check only the running ranks can make (what this host has, what the ranks agree
+        # on): one line naming the key on every rank, as train.py's own, not a traceback
+        print(f"syncplane: rank {os.environ.get('RANK', '?')}: invalid configuration: {exc}", file=sys.stderr,
+              flush=True)
+        return 2
     return 0
 
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.engine import CanaryEngine
-from syncplane.algorithms.flexreduce.tree import job_hosts, job_tree
+from syncplane.algorithms.flexreduce.tree import job_hosts, job_tree, world_tree
+from syncplane.algorithms.spec import JobWorld
 from syncplane.cluster.probe import CLUSTER_ENV
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.comm import (DEFAULT_BUCKET_BYTES, CommMeter, CubeAllReduce, NestedAllReduce, ShardedAllReduce,
@@ -50,15 +51,20 @@ def cube_shape(profile: ClusterProfile | None = None) -> tuple[int, int] | None:
     return profile.bcube.alpha, profile.bcube.beta
 
 
-def job_radices(world_size: int) -> tuple[list[int] | None, str, bool]:
+def job_radices(world_size: int, world: JobWorld | None = None) -> tuple[list[int] | None, str, bool]:
     """How the job's ranks nest, innermost level first (``FlexTree.radices``), its tree in
     words, and whether the innermost level is the ranks of one host: FlexReduce's tree of
     the job -- the cluster profile the launcher named, else hosts of ``LOCAL_WORLD_SIZE``
     ranks (``torchrun`` and ``srun`` number a node's ranks together), so a real multi-node
-    job nests by node with no profile at all."""
+    job nests by node with no profile at all. ``world``: the same answer in the launching
+    process, before the ranks (and their environment) exist."""
     try:
-        tree = job_tree("auto", world_size)
-        per_host = len(job_hosts(world_size)[0])
+        if world is None:
+            tree = job_tree("auto", world_size)
+            per_host = len(job_hosts(world_size)[0])
+        else:
+            tree = world_tree("auto", world)
+            per_host = len(world.profile.hosts[0].ranks) if world.profile is not None else world.local_size
     except ConfigError as exc:
         return None, str(exc), False
     radices = tree.radices()
@@ -80,9 +86,7 @@ def make_transport(config: CanaryConfig) -> ShardedAllReduce:
     shape = cube_shape() if config.exchange != "mesh" else None
     if shape is not None:
         alpha, beta = shape
-        if config.nics != "auto" and config.nics != beta:
-            raise ConfigError(f"nics: BCube({alpha}, {beta}) gives every host {beta} NICs and the cube exchange "
-                              f"uses one per level; set nics=auto or {beta}, got {config.nics}")
+        check_cube_nics(config.nics, shape)
         log.info("canary: two-stage cube exchange on BCube(%d, %d)", alpha, beta)
         return CubeAllReduce(alpha, beta, codec=config.codec(), timeout_s=config.sync_timeout_s)
     streams = nic_count(config.nics)
@@ -100,10 +104,38 @@ def make_transport(config: CanaryConfig) -> ShardedAllReduce:
             return NestedAllReduce(radices, streams=streams, codec=config.codec(), exact_levels=exact,
                                    timeout_s=config.sync_timeout_s)
         if config.exchange == "nested":
-            raise ConfigError(f"exchange: nested needs the ranks grouped in hosts or racks of equal size (at "
-                              f"least two groups of two); this job's tree is {tree}")
+            raise nested_refused(tree)
         log.info("canary: piece-level mesh exchange (the job's tree %s does not nest evenly)", tree)
     return ShardedAllReduce(streams, codec=config.codec(), timeout_s=config.sync_timeout_s, layout="pieces")
+
+
+def check_cube_nics(nics: int | str, shape: tuple[int, int]) -> None:
+    """The cube exchange runs one gloo group per BCube level (one NIC each)."""
+    alpha, beta = shape
+    if nics != "auto" and nics != beta:
+        raise ConfigError(f"nics: BCube({alpha}, {beta}) gives every host {beta} NICs and the cube exchange "
+                          f"uses one per level; set nics=auto or {beta}, got {nics}")
+
+
+def nested_refused(tree: str) -> ConfigError:
+    return ConfigError(f"exchange: nested needs the ranks grouped in hosts or racks of equal size (at "
+                       f"least two groups of two); this job's tree is {tree}")
+
+
+def check_job(name: str, kwargs: Mapping[str, Any], world: JobWorld) -> None:
+    """``make_transport``'s choice made in the launching process, so that what it would
+    refuse on every rank (``exchange: nested`` on ranks that do not nest, the cube's NIC
+    count, a BCube host of several ranks) is refused before any rank starts."""
+    exchange, nics = kwargs.get("exchange", "auto"), kwargs.get("nics", "auto")
+    if exchange == "mesh":
+        return
+    shape = cube_shape(world.profile) if world.profile is not None else None
+    if shape is not None:
+        check_cube_nics(nics, shape)
+        return
+    radices, tree, _ = job_radices(world.size, world)
+    if exchange == "nested" and not (radices is not None and len(radices) > 1):
+        raise nested_refused(tree)
 
 
 #: ``syncplane bench --exchange`` (DiLoCo's names) -> Canary's: the flat owner exchange is the mesh

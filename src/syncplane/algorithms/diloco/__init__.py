@@ -16,7 +16,8 @@ from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.exchange import exchange_phases
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.algorithms.flexreduce.tree import check_topology
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, JobWorld
 from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
 
@@ -37,6 +38,14 @@ def _pattern(options: Mapping[str, Any]) -> str:
     return "owner" if exchange == "auto" and options.get("compression", "none") != "none" else exchange
 
 
+def _check_job(name: str, kwargs: Mapping[str, Any], world: JobWorld) -> None:
+    """A topology the job names must load and cover its ranks (an elastic replica is a job
+    of one: it has no tree)."""
+    topology = kwargs.get("topology", "auto")
+    if topology != "auto" and not kwargs.get("elastic", False):
+        check_topology(topology, world)
+
+
 def _step(name: str, options: Mapping[str, Any]) -> DiLoCoStep:
     return DiLoCoStep(options)
 
@@ -50,4 +59,5 @@ SPEC = AlgorithmSpec(
     periodic=True,
     streams=lambda options: int(options.get("shards", 1)),
     pattern=_pattern,
+    check_job=_check_job,
 )

@@ -15,13 +15,19 @@ from syncplane.algorithms.flexreduce.cost import (
     flexreduce_steps,
     hierarchical_allreduce_steps,
 )
-from syncplane.algorithms.spec import AlgorithmSpec, SyncStep
+from syncplane.algorithms.flexreduce.tree import check_topology
+from syncplane.algorithms.spec import AlgorithmSpec, JobWorld, SyncStep
 
 
 def _cost(name, profile, payload_bytes, options):  # type: ignore[no-untyped-def]
     pattern = {"flexreduce": flexreduce_steps, "flexreduce_levelwise": flexreduce_levelwise_steps,
                "hier_allreduce": hierarchical_allreduce_steps}[name]
     return pattern(name, profile, payload_bytes, options)
+
+
+def _check_job(name: str, kwargs: Mapping[str, Any], world: JobWorld) -> None:
+    """The tree the all-reduce is planned on must exist and cover the job's ranks."""
+    check_topology(kwargs.get("topology", "auto"), world)
 
 
 def _step(name: str, options: Mapping[str, Any]) -> SyncStep:
@@ -36,6 +42,7 @@ SPEC = AlgorithmSpec(
     bench_step=_step,
     cost=_cost,
     overlap={"flexreduce": "backward"},   # a DDP comm hook: buckets during the backward, as DDP's
+    check_job=_check_job,
 )
 
 #: Its peers in the bench: the paper's own schedule (levels one after the other) and the

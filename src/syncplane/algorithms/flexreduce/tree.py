@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from syncplane.algorithms.spec import JobWorld
 from syncplane.cluster.probe import CLUSTER_ENV
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
@@ -238,3 +239,23 @@ def job_tree(topology: str | Sequence[int], world_size: int) -> FlexTree:
     if profile is not None:
         return from_profile(profile, world_size)
     return from_local_world_size(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def world_tree(topology: str | Sequence[int], world: JobWorld) -> FlexTree:
+    """``job_tree`` as the launching process sees the job before its ranks start: ``auto`` is
+    the world's profile, else hosts of ``world.local_size`` ranks (what the workers will read
+    from ``SYNCPLANE_CLUSTER`` and ``LOCAL_WORLD_SIZE``)."""
+    if topology == "auto":
+        if world.profile is not None:
+            return from_profile(world.profile, world.size)
+        return from_local_world_size(world.size, world.local_size)
+    return job_tree(topology, world.size)
+
+
+def check_topology(topology: str | Sequence[int], world: JobWorld) -> None:
+    """A ``topology`` setting (FlexReduce's, DiLoCo's tree) checked before launch: it loads
+    and its tree covers the job's ranks; the error names the key."""
+    try:
+        world_tree(topology, world)
+    except ConfigError as exc:
+        raise ConfigError(f"topology={topology!r}: {exc}") from None
