@@ -77,6 +77,8 @@ class AlgorithmSpec:
         overlap: name -> the part of a training step its sync runs behind
             (``backward``, ``forward`` or ``step``); absent names block.
         periodic: communicates once per ``period`` steps (whole rounds are benchmarked).
+        default_period: name -> the period it runs at unless a tool is given one (DiLoCo's
+            own default ``sync_every``), so ``bench`` and ``simulate`` price what training runs.
         streams: bench options -> the number of parallel connections the pattern assumes.
         pattern: bench options -> ``CostOptions.pattern`` (which pattern the step runs).
         peer: a peer from another project, benchmarked beside ours (no syncplane strategy).
@@ -90,6 +92,7 @@ class AlgorithmSpec:
     cost: CostPattern
     overlap: Mapping[str, str] = field(default_factory=dict)
     periodic: bool = False
+    default_period: Mapping[str, int] = field(default_factory=dict)
     streams: Callable[[Mapping[str, Any]], int] = lambda options: 1
     pattern: Callable[[Mapping[str, Any]], str] = lambda options: "auto"
     peer: bool = False

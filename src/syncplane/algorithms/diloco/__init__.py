@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
+from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import exchange_phases
 from syncplane.algorithms.flexreduce.tree import check_topology
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, JobWorld
@@ -57,6 +58,7 @@ SPEC = AlgorithmSpec(
     bench_step=_step,
     cost=diloco_cost,
     periodic=True,
+    default_period={"diloco": DiLoCoConfig.sync_every},   # H as train.py's strategy=diloco runs it
     streams=lambda options: int(options.get("shards", 1)),
     pattern=_pattern,
     check_job=_check_job,
