@@ -210,10 +210,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import main_bench
+    from syncplane.cluster.emulator import say_if_left_up
 
-    main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
-               args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
-               args.exchange, args.profile)
+    with say_if_left_up(True):
+        main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
+                   args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
+                   args.exchange, args.profile)
     return 0
 
 
@@ -222,12 +224,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from rich.logging import RichHandler
 
+    from syncplane.cluster.emulator import say_if_left_up
     from syncplane.training.comparison import print_report, run_comparison, settings_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
     settings = settings_from_args(args)
-    run_comparison(settings)
-    print_report(settings.out)
+    with say_if_left_up(settings.cluster is not None):
+        run_comparison(settings)
+        print_report(settings.out)
     return 0
 
 
@@ -235,6 +239,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     import logging
     import time
 
+    from syncplane.cluster.emulator import say_if_left_up
     from syncplane.training.chaos import prepare, print_report, run_chaos
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -247,13 +252,15 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         raise ConfigError("syncplane chaos: give at least one --fault KIND:rank=N:step=S (or --matrix)")
     plan = prepare(args.overrides, args.fault, out)
     json_path = Path(args.json) if args.json else plan.run_dir / "chaos.json"
-    report = run_chaos(plan, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
-    print_report(report, json_path)
+    with say_if_left_up(plan.job.cluster is not None):
+        report = run_chaos(plan, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
+        print_report(report, json_path)
     return 0 if report["ok"] else 1
 
 
 def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
     from syncplane.bench.runner import parse_strategies
+    from syncplane.cluster.emulator import say_if_left_up
     from syncplane.training.chaos import matrix_plans, print_matrix, run_matrix
 
     if args.fault:
@@ -261,8 +268,9 @@ def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
     plans = matrix_plans(parse_strategies(args.strategies), [k.strip() for k in args.kinds.split(",") if k.strip()],
                          args.overrides, out, rank=args.rank, step=args.step)
     json_path = Path(args.json) if args.json else out / "matrix.json"
-    rows = run_matrix(plans, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
-    print_matrix(rows, args.deadline_s, json_path)
+    with say_if_left_up(any(plan.job.cluster is not None for plan in plans)):
+        rows = run_matrix(plans, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
+        print_matrix(rows, args.deadline_s, json_path)
     return 0 if all(r["ok"] for r in rows) else 1
 
 
