@@ -20,14 +20,15 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from syncplane.cluster.emulator import EmulationError
+    from syncplane.cluster.emulator import EmulationError, say_if_left_up
     from syncplane.config import ConfigError
     from syncplane.runtime.launcher import LaunchError
     from syncplane.runtime.entry import run_job
     from syncplane.runtime.rendezvous import RendezvousTimeout
 
     try:
-        run_job(cfg)
+        with say_if_left_up(cfg.get("cluster") is not None):   # it stays up for the next run: say so
+            run_job(cfg)
     except ConfigError as exc:
         print(f"syncplane: invalid configuration: {exc}", file=sys.stderr)
         sys.exit(2)

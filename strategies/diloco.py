@@ -93,6 +93,11 @@ class DiLoCo(SyncplaneStrategy):
         # the elastic settings are read by ElasticDiLoCo (and heartbeat/join by the launcher)
         self.elastic_timeouts = {"round_timeout_s": round_timeout_s, "quorum_timeout_s": quorum_timeout_s,
                                  "heartbeat_timeout_s": heartbeat_timeout_s, "join_timeout_s": join_timeout_s}
+        for key, value in self.elastic_timeouts.items():   # checked in either mode: a bad value is a typo
+            if value <= 0:
+                raise ValueError(f"{key} must be positive, got {value}")
+        if not lighthouse_host or any(c.isspace() for c in lighthouse_host):
+            raise ValueError(f"lighthouse_host must be an address or host name, got {lighthouse_host!r}")
         self.lighthouse_host = lighthouse_host
 
     # ------------------------------------------------------------ extension points

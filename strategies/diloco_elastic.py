@@ -50,7 +50,7 @@ class ElasticDiLoCo(DiLoCo):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        check_elastic(self.config, **self.elastic_timeouts)
+        check_elastic(self.config)
         self.lighthouse_host = ft.check_bind_host(self.lighthouse_host)
         self.round_timeout_s = self.elastic_timeouts["round_timeout_s"]
         self.quorum_timeout_s = self.elastic_timeouts["quorum_timeout_s"]
@@ -192,11 +192,9 @@ class ElasticDiLoCo(DiLoCo):
         super().teardown()
 
 
-def check_elastic(config: DiLoCoConfig, **timeouts: float) -> None:
-    """What elastic mode supports, checked at construction (before the first step)."""
-    for key, value in timeouts.items():
-        if value <= 0:
-            raise ValueError(f"{key} must be positive, got {value}")
+def check_elastic(config: DiLoCoConfig) -> None:
+    """What elastic mode supports, checked at construction (before the first step; the
+    timeouts themselves are checked by ``DiLoCo`` in either mode)."""
     unsupported = {"fragments": (config.fragments, 1), "overlap_steps": (config.overlap_steps, 0),
                    "compression": (config.compression, "none"), "shards": (config.shards, 1)}
     for key, (value, allowed) in unsupported.items():

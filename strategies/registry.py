@@ -82,12 +82,15 @@ def describe() -> dict[str, str]:
     return {name: algorithms.description(name) for name in names()}
 
 
-def validate(name: str, kwargs: Mapping[str, Any]) -> None:
+def validate(name: str, kwargs: Mapping[str, Any], job: JobContext | None = None) -> None:
     """Construct strategy ``name`` once in the launching process: its config dataclass checks
     every setting there, so a bad value fails before any worker starts (not in every worker
-    after the process group is up), with the message naming the key."""
+    after the process group is up), with the message naming the key. With the job's context
+    as planned (``job``), its family's ``check_job`` also checks what depends on the ranks."""
     try:
         strategy_class(name)(**dict(kwargs))
+        if job is not None:
+            algorithms.spec_for(name).check_job(name, kwargs, job)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"strategy.kwargs: {exc}") from None
 

@@ -149,7 +149,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.algorithms import PLANNED, CostOptions, strategy_times
+    from syncplane.algorithms import PLANNED, CostOptions, describe_periods, periods, strategy_times
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -157,16 +157,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.racks or args.hosts_per_rack:
         profile = scaled(profile, args.racks or len(profile.racks), args.hosts_per_rack or len(profile.racks[0].hosts))
     payload = parse_payload(args.payload_mb)
-    if args.period < 1 or args.streams < 1:
+    if (args.period is not None and args.period < 1) or args.streams < 1:
         raise ConfigError(f"--period and --streams must be at least 1, got {args.period} and {args.streams}")
     model = CostModel(profile, alpha_s=args.alpha_ms / 1000)
-    options = CostOptions(period=args.period, streams=args.streams, pattern=args.exchange)
-    table = Table(title=f"α-β model: {profile.name}, {profile.world_size} ranks, {payload / 2**20:.1f} MB, "
-                        f"α = {args.alpha_ms:g} ms, period {args.period}, streams {args.streams}")
+    names = parse_strategies(args.strategies)
+    used = periods(names, args.period)
+    title = ", ".join(part for part in (f"α-β model: {profile.name}", f"{profile.world_size} ranks",
+                                        f"{payload / 2**20:.1f} MB", f"α = {args.alpha_ms:g} ms",
+                                        describe_periods(used, args.period), f"streams {args.streams}") if part)
+    table = Table(title=title)
     for col in ("strategy", "predicted s", "bound s", "net bound s", "net ratio", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     rows = {}
-    for name in parse_strategies(args.strategies):
+    for name in names:
+        options = CostOptions(period=used.get(name, 1), streams=args.streams, pattern=args.exchange)
         rows[name] = None if name in PLANNED else strategy_times(model, name, payload, options)
     ddp = rows.get("ddp")
 
@@ -196,8 +200,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": profile.name, "world_size": profile.world_size,
                                                "payload_bytes": payload, "alpha_s": model.alpha_s,
-                                               "period": args.period, "streams": args.streams,
-                                               "results": [{"strategy": n, "predicted_s": v.predicted_s if v else None,
+                                               "period": args.period, "periods": used, "streams": args.streams,
+                                               "results": [{"strategy": n, "period": used.get(n),
+                                                            "predicted_s": v.predicted_s if v else None,
                                                             "bound_s": v.bound_s if v else None,
                                                             "network_bound_s": v.network_bound_s if v else None,
                                                             "network_bound_ratio": net_ratio(v) if v else None,
@@ -208,10 +213,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import main_bench
+    from syncplane.cluster.emulator import say_if_left_up
 
-    main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
-               args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
-               args.exchange, args.profile)
+    with say_if_left_up(True):
+        main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
+                   args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
+                   args.exchange, args.profile)
     return 0
 
 
@@ -220,12 +227,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from rich.logging import RichHandler
 
+    from syncplane.cluster.emulator import say_if_left_up
     from syncplane.experiments.comparison import print_report, run_comparison, settings_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
     settings = settings_from_args(args)
-    run_comparison(settings)
-    print_report(settings.out)
+    with say_if_left_up(settings.cluster is not None):
+        run_comparison(settings)
+        print_report(settings.out)
     return 0
 
 
@@ -233,6 +242,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     import logging
     import time
 
+    from syncplane.cluster.emulator import say_if_left_up
     from syncplane.experiments.chaos import prepare, print_report, run_chaos
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -245,13 +255,15 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         raise ConfigError("syncplane chaos: give at least one --fault KIND:rank=N:step=S (or --matrix)")
     plan = prepare(args.overrides, args.fault, out)
     json_path = Path(args.json) if args.json else plan.run_dir / "chaos.json"
-    report = run_chaos(plan, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
-    print_report(report, json_path)
+    with say_if_left_up(plan.job.cluster is not None):
+        report = run_chaos(plan, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
+        print_report(report, json_path)
     return 0 if report["ok"] else 1
 
 
 def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
     from syncplane.bench.runner import parse_strategies
+    from syncplane.cluster.emulator import say_if_left_up
     from syncplane.experiments.chaos import matrix_plans, print_matrix, run_matrix
 
     if args.fault:
@@ -259,8 +271,9 @@ def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
     plans = matrix_plans(parse_strategies(args.strategies), [k.strip() for k in args.kinds.split(",") if k.strip()],
                          args.overrides, out, rank=args.rank, step=args.step)
     json_path = Path(args.json) if args.json else out / "matrix.json"
-    rows = run_matrix(plans, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
-    print_matrix(rows, args.deadline_s, json_path)
+    with say_if_left_up(any(plan.job.cluster is not None for plan in plans)):
+        rows = run_matrix(plans, deadline_s=args.deadline_s, timeout_s=args.timeout_s, json_path=json_path)
+        print_matrix(rows, args.deadline_s, json_path)
     return 0 if all(r["ok"] for r in rows) else 1
 
 
@@ -305,9 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     bench.add_argument("--json", required=True, help="where to write the report")
     bench.add_argument("--png", help="chart path (default: next to --json)")
-    bench.add_argument("--period", type=int, default=4,
+    bench.add_argument("--period", type=int, default=None,
                        help="steps per round of the periodic algorithms: DiLoCo's H (sync_every) and the "
-                            "period of torch_periodic / torch_hierarchical")
+                            "period of torch_periodic / torch_hierarchical. Default: each one's own (diloco's "
+                            "sync_every; torch's averagers 4); the table's title and the JSON say which")
     bench.add_argument("--shards", type=int, default=1,
                        help="diloco: concurrent gloo streams (shards) for the exchange of Δ")
     bench.add_argument("--pair-streams", default="auto",
@@ -382,9 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--racks", type=int, help="scale the template to this many racks")
     simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")
     simulate.add_argument("--alpha-ms", type=float, default=DEFAULT_ALPHA_S * 1000, help="per-phase latency")
-    simulate.add_argument("--period", type=int, default=4,
+    simulate.add_argument("--period", type=int, default=None,
                           help="steps per round of the periodic algorithms (DiLoCo's H, torch_periodic's period); "
-                               "their per-step cost is one round's divided by it")
+                               "their per-step cost is one round's divided by it. Default: each one's own "
+                               "(diloco's sync_every; torch's averagers 4); the table's title says which")
     simulate.add_argument("--streams", type=int, default=1,
                           help="parallel connections of the multi-stream algorithms (DiLoCo's shards, "
                                "DS-Sync's pair streams)")

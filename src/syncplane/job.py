@@ -83,9 +83,21 @@ class JobContext:
             master_addr=launch.master_addr,
         )
 
+    @classmethod
+    def planned(cls, world_size: int, profile: ClusterProfile | None = None) -> JobContext:
+        """The job as the launching process plans it before any rank starts: ``world_size``
+        ranks on this machine, or on the emulated cluster ``profile`` (already loaded)."""
+        job = cls(world_size=world_size, cluster=profile.name if profile is not None else None)
+        if profile is not None:
+            job.__dict__["profile"] = profile     # the cached_property's slot: no second load
+        return job
+
     def with_size(self, rank: int, world_size: int) -> JobContext:
         """The same job seen by ``rank`` of ``world_size`` (what the process group says)."""
-        return replace(self, rank=rank, world_size=world_size)
+        job = replace(self, rank=rank, world_size=world_size)
+        if "profile" in self.__dict__:
+            job.__dict__["profile"] = self.__dict__["profile"]   # loaded once, kept
+        return job
 
     @cached_property
     def profile(self) -> ClusterProfile | None:

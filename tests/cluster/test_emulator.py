@@ -207,6 +207,31 @@ def test_bench_measures_ddp_and_cross_checks_bytes(cluster, tmp_path):
     assert canary["nic_bytes_per_rank"] == pytest.approx(sketched, rel=0.25)
 
 
+def test_bench_leaves_its_cluster_up_and_says_how_to_remove_it(tmp_path):
+    """Issue 38: the cluster stays up for the next run, and the bench's last line and its
+    report say so; the command they give removes it."""
+    import yaml
+
+    profile_file = tmp_path / "small.yaml"
+    profile_file.write_text(yaml.safe_dump(TWO_RACKS_SMALL))
+    out = tmp_path / "bench.json"
+    try:
+        result = subprocess.run([sys.executable, "-m", "syncplane", "bench", "--cluster", str(profile_file),
+                                 "--strategies", "ddp", "--payload-mb", "1", "--steps", "1", "--warmup", "0",
+                                 "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        left = emulator.namespaces()
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert len(left) == 4                                  # the switch and 3 hosts
+        last = result.stdout.strip().splitlines()[-1]
+        assert f"'test_two_racks' is still up ({len(left)} network namespaces {emulator.ns_prefix()}*)" in last
+        state = json.loads(out.read_text())["emulated_cluster"]
+        assert state["namespaces"] == len(left) and state["remove_with"] in last
+        subprocess.run(state["remove_with"], shell=True, check=True, cwd=ROOT, capture_output=True, timeout=120)
+        assert emulator.namespaces() == []
+    finally:
+        emulator.down()
+
+
 def nic_bytes(host: str, nic: str, direction: str = "tx") -> int:
     """Bytes the emulated host has sent (``tx``) or received (``rx``) on one NIC so far (the
     kernel's counter)."""
@@ -257,6 +282,7 @@ def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["steps"] > 0
     assert "on emulated cluster 'multi_nic'" in result.stdout
+    assert "the emulated cluster 'multi_nic' is still up" in result.stdout.strip().splitlines()[-1]   # said at the end
     # both NICs of both hosts carried the job's traffic: the launcher gives gloo eth0,eth1 and
     # a process group spreads its collectives over its devices (DDP's all-reduce every step;
     # point-to-point exchanges with one tag, as ATC's, stay on one NIC per group)

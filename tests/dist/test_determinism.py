@@ -8,7 +8,7 @@ rank must be equal bit for bit.
 
 What makes this hold (and what would break it): every reduction sums in a fixed order for a
 fixed world size (gloo's ring for DDP and the averaging, rank order in
-``comm.sharded`` for DiLoCo), DiLoCo's rounds are blocking (``overlap_steps=0``) and only a
+``comm.streams`` for DiLoCo), DiLoCo's rounds are blocking (``overlap_steps=0``) and only a
 timeout (600 s) could discard one, and no strategy decision here comes from a timing:
 DS-Sync's pattern comes from a cluster profile (not from a probe) and its contention check
 (``adjust_every=100``) does not fire within these steps. DS-Sync's probe and contention

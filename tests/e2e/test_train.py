@@ -89,6 +89,21 @@ def test_every_strategy_setting_is_checked_in_the_launching_process(tmp_path, ov
     assert not (tmp_path / "logs").exists(), "no worker may start on a bad config"
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["strategy=canary", "strategy.kwargs.exchange=nested"], "strategy.kwargs: exchange: nested needs the ranks grouped"),
+    (["strategy=ddp", "fault={kind:kill,rank:9,step:2}"], "fault.rank: 9 is not a rank of this job of 2"),
+    (["strategy=ddp", "seed=-5"], "seed: must be between 0 and 4294967295, got -5"),
+])
+def test_values_checked_against_the_jobs_ranks_fail_before_launch(tmp_path, overrides, message):
+    """The three values issue 38 found reaching the workers (a traceback on every rank, exit 1
+    after ~11 s) now stop in the launching process; the rest of the table is
+    ``tests/unit/test_launch_checks.py``, in-process."""
+    result = train(*overrides, f"hydra.run.dir={tmp_path}", timeout=180)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "logs").exists(), "no worker may start on a bad config"
+
+
 def test_hydra_lists_the_allowed_strategies():
     result = train("strategy=nope", timeout=60)
     assert "Available options in 'strategy'" in result.stderr and "ddp" in result.stderr

@@ -79,3 +79,39 @@ def test_every_row_reports_the_network_bound_next_to_its_own(tmp_path):
         assert rows[name]["network_bound_ratio"] == pytest.approx(rows[name]["network_bound_s"] / seconds)
         assert rows[name]["bound_ratio"] == pytest.approx(rows[name]["bound_s"] / seconds)
     assert rows["ddp"]["network_bound_s"] < rows["ddp"]["bound_s"]        # the ring crosses the uplink 1.75×
+
+
+def test_periodic_strategies_run_at_their_own_h_unless_period_is_given(tmp_path, monkeypatch, capsys):
+    """One H (issue 38): without --period the bench runs and prices DiLoCo at its own
+    sync_every (what ``train.py strategy=diloco`` runs), in whole rounds, and says so in the
+    JSON and the table's title; --period sets every periodic strategy's."""
+    import json
+
+    from syncplane.runtime import launcher
+    from syncplane.algorithms.diloco.config import DiLoCoConfig
+    from syncplane.bench.runner import main_bench
+
+    h = DiLoCoConfig.sync_every
+    specs = []
+
+    def fake_launch(command, profile, log_dir):   # the workers' results, without the emulator
+        spec = json.loads(open(command[-1]).read())
+        specs.append(spec)
+        hosts = len(profile.hosts)
+        results = {n: {"step_s": [1.0] * (spec["steps"] // spec["periods"].get(n, 1)), "comm_bytes": [1.0] * 8,
+                       "nic_tx_bytes": [1.0] * hosts} for n in spec["strategies"]}
+        (log_dir.parent / "results.json").write_text(json.dumps({"results": results}))
+
+    monkeypatch.setattr(launcher, "launch_on_cluster", fake_launch)
+    out = tmp_path / "r.json"
+    report = main_bench("two_racks", "ddp,diloco,torch_periodic", "1", 5, 0, 0.0, str(out), None, False)
+    assert specs[-1]["periods"] == report["periods"] == {"diloco": h, "torch_periodic": 4}
+    assert report["period"] is None and specs[-1]["steps"] == 20           # whole rounds of both: lcm(10, 4)
+    rows = {r["strategy"]: r for r in report["results"]}
+    assert (rows["diloco"]["period"], rows["ddp"]["period"]) == (h, None)
+    at_h = {r["strategy"]: r for r in report_rows(load_profile("two_racks"), ["diloco"], 2**20, {}, period=h)}
+    assert rows["diloco"]["bound_s"] == pytest.approx(at_h["diloco"]["bound_s"])
+    assert f"period diloco {h}, torch_periodic 4" in " ".join(capsys.readouterr().out.split())
+    given = main_bench("two_racks", "ddp,diloco", "1", 5, 0, 0.0, str(out), None, False, period=3)
+    assert given["periods"] == {"diloco": 3} and given["period"] == 3 and specs[-1]["steps"] == 6
+    assert "period 3 (--period)" in " ".join(capsys.readouterr().out.split())

@@ -53,3 +53,16 @@ def test_plan_prints_flexreduces_reduce_calls_and_link_bytes(tmp_path, capsys):
                      "--payload-mb", "25", "--plan"]) == 0
     out = capsys.readouterr().out
     assert "flexreduce plan:" in out and "reduce calls; per learner" in out and "owned after reduce-scatter" in out
+
+
+def test_without_period_diloco_is_priced_at_its_own_sync_every(tmp_path, capsys):
+    """One H (issue 38): simulate and train.py agree on DiLoCo's H unless --period is given."""
+    from syncplane.algorithms.diloco.config import DiLoCoConfig
+
+    h = DiLoCoConfig.sync_every
+    default, given = simulate(tmp_path), simulate(tmp_path, "--period", str(h))
+    assert default["period"] is None and default["periods"] == {"diloco": h}
+    rows = {r["strategy"]: r for r in default["results"]}
+    assert rows["diloco"]["period"] == h and rows["ddp"]["period"] is None
+    assert rows == {r["strategy"]: r for r in given["results"]}
+    assert f"period diloco {h} (their defaults" in " ".join(capsys.readouterr().out.split())

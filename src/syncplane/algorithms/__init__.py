@@ -86,6 +86,22 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
                          network.seconds * rounds, network.binding)
 
 
+def periods(names: list[str], period: int | None = None) -> dict[str, int]:
+    """Steps per round of each periodic strategy among ``names``: ``period`` where one is
+    given (``--period``), else the strategy's own default (DiLoCo's ``sync_every``)."""
+    return {name: period if period is not None else spec_for(name).default_period[name]
+            for name in names if name not in PLANNED and spec_for(name).periodic}
+
+
+def describe_periods(periods_used: dict[str, int], period: int | None = None) -> str:
+    """The periods of ``periods``, in words for a table's title ('' when none is periodic)."""
+    if not periods_used:
+        return ""
+    if period is not None:
+        return f"period {period} (--period)"
+    return "period " + ", ".join(f"{name} {p}" for name, p in periods_used.items()) + " (their defaults; --period sets one for all)"
+
+
 def strategy_time(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()
                   ) -> tuple[float, float]:
     """(predicted seconds, bound seconds) of ``strategy_times``."""
@@ -93,5 +109,6 @@ def strategy_time(model: CostModel, name: str, payload_bytes: float, options: Co
     return times.predicted_s, times.bound_s
 
 
-__all__ = ["PLANNED", "SPECS", "AlgorithmSpec", "CostOptions", "StrategyTimes", "all_names", "description", "peer_names",
+__all__ = ["PLANNED", "SPECS", "AlgorithmSpec", "CostOptions", "StrategyTimes", "all_names", "describe_periods",
+           "description", "peer_names", "periods",
            "spec_for", "strategy_names", "strategy_time", "strategy_times"]

@@ -49,6 +49,11 @@ CostPattern = Callable[[str, ClusterProfile, float, CostOptions], list[list[Phas
 StepFactory = Callable[[str, Mapping[str, Any], JobContext], SyncStep]
 
 
+#: (strategy name, its checked kwargs, the job's context as planned) -> None, or ConfigError /
+#: ValueError naming the key: the settings whose validity depends on the ranks, checked before launch.
+JobCheck = Callable[[str, Mapping[str, Any], JobContext], None]
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """One algorithm family (ATC/AWC/H-ATC/H-AWC are one family; so are torch's averagers).
@@ -62,9 +67,13 @@ class AlgorithmSpec:
         overlap: name -> the part of a training step its sync runs behind
             (``backward``, ``forward`` or ``step``); absent names block.
         periodic: communicates once per ``period`` steps (whole rounds are benchmarked).
+        default_period: name -> the period it runs at unless a tool is given one (DiLoCo's
+            own default ``sync_every``), so ``bench`` and ``simulate`` price what training runs.
         streams: bench options -> the number of parallel connections the pattern assumes.
         pattern: bench options -> ``CostOptions.pattern`` (which pattern the step runs).
         peer: a peer from another project, benchmarked beside ours (no syncplane strategy).
+        check_job: the settings that depend on the job's ranks (a profile to load, a tree
+            the exchange needs), checked in the launching process before any rank starts.
     """
 
     family: str
@@ -73,6 +82,8 @@ class AlgorithmSpec:
     cost: CostPattern
     overlap: Mapping[str, str] = field(default_factory=dict)
     periodic: bool = False
+    default_period: Mapping[str, int] = field(default_factory=dict)
     streams: Callable[[Mapping[str, Any]], int] = lambda options: 1
     pattern: Callable[[Mapping[str, Any]], str] = lambda options: "auto"
     peer: bool = False
+    check_job: JobCheck = lambda name, kwargs, job: None

@@ -17,6 +17,7 @@ bound and prediction are then the exposed part, bound − hidden compute, at lea
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -65,21 +66,24 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int, *, steps: int = 5,
-              warmup: int = 1, compute_ms: float = 0.0, period: int = 4, out_dir: Path, shards: int = 1,
+              warmup: int = 1, compute_ms: float = 0.0, period: int | None = None, out_dir: Path, shards: int = 1,
               compression: str = "none", pair_streams: int | str = "auto", exchange: str = "auto",
               phase_profile: bool = False) -> dict[str, Any]:
     """Launch the bench workers on the emulated ``profile`` and assemble the report
-    (``phase_profile``: each rank's per-phase times of the syncs that keep them, in the row)."""
+    (``phase_profile``: each rank's per-phase times of the syncs that keep them, in the row).
+    ``period``: steps per round of every periodic strategy; None = each one's own default
+    (DiLoCo's ``sync_every``), what ``train.py`` runs; ``periods`` in the report says which."""
     from syncplane.runtime.launcher import launch_on_cluster
 
     out_dir.mkdir(parents=True, exist_ok=True)
     implemented = [s for s in strategies if s not in algorithms.PLANNED]
     measured: dict[str, Any] = {}
+    used = algorithms.periods(strategies, period)
     if implemented:
-        if any(algorithms.spec_for(s).periodic for s in implemented):
-            steps = -(-steps // period) * period          # whole averaging rounds
+        rounds = math.lcm(*used.values()) if used else 1
+        steps = -(-steps // rounds) * rounds          # whole averaging rounds of every periodic strategy
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
-                "compute_ms": compute_ms, "period": period, "shards": shards, "compression": compression,
+                "compute_ms": compute_ms, "periods": used, "shards": shards, "compression": compression,
                 "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -88,22 +92,26 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
     rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period,
                        shards=shards, pair_streams=pair_streams, compression=compression, exchange=exchange)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
-            "steps": steps, "compute_ms": compute_ms, "period": period, "shards": shards, "pair_streams": pair_streams,
+            "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
+            "pair_streams": pair_streams,
             "compression": compression, "exchange": exchange, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "results": rows}
 
 
 def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: int, measured: dict[str, Any], *,
-                compute_ms: float = 0.0, period: int = 4, shards: int = 1,
+                compute_ms: float = 0.0, period: int | None = None, shards: int = 1,
                 pair_streams: int | str = "auto", compression: str = "none",
                 exchange: str = "auto") -> list[dict[str, Any]]:
     """One report row per strategy: the workers' measurements (``measured[name]``: step
-    times, bytes, NIC counters) next to the model's prediction and both bounds."""
+    times, bytes, NIC counters) next to the model's prediction and both bounds
+    (``period``: the periodic strategies' steps per round; None = each one's own default)."""
+    periods = algorithms.periods(strategies, period)
     model = CostModel(profile)
     background_senders = {profile.host(f.src).index for f in profile.background}
     rows = []
     for name in strategies:
-        row: dict[str, Any] = {"strategy": name, "status": "ok" if name in measured else "not implemented"}
+        row: dict[str, Any] = {"strategy": name, "status": "ok" if name in measured else "not implemented",
+                               "period": periods.get(name)}
         if name in measured:
             m = measured[name]
             row["sync_s_median"] = statistics.median(m["step_s"])
@@ -119,7 +127,8 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             family = algorithms.spec_for(name)
             options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange}
             times = algorithms.strategy_times(model, name, payload_bytes,
-                                              CostOptions(period, family.streams(options), family.pattern(options)))
+                                              CostOptions(periods.get(name, 1), family.streams(options),
+                                                          family.pattern(options)))
             window = family.overlap.get(name)
             hidden = compute_split(window, compute_ms / 1000)[1]     # the compute it can hide behind
             row["predicted_s"], row["bound_s"] = max(0.0, times.predicted_s - hidden), max(0.0, times.bound_s - hidden)
@@ -149,8 +158,9 @@ def print_table(report: dict[str, Any]) -> None:
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    period = algorithms.describe_periods(report.get("periods") or {}, report.get("period"))
     table = Table(title=f"syncplane bench: {report['cluster']} ({report['world_size']} ranks), "
-                        f"payload {report['payload_bytes'] / 2**20:.1f} MB")
+                        f"payload {report['payload_bytes'] / 2**20:.1f} MB" + (f", {period}" if period else ""))
     for col in ("strategy", "sync s (median)", "p90", "MB sent/rank", "NIC MB/rank", "bound s", "bound ratio",
                 "net bound s", "net ratio", "predicted s", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
@@ -169,20 +179,37 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
+    """Write the bench's chart (``chart``) to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = chart(report)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def chart(report: dict[str, Any]) -> Any:
+    """The bench's chart: a bar per strategy, its value above the bar and above both bound
+    markers (so no marker crosses it), headroom above the tallest, names slanted when
+    several, and the legend below the axes, where it covers nothing (issue 38: it hid the
+    tallest bar's value); checked by eye at 2, 5 and 11 strategies."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["results"] if r["status"] == "ok"]
-    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(report["results"])), 3.6))
     names = [r["strategy"] for r in report["results"]]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.2 + 0.9 * len(names)), 4.2))
     medians = [r["sync_s_median"] or 0 for r in report["results"]]
     bars = ax.bar(names, medians, color=["C0" if r["status"] == "ok" else "lightgrey" for r in report["results"]])
-    for bar, r in zip(bars, report["results"]):
+    heights = [max(m, r.get("bound_s") or 0, r.get("network_bound_s") or 0) for m, r in zip(medians, report["results"])]
+    for bar, r, top in zip(bars, report["results"], heights):
         label = "n/a" if r["status"] != "ok" else f"{r['sync_s_median']:.2f}s"
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                    fontsize=8)
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, top), xytext=(0, 4), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.18 * max(heights, default=0) or 1.0)      # room for the value above the tallest
+    if len(names) > 4 or max(map(len, names), default=0) > 10:
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", rotation_mode="anchor")
     bounds = [(r["strategy"], r["bound_s"]) for r in rows if r["bound_s"] is not None]
     if bounds:
         ax.scatter([b[0] for b in bounds], [b[1] for b in bounds], marker="_", s=600, color="C3",
@@ -191,13 +218,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     if network:
         ax.scatter([b[0] for b in network], [b[1] for b in network], marker="_", s=600, color="C2",
                    label="network bound (all-reduce)", zorder=3)
-    if bounds or network:
-        ax.legend(loc="upper right")
     ax.set_ylabel("sync time per step (s)")
     ax.set_title(f"{report['cluster']}: {report['payload_bytes'] / 2**20:.0f} MB, {report['world_size']} ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if bounds or network:
+        fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, frameon=False, fontsize=9)
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+    else:
+        fig.tight_layout()
+    return fig
 
 
 def log_wandb(report: dict[str, Any], save_dir: Path) -> None:
@@ -222,7 +250,7 @@ def log_wandb(report: dict[str, Any], save_dir: Path) -> None:
 
 
 def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: int, compute_ms: float,
-               json_out: str, png: str | None, wandb_log: bool, period: int = 4, shards: int = 1,
+               json_out: str, png: str | None, wandb_log: bool, period: int | None = None, shards: int = 1,
                compression: str = "none", pair_streams: str = "auto", exchange: str = "auto",
                phase_profile: bool = False) -> dict[str, Any]:
     profile = load_profile(cluster)
@@ -232,7 +260,7 @@ def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: 
         raise ConfigError(f"--steps: must be at least 1, got {steps}")
     out = Path(json_out)
     work_dir = out.parent / f".{out.stem}-run"
-    if period < 1:
+    if period is not None and period < 1:
         raise ConfigError(f"--period: must be at least 1, got {period}")
     if shards < 1:
         raise ConfigError(f"--shards: must be at least 1, got {shards}")
@@ -249,6 +277,9 @@ def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: 
     report = run_bench(profile, names, payload_bytes, steps=steps, warmup=warmup, compute_ms=compute_ms,
                        period=period, out_dir=work_dir, shards=shards, compression=compression,
                        pair_streams=streams, exchange=exchange, phase_profile=phase_profile)
+    from syncplane.cluster import emulator
+
+    report["emulated_cluster"] = emulator.left_up()   # kept up for the next run (None: taken down)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

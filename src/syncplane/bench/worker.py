@@ -64,7 +64,7 @@ def main(spec_path: str) -> None:
     results = {}
     for name in spec["strategies"]:
         family = algorithms.spec_for(name)
-        sync = family.bench_step(name, spec, job)
+        sync = family.bench_step(name, {**spec, "period": spec["periods"].get(name, 1)}, job)   # its own H
         period = getattr(sync, "period", 1)   # periodic syncs are amortized over their rounds
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         meter = CommMeter()

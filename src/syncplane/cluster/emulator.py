@@ -224,6 +224,45 @@ def status() -> dict[str, Any]:
     return {"profile": state["profile"] if state else None, "namespaces": namespaces() if os.geteuid() == 0 else []}
 
 
+def left_up() -> dict[str, Any] | None:
+    """The emulated cluster a command leaves behind, or None: it stays up after ``train.py
+    cluster=...``, ``bench``, ``compare`` and ``chaos`` on purpose (the next run on the same
+    profile reuses it instead of rebuilding it), and those commands say so at their end with
+    this (``docs/cluster-profiles.md``): its profile, its namespaces, and the command that
+    removes it (under a prefix of its own, with that prefix)."""
+    try:
+        found = namespaces()
+    except (EmulationError, OSError):
+        return None
+    if not found:
+        return None
+    state = _state_file()
+    profile = json.loads(state.read_text())["profile"] if state.exists() else None
+    prefix = ns_prefix()
+    remove = ("" if prefix == NS_PREFIX else f"{PREFIX_ENV}={prefix} ") + "syncplane emulate down"
+    return {"profile": profile, "namespaces": len(found), "prefix": prefix, "remove_with": remove}
+
+
+def left_up_line(state: dict[str, Any]) -> str:
+    """``left_up()`` in one line, for the end of a command's output."""
+    name = f" {state['profile']!r}" if state["profile"] else ""
+    return (f"syncplane: the emulated cluster{name} is still up ({state['namespaces']} network namespaces "
+            f"{state['prefix']}*), kept for the next run on it; remove it with: {state['remove_with']}")
+
+
+@contextmanager
+def say_if_left_up(used: bool, file: Any = None) -> Iterator[None]:
+    """Around a command that ran on an emulated cluster (``used``): at its end, finished or
+    failed, print ``left_up_line`` when the cluster is still up (a ``netdown`` chaos run
+    takes it down itself: then nothing is said)."""
+    try:
+        yield
+    finally:
+        state = left_up() if used else None
+        if state is not None:
+            print(left_up_line(state), file=file or sys.stdout, flush=True)
+
+
 def up(profile: ClusterProfile) -> None:
     """Build ``profile`` (tearing down whatever emulated cluster was up before)."""
     require_support()

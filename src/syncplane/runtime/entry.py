@@ -21,6 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from syncplane import job as job_env
+from syncplane.job import JobContext
 from syncplane.config import ConfigError
 from syncplane.runtime.launcher import cluster_session, die_with_parent, launch, launch_on_cluster, local_ranks
 from syncplane.runtime import external, rendezvous
@@ -146,7 +147,8 @@ def run_as_rank(container: dict[str, Any], launched: external.ExternalLaunch, us
     die_with_parent()   # torchrun's agent (or srun) killed outright takes this rank with it
     strategy = str((container.get("strategy") or {}).get("name"))
     run_dir = external.run_dir_for(launched, user_dir, strategy)
-    spec = parse_job(container, run_dir=str(run_dir))
+    spec = parse_job(container, run_dir=str(run_dir),
+                     world=JobContext.from_environment(rank=launched.rank, world_size=launched.world_size))
     if spec.cluster is not None:
         raise ConfigError("cluster: an emulated cluster starts its own ranks; leave cluster unset under "
                           f"{launched.launcher} (rank {launched.rank})")

@@ -7,11 +7,13 @@ every worker calls it again on the resolved YAML it was handed.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from syncplane.job import JobContext
 from syncplane.config import ConfigError, check_kwargs, parse_dataclass
 
 
@@ -40,6 +42,17 @@ class TrainerSettings:
             raise ConfigError(f"devices: must be at least 1, got {self.devices}")
         if self.max_epochs < 1 and self.max_steps < 1:
             raise ConfigError(f"max_epochs: must be at least 1 (or set max_steps), got {self.max_epochs}")
+        if self.max_steps < -1:
+            raise ConfigError(f"max_steps: must be -1 (no limit) or >= 0, got {self.max_steps}")
+        precisions = lightning_precisions()
+        if self.precision not in precisions:
+            raise ConfigError(f"precision: got {self.precision!r}, allowed values: {', '.join(precisions)}")
+        if self.log_every_n_steps < 1:
+            raise ConfigError(f"log_every_n_steps: must be at least 1, got {self.log_every_n_steps}")
+        if self.check_val_every_n_epoch < 1:
+            raise ConfigError(f"check_val_every_n_epoch: must be at least 1, got {self.check_val_every_n_epoch}")
+        if self.gradient_clip_val is not None and self.gradient_clip_val < 0:
+            raise ConfigError(f"gradient_clip_val: must be >= 0 (or null), got {self.gradient_clip_val}")
         if self.accumulate_grad_batches < 1:
             raise ConfigError(f"accumulate_grad_batches: must be at least 1, got {self.accumulate_grad_batches}")
         if self.threads_per_rank < 0:
@@ -52,6 +65,13 @@ class TrainerSettings:
             raise ConfigError(f"max_restarts: must be >= 0, got {self.max_restarts}")
         if self.restart_delay_s < 0:
             raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
+
+
+def lightning_precisions() -> tuple[str, ...]:
+    """The ``precision`` strings Lightning's Trainer accepts (its own list, aliases included)."""
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+
+    return (*typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
 
 
 @dataclass
@@ -114,8 +134,14 @@ class JobSpec:
         return self.strategy.name == "diloco" and bool(self.strategy.kwargs.get("elastic", False))
 
 
-def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> JobSpec:
-    """Validate a composed config (plain containers, interpolations resolved)."""
+#: what ``seed_everything`` (numpy's generator) accepts
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", world: JobContext | None = None) -> JobSpec:
+    """Validate a composed config (plain containers, interpolations resolved), including
+    what depends on the job's ranks: ``world`` as another launcher started them, by default
+    ``trainer.devices`` ranks on this machine or on the emulated ``cluster``."""
     from syncplane import recipes as recipes_registry
     from syncplane.strategies import registry as strategy_registry
 
@@ -133,7 +159,6 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     if strategy_cfg:
         raise ConfigError(f"strategy: unknown key(s) {', '.join(sorted(strategy_cfg))}; allowed keys: kwargs, name")
     kwargs = check_kwargs(strategy_registry.accepted_params(name), kwargs, "strategy.kwargs")
-    strategy_registry.validate(name, kwargs)
 
     recipe_cfg = dict(cfg.get("recipe") or {})
     recipe_name = recipe_cfg.pop("name", None)
@@ -146,6 +171,8 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
     seed = cfg.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ConfigError(f"seed: expected an integer, got {seed!r}")
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ConfigError(f"seed: must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {seed}")
     resume = cfg.get("resume")
     if resume is not None and not (isinstance(resume, str) and Path(resume).is_file()):
         raise ConfigError(f"resume: expected the path of an existing checkpoint file, got {resume!r}")
@@ -171,6 +198,10 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
         cluster.check_world_size(trainer.devices)
         if trainer.accelerator != "cpu":
             raise ConfigError("cluster: emulated clusters run CPU processes; set trainer.accelerator=cpu")
+    if world is None:
+        world = JobContext.planned(trainer.devices, cluster)
+    strategy_registry.validate(name, kwargs, world)
+    check_fault_ranks(cfg.get("fault"), faults, world.world_size)
     if trainer.accelerator in ("gpu", "cuda") and name != strategy_registry.BASELINE:
         from syncplane import ext
 
@@ -191,6 +222,15 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train") -> 
         cluster=cluster,
         faults=faults,
     )
+
+
+def check_fault_ranks(value: Any, faults: list[FaultSettings], world_size: int) -> None:
+    """Every fault names a rank of the job (``value``: the config's ``fault``, for the key)."""
+    for i, fault in enumerate(faults):
+        if fault.rank >= world_size:
+            key = "fault.rank" if isinstance(value, Mapping) else f"fault[{i}].rank"
+            raise ConfigError(f"{key}: {fault.rank} is not a rank of this job of {world_size} "
+                              f"(ranks 0..{world_size - 1})")
 
 
 def parse_faults(value: Any) -> list[FaultSettings]:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from syncplane.comm.basics import release_groups
+from syncplane.config import ConfigError
 from syncplane.job import JobContext
 from syncplane.runtime import rendezvous
 from syncplane.runtime.launcher import die_with_parent
@@ -152,11 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     # torchft's Rust side logs every quorum at INFO to stderr; warnings are what a user needs
     os.environ.setdefault("RUST_LOG", "warn")
     job = yaml.safe_load(Path(args[0]).read_text())
-    spec = parse_job(job["config"], run_dir=job["run_dir"], job_name=job.get("job_name", "train"))
     try:
-        run(spec)
-    finally:
-        close_process_group()
+        spec = parse_job(job["config"], run_dir=job["run_dir"], job_name=job.get("job_name", "train"))
+        try:
+            run(spec)
+        finally:
+            close_process_group()
+    except ConfigError as exc:
+        # a check only the running ranks can make (what this host has, what the ranks agree
+        # on): one line naming the key on every rank, as train.py's own, not a traceback
+        print(f"syncplane: rank {os.environ.get('RANK', '?')}: invalid configuration: {exc}", file=sys.stderr,
+              flush=True)
+        return 2
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.canary.bench import EXCHANGES, CanaryStep, innermost_is_host, sketch_ratio
+from syncplane.algorithms.canary.bench import EXCHANGES, CanaryStep, check_job, innermost_is_host, sketch_ratio
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.gei import GEI, check_bounds
 from syncplane.algorithms.canary.compensation import MomentumCompensation, compensated_momentum
@@ -61,6 +61,7 @@ SPEC = AlgorithmSpec(
     cost=canary_cost,
     streams=lambda options: int(options.get("shards") or 1),
     pattern=lambda options: str(options.get("exchange") or "auto"),
+    check_job=check_job,
 )
 
 __all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "sketch_ratio"]

@@ -13,6 +13,7 @@ from typing import Any
 
 from syncplane.algorithms.decentralized.bench import NeighborAveragingStep
 from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps, one_peer_steps
+from syncplane.algorithms.decentralized.machines import machines_for
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
@@ -28,6 +29,12 @@ def decentralized_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     """One period of the one-peer schedule, over ranks or (``h_*``) over racks."""
     pattern = hierarchical_one_peer_steps if _hierarchical(name) else one_peer_steps
     return pattern(profile, payload_bytes, options)
+
+
+def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
+    """An explicit machine size must divide the job's ranks (the rest is decided on the ranks)."""
+    if _hierarchical(name) and kwargs.get("ranks_per_machine"):
+        machines_for(job, "auto", kwargs["ranks_per_machine"], job.world_size)
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> NeighborAveragingStep:
@@ -47,4 +54,5 @@ SPEC = AlgorithmSpec(
     # ATC's exchange runs behind the next forward (each module waits for its own buckets),
     # AWC's behind forward and backward (combined before the update).
     overlap={"atc": "forward", "h_atc": "forward", "awc": "step", "h_awc": "step"},
+    check_job=_check_job,
 )

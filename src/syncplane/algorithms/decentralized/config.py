@@ -3,11 +3,13 @@ fails before the first step, naming the key and what it accepts)."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from syncplane.algorithms.decentralized.machines import MACHINE_KINDS
 from syncplane.algorithms.decentralized.schedule import SCHEDULES
+from syncplane.comm import topology as graphs
 
 #: Graph builders a config may name (``topology: RingGraph``); all take the size first.
 TOPOLOGIES = ("ExponentialTwoGraph", "ExponentialGraph", "SymmetricExponentialGraph", "PlusMinusExponentialGraph",
@@ -43,6 +45,12 @@ class DecentralizedConfig:
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"unknown topology {self.topology!r}; allowed values: {', '.join(TOPOLOGIES)}")
+        builder = getattr(graphs, self.topology)
+        try:   # the builder's own signature: a misspelt argument fails here, not in every rank's setup
+            inspect.signature(builder).bind(1, **self.topology_kwargs)
+        except TypeError as exc:
+            params = [p for p in inspect.signature(builder).parameters][1:]
+            raise ValueError(f"topology_kwargs: {exc} ({self.topology} takes {', '.join(params) or 'none'})") from None
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; allowed values: {', '.join(SCHEDULES)}")
         if self.global_every < 0:

@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
+from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import exchange_phases
+from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
@@ -38,6 +40,14 @@ def _pattern(options: Mapping[str, Any]) -> str:
     return "mesh" if exchange == "auto" and options.get("compression", "none") != "none" else exchange
 
 
+def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
+    """A topology the job names must load and cover its ranks (an elastic replica is a job
+    of one: it has no tree)."""
+    topology = kwargs.get("topology", "auto")
+    if topology != "auto" and not kwargs.get("elastic", False):
+        check_topology(topology, job)
+
+
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DiLoCoStep:
     return DiLoCoStep(options, job)
 
@@ -49,6 +59,8 @@ SPEC = AlgorithmSpec(
     bench_step=_step,
     cost=diloco_cost,
     periodic=True,
+    default_period={"diloco": DiLoCoConfig.sync_every},   # H as train.py's strategy=diloco runs it
     streams=lambda options: int(options.get("shards", 1)),
     pattern=_pattern,
+    check_job=_check_job,
 )

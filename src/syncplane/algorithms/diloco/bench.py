@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.exchange import build_exchange
 from syncplane.comm import CommMeter, PhaseProfile
@@ -23,7 +24,7 @@ class DiLoCoStep:
     whole rounds."""
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
-        self.period = int(options.get("period", 4))
+        self.period = int(options.get("period", DiLoCoConfig.sync_every))
         self.allreduce, self.exchange = build_exchange(job, int(options.get("shards", 1)),
                                                        options.get("compression", "none"),
                                                        exchange=options.get("exchange", "auto"))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from syncplane.algorithms.diloco.exchange import check_exchange
+from syncplane.algorithms.diloco.outer import check_outer
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
 from syncplane.comm import make_codec
 
@@ -55,7 +56,10 @@ class DiLoCoConfig:
         if self.shards != "auto" and (isinstance(self.shards, bool) or not isinstance(self.shards, int)
                                       or self.shards < 1):
             raise ValueError(f"shards must be an integer of at least 1, or 'auto', got {self.shards!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         make_codec(self.compression, self.block_size)   # validates both
+        check_outer(self.outer_optimizer, self.outer_kwargs)
         if self.sync_timeout_s <= 0:
             raise ValueError(f"sync_timeout_s must be positive, got {self.sync_timeout_s}")
         check_exchange(self.exchange, self.compression)

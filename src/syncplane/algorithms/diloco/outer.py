@@ -42,6 +42,12 @@ def resolve_optimizer(path: str) -> type[Optimizer]:
     return cls
 
 
+def check_outer(optimizer: str, kwargs: Mapping[str, Any] | None) -> None:
+    """The class resolves and takes ``kwargs`` (built once over one value: what the first
+    round would do on every rank, done when the settings are read)."""
+    OuterOptimizer(torch.zeros(1), optimizer, kwargs, pin=False)
+
+
 class OuterOptimizer:
     """``θ_g`` (flat fp32, CPU) and a torch optimizer stepping it with the mean pseudo-gradient.
 

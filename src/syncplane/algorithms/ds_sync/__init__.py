@@ -15,8 +15,21 @@ from typing import Any
 from syncplane.algorithms.ds_sync.bench import DSSyncStep
 from syncplane.algorithms.ds_sync.cost import ds_sync_steps
 from syncplane.algorithms.ds_sync.pair_streams import connections
-from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec
+from syncplane.cluster.probe import from_profile
+from syncplane.cluster.profile import load_profile
+from syncplane.config import ConfigError
+from syncplane.job import JobContext
+
+
+def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
+    """A profile the job names (``topology``) must load and have the job's ranks."""
+    topology = kwargs.get("topology", "auto")
+    if topology not in ("auto", "probe"):
+        try:
+            from_profile(load_profile(topology), job.world_size)
+        except ConfigError as exc:
+            raise ConfigError(f"topology={topology!r}: {exc}") from None
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DSSyncStep:
@@ -30,4 +43,5 @@ SPEC = AlgorithmSpec(
     cost=ds_sync_steps,
     # "auto" may pick the most streams: the bound is the best choice's
     streams=lambda options: connections(options.get("pair_streams", "auto")),
+    check_job=_check_job,
 )

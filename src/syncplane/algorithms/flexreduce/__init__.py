@@ -17,6 +17,7 @@ from syncplane.algorithms.flexreduce.cost import (
     flexreduce_steps,
     hierarchical_allreduce_steps,
 )
+from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, SyncStep
 
@@ -25,6 +26,11 @@ def _cost(name, profile, payload_bytes, options):  # type: ignore[no-untyped-def
     pattern = {"flexreduce": flexreduce_steps, "flexreduce_levelwise": flexreduce_levelwise_steps,
                "hier_allreduce": hierarchical_allreduce_steps}[name]
     return pattern(name, profile, payload_bytes, options)
+
+
+def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
+    """The tree the all-reduce is planned on must exist and cover the job's ranks."""
+    check_topology(kwargs.get("topology", "auto"), job)
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> SyncStep:
@@ -39,6 +45,7 @@ SPEC = AlgorithmSpec(
     bench_step=_step,
     cost=_cost,
     overlap={"flexreduce": "backward"},   # a DDP comm hook: buckets during the backward, as DDP's
+    check_job=_check_job,
 )
 
 #: Its peers in the bench: the paper's own schedule (levels one after the other) and the

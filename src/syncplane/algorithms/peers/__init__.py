@@ -14,6 +14,10 @@ from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
 
 
+#: torch's averagers take a period and have no default: the one they are benchmarked at
+PERIOD = 4
+
+
 def periodic_allreduce_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                             options: CostOptions) -> list[list[Phase]]:
     """One ring all-reduce of the parameters every ``period`` steps, nothing in between."""
@@ -21,7 +25,7 @@ def periodic_allreduce_cost(name: str, profile: ClusterProfile, payload_bytes: f
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> SyncStep:
-    period = int(options.get("period", 4))
+    period = int(options.get("period", PERIOD))
     return TorchPeriodicAveraging(period) if name == "torch_periodic" else TorchHierarchicalAveraging(period, job)
 
 
@@ -32,5 +36,6 @@ SPEC = AlgorithmSpec(
     bench_step=_step,
     cost=periodic_allreduce_cost,   # torch_hierarchical: its global round only (its in-host rounds come on top)
     periodic=True,
+    default_period={"torch_periodic": PERIOD, "torch_hierarchical": PERIOD},
     peer=True,
 )

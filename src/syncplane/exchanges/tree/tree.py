@@ -215,3 +215,12 @@ def job_tree(job: JobContext, topology: str | Sequence[int] = "auto") -> FlexTre
     if profile is not None:
         return from_profile(profile, job.world_size)
     return from_nested(job.hosts(), job.world_size)
+
+
+def check_topology(topology: str | Sequence[int], job: JobContext) -> None:
+    """A ``topology`` setting (FlexReduce's, DiLoCo's tree) checked before launch: it loads
+    and its tree covers the job's ranks; the error names the key."""
+    try:
+        job_tree(job, topology)
+    except ConfigError as exc:
+        raise ConfigError(f"topology={topology!r}: {exc}") from None

@@ -1,0 +1,159 @@
+"""Every setting a job can give is checked in the launching process: one bad value per key of
+every strategy config (``configs/strategy/*.yaml``) and of the job itself (``seed``,
+``fault.*``, ``trainer.*``) stops ``launch_job`` with a ConfigError naming the key before any
+rank is started (``train.py`` turns that into exit 2; ``tests/e2e/test_train.py`` runs three
+of them end to end)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from syncplane.config import ConfigError
+from syncplane.runtime import entry
+from syncplane.runtime.settings import TrainerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+STRATEGY_CONFIGS = {path.stem: yaml.safe_load(path.read_text()) for path in sorted((ROOT / "configs/strategy").glob("*.yaml"))}
+
+#: keys a strategy config documents in comments (added with +strategy.kwargs.KEY=VALUE)
+OPTIONAL_KEYS = {"canary": ("staleness", "proportion", "warmup_steps", "momentum_compensation", "compress_in_host")}
+
+_DECENTRALIZED = {"schedule": "sometimes", "topology": "NoSuchGraph", "topology_kwargs": {"nope": 1},
+                  "global_every": -1, "bucket_mb": 0, "consensus_eval": "maybe", "consensus_every": -1,
+                  "check_schedule": "maybe", "timeout_s": 0}
+_HIERARCHICAL = {**_DECENTRALIZED, "machines": "pod", "ranks_per_machine": 3}   # 3 does not divide 2 ranks
+
+#: strategy -> key -> one bad value for a job of 2 ranks on this machine
+BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
+    "atc": _DECENTRALIZED, "awc": _DECENTRALIZED, "h_atc": _HIERARCHICAL, "h_awc": _HIERARCHICAL,
+    "canary": {"compression": "fp4", "exact_fraction": 2, "quantile_weight": -1, "nics": 0,
+               "exchange": "nested",   # 2 ranks on one host do not nest: known before launch
+               "bucket_cap_mb": 0, "sync_timeout_s": 0, "staleness": -1, "proportion": 2, "warmup_steps": -1,
+               "momentum_compensation": "x", "compress_in_host": "x"},
+    "ddp": {},
+    "diloco": {"sync_every": -1, "outer_optimizer": "torch.optim.Nope", "outer_kwargs": {"nope": 1}, "shards": 0,
+               "compression": "fp4", "block_size": 0, "exchange": "star", "topology": [3], "sync_timeout_s": 0,
+               "fragments": 20, "overlap_steps": 10, "mix_alpha": 2, "consensus_eval": "x", "elastic": "x",
+               "round_timeout_s": 0, "quorum_timeout_s": 0, "heartbeat_timeout_s": 0, "join_timeout_s": 0,
+               "lighthouse_host": ""},
+    "ds_sync": {"topology": "two_racks", "adjust_every": -1, "imbalance": 0.5, "slow_factor": 2, "probe_mb": 0,
+                "ema": "x", "ema_decay": 2, "pair_streams": 0},     # two_racks has 8 ranks, the job 2
+    "flexreduce": {"topology": [3], "chunk_mb": -3, "bucket_cap_mb": 0},
+    "torch_fp16": {},
+    "torch_powersgd": {"matrix_approximation_rank": 0, "start_powerSGD_iter": -1, "min_compression_rate": "x",
+                       "use_error_feedback": "x", "warm_start": "x"},
+}
+
+#: ``trainer.<key>`` -> one bad value (every field of TrainerSettings)
+BAD_TRAINER_VALUES: dict[str, Any] = {
+    "accelerator": "tpu", "devices": 0, "max_epochs": "abc", "max_steps": -5, "precision": "17",
+    "accumulate_grad_batches": 0, "log_every_n_steps": 0, "check_val_every_n_epoch": 0, "gradient_clip_val": -1,
+    "deterministic": "x", "threads_per_rank": -1, "rendezvous_timeout_s": 0, "heartbeat_timeout_s": -1,
+    "max_restarts": -1, "restart_delay_s": -1,
+}
+
+#: the job's own keys: (dotted key, value) -> the key the message must name
+BAD_JOB_VALUES: list[tuple[str, Any, str]] = [
+    ("seed", -5, "seed"), ("seed", 2**32, "seed"), ("seed", "x", "seed"),
+    ("fault", {"kind": "explode"}, "fault.kind"), ("fault", {"kind": "kill", "rank": 9, "step": 2}, "fault.rank"),
+    ("fault", {"rank": -1}, "fault.rank"), ("fault", {"step": 0}, "fault.step"),
+    ("fault", [{"kind": "kill", "rank": 1, "step": 2}, {"kind": "stop", "rank": 2, "step": 2}], "fault[1].rank"),
+    ("fault", {"kind": "netdown", "rank": 1, "step": 2}, "fault.kind=netdown"),
+    *((f"trainer.{key}", value, f"trainer.{key}") for key, value in BAD_TRAINER_VALUES.items()),
+]
+
+GOOD = {"strategy": {"name": "ddp", "kwargs": {}}, "recipe": {"name": "digits"},
+        "trainer": {"accelerator": "cpu", "devices": 2, "max_epochs": 1}, "seed": 1, "fault": None}
+
+
+def strategy_cases() -> list[tuple[str, str, Any]]:
+    return [(name, key, value) for name, bad in BAD_STRATEGY_VALUES.items() for key, value in bad.items()]
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a rank fails the test: every case must stop before."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a worker was started for a bad config")
+
+    for starter in ("launch", "launch_on_cluster", "launch_elastic"):
+        monkeypatch.setattr(entry, starter, refuse)
+
+
+def refused(cfg: dict[str, Any], run_dir: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        entry.launch_job(cfg, run_dir)
+    assert not (run_dir / "logs").exists()
+    return str(info.value)
+
+
+def test_the_table_covers_every_key_of_every_strategy_config_and_of_the_trainer():
+    assert set(BAD_STRATEGY_VALUES) == set(STRATEGY_CONFIGS)
+    for name, config in STRATEGY_CONFIGS.items():
+        keys = {*(config.get("kwargs") or {}), *OPTIONAL_KEYS.get(name, ())}
+        assert keys == set(BAD_STRATEGY_VALUES[name]), name
+    assert set(BAD_TRAINER_VALUES) == {f.name for f in dataclasses.fields(TrainerSettings)}
+
+
+@pytest.mark.parametrize("name,key,value", strategy_cases(), ids=lambda v: str(v)[:20])
+def test_a_bad_strategy_value_is_refused_before_launch_naming_its_key(name, key, value, tmp_path, no_launch):
+    cfg = copy.deepcopy(GOOD)
+    cfg["strategy"] = {"name": name, "kwargs": {**(STRATEGY_CONFIGS[name].get("kwargs") or {}), key: value}}
+    assert key in refused(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("path,value,key", BAD_JOB_VALUES, ids=lambda v: str(v)[:30])
+def test_a_bad_job_value_is_refused_before_launch_naming_its_key(path, value, key, tmp_path, no_launch):
+    cfg = copy.deepcopy(GOOD)
+    *parents, leaf = path.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    assert key in refused(cfg, tmp_path)
+
+
+def test_the_ranks_another_launcher_started_are_the_world_checked(tmp_path):
+    """Under torchrun a fault may name a rank of another node: the world is the launcher's."""
+    from syncplane.job import JobContext
+    from syncplane.runtime.settings import parse_job
+
+    cfg = {**copy.deepcopy(GOOD), "fault": {"kind": "kill", "rank": 3, "step": 2}}
+    assert parse_job(cfg, str(tmp_path), world=JobContext(world_size=4, local_world_size=2)).faults[0].rank == 3
+    cfg["strategy"] = {"name": "canary", "kwargs": {"exchange": "nested"}}
+    parse_job(cfg, str(tmp_path), world=JobContext(world_size=4, local_world_size=2))      # 2 hosts of 2 ranks nest
+
+
+def test_canary_nested_is_checked_against_the_emulated_clusters_profile(tmp_path, no_launch):
+    """On two_racks (8 ranks, hosts of 2 in 2 racks) the ranks nest; a flat profile refuses it."""
+    from syncplane.job import JobContext
+    from syncplane.cluster import load_profile
+    from syncplane.strategies import registry
+
+    registry.validate("canary", {"exchange": "nested"}, JobContext.planned(8, load_profile("two_racks")))
+    with pytest.raises(ConfigError, match="exchange: nested"):
+        registry.validate("canary", {"exchange": "nested"}, JobContext.planned(8))
+
+
+def test_a_check_only_the_running_ranks_can_make_fails_with_one_line(tmp_path, capsys, monkeypatch):
+    """What is left to the ranks (what a host has, what they agree on) ends each rank with
+    exit 2 and one line naming the key, not a traceback."""
+    from syncplane.runtime import worker
+
+    def rank_check(spec: Any) -> None:
+        raise ConfigError("fault.kind=netdown: this rank does not run inside an emulated host")
+
+    monkeypatch.setattr(worker, "die_with_parent", lambda: None)
+    monkeypatch.setattr(worker, "run", rank_check)
+    monkeypatch.setenv("RANK", "1")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"config": GOOD, "run_dir": str(tmp_path), "job_name": "train"}))
+    assert worker.main([str(job)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "syncplane: rank 1: invalid configuration: fault.kind=netdown: this rank does not run inside an emulated host"]
