@@ -425,9 +425,10 @@ void sketch_decode(const at::Tensor& data, int64_t k, at::Tensor out) {
 //
 // SparseLoCo's pseudo-gradient codec; the layout, quantizer and bit order are defined in
 // syncplane/kernels.py (sparse_encode_reference), and these functions equal it bit for bit:
-//  * per chunk, the k first in the order (|x| descending, index ascending): a composite
-//    64-bit key (|x| bits << 32 | ~index) is unique, so nth_element picks that exact set
-//    (and, a second time, the median kept magnitude that clips the scale);
+//  * per chunk, the k first in the order (|x| descending, index ascending): the k-th largest
+//    |x| bit pattern T by nth_element, then in index order every key above T and the first
+//    keys equal to T (a second nth_element over the kept keys gives the median that clips
+//    the scale);
 //  * m = clamp(nearbyint((|v| / a) * M) - 1, 0, M - 1) in fp32, round-half-even like
 //    torch.round; decoding computes (m + 1) * (a / M), negates, multiplies by the scale and
 //    adds: the same fp32 operations in the same order as the reference.
@@ -448,27 +449,33 @@ inline float clip_for(int bits) {
 }
 
 void encode_chunk(const float* x, int64_t length, const Layout& L, float* scale_out, uint8_t* index_out,
-                  uint8_t* codes_out, std::vector<uint64_t>& scratch, std::vector<int32_t>& chosen) {
+                  uint8_t* codes_out, std::vector<uint32_t>& keys, std::vector<int32_t>& chosen) {
   const float clip = clip_for(L.bits);
   const int64_t kept = L.kept(length);
   const int levels = 1 << (L.bits - 1);
-  scratch.resize(length);
+  // the kept-th largest key T: every key above it is kept, and of the keys equal to it the
+  // lowest indices fill the rest -- one pass in index order, so `chosen` comes out sorted
+  keys.resize(length);
   uint32_t max_key = 0;
   for (int64_t i = 0; i < length; ++i) {
-    const uint32_t key = sketch::abs_key(x[i]);
-    max_key = std::max(max_key, key);
-    scratch[i] = (static_cast<uint64_t>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+    keys[i] = sketch::abs_key(x[i]);
+    max_key = std::max(max_key, keys[i]);
   }
-  if (kept < length) {
-    std::nth_element(scratch.begin(), scratch.begin() + (kept - 1), scratch.end(), std::greater<uint64_t>());
+  std::nth_element(keys.begin(), keys.begin() + (kept - 1), keys.end(), std::greater<uint32_t>());
+  const uint32_t threshold = keys[kept - 1];
+  int64_t above = 0;
+  for (int64_t j = 0; j < length; ++j) above += keys[j] > threshold;
+  int64_t ties = kept - above;   // keys equal to the threshold still to take
+  chosen.clear();
+  for (int64_t i = 0; i < length && static_cast<int64_t>(chosen.size()) < kept; ++i) {
+    const uint32_t key = sketch::abs_key(x[i]);
+    if (key > threshold || (key == threshold && ties-- > 0)) chosen.push_back(static_cast<int32_t>(i));
   }
   // the median kept magnitude: rank (kept - 1) / 2 among the kept, largest first
   const int64_t mid = (kept - 1) / 2;
-  std::nth_element(scratch.begin(), scratch.begin() + mid, scratch.begin() + kept, std::greater<uint64_t>());
-  const uint32_t median_key = static_cast<uint32_t>(scratch[mid] >> 32);
-  chosen.resize(kept);
-  for (int64_t j = 0; j < kept; ++j) chosen[j] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(scratch[j]));
-  std::sort(chosen.begin(), chosen.end());
+  for (int64_t j = 0; j < kept; ++j) keys[j] = sketch::abs_key(x[chosen[j]]);
+  std::nth_element(keys.begin(), keys.begin() + mid, keys.begin() + kept, std::greater<uint32_t>());
+  const uint32_t median_key = keys[mid];
   float largest, median;
   std::memcpy(&largest, &max_key, 4);
   std::memcpy(&median, &median_key, 4);
@@ -543,11 +550,11 @@ void sparse_encode(const at::Tensor& x, int64_t k, int64_t chunk, int64_t bits, 
   const float* xp = x.data_ptr<float>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, L.chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<uint64_t> scratch;
+    std::vector<uint32_t> keys;
     std::vector<int32_t> chosen;
     for (int64_t c = c0; c < c1; ++c) {
       float scale;
-      encode_chunk(xp + c * L.chunk, L.length_of(c), L, &scale, op + L.index_at(c), op + L.codes_at(c), scratch,
+      encode_chunk(xp + c * L.chunk, L.length_of(c), L, &scale, op + L.index_at(c), op + L.codes_at(c), keys,
                    chosen);
       std::memcpy(op + 4 * c, &scale, 4);
     }
