@@ -71,6 +71,13 @@ class SparseFeedback:
         """``e ← β·e + Δ``, the payload of ``e``'s top-k, and ``e ← e − decoded``."""
         return self.feedback.compress(delta)
 
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the accumulator, to put back if the round is discarded."""
+        return self.feedback.snapshot()
+
+    def restore(self, saved: torch.Tensor) -> None:
+        self.feedback.restore(saved)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.feedback.state_dict()
 
@@ -113,11 +120,11 @@ class SparseLoCoRound:
         gather committed (True); on a discarded gather the accumulator is put back as it
         was, so the next round sends this round's movement again (False)."""
         numel = self.outer.params.numel()
-        saved = self.feedback.feedback.snapshot()
+        saved = self.feedback.snapshot()
         payload = self.feedback.compress(self.outer.pseudo_gradient(local))
         pieces = self.all_gather(payload)
         if pieces is None:
-            self.feedback.feedback.restore(saved)
+            self.feedback.restore(saved)
             return False
         self.outer.step(mean_of(self.codec, pieces, numel))
         local.reshape(-1).copy_(self.outer.params)
