@@ -239,6 +239,8 @@ def sketch_decode(
 # Bits are packed LSB-first: item j of width w occupies stream bits [j*w, (j+1)*w), stream
 # bit i is bit (i % 8) of byte i // 8. Decoding adds ``scale * value`` into a dense buffer,
 # one fp32 rounding per value, payloads in the order given (bit-identical on every rank).
+# Inputs are expected finite: a NaN or inf is kept (its |x| bits are the largest) and makes
+# its chunk's scale, and so every value decoded from that chunk, non-finite.
 
 SPARSE_BITS = (2, 4, 8)
 #: c_bits above: the scale is at most this many times the median kept magnitude
