@@ -66,7 +66,7 @@ def _build_name(kind: str, sources: tuple[str, ...], flags: tuple[str, ...]) -> 
     import torch
 
     digest = hashlib.sha256()
-    for src in sources:
+    for src in (*sources, *sorted(p.name for p in CSRC.glob("*.h"))):   # headers: an edit rebuilds
         digest.update((CSRC / src).read_bytes())
     digest.update(" ".join(flags).encode())
     digest.update(torch.__version__.encode())

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.cuda_build
 @pytest.mark.skipif(ext._find_cuda_home() is None and shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_kernels_compile_and_load():
     module = ext.load_cuda()
-    assert {"pack", "unpack", "weighted_combine", "sketch_encode", "sketch_decode"} <= set(dir(module))
+    assert {"pack", "unpack", "weighted_combine", "sketch_encode", "sketch_decode", "sparse_encode",
+            "sparse_decode_add"} <= set(dir(module))
     assert ext.status()["cuda_kernels"] is True
 
 

@@ -239,7 +239,7 @@ def _plot(runs: list[dict[str, Any]], path: Path, target_acc: float | None = Non
 def chart(runs: list[dict[str, Any]], target_acc: float | None = None) -> Any:
     """Four panels per strategy (time to target or final accuracy, throughput, communication
     per step, accuracy curves); notes and the curves' legend sit where they cover nothing
-    (checked by eye at 2, 5 and 11 strategies, issue 38)."""
+    (checked by eye at 2, 5 and 11 strategies)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -190,7 +190,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def chart(report: dict[str, Any]) -> Any:
     """The bench's chart: a bar per strategy, its value above the bar and above both bound
     markers (so no marker crosses it), headroom above the tallest, names slanted when
-    several, and the legend below the axes, where it covers nothing (issue 38: it hid the
+    several, and the legend below the axes, where it covers nothing (inside, it hid the
     tallest bar's value); checked by eye at 2, 5 and 11 strategies."""
     import matplotlib
 

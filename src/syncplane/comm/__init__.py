@@ -19,7 +19,7 @@ from syncplane.comm import topology, window
 from syncplane.comm.consensus import push_sum_average
 from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from syncplane.comm.check import check_plan
-from syncplane.comm.codecs import ErrorFeedback, Fp32, GradientSketch, Int8Blockwise, make_codec
+from syncplane.comm.codecs import ChunkedTopK, ErrorFeedback, Fp32, GradientSketch, Int8Blockwise, make_codec
 from syncplane.comm.collectives import allreduce_mean_, mean_and_distance
 from syncplane.comm.context import (
     in_neighbor_ranks,
@@ -77,7 +77,7 @@ __all__ = [
     "win_accumulate", "win_create", "win_free", "win_get", "win_mutex", "win_put", "win_update",
     "win_update_then_collect", "window",
     # codecs and the stream runner (groups per NIC, deadline, commit/discard)
-    "ErrorFeedback", "Fp32", "GradientSketch", "Int8Blockwise", "Round", "StreamExchange", "StreamRunner", "directed", "make_codec",
+    "ChunkedTopK", "ErrorFeedback", "Fp32", "GradientSketch", "Int8Blockwise", "Round", "StreamExchange", "StreamRunner", "directed", "make_codec",
     "shard_bounds",
     # BlueFog parity (docs/comm.md compatibility table)
     "allgather", "allgather_nonblocking", "get_current_created_window_names", "get_win_version",

@@ -18,8 +18,11 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "sparse_layout.h"
 
 namespace {
 
@@ -418,8 +421,173 @@ void sketch_decode(const at::Tensor& data, int64_t k, at::Tensor out) {
   }
 }
 
+// ------------------------------------------------------------------ chunked top-k (sparse)
+//
+// SparseLoCo's pseudo-gradient codec; the layout, quantizer and bit order are defined in
+// syncplane/kernels.py (sparse_encode_reference), and these functions equal it bit for bit:
+//  * per chunk, the k first in the order (|x| descending, index ascending): the k-th largest
+//    |x| bit pattern T by nth_element, then in index order every key above T and the first
+//    keys equal to T (a second nth_element over the kept keys gives the median that clips
+//    the scale);
+//  * m = clamp(nearbyint((|v| / a) * M) - 1, 0, M - 1) in fp32, round-half-even like
+//    torch.round; decoding computes (m + 1) * (a / M), negates, multiplies by the scale and
+//    adds: the same fp32 operations in the same order as the reference.
+// Chunks are independent (each writes its own bytes, each decodes into its own range), so
+// they run in parallel and the result never depends on the thread count.
+namespace sparse {
+
+void check_layout(int64_t numel, int64_t k, int64_t chunk, int64_t bits, const char* op) {
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, op, ": bits must be 2, 4 or 8, got ", bits);
+  TORCH_CHECK(chunk >= 1 && chunk < (int64_t(1) << 31), op, ": chunk must be in [1, 2^31), got ", chunk);
+  TORCH_CHECK(k >= 1 && k <= chunk, op, ": k must be in [1, chunk=", chunk, "], got ", k);
+  TORCH_CHECK(numel >= 0, op, ": negative numel");
+}
+
+// c_bits of kernels.py's SPARSE_CLIP: the scale is at most this many median kept magnitudes
+inline float clip_for(int bits) {
+  return bits == 2 ? 2.0f : bits == 4 ? 16.0f : std::numeric_limits<float>::infinity();
+}
+
+void encode_chunk(const float* x, int64_t length, const Layout& L, float* scale_out, uint8_t* index_out,
+                  uint8_t* codes_out, std::vector<uint32_t>& keys, std::vector<int32_t>& chosen) {
+  const float clip = clip_for(L.bits);
+  const int64_t kept = L.kept(length);
+  const int levels = 1 << (L.bits - 1);
+  // the kept-th largest key T: every key above it is kept, and of the keys equal to it the
+  // lowest indices fill the rest -- one pass in index order, so `chosen` comes out sorted
+  keys.resize(length);
+  uint32_t max_key = 0;
+  for (int64_t i = 0; i < length; ++i) {
+    keys[i] = sketch::abs_key(x[i]);
+    max_key = std::max(max_key, keys[i]);
+  }
+  std::nth_element(keys.begin(), keys.begin() + (kept - 1), keys.end(), std::greater<uint32_t>());
+  const uint32_t threshold = keys[kept - 1];
+  int64_t above = 0;
+  for (int64_t j = 0; j < length; ++j) above += keys[j] > threshold;
+  int64_t ties = kept - above;   // keys equal to the threshold still to take
+  chosen.clear();
+  for (int64_t i = 0; i < length && static_cast<int64_t>(chosen.size()) < kept; ++i) {
+    const uint32_t key = sketch::abs_key(x[i]);
+    if (key > threshold || (key == threshold && ties-- > 0)) chosen.push_back(static_cast<int32_t>(i));
+  }
+  // the median kept magnitude: rank (kept - 1) / 2 among the kept, largest first
+  const int64_t mid = (kept - 1) / 2;
+  for (int64_t j = 0; j < kept; ++j) keys[j] = sketch::abs_key(x[chosen[j]]);
+  std::nth_element(keys.begin(), keys.begin() + mid, keys.begin() + kept, std::greater<uint32_t>());
+  const uint32_t median_key = keys[mid];
+  float largest, median;
+  std::memcpy(&largest, &max_key, 4);
+  std::memcpy(&median, &median_key, 4);
+  const float a = median > 0.0f ? std::min(largest, median * clip) : largest;
+  *scale_out = a;
+  const float safe = a > 0.0f ? a : 1.0f;
+  const float m_levels = static_cast<float>(levels);
+  std::memset(index_out, 0, L.index_bytes(length));
+  std::memset(codes_out, 0, L.value_bytes(length));
+  const bool bitmap = L.bitmap(length);
+  const int width = Layout::width(length);
+  for (int64_t j = 0; j < kept; ++j) {
+    const float v = x[chosen[j]];
+    const float t = (std::fabs(v) / safe) * m_levels;
+    const float r = std::nearbyint(t) - 1.0f;
+    const int m = static_cast<int>(std::min(std::max(r, 0.0f), static_cast<float>(levels - 1)));
+    const uint32_t code = (static_cast<uint32_t>(std::signbit(v) ? 1 : 0) << (L.bits - 1)) | static_cast<uint32_t>(m);
+    put_bits(codes_out, j * L.bits, code, L.bits);
+    if (bitmap) put_bits(index_out, chosen[j], 1u, 1);
+    else put_bits(index_out, j * width, static_cast<uint32_t>(chosen[j]), width);
+  }
+}
+
+// out[i] += scale * value for the chunk's kept values (positions relative to the chunk)
+void decode_add_chunk(const uint8_t* payload, int64_t c, const Layout& L, float scale, float* out) {
+  const int64_t length = L.length_of(c);
+  const int64_t kept = L.kept(length);
+  const int levels = 1 << (L.bits - 1);
+  float a;
+  std::memcpy(&a, payload + 4 * c, 4);
+  const float step = a / static_cast<float>(levels);
+  const uint8_t* index_in = payload + L.index_at(c);
+  const uint8_t* codes_in = payload + L.codes_at(c);
+  const bool bitmap = L.bitmap(length);
+  const int width = Layout::width(length);
+  int64_t pos = 0;  // bitmap cursor
+  for (int64_t j = 0; j < kept; ++j) {
+    int64_t offset;
+    if (bitmap) {
+      while (pos < length && !((index_in[pos >> 3] >> (pos & 7)) & 1u)) ++pos;
+      TORCH_CHECK(pos < length, "sparse_decode_add: a bitmap does not hold ", kept, " positions");
+      offset = pos++;
+    } else {
+      offset = get_bits(index_in, j * width, width);
+      TORCH_CHECK(offset < length, "sparse_decode_add: an offset is outside its chunk of ", length, " values");
+    }
+    const uint32_t code = get_bits(codes_in, j * L.bits, L.bits);
+    float v = static_cast<float>((code & static_cast<uint32_t>(levels - 1)) + 1) * step;
+    if (code >> (L.bits - 1)) v = -v;
+    v = v * scale;
+    out[offset] = out[offset] + v;
+  }
+  if (bitmap) {
+    for (; pos < length; ++pos) {
+      TORCH_CHECK(!((index_in[pos >> 3] >> (pos & 7)) & 1u), "sparse_decode_add: a bitmap does not hold ", kept,
+                  " positions");
+    }
+  }
+}
+
+}  // namespace sparse
+
+void sparse_encode(const at::Tensor& x, int64_t k, int64_t chunk, int64_t bits, at::Tensor out) {
+  using namespace sparse;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+              "sparse_encode: x must be a contiguous 1-D float32 CPU tensor");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous(),
+              "sparse_encode: out must be a contiguous uint8 CPU tensor");
+  check_layout(x.numel(), k, chunk, bits, "sparse_encode");
+  const Layout L(x.numel(), k, chunk, static_cast<int>(bits));
+  TORCH_CHECK(out.numel() == L.nbytes(), "sparse_encode: out has ", out.numel(), " bytes, expected ", L.nbytes());
+  const float* xp = x.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, L.chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<uint32_t> keys;
+    std::vector<int32_t> chosen;
+    for (int64_t c = c0; c < c1; ++c) {
+      float scale;
+      encode_chunk(xp + c * L.chunk, L.length_of(c), L, &scale, op + L.index_at(c), op + L.codes_at(c), keys,
+                   chosen);
+      std::memcpy(op + 4 * c, &scale, 4);
+    }
+  });
+}
+
+void sparse_decode_add(const std::vector<at::Tensor>& payloads, at::Tensor out, int64_t k, int64_t chunk,
+                       int64_t bits, double scale) {
+  using namespace sparse;
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
+              "sparse_decode_add: out must be a contiguous 1-D float32 CPU tensor");
+  check_layout(out.numel(), k, chunk, bits, "sparse_decode_add");
+  const Layout L(out.numel(), k, chunk, static_cast<int>(bits));
+  std::vector<const uint8_t*> ptrs;
+  for (size_t p = 0; p < payloads.size(); ++p) {
+    const auto& data = payloads[p];
+    TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.is_contiguous() &&
+                    data.numel() == L.nbytes(),
+                "sparse_decode_add: payload ", p, " must be ", L.nbytes(), " contiguous uint8 CPU bytes");
+    ptrs.push_back(data.data_ptr<uint8_t>());
+  }
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  // chunks in parallel, payloads in order inside a chunk: the same additions in the same order
+  at::parallel_for(0, L.chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      for (const uint8_t* p : ptrs) decode_add_chunk(p, c, L, s, op + c * L.chunk);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "syncplane CPU kernels: flat-buffer pack/unpack, fused weighted combine, gradient sketch";
+  m.doc() = "syncplane CPU kernels: flat-buffer pack/unpack, fused weighted combine, gradient sketch, sparse codec";
   m.def("pack", &pack, "Copy tensors (times scale) into one flat buffer",
         pybind11::arg("tensors"), pybind11::arg("flat"), pybind11::arg("scale") = 1.0);
   m.def("unpack", &unpack, "Copy a flat buffer (times scale) back into tensors",
@@ -432,4 +600,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"));
   m.def("sketch_decode", &sketch_decode, "Values of a gradient sketch", pybind11::arg("data"),
         pybind11::arg("k"), pybind11::arg("out"));
+  m.def("sparse_encode", &sparse_encode, "Chunked top-k payload: per-chunk scale, indices, 2/4/8-bit codes",
+        pybind11::arg("x"), pybind11::arg("k"), pybind11::arg("chunk"), pybind11::arg("bits"), pybind11::arg("out"));
+  m.def("sparse_decode_add", &sparse_decode_add, "out += scale * decode(p) for each payload, in order",
+        pybind11::arg("payloads"), pybind11::arg("out"), pybind11::arg("k"), pybind11::arg("chunk"),
+        pybind11::arg("bits"), pybind11::arg("scale"));
 }

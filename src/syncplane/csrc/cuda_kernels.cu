@@ -10,6 +10,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "sparse_layout.h"
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -310,8 +312,161 @@ void sketch_decode_cuda(const at::Tensor& data, int64_t k, at::Tensor out) {
   }
 }
 
+// ------------------------------------------------------------------ chunked top-k (sparse)
+// Same layout (sparse_layout.h) and arithmetic as cpu_kernels.cpp and the torch reference.
+// The per-chunk selection and scale use ATen (topk of a unique 64-bit key, |x| bits << 32 |
+// ~index, so the kept set and the median kept magnitude are exactly the reference's); quantize + pack and unpack + scatter-add are
+// kernels, one thread per chunk (each owns its bytes and its range of `out`). The fp32
+// operations carry explicit _rn intrinsics so nvcc cannot contract them into FMAs: the
+// bits must equal the CPU's.
+namespace {
+
+__global__ void sparse_pack_kernel(const float* __restrict__ x, const int64_t* __restrict__ chosen,
+                                   const float* __restrict__ scales, sparse::Layout L, int64_t first,
+                                   int64_t rows, int64_t length, uint8_t* __restrict__ out) {
+  const int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const int64_t c = first + r;
+  const int64_t kept = L.kept(length);
+  const int levels = 1 << (L.bits - 1);
+  const float a = scales[r];
+  const float safe = a > 0.0f ? a : 1.0f;
+  const float m_levels = static_cast<float>(levels);
+  uint8_t* index_out = out + L.index_at(c);
+  uint8_t* codes_out = out + L.codes_at(c);
+  const bool bitmap = L.bitmap(length);
+  const int width = sparse::Layout::width(length);
+  const float* xc = x + c * L.chunk;
+  for (int64_t j = 0; j < kept; ++j) {
+    const int64_t i = chosen[r * kept + j];
+    const float v = xc[i];
+    const float t = __fmul_rn(__fdiv_rn(fabsf(v), safe), m_levels);
+    const float q = __fsub_rn(rintf(t), 1.0f);
+    const int m = static_cast<int>(fminf(fmaxf(q, 0.0f), static_cast<float>(levels - 1)));
+    const uint32_t code = (static_cast<uint32_t>(signbit(v) ? 1 : 0) << (L.bits - 1)) | static_cast<uint32_t>(m);
+    sparse::put_bits(codes_out, j * L.bits, code, L.bits);
+    if (bitmap) sparse::put_bits(index_out, i, 1u, 1);
+    else sparse::put_bits(index_out, j * width, static_cast<uint32_t>(i), width);
+  }
+  memcpy(out + 4 * c, &a, 4);
+}
+
+// out[c * chunk + offset] += scale * value; returns (through *bad) a malformed chunk
+__global__ void sparse_unpack_add_kernel(const uint8_t* __restrict__ payload, sparse::Layout L, float scale,
+                                         float* __restrict__ out, int* __restrict__ bad) {
+  const int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (c >= L.chunks) return;
+  const int64_t length = L.length_of(c);
+  const int64_t kept = L.kept(length);
+  const int levels = 1 << (L.bits - 1);
+  float a;
+  memcpy(&a, payload + 4 * c, 4);
+  const float step = __fdiv_rn(a, static_cast<float>(levels));
+  const uint8_t* index_in = payload + L.index_at(c);
+  const uint8_t* codes_in = payload + L.codes_at(c);
+  const bool bitmap = L.bitmap(length);
+  const int width = sparse::Layout::width(length);
+  float* oc = out + c * L.chunk;
+  int64_t pos = 0;
+  for (int64_t j = 0; j < kept; ++j) {
+    int64_t offset;
+    if (bitmap) {
+      while (pos < length && !((index_in[pos >> 3] >> (pos & 7)) & 1u)) ++pos;
+      if (pos >= length) { atomicExch(bad, 1); return; }
+      offset = pos++;
+    } else {
+      offset = sparse::get_bits(index_in, j * width, width);
+      if (offset >= length) { atomicExch(bad, 1); return; }
+    }
+    const uint32_t code = sparse::get_bits(codes_in, j * L.bits, L.bits);
+    float v = __fmul_rn(static_cast<float>((code & static_cast<uint32_t>(levels - 1)) + 1), step);
+    if (code >> (L.bits - 1)) v = -v;
+    oc[offset] = __fadd_rn(oc[offset], __fmul_rn(v, scale));
+  }
+  if (bitmap) {
+    for (; pos < length; ++pos) {
+      if ((index_in[pos >> 3] >> (pos & 7)) & 1u) { atomicExch(bad, 1); return; }
+    }
+  }
+}
+
+// c_bits of kernels.py's SPARSE_CLIP (as in cpu_kernels.cpp)
+float clip_for(int bits) { return bits == 2 ? 2.0f : bits == 4 ? 16.0f : INFINITY; }
+
+void check_sparse_layout(int64_t numel, int64_t k, int64_t chunk, int64_t bits, const char* op) {
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, op, ": bits must be 2, 4 or 8, got ", bits);
+  TORCH_CHECK(chunk >= 1 && chunk < (int64_t(1) << 31), op, ": chunk must be in [1, 2^31), got ", chunk);
+  TORCH_CHECK(k >= 1 && k <= chunk, op, ": k must be in [1, chunk=", chunk, "], got ", k);
+}
+
+}  // namespace
+
+void sparse_encode_cuda(const at::Tensor& x, int64_t k, int64_t chunk, int64_t bits, at::Tensor out) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+              "sparse_encode: x must be a contiguous 1-D float32 CUDA tensor");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kByte && out.is_contiguous() &&
+                  out.get_device() == x.get_device(),
+              "sparse_encode: out must be a contiguous uint8 tensor on x's GPU");
+  check_sparse_layout(x.numel(), k, chunk, bits, "sparse_encode");
+  const sparse::Layout L(x.numel(), k, chunk, static_cast<int>(bits));
+  TORCH_CHECK(out.numel() == L.nbytes(), "sparse_encode: out has ", out.numel(), " bytes, expected ", L.nbytes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (L.nbytes() > 4 * L.chunks) out.narrow(0, 4 * L.chunks, L.nbytes() - 4 * L.chunks).zero_();
+  const int64_t kLow = 0xffffffffLL;
+  // the full chunks as rows, then the tail as one row
+  const int64_t parts[2][3] = {{0, L.full, L.chunk}, {L.full, L.tail > 0 ? 1 : 0, L.tail}};
+  for (const auto& part : parts) {
+    const int64_t first = part[0], rows = part[1], length = part[2];
+    if (rows == 0) continue;
+    const at::Tensor block = x.narrow(0, first * L.chunk, rows * length).view({rows, length});
+    const at::Tensor magnitude = block.abs();
+    const at::Tensor index = at::arange(length, x.options().dtype(at::kLong));
+    const at::Tensor composite = magnitude.view(at::kInt).to(at::kLong).mul(kLow + 1).add(index.neg().add(kLow));
+    const int64_t kept = L.kept(length);
+    const at::Tensor top = std::get<0>(composite.topk(kept, 1, /*largest=*/true, /*sorted=*/true));
+    const at::Tensor chosen = std::get<0>(top.bitwise_and(kLow).neg().add(kLow).sort(1)).contiguous();
+    // scale: the largest magnitude, clipped to c_bits x the median kept one (kernels.py)
+    const auto key_of = [&](int64_t rank) {
+      return top.select(1, rank).div(kLow + 1, "floor").to(at::kInt).view(at::kFloat);
+    };
+    const at::Tensor largest = key_of(0), median = key_of((kept - 1) / 2);
+    const at::Tensor scales =
+        at::where(median.gt(0), at::minimum(largest, median.mul(static_cast<double>(clip_for(L.bits)))), largest)
+            .contiguous();
+    sparse_pack_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
+        x.data_ptr<float>(), chosen.data_ptr<int64_t>(), scales.data_ptr<float>(), L, first, rows, length,
+        out.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+void sparse_decode_add_cuda(const std::vector<at::Tensor>& payloads, at::Tensor out, int64_t k, int64_t chunk,
+                            int64_t bits, double scale) {
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 1,
+              "sparse_decode_add: out must be a contiguous 1-D float32 CUDA tensor");
+  check_sparse_layout(out.numel(), k, chunk, bits, "sparse_decode_add");
+  const sparse::Layout L(out.numel(), k, chunk, static_cast<int>(bits));
+  for (size_t p = 0; p < payloads.size(); ++p) {
+    const auto& data = payloads[p];
+    TORCH_CHECK(data.is_cuda() && data.get_device() == out.get_device() && data.scalar_type() == at::kByte &&
+                    data.is_contiguous() && data.numel() == L.nbytes(),
+                "sparse_decode_add: payload ", p, " must be ", L.nbytes(), " contiguous uint8 bytes on out's GPU");
+  }
+  if (L.chunks == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor bad = at::zeros({1}, out.options().dtype(at::kInt));
+  for (const auto& data : payloads) {   // in order: launches on one stream run one after another
+    sparse_unpack_add_kernel<<<blocks_for(L.chunks), kThreads, 0, stream>>>(
+        data.data_ptr<uint8_t>(), L, static_cast<float>(scale), out.data_ptr<float>(), bad.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  TORCH_CHECK(bad.item<int>() == 0, "sparse_decode_add: a payload's indices do not fit its layout (corrupt payload)");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "syncplane CUDA kernels: flat-buffer pack/unpack, fused weighted combine, gradient sketch";
+  m.doc() = "syncplane CUDA kernels: flat-buffer pack/unpack, fused weighted combine, gradient sketch, sparse codec";
   m.def("pack", &pack_cuda, pybind11::arg("tensors"), pybind11::arg("flat"), pybind11::arg("scale") = 1.0);
   m.def("unpack", &unpack_cuda, pybind11::arg("flat"), pybind11::arg("tensors"),
         pybind11::arg("scale") = 1.0);
@@ -320,4 +475,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sketch_encode", &sketch_encode_cuda, pybind11::arg("x"), pybind11::arg("k"), pybind11::arg("sample"),
         pybind11::arg("quantile_weight"), pybind11::arg("out"));
   m.def("sketch_decode", &sketch_decode_cuda, pybind11::arg("data"), pybind11::arg("k"), pybind11::arg("out"));
+  m.def("sparse_encode", &sparse_encode_cuda, pybind11::arg("x"), pybind11::arg("k"), pybind11::arg("chunk"),
+        pybind11::arg("bits"), pybind11::arg("out"));
+  m.def("sparse_decode_add", &sparse_decode_add_cuda, pybind11::arg("payloads"), pybind11::arg("out"),
+        pybind11::arg("k"), pybind11::arg("chunk"), pybind11::arg("bits"), pybind11::arg("scale"));
 }

@@ -13,7 +13,7 @@ looks for what should not be there (a process of the job, a process inside the e
 namespaces) and for what should (the checkpoint written before the fault, loaded with
 ``weights_only=True``).
 
-The verdict is the product's promise (issue 17): a job that loses a rank ends within the
+The verdict is the product's promise: a job that loses a rank ends within the
 deadline, non-zero, with an error naming a lost rank, leaving nothing behind and its last
 checkpoint intact -- and an elastic DiLoCo job goes on without the lost replica and exits 0.
 

@@ -1,4 +1,4 @@
-"""What bounded staleness does to the optimizer, and how Canary compensates (issue 14).
+"""What bounded staleness does to the optimizer, and how Canary compensates.
 
 Applying step k - s's aggregate at step k is SGD with a delayed gradient. Under the
 recipes' heavy momentum (SGD, momentum 0.9) that diverges early and never fully recovers

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from syncplane.algorithms.diloco.exchange import check_exchange
 from syncplane.algorithms.diloco.outer import check_outer
+from syncplane.algorithms.diloco.sparse import check_compression
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
 from syncplane.comm import make_codec
 
@@ -20,8 +21,15 @@ class DiLoCoConfig:
         outer_kwargs: its arguments; None = lr 0.7, momentum 0.9, Nesterov (for SGD).
         shards: S concurrent gloo streams for the exchange (bound to the host's NICs in turn),
             or ``auto``: from the job's cluster profile (``exchange.resolve_shards``).
-        compression: ``none`` (exact fp32) or ``int8`` (blockwise scale + error feedback).
+        compression: ``none`` (exact fp32), ``int8`` (blockwise scale + error feedback) or
+            ``sparse`` (SparseLoCo's chunked top-k, ``sparse.py``: needs a gather exchange).
         block_size: values per int8 scale.
+        density: sparse: fraction of each chunk sent, in (0, 1] (SparseLoCo: 0.01-0.03).
+        bits: sparse: bits per sent value, 2, 4 or 8.
+        chunk: sparse: values per chunk (one top-k and one scale each).
+        error_feedback_beta: sparse: β of the accumulator ``e ← β·e + Δ``.
+        outer: ``nesterov`` (DiLoCo: ``outer_optimizer``/``outer_kwargs``) or ``sparseloco``
+            (SGD without momentum, lr 1 unless ``outer_kwargs`` sets it; needs ``sparse``).
         sync_timeout_s: an exchange slower than this is discarded on every rank.
         fragments: P, Streaming DiLoCo's fragments, each synced at its own offset in the
             round (1 = plain DiLoCo); at most ``sync_every``. Cut by value count, evenly.
@@ -41,8 +49,13 @@ class DiLoCoConfig:
     outer_optimizer: str = "torch.optim.SGD"
     outer_kwargs: dict[str, Any] | None = None
     shards: int | Literal["auto"] = 1
-    compression: Literal["none", "int8"] = "none"
+    compression: Literal["none", "int8", "sparse"] = "none"
     block_size: int = 256
+    density: float = 0.02
+    bits: int = 2
+    chunk: int = 4096
+    error_feedback_beta: float = 0.95
+    outer: Literal["nesterov", "sparseloco"] = "nesterov"
     sync_timeout_s: float = 600.0
     fragments: int = 1
     overlap_steps: int = 0
@@ -58,8 +71,11 @@ class DiLoCoConfig:
             raise ValueError(f"shards must be an integer of at least 1, or 'auto', got {self.shards!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        make_codec(self.compression, self.block_size)   # validates both
-        check_outer(self.outer_optimizer, self.outer_kwargs)
+        check_compression(self.compression, self.density, self.bits, self.chunk, self.error_feedback_beta,
+                          self.outer, self.exchange)
+        if self.compression != "sparse":
+            make_codec(self.compression, self.block_size)   # validates both
+        check_outer(self.outer_optimizer, self.outer_kwargs, self.outer)
         if self.sync_timeout_s <= 0:
             raise ValueError(f"sync_timeout_s must be positive, got {self.sync_timeout_s}")
         check_exchange(self.exchange, self.compression)

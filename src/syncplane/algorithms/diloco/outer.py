@@ -27,6 +27,30 @@ DEFAULT_OPTIMIZER = "torch.optim.SGD"
 #: step on the loaded 2-core machine, ``syncplane bench --profile``); the foreach step works in
 #: place on the gradient (our mean Δ, overwritten right after) with the same arithmetic.
 DEFAULT_KWARGS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True, "foreach": True}
+#: The outer rules: DiLoCo's Nesterov (any optimizer, ``DEFAULT_KWARGS`` for SGD), or
+#: SparseLoCo's ``θ_g ← θ_g − α·mean_r(Δ̂_r)``: plain SGD, no momentum -- the decayed
+#: error-feedback accumulator of each rank stands in for it (``sparse.py``). α = 1 by default
+#: (``outer_kwargs: {lr: ...}`` sets it).
+OUTER_RULES = ("nesterov", "sparseloco")
+SPARSELOCO_KWARGS: dict[str, Any] = {"lr": 1.0, "momentum": 0.0, "foreach": True}
+
+
+def rule_kwargs(rule: str, optimizer: str, kwargs: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The outer optimizer's keyword arguments under ``rule`` (errors name the key)."""
+    if rule not in OUTER_RULES:
+        raise ValueError(f"outer: allowed values: {', '.join(OUTER_RULES)}; got {rule!r}")
+    if rule == "nesterov":
+        if kwargs is None:
+            return DEFAULT_KWARGS if optimizer == DEFAULT_OPTIMIZER else {}
+        return kwargs
+    if optimizer != DEFAULT_OPTIMIZER:
+        raise ValueError(f"outer='sparseloco' is plain SGD; outer_optimizer must be {DEFAULT_OPTIMIZER}, "
+                         f"got {optimizer!r}")
+    merged = {**SPARSELOCO_KWARGS, **(kwargs or {})}
+    if merged.get("momentum", 0.0) != 0.0 or merged.get("nesterov", False):
+        raise ValueError("outer='sparseloco' has no outer momentum (error feedback replaces it); "
+                         f"outer_kwargs must not set momentum or nesterov, got {dict(kwargs or {})!r}")
+    return merged
 
 
 def resolve_optimizer(path: str) -> type[Optimizer]:
@@ -42,10 +66,10 @@ def resolve_optimizer(path: str) -> type[Optimizer]:
     return cls
 
 
-def check_outer(optimizer: str, kwargs: Mapping[str, Any] | None) -> None:
-    """The class resolves and takes ``kwargs`` (built once over one value: what the first
-    round would do on every rank, done when the settings are read)."""
-    OuterOptimizer(torch.zeros(1), optimizer, kwargs, pin=False)
+def check_outer(optimizer: str, kwargs: Mapping[str, Any] | None, rule: str = "nesterov") -> None:
+    """The class resolves and takes ``kwargs`` under ``rule`` (built once over one value: what
+    the first round would do on every rank, done when the settings are read)."""
+    OuterOptimizer(torch.zeros(1), optimizer, kwargs, pin=False, rule=rule)
 
 
 class OuterOptimizer:
@@ -57,13 +81,14 @@ class OuterOptimizer:
         kwargs: its keyword arguments; None means DiLoCo's defaults for the default
             class (lr 0.7, momentum 0.9, Nesterov) and none for another class.
         pin: pin the host buffer (default: when CUDA is available).
+        rule: ``nesterov`` (the above) or ``sparseloco`` (SGD without momentum, lr 1 unless
+            ``kwargs`` sets it; see ``rule_kwargs``).
     """
 
     def __init__(self, initial: torch.Tensor, optimizer: str = DEFAULT_OPTIMIZER,
-                 kwargs: Mapping[str, Any] | None = None, pin: bool | None = None) -> None:
+                 kwargs: Mapping[str, Any] | None = None, pin: bool | None = None, rule: str = "nesterov") -> None:
         cls = resolve_optimizer(optimizer)
-        if kwargs is None:
-            kwargs = DEFAULT_KWARGS if optimizer == DEFAULT_OPTIMIZER else {}
+        kwargs = rule_kwargs(rule, optimizer, kwargs)
         pin = torch.cuda.is_available() if pin is None else pin
         self.params = torch.empty(initial.numel(), dtype=torch.float32, pin_memory=pin)
         self.params.copy_(initial.reshape(-1))
