@@ -181,3 +181,11 @@ def test_validation_metrics_are_token_weighted_and_perplexity_is_exp_of_the_loss
 def test_registered_with_a_config():
     assert recipes.get("tiny_lm").settings is TinyLmSettings
     assert (ROOT / "configs" / "recipe" / "tiny_lm.yaml").exists()
+
+
+def test_summary_metrics_keep_the_contract_and_add_the_recipes_other_validation_metrics():
+    from syncplane.training.report import validation_metrics
+
+    logged = {"val_loss": torch.tensor(2.0), "val_perplexity": torch.tensor(7.5), "train_loss": torch.tensor(1.0)}
+    assert validation_metrics(logged) == {"val_acc": None, "val_loss": 2.0, "val_perplexity": 7.5}
+    assert list(validation_metrics({"val_acc": 0.5, "val_loss": 1.0})) == ["val_acc", "val_loss"]
