@@ -29,6 +29,7 @@ _MODULES = {
     "fashion_mnist": "syncplane.recipes.fashion_mnist",
     "resnet50_imagenet": "syncplane.recipes.resnet50_imagenet",
     "bert_large": "syncplane.recipes.bert_large",
+    "tiny_lm": "syncplane.recipes.tiny_lm",
 }
 
 

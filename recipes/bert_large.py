@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -47,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from syncplane.config import ConfigError  # noqa: E402
 from syncplane.recipes import Recipe  # noqa: E402
+from syncplane.recipes.cache import fingerprint, publish  # noqa: E402
 from syncplane.recipes.flops import train_flops_per_sample  # noqa: E402
 from syncplane.recipes.optim import Lamb, decay_groups, schedule_factor  # noqa: E402
 
@@ -144,30 +141,8 @@ def read_vocab(vocab_file: str) -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
-def _fingerprint(*parts: Any) -> str:
-    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def _files_identity(files: list[str]) -> list[tuple[str, int, int]]:
     return [(str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
-
-
-def _publish(build: Callable[[Path], None], target: Path) -> None:
-    """Build into a temporary folder beside ``target``, then rename: concurrent builders
-    (one per node, or per emulated host) never see a half-written result."""
-    if target.exists():
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not target.exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class BertData(LightningDataModule):
@@ -188,7 +163,7 @@ class BertData(LightningDataModule):
         if s.vocab_file is not None:
             return Path(s.vocab_file).expanduser()
         files = resolve_files(s.data_files, "data_files", required=True)
-        key = _fingerprint(_files_identity(files), s.target_vocab_size(), s.lowercase)
+        key = fingerprint(_files_identity(files), s.target_vocab_size(), s.lowercase)
         return self.cache / f"wordpiece-{key}" / "vocab.txt"
 
     def blocks_path(self) -> Path:
@@ -197,7 +172,7 @@ class BertData(LightningDataModule):
         train = resolve_files(s.data_files, "data_files", required=True)
         val = resolve_files(s.val_files, "val_files", required=False)
         vocab_hash = hashlib.sha1(self.vocab_path().read_bytes()).hexdigest()
-        key = _fingerprint(_files_identity(train), _files_identity(val), vocab_hash, s.lowercase, s.shape()[0],
+        key = fingerprint(_files_identity(train), _files_identity(val), vocab_hash, s.lowercase, s.shape()[0],
                            s.val_fraction if not val else None, s.split_seed)
         return self.cache / f"blocks-{key}"
 
@@ -208,8 +183,8 @@ class BertData(LightningDataModule):
         vocab = self.vocab_path()
         train_files = resolve_files(s.data_files, "data_files", required=True)
         if s.vocab_file is None:
-            _publish(lambda tmp: train_wordpiece(train_files, tmp, s.target_vocab_size(), s.lowercase), vocab.parent)
-        _publish(lambda tmp: self._split_blocks(vocab).save_to_disk(str(tmp)), self.blocks_path())
+            publish(lambda tmp: train_wordpiece(train_files, tmp, s.target_vocab_size(), s.lowercase), vocab.parent)
+        publish(lambda tmp: self._split_blocks(vocab).save_to_disk(str(tmp)), self.blocks_path())
 
     def _split_blocks(self, vocab: Path) -> Any:
         from datasets import DatasetDict

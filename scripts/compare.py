@@ -3,6 +3,7 @@
     python scripts/compare.py multirun/2026-11-22/10-00-00            # every run below it
     python scripts/compare.py outputs/a outputs/b --out reports/ab     # chosen runs
     python scripts/compare.py comparisons/x --target-acc 0.85          # time to another target
+    python scripts/compare.py comparisons/lm --target-loss 3.0         # time to a validation loss
 
 Writes comparison.json / .md / .png (see syncplane.bench.compare) into --out
 (default: the single directory given, or ./comparison).
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("paths", nargs="+", type=Path, help="run directories, or a sweep directory holding them")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--target-acc", type=float, help="report each run's time to this validation accuracy")
+    parser.add_argument("--target-loss", type=float, help="... or to this validation loss (lower is better)")
     args = parser.parse_args()
     run_dirs: list[Path] = []
     for path in args.paths:
@@ -28,7 +30,9 @@ def main() -> None:
     if not run_dirs:
         raise SystemExit(f"no run directories (with summary.json) in {', '.join(map(str, args.paths))}")
     out = args.out or (args.paths[0] if len(args.paths) == 1 else Path("comparison"))
-    build_comparison(run_dirs, out, target_acc=args.target_acc)
+    if args.target_acc is not None and args.target_loss is not None:
+        parser.error("give --target-acc or --target-loss, not both")
+    build_comparison(run_dirs, out, target_acc=args.target_acc, target_loss=args.target_loss)
     print((out / "comparison.md").read_text())
     print(f"comparison written to {out}/comparison.{{json,md,png}}")
 

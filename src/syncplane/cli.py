@@ -344,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--strategies", default="ddp,diloco,torchft_diloco",
                          help="comma-separated strategies and peers (horovod, torchft_diloco)")
     compare.add_argument("--target-acc", type=float, help="validation accuracy whose time to reach is reported")
+    compare.add_argument("--target-loss", type=float,
+                         help="validation loss whose time to get down to is reported (e.g. --recipe tiny_lm)")
     compare.add_argument("--seeds", default="42", help="comma-separated seeds; each strategy runs once per seed")
     compare.add_argument("--devices", type=int, help="ranks (default: the cluster's slots, else trainer.devices)")
     compare.add_argument("--out", help="report folder (default comparisons/RECIPE-CLUSTER)")

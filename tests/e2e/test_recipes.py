@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import random
 import subprocess
 import sys
@@ -150,6 +151,27 @@ def test_fashion_mnist_learns_from_the_real_debian_files(tmp_path):
     assert summary["metrics"]["val_acc"] > 0.6, summary["metrics"]   # chance is 0.1
 
 
+@pytest.mark.slow
+def test_tiny_lm_learns_python_on_two_gloo_ranks(tmp_path):
+    """The language-model recipe on its real corpus (a slice of the standard library), a
+    BPE trained on it: validation loss falls from the uniform guess, epoch over epoch."""
+    vocab = 300
+    summary = run_ok(tmp_path / "run", "recipe=tiny_lm", "strategy=ddp", f"recipe.cache_dir={tmp_path / 'cache'}",
+                     "recipe.train_mb=0.08", "recipe.val_mb=0.02", f"recipe.vocab_size={vocab}",
+                     "recipe.seq_length=32", "recipe.batch_size=8", "trainer.max_epochs=2")
+    epochs = history(tmp_path / "run")
+    initial = math.log(vocab)      # the freshly initialized model's loss (tests/unit/test_tiny_lm.py)
+    assert len(epochs) == 2 and epochs[1]["val_loss"] < epochs[0]["val_loss"] < initial - 0.5, epochs
+    metrics = summary["metrics"]
+    assert summary["recipe"] == "tiny_lm" and summary["world_size"] == 2 and summary["steps"] > 20
+    assert metrics["val_perplexity"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-4)
+    assert 0.05 < metrics["val_acc"] < 1.0                                   # next-token accuracy
+    throughput = summary["throughput"]
+    assert throughput["tokens_per_s"] == pytest.approx(32 * throughput["samples_per_s"], rel=1e-9)
+    assert throughput["model_flops_per_s"] > 0
+    assert [p.name.split("-")[0] for p in sorted((tmp_path / "cache").iterdir())] == ["bpe", "tokens"]
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["recipe=resnet50_imagenet", "recipe.data_root=/nonexistent/imagenet"],
      "recipe.data_root: '/nonexistent/imagenet' is not a directory; expected <data_root>/train/<class>/"),
@@ -157,6 +179,7 @@ def test_fashion_mnist_learns_from_the_real_debian_files(tmp_path):
      "recipe.vocab_file: '/nonexistent/vocab.txt' does not exist"),
     (["recipe=bert_large"], "recipe.data_files: required"),
     (["recipe=fashion_mnist", "recipe.data_dir=/nonexistent/fm"], "recipe.data_dir: '/nonexistent/fm' does not exist"),
+    (["recipe=tiny_lm", "recipe.corpus_root=/nonexistent/src"], "recipe.corpus_root: '/nonexistent/src' is not a"),
 ])
 def test_bad_data_root_or_missing_vocab_fails_before_any_worker_starts(tmp_path, overrides, message):
     corpus = make_corpus(tmp_path / "corpus.txt", lines=5)

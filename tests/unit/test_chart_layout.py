@@ -94,7 +94,7 @@ def test_the_bench_chart_has_no_overlapping_text(n):
 def test_the_comparison_chart_has_no_overlapping_text(n):
     import matplotlib.pyplot as plt
 
-    fig = compare.chart(comparison_runs(n), target_acc=0.9)
+    fig = compare.chart(comparison_runs(n), compare.Target("val_acc", 0.9))
     renderer = drawn(fig)
     times, *_, curves = fig.axes
     legend = curves.get_legend().get_window_extent(renderer)

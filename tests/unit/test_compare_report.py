@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from syncplane.bench.compare import build_comparison, compute_comm_ratio, load_run, per_strategy, time_to_target
 
 
@@ -74,4 +76,38 @@ def test_plot_groups_seeds_per_strategy(tmp_path):
                                                                                ("diloco", [None, None])]
     assert per_strategy(runs, lambda r: r["summary"]["seed"]) == [("ddp", [1, 2]), ("diloco", [1, 2])]
     build_comparison(dirs, tmp_path / "out", target_acc=0.8)
+    assert (tmp_path / "out" / "comparison.png").stat().st_size > 1000
+
+
+def test_a_loss_target_is_reached_going_down(tmp_path):
+    """``target_loss`` (a language model's): the first validation at or below it; the
+    report names the target and its final metric, and plots the loss."""
+    from syncplane.bench.compare import Target, make_target
+
+    history = [{"epoch_s": 2.0, "val_loss": 4.0}, {"epoch_s": 3.0, "val_loss": 3.0}, {"epoch_s": 4.0, "val_loss": 3.5}]
+    assert time_to_target(history, Target("val_loss", 3.0)) == 5.0
+    assert time_to_target(history, Target("val_loss", 4.5)) == 2.0
+    assert time_to_target(history, Target("val_loss", 2.9)) is None
+    assert make_target(None, None) is None and make_target(0.8) == Target("val_acc", 0.8)
+    with pytest.raises(ValueError, match="not both"):
+        make_target(0.8, 3.0)
+    runs = []
+    for name, seed, losses in (("ddp", 1, [4.0, 3.0]), ("diloco", 1, [4.5, 3.5])):
+        folder = _run(tmp_path / name, name, seed, [0.1, 0.2], 10.0, 1.0)
+        (folder / "history.jsonl").write_text("".join(
+            json.dumps({"epoch": i, "step": i, "epoch_s": 10.0, "val_acc": 0.1, "val_loss": v}) + "\n"
+            for i, v in enumerate(losses)))
+        summary = json.loads((folder / "summary.json").read_text())
+        summary["metrics"]["val_loss"] = losses[-1]
+        (folder / "summary.json").write_text(json.dumps(summary))
+        runs.append(folder)
+    report = build_comparison(runs, tmp_path / "out", target_loss=3.2)
+    assert report["target"] == {"metric": "val_loss", "value": 3.2} and report["target_loss"] == 3.2
+    assert "target_acc" not in report
+    assert [r["time_to_target_s"] for r in report["runs"]] == [20.0, None]
+    assert report["runs"][1]["val_loss_minus_ddp"] == pytest.approx(0.5)
+    by = {a["strategy"]: a for a in report["by_strategy"]}
+    assert (by["ddp"]["reached"], by["ddp"]["val_loss_mean"], by["diloco"]["reached"]) == (1, 3.0, 0)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "time to val loss 3.2 (s)" in md and "| final val loss |" in md and "| diloco | 0/1 | not reached |" in md
     assert (tmp_path / "out" / "comparison.png").stat().st_size > 1000

@@ -13,6 +13,8 @@ from syncplane.experiments.peers import _diloco_settings, network_spec, unavaila
     ({"strategies": ["ddp", "nope"]}, "--strategies: unknown strategy or peer 'nope'"),
     ({"strategies": ["ddp", "ddp"]}, "names a strategy twice"),
     ({"target_acc": 1.5}, "--target-acc: must be in (0, 1], got 1.5"),
+    ({"target_loss": 0.0}, "--target-loss: must be positive, got 0.0"),
+    ({"target_acc": 0.8, "target_loss": 3.0}, "--target-acc, --target-loss: give one target, not both"),
     ({"seeds": []}, "--seeds: give at least one seed"),
     ({"devices": 0}, "--devices: must be at least 1, got 0"),
 ])

@@ -8,9 +8,11 @@ clock). ``train.py -m ...`` writes one beside its runs when the
 sweep ends; ``scripts/compare.py`` rebuilds it from any set of run directories;
 ``syncplane compare`` writes one for the strategies and peers it ran.
 
-With a target accuracy, each run's *time to target* is the training wall-clock (the
-sum of its epochs' ``epoch_s``, validation included) at the first validation reaching
-it -- ``None`` ("not reached") when none did, never the run's total time. Each run also
+With a target -- a validation accuracy to reach (``target_acc``, higher is better) or a
+validation loss to get down to (``target_loss``, lower is better: a language model's) --
+each run's *time to target* is the training wall-clock (the sum of its epochs'
+``epoch_s``, validation included) at the first validation reaching it -- ``None`` ("not
+reached") when none did, never the run's total time. Each run also
 gets its measured ``compute_comm_ratio``: (epoch time - communication time) /
 communication time, per rank, so a reader can place the result on their own cluster,
 and ``outside_epochs_s``: training wall time outside the epochs, which time to target
@@ -27,8 +29,36 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Target:
+    """A validation metric and the value a run must reach: at least ``value`` for
+    ``val_acc``, at most ``value`` for ``val_loss`` (lower is better)."""
+
+    metric: Literal["val_acc", "val_loss"]
+    value: float
+
+    def reached(self, measured: float | None) -> bool:
+        if measured is None:
+            return False
+        return measured >= self.value if self.metric == "val_acc" else measured <= self.value
+
+    @property
+    def label(self) -> str:
+        return f"{self.metric.replace('_', ' ')} {self.value:g}"
+
+
+def make_target(target_acc: float | None = None, target_loss: float | None = None) -> Target | None:
+    """The comparison's target from its two spellings (at most one may be given)."""
+    if target_acc is not None and target_loss is not None:
+        raise ValueError(f"give a target accuracy or a target loss, not both (got {target_acc} and {target_loss})")
+    if target_loss is not None:
+        return Target("val_loss", target_loss)
+    return None if target_acc is None else Target("val_acc", target_acc)
 
 
 def load_run(run_dir: Path) -> dict[str, Any]:
@@ -41,13 +71,15 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "summary": summary, "history": history}
 
 
-def time_to_target(history: Sequence[Mapping[str, Any]], target: float) -> float | None:
-    """Training seconds until the first validation with ``val_acc >= target``; None if never."""
+def time_to_target(history: Sequence[Mapping[str, Any]], target: float | Target) -> float | None:
+    """Training seconds until the first validation reaching ``target`` (a number: a
+    ``val_acc`` to reach); None if never."""
+    if not isinstance(target, Target):
+        target = Target("val_acc", target)
     clock = 0.0
     for record in history:
         clock += float(record.get("epoch_s", 0.0))
-        acc = record.get("val_acc")
-        if acc is not None and acc >= target:
+        if target.reached(record.get(target.metric)):
             return clock
     return None
 
@@ -70,12 +102,14 @@ def compute_comm_ratio(summary: Mapping[str, Any], history: Sequence[Mapping[str
 
 
 def build_comparison(run_dirs: Sequence[Path], out_dir: Path, *, target_acc: float | None = None,
-                     missing: Sequence[Mapping[str, Any]] = (), meta: Mapping[str, Any] | None = None
-                     ) -> dict[str, Any]:
+                     target_loss: float | None = None, missing: Sequence[Mapping[str, Any]] = (),
+                     meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write ``comparison.{json,md,png}`` for ``run_dirs`` into ``out_dir``.
 
+    ``target_acc`` / ``target_loss``: at most one, the target of time to target;
     ``missing``: rows for runs that did not happen (``{"strategy", "status", ...}``);
     ``meta``: what was compared (recipe, cluster, command), copied into the JSON."""
+    target = make_target(target_acc, target_loss)
     runs = [load_run(Path(d)) for d in run_dirs]
     if not runs and not missing:
         raise ValueError("no runs to compare")
@@ -103,24 +137,26 @@ def build_comparison(run_dirs: Sequence[Path], out_dir: Path, *, target_acc: flo
             "checkpoint_s": (s.get("timing") or {}).get("checkpoint_s"),
             "setup_s": (s.get("timing") or {}).get("setup_s"),
         }
-        if target_acc is not None:
-            row["time_to_target_s"] = time_to_target(run["history"], target_acc)
+        if target is not None:
+            row["time_to_target_s"] = time_to_target(run["history"], target)
         if baseline is not None:
             b = baseline["summary"]
             row["throughput_vs_ddp"] = s["throughput"]["samples_per_s"] / b["throughput"]["samples_per_s"]
-            if s["metrics"]["val_acc"] is not None and b["metrics"]["val_acc"] is not None:
-                row["val_acc_minus_ddp"] = s["metrics"]["val_acc"] - b["metrics"]["val_acc"]
+            for metric in ("val_acc", "val_loss"):
+                if s["metrics"][metric] is not None and b["metrics"][metric] is not None:
+                    row[f"{metric}_minus_ddp"] = s["metrics"][metric] - b["metrics"][metric]
         rows.append(row)
     rows += [{"strategy": m["strategy"], "status": m["status"], **{k: v for k, v in m.items() if k != "status"}}
              for m in missing]
     report: dict[str, Any] = {**({"meta": dict(meta)} if meta else {}), "runs": rows}
-    if target_acc is not None:
-        report["target_acc"] = target_acc
+    if target is not None:
+        report["target"] = {"metric": target.metric, "value": target.value}
+        report[target.metric.replace("val_", "target_")] = target.value   # target_acc | target_loss
         report["by_strategy"] = aggregate(rows)
     (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "comparison.md").write_text(_markdown(rows, target_acc, report.get("by_strategy")))
+    (out_dir / "comparison.md").write_text(_markdown(rows, target, report.get("by_strategy")))
     if runs:
-        _plot(runs, out_dir / "comparison.png", target_acc)
+        _plot(runs, out_dir / "comparison.png", target)
     return report
 
 
@@ -140,8 +176,8 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "time_to_target_min_s": min(times) if times else None,
             "time_to_target_max_s": max(times) if times else None,
             "samples_per_s_mean": statistics.fmean(r["samples_per_s"] for r in done) if done else None,
-            "val_acc_mean": statistics.fmean(r["val_acc"] for r in done if r["val_acc"] is not None)
-            if any(r["val_acc"] is not None for r in done) else None,
+            **{f"{metric}_mean": statistics.fmean(r[metric] for r in done if r[metric] is not None)
+               if any(r[metric] is not None for r in done) else None for metric in ("val_acc", "val_loss")},
             "compute_comm_ratio_mean": statistics.fmean(c for r in done if (c := r["compute_comm_ratio"]) is not None)
             if any(r["compute_comm_ratio"] is not None for r in done) else None,
         })
@@ -152,21 +188,22 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
+def _markdown(rows: list[dict[str, Any]], target: Target | None = None,
               by_strategy: list[dict[str, Any]] | None = None) -> str:
-    target = [f"time to {target_acc:g} (s)"] if target_acc is not None else []
-    header = ["strategy", "ranks", *(["seed"] if any(r.get("seed") is not None for r in rows) else []), *target,
-              "val acc", "Δ acc vs ddp", "samples/s", "vs ddp", "step s", "comm s/step", "MB/step", "MB/rank",
+    header = ["strategy", "ranks", *(["seed"] if any(r.get("seed") is not None for r in rows) else []),
+              *([f"time to {target.label} (s)"] if target is not None else []),
+              "val acc", "Δ acc vs ddp", "val loss", "samples/s", "vs ddp", "step s", "comm s/step", "MB/step", "MB/rank",
               "compute/comm", "outside epochs s", "ckpt s", "setup s", "consensus"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['strategy']} | {r['status']} |" + " |" * (len(header) - 2))
             continue
-        reached = [] if target_acc is None else [
+        reached = [] if target is None else [
             "not reached" if r.get("time_to_target_s") is None else format(r["time_to_target_s"], ".1f")]
         cells = [r["strategy"], str(r["world_size"]), *([_fmt(r.get("seed"), "d")] if "seed" in header else []),
                  *reached, _fmt(r["val_acc"], ".4f"), _fmt(r.get("val_acc_minus_ddp"), "+.4f"),
+                 _fmt(r.get("val_loss"), ".4f"),
                  _fmt(r["samples_per_s"], ",.0f"), _fmt(r.get("throughput_vs_ddp"), ".2f") + "x",
                  _fmt(r["step_s_median"], ".4f"), _fmt(r["comm_s_per_step"], ".4f"),
                  _fmt(r["bytes_sent_per_step"] / 2**20, ".2f"), _fmt(r["bytes_sent_per_rank"] / 2**20, ",.1f"),
@@ -174,9 +211,11 @@ def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
                  _fmt(r.get("checkpoint_s"), ".1f"), _fmt(r.get("setup_s"), ".1f"),
                  _fmt(r["consensus_distance"], ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
-    if by_strategy and target_acc is not None:
-        lines += ["", f"Time to val acc {target_acc:g}, over seeds (mean ± std, [min, max]; runs that reached it):", "",
-                  "| strategy | reached | time to target (s) | samples/s | final val acc | compute/comm |",
+    if by_strategy and target is not None:
+        final = target.metric
+        lines += ["", f"Time to {target.label}, over seeds (mean ± std, [min, max]; runs that reached it):", "",
+                  f"| strategy | reached | time to target (s) | samples/s | final {final.replace('_', ' ')} "
+                  "| compute/comm |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for a in by_strategy:
             if a["status"] != "ok":
@@ -186,7 +225,7 @@ def _markdown(rows: list[dict[str, Any]], target_acc: float | None = None,
                     f"{a['time_to_target_mean_s']:.1f} ± {a['time_to_target_std_s']:.1f} "
                     f"[{a['time_to_target_min_s']:.1f}, {a['time_to_target_max_s']:.1f}]")
             lines.append(f"| {a['strategy']} | {a['reached']}/{a['runs']} | {time} | "
-                         f"{_fmt(a['samples_per_s_mean'], ',.0f')} | {_fmt(a['val_acc_mean'], '.4f')} | "
+                         f"{_fmt(a['samples_per_s_mean'], ',.0f')} | {_fmt(a[f'{final}_mean'], '.4f')} | "
                          f"{_fmt(a['compute_comm_ratio_mean'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
@@ -228,17 +267,17 @@ def _bars(ax: Any, groups: list[tuple[str, list[float | None]]], title: str, col
     ax.set_title(title)
 
 
-def _plot(runs: list[dict[str, Any]], path: Path, target_acc: float | None = None) -> None:
+def _plot(runs: list[dict[str, Any]], path: Path, target: Target | None = None) -> None:
     import matplotlib.pyplot as plt
 
-    fig = chart(runs, target_acc)
+    fig = chart(runs, target)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
-def chart(runs: list[dict[str, Any]], target_acc: float | None = None) -> Any:
-    """Four panels per strategy (time to target or final accuracy, throughput, communication
-    per step, accuracy curves); notes and the curves' legend sit where they cover nothing
+def chart(runs: list[dict[str, Any]], target: Target | None = None) -> Any:
+    """Four panels per strategy (time to target or the final metric, throughput, communication
+    per step, the metric's curves); notes and the curves' legend sit where they cover nothing
     (checked by eye at 2, 5 and 11 strategies)."""
     import matplotlib
 
@@ -249,9 +288,10 @@ def chart(runs: list[dict[str, Any]], target_acc: float | None = None) -> Any:
     seeds = len({r["summary"].get("seed") for r in runs})
     if seeds > 1:
         fig.suptitle(f"{seeds} seeds: bars are means, whiskers min-max, a dot per run")
-    if target_acc is not None:
-        _bars(axes[0, 0], per_strategy(runs, lambda r: time_to_target(r["history"], target_acc)),
-              f"time to val acc {target_acc:g} (s, lower is better)", "C2", missing="reached")
+    metric = target.metric if target is not None else "val_acc"   # the curves' and the final bars' metric
+    if target is not None:
+        _bars(axes[0, 0], per_strategy(runs, lambda r: time_to_target(r["history"], target)),
+              f"time to {target.label} (s, lower is better)", "C2", missing="reached")
     else:
         _bars(axes[0, 0], per_strategy(runs, lambda r: r["summary"]["metrics"]["val_acc"]),
               "final validation accuracy", "C2")
@@ -267,17 +307,18 @@ def chart(runs: list[dict[str, Any]], target_acc: float | None = None) -> Any:
         clock, points = 0.0, []
         for record in run["history"]:
             clock += record.get("epoch_s", 0.0)
-            if record.get("val_acc") is not None:
-                points.append((clock, record["val_acc"]))
+            if record.get(metric) is not None:
+                points.append((clock, record[metric]))
         if not points:
             continue
         first = name not in colours
         colour = colours.setdefault(name, f"C{len(colours) % 10}")
         curves.plot(*zip(*points), marker="o", markersize=3, color=colour, linewidth=1,
                     linestyle="-" if len(colours) <= 10 else "--", label=name if first else None)
-    if target_acc is not None:
-        curves.axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:g}")
-    curves.set_title("validation accuracy vs training clock" + (" (a line per seed)" if seeds > 1 else ""))
+    if target is not None:
+        curves.axhline(target.value, color="grey", linestyle="--", linewidth=1, label=f"target {target.value:g}")
+    curves.set_title(f"validation {'accuracy' if metric == 'val_acc' else 'loss'} vs training clock"
+                     + (" (a line per seed)" if seeds > 1 else ""))
     curves.set_xlabel("seconds")
     # beside the axes, not on the curves (with 11 strategies it covered a quarter of them)
     curves.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)

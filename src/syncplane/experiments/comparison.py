@@ -8,7 +8,8 @@ launcher as ``train.py``; peers (``horovod``, ``torchft_diloco``: see
 ``syncplane.experiments.peers``) run the same recipe in their own framework. A peer that
 is not installed, or a run that fails, becomes a row saying so. The report is
 ``syncplane.bench.compare``'s (time to the target accuracy, throughput, bytes, final
-accuracy, compute/comm ratio, accuracy-vs-time curves); all runs share one W&B group
+accuracy, compute/comm ratio, accuracy-vs-time curves; with ``--target-loss``, time to
+a validation loss and loss-vs-time curves); all runs share one W&B group
 (offline unless ``logger.mode=online``).
 """
 
@@ -36,6 +37,7 @@ class CompareSettings:
     strategies: list[str]
     cluster: str | None = None
     target_acc: float | None = None
+    target_loss: float | None = None   # lower is better: a language model's validation loss
     seeds: list[int] = field(default_factory=lambda: [42])
     devices: int | None = None
     overrides: list[str] = field(default_factory=list)
@@ -59,6 +61,10 @@ class CompareSettings:
             raise ConfigError(f"--strategies: {','.join(self.strategies)} names a strategy twice")
         if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:
             raise ConfigError(f"--target-acc: must be in (0, 1], got {self.target_acc}")
+        if self.target_loss is not None and not self.target_loss > 0.0:
+            raise ConfigError(f"--target-loss: must be positive, got {self.target_loss}")
+        if self.target_acc is not None and self.target_loss is not None:
+            raise ConfigError("--target-acc, --target-loss: give one target, not both")
         if not self.seeds:
             raise ConfigError("--seeds: give at least one seed")
         if self.devices is not None and self.devices < 1:
@@ -172,13 +178,14 @@ def run_comparison(settings: CompareSettings) -> dict[str, Any]:
             missing.append({"strategy": name, "seed": seed, "status": f"failed: {str(exc).splitlines()[0][:160]}",
                             "run_dir": str(run_dir)})
             continue
-        log.info("[%s] done in %.0f s: val_acc %s, %.0f samples/s", tag, time.perf_counter() - run_start,
-                 summary["metrics"]["val_acc"], summary["throughput"]["samples_per_s"])
+        log.info("[%s] done in %.0f s: val_acc %s, val_loss %s, %.0f samples/s", tag, time.perf_counter() - run_start,
+                 summary["metrics"]["val_acc"], summary["metrics"]["val_loss"], summary["throughput"]["samples_per_s"])
         run_dirs.append(run_dir)
     meta = {"recipe": settings.recipe, "cluster": settings.cluster, "strategies": settings.strategies,
             "seeds": settings.seeds, "overrides": settings.overrides, "wandb_group": group,
             "world_size": plan[0][2]["trainer"]["devices"]}
-    report = build_comparison(run_dirs, out, target_acc=settings.target_acc, missing=missing, meta=meta)
+    report = build_comparison(run_dirs, out, target_acc=settings.target_acc, target_loss=settings.target_loss,
+                              missing=missing, meta=meta)
     return report
 
 
@@ -216,7 +223,8 @@ def settings_from_args(args: Any) -> CompareSettings:
     """``syncplane compare``'s parsed arguments as settings (not yet validated)."""
     return CompareSettings(
         recipe=args.recipe, strategies=parse_list(args.strategies, "--strategies"), cluster=args.cluster,
-        target_acc=args.target_acc, seeds=parse_seeds(args.seeds), devices=args.devices, overrides=args.overrides,
+        target_acc=args.target_acc, target_loss=args.target_loss, seeds=parse_seeds(args.seeds), devices=args.devices,
+        overrides=args.overrides,
         out=Path(args.out) if args.out else Path("comparisons") / f"{args.recipe}-{args.cluster or 'local'}",
         wandb=not args.no_wandb, wandb_mode=args.wandb_mode)
 

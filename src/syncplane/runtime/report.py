@@ -18,7 +18,8 @@ the parts of it that ``checkpoint_s`` (the ``checkpoints`` saves between epochs)
 Optional extras a recipe's LightningModule can provide (added keys, never replacing
 the contract's): ``batch_tokens(batch) -> int`` adds ``throughput.tokens_per_s``;
 ``train_flops_per_sample() -> float`` adds ``throughput.model_flops_per_s`` and, on
-GPUs whose peak Lightning knows, ``throughput.mfu`` (null on CPU).
+GPUs whose peak Lightning knows, ``throughput.mfu`` (null on CPU); every other ``val_*``
+metric it logs (a language model's ``val_perplexity``) is added to ``metrics``.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class RunReport(Callback):
             "seed": self.seed,
             "world_size": world,
             "steps": trainer.global_step,
-            "metrics": {"val_acc": _as_float(metrics.get("val_acc")), "val_loss": _as_float(metrics.get("val_loss"))},
+            "metrics": validation_metrics(metrics),
             "throughput": {
                 "samples_per_s": float(totals[0] / seconds),
                 "step_s_median": statistics.median(steps.tolist()) if len(steps) else None,
@@ -255,6 +256,14 @@ class RunReport(Callback):
         return [(start, seconds) for callback in trainer.checkpoint_callbacks
                 for start, seconds in getattr(callback, "saves", ())
                 if self._fit_start <= start < self._train_end]
+
+
+def validation_metrics(logged: Any) -> dict[str, float | None]:
+    """The contract's ``val_acc`` and ``val_loss`` (None when not logged), then every other
+    ``val_*`` metric the recipe logs (``tiny_lm``'s ``val_perplexity``)."""
+    metrics = {"val_acc": _as_float(logged.get("val_acc")), "val_loss": _as_float(logged.get("val_loss"))}
+    metrics.update({k: _as_float(v) for k, v in sorted(logged.items()) if k.startswith("val_") and k not in metrics})
+    return metrics
 
 
 def _mfu(trainer: pl.Trainer, flops_per_s: float | None) -> float | None:
@@ -291,6 +300,8 @@ def print_summary(summary: dict[str, Any], path: Path) -> None:
         ("optimizer steps", str(summary["steps"])),
         ("val accuracy", fmt(summary["metrics"]["val_acc"], ".4f")),
         ("val loss", fmt(summary["metrics"]["val_loss"], ".4f")),
+        *([("val perplexity", fmt(summary["metrics"]["val_perplexity"], ",.2f"))]
+          if summary["metrics"].get("val_perplexity") is not None else []),
         ("samples/s (all ranks)", fmt(summary["throughput"]["samples_per_s"], ",.1f")),
         ("step time, median (s)", fmt(summary["throughput"]["step_s_median"], ".4f")),
         *([("tokens/s (all ranks)", fmt(summary["throughput"]["tokens_per_s"], ",.0f"))]
