@@ -115,10 +115,9 @@ def per_flow_commands(dev: str, mbit: float, per_flow_mbit: float) -> list[str]:
     Why both ports: an accepting socket sends from its listening port, so gloo's accepted
     connections (and any server's) all share a source port; hashing that alone put them in
     one class, capping several flows as one. Why a class per pair of buckets, not 64 classes
-    picked by ``src XOR dst``: flows that share a class share one cap, and 16 flows (DiLoCo's
-    8 streams × 2 cross-site pairs) in 64 classes collided in every run (measured: 16 flows
-    in 11 classes, one holding 3), so a round waited on flows at a third of the cap -- a
-    cap no WAN imposes. With 4,096 classes two of 16 flows collide with probability ~3 %.
+    picked by ``src XOR dst``: flows that share a class share one cap, and a few dozen flows
+    in 64 classes collide often, so a round waits on flows at a fraction of the cap -- a cap
+    no WAN imposes (``docs/design-notes.md``).
     (u32 is the classifier this kernel has: ``cls_flow``, which hashes the 5-tuple directly,
     is not built, nor is ``fq``'s per-flow ``maxrate``.) Offsets assume a 20-byte IP header:
     the ports are the word at 20."""

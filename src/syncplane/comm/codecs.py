@@ -115,13 +115,11 @@ class GradientSketch:
     default 1% (fp32: 4) plus 1 KiB per piece -- so pieces of a few thousand values or
     more are worth sketching.
 
-    Why not the paper's plain equal-count quantile buckets: on a Gaussian they leave the
-    outermost buckets wide (the tail is sparse), and measured on 2^20 values their
-    relative MSE is 1.8-5x that of ``Int8Blockwise``. Sending the top 1% exactly and
-    placing the boundaries at ``quantile_weight`` x the sample's quantiles plus the rest
-    x a uniform grid over its range gives 0.6x int8's MSE on a Gaussian, 0.1x on
-    Student-t(3), and 0.5-0.6x on real gradients (``docs/kernels.md``). ``quantile_weight=1`` is
-    the plain quantile rule.
+    Why not plain equal-count quantile buckets: on a Gaussian they leave the outermost
+    buckets wide (the tail is sparse). Sending the top 1% exactly and placing the boundaries
+    at ``quantile_weight`` x the sample's quantiles plus the rest x a uniform grid over its
+    range keeps the error below int8's on Gaussian, heavy-tailed and real gradients
+    (``docs/design-notes.md``). ``quantile_weight=1`` is the plain quantile rule.
     """
 
     exact_fraction: float = 0.01

@@ -20,9 +20,8 @@ the owners of the same shards on the neighbouring machines; an all-gather inside
 machine reassembles the mixed result. The inter-machine traffic is one payload per
 machine per neighbour, as the leader's would be, but spread over the processes -- and
 over every NIC of a multi-NIC machine -- while the intra-machine traffic drops from an
-all-reduce plus a broadcast to a reduce-scatter plus an all-gather. Measured on an
-emulated two-rack cluster, the leader-only path was slower than flat neighbour
-averaging; this one is faster. Several tensors (buckets) are pipelined so the
+all-reduce plus a broadcast to a reduce-scatter plus an all-gather (why not the
+leader-only path: ``docs/design-notes.md``). Several tensors (buckets) are pipelined so the
 inter-machine and in-machine links work at once. BlueFog's hierarchical operations
 need machines of one size; these do not.
 """
@@ -192,8 +191,8 @@ def _reduce_to_owners(rows: torch.Tensor, group: dist.ProcessGroup, local: int, 
     member sends the shards member j owns straight to member j.
 
     Each NIC sends and receives (L−1)/L of the payload once on equal machines -- the
-    reduce-scatter bound. (gloo's own ``reduce_scatter_tensor`` moved an all-reduce's worth
-    of bytes, measured; it also needs equal shares.)
+    reduce-scatter bound. (gloo's own ``reduce_scatter_tensor`` moves an all-reduce's worth
+    of bytes and needs equal shares.)
     """
     peers = [j for j in range(size) if j != local]
     mine = rows[local::size].contiguous()

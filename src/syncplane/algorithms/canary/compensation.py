@@ -11,7 +11,7 @@ remedies below 0.989). Both are on by default when ``staleness`` > 0, chosen by 
    ``s / (s + 1)``. So while stale, the optimizer's explicit momentum is lowered by that
    much, ``μ' = max(0, μ - s / (s + 1))`` (0.9 -> 0.233 for s = 2), keeping the total near
    the recipe's. The multiplicative reading (keeping ``(1 - μ)`` times ``1/(s+1)``
-   constant, 0.9 -> 0.7) was measured too and is far worse (simulation: 0.81 vs 0.97).
+   constant, 0.9 -> 0.7) is far worse in simulation (``docs/design-notes.md``).
    Why lower momentum at all: the largest stable step of heavy-ball with an s-step delay,
    ``η·λ/(1 - μ)``, is nearly independent of μ (0.5-0.6 for s = 2; 38 for μ = 0.9
    without delay): at a fixed LR, dropping μ from 0.9 to 0.233 once the delay starts

@@ -33,8 +33,7 @@ from syncplane.algorithms.decentralized.schedule import Schedule
 
 #: Default bucket for neighbour averaging. Smaller than DDP's 25 MB on purpose: buckets are
 #: waited for in order, so bucket i is combined (a CPU pass over it) while bucket i+1 is
-#: still on the wire. Measured on the emulated homogeneous8 (8 ranks, 400 Mbit), 16 MB
-#: one-peer exchange: 25 MB buckets 0.485 s, 4 MB 0.39 s, 1 MB 0.38 s (bound 0.336 s).
+#: still on the wire (the measurement that chose 4 MB: ``docs/design-notes.md``).
 NEIGHBOR_BUCKET_BYTES = 4 * 2**20
 
 

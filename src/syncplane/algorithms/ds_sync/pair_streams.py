@@ -3,10 +3,8 @@
 A pair (DS-Sync's inter-rack group with two racks, a slow NIC's group) can split its
 swap over several connections per direction (``GroupSet.pair_streams``). Whether that
 helps depends on the link, and only a measurement tells: next to foreign traffic TCP
-shares the link per connection, so k streams get k/(k+1) of it instead of ½ (measured
-on emulated ``two_racks_contended``: 2.2-2.75× DDP with 4 streams, 1.7-2.1× with one); on
-a link of its own one stream is faster (``two_racks``: 8.8 s with one, 11.1 s with
-four). A short probe at setup misleads (new connections' slow start behind a full
+shares the link per connection, so k streams get k/(k+1) of it instead of ½; on a link
+of its own one stream is faster (``docs/design-notes.md`` has the numbers). A short probe at setup misleads (new connections' slow start behind a full
 queue), and so do a pattern's first syncs (every rotating pair's connections are used
 for the first time). So ``"auto"`` runs a trial on the real payload: one period of the
 group pattern to warm every pair up, one period with one stream, one with K -- so every
@@ -90,7 +88,7 @@ class PairStreamTuner:
     def before(self, step: int) -> None:
         """Collective during a trial: each trial sync starts together on every rank, so it is
         timed alone -- back to back, one step's pair would still hold the uplink while the
-        next step's pair starts (measured: trial syncs 26 s where steady ones take 18 s)."""
+        next step's pair starts."""
         if self.trial_from is not None:
             phase = (step - self.trial_from) // self.period        # 0 warm-up, 1 one stream, 2 K streams
             self.groups.pair_streams = self.groups.max_pair_streams if phase == 2 else 1
