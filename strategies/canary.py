@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.algorithms.canary import GEI, BackwardPipeline, CanaryConfig, CanaryEngine
-from syncplane.algorithms.canary.bench import make_transport
+from syncplane.algorithms.canary.exchange import make_transport
 from syncplane.algorithms.canary.compensation import MomentumCompensation, implicit_momentum
 from syncplane.algorithms.canary.colayers import Colayers, make_gei
 from syncplane.job import JobContext

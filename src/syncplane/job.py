@@ -16,8 +16,7 @@ from pathlib import Path
 
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
-from syncplane.launch import (BIND_ENV, CLUSTER_ENV, ELASTIC_DIR_ENV, LIGHTHOUSE_ENV, REPLICA_ENV,  # noqa: F401
-                              REPLICAS_ENV, RESTART_ENV, Launch)
+from syncplane.launch import BIND_ENV, ELASTIC_DIR_ENV, LIGHTHOUSE_ENV, REPLICA_ENV, REPLICAS_ENV, RESTART_ENV, Launch
 
 @dataclass(frozen=True)
 class ElasticPlace:

@@ -24,7 +24,7 @@ def _grads(world: int, step: int, seed: int, sizes: list[int] = SIZES) -> list[l
 def _run(rank: int, world: int, seed: int, nic_counts: list[int], compressions: list[str],
          sizes: list[int] = SIZES):
     from syncplane.algorithms.canary import CanaryConfig, CanaryEngine
-    from syncplane.algorithms.canary.bench import make_transport
+    from syncplane.algorithms.canary.exchange import make_transport
     from syncplane.job import JobContext
 
     results = {}

@@ -29,7 +29,7 @@ racks:
 def _run(rank: int, world: int, profile_path: str, seed: int):
     os.environ["SYNCPLANE_CLUSTER"] = profile_path
     from syncplane.algorithms.canary import CanaryConfig, CanaryEngine
-    from syncplane.algorithms.canary.bench import make_transport
+    from syncplane.algorithms.canary.exchange import make_transport
     from syncplane.comm import CommMeter
     from syncplane.exchanges import CubeExchange
     from syncplane.job import JobContext

@@ -33,7 +33,7 @@ def _profile(racks: int, hosts: int, ranks: int) -> str:
 def _run(rank: int, world: int, profile_path: str, seed: int):
     os.environ["SYNCPLANE_CLUSTER"] = profile_path
     from syncplane.algorithms.canary import CanaryConfig, CanaryEngine
-    from syncplane.algorithms.canary.bench import make_transport
+    from syncplane.algorithms.canary.exchange import make_transport
     from syncplane.comm import CommMeter
     from syncplane.exchanges import NestedExchange
     from syncplane.job import JobContext
@@ -132,7 +132,7 @@ def test_nested_exchange_is_the_dense_mean_and_the_sketch_its_definition(tmp_pat
 
 def _refused(rank: int, world: int):
     from syncplane.algorithms.canary import CanaryConfig
-    from syncplane.algorithms.canary.bench import make_transport
+    from syncplane.algorithms.canary.exchange import make_transport
     from syncplane.config import ConfigError
     from syncplane.job import JobContext
 

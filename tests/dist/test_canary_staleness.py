@@ -60,7 +60,7 @@ def _reference(s: int, warmup: int = 0, momentum: float = 0.0) -> list[torch.Ten
 def _run(rank: int, world: int, s: int, p: float | None, fixed_grads: bool, warmup: int = 0,
          momentum: float | None = None):
     from syncplane.algorithms.canary import GEI, BackwardPipeline, CanaryConfig, CanaryEngine, MomentumCompensation
-    from syncplane.algorithms.canary.bench import make_transport
+    from syncplane.algorithms.canary.exchange import make_transport
     from syncplane.job import JobContext
     from syncplane.comm.board import StoreBoard
 

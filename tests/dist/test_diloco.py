@@ -42,7 +42,7 @@ def _vs_ddp(rank: int, world: int, tmp_dir: str, steps: int, cluster: str | None
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch.strategies import DDPStrategy
 
-    from syncplane.job import CLUSTER_ENV
+    from syncplane.launch import CLUSTER_ENV
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
     if cluster is not None:      # as the cluster launcher sets it

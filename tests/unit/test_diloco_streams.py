@@ -17,7 +17,8 @@ import pytest
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import auto_streams, resolve_shards
 from syncplane.cluster import load_profile
-from syncplane.job import CLUSTER_ENV, JobContext
+from syncplane.job import JobContext
+from syncplane.launch import CLUSTER_ENV
 
 
 @pytest.mark.parametrize(("profile", "streams"), [("wan_two_sites", 8), ("multi_nic", 2), ("two_racks", 1),

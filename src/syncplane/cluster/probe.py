@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from syncplane import net
 from syncplane.cluster.cost import CostModel
-from syncplane.job import CLUSTER_ENV, JobContext
+from syncplane.job import JobContext
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
 

@@ -19,7 +19,7 @@ per-piece codebook of 256 bucket means, plus the largest-magnitude ``exact_fract
 the values sent exactly, so a heavy tail is neither clipped nor allowed to widen the
 buckets. Its encode and decode run in the compiled kernels (``kernels.sketch_encode``).
 
-``ChunkedTopK`` is SparseLoCo's pseudo-gradient codec (arXiv 2508.15706): per chunk of
+``ChunkedTopK`` is a sparse codec (chunked top-k, as in arXiv 2508.15706): per chunk of
 ``chunk`` values the largest ``density`` fraction, at 2/4/8 bits against one scale per
 chunk, positions as bit-packed offsets or a bitmap (layout in ``kernels.py``). Its pieces
 are summed by decoding (``decode_add``), never re-encoded: a sum of top-k vectors is
@@ -228,8 +228,8 @@ class ErrorFeedback:
 
     ``compress(x, offset)`` sends ``β·e + x`` for the slice ``[offset, offset + len(x))``
     and keeps ``e <- (β·e + x) - extract(sent)``. ``β = 1`` (default) keeps everything
-    that was dropped; SparseLoCo decays it (``β < 1``), which makes the accumulator its
-    outer momentum. ``snapshot``/``restore`` let a caller undo a round whose exchange was
+    that was dropped; ``β < 1`` decays it, which makes the accumulator a momentum of what is
+    sent. ``snapshot``/``restore`` let a caller undo a round whose exchange was
     discarded (the values will be sent again); ``state_dict`` is for checkpoints.
     """
 

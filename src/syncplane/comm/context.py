@@ -17,7 +17,6 @@ import networkx as nx
 import torch.distributed as dist
 
 from syncplane.comm import topology
-from syncplane.comm.process_groups import control_group
 from syncplane.launch import Launch
 
 Group = dist.ProcessGroup | None

@@ -20,7 +20,7 @@ from typing import IO, Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from syncplane import job as job_env
+from syncplane import launch as launch_env
 from syncplane.job import JobContext
 from syncplane.config import ConfigError
 from syncplane.runtime.launcher import cluster_session, die_with_parent, launch, launch_on_cluster, local_ranks
@@ -129,9 +129,9 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
             store.unlink(missing_ok=True)
             ranks.append(replace(place, local_rank=0, local_world_size=1, env={
                 **place.env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                rendezvous.FILE_ENV: str(store.resolve()), job_env.REPLICA_ENV: str(place.rank),
-                job_env.REPLICAS_ENV: str(replicas), job_env.LIGHTHOUSE_ENV: address, job_env.BIND_ENV: bind,
-                job_env.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
+                rendezvous.FILE_ENV: str(store.resolve()), launch_env.REPLICA_ENV: str(place.rank),
+                launch_env.REPLICAS_ENV: str(replicas), launch_env.LIGHTHOUSE_ENV: address, launch_env.BIND_ENV: bind,
+                launch_env.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
         launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts,
                restart_delay_s=spec.trainer.restart_delay_s, echo_to=echo_to)
 

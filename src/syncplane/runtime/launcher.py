@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from syncplane.job import CLUSTER_ENV
+from syncplane.launch import CLUSTER_ENV
 from syncplane.job import RESTART_ENV
 from syncplane.runtime.heartbeat import LOST_PEER_EXIT
 from syncplane.net import free_port

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from syncplane import job as job_env
-from syncplane.job import CLUSTER_ENV
+from syncplane import launch as launch_env
+from syncplane.launch import CLUSTER_ENV
 from syncplane.runtime.heartbeat import Heartbeat, exit_now
 from syncplane.config import ConfigError
 from syncplane.runtime import rendezvous
@@ -92,9 +92,9 @@ class InjectFault(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        replica = os.environ.get(job_env.REPLICA_ENV)
+        replica = os.environ.get(launch_env.REPLICA_ENV)
         self.rank = trainer.global_rank if replica is None else int(replica)
-        world = trainer.world_size if replica is None else int(os.environ[job_env.REPLICAS_ENV])
+        world = trainer.world_size if replica is None else int(os.environ[launch_env.REPLICAS_ENV])
         if self.fault.rank >= world:
             raise ConfigError(f"fault.rank: {self.fault.rank} is not a rank of this job of {world}")
         if self.fault.kind == "netdown" and CLUSTER_ENV not in os.environ:
@@ -104,7 +104,7 @@ class InjectFault(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         fault = self.fault
-        if self.rank != fault.rank or trainer.global_step != fault.step or os.environ.get(job_env.RESTART_ENV, "0") != "0":
+        if self.rank != fault.rank or trainer.global_step != fault.step or os.environ.get(launch_env.RESTART_ENV, "0") != "0":
             return
         log.warning("fault: rank %d fails (%s) after step %d, as fault.* asked", fault.rank, fault.kind, fault.step)
         if fault.kind == "raise":

@@ -5,7 +5,7 @@ Files: ``config.py`` (validated settings), ``engine.py`` (colayers through the p
 exchange, error feedback in the rank state), ``gei.py`` (bounded staleness), ``compensation.py`` (what staleness does to momentum
 and the synchronous warm-up before it starts), ``bench.py``. The codec is
 ``syncplane.comm.GradientSketch`` (compiled kernels in ``csrc``); the exchange is the
-exchange layer's piece mesh, nested or cube exchange (``syncplane.exchanges``; ``bench.make_transport``
+exchange layer's piece mesh, nested or cube exchange (``syncplane.exchanges``; ``exchange.make_transport``
 picks through ``syncplane.exchanges.choose``), run by ``syncplane.comm.StreamRunner``.
 Glue: ``strategies/canary.py``.
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.canary.bench import EXCHANGES, CanaryStep, check_job, innermost_is_host, sketch_ratio
+from syncplane.algorithms.canary.bench import CanaryStep, sketch_ratio
+from syncplane.algorithms.canary.exchange import EXCHANGES, check_job, innermost_is_host
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.gei import GEI, check_bounds
 from syncplane.algorithms.canary.compensation import MomentumCompensation, compensated_momentum

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from syncplane.comm.collectives import rank0_decides
 from syncplane.comm.groups import GroupSet
 from syncplane.comm.process_groups import control_group
-from syncplane.comm.process_groups import control_group
 
 #: Most connections per direction a pair may use.
 MAX_PAIR_STREAMS = 4

@@ -15,6 +15,8 @@ from syncplane.exchanges.tree.plan import describe, plan_for
 from syncplane.exchanges.tree.tree import job_tree
 from syncplane.job import JobContext
 
+__all__ = ["DEFAULT_CHUNK_BYTES", "FlexReduceHook"]
+
 
 class FlexReduceHook:
     """A collective to construct (the executor's process groups). ``topology``: ``auto`` (the

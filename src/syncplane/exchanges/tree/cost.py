@@ -30,7 +30,6 @@ from syncplane.exchanges.tree.executor import DEFAULT_CHUNK_BYTES
 from syncplane.exchanges.tree.plan import Plan, pairwise_root, plan_for
 from syncplane.exchanges.tree.tree import FlexTree
 from syncplane.cluster.cost import FlowArray, Phase, columns_of
-from syncplane.cluster.profile import ClusterProfile
 
 ELEMENT_SIZE = 4   # the bench's payload is float32
 
