@@ -6,7 +6,7 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
 - ``setup_sync``: lay the model (parameters, then floating buffers) out in one flat
   fp32 host buffer, create the outer optimizer over the parameters' part (``θ_g`` on
   CPU; one per fragment) and the sharded gloo exchange -- separate gloo groups, so this
-  works when the training itself uses NCCL; its pattern (``exchange``: owner, or
+  works when the training itself uses NCCL; its pattern (``exchange``: the mesh, or
   FlexReduce's tree on a cluster with hosts/racks/sites) is chosen here, on every rank.
 - ``after_optimizer_step``: every ``sync_every`` real steps, counted from
   ``trainer.global_step`` (so a resume stays aligned): ``Δ = θ_g − θ_local`` on CPU,

@@ -62,7 +62,7 @@ class ElasticDiLoCo(DiLoCo):
         """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
         place = self.job.elastic
         if place is None:
-            raise ValueError("elastic=true runs under syncplane's launcher (train.py / syncplane train), which "
+            raise ValueError("elastic=true runs under syncplane's launcher (python train.py), which "
                              f"starts the lighthouse and the replicas; missing {', '.join(missing_elastic())}")
         return place
 

@@ -36,9 +36,10 @@ class DiLoCoConfig:
         overlap_steps: τ, inner steps a fragment's exchange runs in the background before
             its result is merged (0 = blocking); below ``sync_every // fragments``, so at
             most one fragment is on the wire at a time.
-        exchange: ``auto`` | ``owner`` | ``tree``: the pattern of the all-reduce of Δ
+        exchange: ``auto`` | ``mesh`` | ``tree``: the pattern of the all-reduce of Δ
             (``syncplane.algorithms.diloco.exchange``; auto = FlexReduce's tree when the job's
-            ranks form hosts/racks/sites and the payload is fp32, else the owner exchange).
+            ranks form hosts/racks/sites and the payload is fp32, else the mesh; ``owner`` is
+            the mesh's old name).
         topology: the tree for ``tree``/``auto``, as FlexReduce's (``auto``, a cluster profile
             name / YAML path, or a list of ranks per host).
         mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
@@ -60,7 +61,7 @@ class DiLoCoConfig:
     fragments: int = 1
     overlap_steps: int = 0
     mix_alpha: float | None = None
-    exchange: Literal["auto", "owner", "tree"] = "auto"
+    exchange: Literal["auto", "mesh", "tree", "owner"] = "auto"
     topology: str | list[int] = "auto"
 
     def __post_init__(self) -> None:
