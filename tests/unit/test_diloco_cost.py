@@ -81,3 +81,24 @@ def test_a_stream_is_pinned_to_one_nic_however_many_flows_its_ranks_send():
     one, two = (strategy_time(model, "diloco", 16 * MB, CostOptions(period=1, streams=s))[1] for s in (1, 2))
     assert one == pytest.approx(16 * MB / (100 * MBIT), rel=0.02)    # M through one NIC per host
     assert two == pytest.approx(one / 2, rel=0.02)
+
+
+def test_the_gather_sends_each_piece_to_every_other_rank_and_prices_the_sparse_codec():
+    """The gather: (n−1)·piece per rank, one phase; DiLoCo's ``gather`` (what a sparse DiLoCo
+    runs) is priced at the sparse codec's piece, far below the fp32 mesh across the uplink."""
+    from syncplane.comm import ChunkedTopK
+    from syncplane.exchanges.gather import cost as gather_exchange
+
+    phases = gather_exchange(4, MB)
+    assert len(phases) == 1
+    for rank in range(4):
+        assert sum(b for src, _, b in phases[0] if src == rank) == pytest.approx(3 * MB)
+    assert gather_exchange(1, MB) == []
+    profile = load_profile("two_racks")
+    racks = CostModel(profile)
+    piece = ChunkedTopK().nbytes(16 * MB // 4)     # DiLoCo's defaults: 2 %, 2 bits, chunks of 4096
+    want = racks.bound(gather_exchange(profile.world_size, piece, 2)) / 4
+    _, bound = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, streams=2, pattern="gather"))
+    assert bound == pytest.approx(want)
+    _, mesh = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, streams=2, pattern="mesh"))
+    assert bound < mesh / 10
