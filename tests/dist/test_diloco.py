@@ -243,15 +243,17 @@ def test_resume_from_a_mid_round_checkpoint_is_bit_identical(tmp_path):
 
 
 def test_sparseloco_resume_from_a_mid_round_checkpoint_is_bit_identical(tmp_path):
-    """compression sparse on the gather, SparseLoCo's outer rule: each rank's decayed
-    accumulator rides in the checkpoint, and the resumed run continues bit for bit."""
-    kwargs = {"sync_every": 3, "compression": "sparse", "density": 0.25, "bits": 2, "chunk": 8, "outer": "sparseloco"}
-    results = run_distributed(resume_vs_uninterrupted, 2, str(tmp_path), kwargs, "sparse.ckpt", timeout=240)
+    """compression sparse on the gather (3 ranks on hosts of 2 and 1: a host's pieces forwarded
+    as one block), SparseLoCo's outer rule: each rank's decayed accumulator rides in the
+    checkpoint, and the resumed run continues bit for bit."""
+    kwargs = {"sync_every": 3, "compression": "sparse", "density": 0.25, "bits": 2, "chunk": 8, "outer": "sparseloco",
+              "topology": [2, 1]}
+    results = run_distributed(resume_vs_uninterrupted, 3, str(tmp_path), kwargs, "sparse.ckpt", timeout=240)
     residuals = [r["rank_state"]["exchange"]["residuals"] for r in load_replicas(tmp_path / "sparse.ckpt")]
-    assert len(residuals) == 2 and not torch.equal(residuals[0], residuals[1])
+    assert len(residuals) == 3 and not torch.equal(residuals[0], residuals[1])
     assert all(r.abs().sum() > 0 for r in residuals)
     for (params, outer), (resumed_params, resumed_outer), rounds in results:
-        assert rounds == 20 // 3
+        assert rounds == 16 // 3       # 80 samples on 3 ranks: 4 steps per epoch
         assert torch.equal(outer, resumed_outer)
         for a, b in zip(params, resumed_params):
             assert torch.equal(a, b)
@@ -266,7 +268,8 @@ def test_bad_configuration_names_the_value():
         DiLoCo(compression="fp8")
     with pytest.raises(ValueError, match="shards must be an integer of at least 1, or 'auto', got 0"):
         DiLoCo(shards=0)
-    with pytest.raises(ValueError, match="exchange: allowed values: auto, mesh, tree, gather \\(or the old owner\\); got 'ring'"):
+    with pytest.raises(ValueError,
+                       match="exchange: allowed values: auto, mesh, tree, gather \\(or the old owner\\); got 'ring'"):
         DiLoCo(exchange="ring")
     with pytest.raises(ValueError, match="exchange='tree' carries exact fp32 only; compression='int8'"):
         DiLoCo(exchange="tree", compression="int8")

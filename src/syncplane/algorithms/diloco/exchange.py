@@ -1,13 +1,13 @@
 """Which all-reduce carries DiLoCo's pseudo-gradient, on how many streams.
 
 DiLoCo runs three of the exchange layer's patterns (``syncplane.exchanges``): the ``mesh``
-(every rank owns 1/n: 2(n−1)/n·M per rank, wherever the ranks are; any codec) and the
+(every rank owns 1/n: 2(n−1)/n·M per rank, wherever the ranks are; any codec), the
 ``tree`` (FlexReduce's plan: reduce inside the host/rack, cross the slow link with the rack's
-share, gather back; exact fp32 only) and the ``gather`` (every rank gathers every rank's encoded piece and
-decodes them all: the one that carries ``compression: sparse``, whose sums would be dense;
-(n−1)·piece per rank), all run by ``syncplane.comm.StreamRunner`` on S
-streams with one deadline and commit/discard. On racks or sites the mesh puts about
-(n/racks)·M across each slow uplink per round, the tree M. ``exchange: auto`` (default)
+share, gather back; exact fp32 only) and the ``gather`` (every rank gets every rank's
+encoded piece and decodes them all, a rack's or host's pieces crossing the slow link as one
+block: the one that carries ``compression: sparse``, whose sums would be dense), all run by
+``syncplane.comm.StreamRunner`` on S streams with one deadline and commit/discard. On racks
+or sites the mesh puts about (n/racks)·M across each slow uplink per round, the tree M. ``exchange: auto`` (default)
 takes the tree when the job's tree has more than one level (hosts, racks or sites: the
 job's cluster profile, else its hosts) and the payload is fp32, the gather when it is sparse;
 otherwise the mesh.
@@ -66,7 +66,8 @@ def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int,
                     strict=False, sparse=compression == "sparse")
     if chosen.name == "gather":
         sparse = codec if codec is not None else ChunkedTopK()
-        return gather.cost(profile.world_size, sparse.nbytes(int(payload_bytes // 4)), streams)
+        return gather.cost(profile.world_size, sparse.nbytes(int(payload_bytes // 4)), streams,
+                           gather.groups_of(profile))
     if chosen.name == "tree" and profile.world_size > 1:
         return tree.cost(profile, payload_bytes, streams)
     return mesh.cost(profile.world_size, payload_bytes, streams)
@@ -102,6 +103,25 @@ def resolve_shards(shards: int | str, job: JobContext, topology: str | Sequence[
     return streams
 
 
+def gather_groups(job: JobContext, topology: str | Sequence[int] = "auto") -> tuple[tuple[int, ...], ...] | None:
+    """What the gather groups the ranks by (``gather.groups_of``): the racks or hosts of the
+    profile ``topology`` names (``auto``: the job's), else blocks of ranks per host (a list,
+    or the launcher's hosts); None (flat) when that is one group or one rank per group."""
+    if job.world_size < 2:
+        return None
+    profile = job.profile_for(topology)
+    if profile is not None and profile.world_size == job.world_size:
+        groups = gather.groups_of(profile)
+    elif not isinstance(topology, str):
+        firsts = [sum(topology[:i]) for i in range(len(topology))]
+        groups = tuple(tuple(range(f, f + k)) for f, k in zip(firsts, topology))
+    else:
+        groups = tuple(tuple(h) for h in job.hosts())
+    if len(groups) < 2 or all(len(g) == 1 for g in groups):
+        return None
+    return groups
+
+
 def build_exchange(job: JobContext, shards: int, compression: str = "none", block_size: int = 256,
                    timeout_s: float = 600.0, exchange: str = "auto",
                    topology: str | Sequence[int] = "auto", *, codec: Codec | None = None,
@@ -118,8 +138,10 @@ def build_exchange(job: JobContext, shards: int, compression: str = "none", bloc
     chosen = choose(exchange, shape, allowed=EXCHANGES, exact=compression == "none",
                     sparse=compression == "sparse")
     if chosen.name == "gather":
-        pattern = GatherExchange(shards, exact_from)
-        log.info("diloco: exchange gather (%s), %d stream(s)", chosen.reason, shards)
+        groups = gather_groups(job, topology)
+        pattern = GatherExchange(shards, exact_from, groups)
+        log.info("diloco: exchange gather (%s), %d stream(s), by %s", chosen.reason, shards,
+                 "rank (flat)" if groups is None else f"groups {[len(g) for g in groups]}")
     elif chosen.name == "tree" and job.world_size > 1:
         pattern = TreeExchange(job_tree(job, topology), shards, timeout_s=timeout_s)
         log.info("diloco: exchange tree (%s), %d stream(s), tree %s", chosen.reason, shards, pattern.tree.describe())
