@@ -51,8 +51,8 @@ from syncplane.strategies.registry import register
 @register("diloco")
 class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, shards,
-    compression, block_size, sync_timeout_s, fragments, overlap_steps, mix_alpha, exchange,
-    topology), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
+    compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
+    fragments, overlap_steps, mix_alpha, exchange, topology), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
     and heal give up after it; ``quorum_timeout_s``: how long a replica waits for a quorum;
     ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
@@ -70,15 +70,18 @@ class DiLoCo(SyncplaneStrategy):
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
                  outer_kwargs: dict[str, Any] | None = None, shards: int | Literal["auto"] = 1,
-                 compression: Literal["none", "int8"] = "none", block_size: int = 256,
-                 sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
-                 mix_alpha: float | None = None, exchange: Literal["auto", "mesh", "tree", "owner"] = "auto",
+                 compression: Literal["none", "int8", "sparse"] = "none", block_size: int = 256,
+                 density: float = 0.02, bits: int = 2, chunk: int = 4096, error_feedback_beta: float = 0.95,
+                 outer: Literal["nesterov", "sparseloco"] = "nesterov", sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
+                 mix_alpha: float | None = None, exchange: Literal["auto", "mesh", "tree", "gather", "owner"] = "auto",
                  topology: str | list[int] = "auto", elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = DiLoCoConfig(sync_every=sync_every, outer_optimizer=outer_optimizer, outer_kwargs=outer_kwargs,
                                    shards=shards, compression=compression, block_size=block_size,
+                                   density=density, bits=bits, chunk=chunk, error_feedback_beta=error_feedback_beta,
+                                   outer=outer,
                                    sync_timeout_s=sync_timeout_s, fragments=fragments, overlap_steps=overlap_steps,
                                    mix_alpha=mix_alpha, exchange=exchange, topology=topology)
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
@@ -176,7 +179,7 @@ class DiLoCo(SyncplaneStrategy):
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's error-feedback residuals (int8 only)."""
+        """This rank's error-feedback residuals (int8 and sparse: SparseLoCo's accumulator)."""
         return self.engine.rank_state_dict()
 
     @override

@@ -20,9 +20,9 @@ from syncplane.runtime.launcher import LaunchError
 
 #: ``--exchange`` of bench and simulate: one vocabulary (``syncplane.exchanges``) for every
 #: family that has a choice; a family that does not run the name given uses auto
-EXCHANGE_CHOICES = ["auto", "mesh", "tree", "nested", "cube", "owner"]
+EXCHANGE_CHOICES = ["auto", "mesh", "tree", "nested", "cube", "gather", "owner"]
 EXCHANGE_HELP = ("the exchange of the families that have one: mesh (every rank owns 1/n), tree (FlexReduce's plan; "
-                 "diloco), nested (by host and rack; canary), cube (BCube; canary); auto = the most topology-aware "
+                 "diloco), nested (by host and rack; canary), cube (BCube; canary), gather (every rank gathers the encoded pieces; diloco, priced as its sparse codec at the default density and bits); auto = the most topology-aware "
                  "one that can run. A family that does not run the name given uses auto. 'owner' is the old name "
                  "of mesh")
 

@@ -242,6 +242,23 @@ def test_resume_from_a_mid_round_checkpoint_is_bit_identical(tmp_path):
             assert torch.equal(a, b)
 
 
+def test_sparseloco_resume_from_a_mid_round_checkpoint_is_bit_identical(tmp_path):
+    """compression sparse on the gather (3 ranks on hosts of 2 and 1: a host's pieces forwarded
+    as one block), SparseLoCo's outer rule: each rank's decayed accumulator rides in the
+    checkpoint, and the resumed run continues bit for bit."""
+    kwargs = {"sync_every": 3, "compression": "sparse", "density": 0.25, "bits": 2, "chunk": 8, "outer": "sparseloco",
+              "topology": [2, 1]}
+    results = run_distributed(resume_vs_uninterrupted, 3, str(tmp_path), kwargs, "sparse.ckpt", timeout=240)
+    residuals = [r["rank_state"]["exchange"]["residuals"] for r in load_replicas(tmp_path / "sparse.ckpt")]
+    assert len(residuals) == 3 and not torch.equal(residuals[0], residuals[1])
+    assert all(r.abs().sum() > 0 for r in residuals)
+    for (params, outer), (resumed_params, resumed_outer), rounds in results:
+        assert rounds == 16 // 3       # 80 samples on 3 ranks: 4 steps per epoch
+        assert torch.equal(outer, resumed_outer)
+        for a, b in zip(params, resumed_params):
+            assert torch.equal(a, b)
+
+
 def test_bad_configuration_names_the_value():
     from syncplane.strategies.diloco import DiLoCo
 
@@ -251,9 +268,12 @@ def test_bad_configuration_names_the_value():
         DiLoCo(compression="fp8")
     with pytest.raises(ValueError, match="shards must be an integer of at least 1, or 'auto', got 0"):
         DiLoCo(shards=0)
-    with pytest.raises(ValueError, match="exchange: allowed values: auto, mesh, tree \\(or the old owner\\); got 'ring'"):
+    with pytest.raises(ValueError,
+                       match="exchange: allowed values: auto, mesh, tree, gather \\(or the old owner\\); got 'ring'"):
         DiLoCo(exchange="ring")
     with pytest.raises(ValueError, match="exchange='tree' carries exact fp32 only; compression='int8'"):
         DiLoCo(exchange="tree", compression="int8")
+    with pytest.raises(ValueError, match="exchange='tree' cannot carry compression='sparse'.*exchange='gather'"):
+        DiLoCo(exchange="tree", compression="sparse")
     with pytest.raises(ValueError, match=r"topology: expected auto, .* got \[2, 0\]"):
         DiLoCo(topology=[2, 0])

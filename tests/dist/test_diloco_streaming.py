@@ -16,6 +16,7 @@ parameter vector (P = 2: ``[0, 25) [25, 49)``, P = 3: ``[0, 17) [17, 33) [33, 49
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -124,15 +125,21 @@ def test_an_overlapped_round_mixes_the_new_global_fragment_into_the_replica_tau_
     assert not torch.allclose(_flat(log0[-1][4])[:25], _flat(log1[-1][4])[:25])
 
 
-def test_resume_from_a_checkpoint_written_while_a_fragment_is_in_flight_is_bit_identical(tmp_path):
-    streaming = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "compression": "int8", "block_size": 4}
+@pytest.mark.parametrize("codec,slots", [
+    ({"compression": "int8", "block_size": 4}, 2),
+    # SparseLoCo on the gather: one accumulator per rank, each fragment its own slice of it
+    ({"compression": "sparse", "density": 0.25, "chunk": 8, "outer": "sparseloco"}, 1),
+], ids=["int8", "sparse"])
+def test_resume_from_a_checkpoint_written_while_a_fragment_is_in_flight_is_bit_identical(tmp_path, codec, slots):
+    streaming = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, **codec}
     results = run_distributed(resume_vs_uninterrupted, 2, str(tmp_path), streaming, "in_flight.ckpt", timeout=240)
     checkpoint = torch.load(tmp_path / "in_flight.ckpt", weights_only=True)
     state = checkpoint["syncplane"]["state"]
     # 10 steps done: fragment 1 started after step 10 and merges after step 11
     assert [(r["fragment"], r["due"], r["committed"]) for r in state["pending"]] == [(1, 11, True)]
     assert len(state["outer"]) == 2 and state["fragments"] == 2 and state["overlap_steps"] == 1
-    assert [len(r["rank_state"]["exchange"]["residuals"]) for r in load_replicas(tmp_path / "in_flight.ckpt")] == [2, 2]
+    residuals = [r["rank_state"]["exchange"]["residuals"] for r in load_replicas(tmp_path / "in_flight.ckpt")]
+    assert [len(r) for r in residuals] == [slots, slots] and not torch.equal(residuals[0], residuals[1])
     for (params, outer), (resumed_params, resumed_outer), rounds in results:
         assert rounds == 9   # merged after steps 3, 5, ..., 19; the round started after 20 is still pending
         assert torch.equal(outer, resumed_outer)

@@ -81,3 +81,50 @@ def test_a_stream_is_pinned_to_one_nic_however_many_flows_its_ranks_send():
     one, two = (strategy_time(model, "diloco", 16 * MB, CostOptions(period=1, streams=s))[1] for s in (1, 2))
     assert one == pytest.approx(16 * MB / (100 * MBIT), rel=0.02)    # M through one NIC per host
     assert two == pytest.approx(one / 2, rel=0.02)
+
+
+def test_the_gather_sends_each_piece_to_every_other_rank_and_prices_the_sparse_codec():
+    """The gather: (n−1)·piece per rank, one phase; DiLoCo's ``gather`` (what a sparse DiLoCo
+    runs) is priced at the sparse codec's piece, far below the fp32 mesh across the uplink."""
+    from syncplane.comm import ChunkedTopK
+    from syncplane.exchanges.gather import cost as gather_exchange, groups_of
+
+    phases = gather_exchange(4, MB)
+    assert len(phases) == 1
+    for rank in range(4):
+        assert sum(b for src, _, b in phases[0] if src == rank) == pytest.approx(3 * MB)
+    assert gather_exchange(1, MB) == []
+    profile = load_profile("two_racks")
+    racks = CostModel(profile)
+    piece = ChunkedTopK().nbytes(16 * MB // 4)     # DiLoCo's defaults: 2 %, 2 bits, chunks of 4096
+    by_rack = racks.bound(gather_exchange(profile.world_size, piece, 2, groups_of(profile)))
+    flat = racks.bound(gather_exchange(profile.world_size, piece, 2))
+    assert by_rack < flat / 2      # a rack's block crosses the uplink once, not once per remote rank
+    _, bound = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, streams=2, pattern="gather"))
+    assert bound == pytest.approx(by_rack / 4)
+    _, mesh = strategy_time(racks, "diloco", 16 * MB, CostOptions(period=4, streams=2, pattern="mesh"))
+    assert bound < mesh / 10
+
+
+@pytest.mark.parametrize("groups", [((0,), (1,), (2,)), ((0, 1, 2, 3),), ((0, 3), (1,), (2, 4, 5))])
+def test_the_gather_routes_bring_every_piece_to_every_rank_and_cross_groups_once(groups):
+    from syncplane.exchanges.gather import routes
+
+    n = sum(len(g) for g in groups)
+    have = {r: {r} for r in range(n)}
+    crossings: dict[tuple[int, int], int] = {}
+    group_of = {r: i for i, g in enumerate(groups) for r in g}
+    for step in routes(groups):
+        arrived = []
+        for m in step:
+            assert set(m.carries) <= have[m.src], "a rank forwards only what it already holds"
+            arrived.append((m.dst, m.carries))
+            if group_of[m.src] != group_of[m.dst]:
+                for r in m.carries:
+                    key = (r, group_of[m.dst])
+                    crossings[key] = crossings.get(key, 0) + 1
+        for dst, carries in arrived:
+            have[dst] |= set(carries)
+    assert all(have[r] == set(range(n)) for r in range(n))
+    assert all(count == 1 for count in crossings.values())
+    assert len(crossings) == n * (len(groups) - 1)

@@ -172,7 +172,7 @@ def test_round_state_resumes_bit_identically(test_seed):
     ({"compression": "sparse", "error_feedback_beta": 1.5}, "^error_feedback_beta:"),
     ({"compression": "sparse", "exchange": "tree"}, "exchange='tree' cannot carry compression='sparse'"),
     ({"compression": "sparse", "exchange": "owner"}, "exchange='owner' cannot carry compression='sparse'"),
-    ({"compression": "sparse"}, "exchange='auto' cannot carry"),
+    ({"compression": "sparse", "exchange": "mesh"}, "exchange='mesh' cannot carry compression='sparse'.*'gather'"),
     ({"outer": "sparseloco"}, "needs compression='sparse'"),
     ({"outer": "adam"}, "^outer: allowed values"),
     ({"compression": "int8", "outer_kwargs": {"lr": 1}, "outer": "nesterov", "exchange": "tree"}, "exchange='tree'"),
@@ -186,3 +186,9 @@ def test_diloco_defaults_are_unchanged():
     config = DiLoCoConfig()
     assert (config.compression, config.outer) == ("none", "nesterov")
     DiLoCoConfig(compression="int8")   # still accepted
+
+
+@pytest.mark.parametrize("exchange", ["auto", "gather"])
+def test_sparse_rides_the_gather(exchange):
+    config = DiLoCoConfig(compression="sparse", outer="sparseloco", exchange=exchange, density=0.03, bits=2)
+    assert config.codec() == ChunkedTopK(0.03, 2, 4096)

@@ -31,6 +31,7 @@ from syncplane.bench.syncs import PRESETS_BYTES, compute_split
 from syncplane.cluster import ClusterProfile, load_profile
 from syncplane.cluster.cost import CostModel
 from syncplane.config import ConfigError
+from syncplane.exchanges import normalize
 
 
 def parse_payload(value: str) -> int:
@@ -270,10 +271,12 @@ def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: 
         raise ConfigError(f"--pair-streams: 'auto' or an integer >= 1, got {pair_streams!r}") from None
     if compression not in ("none", "int8"):
         raise ConfigError(f"--compression: allowed values: none, int8; got {compression!r}")
-    if exchange not in ("auto", "owner", "tree"):
-        raise ConfigError(f"--exchange: allowed values: auto, owner, tree; got {exchange!r}")
+    try:
+        exchange = normalize(exchange, "--exchange")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if exchange == "tree" and compression != "none":
-        raise ConfigError(f"--exchange tree carries exact fp32 only; --compression {compression} needs owner (or auto)")
+        raise ConfigError(f"--exchange tree carries exact fp32 only; --compression {compression} needs mesh (or auto)")
     report = run_bench(profile, names, payload_bytes, steps=steps, warmup=warmup, compute_ms=compute_ms,
                        period=period, out_dir=work_dir, shards=shards, compression=compression,
                        pair_streams=streams, exchange=exchange, phase_profile=phase_profile)

@@ -136,10 +136,13 @@ class StreamRunner:
         interfaces: NIC names; stream s is bound to ``interfaces[s % len]``. Default: gloo's
             default device.
         timeout_s: a round that has not completed after this long counts as failed.
+        error_feedback_beta: β of every residual, ``e ← β·e + x`` (1: keep all that was
+            dropped; SparseLoCo decays it, ``ErrorFeedback``).
     """
 
     def __init__(self, exchange: StreamExchange, *, codec: Codec | None = None,
-                 interfaces: Sequence[str] | None = None, timeout_s: float = 600.0) -> None:
+                 interfaces: Sequence[str] | None = None, timeout_s: float = 600.0,
+                 error_feedback_beta: float = 1.0) -> None:
         global _instances
         if not dist.is_initialized():
             raise RuntimeError("StreamRunner needs an initialized default process group")
@@ -154,6 +157,7 @@ class StreamRunner:
         self.exchange = exchange
         self.interfaces = list(interfaces) if interfaces else None
         self.timeout_s = timeout_s
+        self.beta = error_feedback_beta
         self.failures = 0
         self.last_error: str | None = None
         self._id, _instances = _instances, _instances + 1
@@ -292,7 +296,7 @@ class StreamRunner:
         """One residual per slot the exchange declares."""
         if self._feedback is None or self._feedback[0].residual.numel() != numel:
             slots = max(1, self.exchange.feedback_slots)
-            self._feedback = tuple(ErrorFeedback(self.codec, numel) for _ in range(slots))
+            self._feedback = tuple(ErrorFeedback(self.codec, numel, self.beta) for _ in range(slots))
         return self._feedback
 
     def _agree(self, ok: bool) -> bool:

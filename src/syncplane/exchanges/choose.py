@@ -3,9 +3,11 @@
 Names: ``mesh`` (every rank owns 1/n: the owner exchange; carries any codec), ``tree``
 (FlexReduce's plan on the job's tree; exact fp32 only), ``nested`` (the digit exchange by
 host and rack; carries any codec; the ranks must nest evenly), ``cube`` (BCube's two-stage
-exchange; one rank per host of a BCube profile), and ``auto``. An algorithm declares which of
-them it runs (DiLoCo: mesh, tree; Canary: mesh, nested, cube). ``auto`` takes the first that
-can run of cube, tree, nested, then mesh. ``owner``, the old name of the mesh, is accepted
+exchange; one rank per host of a BCube profile), ``gather`` (every rank gathers every rank's
+encoded piece and decodes them all: the only one that carries a sparse payload, whose sums
+would be dense), and ``auto``. An algorithm declares which of them it runs (DiLoCo: mesh,
+tree, gather; Canary: mesh, nested, cube). ``auto`` takes the gather for a sparse payload,
+else the first that can run of cube, tree, nested, then mesh. ``owner``, the old name of the mesh, is accepted
 with a deprecation message.
 """
 
@@ -23,7 +25,7 @@ from syncplane.job import JobContext
 
 log = logging.getLogger(__name__)
 
-NAMES = ("auto", "mesh", "tree", "nested", "cube")
+NAMES = ("auto", "mesh", "tree", "nested", "cube", "gather")
 #: Old spellings -> today's names.
 LEGACY = {"owner": "mesh"}
 #: ``auto``'s order of preference: the most topology-aware pattern that can run.
@@ -107,8 +109,11 @@ class Choice:
     reason: str
 
 
-def _why_not(name: str, shape: JobShape, exact: bool) -> str | None:
+def _why_not(name: str, shape: JobShape, exact: bool, sparse: bool = False) -> str | None:
     """Why ``name`` cannot run on this job with this payload (None: it can)."""
+    if sparse and name != "gather":
+        return (f"{name} sums the pieces on the way, and a sum of sparse (top-k) pieces is dense; "
+                "compression='sparse' needs exchange='gather' (or 'auto', which picks it)")
     if name == "tree" and not exact:
         return "the tree carries exact fp32 only"
     if name == "nested" and (shape.radices is None or len(shape.radices) < 2):
@@ -120,9 +125,10 @@ def _why_not(name: str, shape: JobShape, exact: bool) -> str | None:
 
 
 def choose(requested: str, shape: JobShape, *, allowed: Sequence[str], exact: bool,
-           strict: bool = True, who: str = "exchange") -> Choice:
+           strict: bool = True, who: str = "exchange", sparse: bool = False) -> Choice:
     """The exchange to run. ``allowed``: the algorithm's exchanges (mesh always among them);
-    ``exact``: the payload is exact fp32 (no lossy codec). An explicit name that cannot run
+    ``exact``: the payload is exact fp32 (no lossy codec); ``sparse``: it is a sparse
+    codec's (only the gather carries it, and ``auto`` picks it). An explicit name that cannot run
     raises ``ConfigError`` naming the key; with ``strict=False`` (a bench or a plan over
     several algorithms, where one ``--exchange`` is given to all) a name the algorithm does
     not run resolves as ``auto`` instead."""
@@ -132,12 +138,14 @@ def choose(requested: str, shape: JobShape, *, allowed: Sequence[str], exact: bo
             if strict:
                 raise ConfigError(f"{who}: {name!r} is not one of this algorithm's exchanges "
                                   f"({', '.join(('auto', *allowed))})")
-            fallback = choose("auto", shape, allowed=allowed, exact=exact, who=who)
+            fallback = choose("auto", shape, allowed=allowed, exact=exact, who=who, sparse=sparse)
             return Choice(fallback.name, f"{name} not run by this algorithm; auto: {fallback.reason}")
-        problem = _why_not(name, shape, exact)
+        problem = _why_not(name, shape, exact, sparse)
         if problem is not None:
             raise ConfigError(f"{who}: {problem}")
         return Choice(name, "as configured")
+    if sparse and "gather" in allowed:
+        return Choice("gather", "auto: a sparse payload needs the gather")
     if "cube" in allowed and shape.cube_problem is not None:
         raise ConfigError(shape.cube_problem)     # a BCube the cube exchange was made for, set up wrong
     for candidate in PREFERENCE:

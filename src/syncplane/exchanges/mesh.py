@@ -153,14 +153,19 @@ class MeshExchange:
         return out, sent
 
 
-def cost(world_size: int, payload_bytes: float, streams: int = 1) -> list[Phase]:
-    """The mesh exchange's flows: two phases of n(n−1) concurrent flows of M/n (times
-    ``streams`` flows of 1/streams of it: one per stream, pinned to NICs round-robin); each
-    rank sends 2(n−1)/n·M, like a ring."""
-    if world_size < 2:
-        return []
+def all_pairs(world_size: int, flow_bytes: float, streams: int = 1) -> FlowArray:
+    """n(n−1) concurrent flows of ``flow_bytes``, each rank to every other, as ``streams`` flows
+    of 1/streams of it (one per stream, pinned to NICs round-robin)."""
     src, dst = np.divmod(np.arange(world_size * world_size, dtype=np.int64), world_size)
     pairs = src != dst
-    step = FlowArray(src[pairs], dst[pairs], np.full(int(pairs.sum()), payload_bytes / world_size / streams),
+    return FlowArray(src[pairs], dst[pairs], np.full(int(pairs.sum()), flow_bytes / streams),
                      np.full(int(pairs.sum()), streams, dtype=np.int64), pinned=True)
+
+
+def cost(world_size: int, payload_bytes: float, streams: int = 1) -> list[Phase]:
+    """The mesh exchange's flows: two phases of n(n−1) concurrent flows of M/n (``all_pairs``);
+    each rank sends 2(n−1)/n·M, like a ring."""
+    if world_size < 2:
+        return []
+    step = all_pairs(world_size, payload_bytes / world_size, streams)
     return [step, step]

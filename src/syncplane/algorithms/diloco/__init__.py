@@ -27,9 +27,10 @@ from syncplane.cluster.profile import ClusterProfile
 def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
     """One exchange of Δ over ``streams`` shards, once per round of ``period`` steps: the
-    mesh (every rank sends shard j to its owner j, owners send the mean back) or the tree --
-    ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this cluster (auto:
-    the tree when ranks form hosts or racks)."""
+    mesh (every rank sends shard j to its owner j, owners send the mean back), the tree, or
+    the gather of sparse pieces (``gather``: priced at the sparse codec's defaults, by racks
+    else hosts) -- ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this
+    cluster (auto: the tree when ranks form hosts or racks)."""
     exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern)
     return [exchange] + [[] for _ in range(options.period - 1)]
 

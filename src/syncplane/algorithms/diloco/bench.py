@@ -10,8 +10,9 @@ import torch
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.outer import OuterOptimizer
-from syncplane.algorithms.diloco.exchange import build_exchange
+from syncplane.algorithms.diloco.exchange import EXCHANGES, build_exchange
 from syncplane.comm import CommMeter, PhaseProfile
+from syncplane.exchanges import normalize
 from syncplane.job import JobContext
 
 
@@ -19,15 +20,16 @@ class DiLoCoStep:
     """DiLoCo's sync on the payload (the strategy's own pieces): every ``period`` (= H)
     steps, Δ = θ_g − θ_local on CPU, its mean over ranks on ``options["shards"]`` concurrent
     gloo streams (``options["compression"]``: none | int8; ``options["exchange"]``: auto |
-    mesh | tree, ``syncplane.algorithms.diloco.exchange``), an outer step, θ_local ← θ_g;
-    nothing on the other steps. ``period`` makes the worker report the mean per step over
-    whole rounds."""
+    mesh | tree | gather, ``syncplane.algorithms.diloco.exchange``; a name DiLoCo does not run
+    counts as auto), an outer step, θ_local ← θ_g; nothing on the other steps. ``period``
+    makes the worker report the mean per step over whole rounds."""
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", DiLoCoConfig.sync_every))
+        exchange = normalize(str(options.get("exchange") or "auto"))
         self.allreduce, self.exchange = build_exchange(job, int(options.get("shards", 1)),
                                                        options.get("compression", "none"),
-                                                       exchange=options.get("exchange", "auto"))
+                                                       exchange=exchange if exchange in EXCHANGES else "auto")
         self.outer: OuterOptimizer | None = None
         self.flat = torch.empty(0)
         # ``syncplane bench --profile``: each phase timed (the worker resets it after the warmup)

@@ -10,7 +10,8 @@ from syncplane.algorithms.diloco.exchange import check_exchange
 from syncplane.algorithms.diloco.outer import check_outer
 from syncplane.algorithms.diloco.sparse import check_compression
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
-from syncplane.comm import make_codec
+from syncplane.comm import ChunkedTopK, make_codec
+from syncplane.comm.codecs import Codec
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class DiLoCoConfig:
         shards: S concurrent gloo streams for the exchange (bound to the host's NICs in turn),
             or ``auto``: from the job's cluster profile (``exchange.resolve_shards``).
         compression: ``none`` (exact fp32), ``int8`` (blockwise scale + error feedback) or
-            ``sparse`` (SparseLoCo's chunked top-k, ``sparse.py``: needs a gather exchange).
+            ``sparse`` (SparseLoCo's chunked top-k, ``sparse.py``: needs the ``gather`` exchange,
+            which ``auto`` picks; the floating buffers travel beside it as exact fp32).
         block_size: values per int8 scale.
         density: sparse: fraction of each chunk sent, in (0, 1] (SparseLoCo: 0.01-0.03).
         bits: sparse: bits per sent value, 2, 4 or 8.
@@ -36,10 +38,10 @@ class DiLoCoConfig:
         overlap_steps: τ, inner steps a fragment's exchange runs in the background before
             its result is merged (0 = blocking); below ``sync_every // fragments``, so at
             most one fragment is on the wire at a time.
-        exchange: ``auto`` | ``mesh`` | ``tree``: the pattern of the all-reduce of Δ
-            (``syncplane.algorithms.diloco.exchange``; auto = FlexReduce's tree when the job's
-            ranks form hosts/racks/sites and the payload is fp32, else the mesh; ``owner`` is
-            the mesh's old name).
+        exchange: ``auto`` | ``mesh`` (old name ``owner``) | ``tree`` | ``gather``: the pattern of
+            the all-reduce of Δ (``syncplane.algorithms.diloco.exchange``; auto = the gather for
+            ``sparse``, FlexReduce's tree when the job's ranks form hosts/racks/sites and the
+            payload is fp32, else the mesh).
         topology: the tree for ``tree``/``auto``, as FlexReduce's (``auto``, a cluster profile
             name / YAML path, or a list of ranks per host).
         mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
@@ -61,7 +63,7 @@ class DiLoCoConfig:
     fragments: int = 1
     overlap_steps: int = 0
     mix_alpha: float | None = None
-    exchange: Literal["auto", "mesh", "tree", "owner"] = "auto"
+    exchange: Literal["auto", "mesh", "owner", "tree", "gather"] = "auto"
     topology: str | list[int] = "auto"
 
     def __post_init__(self) -> None:
@@ -85,6 +87,17 @@ class DiLoCoConfig:
             raise ValueError(f"topology: expected auto, a profile name / path, or a list of ranks per host "
                              f"(each >= 1), got {self.topology!r}")
         self.alpha   # validates the streaming options
+
+    def codec(self) -> Codec:
+        """What carries Δ on the wire (``compression`` and its settings)."""
+        if self.compression == "sparse":
+            return ChunkedTopK(self.density, self.bits, self.chunk)
+        return make_codec(self.compression, self.block_size)
+
+    @property
+    def error_feedback(self) -> float:
+        """β of the exchange's residuals: SparseLoCo's decay for ``sparse``, else 1 (int8 keeps all)."""
+        return float(self.error_feedback_beta) if self.compression == "sparse" else 1.0
 
     @property
     def alpha(self) -> float:

@@ -45,12 +45,17 @@ class DiLoCoEngine:
         self.config = config
         self.host = host_mirror(tensors)
         self.outer = FragmentedOuter(self.host.buffer, n_params, config.fragments, config.sync_every,
-                                     config.outer_optimizer, config.outer_kwargs, pin=self.host.on_gpu)
+                                     config.outer_optimizer, config.outer_kwargs, pin=self.host.on_gpu,
+                                     rule=config.outer)
         self.host.check_cuts(list(tensors), [start for start, _ in self.outer.bounds[1:]])
         # build_exchange logs the pattern it chose (and why) on rank 0
         self.shards = resolve_shards(config.shards, job, config.topology, config.exchange, config.compression)
+        # sparse: only the parameters' Δ is top-k'd; the floating buffers (averaged as values) go exact
         self.exchange, self.exchange_name = build_exchange(job, self.shards, config.compression, config.block_size,
-                                                           config.sync_timeout_s, config.exchange, config.topology)
+                                                           config.sync_timeout_s, config.exchange, config.topology,
+                                                           codec=config.codec(),
+                                                           error_feedback_beta=config.error_feedback,
+                                                           exact_from=n_params)
 
     def launch(self, tensors: Sequence[torch.Tensor], fragment: int, due: int, background: bool,
                meter: CommMeter) -> None:
@@ -70,7 +75,7 @@ class DiLoCoEngine:
         return True
 
     def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's error-feedback residuals (int8 only)."""
+        """This rank's error-feedback residuals (int8 and sparse; empty for fp32)."""
         return {"exchange": self.exchange.state_dict()}
 
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -1,13 +1,16 @@
 """Which all-reduce carries DiLoCo's pseudo-gradient, on how many streams.
 
-DiLoCo runs two of the exchange layer's patterns (``syncplane.exchanges``): the ``mesh``
-(every rank owns 1/n: 2(n−1)/n·M per rank, wherever the ranks are; any codec) and the
+DiLoCo runs three of the exchange layer's patterns (``syncplane.exchanges``): the ``mesh``
+(every rank owns 1/n: 2(n−1)/n·M per rank, wherever the ranks are; any codec), the
 ``tree`` (FlexReduce's plan: reduce inside the host/rack, cross the slow link with the rack's
-share, gather back; exact fp32 only), both run by ``syncplane.comm.StreamRunner`` on S
-streams with one deadline and commit/discard. On racks or sites the mesh puts about
-(n/racks)·M across each slow uplink per round, the tree M. ``exchange: auto`` (default)
+share, gather back; exact fp32 only) and the ``gather`` (every rank gets every rank's
+encoded piece and decodes them all, a rack's or host's pieces crossing the slow link as one
+block: the one that carries ``compression: sparse``, whose sums would be dense), all run by
+``syncplane.comm.StreamRunner`` on S streams with one deadline and commit/discard. On racks
+or sites the mesh puts about (n/racks)·M across each slow uplink per round, the tree M. ``exchange: auto`` (default)
 takes the tree when the job's tree has more than one level (hosts, racks or sites: the
-job's cluster profile, else its hosts) and the payload is fp32; otherwise the mesh.
+job's cluster profile, else its hosts) and the payload is fp32, the gather when it is sparse;
+otherwise the mesh.
 
 ``shards: auto``: S from the job's cluster profile (``topology`` when it names one, else the
 job's own): the fewest of 1, 2, 4, 8, 16 streams whose bound in the cost model is within
@@ -23,9 +26,10 @@ from collections.abc import Sequence
 
 from syncplane.cluster.cost import CostModel, Phase
 from syncplane.cluster.profile import ClusterProfile
-from syncplane.comm import StreamRunner, make_codec
-from syncplane.exchanges import JobShape, MeshExchange, TreeExchange, choose, normalize
-from syncplane.exchanges import mesh
+from syncplane.comm import ChunkedTopK, StreamRunner, make_codec
+from syncplane.comm.codecs import Codec
+from syncplane.exchanges import GatherExchange, JobShape, MeshExchange, TreeExchange, choose, normalize
+from syncplane.exchanges import gather, mesh
 from syncplane.exchanges.tree import exchange as tree
 from syncplane.exchanges.tree.tree import job_tree
 from syncplane.job import JobContext
@@ -33,24 +37,37 @@ from syncplane.job import JobContext
 log = logging.getLogger(__name__)
 
 #: The exchanges DiLoCo runs (``syncplane.exchanges.NAMES`` is the vocabulary).
-EXCHANGES = ("mesh", "tree")
+EXCHANGES = ("mesh", "tree", "gather")
 STREAM_CHOICES = (1, 2, 4, 8, 16)   # ``shards: auto`` tries these (each stream is 2 gloo groups)
 
 
 def check_exchange(exchange: str, compression: str) -> None:
-    """Refuse an exchange DiLoCo does not run, or the tree with a lossy codec (clear errors,
-    before any step); the job's shape is checked when the exchange is built."""
+    """Refuse an exchange DiLoCo does not run, the tree with a lossy codec, or a reducing
+    exchange with a sparse one (clear errors, before any step); the job's shape is checked
+    when the exchange is built."""
     name = normalize(exchange, allowed=("auto", *EXCHANGES))
+    if compression == "sparse" and name not in ("auto", "gather"):
+        raise ValueError(f"exchange={exchange!r} cannot carry compression='sparse': it sums the pieces on the "
+                         "way (the mesh on each shard's owner, the tree at every level), and a sum of top-k "
+                         "pieces is dense; set exchange='gather' (or 'auto', which picks it)")
     if name == "tree" and compression != "none":
         raise ValueError(f"exchange='tree' carries exact fp32 only; compression={compression!r} needs "
                          "exchange='mesh' (or 'auto', which picks it)")
 
 
 def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int, exchange: str = "auto",
-                    compression: str = "none") -> list[Phase]:
-    """One all-reduce of Δ on ``streams`` streams, as ``exchange`` resolves on this cluster."""
+                    compression: str = "none", codec: Codec | None = None) -> list[Phase]:
+    """One all-reduce of Δ (``payload_bytes`` of fp32) on ``streams`` streams, as ``exchange``
+    resolves on this cluster. The gather is priced with its pieces' size: ``codec``'s, else
+    the sparse codec's at DiLoCo's default density, bits and chunk (``--exchange gather``)."""
+    if exchange == "gather":
+        compression = "sparse"
     chosen = choose(exchange, JobShape.of_profile(profile), allowed=EXCHANGES, exact=compression == "none",
-                    strict=False)
+                    strict=False, sparse=compression == "sparse")
+    if chosen.name == "gather":
+        sparse = codec if codec is not None else ChunkedTopK()
+        return gather.cost(profile.world_size, sparse.nbytes(int(payload_bytes // 4)), streams,
+                           gather.groups_of(profile))
     if chosen.name == "tree" and profile.world_size > 1:
         return tree.cost(profile, payload_bytes, streams)
     return mesh.cost(profile.world_size, payload_bytes, streams)
@@ -86,20 +103,51 @@ def resolve_shards(shards: int | str, job: JobContext, topology: str | Sequence[
     return streams
 
 
+def gather_groups(job: JobContext, topology: str | Sequence[int] = "auto") -> tuple[tuple[int, ...], ...] | None:
+    """What the gather groups the ranks by (``gather.groups_of``): the racks or hosts of the
+    profile ``topology`` names (``auto``: the job's), else blocks of ranks per host (a list,
+    or the launcher's hosts); None (flat) when that is one group or one rank per group."""
+    if job.world_size < 2:
+        return None
+    profile = job.profile_for(topology)
+    if profile is not None and profile.world_size == job.world_size:
+        groups = gather.groups_of(profile)
+    elif not isinstance(topology, str):
+        firsts = [sum(topology[:i]) for i in range(len(topology))]
+        groups = tuple(tuple(range(f, f + k)) for f, k in zip(firsts, topology))
+    else:
+        groups = tuple(tuple(h) for h in job.hosts())
+    if len(groups) < 2 or all(len(g) == 1 for g in groups):
+        return None
+    return groups
+
+
 def build_exchange(job: JobContext, shards: int, compression: str = "none", block_size: int = 256,
                    timeout_s: float = 600.0, exchange: str = "auto",
-                   topology: str | Sequence[int] = "auto") -> tuple[StreamRunner, str]:
+                   topology: str | Sequence[int] = "auto", *, codec: Codec | None = None,
+                   error_feedback_beta: float = 1.0, exact_from: int | None = None) -> tuple[StreamRunner, str]:
     """DiLoCo's exchange for this job (a collective: it builds the S streams' gloo groups) and
-    the pattern chosen. ``topology`` as FlexReduce's (``auto``, a profile, or ranks per host)."""
+    the pattern chosen. ``topology`` as FlexReduce's (``auto``, a profile, or ranks per host).
+    ``codec``: what travels (default ``make_codec(compression, block_size)``; the sparse codec
+    must be given); ``error_feedback_beta``: its residuals' decay; ``exact_from``: the gather
+    sends the values from this position on as exact fp32 (the floating buffers)."""
     check_exchange(exchange, compression)
-    shape = JobShape.of_job(job, topology) if exchange not in ("mesh", "owner") else JobShape(None)
-    chosen = choose(exchange, shape, allowed=EXCHANGES, exact=compression == "none")
-    if chosen.name == "tree" and job.world_size > 1:
+    if codec is None:
+        codec = make_codec(compression, block_size)
+    shape = JobShape.of_job(job, topology) if exchange not in ("mesh", "owner", "gather") else JobShape(None)
+    chosen = choose(exchange, shape, allowed=EXCHANGES, exact=compression == "none",
+                    sparse=compression == "sparse")
+    if chosen.name == "gather":
+        groups = gather_groups(job, topology)
+        pattern = GatherExchange(shards, exact_from, groups)
+        log.info("diloco: exchange gather (%s), %d stream(s), by %s", chosen.reason, shards,
+                 "rank (flat)" if groups is None else f"groups {[len(g) for g in groups]}")
+    elif chosen.name == "tree" and job.world_size > 1:
         pattern = TreeExchange(job_tree(job, topology), shards, timeout_s=timeout_s)
         log.info("diloco: exchange tree (%s), %d stream(s), tree %s", chosen.reason, shards, pattern.tree.describe())
     else:
         pattern = MeshExchange(shards)
         log.info("diloco: exchange mesh (%s), %d stream(s)", chosen.reason, shards)
-    runner = StreamRunner(pattern, codec=make_codec(compression, block_size), interfaces=job.interfaces,
-                          timeout_s=timeout_s)
+    runner = StreamRunner(pattern, codec=codec, interfaces=job.interfaces, timeout_s=timeout_s,
+                          error_feedback_beta=error_feedback_beta)
     return runner, chosen.name

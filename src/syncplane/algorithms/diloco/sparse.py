@@ -12,7 +12,8 @@ summed by each rank in rank order (``mean_of``), never summed on the way: a sum 
 vectors is denser than each, so a reduce-scatter or a tree would have to re-encode it.
 The transport is injected (``all_gather``: this rank's payload in, every rank's out in rank
 order, or None when the exchange was discarded), so the round is testable without
-processes; a topology-aware gather exchange is not built yet.
+processes. In training the gather is ``syncplane.exchanges.GatherExchange`` run by the
+StreamRunner (``exchange: gather``), which keeps the same accumulator per rank.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from syncplane.algorithms.diloco.exchange import check_exchange
 from syncplane.algorithms.diloco.outer import OUTER_RULES, OuterOptimizer
 from syncplane.comm.codecs import ChunkedTopK, ErrorFeedback, check_sparse_options
 
-#: Exchanges that exist today; none gathers (each sums the pieces on the way).
-REDUCING_EXCHANGES = ("auto", "mesh", "owner", "tree")
+#: Exchanges that sum the pieces on the way (a sparse payload needs ``gather``, which ``auto`` picks).
+REDUCING_EXCHANGES = ("mesh", "owner", "tree")
 
 #: ``all_gather(payload)``: every rank's payload in rank order, or None (discarded round).
 AllGather = Callable[[torch.Tensor], Sequence[torch.Tensor] | None]
@@ -39,17 +41,14 @@ def check_compression(compression: str, density: float, bits: int, chunk: int, b
     if outer == "sparseloco" and compression != "sparse":
         raise ValueError(f"outer='sparseloco' replaces momentum by the sparse codec's error feedback; it needs "
                          f"compression='sparse', got compression={compression!r}")
-    if compression != "sparse":
-        return
+    # checked whatever the compression: a bad value is a typo
     check_sparse_options(density, bits, chunk)
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"error_feedback_beta: must be in [0, 1] (SparseLoCo: 0.95), got {beta!r}")
+    if compression != "sparse":
+        return
     if exchange in REDUCING_EXCHANGES:
-        raise ValueError(
-            f"exchange={exchange!r} cannot carry compression='sparse': it sums the pieces on the way (the mesh "
-            "on each shard's owner, the tree at every level), and a sum of top-k pieces is dense. A sparse "
-            "payload needs an all-gather of the pieces, which no exchange provides yet; use "
-            "compression='int8' or 'none' until then")
+        check_exchange(exchange, compression)     # names the key and the exchange that carries it
 
 
 class SparseFeedback:

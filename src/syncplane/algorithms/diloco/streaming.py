@@ -103,15 +103,15 @@ class FragmentedOuter:
         n_params: how many values of ``flat`` are parameters (the rest are extras).
         fragments: P.
         sync_every: H.
-        optimizer, kwargs, pin: as for ``OuterOptimizer``.
+        optimizer, kwargs, pin, rule: as for ``OuterOptimizer``.
     """
 
     def __init__(self, flat: torch.Tensor, n_params: int, fragments: int, sync_every: int,
-                 optimizer: str, kwargs: Mapping[str, Any] | None, pin: bool) -> None:
+                 optimizer: str, kwargs: Mapping[str, Any] | None, pin: bool, rule: str = "nesterov") -> None:
         self.flat, self.sync_every = flat, sync_every
         self.bounds = fragment_bounds(n_params, flat.numel() - n_params, fragments)
         self.offsets = fragment_offsets(sync_every, fragments)
-        self.outers = [OuterOptimizer(flat[a:min(b, n_params)], optimizer, kwargs, pin=pin)
+        self.outers = [OuterOptimizer(flat[a:min(b, n_params)], optimizer, kwargs, pin=pin, rule=rule)
                        for a, b in self.bounds]
         self.pending: dict[int, Round] = {}
         self._worker: ThreadPoolExecutor | None = None
