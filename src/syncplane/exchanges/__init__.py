@@ -15,11 +15,11 @@ Algorithms share patterns through this layer and never import each other.
 
 from __future__ import annotations
 
-from syncplane.exchanges.choose import NAMES, Choice, JobShape, choose, cube_shape, normalize
+from syncplane.exchanges.choose import NAMES, Choice, JobShape, choose, cube_shape, normalize, offered
 from syncplane.exchanges.digit import CubeExchange, DigitExchange, NestedExchange
 from syncplane.exchanges.gather import GatherExchange
 from syncplane.exchanges.mesh import MeshExchange
 from syncplane.exchanges.tree.exchange import TreeExchange
 
 __all__ = ["NAMES", "Choice", "CubeExchange", "DigitExchange", "GatherExchange", "JobShape", "MeshExchange",
-           "NestedExchange", "TreeExchange", "choose", "cube_shape", "normalize"]
+           "NestedExchange", "TreeExchange", "choose", "cube_shape", "normalize", "offered"]

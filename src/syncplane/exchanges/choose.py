@@ -48,6 +48,13 @@ def normalize(value: str, key: str = "exchange", allowed: Sequence[str] = NAMES)
     return value
 
 
+def offered(value: str | None, allowed: Sequence[str]) -> str:
+    """``value`` in today's vocabulary if the algorithm runs it, else ``auto``: what a bench or
+    a plan does with the one ``--exchange`` it gives every family."""
+    name = normalize(str(value or "auto"))
+    return name if name in allowed else "auto"
+
+
 @dataclass(frozen=True)
 class JobShape:
     """What the chooser needs to know of a job: its tree (levels, how its ranks nest) and

@@ -13,7 +13,7 @@ from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.engine import CanaryEngine
 from syncplane.algorithms.canary.exchange import EXCHANGES, make_transport
 from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, shard_bounds
-from syncplane.exchanges import CubeExchange, NestedExchange, normalize
+from syncplane.exchanges import CubeExchange, NestedExchange, offered
 from syncplane.job import JobContext
 
 log = logging.getLogger(__name__)
@@ -28,9 +28,8 @@ class CanaryStep:
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         shards = int(options.get("shards") or 1)
-        exchange = normalize(str(options.get("exchange") or "auto"))
         self.config = CanaryConfig(compression="sketch", nics=shards if shards > 1 else "auto",
-                                   exchange=exchange if exchange in ("auto", *EXCHANGES) else "auto")
+                                   exchange=offered(options.get("exchange"), EXCHANGES))
         self.transport = make_transport(self.config, job)
         self.engine: CanaryEngine | None = None
 

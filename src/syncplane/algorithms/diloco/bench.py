@@ -12,7 +12,7 @@ from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.exchange import EXCHANGES, build_exchange
 from syncplane.comm import CommMeter, PhaseProfile
-from syncplane.exchanges import normalize
+from syncplane.exchanges import offered
 from syncplane.job import JobContext
 
 
@@ -26,10 +26,9 @@ class DiLoCoStep:
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", DiLoCoConfig.sync_every))
-        exchange = normalize(str(options.get("exchange") or "auto"))
         self.allreduce, self.exchange = build_exchange(job, int(options.get("shards", 1)),
                                                        options.get("compression", "none"),
-                                                       exchange=exchange if exchange in EXCHANGES else "auto")
+                                                       exchange=offered(options.get("exchange"), EXCHANGES))
         self.outer: OuterOptimizer | None = None
         self.flat = torch.empty(0)
         # ``syncplane bench --profile``: each phase timed (the worker resets it after the warmup)
