@@ -168,6 +168,7 @@ class StreamRunner:
         self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
         self._groups = self._build_groups()
         self._feedback: tuple[ErrorFeedback, ...] | None = None
+        self._feedback_numel = -1     # the buffer length the residuals are for
         #: set a ``PhaseProfile`` to have each round's phases timed (``syncplane bench --profile``)
         self.profile: PhaseProfile | None = None
         # operations (and their buffers) of the current round: kept alive until the round
@@ -293,10 +294,14 @@ class StreamRunner:
         self._groups = self._build_groups()
 
     def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ...]:
-        """One residual per slot the exchange declares."""
-        if self._feedback is None or self._feedback[0].residual.numel() != numel:
+        """One residual of ``numel`` values per slot the exchange declares; none for exact fp32,
+        which has nothing to remember (a model-sized buffer per slot would be host memory for
+        nothing)."""
+        if self._feedback is None or self._feedback_numel != numel:
             slots = max(1, self.exchange.feedback_slots)
-            self._feedback = tuple(ErrorFeedback(self.codec, numel, self.beta) for _ in range(slots))
+            size = 0 if isinstance(self.codec, Fp32) else numel
+            self._feedback = tuple(ErrorFeedback(self.codec, size, self.beta) for _ in range(slots))
+            self._feedback_numel = numel
         return self._feedback
 
     def _agree(self, ok: bool) -> bool:
