@@ -218,7 +218,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with say_if_left_up(True):
         main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
                    args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
-                   args.exchange, args.profile)
+                   args.exchange, args.profile, args.density, args.bits)
     return 0
 
 
@@ -329,8 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(timed at setup, as the strategy does by default)")
     bench.add_argument("--exchange", default="auto", choices=EXCHANGE_CHOICES,
                        help=EXCHANGE_HELP)
-    bench.add_argument("--compression", default="none", choices=["none", "int8"],
-                       help="diloco: codec of Δ on the wire")
+    bench.add_argument("--compression", default="none", choices=["none", "int8", "sparse"],
+                       help="diloco: codec of Δ on the wire (sparse: chunked top-k on the gather)")
+    bench.add_argument("--density", type=float, default=0.02,
+                       help="diloco with --compression sparse: fraction of each chunk sent, in (0, 1]")
+    bench.add_argument("--bits", type=int, default=2, help="diloco with --compression sparse: bits per value, 2, 4 or 8")
     bench.add_argument("--profile", action="store_true",
                        help="diloco: time each phase of the exchange (copies, sums, posts, waits per stream "
                             "and level) on every rank; written to the JSON row's 'profile'")
@@ -342,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--recipe", default="digits", help="a recipe config (configs/recipe/NAME.yaml)")
     compare.add_argument("--cluster", help="an emulated cluster (configs/cluster/NAME.yaml); default: this machine")
     compare.add_argument("--strategies", default="ddp,diloco,torchft_diloco",
-                         help="comma-separated strategies and peers (horovod, torchft_diloco)")
+                         help="comma-separated strategies and peers (horovod, torchft_diloco); a variant of a "
+                              "strategy's kwargs is its own row: 'ddp,diloco,diloco[compression=int8]'")
     compare.add_argument("--target-acc", type=float, help="validation accuracy whose time to reach is reported")
     compare.add_argument("--target-loss", type=float,
                          help="validation loss whose time to get down to is reported (e.g. --recipe tiny_lm)")

@@ -115,3 +115,31 @@ def test_periodic_strategies_run_at_their_own_h_unless_period_is_given(tmp_path,
     given = main_bench("two_racks", "ddp,diloco", "1", 5, 0, 0.0, str(out), None, False, period=3)
     assert given["periods"] == {"diloco": 3} and given["period"] == 3 and specs[-1]["steps"] == 6
     assert "period 3 (--period)" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"compression": "sparse", "density": 0.0}, "--density: must be in"),
+    ({"compression": "sparse", "bits": 3}, "--bits"),
+    ({"compression": "sparse", "exchange": "mesh"}, "--compression sparse rides the gather only"),
+    ({"compression": "zip"}, "--compression: allowed values: none, int8, sparse"),
+])
+def test_sparse_bench_options_are_checked_before_anything_launches(tmp_path, args, message):
+    from syncplane.bench.runner import main_bench
+
+    with pytest.raises(ConfigError, match=message):
+        main_bench("two_racks", "ddp,diloco", "1", 1, 0, 0.0, str(tmp_path / "r.json"), None, False, **args)
+
+
+def test_diloco_is_priced_at_its_codec_size():
+    """The gather's price follows the density; int8 on the mesh costs about a quarter of fp32."""
+    profile = load_profile("two_racks")
+    payload = 25 * 2**20
+
+    def predicted(**options):
+        rows = report_rows(profile, ["diloco"], payload, {}, period=10, **options)
+        return rows[0]["predicted_s"]
+
+    fp32, int8 = predicted(exchange="mesh"), predicted(exchange="mesh", compression="int8")
+    dense, sparse = predicted(compression="sparse", density=0.03), predicted(compression="sparse", density=0.01)
+    assert 0.2 < int8 / fp32 < 0.35
+    assert sparse < dense < int8

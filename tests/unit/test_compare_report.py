@@ -11,11 +11,11 @@ from syncplane.bench.compare import build_comparison, compute_comm_ratio, load_r
 
 
 def _run(folder: Path, strategy: str, seed: int, accs: list[float], epoch_s: float, comm_s: float,
-         timing: dict | None = None) -> Path:
+         timing: dict | None = None, label: str | None = None) -> Path:
     folder.mkdir(parents=True)
     history = [{"epoch": i, "step": 10 * (i + 1), "epoch_s": epoch_s, "val_acc": a} for i, a in enumerate(accs)]
     (folder / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
-    summary = {"strategy": strategy, "recipe": "digits", "seed": seed, "world_size": 2, "steps": 10 * len(accs),
+    summary = {"strategy": strategy, **({"label": label} if label else {}), "recipe": "digits", "seed": seed, "world_size": 2, "steps": 10 * len(accs),
                "metrics": {"val_acc": accs[-1], "val_loss": 0.5},
                "throughput": {"samples_per_s": 100.0, "step_s_median": 0.1},
                "comm": {"seconds": comm_s, "bytes_sent_per_rank": 2**20 * len(accs)},
@@ -111,3 +111,13 @@ def test_a_loss_target_is_reached_going_down(tmp_path):
     md = (tmp_path / "out" / "comparison.md").read_text()
     assert "time to val loss 3.2 (s)" in md and "| final val loss |" in md and "| diloco | 0/1 | not reached |" in md
     assert (tmp_path / "out" / "comparison.png").stat().st_size > 1000
+
+
+def test_variants_of_one_strategy_are_rows_of_their_own(tmp_path):
+    runs = [_run(tmp_path / "a", "ddp", 1, [0.5, 0.9], 2.0, 1.0),
+            _run(tmp_path / "b", "diloco", 1, [0.6, 0.9], 1.0, 0.1),
+            _run(tmp_path / "c", "diloco", 1, [0.4, 0.8], 1.0, 0.05, label="diloco[compression=int8]")]
+    report = build_comparison(runs, tmp_path / "out", target_acc=0.85)
+    assert [a["strategy"] for a in report["by_strategy"]] == ["ddp", "diloco", "diloco[compression=int8]"]
+    assert [r["time_to_target_s"] for r in report["runs"]] == [4.0, 2.0, None]
+    assert "| diloco[compression=int8] |" in (tmp_path / "out" / "comparison.md").read_text()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from syncplane.config import ConfigError
-from syncplane.experiments.comparison import CompareSettings
+from syncplane.experiments.comparison import CompareSettings, compose, dir_name, parse_list, parse_variant
 from syncplane.experiments.peers import _diloco_settings, network_spec, unavailable_reason
 
 
@@ -17,6 +17,11 @@ from syncplane.experiments.peers import _diloco_settings, network_spec, unavaila
     ({"target_acc": 0.8, "target_loss": 3.0}, "--target-acc, --target-loss: give one target, not both"),
     ({"seeds": []}, "--seeds: give at least one seed"),
     ({"devices": 0}, "--devices: must be at least 1, got 0"),
+    ({"strategies": ["diloco[compression=int8]", "diloco[compression=int8]"]}, "names a strategy twice"),
+    ({"strategies": ["nope[a=1]"]}, "--strategies: unknown strategy or peer 'nope'"),
+    ({"strategies": ["horovod[a=1]"]}, "a peer takes no [key=value] options"),
+    ({"strategies": ["diloco[compression]"]}, "'compression' is not key=value"),
+    ({"strategies": ["diloco[compression=int8"]}, "expected NAME[key=value,...]"),
 ])
 def test_bad_settings_are_named(changes, message):
     settings = CompareSettings(recipe="digits", strategies=["ddp", "torchft_diloco", "horovod"])
@@ -56,3 +61,21 @@ def test_network_spec_round_trips_and_refuses_unknown_layers():
         network_spec(nn.Sequential(nn.LSTM(4, 4)))
     with pytest.raises(ConfigError, match="nn.Sequential"):
         network_spec(nn.Linear(2, 2))
+
+
+def test_variants_split_by_brackets_and_compose_as_strategy_kwargs():
+    items = parse_list("ddp, diloco[compression=sparse,density=0.01] ,diloco[compression=int8]", "--strategies")
+    assert items == ["ddp", "diloco[compression=sparse,density=0.01]", "diloco[compression=int8]"]
+    assert parse_variant(items[1]) == ("diloco", [("compression", "sparse"), ("density", "0.01")])
+    assert parse_variant("ddp") == ("ddp", [])
+    assert dir_name(items[1]) == "diloco-compression-sparse-density-0.01"
+    for text in ("ddp,diloco[a=1", "ddp]", "diloco[[a=1]]"):
+        with pytest.raises(ConfigError, match="--strategies: unbalanced brackets"):
+            parse_list(text, "--strategies")
+    settings = CompareSettings(recipe="digits", strategies=items, wandb=False)
+    settings.validate()
+    job = compose(settings, items[1], 7, "g")
+    assert job["strategy"]["name"] == "diloco" and job["label"] == items[1] and job["seed"] == 7
+    assert job["strategy"]["kwargs"]["compression"] == "sparse" and job["strategy"]["kwargs"]["density"] == 0.01
+    plain = compose(settings, "ddp", 7, "g")
+    assert plain["label"] is None and plain["strategy"]["name"] == "ddp"

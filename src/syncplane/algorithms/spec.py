@@ -40,6 +40,9 @@ class CostOptions:
     period: int = 4      # steps per round of a periodic algorithm (DiLoCo's H, torch's averager period)
     streams: int = 1     # parallel connections (DiLoCo's shards, DS-Sync's pair streams)
     pattern: str = "auto"   # the exchange of a family that has a choice (``syncplane.exchanges.NAMES``)
+    compression: str = "none"   # DiLoCo's codec of Δ: none | int8 | sparse (at ``density`` and ``bits``)
+    density: float = 0.02
+    bits: int = 2
 
 
 #: (strategy name, cluster, payload bytes, options) -> the phases of every step of one period

@@ -71,6 +71,12 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "summary": summary, "history": history}
 
 
+def run_label(summary: Mapping[str, Any]) -> str:
+    """A run's name in the report: its ``label`` (a variant such as ``diloco[compression=int8]``),
+    else its strategy's name (summaries written before labels existed)."""
+    return str(summary.get("label") or summary["strategy"])
+
+
 def time_to_target(history: Sequence[Mapping[str, Any]], target: float | Target) -> float | None:
     """Training seconds until the first validation reaching ``target`` (a number: a
     ``val_acc`` to reach); None if never."""
@@ -114,7 +120,7 @@ def build_comparison(run_dirs: Sequence[Path], out_dir: Path, *, target_acc: flo
     if not runs and not missing:
         raise ValueError("no runs to compare")
     out_dir.mkdir(parents=True, exist_ok=True)
-    ddp_runs = [r for r in runs if r["summary"]["strategy"] == "ddp"]
+    ddp_runs = [r for r in runs if run_label(r["summary"]) == "ddp"]
     rows = []
     for run in runs:
         s = run["summary"]
@@ -123,7 +129,7 @@ def build_comparison(run_dirs: Sequence[Path], out_dir: Path, *, target_acc: flo
                         ddp_runs[0] if ddp_runs else None)
         steps = max(s["steps"], 1)
         row = {
-            "run_dir": run["run_dir"], "strategy": s["strategy"], "recipe": s["recipe"], "world_size": s["world_size"],
+            "run_dir": run["run_dir"], "strategy": run_label(s), "recipe": s["recipe"], "world_size": s["world_size"],
             "val_acc": s["metrics"]["val_acc"], "val_loss": s["metrics"]["val_loss"],
             "samples_per_s": s["throughput"]["samples_per_s"], "step_s_median": s["throughput"]["step_s_median"],
             "comm_s_per_step": s["comm"]["seconds"] / steps, "bytes_sent_per_step": s["comm"]["bytes_sent_per_rank"] / steps,
@@ -239,7 +245,7 @@ def per_strategy(runs: Sequence[Mapping[str, Any]], value: Callable[[Mapping[str
     rotated labels are unreadable, and the spread is what a reader needs to see."""
     groups: dict[str, list[float | None]] = {}
     for run in runs:
-        groups.setdefault(run["summary"]["strategy"], []).append(value(run))
+        groups.setdefault(run_label(run["summary"]), []).append(value(run))
     return list(groups.items())
 
 
@@ -303,7 +309,7 @@ def chart(runs: list[dict[str, Any]], target: Target | None = None) -> Any:
     curves = axes[1, 1]
     colours: dict[str, str] = {}
     for run in runs:
-        name = run["summary"]["strategy"]
+        name = run_label(run["summary"])
         clock, points = 0.0, []
         for record in run["history"]:
             clock += record.get("epoch_s", 0.0)

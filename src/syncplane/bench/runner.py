@@ -30,6 +30,7 @@ from syncplane.algorithms.ds_sync.pair_streams import check_pair_streams
 from syncplane.bench.syncs import PRESETS_BYTES, compute_split
 from syncplane.cluster import ClusterProfile, load_profile
 from syncplane.cluster.cost import CostModel
+from syncplane.comm.codecs import check_sparse_options
 from syncplane.config import ConfigError
 from syncplane.exchanges import normalize
 
@@ -69,7 +70,7 @@ def _percentile(values: list[float], q: float) -> float:
 def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int, *, steps: int = 5,
               warmup: int = 1, compute_ms: float = 0.0, period: int | None = None, out_dir: Path, shards: int = 1,
               compression: str = "none", pair_streams: int | str = "auto", exchange: str = "auto",
-              phase_profile: bool = False) -> dict[str, Any]:
+              phase_profile: bool = False, density: float = 0.02, bits: int = 2) -> dict[str, Any]:
     """Launch the bench workers on the emulated ``profile`` and assemble the report
     (``phase_profile``: each rank's per-phase times of the syncs that keep them, in the row).
     ``period``: steps per round of every periodic strategy; None = each one's own default
@@ -85,24 +86,27 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         steps = -(-steps // rounds) * rounds          # whole averaging rounds of every periodic strategy
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
                 "compute_ms": compute_ms, "periods": used, "shards": shards, "compression": compression,
-                "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile}
+                "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile,
+                "density": density, "bits": bits}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
         measured = json.loads((out_dir / "results.json").read_text())["results"]
     rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period,
-                       shards=shards, pair_streams=pair_streams, compression=compression, exchange=exchange)
+                       shards=shards, pair_streams=pair_streams, compression=compression, exchange=exchange,
+                       density=density, bits=bits)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
             "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
             "pair_streams": pair_streams,
-            "compression": compression, "exchange": exchange, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "compression": compression, **({"density": density, "bits": bits} if compression == "sparse" else {}),
+            "exchange": exchange, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "results": rows}
 
 
 def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: int, measured: dict[str, Any], *,
                 compute_ms: float = 0.0, period: int | None = None, shards: int = 1,
                 pair_streams: int | str = "auto", compression: str = "none",
-                exchange: str = "auto") -> list[dict[str, Any]]:
+                exchange: str = "auto", density: float = 0.02, bits: int = 2) -> list[dict[str, Any]]:
     """One report row per strategy: the workers' measurements (``measured[name]``: step
     times, bytes, NIC counters) next to the model's prediction and both bounds
     (``period``: the periodic strategies' steps per round; None = each one's own default)."""
@@ -129,7 +133,7 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange}
             times = algorithms.strategy_times(model, name, payload_bytes,
                                               CostOptions(periods.get(name, 1), family.streams(options),
-                                                          family.pattern(options)))
+                                                          family.pattern(options), compression, density, bits))
             window = family.overlap.get(name)
             hidden = compute_split(window, compute_ms / 1000)[1]     # the compute it can hide behind
             row["predicted_s"], row["bound_s"] = max(0.0, times.predicted_s - hidden), max(0.0, times.bound_s - hidden)
@@ -253,7 +257,7 @@ def log_wandb(report: dict[str, Any], save_dir: Path) -> None:
 def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: int, compute_ms: float,
                json_out: str, png: str | None, wandb_log: bool, period: int | None = None, shards: int = 1,
                compression: str = "none", pair_streams: str = "auto", exchange: str = "auto",
-               phase_profile: bool = False) -> dict[str, Any]:
+               phase_profile: bool = False, density: float = 0.02, bits: int = 2) -> dict[str, Any]:
     profile = load_profile(cluster)
     names = parse_strategies(strategies)
     payload_bytes = parse_payload(payload)
@@ -269,17 +273,25 @@ def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: 
         streams = check_pair_streams(pair_streams if pair_streams == "auto" else int(pair_streams))
     except ValueError:
         raise ConfigError(f"--pair-streams: 'auto' or an integer >= 1, got {pair_streams!r}") from None
-    if compression not in ("none", "int8"):
-        raise ConfigError(f"--compression: allowed values: none, int8; got {compression!r}")
+    if compression not in ("none", "int8", "sparse"):
+        raise ConfigError(f"--compression: allowed values: none, int8, sparse; got {compression!r}")
+    try:
+        check_sparse_options(density, bits, 4096)
+    except ValueError as exc:
+        raise ConfigError(f"--{exc}") from None
     try:
         exchange = normalize(exchange, "--exchange")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if exchange == "tree" and compression != "none":
         raise ConfigError(f"--exchange tree carries exact fp32 only; --compression {compression} needs mesh (or auto)")
+    if compression == "sparse" and exchange not in ("auto", "gather"):
+        raise ConfigError(f"--compression sparse rides the gather only (a sum of top-k pieces is dense); "
+                          f"--exchange {exchange} cannot carry it: use gather (or auto)")
     report = run_bench(profile, names, payload_bytes, steps=steps, warmup=warmup, compute_ms=compute_ms,
                        period=period, out_dir=work_dir, shards=shards, compression=compression,
-                       pair_streams=streams, exchange=exchange, phase_profile=phase_profile)
+                       pair_streams=streams, exchange=exchange, phase_profile=phase_profile, density=density,
+                       bits=bits)
     from syncplane.cluster import emulator
 
     report["emulated_cluster"] = emulator.left_up()   # kept up for the next run (None: taken down)

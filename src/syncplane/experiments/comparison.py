@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,10 +54,13 @@ class CompareSettings:
         if not self.strategies:
             raise ConfigError("--strategies: give at least one strategy or peer")
         known = [*registry.names(), *PEERS]
-        for name in self.strategies:
+        for item in self.strategies:
+            name, options = parse_variant(item)
             if name not in known:
                 raise ConfigError(f"--strategies: unknown strategy or peer {name!r}; allowed values: "
                                   f"{', '.join(known)}")
+            if options and name in PEERS:
+                raise ConfigError(f"--strategies: {item!r}: a peer takes no [key=value] options")
         if len(set(self.strategies)) != len(self.strategies):
             raise ConfigError(f"--strategies: {','.join(self.strategies)} names a strategy twice")
         if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:
@@ -92,11 +96,14 @@ def compose_job(overrides: list[str], what: str) -> dict[str, Any]:
 
 
 def compose(settings: CompareSettings, name: str, seed: int, group: str) -> dict[str, Any]:
-    """The job config ``train.py`` would compose for run ``name`` (a peer takes its base
-    strategy's config: torchft's DiLoCo gets our DiLoCo's H and outer optimizer)."""
+    """The job config ``train.py`` would compose for run ``name`` (a strategy, a variant
+    ``NAME[key=value,...]`` of its kwargs, or a peer: a peer takes its base strategy's
+    config, so torchft's DiLoCo gets our DiLoCo's H and outer optimizer)."""
     from syncplane.experiments.peers import BASE_STRATEGY
 
-    overrides = [f"strategy={BASE_STRATEGY.get(name, name)}", f"recipe={settings.recipe}", f"seed={seed}",
+    base, options = parse_variant(name)
+    overrides = [f"strategy={BASE_STRATEGY.get(base, base)}", f"recipe={settings.recipe}", f"seed={seed}",
+                 *([f"label='{name}'"] if options else []), *(f"strategy.kwargs.{key}={value}" for key, value in options),
                  *([f"cluster={settings.cluster}"] if settings.cluster else []),
                  f"logger={'wandb' if settings.wandb else 'csv'}", f"logger.group={group}",
                  *([f"logger.mode={settings.wandb_mode}"] if settings.wandb else []),
@@ -162,7 +169,7 @@ def run_comparison(settings: CompareSettings) -> dict[str, Any]:
             log.warning("[%s] skipped: %s", tag, reason)
             missing.append({"strategy": name, "seed": seed, "status": reason})
             continue
-        run_dir = (out / f"{index:02d}-{name}-s{seed}").resolve()
+        run_dir = (out / f"{index:02d}-{dir_name(name)}-s{seed}").resolve()
         log.info("[%s] starting in %s", tag, run_dir)
         progress = _Progress(tag, started)
         run_start = time.perf_counter()
@@ -230,10 +237,48 @@ def settings_from_args(args: Any) -> CompareSettings:
 
 
 def parse_list(text: str, what: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
+    """Comma-separated items; a comma inside ``[...]`` belongs to its item
+    (``ddp,diloco[compression=sparse,density=0.01]`` is two items)."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            raise ConfigError(f"{what}: unbalanced brackets in {text!r}")
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    if depth:
+        raise ConfigError(f"{what}: unbalanced brackets in {text!r}")
+    items = [x.strip() for x in [*items, current] if x.strip()]
     if not items:
         raise ConfigError(f"{what}: empty list")
     return items
+
+
+def parse_variant(item: str) -> tuple[str, list[tuple[str, str]]]:
+    """``NAME`` or ``NAME[key=value,...]``: a strategy and overrides of its ``strategy.kwargs``
+    (one row of the comparison, labelled by the whole item)."""
+    name, bracket, rest = item.partition("[")
+    if not bracket:
+        return item, []
+    if "'" in item or '"' in item:
+        raise ConfigError(f"--strategies: {item!r}: no quotes inside NAME[key=value,...]")
+    if not rest.endswith("]") or not name:
+        raise ConfigError(f"--strategies: {item!r}: expected NAME[key=value,...]")
+    options = []
+    for pair in (p.strip() for p in rest[:-1].split(",")):
+        key, equals, value = pair.partition("=")
+        if not equals or not key.strip() or not value.strip() or not key.strip().isidentifier():
+            raise ConfigError(f"--strategies: {item!r}: {pair!r} is not key=value (a strategy.kwargs key)")
+        options.append((key.strip(), value.strip()))
+    return name.strip(), options
+
+
+def dir_name(item: str) -> str:
+    """A run folder's name for a comparison row: ``diloco[compression=int8]`` -> ``diloco-compression-int8``."""
+    return "-".join(part for part in re.split(r"[^A-Za-z0-9_.]+", item) if part)
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -91,8 +91,10 @@ class RunReport(Callback):
     The collectives in ``on_fit_end`` run on every rank; only rank 0 writes files.
     """
 
-    def __init__(self, run_dir: str | Path, strategy_name: str, recipe_name: str, seed: int | None = None) -> None:
+    def __init__(self, run_dir: str | Path, strategy_name: str, recipe_name: str, seed: int | None = None,
+                 label: str | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.label = label or strategy_name   # how comparisons name the run (a variant of its strategy)
         self.seed = seed   # recorded so comparisons pair each run with the DDP run of the same seed
         self.strategy_name, self.recipe_name = strategy_name, recipe_name
         self.step_times: list[float] = []
@@ -218,6 +220,7 @@ class RunReport(Callback):
         flops_per_s = None if self.flops_per_sample is None else float(totals[0]) * self.flops_per_sample / seconds
         self.summary = {
             "strategy": self.strategy_name,
+            "label": self.label,
             "recipe": self.recipe_name,
             "seed": self.seed,
             "world_size": world,

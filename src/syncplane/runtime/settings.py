@@ -127,6 +127,7 @@ class JobSpec:
     cluster: Any = None        # a ClusterProfile: run every rank inside its emulated host
     # failures to inject (testing what the job does): ``fault`` is one mapping or a list of them
     faults: list[FaultSettings] = field(default_factory=list)
+    label: str | None = None   # the run's name in comparisons (a variant: ``diloco[compression=int8]``)
 
     @property
     def elastic(self) -> bool:
@@ -145,7 +146,7 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", wor
     from syncplane import recipes as recipes_registry
     from syncplane.strategies import registry as strategy_registry
 
-    allowed_top = {"strategy", "recipe", "trainer", "logger", "seed", "resume", "cluster", "fault"}
+    allowed_top = {"strategy", "recipe", "trainer", "logger", "seed", "resume", "cluster", "fault", "label"}
     unknown = sorted(set(cfg) - allowed_top)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed_top))}")
@@ -221,7 +222,17 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", wor
         resume=resume,
         cluster=cluster,
         faults=faults,
+        label=parse_label(cfg.get("label")),
     )
+
+
+def parse_label(value: Any) -> str | None:
+    """``label``: a short name for the run in comparisons and summaries (None: the strategy's)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or "\n" in value:
+        raise ConfigError(f"label: a one-line name for the run, got {value!r}")
+    return value.strip()
 
 
 def check_fault_ranks(value: Any, faults: list[FaultSettings], world_size: int) -> None:

@@ -100,7 +100,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     rendezvous.join(spec.trainer.accelerator, spec.trainer.rendezvous_timeout_s)
     module, data = recipes.get(spec.recipe_name).build(spec.recipe)
     strategy = registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment(), job=job)
-    report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name, spec.seed)
+    report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name, spec.seed, spec.label)
     checkpoints = LastCheckpoint(Path(spec.run_dir) / "checkpoints")
     trainer_cfg = spec.trainer
     # CPU processes may be spread unevenly over (emulated) hosts: present them to

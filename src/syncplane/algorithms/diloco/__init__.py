@@ -16,7 +16,7 @@ from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import exchange_phases
+from syncplane.algorithms.diloco.exchange import delta_codec, exchange_phases
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
@@ -28,17 +28,20 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
     """One exchange of Δ over ``streams`` shards, once per round of ``period`` steps: the
     mesh (every rank sends shard j to its owner j, owners send the mean back), the tree, or
-    the gather of sparse pieces (``gather``: priced at the sparse codec's defaults, by racks
-    else hosts) -- ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this
+    the gather of sparse pieces (``gather``: at ``options``' density and bits, by racks else
+    hosts; the mesh's shards at their codec's size) -- ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this
     cluster (auto: the tree when ranks form hosts or racks)."""
-    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern)
+    codec = delta_codec(options.compression, density=options.density, bits=options.bits)
+    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, options.compression, codec)
     return [exchange] + [[] for _ in range(options.period - 1)]
 
 
 def _pattern(options: Mapping[str, Any]) -> str:
-    """The bench's exchange: int8 runs the mesh whatever auto would pick."""
-    exchange = str(options.get("exchange", "auto"))
-    return "mesh" if exchange == "auto" and options.get("compression", "none") != "none" else exchange
+    """The bench's exchange: auto is the gather for sparse and the mesh for int8 (the tree is fp32 only)."""
+    exchange, compression = str(options.get("exchange", "auto")), options.get("compression", "none")
+    if exchange != "auto" or compression == "none":
+        return exchange
+    return "gather" if compression == "sparse" else "mesh"
 
 
 def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:

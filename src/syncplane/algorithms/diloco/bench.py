@@ -10,7 +10,7 @@ import torch
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.outer import OuterOptimizer
-from syncplane.algorithms.diloco.exchange import EXCHANGES, build_exchange
+from syncplane.algorithms.diloco.exchange import EXCHANGES, build_exchange, delta_codec
 from syncplane.comm import CommMeter, PhaseProfile
 from syncplane.exchanges import offered
 from syncplane.job import JobContext
@@ -19,16 +19,22 @@ from syncplane.job import JobContext
 class DiLoCoStep:
     """DiLoCo's sync on the payload (the strategy's own pieces): every ``period`` (= H)
     steps, Δ = θ_g − θ_local on CPU, its mean over ranks on ``options["shards"]`` concurrent
-    gloo streams (``options["compression"]``: none | int8; ``options["exchange"]``: auto |
-    mesh | tree | gather, ``syncplane.algorithms.diloco.exchange``; a name DiLoCo does not run
-    counts as auto), an outer step, θ_local ← θ_g; nothing on the other steps. ``period``
+    gloo streams (``options["compression"]``: none | int8 | sparse, at ``options["density"]``
+    and ``["bits"]``; ``options["exchange"]``: auto | mesh | tree | gather,
+    ``syncplane.algorithms.diloco.exchange``; a name DiLoCo does not run counts as auto; the
+    gather always carries the sparse codec), an outer step, θ_local ← θ_g; nothing on the other steps. ``period``
     makes the worker report the mean per step over whole rounds."""
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", DiLoCoConfig.sync_every))
-        self.allreduce, self.exchange = build_exchange(job, int(options.get("shards", 1)),
-                                                       options.get("compression", "none"),
-                                                       exchange=offered(options.get("exchange"), EXCHANGES))
+        exchange = offered(options.get("exchange"), EXCHANGES)
+        # the gather carries the sparse codec (as it is priced); sparse rides only the gather
+        compression = "sparse" if exchange == "gather" else str(options.get("compression", "none"))
+        codec = delta_codec(compression, density=float(options.get("density", DiLoCoConfig.density)),
+                            bits=int(options.get("bits", DiLoCoConfig.bits)))
+        self.allreduce, self.exchange = build_exchange(
+            job, int(options.get("shards", 1)), compression, exchange=exchange, codec=codec,
+            error_feedback_beta=DiLoCoConfig.error_feedback_beta if compression == "sparse" else 1.0)
         self.outer: OuterOptimizer | None = None
         self.flat = torch.empty(0)
         # ``syncplane bench --profile``: each phase timed (the worker resets it after the warmup)

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from syncplane.algorithms.diloco.exchange import check_exchange
+from syncplane.algorithms.diloco.exchange import check_exchange, delta_codec
 from syncplane.algorithms.diloco.outer import check_outer
 from syncplane.algorithms.diloco.sparse import check_compression
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
-from syncplane.comm import ChunkedTopK, make_codec
 from syncplane.comm.codecs import Codec
 
 
@@ -76,8 +75,7 @@ class DiLoCoConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         check_compression(self.compression, self.density, self.bits, self.chunk, self.error_feedback_beta,
                           self.outer, self.exchange)
-        if self.compression != "sparse":
-            make_codec(self.compression, self.block_size)   # validates both
+        self.codec()   # validates the codec's own settings
         check_outer(self.outer_optimizer, self.outer_kwargs, self.outer)
         if self.sync_timeout_s <= 0:
             raise ValueError(f"sync_timeout_s must be positive, got {self.sync_timeout_s}")
@@ -90,9 +88,7 @@ class DiLoCoConfig:
 
     def codec(self) -> Codec:
         """What carries Δ on the wire (``compression`` and its settings)."""
-        if self.compression == "sparse":
-            return ChunkedTopK(self.density, self.bits, self.chunk)
-        return make_codec(self.compression, self.block_size)
+        return delta_codec(self.compression, self.block_size, self.density, self.bits, self.chunk)
 
     @property
     def error_feedback(self) -> float:

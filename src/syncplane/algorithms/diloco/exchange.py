@@ -55,6 +55,15 @@ def check_exchange(exchange: str, compression: str) -> None:
                          "exchange='mesh' (or 'auto', which picks it)")
 
 
+def delta_codec(compression: str = "none", block_size: int = 256, density: float = 0.02, bits: int = 2,
+                chunk: int = 4096) -> Codec:
+    """What carries Δ on the wire: fp32, int8 (``block_size`` values per scale) or the sparse
+    codec (``density``, ``bits``, ``chunk``); the strategy, the bench and the price share it."""
+    if compression == "sparse":
+        return ChunkedTopK(density, bits, chunk)
+    return make_codec(compression, block_size)
+
+
 def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int, exchange: str = "auto",
                     compression: str = "none", codec: Codec | None = None) -> list[Phase]:
     """One all-reduce of Δ (``payload_bytes`` of fp32) on ``streams`` streams, as ``exchange``
@@ -70,6 +79,9 @@ def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int,
                            gather.groups_of(profile))
     if chosen.name == "tree" and profile.world_size > 1:
         return tree.cost(profile, payload_bytes, streams)
+    if codec is not None:   # the mesh carries coded shards both ways (int8: about a quarter)
+        numel = max(int(payload_bytes // 4), 1)
+        payload_bytes = payload_bytes * codec.nbytes(numel) / (4 * numel)
     return mesh.cost(profile.world_size, payload_bytes, streams)
 
 
