@@ -98,6 +98,9 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.consensus_every = consensus_every
         self.comm_meter = CommMeter()
+        #: what showing validation the consensus model costs (an evaluation choice, not the
+        #: algorithm's sync: DDP's identical replicas need none); ``summary.json`` reports it apart
+        self.evaluation_meter = CommMeter()
         self._metered = (0.0, 0)   # comm meter totals at the last logged step
         self._stashed_replica: list[torch.Tensor] | None = None
         #: (step, this rank's replica, the consensus shown) of the last validation, until the
@@ -298,7 +301,11 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         super().on_validation_start()
         self.finish_pending_sync()
         if self._shows_another_model():
-            self._show_evaluation_model()
+            meter, self.comm_meter = self.comm_meter, self.evaluation_meter
+            try:
+                self._show_evaluation_model()
+            finally:
+                self.comm_meter = meter
 
     @override
     def on_validation_end(self) -> None:

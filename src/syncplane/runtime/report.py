@@ -3,7 +3,8 @@
 ``summary.json`` (``docs/architecture.md``, "Outputs") is the contract benchmarks and comparisons read:
 ``{"strategy", "recipe", "world_size", "steps", "metrics": {"val_acc", "val_loss"},
 "throughput": {"samples_per_s", "step_s_median"}, "comm": {"seconds",
-"bytes_sent_per_rank"}, "consensus_distance"}``. Throughput counts the samples of
+"bytes_sent_per_rank", "evaluation_bytes_per_rank"}, "consensus_distance"}``: the sync's
+bytes, and apart from them what showing validation the replicas' average cost. Throughput counts the samples of
 *every* rank (all-reduced), not rank 0's times the world size; step time is the
 median over steps of the slowest rank's step.
 
@@ -193,8 +194,11 @@ class RunReport(Callback):
         world = trainer.world_size
         distributed = dist.is_available() and dist.is_initialized() and world > 1
         assert self.meter is not None
+        evaluation = getattr(trainer.strategy, "evaluation_meter", None)
         totals = torch.tensor([float(self.samples), self.meter.seconds, float(self.meter.bytes_sent),
-                               float(self.tokens)], dtype=torch.float64)
+                               float(self.tokens),
+                               float(evaluation.bytes_sent) if isinstance(evaluation, CommMeter) else 0.0],
+                              dtype=torch.float64)
         saves = self._checkpoint_saves(trainer)
         # the slowest rank's: training wall time, setup, before training, checkpoint saves,
         # training clock before the first epoch
@@ -233,7 +237,9 @@ class RunReport(Callback):
                 "model_flops_per_s": flops_per_s,
                 "mfu": _mfu(trainer, flops_per_s),
             },
-            "comm": {"seconds": float(totals[1] / world), "bytes_sent_per_rank": float(totals[2] / world)},
+            # the sync's bytes; the consensus model shown to validation is counted apart
+            "comm": {"seconds": float(totals[1] / world), "bytes_sent_per_rank": float(totals[2] / world),
+                     "evaluation_bytes_per_rank": float(totals[4] / world)},
             "consensus_distance": distance,
             "train_seconds": train_seconds,
             "timing": {
