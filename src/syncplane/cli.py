@@ -211,31 +211,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from syncplane.bench.runner import main_bench
-    from syncplane.cluster.emulator import say_if_left_up
-
-    if args.matrix:
-        return cmd_bench_matrix(args)
-    for key, value in (("--cluster", args.cluster), ("--json", args.json)):
-        if value is None:
-            raise ConfigError(f"bench: {key} is required (or run every profile with --matrix)")
-    if args.clusters or args.out:
-        raise ConfigError("bench: --clusters and --out belong to --matrix (one cluster: --cluster, --json)")
-    with say_if_left_up(True):
-        main_bench(args.cluster, args.strategies or "ddp", args.payload_mb, args.steps, args.warmup, args.compute_ms,
-                   args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
-                   args.exchange, args.profile)
-    return 0
-
-
-def cmd_bench_matrix(args: argparse.Namespace) -> int:
-    """``bench --matrix``: validate every cell's inputs, then run the matrix (resumable)."""
-    from syncplane.bench.matrix import MatrixSettings, run_matrix
+def check_bench_args(args: argparse.Namespace) -> Any:
+    """Validate ``bench``'s arguments before anything launches (the docs test calls this
+    too): for ``--matrix`` every cell's inputs, returning its ``MatrixSettings``; else None."""
+    from syncplane.bench.matrix import MatrixSettings
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile, shipped_profiles
-    from syncplane.cluster.emulator import require_support, say_if_left_up
 
+    if not args.matrix:
+        for key, value in (("--cluster", args.cluster), ("--json", args.json)):
+            if value is None:
+                raise ConfigError(f"bench: {key} is required (or run every profile with --matrix)")
+        if args.clusters or args.out:
+            raise ConfigError("bench: --clusters and --out belong to --matrix (one cluster: --cluster, --json)")
+        return None
     if args.cluster and args.clusters:
         raise ConfigError("bench --matrix: give --clusters (a list) or --cluster (one), not both")
     if args.json or args.png:
@@ -250,10 +239,30 @@ def cmd_bench_matrix(args: argparse.Namespace) -> int:
         raise ConfigError("bench --matrix: --clusters is empty")
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
-    settings = MatrixSettings(profiles=[load_profile(n) for n in names],
-                              strategies=parse_strategies(args.strategies or "all"),
-                              payload_bytes=parse_payload(args.payload_mb), out_dir=Path(args.out or "bench-matrix"),
-                              steps=args.steps, warmup=args.warmup, compute_ms=args.compute_ms)
+    return MatrixSettings(profiles=[load_profile(n) for n in names], strategies=parse_strategies(args.strategies or "all"),
+                          payload_bytes=parse_payload(args.payload_mb), out_dir=Path(args.out or "bench-matrix"),
+                          steps=args.steps, warmup=args.warmup, compute_ms=args.compute_ms)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from syncplane.bench.runner import main_bench
+    from syncplane.cluster.emulator import say_if_left_up
+
+    matrix = check_bench_args(args)
+    if matrix is not None:
+        return run_bench_matrix(matrix)
+    with say_if_left_up(True):
+        main_bench(args.cluster, args.strategies or "ddp", args.payload_mb, args.steps, args.warmup, args.compute_ms,
+                   args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
+                   args.exchange, args.profile)
+    return 0
+
+
+def run_bench_matrix(settings: Any) -> int:
+    """``bench --matrix``: run every pending cell; exit 1 when a cell failed (a rerun retries it)."""
+    from syncplane.bench.matrix import run_matrix
+    from syncplane.cluster.emulator import require_support, say_if_left_up
+
     require_support()
     with say_if_left_up(True):
         reports = run_matrix(settings)
