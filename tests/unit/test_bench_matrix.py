@@ -173,3 +173,29 @@ def test_progress_counts_each_cell_once():
         echo.write("bench: ddp median 0.1 s/step\nother line\nbench: ddp med")
         echo.write("ian 0.1 s/step\nbench: atc median 0.2 s/step\n")
         assert progress.tasks[0].completed == 2 and echo.cells == set()
+
+
+def load_script(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scoreboard_script_puts_one_section_at_the_top_of_the_docs_and_replaces_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", FakeBench(fail={"awc"}))
+    run_matrix(settings(tmp_path, ["atc", "awc"]))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\nIntro.\n\n## Training\n\nOld notes.\n")
+    scoreboard = load_script("scoreboard")
+    assert scoreboard.main([str(tmp_path), "--docs", str(docs), "--no-png"]) == 0
+    once = docs.read_text()
+    assert once.index("## Scoreboard") < once.index("## Training") and once.startswith("# Benchmarks\n\nIntro.")
+    assert "### `fake_racks` (3 ranks, 1.0 MB)" in once and "failed: rank 1 failed" in once
+    assert "cells miss one" in once
+    assert scoreboard.main([str(tmp_path), "--docs", str(docs), "--no-png"]) == 0
+    assert docs.read_text() == once                                 # replaced in place, not added twice
+    assert (tmp_path / "scoreboard.md").exists()
