@@ -8,8 +8,8 @@ rich table and a PNG chart. ``bound_s`` is the strategy's own pattern's bandwidt
 communicating step (``syncplane.cluster.bound``; ``network_binding`` names the cut that
 sets it), so ``network_bound_ratio`` is how near the wire's limit a strategy runs. Extra
 fields per row: ``status`` ("ok" or "not implemented"), ``predicted_s`` (the cost
-model with its per-phase latency and the emulator's measured TCP sharing of the rack
-uplinks, ``EMULATED_UPLINK_TCP``), ``nic_bytes_per_rank`` (from the namespaces'
+model with its per-phase latency and the emulator's measured TCP sharing of its shaped
+links, ``EMULATED_TCP``), ``nic_bytes_per_rank`` (from the namespaces'
 interface counters: the cross-check of ``bytes_sent_per_rank``), ``step_s`` (all steps),
 ``overlap`` (with ``compute_ms``: the part of the step the sync ran behind; its sync,
 bound and prediction are then the exposed part, bound − hidden compute, at least 0),
@@ -33,7 +33,7 @@ from syncplane.algorithms import CostOptions
 from syncplane.algorithms.ds_sync.pair_streams import check_pair_streams
 from syncplane.bench.syncs import PRESETS_BYTES, compute_split
 from syncplane.cluster import ClusterProfile, load_profile
-from syncplane.cluster.cost import EMULATED_UPLINK_TCP, CostModel
+from syncplane.cluster.cost import EMULATED_TCP, CostModel
 from syncplane.cluster.emulator import switch_namespace, uplink_drops
 from syncplane.config import ConfigError
 from syncplane.exchanges import normalize
@@ -116,7 +116,7 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
     times, bytes, NIC counters) next to the model's prediction and both bounds
     (``period``: the periodic strategies' steps per round; None = each one's own default)."""
     periods = algorithms.periods(strategies, period)
-    model = CostModel(profile, uplink_tcp=EMULATED_UPLINK_TCP)     # measured where it runs: on the emulator
+    model = CostModel(profile, tcp=EMULATED_TCP)     # measured where it runs: on the emulator
     background_senders = {profile.host(f.src).index for f in profile.background}
     rows = []
     for name in strategies:
