@@ -116,8 +116,8 @@ class LinkTcp:
     shaper's queue drops), and each further concurrent flow on the link costs
     ``per_flow_loss`` more (they overflow its queue together: drops and retransmits). With
     ``one_nic_unpinned``, the flows of a host that are not streams pinned to NICs share one
-    of its NICs: gloo picks a collective's or a send's device by the op's sequence number,
-    the same on every rank, so two ranks of a host sending at once use the same NIC.
+    of its NICs (measured: on ``multi_nic`` eth0 carried 86 % of two ranks' sends; our
+    reading is that gloo picks an op's device in turn, in the same order on every rank).
     ``IDEAL`` is the plain formula, what the bounds and ``CostModel``'s default use;
     ``EMULATED_TCP`` is measured."""
 
