@@ -16,7 +16,7 @@ from syncplane.cli import main as cli_main
 from syncplane.cluster import parse_profile
 from syncplane.cluster.emulator import parse_root_drops, uplink_drops
 from syncplane.config import ConfigError
-from syncplane.runtime.launcher import LaunchError
+from syncplane.runtime.launcher import JobStopped, LaunchError
 
 TC_STATS = """\
 qdisc noqueue 0: dev lo root refcnt 2
@@ -55,10 +55,12 @@ def measured(names: list[str], seconds: dict[str, float]) -> dict:
 
 class FakeBench:
     """``run_bench`` with a scripted worker: each call finishes its strategies in order and
-    stops at the first one named in ``fail`` (a LaunchError, or ``interrupt``: Ctrl-C)."""
+    stops at the first one named in ``fail`` (a LaunchError) or ``interrupt`` (raising
+    ``stop``: Ctrl-C, or the launcher's JobStopped on SIGTERM)."""
 
-    def __init__(self, fail: set[str] = frozenset(), interrupt: str | None = None) -> None:
-        self.fail, self.interrupt, self.calls = set(fail), interrupt, []
+    def __init__(self, fail: set[str] = frozenset(), interrupt: str | None = None,
+                 stop: BaseException = KeyboardInterrupt()) -> None:
+        self.fail, self.interrupt, self.stop, self.calls = set(fail), interrupt, stop, []
 
     def __call__(self, profile, order, payload_bytes, *, out_dir: Path, echo_to, **kwargs):
         self.calls.append(list(order))
@@ -68,7 +70,7 @@ class FakeBench:
         done = []
         for name in order:
             if name == self.interrupt:
-                raise KeyboardInterrupt
+                raise self.stop
             if name in self.fail:
                 raise LaunchError(f"rank 1 failed (exit code 1) while running {name}")
             done.append(name)
@@ -121,9 +123,10 @@ def test_a_failed_strategy_gets_a_row_and_the_rest_of_the_profile_still_runs(tmp
     assert all(r["status"] == "ok" for r in report["results"])
 
 
-def test_an_interrupted_matrix_keeps_what_finished_and_resumes_the_rest(tmp_path, monkeypatch):
-    monkeypatch.setattr(matrix, "run_bench", FakeBench(interrupt="awc"))
-    with pytest.raises(KeyboardInterrupt):
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), JobStopped("stopped by SIGTERM; the ranks were ended")])
+def test_an_interrupted_matrix_keeps_what_finished_and_resumes_the_rest(stop, tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", FakeBench(interrupt="awc", stop=stop))
+    with pytest.raises(type(stop)):
         run_matrix(settings(tmp_path, ["atc", "awc", "canary"]))
     kept = json.loads((tmp_path / "fake_racks.json").read_text())
     assert [r["strategy"] for r in kept["results"]] == ["ddp", "atc"]

@@ -9,7 +9,8 @@ Resumable: a cell (profile × strategy) whose row is already in ``OUT/<profile>.
 status ``ok`` is skipped; the rest of that profile runs again, with ``ddp`` beside. The
 worker writes its results after each strategy, so an interrupted or failed run keeps the
 strategies it finished; a strategy whose run fails gets a ``failed: ...`` row (retried on
-the next invocation) and the profile goes on with the strategies after it.
+the next invocation) and the profile goes on with the strategies after it. Ctrl-C, SIGTERM
+or SIGHUP stop the matrix after writing what finished.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from syncplane.bench.runner import plot, report_rows, run_bench
 from syncplane.cluster import ClusterProfile
 from syncplane.cluster.emulator import EmulationError
 from syncplane.config import ConfigError
+from syncplane.runtime.launcher import JobStopped
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +174,7 @@ def run_profile(profile: ClusterProfile, settings: MatrixSettings, progress: Any
             finished = stamp_run(_partial_rows(profile, order, settings, run_dir))
             rows = merge_rows({"results": rows}, finished, order)
             done = {r["strategy"] for r in finished}
-            if isinstance(exc, KeyboardInterrupt):
+            if isinstance(exc, (KeyboardInterrupt, JobStopped)):     # told to stop: keep what finished, stop
                 _write_profile(path, profile, settings, existing, report, rows)
                 raise
             failed = next((s for s in order if s not in done), None)
