@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := build/.installed
 
-.PHONY: setup run test lint bench-kernels clean
+.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables compare-pngs clean
 
 # Install the package (editable) with its extras, then compile the C++ kernels once.
 # Re-runs only when pyproject.toml changes; `make setup -B` forces it.
@@ -31,6 +31,31 @@ lint: setup
 
 bench-kernels: setup
 	$(PYTHON) scripts/bench_kernels.py
+
+# The scoreboard (docs/benchmarks.md, top): every strategy on every shipped profile at the
+# ResNet-50 payload, each profile one emulated run with ddp beside (root; hours on 2 cores).
+# Resumable: run it again after an interruption and only the missing cells run.
+# SCOREBOARD_ARGS narrows it, e.g. SCOREBOARD_ARGS="--clusters two_racks --strategies ddp,atc".
+SCOREBOARD_DIR ?= docs/scoreboard
+SCOREBOARD_PAYLOAD ?= resnet50
+scoreboard: setup
+	$(PYTHON) -m syncplane bench --matrix --payload-mb $(SCOREBOARD_PAYLOAD) --out $(SCOREBOARD_DIR) $(SCOREBOARD_ARGS)
+	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
+
+# The tables and charts again from the matrix's JSON, without running anything.
+scoreboard-tables:
+	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
+
+# The published training comparisons (docs/compare/*/comparison.{json,md,png}) again, with the
+# command docs/benchmarks.md gives: one compare per seed, then merged (training; hours).
+COMPARE_STRATEGIES ?= ddp,torchft_diloco,diloco,atc,h_atc,ds_sync,flexreduce,canary,horovod
+compare-pngs: setup
+	for cluster in two_racks wan_two_sites; do for seed in 1 2 3; do \
+		$(PYTHON) -m syncplane compare --cluster $$cluster --recipe fashion_mnist_wide \
+			--strategies $(COMPARE_STRATEGIES) --target-acc 0.8 --seeds $$seed \
+			--out outputs/compare/$$cluster-s$$seed trainer.max_epochs=3 || exit 1; done; \
+		$(PYTHON) scripts/compare.py outputs/compare/$$cluster-s1 outputs/compare/$$cluster-s2 \
+			outputs/compare/$$cluster-s3 --out docs/compare/$$cluster --target-acc 0.8 || exit 1; done
 
 clean:
 	rm -rf build outputs multirun .pytest_cache

@@ -211,15 +211,70 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_bench_args(args: argparse.Namespace) -> Any:
+    """Validate ``bench``'s arguments before anything launches (the docs test calls this
+    too): for ``--matrix`` every cell's inputs, returning its ``MatrixSettings``; else None."""
+    from syncplane.bench.matrix import MatrixSettings
+    from syncplane.bench.runner import parse_payload, parse_strategies
+    from syncplane.cluster import load_profile, shipped_profiles
+
+    if not args.matrix:
+        for key, value in (("--cluster", args.cluster), ("--json", args.json)):
+            if value is None:
+                raise ConfigError(f"bench: {key} is required (or run every profile with --matrix)")
+        if args.clusters or args.out:
+            raise ConfigError("bench: --clusters and --out belong to --matrix (one cluster: --cluster, --json)")
+        return None
+    if args.cluster and args.clusters:
+        raise ConfigError("bench --matrix: give --clusters (a list) or --cluster (one), not both")
+    if args.json or args.png:
+        raise ConfigError("bench --matrix: writes OUT/<profile>.{json,md,png}; give --out DIR instead of --json/--png")
+    unsupported = [key for key, value in (("--period", args.period), ("--profile", args.profile or None),
+                                          ("--wandb", args.wandb or None)) if value is not None]
+    if unsupported or (args.shards, args.compression, args.pair_streams, args.exchange, args.density,
+                       args.bits) != (1, "none", "auto", "auto", 0.02, 2):
+        raise ConfigError(f"bench --matrix runs each strategy as train.py does (its defaults); not with "
+                          f"{', '.join(unsupported) or '--shards/--compression/--density/--bits/--pair-streams/--exchange'}")
+    names = [c.strip() for c in (args.clusters or args.cluster or ",".join(shipped_profiles())).split(",") if c.strip()]
+    if not names:
+        raise ConfigError("bench --matrix: --clusters is empty")
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
+    return MatrixSettings(profiles=[load_profile(n) for n in names], strategies=parse_strategies(args.strategies or "all"),
+                          payload_bytes=parse_payload(args.payload_mb), out_dir=Path(args.out or "bench-matrix"),
+                          steps=args.steps, warmup=args.warmup, compute_ms=args.compute_ms)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import main_bench
     from syncplane.cluster.emulator import say_if_left_up
 
+    matrix = check_bench_args(args)
+    if matrix is not None:
+        return run_bench_matrix(matrix)
     with say_if_left_up(True):
-        main_bench(args.cluster, args.strategies, args.payload_mb, args.steps, args.warmup, args.compute_ms,
+        main_bench(args.cluster, args.strategies or "ddp", args.payload_mb, args.steps, args.warmup, args.compute_ms,
                    args.json, args.png, args.wandb, args.period, args.shards, args.compression, args.pair_streams,
                    args.exchange, args.profile, args.density, args.bits)
     return 0
+
+
+def run_bench_matrix(settings: Any) -> int:
+    """``bench --matrix``: run every pending cell; exit 1 when a cell failed (a rerun retries it)."""
+    from syncplane.bench.matrix import run_matrix
+    from syncplane.cluster.emulator import require_support, say_if_left_up
+
+    require_support()
+    with say_if_left_up(True):
+        reports = run_matrix(settings)
+    failed = [f"{name}/{row['strategy']}" for name, report in reports.items() for row in report["results"]
+              if row.get("status", "ok").startswith("failed")]
+    for name in reports:
+        print(f"bench matrix: {name}: {settings.out_dir / name}.{{json,md,png}}")
+    if failed:
+        print(f"bench matrix: {len(failed)} cells failed ({', '.join(failed)}); rerun the same command to retry "
+              "them (the rest is kept)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -310,13 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.set_defaults(func=cmd_emulate)
 
     bench = sub.add_parser("bench", help="time every strategy's sync on an emulated cluster, side by side")
-    bench.add_argument("--cluster", required=True, help="shipped profile name or YAML path")
-    bench.add_argument("--strategies", default="ddp", help="comma-separated strategy names")
+    bench.add_argument("--cluster", help="shipped profile name or YAML path (required without --matrix)")
+    bench.add_argument("--strategies", default=None,
+                       help="comma-separated strategy names, or all (default: ddp; with --matrix: all)")
     bench.add_argument("--payload-mb", default="resnet50", help="MB, or a preset: resnet50, bert_large")
     bench.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (a timed wait)")
     bench.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
     bench.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    bench.add_argument("--json", required=True, help="where to write the report")
+    bench.add_argument("--json", help="where to write the report (required without --matrix)")
     bench.add_argument("--png", help="chart path (default: next to --json)")
     bench.add_argument("--period", type=int, default=None,
                        help="steps per round of the periodic algorithms: DiLoCo's H (sync_every) and the "
@@ -338,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="diloco: time each phase of the exchange (copies, sums, posts, waits per stream "
                             "and level) on every rank; written to the JSON row's 'profile'")
     bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")
+    bench.add_argument("--matrix", action="store_true",
+                       help="every strategy (--strategies, default all) on every profile (--clusters, default "
+                            "every shipped one), each profile in one run with ddp beside; writes "
+                            "OUT/<profile>.{json,md,png} and resumes: cells already in OUT are skipped")
+    bench.add_argument("--clusters", help="--matrix: comma-separated profile names or YAML paths")
+    bench.add_argument("--out", help="--matrix: the folder of the per-profile reports (default bench-matrix)")
     bench.set_defaults(func=cmd_bench)
 
     compare = sub.add_parser("compare", help="train one recipe with several strategies and peers (horovod, "

@@ -94,7 +94,7 @@ def test_periodic_strategies_run_at_their_own_h_unless_period_is_given(tmp_path,
     h = DiLoCoConfig.sync_every
     specs = []
 
-    def fake_launch(command, profile, log_dir):   # the workers' results, without the emulator
+    def fake_launch(command, profile, log_dir, **kwargs):   # the workers' results, without the emulator
         spec = json.loads(open(command[-1]).read())
         specs.append(spec)
         hosts = len(profile.hosts)

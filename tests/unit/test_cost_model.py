@@ -84,3 +84,31 @@ def test_hierarchical_atc_on_two_racks_sends_one_payload_per_rack_over_the_uplin
     in_rack = (2 * (3 / 4) + 1 / 4) * M / nic   # reduce-scatter + all-gather + own shard, per NIC
     assert in_rack < M / uplink                  # pipelined: the uplink is the bottleneck
     assert bound == pytest.approx(M / uplink, rel=1e-6)
+
+
+@pytest.mark.parametrize("shift, flows", [(1, 1), (2, 2), (4, 4)])
+def test_flows_sharing_an_uplink_get_the_measured_share_of_it_and_the_bound_stays_ideal(shift, flows):
+    """Rank r sends M to r + shift on two_racks: ``flows`` flows cross each uplink direction
+    (the uplink binds). The emulator's TCP (measured: 0.78, 1.70, 3.70 s at 8 MB) gets
+    0.86 / (1 + 0.06 (k - 1)) of the rate; the bound and the default model keep the formula."""
+    from syncplane.cluster.cost import EMULATED_TCP, LinkTcp
+
+    profile = load_profile("two_racks")
+    phases = neighbor_exchange({r: [(r + shift) % 8] for r in range(8)}, M)
+    ideal = flows * M / (100 * MBIT)
+    tcp = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP)
+    assert tcp.time(phases) == pytest.approx(ideal * (1 + 0.06 * (flows - 1)) / 0.86)
+    assert tcp.bound(phases) == pytest.approx(ideal) == CostModel(profile, alpha_s=0.0).time(phases)
+    assert LinkTcp().factor(flows) == 1.0
+
+
+def test_unpinned_flows_of_a_host_share_one_nic_in_the_prediction_and_both_in_the_bound():
+    """multi_nic: both ranks of n0 send M to n1 at once. gloo puts both on one NIC (measured:
+    eth0 carried 86 % of the bytes), so the prediction prices one NIC shared by two flows;
+    the bound keeps the two NICs the pattern could use."""
+    from syncplane.cluster.cost import EMULATED_TCP
+
+    phase = [(0, 2, M), (1, 3, M)]
+    model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP)
+    assert model.bound([phase]) == pytest.approx(M / (100 * MBIT))
+    assert model.time([phase]) == pytest.approx(2 * M / (100 * MBIT) * 1.06 / 0.86)

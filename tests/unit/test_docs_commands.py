@@ -132,9 +132,14 @@ def check_syncplane(argv: list[str]) -> None:
         from syncplane.experiments.chaos import prepare
 
         prepare(args.overrides, args.fault, Path(args.out or "outputs/chaos/check"))
+    elif args.command == "bench":   # its required keys (--json, or --matrix) and every cell, as the command does
+        from syncplane.cli import check_bench_args
+
+        check_bench_args(args)
+        parse_strategies(args.strategies or "ddp")
     elif getattr(args, "strategies", None):
         parse_strategies(args.strategies)
-    if getattr(args, "profile", None):
+    if getattr(args, "profile", None) and args.command != "bench":     # bench's --profile is a switch
         load_profile(args.profile)
 
 

@@ -51,7 +51,7 @@ def test_nothing_is_said_when_nothing_is_up_or_no_cluster_was_used(monkeypatch, 
 def test_bench_says_so_last_and_in_its_report(tmp_path, monkeypatch, capsys, cluster_up):
     from syncplane.runtime import launcher
 
-    def fake_launch(command: list[str], profile: Any, log_dir: Path) -> None:
+    def fake_launch(command: list[str], profile: Any, log_dir: Path, **kwargs: Any) -> None:
         spec = json.loads(Path(command[-1]).read_text())
         results = {n: {"step_s": [1.0], "comm_bytes": [1.0] * 8, "nic_tx_bytes": [1.0] * 8}
                    for n in spec["strategies"]}

@@ -8,10 +8,14 @@ rich table and a PNG chart. ``bound_s`` is the strategy's own pattern's bandwidt
 communicating step (``syncplane.cluster.bound``; ``network_binding`` names the cut that
 sets it), so ``network_bound_ratio`` is how near the wire's limit a strategy runs. Extra
 fields per row: ``status`` ("ok" or "not implemented"), ``predicted_s`` (the cost
-model with its per-phase latency), ``nic_bytes_per_rank`` (from the namespaces'
+model with its per-phase latency and the emulator's measured TCP sharing of its shaped
+links, ``EMULATED_TCP``), ``nic_bytes_per_rank`` (from the namespaces'
 interface counters: the cross-check of ``bytes_sent_per_rank``), ``step_s`` (all steps),
 ``overlap`` (with ``compute_ms``: the part of the step the sync ran behind; its sync,
-bound and prediction are then the exposed part, bound − hidden compute, at least 0).
+bound and prediction are then the exposed part, bound − hidden compute, at least 0),
+``model_error`` (predicted over measured, minus 1: negative when the model is optimistic),
+``switch_drops`` (packets each shaped switch port dropped per step, from ``tc -s``) and
+``uplink_drops`` (their rack uplinks' sum; None without uplinks).
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from syncplane import algorithms
 from syncplane.algorithms import CostOptions
 from syncplane.algorithms.ds_sync.pair_streams import check_pair_streams
 from syncplane.bench.syncs import PRESETS_BYTES, compute_split
 from syncplane.cluster import ClusterProfile, load_profile
-from syncplane.cluster.cost import CostModel
+from syncplane.cluster.cost import EMULATED_TCP, CostModel
+from syncplane.cluster.emulator import switch_namespace, uplink_drops
 from syncplane.comm.codecs import check_sparse_options
 from syncplane.config import ConfigError
 from syncplane.exchanges import normalize
@@ -70,14 +75,17 @@ def _percentile(values: list[float], q: float) -> float:
 def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int, *, steps: int = 5,
               warmup: int = 1, compute_ms: float = 0.0, period: int | None = None, out_dir: Path, shards: int = 1,
               compression: str = "none", pair_streams: int | str = "auto", exchange: str = "auto",
-              phase_profile: bool = False, density: float = 0.02, bits: int = 2) -> dict[str, Any]:
+              phase_profile: bool = False, echo_to: IO[str] | None = None, density: float = 0.02,
+              bits: int = 2) -> dict[str, Any]:
     """Launch the bench workers on the emulated ``profile`` and assemble the report
-    (``phase_profile``: each rank's per-phase times of the syncs that keep them, in the row).
+    (``phase_profile``: each rank's per-phase times of the syncs that keep them, in the row;
+    ``echo_to``: where rank 0's output goes, default stdout).
     ``period``: steps per round of every periodic strategy; None = each one's own default
     (DiLoCo's ``sync_every``), what ``train.py`` runs; ``periods`` in the report says which."""
     from syncplane.runtime.launcher import launch_on_cluster
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").unlink(missing_ok=True)        # never an earlier run's
     implemented = [s for s in strategies if s not in algorithms.PLANNED]
     measured: dict[str, Any] = {}
     used = algorithms.periods(strategies, period)
@@ -87,10 +95,11 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
                 "compute_ms": compute_ms, "periods": used, "shards": shards, "compression": compression,
                 "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile,
-                "density": density, "bits": bits}
+                "density": density, "bits": bits, "drops_namespace": switch_namespace()}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
+        launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs",
+                          echo_to=echo_to)
         measured = json.loads((out_dir / "results.json").read_text())["results"]
     rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period,
                        shards=shards, pair_streams=pair_streams, compression=compression, exchange=exchange,
@@ -111,7 +120,7 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
     times, bytes, NIC counters) next to the model's prediction and both bounds
     (``period``: the periodic strategies' steps per round; None = each one's own default)."""
     periods = algorithms.periods(strategies, period)
-    model = CostModel(profile)
+    model = CostModel(profile, tcp=EMULATED_TCP)     # measured where it runs: on the emulator
     background_senders = {profile.host(f.src).index for f in profile.background}
     rows = []
     for name in strategies:
@@ -126,6 +135,9 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
                         if h.index not in background_senders]
             row["nic_bytes_per_rank"] = statistics.fmean(per_host) if per_host else None
             row["step_s"] = m["step_s"]
+            if "switch_drops" in m:
+                row["switch_drops"] = m["switch_drops"]
+                row["uplink_drops"] = uplink_drops(m["switch_drops"])
             if m.get("profile"):
                 row["profile"] = m["profile"]
         if name not in algorithms.PLANNED:
@@ -145,6 +157,8 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
                 # no network (one host): no ratio, rather than a 0 that reads as "far from the wire"
                 row["network_bound_ratio"] = (row["network_bound_s"] / row["sync_s_median"]
                                               if times.network_bound_s else None)
+                row["model_error"] = (row["predicted_s"] / row["sync_s_median"] - 1
+                                      if row["sync_s_median"] > 0 else None)
         rows.append(row)
     ddp = next((r for r in rows if r["strategy"] == "ddp" and "sync_s_median" in r), None)
     for row in rows:

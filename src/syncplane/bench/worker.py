@@ -1,6 +1,7 @@
 """One rank of ``syncplane bench``: ``python -m syncplane.bench.worker SPEC.json``.
 
-Times each requested strategy's sync for ``warmup + steps`` steps on a payload of the
+Times each requested strategy's sync for ``warmup + steps`` steps (steps rounded up to whole periods
+of a sync that has one, e.g. a one-peer schedule's ⌈log₂ n⌉) on a payload of the
 given size. A step is: barrier, emulated compute (a timed wait: on a GPU cluster the
 compute does not load the CPU that drives gloo), the sync. A strategy that overlaps its
 sync with part of the step (its spec's ``overlap``) launches it, computes that part, then waits; its
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from syncplane import net
 from syncplane import algorithms
 from syncplane.bench.syncs import compute_split
+from syncplane.cluster.emulator import EmulationError, switch_drops
 from syncplane.job import JobContext
 from syncplane.comm import CommMeter
 from syncplane.comm.basics import release_groups
@@ -54,6 +56,24 @@ def timed_step(sync: Any, payload: torch.Tensor, step: int, meter: CommMeter, wi
     return exposed
 
 
+def _drops(spec: dict[str, Any], rank: int) -> dict[str, int] | None:
+    """The switch ports' drop counters now (rank 0, when the spec names the namespace);
+    None when they cannot be read: a diagnostic, not worth failing the bench for."""
+    namespace = spec.get("drops_namespace")
+    if not namespace or rank != 0:
+        return None
+    try:
+        return switch_drops(namespace)
+    except (EmulationError, OSError) as exc:
+        print(f"bench: no drop counters ({exc})", flush=True)
+        return None
+
+
+def _write_results(spec_path: str, world: int, results: dict[str, Any]) -> None:
+    out = Path(spec_path).with_name("results.json")
+    out.write_text(json.dumps({"world_size": world, "hostname_ns": os.uname().nodename, "results": results}))
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
@@ -66,6 +86,7 @@ def main(spec_path: str) -> None:
         family = algorithms.spec_for(name)
         sync = family.bench_step(name, {**spec, "period": spec["periods"].get(name, 1)}, job)   # its own H
         period = getattr(sync, "period", 1)   # periodic syncs are amortized over their rounds
+        steps = -(-spec["steps"] // period) * period      # whole periods (a schedule's may exceed --steps)
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         meter = CommMeter()
         warmup = max(spec["warmup"], getattr(sync, "warmup", 0))
@@ -75,8 +96,8 @@ def main(spec_path: str) -> None:
         if phases is not None:
             phases.reset()      # the timed steps only
         times = []
-        tx_before = _nic_tx_bytes()
-        for step in range(spec["steps"]):
+        tx_before, drops_before = _nic_tx_bytes(), _drops(spec, rank)
+        for step in range(steps):
             dist.barrier()
             exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(name),
                                  spec["compute_ms"] / 1000)
@@ -89,8 +110,12 @@ def main(spec_path: str) -> None:
         dist.all_gather(per_rank, tx)
         if period > 1:
             times = [sum(times[i:i + period]) / period for i in range(0, len(times) - period + 1, period)]
-        results[name] = {"step_s": times, "comm_bytes": [float(t[1]) / spec["steps"] for t in per_rank],
-                         "nic_tx_bytes": [float(t[0]) / spec["steps"] for t in per_rank]}
+        results[name] = {"step_s": times, "comm_bytes": [float(t[1]) / steps for t in per_rank],
+                         "nic_tx_bytes": [float(t[0]) / steps for t in per_rank]}
+        drops_after = _drops(spec, rank)
+        if drops_before is not None and drops_after is not None:
+            results[name]["switch_drops"] = {dev: (n - drops_before.get(dev, 0)) / steps
+                                             for dev, n in drops_after.items()}
         if phases is not None:      # every rank's, in rank order
             profiles: list[Any] = [None] * world
             dist.all_gather_object(profiles, phases.as_dict())
@@ -99,9 +124,7 @@ def main(spec_path: str) -> None:
             print(f"bench: {name} median {sorted(times)[len(times) // 2]:.3f} s/step", flush=True)
             if hasattr(sync, "describe"):
                 print(f"bench: {sync.describe()}", flush=True)
-    if rank == 0:
-        out = Path(spec_path).with_name("results.json")
-        out.write_text(json.dumps({"world_size": world, "hostname_ns": os.uname().nodename, "results": results}))
+            _write_results(spec_path, world, results)
     release_groups()
 
 

@@ -12,7 +12,12 @@ capacity (TCP fair share); one flow uses one NIC, f flows use at most min(f, k) 
 host's k NICs (gloo binds one collective to one NIC: striping needs several groups), and
 flows of S streams pinned to NICs round-robin (``FlowArray.pinned``) use S/⌈S/k⌉. With α = 0
 this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
-is the prediction ``syncplane simulate`` prints.
+is the prediction ``syncplane simulate`` prints. The bench's prediction also prices how
+TCP shares a shaped link (``LinkTcp``, measured on the emulator: k concurrent flows of ours
+get 0.86 / (1 + 0.06 (k − 1)) of its rate, and a host's flows that are not pinned streams
+share one NIC), which the plain formula misses: ATC's exponential graph puts up to four
+flows on an uplink (the formula was 21–31 % optimistic there), and its sends on
+``multi_nic`` ride one of the two NICs (44 %).
 
 On a BCube profile every NIC is its own link (NIC ℓ of a host plugs into its level-ℓ
 switch) and there are no uplinks. A flow between hosts one address digit apart crosses
@@ -104,11 +109,44 @@ def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
             np.ones(len(phase), dtype=np.int64))
 
 
+@dataclass(frozen=True)
+class LinkTcp:
+    """How TCP flows of ours share a rate-limited link (a NIC or a rack uplink), beyond the
+    α-β formula: one flow gets ``goodput`` of the rate (frame headers, slow start, the
+    shaper's queue drops), and each further concurrent flow on the link costs
+    ``per_flow_loss`` more (they overflow its queue together: drops and retransmits). With
+    ``one_nic_unpinned``, the flows of a host that are not streams pinned to NICs share one
+    of its NICs (measured: on ``multi_nic`` eth0 carried 86 % of two ranks' sends; our
+    reading is that gloo picks an op's device in turn, in the same order on every rank).
+    ``IDEAL`` is the plain formula, what the bounds and ``CostModel``'s default use;
+    ``EMULATED_TCP`` is measured."""
+
+    goodput: float = 1.0
+    per_flow_loss: float = 0.0
+    one_nic_unpinned: bool = False
+
+    def factor(self, flows: np.ndarray) -> np.ndarray:
+        """The share of a link's rate that ``flows`` concurrent flows get together."""
+        return self.goodput / (1.0 + self.per_flow_loss * np.maximum(flows - 1, 0))
+
+
+IDEAL = LinkTcp()
+#: Measured on the emulator (2026-11-26; gloo isend/irecv of 8 MB from every rank to rank + s,
+#: 6 repetitions). ``two_racks`` (100 Mbit uplinks, 400 Mbit NICs): s = 1, 2, 4 puts 1, 2, 4
+#: flows on each uplink direction and took 0.78, 1.70, 3.70 s against the formula's 0.67,
+#: 1.34, 2.69 s (ratios 1.16, 1.26, 1.38; 1 / factor = 1.16, 1.23, 1.37). ``multi_nic`` (2
+#: hosts of 2 ranks and 2 NICs of 100 Mbit): s = 2 (both ranks of a host send across at once)
+#: took 1.7–2.8 s, not the 0.67 s of two NICs, and the hosts' eth0 carried 86 % of the bytes.
+EMULATED_TCP = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=True)
+
+
 @dataclass
 class CostModel:
     profile: ClusterProfile
     alpha_s: float = DEFAULT_ALPHA_S
     loopback_bytes_per_s: float = DEFAULT_LOOPBACK_BPS
+    #: how TCP shares the shaped links in ``time`` (``bound`` is always ``IDEAL``)
+    tcp: LinkTcp = IDEAL
 
     def __post_init__(self) -> None:
         """Index every link once: [NIC out per host | NIC in per host | uplink out per rack |
@@ -141,6 +179,7 @@ class CostModel:
                 per_flow[base + k] = rack.per_flow_mbit * MBIT if rack.per_flow_mbit else np.inf
         self._capacity, self._per_flow, self._nics = capacity, per_flow, nics
         self._is_nic = np.arange(self._num_links) < 2 * n_hosts
+        self._is_shaped = np.arange(self._num_links) < self._lo      # NICs and uplinks, not loopback
         self._count_background()
 
     def _count_background(self) -> None:
@@ -173,6 +212,7 @@ class CostModel:
         self._capacity, self._per_flow = capacity, per_flow
         self._nics = np.ones(self._num_links, dtype=np.int64)       # one NIC per link
         self._is_nic = np.arange(self._num_links) < self._lo
+        self._is_shaped = np.arange(self._num_links) < self._lo
         ptr, links_of, shares = [0], [], []
         for a in range(n_hosts):
             for b in range(n_hosts):
@@ -223,7 +263,8 @@ class CostModel:
 
     def batch_phase_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                           num_phases: int, copies: np.ndarray | None = None,
-                          alpha_s: float | None = None, pinned: np.ndarray | None = None) -> np.ndarray:
+                          alpha_s: float | None = None, pinned: np.ndarray | None = None,
+                          tcp: LinkTcp | None = None) -> np.ndarray:
         """The time of each of ``num_phases`` phases whose flows are given as columns
         (flow i belongs to phase ``phase[i]``; ``copies[i]`` identical flows, default 1;
         ``pinned[i]`` > 0: they are that many streams pinned to NICs, ``FlowArray.pinned``).
@@ -232,8 +273,10 @@ class CostModel:
         flows are summed (in flow order, as the per-flow loop did), each link's time is its
         load over its share of capacity, and a phase takes α plus the larger of its busiest
         link and its slowest per-flow-capped flow; a phase with nothing to send takes 0.
+        ``tcp`` (default the model's): how the flows share a shaped link (``LinkTcp``).
         """
         alpha = self.alpha_s if alpha_s is None else alpha_s
+        tcp = self.tcp if tcp is None else tcp
         copies = np.ones(len(src), dtype=np.int64) if copies is None else copies
         pinned = np.zeros(len(src), dtype=np.int64) if pinned is None else pinned
         keep = (src != dst) & (nbytes > 0)
@@ -257,8 +300,12 @@ class CostModel:
         links, owner = keys % num_links, keys // num_links
         load, count, streams = load[used], count[used], streams[used]
         nics = self._nics[links]
-        spread = np.where(streams > 0, streams / np.maximum(np.ceil(streams / nics), 1), np.minimum(nics, count))
+        unpinned = 1 if tcp.one_nic_unpinned else np.minimum(nics, count)
+        spread = np.where(streams > 0, streams / np.maximum(np.ceil(streams / nics), 1), unpinned)
         capacity = self._capacity[links] * np.where(self._is_nic[links], spread, 1)
+        if tcp != IDEAL:       # the flows per NIC they are spread over share it
+            capacity = capacity * np.where(self._is_shaped[links], tcp.factor(count / np.where(
+                self._is_nic[links], spread, 1)), 1.0)
         share = count / (count + self._background[links])
         busiest = np.zeros(num_phases)
         np.maximum.at(busiest, owner, load / (capacity * share))
@@ -270,7 +317,8 @@ class CostModel:
         active[owner] = True
         return np.where(active, alpha + np.maximum(busiest, slowest), 0.0)
 
-    def phase_times(self, phases: Sequence[Phase], alpha_s: float | None = None) -> list[float]:
+    def phase_times(self, phases: Sequence[Phase], alpha_s: float | None = None,
+                    tcp: LinkTcp | None = None) -> list[float]:
         """Each phase's time, all evaluated in one batch; a phase equal to the one before it
         (a ring's repeated steps) is evaluated once."""
         distinct: list[Phase] = []
@@ -290,7 +338,8 @@ class CostModel:
         src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
         pinned = np.concatenate([c[3] if isinstance(p, FlowArray) and p.pinned else np.zeros_like(c[3])
                                  for p, c in zip(distinct, columns)])
-        times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned).tolist()
+        times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned,
+                                       tcp).tolist()
         return [times[i] for i in which]
 
     def phase_time(self, flows: Phase | Sequence[Flow], alpha_s: float | None = None) -> float:
@@ -300,8 +349,8 @@ class CostModel:
         return sum(self.phase_times(phases, alpha_s))
 
     def bound(self, phases: Sequence[Phase]) -> float:
-        """The bandwidth lower bound: no per-message latency."""
-        return self.time(phases, alpha_s=0.0)
+        """The bandwidth lower bound: no per-message latency, ideal links."""
+        return sum(self.phase_times(phases, alpha_s=0.0, tcp=IDEAL))
 
 
 # ----------------------------------------------------------------------------- patterns

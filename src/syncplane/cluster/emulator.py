@@ -377,6 +377,38 @@ def is_up(profile: ClusterProfile) -> bool:
     return current["profile"] == profile.name and wanted <= set(current["namespaces"])
 
 
+def parse_root_drops(tc_stats: str) -> dict[str, int]:
+    """Packets each shaped device's root qdisc (``tbf`` or ``htb``: what ``shape`` adds)
+    dropped, from ``tc -s qdisc show`` output (a root ``htb`` counts its classes' drops, so
+    child qdiscs are skipped: no double count)."""
+    drops: dict[str, int] = {}
+    device = None
+    for line in tc_stats.splitlines():
+        head = re.match(r"qdisc (\S+) \S+ dev (\S+) (root|parent)", line)
+        if head:
+            device = head.group(2) if head.group(3) == "root" and head.group(1) in ("tbf", "htb") else None
+            continue
+        sent = re.search(r"\(dropped (\d+),", line)
+        if sent and device is not None:
+            drops[device] = drops.get(device, 0) + int(sent.group(1))
+            device = None
+    return drops
+
+
+def switch_drops(namespace: str) -> dict[str, int]:
+    """Packets dropped so far by each shaped port of the switch namespace ``namespace``
+    (``upl<r>r``/``upl<r>c``: a rack's uplink, each direction; ``hp<i>n<k>``: towards a
+    host's NIC), from the kernel's qdisc counters (``tc -s``). Given the namespace as an
+    argument so that a process inside a host's namespace can ask too (the bench's rank 0)."""
+    return parse_root_drops(_run("ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show").stdout)
+
+
+def uplink_drops(drops: dict[str, int]) -> int | None:
+    """The rack uplinks' share of ``switch_drops`` (None: the profile has no uplinks)."""
+    uplinks = [n for dev, n in drops.items() if dev.startswith("upl")]
+    return sum(uplinks) if uplinks else None
+
+
 # --------------------------------------------------------------------------- ranks
 
 

@@ -48,6 +48,11 @@ class LaunchError(RuntimeError):
     """A rank failed (or the job timed out); the message names the rank and its log."""
 
 
+class JobStopped(LaunchError):
+    """The launcher was told to stop (SIGTERM, SIGHUP) and ended the ranks: nothing failed,
+    so a caller that runs several jobs (``bench --matrix``) stops too instead of going on."""
+
+
 @dataclass
 class RankSpec:
     """How to start one rank: its torchrun-style identity and an optional command prefix."""
@@ -326,14 +331,14 @@ _LOST_PEER_GRACE_S = 3.0
 @contextlib.contextmanager
 def signals_stop_the_job() -> Iterator[None]:
     """While ranks run, SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) raise
-    ``LaunchError`` in the launcher, so its ``finally`` ends the ranks. Python's default
+    ``JobStopped`` (a ``LaunchError``) in the launcher, so its ``finally`` ends the ranks. Python's default
     SIGTERM would end the launcher alone and leave its ranks running, blocked in gloo."""
     if threading.current_thread() is not threading.main_thread():
         yield   # only the main thread may set handlers; the caller owns signals then
         return
 
     def stop(signum: int, _frame: object) -> None:
-        raise LaunchError(f"stopped by {signal.Signals(signum).name}; the ranks were ended")
+        raise JobStopped(f"stopped by {signal.Signals(signum).name}; the ranks were ended")
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:

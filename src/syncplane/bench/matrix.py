@@ -1,0 +1,277 @@
+"""``syncplane bench --matrix``: every strategy on every profile, one scoreboard.
+
+Each profile is one ``run_bench`` (the same launch, worker and report rows as ``syncplane
+bench``) with ``ddp`` beside, so a row's *vs DDP* compares two syncs of one run. Per profile
+it writes ``OUT/<profile>.json`` (the bench report, plus ``meta``: date, commit, command),
+``OUT/<profile>.md`` (the table) and ``OUT/<profile>.png`` (the bench's chart).
+
+Resumable: a cell (profile × strategy) whose row is already in ``OUT/<profile>.json`` with
+status ``ok`` is skipped; the rest of that profile runs again, with ``ddp`` beside. The
+worker writes its results after each strategy, so an interrupted or failed run keeps the
+strategies it finished; a strategy whose run fails gets a ``failed: ...`` row (retried on
+the next invocation) and the profile goes on with the strategies after it. Ctrl-C, SIGTERM
+or SIGHUP stop the matrix after writing what finished.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from syncplane.bench.runner import plot, report_rows, run_bench
+from syncplane.cluster import ClusterProfile
+from syncplane.cluster.emulator import EmulationError
+from syncplane.config import ConfigError
+from syncplane.runtime.launcher import JobStopped
+
+log = logging.getLogger(__name__)
+
+#: The issue-34 targets a row is held against (its *misses* column names the ones it misses).
+BOUND_TARGET, MODEL_ERROR_TARGET = 0.8, 0.10
+
+#: The report fields that must match for a new run's rows to join an existing profile JSON.
+SETTINGS_KEYS = ("payload_bytes", "compute_ms", "world_size")
+
+
+@dataclass(frozen=True)
+class MatrixSettings:
+    """What one ``bench --matrix`` runs: every (profile, strategy) cell, one payload."""
+
+    profiles: list[ClusterProfile]
+    strategies: list[str]
+    payload_bytes: int
+    out_dir: Path
+    steps: int = 5
+    warmup: int = 1
+    compute_ms: float = 0.0
+    command: str = field(default_factory=lambda: shlex.join(["syncplane", *sys.argv[1:]]))
+
+
+def profile_report_path(out_dir: Path, profile: ClusterProfile) -> Path:
+    return out_dir / f"{profile.name}.json"
+
+
+def load_existing(path: Path, profile: ClusterProfile, payload_bytes: int, compute_ms: float) -> dict[str, Any] | None:
+    """The profile's report from an earlier (interrupted) matrix, or None; refuse to mix
+    runs of another payload, compute or cluster size into it (the error names the file)."""
+    if not path.exists():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--out: {path} is not a bench report ({exc}); move it away to start afresh") from None
+    wanted = {"payload_bytes": payload_bytes, "compute_ms": compute_ms, "world_size": profile.world_size}
+    differs = [f"{key} {report.get(key)!r} (now {value!r})" for key, value in wanted.items() if report.get(key) != value]
+    if differs:
+        raise ConfigError(f"--out: {path} holds another matrix: {', '.join(differs)}; "
+                          "give another --out, or remove the file to start afresh")
+    return report
+
+
+def pending_cells(existing: dict[str, Any] | None, strategies: list[str]) -> list[str]:
+    """The strategies of ``strategies`` without an ``ok`` row in ``existing``, in order."""
+    done = {r["strategy"] for r in (existing or {}).get("results", []) if r.get("status") == "ok"}
+    return [s for s in strategies if s not in done]
+
+
+def merge_rows(existing: dict[str, Any] | None, new_rows: list[dict[str, Any]],
+               strategies: list[str]) -> list[dict[str, Any]]:
+    """The profile's rows after a run: each new row replaces the old one of its strategy;
+    ordered as ``strategies``, then any other strategy the file already held."""
+    by_name = {r["strategy"]: r for r in (existing or {}).get("results", [])}
+    by_name.update({r["strategy"]: r for r in new_rows})
+    order = [s for s in dict.fromkeys(strategies) if s in by_name] + [s for s in by_name if s not in strategies]
+    return [by_name[s] for s in order]
+
+
+def git_commit(where: Path) -> str | None:
+    """The checkout's commit (short id, ``+dirty`` when it has changes), or None outside git."""
+    def git(*args: str) -> str | None:
+        result = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return commit
+
+
+class CellProgress(io.TextIOBase):
+    """Rank 0's output during a profile's run: each ``bench: NAME median ...`` line a
+    strategy's worker prints when it finishes advances the bar by one cell (the first time
+    that cell finishes) and is shown above it; the rest stays in the run's rank logs."""
+
+    FINISHED = re.compile(r"^bench: (\S+) median (\S+)")
+
+    def __init__(self, progress: Any, task: Any, profile: str, cells: set[str]) -> None:
+        self.progress, self.task, self.profile, self.cells, self._pending = progress, task, profile, cells, ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            found = self.FINISHED.match(line.strip())
+            if not found:
+                continue
+            self.progress.console.print(f"{self.profile}: {found.group(1)} {found.group(2)} s/step")
+            if found.group(1) in self.cells:
+                self.cells.discard(found.group(1))
+                self.progress.advance(self.task)
+        return len(text)
+
+
+def _partial_rows(profile: ClusterProfile, order: list[str], settings: MatrixSettings,
+                  run_dir: Path) -> list[dict[str, Any]]:
+    """Rows for the strategies a failed or interrupted run finished (its worker's last
+    ``results.json``), ``ddp`` beside them when it finished too."""
+    results = run_dir / "results.json"
+    measured = json.loads(results.read_text())["results"] if results.exists() else {}
+    finished = [s for s in order if s in measured]
+    return report_rows(profile, finished, settings.payload_bytes, measured, compute_ms=settings.compute_ms)
+
+
+def stamp_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mark the rows of one run with its time and its ``ddp`` sync (what their *vs DDP* is
+    against): a resumed profile's file holds rows of several runs."""
+    ddp = next((r.get("sync_s_median") for r in rows if r["strategy"] == "ddp"), None)
+    measured = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return [{**r, "measured": measured, "ddp_sync_s": ddp} for r in rows]
+
+
+def failed_row(strategy: str, reason: str) -> dict[str, Any]:
+    """The row of a strategy whose run failed: the report's keys, no numbers."""
+    return {"strategy": strategy, "status": f"failed: {reason}",
+            **dict.fromkeys(("sync_s_median", "sync_s_p90", "bytes_sent_per_rank", "bound_s", "bound_ratio",
+                             "network_bound_s", "network_bound_ratio", "speedup_vs_ddp"))}
+
+
+def run_profile(profile: ClusterProfile, settings: MatrixSettings, progress: Any, task: Any) -> dict[str, Any]:
+    """Run the profile's pending cells (``ddp`` first, beside them) and write its files;
+    a failing strategy gets a ``failed`` row and the run goes on with the ones after it."""
+    path = profile_report_path(settings.out_dir, profile)
+    existing = load_existing(path, profile, settings.payload_bytes, settings.compute_ms)
+    pending = pending_cells(existing, settings.strategies)
+    run_dir = settings.out_dir / ".runs" / profile.name
+    rows: list[dict[str, Any]] = []
+    report: dict[str, Any] = dict(existing or {})
+    echo = CellProgress(progress, task, profile.name, set(pending))
+    while pending:
+        order = ["ddp", *[s for s in pending if s != "ddp"]]
+        try:
+            report = run_bench(profile, order, settings.payload_bytes, steps=settings.steps, warmup=settings.warmup,
+                               compute_ms=settings.compute_ms, out_dir=run_dir, echo_to=echo)
+            rows, pending = merge_rows({"results": rows}, stamp_run(report["results"]), order), []
+        except (RuntimeError, EmulationError, KeyboardInterrupt) as exc:    # LaunchError is a RuntimeError
+            finished = stamp_run(_partial_rows(profile, order, settings, run_dir))
+            rows = merge_rows({"results": rows}, finished, order)
+            done = {r["strategy"] for r in finished}
+            if isinstance(exc, (KeyboardInterrupt, JobStopped)):     # told to stop: keep what finished, stop
+                _write_profile(path, profile, settings, existing, report, rows)
+                raise
+            failed = next((s for s in order if s not in done), None)
+            if failed is None:           # every strategy finished; what failed came after them
+                rows, pending = merge_rows({"results": rows}, finished, order), []
+                continue
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            log.error("%s: %s failed: %s (rank logs in %s)", profile.name, failed, reason, run_dir / "logs")
+            rows = merge_rows({"results": rows}, [failed_row(failed, reason)], order)
+            echo.cells.discard(failed)
+            progress.advance(task)
+            pending = [s for s in pending if s not in done and s != failed]
+            if failed == "ddp":          # nothing runs beside a failed baseline: the rest fails alike
+                rows = merge_rows({"results": rows}, [failed_row(s, f"ddp failed first: {reason}") for s in pending],
+                                  order)
+                progress.advance(task, len(echo.cells))
+                echo.cells.clear()
+                pending = []
+    return _write_profile(path, profile, settings, existing, report, rows)
+
+
+def _write_profile(path: Path, profile: ClusterProfile, settings: MatrixSettings, existing: dict[str, Any] | None,
+                   report: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge ``rows`` into the profile's report and write its JSON, table and chart."""
+    created = time.strftime("%Y-%m-%dT%H:%M:%S")
+    merged = {**(existing or {}), **{k: v for k, v in report.items() if k != "results"},
+              "cluster": profile.name, "world_size": profile.world_size, "payload_bytes": settings.payload_bytes,
+              "compute_ms": settings.compute_ms, "steps": report.get("steps", settings.steps),
+              "results": merge_rows(existing, rows, ["ddp", *settings.strategies])}
+    merged["meta"] = {"created": created, "commit": git_commit(Path(__file__).parent),
+                      "command": settings.command}
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    path.with_suffix(".md").write_text(markdown_table(merged))
+    if any(r.get("status") == "ok" for r in merged["results"]):
+        plot(merged, path.with_suffix(".png"))
+    return merged
+
+
+def misses(row: dict[str, Any]) -> str:
+    """Which of the scoreboard's targets ``row`` misses, in words ('' when none)."""
+    if row.get("status") != "ok":
+        return row.get("status", "")
+    missed = []
+    if row.get("bound_ratio") is not None and row["bound_ratio"] < BOUND_TARGET:
+        missed.append(f"bound ratio < {BOUND_TARGET:g}")
+    if row.get("model_error") is not None and abs(row["model_error"]) > MODEL_ERROR_TARGET:
+        missed.append(f"model error beyond ±{MODEL_ERROR_TARGET * 100:.0f} %")
+    return "; ".join(missed)
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """One profile's scoreboard: a heading with how it was made, then a row per strategy."""
+    meta = report.get("meta", {})
+    lines = [f"### `{report['cluster']}` ({report['world_size']} ranks, {report['payload_bytes'] / 2**20:.1f} MB"
+             + (f", compute {report['compute_ms']:g} ms" if report.get("compute_ms") else "") + ")", "",
+             f"{meta.get('created', '?')}, commit `{meta.get('commit') or '?'}`: `{meta.get('command', '?')}`", "",
+             "| strategy | sync s | vs DDP | bound ratio | net bound ratio | model error | NIC MB/rank "
+             "| uplink drops/step | misses |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in report["results"]:
+        nic = r.get("nic_bytes_per_rank")
+        lines.append(" | ".join([
+            f"| `{r['strategy']}`", _fmt(r.get("sync_s_median"), ".3f"), _fmt(r.get("speedup_vs_ddp"), ".2f", "×"),
+            _fmt(r.get("bound_ratio"), ".2f"), _fmt(r.get("network_bound_ratio"), ".2f"),
+            _fmt(r["model_error"] * 100 if r.get("model_error") is not None else None, "+.0f", " %"),
+            _fmt(nic / 2**20 if nic is not None else None, ".1f"), _fmt(r.get("uplink_drops"), ".0f"),
+            misses(r)]) + " |")
+    runs = sorted({r["measured"] for r in report["results"] if r.get("measured")})
+    if len(runs) > 1:
+        lines += ["", f"Rows from {len(runs)} runs ({', '.join(runs)}; a resumed matrix): each row's *vs DDP* is "
+                      "against the `ddp` of its own run (`ddp_sync_s` in the JSON)."]
+    return "\n".join(lines) + "\n"
+
+
+def run_matrix(settings: MatrixSettings) -> dict[str, dict[str, Any]]:
+    """Every profile's pending cells in turn, under one progress bar with an ETA; returns
+    each profile's (merged) report by name."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    plan = [(p, pending_cells(load_existing(profile_report_path(settings.out_dir, p), p, settings.payload_bytes,
+                                            settings.compute_ms), settings.strategies)) for p in settings.profiles]
+    total = sum(len(cells) for _, cells in plan)
+    reports = {}
+    with Progress(TextColumn("[bold]bench matrix[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()) as progress:
+        task = progress.add_task("", total=total)
+        for profile, cells in plan:
+            if not cells:
+                progress.console.print(f"{profile.name}: every cell already in "
+                                       f"{profile_report_path(settings.out_dir, profile)}, skipped")
+                continue
+            progress.update(task, description=f"{profile.name} ({len(cells)} cells)")
+            reports[profile.name] = run_profile(profile, settings, progress, task)
+    return reports

@@ -1,0 +1,204 @@
+"""``bench --matrix`` without a cluster: its bookkeeping (which cells remain, how a failed or
+interrupted run is kept, the table) with the launch replaced by a fake worker, and the drop
+counters read from ``tc -s`` text. The real run is tests/cluster/test_bench_matrix.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.progress import Progress
+
+from syncplane.bench import matrix
+from syncplane.bench.matrix import MatrixSettings, markdown_table, pending_cells, run_matrix
+from syncplane.cli import main as cli_main
+from syncplane.cluster import parse_profile
+from syncplane.cluster.emulator import parse_root_drops, uplink_drops
+from syncplane.config import ConfigError
+from syncplane.runtime.launcher import JobStopped, LaunchError
+
+TC_STATS = """\
+qdisc noqueue 0: dev lo root refcnt 2
+ Sent 0 bytes 0 pkt (dropped 0, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+qdisc tbf 8001: dev upl0r root refcnt 2 rate 100Mbit burst 125000b lat 100ms
+ Sent 1234 bytes 10 pkt (dropped 7, overlimits 3 requeues 0)
+ backlog 0b 0p requeues 0
+qdisc htb 1: dev upl1c root refcnt 2 r2q 10 default 0x2 direct_packets_stat 0 direct_qlen 1000
+ Sent 999 bytes 9 pkt (dropped 5, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+qdisc pfifo 8010: dev upl1c parent 1:1000 limit 1000p
+ Sent 99 bytes 1 pkt (dropped 5, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+qdisc tbf 8002: dev hp0n0 root refcnt 2 rate 400Mbit burst 500000b lat 100ms
+ Sent 5 bytes 1 pkt (dropped 2, overlimits 0 requeues 0)
+"""
+
+PROFILE = parse_profile({"name": "fake_racks", "racks": [
+    {"name": "r0", "uplink_mbit": 50, "hosts": [{"name": "a0", "nic_mbit": 200}, {"name": "a1", "nic_mbit": 200}]},
+    {"name": "r1", "uplink_mbit": 50, "hosts": [{"name": "b0", "nic_mbit": 200}]}]})
+
+
+def test_drops_are_read_from_the_shaping_root_qdiscs_only():
+    drops = parse_root_drops(TC_STATS)
+    assert drops == {"upl0r": 7, "upl1c": 5, "hp0n0": 2}       # no noqueue, no htb child counted twice
+    assert uplink_drops(drops) == 12
+    assert uplink_drops({"hp0n0": 3}) is None                   # no uplinks: no number, not 0
+
+
+def measured(names: list[str], seconds: dict[str, float]) -> dict:
+    """What the bench worker writes for ``names``: 3 ranks, 2 steps each."""
+    return {n: {"step_s": [seconds[n]] * 2, "comm_bytes": [1e6] * 3, "nic_tx_bytes": [1.1e6] * 3,
+                "switch_drops": {"upl0r": 1.0, "upl1r": 0.0, "hp0n0": 4.0}} for n in names}
+
+
+class FakeBench:
+    """``run_bench`` with a scripted worker: each call finishes its strategies in order and
+    stops at the first one named in ``fail`` (a LaunchError) or ``interrupt`` (raising
+    ``stop``: Ctrl-C, or the launcher's JobStopped on SIGTERM)."""
+
+    def __init__(self, fail: set[str] = frozenset(), interrupt: str | None = None,
+                 stop: BaseException = KeyboardInterrupt()) -> None:
+        self.fail, self.interrupt, self.stop, self.calls = set(fail), interrupt, stop, []
+
+    def __call__(self, profile, order, payload_bytes, *, out_dir: Path, echo_to, **kwargs):
+        self.calls.append(list(order))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").unlink(missing_ok=True)
+        seconds = {"ddp": 0.4, "atc": 0.2, "awc": 0.8, "canary": 0.1}
+        done = []
+        for name in order:
+            if name == self.interrupt:
+                raise self.stop
+            if name in self.fail:
+                raise LaunchError(f"rank 1 failed (exit code 1) while running {name}")
+            done.append(name)
+            (out_dir / "results.json").write_text(json.dumps({"results": measured(done, seconds)}))
+            echo_to.write(f"bench: {name} median {seconds[name]:.3f} s/step\n")
+        rows = matrix.report_rows(profile, order, payload_bytes, measured(order, seconds))
+        return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
+                "steps": 2, "compute_ms": 0.0, "results": rows}
+
+
+def settings(tmp_path: Path, strategies: list[str]) -> MatrixSettings:
+    return MatrixSettings(profiles=[PROFILE], strategies=strategies, payload_bytes=2**20, out_dir=tmp_path,
+                          steps=2, warmup=0, command="syncplane bench --matrix (test)")
+
+
+def table_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.startswith("|")]
+
+
+def test_a_matrix_writes_a_well_formed_json_and_table_per_profile(tmp_path, monkeypatch):
+    fake = FakeBench()
+    monkeypatch.setattr(matrix, "run_bench", fake)
+    reports = run_matrix(settings(tmp_path, ["atc", "awc"]))
+    assert fake.calls == [["ddp", "atc", "awc"]]                 # ddp beside, in the same run
+    report = json.loads((tmp_path / "fake_racks.json").read_text())
+    assert reports["fake_racks"] == report
+    rows = {r["strategy"]: r for r in report["results"]}
+    assert list(rows) == ["ddp", "atc", "awc"]
+    assert rows["atc"]["speedup_vs_ddp"] == pytest.approx(2.0) and rows["atc"]["ddp_sync_s"] == pytest.approx(0.4)
+    assert rows["atc"]["uplink_drops"] == 1.0
+    assert rows["atc"]["model_error"] == pytest.approx(rows["atc"]["predicted_s"] / 0.2 - 1)
+    assert report["meta"]["command"] == "syncplane bench --matrix (test)"
+    lines = table_lines(tmp_path / "fake_racks.md")
+    assert len(lines) == 2 + 3 and len({line.count("|") for line in lines}) == 1   # header, rule, a row each
+    assert (tmp_path / "fake_racks.png").stat().st_size > 0
+
+
+def test_a_failed_strategy_gets_a_row_and_the_rest_of_the_profile_still_runs(tmp_path, monkeypatch):
+    fake = FakeBench(fail={"atc"})
+    monkeypatch.setattr(matrix, "run_bench", fake)
+    rows = {r["strategy"]: r for r in run_matrix(settings(tmp_path, ["atc", "awc", "canary"]))["fake_racks"]["results"]}
+    assert fake.calls == [["ddp", "atc", "awc", "canary"], ["ddp", "awc", "canary"]]
+    assert rows["atc"]["status"].startswith("failed: rank 1 failed") and "atc" in matrix.misses(rows["atc"])
+    assert rows["awc"]["status"] == rows["canary"]["status"] == rows["ddp"]["status"] == "ok"
+    # the next invocation retries only the failed cell
+    fake.fail.clear()
+    run_matrix(settings(tmp_path, ["atc", "awc", "canary"]))
+    assert fake.calls[-1] == ["ddp", "atc"]
+    report = json.loads((tmp_path / "fake_racks.json").read_text())
+    assert all(r["status"] == "ok" for r in report["results"])
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), JobStopped("stopped by SIGTERM; the ranks were ended")])
+def test_an_interrupted_matrix_keeps_what_finished_and_resumes_the_rest(stop, tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", FakeBench(interrupt="awc", stop=stop))
+    with pytest.raises(type(stop)):
+        run_matrix(settings(tmp_path, ["atc", "awc", "canary"]))
+    kept = json.loads((tmp_path / "fake_racks.json").read_text())
+    assert [r["strategy"] for r in kept["results"]] == ["ddp", "atc"]
+    assert pending_cells(kept, ["atc", "awc", "canary"]) == ["awc", "canary"]
+    fake = FakeBench()
+    monkeypatch.setattr(matrix, "run_bench", fake)
+    run_matrix(settings(tmp_path, ["atc", "awc", "canary"]))
+    assert fake.calls == [["ddp", "awc", "canary"]]
+    report = json.loads((tmp_path / "fake_racks.json").read_text())
+    assert [r["strategy"] for r in report["results"]] == ["ddp", "atc", "awc", "canary"]
+    run_matrix(settings(tmp_path, ["atc", "awc", "canary"]))       # nothing left: no run at all
+    assert len(fake.calls) == 1
+
+
+def test_a_resumed_profile_says_its_rows_come_from_several_runs():
+    rows = [{"strategy": "ddp", "status": "ok", "measured": "2026-01-01T10:00:00"},
+            {"strategy": "atc", "status": "ok", "measured": "2026-01-01T09:00:00"}]
+    text = markdown_table({"cluster": "x", "world_size": 2, "payload_bytes": 2**20, "results": rows})
+    assert "Rows from 2 runs" in text
+
+
+def test_an_output_of_another_payload_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", FakeBench())
+    run_matrix(settings(tmp_path, ["atc"]))
+    other = MatrixSettings(profiles=[PROFILE], strategies=["atc"], payload_bytes=2**21, out_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"fake_racks.json holds another matrix: payload_bytes 1048576"):
+        run_matrix(other)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--matrix", "--json", "x.json"], "give --out DIR instead of --json"),
+    (["bench", "--matrix", "--clusters", "nope"], "unknown profile 'nope'"),
+    (["bench", "--matrix", "--strategies", "ddp,nope"], "--strategies: unknown nope"),
+    (["bench", "--matrix", "--period", "3"], "not with --period"),
+    (["bench", "--strategies", "ddp"], "--cluster is required"),
+])
+def test_bad_matrix_arguments_fail_before_launch_naming_the_key(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", None)              # would fail loudly if reached
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_progress_counts_each_cell_once():
+    with Progress(disable=True) as progress:
+        task = progress.add_task("", total=2)
+        echo = matrix.CellProgress(progress, task, "p", {"atc", "ddp"})
+        echo.write("bench: ddp median 0.1 s/step\nother line\nbench: ddp med")
+        echo.write("ian 0.1 s/step\nbench: atc median 0.2 s/step\n")
+        assert progress.tasks[0].completed == 2 and echo.cells == set()
+
+
+def load_script(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scoreboard_script_puts_one_section_at_the_top_of_the_docs_and_replaces_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", FakeBench(fail={"awc"}))
+    run_matrix(settings(tmp_path, ["atc", "awc"]))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\nIntro.\n\n## Training\n\nOld notes.\n")
+    scoreboard = load_script("scoreboard")
+    assert scoreboard.main([str(tmp_path), "--docs", str(docs), "--no-png"]) == 0
+    once = docs.read_text()
+    assert once.index("## Scoreboard") < once.index("## Training") and once.startswith("# Benchmarks\n\nIntro.")
+    assert "### `fake_racks` (3 ranks, 1.0 MB)" in once and "failed: rank 1 failed" in once
+    assert "cells miss one" in once
+    assert scoreboard.main([str(tmp_path), "--docs", str(docs), "--no-png"]) == 0
+    assert docs.read_text() == once                                 # replaced in place, not added twice
+    assert (tmp_path / "scoreboard.md").exists()
