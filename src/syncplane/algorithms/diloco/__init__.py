@@ -17,6 +17,7 @@ from typing import Any
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import exchange_phases
+from syncplane.algorithms.diloco.layout import node_layout
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
@@ -43,7 +44,8 @@ def _pattern(options: Mapping[str, Any]) -> str:
 
 def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
     """A topology the job names must load and cover its ranks (an elastic replica is a job
-    of one: it has no tree)."""
+    of one: it has no tree); ``replica: node`` needs hosts of several ranks that divide the job."""
+    node_layout(str(kwargs.get("replica", "rank")), str(kwargs.get("inner", "ddp")), job)
     topology = kwargs.get("topology", "auto")
     if topology != "auto" and not kwargs.get("elastic", False):
         check_topology(topology, job)
