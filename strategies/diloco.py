@@ -90,6 +90,10 @@ class DiLoCo(SyncplaneStrategy):
                                    mix_alpha=mix_alpha, exchange=exchange, topology=topology, replica=replica,
                                    inner=inner)
         check_replica(replica, inner, elastic=bool(elastic))
+        if inner == "fsdp":   # the engine runs it (NodeEngine); validation and checkpoints here see whole tensors
+            raise ValueError("inner='fsdp' runs in syncplane.algorithms.diloco.node.NodeEngine; through Lightning's "
+                             "Trainer it is not built yet (consensus validation and checkpoints of FSDP shards): "
+                             "use inner='ddp'")
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self.mix_alpha = self.config.alpha
         self.rounds = 0     # committed outer steps (one per fragment round)
@@ -120,8 +124,8 @@ class DiLoCo(SyncplaneStrategy):
         if layout is None:
             self._engine = engine = DiLoCoEngine(self.model_tensors(), n_params, self.config, job)
         else:
-            self._engine = engine = NodeEngine(self.model_tensors(), n_params, self.config, job, layout)
-            self.model = engine.wrap(self.model, self.determine_ddp_device_ids())
+            self._engine = engine = NodeEngine(self.model, self.config, job, layout, self.determine_ddp_device_ids())
+            self.model = engine.module
             self.details.update(layout.describe())
         self.details["shards"], self.details["exchange"] = engine.shards, engine.exchange_name
 

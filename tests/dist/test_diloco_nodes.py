@@ -3,6 +3,7 @@ sharded over its ranks -- on real gloo ranks, nodes given as ranks per host, fre
 
 - H = 1, outer SGD lr 1, no momentum: DDP over all ranks (1e-6), on even nodes (2+2) and
   uneven ones (2+1, 1+3: the replicas weighted by their rank count).
+- FSDP2 inside the node (a rank's DiLoCo shard its FSDP shard) equals DDP inside it (1e-5, 20 steps).
 - One rank per node: today's ``DiLoCoEngine``, bit for bit (Nesterov; int8 with error feedback).
 - A resume from the sharded outer state (``torch.load(weights_only=True)``) continues bit for
   bit; each rank keeps 1/L of the outer state.
@@ -40,7 +41,8 @@ def _inner_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, seed:
     optimizer.step()
 
 
-def _engine(rank: int, world: int, sizes: list[int] | None, kwargs: dict, model: torch.nn.Module):
+def _engine(rank: int, world: int, sizes: list[int] | None, kwargs: dict, model: torch.nn.Module,
+            inner: str = "ddp"):
     """The node engine on nodes of ``sizes`` ranks (None: today's per-rank engine)."""
     from syncplane.algorithms.diloco.config import DiLoCoConfig
     from syncplane.algorithms.diloco.engine import DiLoCoEngine
@@ -49,12 +51,11 @@ def _engine(rank: int, world: int, sizes: list[int] | None, kwargs: dict, model:
     from syncplane.job import JobContext
 
     job = JobContext(rank=rank, world_size=world)
-    tensors = [p.data for p in model.parameters()]
-    n_params = sum(t.numel() for t in tensors)
     if sizes is None:
-        return DiLoCoEngine(tensors, n_params, DiLoCoConfig(exchange="mesh", **kwargs), job)
+        tensors = [p.data for p in model.parameters()]
+        return DiLoCoEngine(tensors, sum(t.numel() for t in tensors), DiLoCoConfig(exchange="mesh", **kwargs), job)
     config = DiLoCoConfig(replica="node", exchange="mesh", **kwargs)
-    return NodeEngine(tensors, n_params, config, job, ReplicaLayout.of_sizes(sizes))
+    return NodeEngine(model, config, job, ReplicaLayout.of_sizes(sizes, inner))
 
 
 def _train(engine, module, model, optimizer, seed: int, rank: int, steps: range, sync_every: int) -> None:
@@ -82,7 +83,7 @@ def node_vs_ddp(rank: int, world: int, sizes: list[int], seed: int, steps: int):
     model = _model(seed)
     engine = _engine(rank, world, sizes, {"sync_every": 1, **PLAIN_AVERAGING}, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    _train(engine, engine.wrap(model), model, optimizer, seed, rank, range(steps), 1)
+    _train(engine, engine.module, model, optimizer, seed, rank, range(steps), 1)
     engine.close()
     return reference, [p.detach().clone() for p in model.parameters()], list(engine.owned)
 
@@ -105,7 +106,7 @@ def one_rank_nodes_vs_diloco(rank: int, world: int, seed: int, kwargs: dict):
     for sizes in (None, [1] * world):
         model = _model(seed)
         engine = _engine(rank, world, sizes, kwargs, model)
-        module = model if sizes is None else engine.wrap(model)
+        module = model if sizes is None else engine.module
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         _train(engine, module, model, optimizer, seed, rank, range(7), kwargs["sync_every"])
         out.append(([p.detach().clone() for p in model.parameters()], engine.outer.params.clone()))
@@ -130,7 +131,7 @@ def resume_sharded(rank: int, world: int, sizes: list[int], seed: int):
     def fresh():
         model = _model(seed)
         engine = _engine(rank, world, sizes, kwargs, model)
-        return model, engine, engine.wrap(model), torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        return model, engine, engine.module, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
     model, engine, module, optimizer = fresh()
     _train(engine, module, model, optimizer, seed, rank, range(12), 2)
@@ -178,3 +179,31 @@ def test_through_lightning_h1_on_two_hosts_of_two_equals_ddp(tmp_path):
         assert details["replicas"] == 2 and details["ranks_per_replica"] == [2, 2] and details["inner"] == "ddp"
         for ddp, diloco in zip(params["ddp"], params["diloco"]):
             torch.testing.assert_close(diloco, ddp, rtol=1e-6, atol=1e-6)
+
+
+def fsdp_vs_ddp(rank: int, world: int, seed: int, steps: int):
+    out = []
+    for inner in ("ddp", "fsdp"):
+        model = _model(seed)
+        engine = _engine(rank, world, [2, 2], {"sync_every": 5}, model, inner)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        _train(engine, engine.module, model, optimizer, seed, rank, range(steps), 5)
+        out.append([p.full_tensor() if inner == "fsdp" else p.detach().clone() for p in model.parameters()])
+        out.append(engine.outer_state_bytes())
+        engine.close()
+    return out
+
+
+def test_fsdp_inside_the_node_equals_ddp_inside_it():
+    """FSDP2 over the node's ranks, a rank's DiLoCo shard its FSDP shard (Nesterov outer, 20 steps)."""
+    seed = int(torch.randint(0, 2**20, ()))
+    results = run_distributed(fsdp_vs_ddp, 4, seed, 20, timeout=180)
+    for ddp, _, fsdp, _ in results:
+        assert any(not torch.equal(a, b) for a, b in zip(ddp, _model(seed).parameters()))
+        for a, b in zip(ddp, fsdp):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # a node's ranks hold the outer state (θ_g, momentum, Δ: 12 bytes per value) once between them,
+    # cut where DDP's shards or FSDP's row chunks fall
+    n = sum(p.numel() for p in _model(seed).parameters())
+    for node in ((0, 1), (2, 3)):
+        assert sum(results[r][1] for r in node) == sum(results[r][3] for r in node) == 12 * n

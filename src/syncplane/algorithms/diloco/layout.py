@@ -41,9 +41,6 @@ def check_replica(replica: str, inner: str, *, fragments: int = 1, overlap_steps
                          "one rank, there is nothing to shard inside it")
     if replica == "rank":
         return
-    if inner == "fsdp":
-        raise ValueError("inner='fsdp' (FSDP2 fully_shard over the node, a rank's DiLoCo shard its FSDP shard) is not "
-                         "built yet; inner='ddp' runs node replicas")
     if elastic:
         raise ValueError(f"replica={replica!r} with elastic=true: a node as one torchft replica group (healing "
                          "as one) is not built; elastic mode runs replica='rank'")
@@ -67,6 +64,10 @@ class ReplicaLayout:
         flat = [r for node in self.nodes for r in node]
         if not self.nodes or any(not node for node in self.nodes) or flat != list(range(len(flat))):
             raise ValueError(f"replica='node': nodes must number the ranks 0..n-1 node by node, got {self.nodes}")
+        if self.inner == "fsdp" and len(set(self.sizes)) > 1:
+            raise ValueError(f"inner='fsdp' needs nodes of one size (a rank's DiLoCo shard is its FSDP shard, "
+                             f"exchanged with the same shard of every node); got nodes of {self.sizes} ranks: "
+                             "use inner='ddp'")
 
     @classmethod
     def of_sizes(cls, sizes: Sequence[int], inner: str = "ddp") -> ReplicaLayout:

@@ -1,12 +1,14 @@
 """DiLoCo with a node as one replica (``replica: node``), Lightning-free.
 
 Inside a node, torch's DDP over the node's ranks (``inner_group``: NCCL on GPUs, gloo on
-CPU) keeps the node's ranks one model. Across nodes, rank j of a node keeps only its shards
+CPU) keeps the node's ranks one model; or FSDP2's ``fully_shard`` over them, where a rank's
+DiLoCo shard is its FSDP parameter shard (no gather of parameters at all: shard j's group is
+the j-th ranks of every node, which needs nodes of one size). Across nodes, rank j of a node keeps only its shards
 of the outer state (``layout.ReplicaLayout``: θ_g and the outer optimizer per shard, Δ formed
 in place in the host mirror) and exchanges each with that shard's owners in the other nodes,
 on a ``StreamRunner`` of its own (its own gloo groups: L exchanges at once per node, on the
-host's NICs in turn, with the deadline and commit/discard of every DiLoCo exchange). After
-the round, one all-gather on the node's gloo group rebuilds the replica's whole θ_g, which
+host's NICs in turn, with the deadline and commit/discard of every DiLoCo exchange). With DDP, after
+the round one all-gather on the node's gloo group rebuilds the replica's whole θ_g, which
 is copied into the model.
 
 A shard whose exchange was discarded keeps the replica's θ_local there (the owner puts it
@@ -22,6 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
@@ -36,6 +41,17 @@ from syncplane.exchanges import MeshExchange
 from syncplane.job import JobContext
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's own values of ``tensor``: its FSDP shard (a view: writing it writes the parameter)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """What a replica's outer round works on: the parameters (this rank's shard of each, under
+    FSDP), then the floating buffers."""
+    return [local(p.data) for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
+
+
 def node_groups(layout: ReplicaLayout, backend: str) -> dist.ProcessGroup:
     """This rank's node group on ``backend`` (a collective: every rank builds every node's)."""
     mine, _ = dist.new_subgroups_by_enumeration([list(node) for node in layout.nodes], backend=backend)
@@ -46,30 +62,35 @@ class NodeEngine:
     """A collective to construct (node groups, shard streams): every rank, same order.
 
     Args:
-        tensors: the model's tensors, parameters first, then floating buffers.
-        n_params: how many of their values are parameters (the outer optimizer's part).
+        module: the model; the engine wraps it (``module``: DDP over the node, or the same
+            module sharded by FSDP2's ``fully_shard``) -- train the wrapped one.
         config: the validated settings (plain rounds: fragments 1, no overlap).
         job: the job's shape (this rank, the NICs).
         layout: the node replicas and the shard owner map.
+        device_ids: DDP's, for a model on a GPU.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], n_params: int, config: DiLoCoConfig, job: JobContext,
-                 layout: ReplicaLayout) -> None:
+    def __init__(self, module: torch.nn.Module, config: DiLoCoConfig, job: JobContext, layout: ReplicaLayout,
+                 device_ids: list[int] | None = None) -> None:
         self.config, self.layout, self.rank = config, layout, job.rank
         self.sync_every = config.sync_every
-        self.host = host_mirror(tensors)      # the gather target: the replica's whole model
+        on_gpu = next(module.parameters()).device.type == "cuda"
+        self.gather_group = node_groups(layout, "gloo")
+        self.inner_group = node_groups(layout, "nccl") if on_gpu else self.gather_group
+        self.module = self._wrap(module, "cuda" if on_gpu else "cpu", device_ids)
+        tensors = local_tensors(module)
+        n_params = sum(local(p.data).numel() for p in module.parameters())
+        self.host = host_mirror(tensors)      # DDP: the gather target, the replica's whole model
         total = self.host.buffer.numel()
-        self.bounds = layout.bounds(total)
+        self.sharded = layout.inner == "fsdp"   # the FSDP shard is this rank's whole outer share
         self.owned = list(layout.owned(job.rank))
+        self.bounds = {k: (0, total) for k in self.owned} if self.sharded else dict(enumerate(layout.bounds(total)))
         self.span = (self.bounds[self.owned[0]][0], self.bounds[self.owned[-1]][1])
         self.weight = layout.weight(job.rank)
         pin = self.host.on_gpu
         self.outers = {k: OuterOptimizer(self.host.buffer[a:max(a, min(b, n_params))], config.outer_optimizer,
                                          config.outer_kwargs, pin=pin, rule=config.outer)
                        for k, (a, b) in ((k, self.bounds[k]) for k in self.owned)}
-        on_gpu = tensors[0].device.type == "cuda"
-        self.gather_group = node_groups(layout, "gloo")
-        self.inner_group = node_groups(layout, "nccl") if on_gpu else self.gather_group
         key = reserve_key("diloco-node")
         shards = 1 if config.shards == "auto" else int(config.shards)
         self.runners = {k: StreamRunner(MeshExchange(shards), codec=make_codec(config.compression, config.block_size),
@@ -79,8 +100,10 @@ class NodeEngine:
         self.shards, self.exchange_name = shards, "mesh"
         self.pending: dict[int, Round] = {}
 
-    def wrap(self, module: torch.nn.Module, device_ids: list[int] | None = None) -> DistributedDataParallel:
-        """``module`` in torch's DDP over this node's ranks (``inner: ddp``): the node trains as one model."""
+    def _wrap(self, module: torch.nn.Module, device: str, device_ids: list[int] | None) -> torch.nn.Module:
+        """``inner: ddp``: torch's DDP over the node; ``fsdp``: FSDP2's ``fully_shard`` over it (in place)."""
+        if self.layout.inner == "fsdp":
+            return fully_shard(module, mesh=DeviceMesh.from_group(self.inner_group, device))
         return DistributedDataParallel(module, device_ids=device_ids, process_group=self.inner_group)
 
     # ------------------------------------------------------------ the schedule (P = 1, τ = 0)
@@ -92,6 +115,7 @@ class NodeEngine:
     def launch(self, tensors: Sequence[torch.Tensor], fragment: int, due: int, background: bool,
                meter: CommMeter) -> None:
         """One round of every owned shard: Δ, the weighted mean over its group, the outer step."""
+        tensors = [local(t) for t in tensors]
         committed = [self._shard_round(tensors, k, meter) for k in self.owned]
         self.pending[fragment] = Round(fragment, due, committed=all(committed))
 
@@ -107,8 +131,9 @@ class NodeEngine:
     def merge(self, tensors: Sequence[torch.Tensor], round_: Round, alpha: float) -> bool:
         """The replica's θ_g gathered from its ranks into the live model; True if every owned shard
         committed. Always gathers: a discarded shard carries θ_local, the node's ranks agree."""
-        self._gather()
-        self.host.from_host(list(tensors), alpha=alpha)
+        if not self.sharded:
+            self._gather()
+        self.host.from_host([local(t) for t in tensors], alpha=alpha)
         return bool(round_.committed)
 
     @property
