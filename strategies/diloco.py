@@ -123,6 +123,7 @@ class DiLoCo(SyncplaneStrategy):
         layout = node_layout(self.config.replica, self.config.inner, job)
         if layout is None:
             self._engine = engine = DiLoCoEngine(self.model_tensors(), n_params, self.config, job)
+            self.details.update(replica="rank", replicas=job.world_size, ranks_per_replica=[1] * job.world_size)
         else:
             self._engine = engine = NodeEngine(self.model, self.config, job, layout, self.determine_ddp_device_ids())
             self.model = engine.module

@@ -207,3 +207,20 @@ def test_fsdp_inside_the_node_equals_ddp_inside_it():
     n = sum(p.numel() for p in _model(seed).parameters())
     for node in ((0, 1), (2, 3)):
         assert sum(results[r][1] for r in node) == sum(results[r][3] for r in node) == 12 * n
+
+
+def test_through_lightning_a_mid_round_resume_from_sharded_outer_state_is_bit_identical(tmp_path):
+    """The Trainer's checkpoint: each rank's outer shards ride in its own replica file."""
+    from syncplane.job import JobContext
+    from syncplane.strategies.replicas import load_replicas
+    from tests.dist.test_diloco import resume_vs_uninterrupted
+
+    kwargs = {"sync_every": 2, "replica": "node", "exchange": "mesh", "compression": "int8", "block_size": 4,
+              "job": JobContext(world_size=4, local_world_size=2)}
+    results = run_distributed(resume_vs_uninterrupted, 4, str(tmp_path), kwargs, "nodes.ckpt", timeout=240)
+    shards = [r["rank_state"]["shards"] for r in load_replicas(tmp_path / "nodes.ckpt")]
+    assert shards == [[0], [1], [0], [1]]
+    for (params, outer), (resumed_params, resumed_outer), rounds in results:
+        assert rounds == 12 // 2
+        assert torch.equal(outer, resumed_outer)
+        assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
