@@ -224,3 +224,39 @@ def test_through_lightning_a_mid_round_resume_from_sharded_outer_state_is_bit_id
         assert rounds == 12 // 2
         assert torch.equal(outer, resumed_outer)
         assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
+
+
+def discard_one_shard(rank: int, world: int, seed: int):
+    """Shard 1's group discards its round (as the runner does when a member times out)."""
+    from syncplane.comm import CommMeter
+
+    model = _model(seed)
+    engine = _engine(rank, world, [2, 2], {"sync_every": 1, **PLAIN_AVERAGING}, model)
+    for k, runner in engine.runners.items():
+        if k == 1:
+            runner.allreduce_mean_ = lambda flat, meter=None, **kw: False
+    theta_g = {k: engine.outers[k].params.clone() for k in engine.owned}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    _inner_step(engine.module, optimizer, seed, rank, 0)
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    tensors = [p.data for p in model.parameters()]
+    engine.launch(tensors, 0, 1, False, CommMeter())
+    committed = engine.merge(tensors, engine.outer.pop(0), 0.0)
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    moved = {k: not torch.equal(engine.outers[k].params, theta_g[k]) for k in engine.owned}
+    engine.close()
+    return committed, local, after, moved, engine.bounds
+
+
+def test_a_discarded_shard_keeps_the_replicas_local_values_and_the_others_commit():
+    seed = int(torch.randint(0, 2**20, ()))
+    results = run_distributed(discard_one_shard, 4, seed, timeout=120)
+    assert [r[0] for r in results] == [True, False, True, False]     # ranks 1 and 3 own shard 1
+    assert [r[3] for r in results] == [{0: True}, {1: False}, {0: True}, {1: False}]
+    (a0, b0), (a1, b1) = results[0][4][0], results[0][4][1]
+    for node in ((0, 1), (2, 3)):
+        first, second = (results[r] for r in node)
+        assert torch.equal(first[2], second[2])                      # the node's ranks stay one model
+        assert torch.equal(first[2][a1:b1], first[1][a1:b1])         # shard 1: θ_local kept
+        assert not torch.equal(first[2][a0:b0], first[1][a0:b0])     # shard 0: the outer step's θ_g
+    assert torch.equal(results[0][2][a0:b0], results[2][2][a0:b0])   # shard 0 agreed across nodes
