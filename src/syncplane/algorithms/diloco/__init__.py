@@ -4,7 +4,9 @@ Files: ``outer.py`` (the CPU outer optimizer and one round: Δ, average, step, c
 discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing α),
 ``config.py`` (the validated settings), ``exchange.py`` (which all-reduce carries Δ: the
 transport's sharded owner exchange, ``syncplane.comm.streams``, or FlexReduce's tree run on
-the same S streams; their cost, and ``shards: auto``), ``bench.py``; the cost of a round
+the same S streams; their cost, and ``shards: auto``), ``layout.py`` and ``node.py`` (``replica:
+node``: a node's ranks are one replica, DDP or FSDP2 inside, the outer state sharded over
+them), ``bench.py``; the cost of a round
 is declared below.
 Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
 """
