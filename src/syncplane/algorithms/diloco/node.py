@@ -41,6 +41,10 @@ from syncplane.exchanges import MeshExchange
 from syncplane.job import JobContext
 
 
+#: Values per all-gather of the replica's θ_g (its staging: (L + 1) x 16 MB at most).
+GATHER_CHUNK = 1 << 22
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """A rank's own values of ``tensor``: its FSDP shard (a view: writing it writes the parameter)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -197,15 +201,21 @@ class NodeEngine:
         return False
 
     def _gather(self) -> None:
-        """Every rank of the node gets the whole θ_g: one all-gather of the owned spans (padded)."""
+        """Every rank of the node gets the whole θ_g: an all-gather of the owned spans (padded to
+        the widest), in pieces of ``GATHER_CHUNK`` values so that its staging stays small."""
         node = self.layout.nodes[self.layout.replica_of(self.rank)]
         if len(node) == 1:
             return
         spans = [(self.bounds[o[0]][0], self.bounds[o[-1]][1]) for o in map(self.layout.owned, node)]
         width = max(b - a for a, b in spans)
-        mine = torch.zeros(width)
-        mine[: self.span[1] - self.span[0]].copy_(self.host.buffer[slice(*self.span)])
-        pieces = [torch.empty(width) for _ in node]
-        dist.all_gather(pieces, mine, group=self.gather_group)
-        for (a, b), piece in zip(spans, pieces):
-            self.host.buffer[a:b].copy_(piece[: b - a])
+        step = min(width, GATHER_CHUNK)
+        mine, out = torch.zeros(step), torch.empty(len(node) * step)
+        for c in range(0, width, step):
+            n = min(step, width - c)
+            a, b = self.span
+            own = self.host.buffer[min(a + c, b):min(a + c + n, b)]
+            mine[: own.numel()].copy_(own)
+            dist.all_gather_into_tensor(out[: len(node) * n], mine[:n], group=self.gather_group)
+            for i, (a_i, b_i) in enumerate(spans):
+                part = self.host.buffer[min(a_i + c, b_i):min(a_i + c + n, b_i)]
+                part.copy_(out[i * n: i * n + part.numel()])
