@@ -3,7 +3,8 @@ pseudo-gradient, with the outer state on CPU and the exchange over gloo.
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:
 
-- ``setup_sync``: lay the model (parameters, then floating buffers) out in one flat
+- ``setup_sync``: with ``replica: node`` (``syncplane.algorithms.diloco.node``), wrap the model
+  in torch's DDP over the node's ranks and shard the outer state over them; otherwise lay the model (parameters, then floating buffers) out in one flat
   fp32 host buffer, create the outer optimizer over the parameters' part (``θ_g`` on
   CPU; one per fragment) and the sharded gloo exchange -- separate gloo groups, so this
   works when the training itself uses NCCL; its pattern (``exchange``: the mesh, or
@@ -42,6 +43,8 @@ from typing_extensions import override
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
+from syncplane.algorithms.diloco.layout import check_replica, node_layout
+from syncplane.algorithms.diloco.node import NodeEngine
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
@@ -52,7 +55,7 @@ from syncplane.strategies.registry import register
 class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, shards,
     compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
-    fragments, overlap_steps, mix_alpha, exchange, topology), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
+    fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
     and heal give up after it; ``quorum_timeout_s``: how long a replica waits for a quorum;
     ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
@@ -76,19 +79,26 @@ class DiLoCo(SyncplaneStrategy):
                  mix_alpha: float | None = None, exchange: Literal["auto", "mesh", "tree", "gather", "owner"] = "auto",
                  topology: str | list[int] = "auto", elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
-                 lighthouse_host: str = "127.0.0.1", **kwargs: Any) -> None:
+                 lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",
+                 inner: Literal["ddp", "fsdp"] = "ddp", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = DiLoCoConfig(sync_every=sync_every, outer_optimizer=outer_optimizer, outer_kwargs=outer_kwargs,
                                    shards=shards, compression=compression, block_size=block_size,
                                    density=density, bits=bits, chunk=chunk, error_feedback_beta=error_feedback_beta,
                                    outer=outer,
                                    sync_timeout_s=sync_timeout_s, fragments=fragments, overlap_steps=overlap_steps,
-                                   mix_alpha=mix_alpha, exchange=exchange, topology=topology)
+                                   mix_alpha=mix_alpha, exchange=exchange, topology=topology, replica=replica,
+                                   inner=inner)
+        check_replica(replica, inner, elastic=bool(elastic))
+        if inner == "fsdp":   # the engine runs it (NodeEngine); validation and checkpoints here see whole tensors
+            raise ValueError("inner='fsdp' runs in syncplane.algorithms.diloco.node.NodeEngine; through Lightning's "
+                             "Trainer it is not built yet (consensus validation and checkpoints of FSDP shards): "
+                             "use inner='ddp'")
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self.mix_alpha = self.config.alpha
         self.rounds = 0     # committed outer steps (one per fragment round)
         self.skipped = 0    # discarded rounds
-        self._engine: DiLoCoEngine | None = None
+        self._engine: DiLoCoEngine | NodeEngine | None = None
         if bool(elastic) != self.ELASTIC:
             raise ValueError(f"elastic={elastic!r} on {type(self).__name__}: construct DiLoCo(..., elastic=...), "
                              "which picks the class for the mode")
@@ -110,11 +120,18 @@ class DiLoCo(SyncplaneStrategy):
         n_params = sum(p.numel() for p in self.lightning_module.parameters())
         if self._engine is not None:
             self._engine.close()
-        self._engine = engine = DiLoCoEngine(self.model_tensors(), n_params, self.config, job)
+        layout = node_layout(self.config.replica, self.config.inner, job)
+        if layout is None:
+            self._engine = engine = DiLoCoEngine(self.model_tensors(), n_params, self.config, job)
+            self.details.update(replica="rank", replicas=job.world_size, ranks_per_replica=[1] * job.world_size)
+        else:
+            self._engine = engine = NodeEngine(self.model, self.config, job, layout, self.determine_ddp_device_ids())
+            self.model = engine.module
+            self.details.update(layout.describe())
         self.details["shards"], self.details["exchange"] = engine.shards, engine.exchange_name
 
     @property
-    def engine(self) -> DiLoCoEngine:
+    def engine(self) -> DiLoCoEngine | NodeEngine:
         if self._engine is None:
             raise RuntimeError("diloco is not set up yet (setup_sync runs when fitting starts)")
         return self._engine
@@ -158,6 +175,7 @@ class DiLoCo(SyncplaneStrategy):
             self.rounds += 1
         else:
             self.skipped += 1
+        self.details["outer_state_bytes_per_rank"] = self.engine.outer_state_bytes()   # rank 0's in summary.json
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:

@@ -42,7 +42,8 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
                "error_feedback_beta": 2, "outer": "adam", "exchange": "star", "topology": [3], "sync_timeout_s": 0,
                "fragments": 20, "overlap_steps": 10, "mix_alpha": 2, "consensus_eval": "x", "elastic": "x",
                "round_timeout_s": 0, "quorum_timeout_s": 0, "heartbeat_timeout_s": 0, "join_timeout_s": 0,
-               "lighthouse_host": ""},
+               "lighthouse_host": "", "replica": "cluster",
+               "inner": "fsdp"},   # inner=fsdp with replica=rank
     "ds_sync": {"topology": "two_racks", "adjust_every": -1, "imbalance": 0.5, "slow_factor": 2, "probe_mb": 0,
                 "ema": "x", "ema_decay": 2, "pair_streams": 0},     # two_racks has 8 ranks, the job 2
     "flexreduce": {"topology": [3], "chunk_mb": -3, "bucket_cap_mb": 0},
@@ -140,6 +141,46 @@ def test_canary_nested_is_checked_against_the_emulated_clusters_profile(tmp_path
     registry.validate("canary", {"exchange": "nested"}, JobContext.planned(8, load_profile("two_racks")))
     with pytest.raises(ConfigError, match="exchange: nested"):
         registry.validate("canary", {"exchange": "nested"}, JobContext.planned(8))
+
+
+@pytest.mark.parametrize("kwargs,job,key", [
+    ({"replica": "node"}, ("homogeneous8", 8), "replica='node' on a job of one rank per host"),
+    ({"replica": "node"}, (None, 5, 2), "replica='node': the job's nodes do not divide"),
+    ({"replica": "node", "elastic": True}, ("multi_nic", 4), "replica='node' with elastic=true"),
+    ({"replica": "node", "fragments": 2}, ("multi_nic", 4), "replica='node' runs plain DiLoCo rounds"),
+    ({"replica": "node", "compression": "sparse"}, ("multi_nic", 4), "replica='node' exchanges each shard"),
+    ({"replica": "node", "inner": "fsdp"}, ("multi_nic", 4), "inner='fsdp' runs in .*NodeEngine"),
+], ids=lambda v: str(v)[:30])
+def test_diloco_node_replicas_refuse_a_job_they_cannot_run_naming_the_key(kwargs, job, key):
+    """``replica: node`` needs hosts of several ranks that divide the job (the profile's hosts,
+    or ``LOCAL_WORLD_SIZE`` under torchrun); elastic and streaming rounds are refused by name."""
+    from syncplane.cluster import load_profile
+    from syncplane.job import JobContext
+    from syncplane.strategies import registry
+
+    cluster, world, *local = job
+    context = (JobContext.planned(world, load_profile(cluster)) if cluster
+               else JobContext(world_size=world, local_world_size=local[0]))
+    with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
+        registry.validate("diloco", kwargs, context)
+
+
+def test_diloco_node_replicas_take_the_hosts_of_the_profile_or_the_launcher():
+    from syncplane.algorithms.diloco.layout import node_layout
+    from syncplane.cluster import load_profile
+    from syncplane.job import JobContext
+    from syncplane.strategies import registry
+
+    registry.validate("diloco", {"replica": "node"}, JobContext.planned(4, load_profile("multi_nic")))
+    assert node_layout("node", "ddp", JobContext(world_size=8, local_world_size=4)).sizes == [4, 4]
+    assert node_layout("auto", "ddp", JobContext.planned(5, load_profile("asymmetric_2_3"))).sizes == [2, 3]
+    assert node_layout("auto", "ddp", JobContext.planned(8, load_profile("homogeneous8"))) is None
+    assert node_layout("rank", "ddp", JobContext(world_size=8, local_world_size=4)) is None
+    assert node_layout("node", "fsdp", JobContext(world_size=8, local_world_size=4)).inner == "fsdp"
+    with pytest.raises(ValueError, match="inner='fsdp': replica='auto' is 'rank'"):
+        node_layout("auto", "fsdp", JobContext.planned(8, load_profile("homogeneous8")))
+    with pytest.raises(ValueError, match="inner='fsdp' needs nodes of one size"):
+        node_layout("node", "fsdp", JobContext.planned(5, load_profile("asymmetric_2_3")))
 
 
 def test_a_check_only_the_running_ranks_can_make_fails_with_one_line(tmp_path, capsys, monkeypatch):

@@ -138,11 +138,17 @@ class StreamRunner:
         timeout_s: a round that has not completed after this long counts as failed.
         error_feedback_beta: β of every residual, ``e ← β·e + x`` (1: keep all that was
             dropped; SparseLoCo decays it, ``ErrorFeedback``).
+        members: the global ranks the exchange runs over, in group-rank order (default: all);
+            only they construct it. Several runners over different members (DiLoCo's
+            shard groups across node replicas) need the same ``key`` on their members:
+            take it from ``reserve_key`` on every rank.
+        key: the store prefix of a runner over ``members`` (required with them).
     """
 
     def __init__(self, exchange: StreamExchange, *, codec: Codec | None = None,
                  interfaces: Sequence[str] | None = None, timeout_s: float = 600.0,
-                 error_feedback_beta: float = 1.0) -> None:
+                 error_feedback_beta: float = 1.0, members: Sequence[int] | None = None,
+                 key: str | None = None) -> None:
         global _instances
         if not dist.is_initialized():
             raise RuntimeError("StreamRunner needs an initialized default process group")
@@ -152,7 +158,14 @@ class StreamRunner:
         if exchange.feedback_slots == 0 and not isinstance(self.codec, Fp32):
             raise ValueError(f"the {type(exchange).__name__} carries exact fp32 only; codec "
                              f"{type(self.codec).__name__} needs an exchange that compresses (the mesh)")
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        if members is None:
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self._id, _instances = str(_instances), _instances + 1
+        else:
+            if key is None or dist.get_rank() not in members:
+                raise ValueError(f"a StreamRunner over ranks {list(members)} needs a key and is built by "
+                                 f"those ranks only (rank {dist.get_rank()})")
+            self.rank, self.size, self._id = list(members).index(dist.get_rank()), len(members), key
         exchange.check(self.size)
         self.exchange = exchange
         self.interfaces = list(interfaces) if interfaces else None
@@ -160,7 +173,6 @@ class StreamRunner:
         self.beta = error_feedback_beta
         self.failures = 0
         self.last_error: str | None = None
-        self._id, _instances = _instances, _instances + 1
         self._generation = 0
         self._store = distributed_c10d._get_default_store()
         first = self.interfaces[0] if self.interfaces else None
@@ -318,6 +330,14 @@ class StreamRunner:
         return bool(flag.item())
 
 
+def reserve_key(name: str) -> str:
+    """A store key for runners built over subsets of the ranks (``StreamRunner(members=...)``):
+    call it on every rank, in the same order, once per set of such runners."""
+    global _instances
+    key, _instances = f"{_instances}/{name}", _instances + 1
+    return key
+
+
 def _release(group: dist.ProcessGroupGloo) -> None:
     """Abort ``group`` so that anything still in flight on it fails now. Newer torch gives gloo
     groups ``abort`` (2.14 has it); torch 2.6, the floor, does not: there the group is only
@@ -327,4 +347,4 @@ def _release(group: dist.ProcessGroupGloo) -> None:
         abort()
 
 
-__all__ = ["Round", "StreamExchange", "StreamRunner", "directed", "shard_bounds"]
+__all__ = ["Round", "StreamExchange", "StreamRunner", "directed", "reserve_key", "shard_bounds"]

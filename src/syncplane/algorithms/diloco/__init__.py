@@ -4,7 +4,9 @@ Files: ``outer.py`` (the CPU outer optimizer and one round: Δ, average, step, c
 discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing α),
 ``config.py`` (the validated settings), ``exchange.py`` (which all-reduce carries Δ: the
 transport's sharded owner exchange, ``syncplane.comm.streams``, or FlexReduce's tree run on
-the same S streams; their cost, and ``shards: auto``), ``bench.py``; the cost of a round
+the same S streams; their cost, and ``shards: auto``), ``layout.py`` and ``node.py`` (``replica:
+node``: a node's ranks are one replica, DDP or FSDP2 inside, the outer state sharded over
+them), ``bench.py``; the cost of a round
 is declared below.
 Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
 """
@@ -17,6 +19,7 @@ from typing import Any
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import delta_codec, exchange_phases
+from syncplane.algorithms.diloco.layout import node_layout
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
@@ -46,7 +49,8 @@ def _pattern(options: Mapping[str, Any]) -> str:
 
 def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
     """A topology the job names must load and cover its ranks (an elastic replica is a job
-    of one: it has no tree)."""
+    of one: it has no tree); ``replica: node`` needs hosts of several ranks that divide the job."""
+    node_layout(str(kwargs.get("replica", "rank")), str(kwargs.get("inner", "ddp")), job)
     topology = kwargs.get("topology", "auto")
     if topology != "auto" and not kwargs.get("elastic", False):
         check_topology(topology, job)

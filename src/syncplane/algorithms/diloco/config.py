@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from syncplane.algorithms.diloco.exchange import check_exchange, delta_codec
+from syncplane.algorithms.diloco.layout import check_replica
 from syncplane.algorithms.diloco.outer import check_outer
 from syncplane.algorithms.diloco.sparse import check_compression
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
@@ -64,6 +65,8 @@ class DiLoCoConfig:
     mix_alpha: float | None = None
     exchange: Literal["auto", "mesh", "owner", "tree", "gather"] = "auto"
     topology: str | list[int] = "auto"
+    replica: Literal["rank", "node", "auto"] = "rank"
+    inner: Literal["ddp", "fsdp"] = "ddp"
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -85,6 +88,8 @@ class DiLoCoConfig:
             raise ValueError(f"topology: expected auto, a profile name / path, or a list of ranks per host "
                              f"(each >= 1), got {self.topology!r}")
         self.alpha   # validates the streaming options
+        check_replica(self.replica, self.inner, fragments=self.fragments, overlap_steps=self.overlap_steps,
+                      compression=self.compression, exchange=self.exchange)
 
     def codec(self) -> Codec:
         """What carries Δ on the wire (``compression`` and its settings)."""

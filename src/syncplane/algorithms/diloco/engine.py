@@ -74,6 +74,10 @@ class DiLoCoEngine:
         self.host.from_host(list(tensors), *self.outer.bounds[round_.fragment], alpha=alpha)
         return True
 
+    def outer_state_bytes(self) -> int:
+        """θ_g, the outer optimizer's state and Δ (the host mirror) on this rank."""
+        return sum(o.state_bytes() for o in self.outer.outers) + self.host.buffer.numel() * 4
+
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback residuals (int8 and sparse; empty for fp32)."""
         return {"exchange": self.exchange.state_dict()}

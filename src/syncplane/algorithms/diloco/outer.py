@@ -135,6 +135,12 @@ class OuterOptimizer:
         self.step(head)
         head.copy_(self.params)
 
+    def state_bytes(self) -> int:
+        """Host bytes of θ_g and the optimizer's state tensors (momentum, Adam's moments)."""
+        tensors = [self.params, *(v for s in self.optimizer.state.values() for v in s.values()
+                                  if isinstance(v, torch.Tensor))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def state_dict(self) -> dict[str, Any]:
         """Tensors and plain containers only (``torch.load(weights_only=True)``-loadable)."""
         return {"params": self.params.detach().clone(), "optimizer": self.optimizer.state_dict()}

@@ -1,0 +1,149 @@
+"""What one DiLoCo replica is: a rank (``replica: rank``, today's layout) or the ranks of a
+node (``replica: node``, the INTELLECT-1 layout of the DiLoCo blog), and how a node replica's
+outer state is sharded over its ranks.
+
+A node replica of L ranks trains as one model (torch's DDP over the node's ranks syncs the
+gradients every step) and shards its outer state: the flat model ``[parameters | floating
+buffers]`` is cut into ``S = max L`` shards (``shard_bounds``), and local rank j of a node of
+L ranks owns the contiguous block of shards ``[j·S//L, (j+1)·S//L)`` -- its θ_g, outer
+optimizer state and Δ, on CPU. Shard k is exchanged among its owners, one per replica (the
+shard group of k), so the groups line up across nodes of different sizes: on 2+1 ranks
+the lone rank of the small node owns both shards and sits in both groups. Pseudo-gradients
+are weighted by the replica's rank (sample) count, so that H = 1 with outer SGD lr 1 and no
+momentum is DDP over all ranks whatever the node sizes.
+
+``replica: auto`` takes ``node`` when the job has several hosts and some host runs several
+ranks, else ``rank``. The default stays ``rank`` until a training comparison says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from syncplane.comm.streams import shard_bounds
+from syncplane.job import JobContext
+
+REPLICAS = ("rank", "node", "auto")
+INNERS = ("ddp", "fsdp")
+
+
+def check_replica(replica: str, inner: str, *, fragments: int = 1, overlap_steps: int = 0,
+                  compression: str = "none", exchange: str = "auto", elastic: bool = False) -> None:
+    """The settings of ``replica``/``inner`` and what a node replica runs with (errors name the key)."""
+    if replica not in REPLICAS:
+        raise ValueError(f"replica: allowed values: {', '.join(REPLICAS)}; got {replica!r}")
+    if inner not in INNERS:
+        raise ValueError(f"inner: allowed values: {', '.join(INNERS)}; got {inner!r}")
+    if replica == "rank" and inner != "ddp":
+        raise ValueError(f"inner={inner!r} needs replica='node' (or 'auto'): with replica='rank' a replica is "
+                         "one rank, there is nothing to shard inside it")
+    if replica == "rank":
+        return
+    if elastic:
+        raise ValueError(f"replica={replica!r} with elastic=true: a node as one torchft replica group (healing "
+                         "as one) is not built; elastic mode runs replica='rank'")
+    if fragments != 1 or overlap_steps != 0:
+        raise ValueError(f"replica={replica!r} runs plain DiLoCo rounds (fragments=1, overlap_steps=0); got "
+                         f"fragments={fragments}, overlap_steps={overlap_steps}")
+    if compression not in ("none", "int8") or exchange not in ("auto", "mesh", "owner"):
+        raise ValueError(f"replica={replica!r} exchanges each shard on the mesh (compression none or int8); got "
+                         f"compression={compression!r}, exchange={exchange!r}")
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Node replicas: the ranks of each (ranks numbered node by node), and the shard owner map
+    (module docstring). Build it from the job (``node_layout``) or a list of nodes."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    inner: str = "ddp"
+
+    def __post_init__(self) -> None:
+        flat = [r for node in self.nodes for r in node]
+        if not self.nodes or any(not node for node in self.nodes) or flat != list(range(len(flat))):
+            raise ValueError(f"replica='node': nodes must number the ranks 0..n-1 node by node, got {self.nodes}")
+        if self.inner == "fsdp" and len(set(self.sizes)) > 1:
+            raise ValueError(f"inner='fsdp' needs nodes of one size (a rank's DiLoCo shard is its FSDP shard, "
+                             f"exchanged with the same shard of every node); got nodes of {self.sizes} ranks: "
+                             "use inner='ddp'")
+
+    @classmethod
+    def of_sizes(cls, sizes: Sequence[int], inner: str = "ddp") -> ReplicaLayout:
+        """Nodes of ``sizes`` ranks each, numbered in order (``[2, 1]``: ranks 0-1, then 2)."""
+        firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return cls(tuple(tuple(range(f, f + n)) for f, n in zip(firsts, sizes)), inner)
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(node) for node in self.nodes)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Ranks per replica."""
+        return [len(node) for node in self.nodes]
+
+    @property
+    def shards(self) -> int:
+        """S: the outer state's shard count, the largest node's rank count."""
+        return max(self.sizes)
+
+    @cached_property
+    def _place(self) -> dict[int, tuple[int, int]]:
+        return {rank: (r, j) for r, node in enumerate(self.nodes) for j, rank in enumerate(node)}
+
+    def replica_of(self, rank: int) -> int:
+        return self._place[rank][0]
+
+    def owned(self, rank: int) -> range:
+        """The shards ``rank`` owns: a contiguous block, ``[j·S//L, (j+1)·S//L)``."""
+        r, j = self._place[rank]
+        size = len(self.nodes[r])
+        return range(j * self.shards // size, (j + 1) * self.shards // size)
+
+    def owner(self, replica: int, shard: int) -> int:
+        """The rank of ``replica`` that owns ``shard``."""
+        return next(rank for rank in self.nodes[replica] if shard in self.owned(rank))
+
+    def shard_group(self, shard: int) -> tuple[int, ...]:
+        """The ranks that exchange ``shard``: its owner in every replica, in replica order."""
+        return tuple(self.owner(r, shard) for r in range(len(self.nodes)))
+
+    def weight(self, rank: int) -> float:
+        """What ``rank``'s replica's Δ is scaled by before the plain mean over replicas, so that
+        the mean weighs each replica by its rank count: ``L_r · N / W`` (1 when nodes are even)."""
+        if len(set(self.sizes)) == 1:
+            return 1.0
+        return len(self.nodes[self.replica_of(rank)]) * len(self.nodes) / self.world_size
+
+    def bounds(self, numel: int) -> list[tuple[int, int]]:
+        """``[start, end)`` of each shard of a flat buffer of ``numel`` values."""
+        return shard_bounds(numel, self.shards)
+
+    def describe(self) -> dict[str, object]:
+        """For ``summary.json``: replicas, ranks per replica, inner."""
+        return {"replica": "node", "replicas": len(self.nodes), "ranks_per_replica": self.sizes,
+                "inner": self.inner, "outer_shards": self.shards}
+
+
+def node_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout | None:
+    """The job's node layout for ``replica`` (None: every rank is its own replica). Refuses
+    ``node`` on a job of one rank per host, and a host size that does not divide the world,
+    naming ``replica``."""
+    if replica == "rank":
+        return None
+    try:
+        nodes = job.hosts()
+    except ValueError as exc:
+        raise ValueError(f"replica={replica!r}: the job's nodes do not divide its ranks: {exc}") from None
+    several = any(len(node) > 1 for node in nodes)
+    if replica == "auto" and not (several and len(nodes) > 1):
+        if inner != "ddp":
+            raise ValueError(f"inner={inner!r}: replica='auto' is 'rank' on this job ({len(nodes)} host(s) of "
+                             f"{[len(n) for n in nodes]} ranks), where a replica is one rank")
+        return None
+    if replica == "node" and not several:
+        raise ValueError(f"replica='node' on a job of one rank per host ({len(nodes)} hosts): every node is one "
+                         "rank already; use replica='rank' (or 'auto')")
+    return ReplicaLayout(tuple(map(tuple, nodes)), inner)

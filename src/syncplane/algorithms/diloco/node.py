@@ -1,0 +1,221 @@
+"""DiLoCo with a node as one replica (``replica: node``), Lightning-free.
+
+Inside a node, torch's DDP over the node's ranks (``inner_group``: NCCL on GPUs, gloo on
+CPU) keeps the node's ranks one model; or FSDP2's ``fully_shard`` over them, where a rank's
+DiLoCo shard is its FSDP parameter shard (no gather of parameters at all: shard j's group is
+the j-th ranks of every node, which needs nodes of one size). Across nodes, rank j of a node keeps only its shards
+of the outer state (``layout.ReplicaLayout``: θ_g and the outer optimizer per shard, Δ formed
+in place in the host mirror) and exchanges each with that shard's owners in the other nodes,
+on a ``StreamRunner`` of its own (its own gloo groups: L exchanges at once per node, on the
+host's NICs in turn, with the deadline and commit/discard of every DiLoCo exchange). With DDP, after
+the round one all-gather on the node's gloo group rebuilds the replica's whole θ_g, which
+is copied into the model.
+
+A shard whose exchange was discarded keeps the replica's θ_local there (the owner puts it
+back before the gather): its group skipped the round on every replica, nothing is lost.
+With one rank per node the round is ``DiLoCoEngine``'s, bit for bit (one shard: the whole
+model, on a mesh over every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from syncplane.algorithms.diloco.config import DiLoCoConfig
+from syncplane.algorithms.diloco.engine import host_mirror
+from syncplane.algorithms.diloco.layout import ReplicaLayout
+from syncplane.algorithms.diloco.outer import OuterOptimizer
+from syncplane.algorithms.diloco.streaming import Round
+from syncplane.comm import make_codec
+from syncplane.comm.meter import CommMeter
+from syncplane.comm.streams import StreamRunner, reserve_key
+from syncplane.exchanges import MeshExchange
+from syncplane.job import JobContext
+
+
+#: Values per all-gather of the replica's θ_g (its staging: (L + 1) x 16 MB at most).
+GATHER_CHUNK = 1 << 22
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's own values of ``tensor``: its FSDP shard (a view: writing it writes the parameter)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """What a replica's outer round works on: the parameters (this rank's shard of each, under
+    FSDP), then the floating buffers."""
+    return [local(p.data) for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
+
+
+def node_groups(layout: ReplicaLayout, backend: str) -> dist.ProcessGroup:
+    """This rank's node group on ``backend`` (a collective: every rank builds every node's)."""
+    mine, _ = dist.new_subgroups_by_enumeration([list(node) for node in layout.nodes], backend=backend)
+    return mine
+
+
+class NodeEngine:
+    """A collective to construct (node groups, shard streams): every rank, same order.
+
+    Args:
+        module: the model; the engine wraps it (``module``: DDP over the node, or the same
+            module sharded by FSDP2's ``fully_shard``) -- train the wrapped one.
+        config: the validated settings (plain rounds: fragments 1, no overlap).
+        job: the job's shape (this rank, the NICs).
+        layout: the node replicas and the shard owner map.
+        device_ids: DDP's, for a model on a GPU.
+    """
+
+    def __init__(self, module: torch.nn.Module, config: DiLoCoConfig, job: JobContext, layout: ReplicaLayout,
+                 device_ids: list[int] | None = None) -> None:
+        self.config, self.layout, self.rank = config, layout, job.rank
+        self.sync_every = config.sync_every
+        on_gpu = next(module.parameters()).device.type == "cuda"
+        self.gather_group = node_groups(layout, "gloo")
+        self.inner_group = node_groups(layout, "nccl") if on_gpu else self.gather_group
+        self.module = self._wrap(module, "cuda" if on_gpu else "cpu", device_ids)
+        tensors = local_tensors(module)
+        n_params = sum(local(p.data).numel() for p in module.parameters())
+        self.host = host_mirror(tensors)      # DDP: the gather target, the replica's whole model
+        total = self.host.buffer.numel()
+        self.sharded = layout.inner == "fsdp"   # the FSDP shard is this rank's whole outer share
+        self.owned = list(layout.owned(job.rank))
+        self.bounds = {k: (0, total) for k in self.owned} if self.sharded else dict(enumerate(layout.bounds(total)))
+        self.span = (self.bounds[self.owned[0]][0], self.bounds[self.owned[-1]][1])
+        self.weight = layout.weight(job.rank)
+        pin = self.host.on_gpu
+        self.outers = {k: OuterOptimizer(self.host.buffer[a:max(a, min(b, n_params))], config.outer_optimizer,
+                                         config.outer_kwargs, pin=pin, rule=config.outer)
+                       for k, (a, b) in ((k, self.bounds[k]) for k in self.owned)}
+        key = reserve_key("diloco-node")
+        shards = 1 if config.shards == "auto" else int(config.shards)
+        self.runners = {k: StreamRunner(MeshExchange(shards), codec=make_codec(config.compression, config.block_size),
+                                        interfaces=job.interfaces, timeout_s=config.sync_timeout_s,
+                                        members=layout.shard_group(k), key=f"{key}/shard{k}")
+                        for k in self.owned}
+        self.shards, self.exchange_name = shards, "mesh"
+        self.pending: dict[int, Round] = {}
+
+    def _wrap(self, module: torch.nn.Module, device: str, device_ids: list[int] | None) -> torch.nn.Module:
+        """``inner: ddp``: torch's DDP over the node; ``fsdp``: FSDP2's ``fully_shard`` over it (in place)."""
+        if self.layout.inner == "fsdp":
+            return fully_shard(module, mesh=DeviceMesh.from_group(self.inner_group, device))
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=self.inner_group)
+
+    # ------------------------------------------------------------ the schedule (P = 1, τ = 0)
+
+    def starting(self, done: int) -> list[int]:
+        """The (one) fragment whose round starts once ``done`` steps are complete."""
+        return [0] if done % self.sync_every == 0 else []
+
+    def launch(self, tensors: Sequence[torch.Tensor], fragment: int, due: int, background: bool,
+               meter: CommMeter) -> None:
+        """One round of every owned shard: Δ, the weighted mean over its group, the outer step."""
+        tensors = [local(t) for t in tensors]
+        committed = [self._shard_round(tensors, k, meter) for k in self.owned]
+        self.pending[fragment] = Round(fragment, due, committed=all(committed))
+
+    def pop(self, fragment: int) -> Round:
+        return self.pending.pop(fragment)
+
+    def pop_due(self, done: int) -> list[Round]:
+        return [self.pending.pop(p) for p in sorted(self.pending) if self.pending[p].due <= done]
+
+    def wait(self) -> None:
+        """Rounds run blocking: nothing is ever in flight."""
+
+    def merge(self, tensors: Sequence[torch.Tensor], round_: Round, alpha: float) -> bool:
+        """The replica's θ_g gathered from its ranks into the live model; True if every owned shard
+        committed. Always gathers: a discarded shard carries θ_local, the node's ranks agree."""
+        if not self.sharded:
+            self._gather()
+        self.host.from_host([local(t) for t in tensors], alpha=alpha)
+        return bool(round_.committed)
+
+    @property
+    def outer(self) -> NodeEngine:
+        """The schedule and outer state (``DiLoCoEngine.outer``'s interface)."""
+        return self
+
+    @property
+    def params(self) -> torch.Tensor:
+        """This rank's θ_g shards (concatenated in shard order)."""
+        return torch.cat([self.outers[k].params for k in self.owned])
+
+    # ------------------------------------------------------------ state
+
+    def outer_state_bytes(self) -> int:
+        """θ_g, the outer optimizer's state and the Δ this rank keeps: about 1/L of ``replica: rank``'s."""
+        return sum(o.state_bytes() for o in self.outers.values()) + 4 * (self.span[1] - self.span[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What every rank shares: the layout (the outer state is per rank: ``rank_state_dict``)."""
+        return {"replicas": self.layout.sizes}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if list(state.get("replicas", [])) != self.layout.sizes:
+            raise ValueError(f"the checkpoint was written with replicas of {state.get('replicas')} ranks, this run "
+                             f"has {self.layout.sizes}: replica='node' resumes on the same nodes")
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's outer shards and their exchanges' error-feedback residuals."""
+        return {"shards": list(self.owned), "outer": [self.outers[k].state_dict() for k in self.owned],
+                "exchange": [self.runners[k].state_dict() for k in self.owned]}
+
+    def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not state:
+            return
+        if list(state["shards"]) != self.owned:
+            raise ValueError(f"the checkpoint gives rank {self.rank} shards {state['shards']}, it owns {self.owned}")
+        for k, outer, exchange in zip(self.owned, state["outer"], state["exchange"]):
+            self.outers[k].load_state_dict(outer)
+            self.runners[k].load_state_dict(exchange)
+
+    def close(self) -> None:
+        for runner in self.runners.values():
+            runner.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _shard_round(self, tensors: Sequence[torch.Tensor], k: int, meter: CommMeter) -> bool:
+        a, b = self.bounds[k]
+        self.host.to_host(list(tensors), a, b)
+        runner = self.runners[k]
+
+        def average_(flat: torch.Tensor) -> bool:
+            if self.weight != 1.0:
+                flat.mul_(self.weight)
+            return runner.allreduce_mean_(flat, meter)
+
+        if self.outers[k].round_(self.host.buffer[a:b], average_):
+            return True
+        self.host.to_host(list(tensors), a, b)   # discarded: θ_local back in place of Δ
+        return False
+
+    def _gather(self) -> None:
+        """Every rank of the node gets the whole θ_g: an all-gather of the owned spans (padded to
+        the widest), in pieces of ``GATHER_CHUNK`` values so that its staging stays small."""
+        node = self.layout.nodes[self.layout.replica_of(self.rank)]
+        if len(node) == 1:
+            return
+        spans = [(self.bounds[o[0]][0], self.bounds[o[-1]][1]) for o in map(self.layout.owned, node)]
+        width = max(b - a for a, b in spans)
+        step = min(width, GATHER_CHUNK)
+        mine, out = torch.zeros(step), torch.empty(len(node) * step)
+        for c in range(0, width, step):
+            n = min(step, width - c)
+            a, b = self.span
+            own = self.host.buffer[min(a + c, b):min(a + c + n, b)]
+            mine[: own.numel()].copy_(own)
+            dist.all_gather_into_tensor(out[: len(node) * n], mine[:n], group=self.gather_group)
+            for i, (a_i, b_i) in enumerate(spans):
+                part = self.host.buffer[min(a_i + c, b_i):min(a_i + c + n, b_i)]
+                part.copy_(out[i * n: i * n + part.numel()])

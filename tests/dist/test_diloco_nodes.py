@@ -1,0 +1,267 @@
+"""``replica: node``: a node of L ranks is one DiLoCo replica (DDP inside it), its outer state
+sharded over its ranks -- on real gloo ranks, nodes given as ranks per host, fresh random inputs.
+
+- H = 1, outer SGD lr 1, no momentum: DDP over all ranks (1e-6), on even nodes (2+2) and
+  uneven ones (2+1, 1+3: the replicas weighted by their rank count).
+- FSDP2 inside the node (a rank's DiLoCo shard its FSDP shard) equals DDP inside it (1e-5, 20 steps).
+- One rank per node: today's ``DiLoCoEngine``, bit for bit (Nesterov; int8 with error feedback).
+- A resume from the sharded outer state (``torch.load(weights_only=True)``) continues bit for
+  bit; each rank keeps 1/L of the outer state.
+- Through Lightning's Trainer (the strategy's glue): H = 1 equals Lightning's DDP on 2 hosts of 2.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from tests.dist.test_diloco import PLAIN_AVERAGING, _vs_ddp
+from tests.helpers.distributed import run_distributed
+
+LR, DIM = 0.05, 6
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(DIM, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+
+
+def _batch(seed: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 7919 + rank * 131 + step)
+    x = torch.randn(4, DIM, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def _inner_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int, rank: int, step: int) -> None:
+    x, y = _batch(seed, rank, step)
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(module(x), y).backward()
+    optimizer.step()
+
+
+def _engine(rank: int, world: int, sizes: list[int] | None, kwargs: dict, model: torch.nn.Module,
+            inner: str = "ddp"):
+    """The node engine on nodes of ``sizes`` ranks (None: today's per-rank engine)."""
+    from syncplane.algorithms.diloco.config import DiLoCoConfig
+    from syncplane.algorithms.diloco.engine import DiLoCoEngine
+    from syncplane.algorithms.diloco.layout import ReplicaLayout
+    from syncplane.algorithms.diloco.node import NodeEngine
+    from syncplane.job import JobContext
+
+    job = JobContext(rank=rank, world_size=world)
+    if sizes is None:
+        tensors = [p.data for p in model.parameters()]
+        return DiLoCoEngine(tensors, sum(t.numel() for t in tensors), DiLoCoConfig(exchange="mesh", **kwargs), job)
+    config = DiLoCoConfig(replica="node", exchange="mesh", **kwargs)
+    return NodeEngine(model, config, job, ReplicaLayout.of_sizes(sizes, inner))
+
+
+def _train(engine, module, model, optimizer, seed: int, rank: int, steps: range, sync_every: int) -> None:
+    """``steps`` inner steps of ``module`` (the model, or DDP over it), a round every ``sync_every``."""
+    from syncplane.comm import CommMeter
+
+    tensors = [p.data for p in model.parameters()]
+    for step in steps:
+        _inner_step(module, optimizer, seed, rank, step)
+        if (step + 1) % sync_every == 0:
+            engine.launch(tensors, 0, step + 1, False, CommMeter())
+            engine.merge(tensors, engine.outer.pop(0), 0.0)
+
+
+def node_vs_ddp(rank: int, world: int, sizes: list[int], seed: int, steps: int, gather_chunk: int):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from syncplane.algorithms.diloco import node
+
+    node.GATHER_CHUNK = gather_chunk
+
+    model = _model(seed)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        _inner_step(ddp, optimizer, seed, rank, step)
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    model = _model(seed)
+    engine = _engine(rank, world, sizes, {"sync_every": 1, **PLAIN_AVERAGING}, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    _train(engine, engine.module, model, optimizer, seed, rank, range(steps), 1)
+    engine.close()
+    return reference, [p.detach().clone() for p in model.parameters()], list(engine.owned)
+
+
+@pytest.mark.parametrize("sizes", [[2, 2], [2, 1], [1, 3]], ids=str)
+def test_node_replicas_with_h1_plain_outer_sgd_equal_ddp_over_all_ranks(sizes):
+    seed = int(torch.randint(0, 2**20, ()))
+    # the replica's θ_g gathered in pieces of 7 values (the model has 41; shards of 21, 20 / 14, 14, 13)
+    results = run_distributed(node_vs_ddp, sum(sizes), sizes, seed, 4, 7, timeout=180)
+    for reference, params, _ in results:
+        for ddp, node in zip(reference, params):
+            torch.testing.assert_close(node, ddp, rtol=1e-6, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(results[0][1], _model(seed).parameters()))
+    # a small node's ranks own several shards: 2+1 -> rank 2 owns both; 1+3 -> rank 0 owns all three
+    assert [owned for _, _, owned in results] == {"[2, 2]": [[0], [1], [0], [1]], "[2, 1]": [[0], [1], [0, 1]],
+                                                  "[1, 3]": [[0, 1, 2], [0], [1], [2]]}[str(sizes)]
+
+
+def one_rank_nodes_vs_diloco(rank: int, world: int, seed: int, kwargs: dict):
+    out = []
+    for sizes in (None, [1] * world):
+        model = _model(seed)
+        engine = _engine(rank, world, sizes, kwargs, model)
+        module = model if sizes is None else engine.module
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        _train(engine, module, model, optimizer, seed, rank, range(7), kwargs["sync_every"])
+        out.append(([p.detach().clone() for p in model.parameters()], engine.outer.params.clone()))
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [{"sync_every": 2}, {"sync_every": 3, "compression": "int8", "block_size": 4}],
+                         ids=["nesterov", "int8"])
+def test_one_rank_per_node_is_todays_diloco_bit_for_bit(kwargs):
+    seed = int(torch.randint(0, 2**20, ()))
+    for (params, outer), (node_params, node_outer) in run_distributed(one_rank_nodes_vs_diloco, 3, seed, kwargs,
+                                                                      timeout=180):
+        assert torch.equal(outer, node_outer)
+        assert all(torch.equal(a, b) for a, b in zip(params, node_params))
+
+
+def resume_sharded(rank: int, world: int, sizes: list[int], seed: int):
+    """6 rounds straight, and 3 rounds + the state through bytes (weights_only) + 3 more."""
+    kwargs = {"sync_every": 2, "compression": "int8", "block_size": 4}
+
+    def fresh():
+        model = _model(seed)
+        engine = _engine(rank, world, sizes, kwargs, model)
+        return model, engine, engine.module, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+    model, engine, module, optimizer = fresh()
+    _train(engine, module, model, optimizer, seed, rank, range(12), 2)
+    straight = [p.detach().clone() for p in model.parameters()], engine.outer.params.clone()
+    engine.close()
+
+    model, engine, module, optimizer = fresh()
+    _train(engine, module, model, optimizer, seed, rank, range(6), 2)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sync": engine.state_dict(),
+                "rank": engine.rank_state_dict()}, buffer)
+    saved_bytes = engine.outer_state_bytes()
+    engine.close()
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    model, engine, module, optimizer = fresh()
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    engine.load_state_dict(state["sync"])
+    engine.load_rank_state_dict(state["rank"])
+    _train(engine, module, model, optimizer, seed, rank, range(6, 12), 2)
+    resumed = [p.detach().clone() for p in model.parameters()], engine.outer.params.clone()
+    engine.close()
+    return straight, resumed, saved_bytes, sum(p.numel() for p in model.parameters())
+
+
+def test_resume_from_the_sharded_outer_state_is_bit_identical_and_each_rank_keeps_its_share():
+    seed = int(torch.randint(0, 2**20, ()))
+    results = run_distributed(resume_sharded, 3, [2, 1], seed, timeout=180)
+    for (params, outer), (resumed_params, resumed_outer), _, _ in results:
+        assert torch.equal(outer, resumed_outer)
+        assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
+    n = results[0][3]
+    # θ_g, Nesterov momentum and Δ, 12 bytes per value: rank 2 (a node of one) all of it, ranks 0-1 half each
+    assert [r[2] for r in results] == [12 * ((n + 1) // 2), 12 * (n // 2), 12 * n]
+
+
+def test_through_lightning_h1_on_two_hosts_of_two_equals_ddp(tmp_path):
+    from syncplane.job import JobContext
+
+    kwargs = {"replica": "node", "exchange": "mesh", "job": JobContext(world_size=4, local_world_size=2)}
+    results = run_distributed(_vs_ddp, 4, str(tmp_path), 3, None, kwargs, timeout=240)
+    for params, rounds, sent, details in results:
+        assert rounds == 3 and sent > 0
+        assert details["replicas"] == 2 and details["ranks_per_replica"] == [2, 2] and details["inner"] == "ddp"
+        for ddp, diloco in zip(params["ddp"], params["diloco"]):
+            torch.testing.assert_close(diloco, ddp, rtol=1e-6, atol=1e-6)
+
+
+def fsdp_vs_ddp(rank: int, world: int, seed: int, steps: int):
+    out = []
+    for inner in ("ddp", "fsdp"):
+        model = _model(seed)
+        engine = _engine(rank, world, [2, 2], {"sync_every": 5}, model, inner)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        _train(engine, engine.module, model, optimizer, seed, rank, range(steps), 5)
+        out.append([p.full_tensor() if inner == "fsdp" else p.detach().clone() for p in model.parameters()])
+        out.append(engine.outer_state_bytes())
+        engine.close()
+    return out
+
+
+def test_fsdp_inside_the_node_equals_ddp_inside_it():
+    """FSDP2 over the node's ranks, a rank's DiLoCo shard its FSDP shard (Nesterov outer, 20 steps)."""
+    seed = int(torch.randint(0, 2**20, ()))
+    results = run_distributed(fsdp_vs_ddp, 4, seed, 20, timeout=180)
+    for ddp, _, fsdp, _ in results:
+        assert any(not torch.equal(a, b) for a, b in zip(ddp, _model(seed).parameters()))
+        for a, b in zip(ddp, fsdp):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # a node's ranks hold the outer state (θ_g, momentum, Δ: 12 bytes per value) once between them,
+    # cut where DDP's shards or FSDP's row chunks fall
+    n = sum(p.numel() for p in _model(seed).parameters())
+    for node in ((0, 1), (2, 3)):
+        assert sum(results[r][1] for r in node) == sum(results[r][3] for r in node) == 12 * n
+
+
+def test_through_lightning_a_mid_round_resume_from_sharded_outer_state_is_bit_identical(tmp_path):
+    """The Trainer's checkpoint: each rank's outer shards ride in its own replica file."""
+    from syncplane.job import JobContext
+    from syncplane.strategies.replicas import load_replicas
+    from tests.dist.test_diloco import resume_vs_uninterrupted
+
+    kwargs = {"sync_every": 2, "replica": "node", "exchange": "mesh", "compression": "int8", "block_size": 4,
+              "job": JobContext(world_size=4, local_world_size=2)}
+    results = run_distributed(resume_vs_uninterrupted, 4, str(tmp_path), kwargs, "nodes.ckpt", timeout=240)
+    shards = [r["rank_state"]["shards"] for r in load_replicas(tmp_path / "nodes.ckpt")]
+    assert shards == [[0], [1], [0], [1]]
+    for (params, outer), (resumed_params, resumed_outer), rounds in results:
+        assert rounds == 12 // 2
+        assert torch.equal(outer, resumed_outer)
+        assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
+
+
+def discard_one_shard(rank: int, world: int, seed: int):
+    """Shard 1's group discards its round (as the runner does when a member times out)."""
+    from syncplane.comm import CommMeter
+
+    model = _model(seed)
+    engine = _engine(rank, world, [2, 2], {"sync_every": 1, **PLAIN_AVERAGING}, model)
+    for k, runner in engine.runners.items():
+        if k == 1:
+            runner.allreduce_mean_ = lambda flat, meter=None, **kw: False
+    theta_g = {k: engine.outers[k].params.clone() for k in engine.owned}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    _inner_step(engine.module, optimizer, seed, rank, 0)
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    tensors = [p.data for p in model.parameters()]
+    engine.launch(tensors, 0, 1, False, CommMeter())
+    committed = engine.merge(tensors, engine.outer.pop(0), 0.0)
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    moved = {k: not torch.equal(engine.outers[k].params, theta_g[k]) for k in engine.owned}
+    engine.close()
+    return committed, local, after, moved, engine.bounds
+
+
+def test_a_discarded_shard_keeps_the_replicas_local_values_and_the_others_commit():
+    seed = int(torch.randint(0, 2**20, ()))
+    results = run_distributed(discard_one_shard, 4, seed, timeout=120)
+    assert [r[0] for r in results] == [True, False, True, False]     # ranks 1 and 3 own shard 1
+    assert [r[3] for r in results] == [{0: True}, {1: False}, {0: True}, {1: False}]
+    (a0, b0), (a1, b1) = results[0][4][0], results[0][4][1]
+    for node in ((0, 1), (2, 3)):
+        first, second = (results[r] for r in node)
+        assert torch.equal(first[2], second[2])                      # the node's ranks stay one model
+        assert torch.equal(first[2][a1:b1], first[1][a1:b1])         # shard 1: θ_local kept
+        assert not torch.equal(first[2][a0:b0], first[1][a0:b0])     # shard 0: the outer step's θ_g
+    assert torch.equal(results[0][2][a0:b0], results[2][2][a0:b0])   # shard 0 agreed across nodes
