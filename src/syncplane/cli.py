@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="train one recipe with several strategies and peers (horovod, "
                                              "torchft_diloco) in turn; report time to accuracy side by side")
     compare.add_argument("--recipe", default="digits", help="a recipe config (configs/recipe/NAME.yaml)")
-    compare.add_argument("--cluster", help="an emulated cluster (configs/cluster/NAME.yaml); default: this machine")
+    compare.add_argument("--cluster", help="an emulated cluster: a shipped profile name or a YAML path; default: this machine")
     compare.add_argument("--strategies", default="ddp,diloco,torchft_diloco",
                          help="comma-separated strategies and peers (horovod, torchft_diloco)")
     compare.add_argument("--target-acc", type=float, help="validation accuracy whose time to reach is reported")
