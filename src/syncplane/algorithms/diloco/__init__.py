@@ -16,7 +16,7 @@ from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import exchange_phases
+from syncplane.algorithms.diloco.exchange import EXCHANGES, STREAM_CHOICES, exchange_phases
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
@@ -64,4 +64,8 @@ SPEC = AlgorithmSpec(
     streams=lambda options: int(options.get("shards", 1)),
     pattern=_pattern,
     check_job=_check_job,
+    # the plan's candidates: S streams x the exchange of Δ (the gather carries the sparse codec)
+    variants={"diloco": tuple({"shards": s, "exchange": e, **({"compression": "sparse"} if e == "gather" else {})}
+                              for e in EXCHANGES for s in STREAM_CHOICES)},
+    period_key="sync_every",
 )
