@@ -135,7 +135,7 @@ def check_syncplane(argv: list[str]) -> None:
         prepare(args.overrides, args.fault, Path(args.out or "outputs/chaos/check"))
     elif getattr(args, "strategies", None):
         parse_strategies(args.strategies)
-    if getattr(args, "profile", None):
+    if getattr(args, "profile", None) and not _readers_own_file(args.profile):
         load_profile(args.profile)
 
 
