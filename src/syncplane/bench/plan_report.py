@@ -8,8 +8,6 @@ so ``strategy=auto`` decides by the same function inside the job.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,26 +33,12 @@ def _build(recipe: str) -> tuple[Any, Any]:
 
 
 def time_recipe_steps(recipe: str, steps: int = 3) -> float:
-    """Median seconds of one training step (forward, backward, optimizer step) of the real
-    model on one batch of its real data, on this machine, after one untimed step."""
-    import torch
+    """Median seconds of one training step of the recipe's real model on one batch of its
+    real data, on this machine (as ``strategy=auto`` times it)."""
+    from syncplane.runtime.autopilot import time_steps
 
     module, data = _build(recipe)
-    data.prepare_data()
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
-    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
-    times = []
-    for i in range(steps + 1):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        loss = module.training_step(batch, i)
-        loss = loss["loss"] if isinstance(loss, dict) else loss
-        loss.backward()
-        optimizer.step()
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time_steps(module, data, steps)
 
 
 def command_for(candidate: Candidate, cluster: str, world_size: int) -> str:
