@@ -18,6 +18,7 @@ import copy
 import logging
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -88,7 +89,9 @@ def time_steps(module: Any, data: Any, steps: int) -> float:
     the module itself is untouched: the run trains as if this had not happened."""
     import torch
 
-    with torch.random.fork_rng():
+    # no Trainer holds the copy: Lightning warns at each self.log in its training_step
+    with torch.random.fork_rng(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")
         model = copy.deepcopy(module)
         data.prepare_data()
         data.setup("fit")
