@@ -7,7 +7,8 @@
         --rdzv-id myjob train.py trainer.accelerator=gpu trainer.devices=8   # one rank per process
     srun train.py ...                                # likewise, from SLURM's variables (docs/clusters.md)
 
-Configuration lives in ``configs/`` (groups: strategy, recipe, trainer, logger).
+Configuration lives in ``configs/`` (groups: strategy, recipe, trainer, logger, cluster); ``cluster=``
+takes a shipped profile's name or the path of your own profile YAML (``cluster=./mine.yaml``).
 """
 
 from __future__ import annotations
@@ -43,5 +44,18 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+def accept_cluster_files() -> None:
+    """Let ``cluster=./mine.yaml`` name a profile file (Hydra alone only finds shipped names)."""
+    from syncplane.config import ConfigError
+    from syncplane.runtime.cluster_files import rewrite_cluster_overrides
+
+    try:
+        sys.argv[1:] = rewrite_cluster_overrides(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"syncplane: invalid configuration: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    accept_cluster_files()
     main()

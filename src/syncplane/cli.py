@@ -245,6 +245,30 @@ def check_bench_args(args: argparse.Namespace) -> Any:
                           steps=args.steps, warmup=args.warmup, compute_ms=args.compute_ms)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Price every strategy and its main settings on a cluster for this job; rank; explain."""
+    from syncplane.algorithms.plan import PlanInputs, make_plan
+    from syncplane.bench import plan_report
+    from syncplane.bench.runner import parse_payload
+    from syncplane.cluster import load_profile
+
+    profile = load_profile(args.cluster)
+    if (args.mb is None) == (args.recipe is None):
+        raise ConfigError("plan: give the payload as --mb MB (or a preset: resnet50, bert_large) or --recipe NAME")
+    payload = parse_payload(args.mb) if args.mb is not None else plan_report.recipe_payload(args.recipe)
+    if args.compute_ms is None and args.recipe is None:
+        raise ConfigError("--compute-ms: give the compute time per step (or --recipe NAME to time a few steps of it)")
+    compute_s = (args.compute_ms / 1000 if args.compute_ms is not None
+                 else plan_report.time_recipe_steps(args.recipe, args.time_steps))
+    strategies = tuple(s for s in args.strategies.split(",") if s) if args.strategies else None
+    plan = make_plan(profile, PlanInputs(payload, compute_s, args.period, args.alpha_ms / 1000, strategies))
+    plan_report.print_plan(plan, args.cluster, args.top)
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    plan_report.write_outputs(plan, args.cluster, args.json, png)
+    plan.best(args.accept)   # none in the class the user accepts: the error, exit 2
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import main_bench
     from syncplane.cluster.emulator import say_if_left_up
@@ -405,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="train one recipe with several strategies and peers (horovod, "
                                              "torchft_diloco) in turn; report time to accuracy side by side")
     compare.add_argument("--recipe", default="digits", help="a recipe config (configs/recipe/NAME.yaml)")
-    compare.add_argument("--cluster", help="an emulated cluster (configs/cluster/NAME.yaml); default: this machine")
+    compare.add_argument("--cluster", help="an emulated cluster: a shipped profile name or a YAML path; default: this machine")
     compare.add_argument("--strategies", default="ddp,diloco,torchft_diloco",
                          help="comma-separated strategies and peers (horovod, torchft_diloco); a variant of a "
                               "strategy's kwargs is its own row: 'ddp,diloco,diloco[compression=int8]'")
@@ -456,6 +480,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help="allowed rise of resident memory over the run (second-half slope)")
     soak.add_argument("--json", required=True, help="where to write the report")
     soak.set_defaults(func=cmd_soak)
+
+    plan = sub.add_parser("plan", help="price every strategy and its settings on a cluster for this job, "
+                                       "ranked by predicted step time, exact and approximate apart")
+    plan.add_argument("--cluster", required=True, help="shipped profile name or YAML path")
+    plan.add_argument("--mb", help="the payload: MB of fp32 parameters, or a preset: resnet50, bert_large")
+    plan.add_argument("--recipe", help="the payload from a recipe's parameter count (and, without "
+                                       "--compute-ms, its compute timed over a few real steps here)")
+    plan.add_argument("--compute-ms", type=float, help="compute per training step, in ms")
+    plan.add_argument("--time-steps", type=int, default=3, help="--recipe without --compute-ms: steps timed")
+    plan.add_argument("--period", type=int, default=None, help="H of the periodic strategies (default: each one's)")
+    plan.add_argument("--strategies", help="comma-separated strategies to price (default: every registered one)")
+    plan.add_argument("--accept", default="exact", choices=["exact", "approximate"],
+                      help="the accuracy class the winner must be in (exit 2 if none can run)")
+    plan.add_argument("--alpha-ms", type=float, default=DEFAULT_ALPHA_S * 1000, help="per-phase latency")
+    plan.add_argument("--top", type=int, default=None, help="rows per class in the table (default: all)")
+    plan.add_argument("--json", help="also write the plan here")
+    plan.add_argument("--png", help="chart path (default: next to --json)")
+    plan.set_defaults(func=cmd_plan)
 
     simulate = sub.add_parser("simulate", help="α-β cost model of each strategy on a profile, at any scale")
     simulate.add_argument("--cluster", required=True, help="shipped profile name or YAML path (the template)")

@@ -377,7 +377,9 @@ def test_schedule_rejects_an_empty_run():
 
 # ------------------------------------------------------------------ experiment presets
 
-STRATEGIES = sorted(p.stem for p in (ROOT / "configs" / "strategy").glob("*.yaml"))
+#: strategy=auto is left out: it plans for a network these GPU presets do not describe
+#: (its settings are checked in tests/unit/test_autopilot_settings.py)
+STRATEGIES = sorted(p.stem for p in (ROOT / "configs" / "strategy").glob("*.yaml") if p.stem != "auto")
 
 
 def compose_job(tmp_path: Path, *overrides: str):

@@ -77,6 +77,12 @@ class AlgorithmSpec:
         peer: a peer from another project, benchmarked beside ours (no syncplane strategy).
         check_job: the settings that depend on the job's ranks (a profile to load, a tree
             the exchange needs), checked in the launching process before any rank starts.
+        exact: the names whose result is DDP's (same averaged gradient every step, no codec);
+            ``syncplane plan`` and ``strategy=auto`` rank them apart from the approximate ones.
+        variants: name -> the settings (``strategy.kwargs``) ``syncplane plan`` prices, each
+            one candidate (absent: the defaults only). Bench option names are the kwargs' own,
+            so ``streams`` and ``pattern`` read a variant as they read the bench's options.
+        period_key: the ``strategy.kwargs`` key of a periodic algorithm's period (DiLoCo's H).
     """
 
     family: str
@@ -90,3 +96,18 @@ class AlgorithmSpec:
     pattern: Callable[[Mapping[str, Any]], str] = lambda options: "auto"
     peer: bool = False
     check_job: JobCheck = lambda name, kwargs, job: None
+    exact: tuple[str, ...] = ()
+    variants: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
+    period_key: str | None = None
+
+
+def compute_split(window: str | None, compute_s: float) -> tuple[float, float, float]:
+    """(before launch, between launch and wait, after wait) seconds of one step's compute,
+    forward : backward = 1 : 2 (their FLOP ratio), for a sync that runs behind ``window``
+    (an ``AlgorithmSpec.overlap`` value): ``backward`` (DDP's buckets), ``forward`` (ATC:
+    waited per module in the next forward), ``step`` (AWC: forward and backward) or None
+    (blocking). The bench's workers split their timed wait by it; the bench's prediction
+    and ``syncplane plan`` take the middle part as the compute a sync hides behind."""
+    forward, backward = compute_s / 3, 2 * compute_s / 3
+    return {None: (compute_s, 0.0, 0.0), "backward": (forward, backward, 0.0),
+            "forward": (0.0, forward, backward), "step": (0.0, compute_s, 0.0)}[window]

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from syncplane import algorithms
-from syncplane.algorithms import CostOptions
+from syncplane.algorithms import plan
 from syncplane.algorithms.ds_sync.pair_streams import check_pair_streams
-from syncplane.bench.syncs import PRESETS_BYTES, compute_split
+from syncplane.bench.syncs import PRESETS_BYTES
 from syncplane.cluster import ClusterProfile, load_profile
 from syncplane.cluster.cost import EMULATED_TCP, CostModel
 from syncplane.cluster.emulator import switch_namespace, uplink_drops
@@ -141,22 +141,20 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             if m.get("profile"):
                 row["profile"] = m["profile"]
         if name not in algorithms.PLANNED:
-            family = algorithms.spec_for(name)
-            options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange}
-            times = algorithms.strategy_times(model, name, payload_bytes,
-                                              CostOptions(periods.get(name, 1), family.streams(options),
-                                                          family.pattern(options), compression, density, bits))
-            window = family.overlap.get(name)
-            hidden = compute_split(window, compute_ms / 1000)[1]     # the compute it can hide behind
-            row["predicted_s"], row["bound_s"] = max(0.0, times.predicted_s - hidden), max(0.0, times.bound_s - hidden)
-            row["network_bound_s"] = max(0.0, times.network_bound_s - hidden)
-            row["network_binding"] = times.network_binding
-            row["overlap"] = window if hidden else None
+            options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
+                       "density": density, "bits": bits}
+            # priced as ``syncplane plan`` prices it: the compute its overlap window hides comes off
+            priced = plan.price(model, name, options, plan.PlanInputs(payload_bytes, compute_ms / 1000, period))
+            hidden = priced.hidden_s
+            row["predicted_s"], row["bound_s"] = priced.exposed_s, max(0.0, priced.bound_s - hidden)
+            row["network_bound_s"] = max(0.0, priced.network_bound_s - hidden)
+            row["network_binding"] = priced.network_binding
+            row["overlap"] = priced.overlap if hidden else None
             if "sync_s_median" in row:
                 row["bound_ratio"] = row["bound_s"] / row["sync_s_median"]
                 # no network (one host): no ratio, rather than a 0 that reads as "far from the wire"
                 row["network_bound_ratio"] = (row["network_bound_s"] / row["sync_s_median"]
-                                              if times.network_bound_s else None)
+                                              if priced.network_bound_s else None)
                 row["model_error"] = (row["predicted_s"] / row["sync_s_median"] - 1
                                       if row["sync_s_median"] > 0 else None)
         rows.append(row)

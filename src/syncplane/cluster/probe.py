@@ -97,6 +97,38 @@ class Topology:
 
         return slow(self.nic_estimate()), slow(self.uplink_estimate()) if len(self.racks) > 2 else []
 
+    def to_profile(self, name: str = "probed", loopback_mbit: float = 10_000.0) -> ClusterProfile:
+        """A cluster profile of what was found, for ``bench``/``simulate``/``emulate``/``plan``:
+        hosts and racks as found; a host's ``nic_mbit`` its best rate to another host of its
+        rack (a host alone in its rack: its best rate to any host -- its NIC cannot be told
+        from its uplink, and the slower of the two is what the profile then reproduces), a
+        single host ``loopback_mbit``; each rack's ``uplink_mbit`` (several racks) the median
+        rate of its ranks to other racks. Ranks are renumbered rack by rack, host by host, as
+        profiles number them. Not measured yet: per-flow caps (one stream vs several)."""
+        from syncplane.cluster.profile import HostSpec, RackSpec
+
+        nic, uplink = self.nic_estimate(), self.uplink_estimate()
+        several = len(self.racks) > 1
+
+        def mbit(bytes_per_s: float) -> float:
+            return float(f"{bytes_per_s * 8 / 1e6:.3g}")
+
+        racks = []
+        for k, members in enumerate(self.racks):
+            hosts = []
+            for h, ranks in enumerate(self.hosts):
+                if ranks[0] not in members:
+                    continue
+                others = [j for j in range(self.world_size) if j not in ranks]
+                rate = nic[ranks[0]] if nic[ranks[0]] is not None else \
+                    (float(self.bandwidth[ranks[0], others].max()) if others else loopback_mbit * 1e6 / 8)
+                hosts.append(HostSpec(name=f"h{h}", nic_mbit=mbit(rate), ranks=len(ranks)))
+            racks.append(RackSpec(name=f"r{k}", hosts=hosts,
+                                  uplink_mbit=mbit(uplink[k]) if several and uplink[k] is not None else None))
+        profile = ClusterProfile(name=name, racks=racks)
+        profile.validate()
+        return profile
+
     def to_dict(self) -> dict[str, Any]:
         return {"racks": self.racks, "hosts": self.hosts, "bandwidth": self.bandwidth.tolist(),
                 "latency": self.latency.tolist(), "source": self.source}
@@ -354,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=1.0, help="bytes each pair exchanges, in MB")
     parser.add_argument("--json", help="where rank 0 writes the topology")
     parser.add_argument("--refresh", action="store_true", help="ignore (and rewrite) the cached result")
+    parser.add_argument("--profile", help="where rank 0 writes a cluster profile YAML of what was found "
+                                          "(for bench, simulate, emulate, plan and train.py cluster=PATH)")
     args = parser.parse_args(argv)
     if args.mb <= 0:
         parser.error(f"--mb must be positive, got {args.mb}")
@@ -366,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                 data = topo.to_dict()
                 data["bandwidth"] = [[v if np.isfinite(v) else None for v in row] for row in data["bandwidth"]]
                 Path(args.json).write_text(json.dumps(data, indent=1))
+            if args.profile:
+                import yaml
+
+                profile = topo.to_profile(Path(args.profile).stem)
+                Path(args.profile).write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+                print(f"cluster profile written to {args.profile}")
     finally:
         dist.destroy_process_group()
     return 0

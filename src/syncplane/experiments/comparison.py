@@ -85,6 +85,9 @@ def compose_job(overrides: list[str], what: str) -> dict[str, Any]:
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
+    from syncplane.runtime.cluster_files import rewrite_cluster_overrides
+
+    overrides = rewrite_cluster_overrides(overrides)   # cluster=./mine.yaml: the user's own profile
     try:
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
             cfg = hydra_compose("config", overrides=overrides)

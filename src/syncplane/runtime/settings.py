@@ -153,13 +153,16 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", wor
 
     strategy_cfg = dict(cfg.get("strategy") or {})
     name = strategy_cfg.pop("name", None)
-    registered = strategy_registry.names()
+    from syncplane.runtime import autopilot
+
+    registered = [*strategy_registry.names(), autopilot.AUTO]
     if name not in registered:
         raise ConfigError(f"strategy.name: unknown strategy {name!r}; allowed values: {', '.join(registered)}")
     kwargs = strategy_cfg.pop("kwargs", None) or {}
     if strategy_cfg:
         raise ConfigError(f"strategy: unknown key(s) {', '.join(sorted(strategy_cfg))}; allowed keys: kwargs, name")
-    kwargs = check_kwargs(strategy_registry.accepted_params(name), kwargs, "strategy.kwargs")
+    if name != autopilot.AUTO:
+        kwargs = check_kwargs(strategy_registry.accepted_params(name), kwargs, "strategy.kwargs")
 
     recipe_cfg = dict(cfg.get("recipe") or {})
     recipe_name = recipe_cfg.pop("name", None)
@@ -201,7 +204,10 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", wor
             raise ConfigError("cluster: emulated clusters run CPU processes; set trainer.accelerator=cpu")
     if world is None:
         world = JobContext.planned(trainer.devices, cluster)
-    strategy_registry.validate(name, kwargs, world)
+    if name == autopilot.AUTO:   # the strategy is chosen on the ranks; its settings are checked here
+        autopilot.parse_settings(kwargs, cluster, world.world_size)
+    else:
+        strategy_registry.validate(name, kwargs, world)
     check_fault_ranks(cfg.get("fault"), faults, world.world_size)
     if trainer.accelerator in ("gpu", "cuda") and name != strategy_registry.BASELINE:
         from syncplane import ext

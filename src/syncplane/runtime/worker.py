@@ -20,9 +20,9 @@ import yaml
 from syncplane.comm.basics import release_groups
 from syncplane.config import ConfigError
 from syncplane.job import JobContext
-from syncplane.runtime import rendezvous
+from syncplane.runtime import autopilot, rendezvous
 from syncplane.runtime.launcher import die_with_parent
-from syncplane.runtime.settings import JobSpec, parse_job
+from syncplane.runtime.settings import JobSpec, StrategySpec, parse_job
 
 JOB_FILE = "job.yaml"
 
@@ -99,7 +99,17 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     # then finds the group initialized and joins it
     rendezvous.join(spec.trainer.accelerator, spec.trainer.rendezvous_timeout_s)
     module, data = recipes.get(spec.recipe_name).build(spec.recipe)
+    auto = None
+    if spec.strategy.name == autopilot.AUTO:   # decided here, identically on every rank, then run as if named
+        auto = autopilot.choose_strategy(spec.strategy.kwargs, spec.cluster, module, data, autopilot.torch_broadcast())
+        chosen = StrategySpec(auto["choice"]["strategy"], dict(auto["choice"]["kwargs"]))
+        registry.validate(chosen.name, chosen.kwargs, job)
+        spec = dataclasses.replace(spec, strategy=chosen)
     strategy = registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment(), job=job)
+    if auto is not None:
+        if not isinstance(getattr(strategy, "details", None), dict):
+            strategy.details = {}    # Lightning's own DDP keeps none
+        strategy.details["auto"] = auto
     report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name, spec.seed, spec.label)
     checkpoints = LastCheckpoint(Path(spec.run_dir) / "checkpoints")
     trainer_cfg = spec.trainer

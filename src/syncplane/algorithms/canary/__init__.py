@@ -63,6 +63,7 @@ SPEC = AlgorithmSpec(
     streams=lambda options: int(options.get("shards") or 1),
     pattern=lambda options: str(options.get("exchange") or "auto"),
     check_job=check_job,
+    variants={"canary": tuple({"exchange": e} for e in EXCHANGES)},
 )
 
 __all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "sketch_ratio"]

@@ -31,4 +31,5 @@ SPEC = AlgorithmSpec(
     bench_step=_step,
     cost=ddp_cost,
     overlap={"ddp": "backward"},   # generous to DDP: all of its buckets from the backward's start
+    exact=("ddp",),
 )

@@ -18,7 +18,7 @@ from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import delta_codec, exchange_phases
+from syncplane.algorithms.diloco.exchange import EXCHANGES, STREAM_CHOICES, delta_codec, exchange_phases
 from syncplane.algorithms.diloco.layout import node_layout
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
@@ -71,4 +71,8 @@ SPEC = AlgorithmSpec(
     streams=lambda options: int(options.get("shards", 1)),
     pattern=_pattern,
     check_job=_check_job,
+    # the plan's candidates: S streams x the exchange of Δ (the gather carries the sparse codec)
+    variants={"diloco": tuple({"shards": s, "exchange": e, **({"compression": "sparse"} if e == "gather" else {})}
+                              for e in EXCHANGES for s in STREAM_CHOICES)},
+    period_key="sync_every",
 )

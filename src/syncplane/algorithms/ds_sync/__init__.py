@@ -14,7 +14,7 @@ from typing import Any
 
 from syncplane.algorithms.ds_sync.bench import DSSyncStep
 from syncplane.algorithms.ds_sync.cost import ds_sync_steps
-from syncplane.algorithms.ds_sync.pair_streams import connections
+from syncplane.algorithms.ds_sync.pair_streams import MAX_PAIR_STREAMS, connections
 from syncplane.algorithms.spec import AlgorithmSpec
 from syncplane.cluster.probe import from_profile
 from syncplane.cluster.profile import load_profile
@@ -44,4 +44,5 @@ SPEC = AlgorithmSpec(
     # "auto" may pick the most streams: the bound is the best choice's
     streams=lambda options: connections(options.get("pair_streams", "auto")),
     check_job=_check_job,
+    variants={"ds_sync": tuple({"pair_streams": s} for s in (1, 2, MAX_PAIR_STREAMS))},
 )

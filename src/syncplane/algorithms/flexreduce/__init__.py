@@ -46,6 +46,7 @@ SPEC = AlgorithmSpec(
     cost=_cost,
     overlap={"flexreduce": "backward"},   # a DDP comm hook: buckets during the backward, as DDP's
     check_job=_check_job,
+    exact=("flexreduce",),   # DDP's mean, summed in another order
 )
 
 #: Its peers in the bench: the paper's own schedule (levels one after the other) and the

@@ -1,0 +1,209 @@
+"""The plan: every strategy and its main settings, priced on one cluster for one job, ranked.
+
+What ``syncplane plan`` prints and ``strategy=auto`` decides by. Each registered strategy is
+one or more candidates: its defaults, or the settings its ``AlgorithmSpec.variants`` lists
+(DiLoCo's streams x exchange, DS-Sync's pair streams, Canary's exchange), a periodic one at
+its period (DiLoCo's H: its default, or the one given). Each is priced by the α-β cost model
+exactly as ``syncplane simulate`` and the bench's prediction price it
+(``strategy_times``), then the part of the step's compute it runs behind (its spec's
+``overlap`` window, ``compute_split``) is taken off: predicted step = compute + exposed sync.
+A candidate that cannot run on this job (its ``check_job``, an exchange ``choose`` refuses
+on this cluster) is excluded with the reason. Candidates are split into **exact** (DDP's
+result: ``AlgorithmSpec.exact``) and **approximate** (gossip, local SGD, compression).
+
+A pure function of its inputs: every rank that computes it from the same inputs gets the
+same ranking (ties broken by the catalogue's order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from syncplane.algorithms import SPECS, StrategyTimes, spec_for, strategy_names, strategy_times
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, compute_split
+from syncplane.cluster.cost import DEFAULT_ALPHA_S, CostModel
+from syncplane.cluster.profile import ClusterProfile
+from syncplane.config import ConfigError
+from syncplane.exchanges.choose import NAMES, JobShape, choose
+from syncplane.job import JobContext
+
+#: ``strategy.kwargs.accept`` / ``syncplane plan --accept``: which results the user accepts.
+ACCEPT = ("exact", "approximate")
+
+
+def check_accept(value: Any, key: str = "strategy.kwargs.accept") -> str:
+    """``value`` if it is one of ``ACCEPT``; else a ConfigError naming ``key``."""
+    if value not in ACCEPT:
+        raise ConfigError(f"{key}: allowed values: {', '.join(ACCEPT)}; got {value!r}")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a plan depends on (written to ``strategy_details.auto.inputs``)."""
+
+    payload_bytes: int
+    compute_s: float = 0.0
+    period: int | None = None            # every periodic strategy's period (None: each one's default)
+    alpha_s: float = DEFAULT_ALPHA_S
+    strategies: tuple[str, ...] | None = None   # None: every registered strategy
+
+    def __post_init__(self) -> None:
+        if self.payload_bytes <= 0:
+            raise ConfigError(f"payload: must be positive, got {self.payload_bytes} bytes")
+        if self.compute_s < 0:
+            raise ConfigError(f"compute: must be at least 0 s, got {self.compute_s}")
+        if self.period is not None and self.period < 1:
+            raise ConfigError(f"period: must be at least 1, got {self.period}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy with one set of settings, priced (seconds per training step)."""
+
+    strategy: str
+    kwargs: dict[str, Any]
+    exact: bool
+    period: int              # steps per round (1: it communicates every step)
+    overlap: str | None      # the part of the step its sync runs behind (None: it blocks)
+    sync_s: float            # its sync per step, amortized over a round
+    hidden_s: float          # the compute it can hide behind
+    step_s: float            # compute + what is left of the sync
+    bound_s: float
+    network_bound_s: float
+    network_binding: str     # the cut or count that sets the network's bound
+
+    @property
+    def exposed_s(self) -> float:
+        return max(0.0, self.sync_s - self.hidden_s)
+
+    @property
+    def label(self) -> str:
+        knobs = " ".join(f"{k}={v}" for k, v in self.kwargs.items())
+        return f"{self.strategy} {knobs}".strip()
+
+    def overrides(self) -> list[str]:
+        """The ``train.py`` overrides that run this candidate."""
+        return [f"strategy={self.strategy}", *(f"strategy.kwargs.{k}={v}" for k, v in self.kwargs.items())]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "exposed_s": self.exposed_s, "label": self.label}
+
+
+@dataclass(frozen=True)
+class Excluded:
+    strategy: str
+    kwargs: dict[str, Any]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Candidates ranked by predicted step time (fastest first), and the ones that cannot run."""
+
+    cluster: str
+    world_size: int
+    inputs: PlanInputs
+    candidates: list[Candidate]
+    excluded: list[Excluded] = field(default_factory=list)
+
+    def ranked(self, accept: str) -> list[Candidate]:
+        """The candidates ``accept`` allows (``exact``: DDP's result only; ``approximate``: any)."""
+        check_accept(accept, "accept")
+        return [c for c in self.candidates if c.exact or accept == "approximate"]
+
+    def best(self, accept: str) -> Candidate:
+        """The fastest candidate ``accept`` allows; a ConfigError listing every excluded one
+        and its reason when there is none."""
+        ranked = self.ranked(accept)
+        if not ranked:
+            inexact = sorted({c.strategy for c in self.candidates if not c.exact})
+            reasons = "; ".join([*(f"{e.strategy} {_knobs(e.kwargs)}".strip() + f": {e.reason}" for e in self.excluded),
+                                 *(f"{name}: approximate (accept=approximate allows it)" for name in inexact)]) \
+                or "no strategy was offered"
+            raise ConfigError(f"plan: no {accept} candidate can run on this job ({self.world_size} ranks on "
+                              f"{self.cluster!r}); excluded: {reasons}")
+        return ranked[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cluster": self.cluster, "world_size": self.world_size, "inputs": asdict(self.inputs),
+                "candidates": [c.to_dict() for c in self.candidates],
+                "excluded": [asdict(e) for e in self.excluded]}
+
+
+def _knobs(kwargs: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+def offered(inputs: PlanInputs) -> list[str]:
+    """The strategies a plan prices: the ones given, else every registered strategy."""
+    names = strategy_names()
+    if inputs.strategies is None:
+        return names
+    unknown = [n for n in inputs.strategies if n not in names]
+    if unknown:
+        raise ConfigError(f"strategies: unknown {', '.join(unknown)}; allowed values: {', '.join(names)}")
+    return list(inputs.strategies)
+
+
+def settings_of(family: AlgorithmSpec, name: str, period: int | None) -> list[dict[str, Any]]:
+    """Each candidate's ``strategy.kwargs`` for ``name``: its variants (or its defaults), a
+    periodic one's period first."""
+    head = {family.period_key: period or family.default_period[name]} if family.periodic and family.period_key else {}
+    return [{**head, **variant} for variant in family.variants.get(name, ({},))]
+
+
+def why_not(name: str, kwargs: Mapping[str, Any], profile: ClusterProfile) -> str | None:
+    """Why this candidate cannot run on ``profile`` (None: it can): the family's own job
+    check, then the exchange it names as ``syncplane.exchanges.choose`` judges it here."""
+    job = JobContext.planned(profile.world_size, profile)
+    try:
+        spec_for(name).check_job(name, kwargs, job)
+        if "exchange" in kwargs:
+            compression = str(kwargs.get("compression", "none"))
+            choose(str(kwargs["exchange"]), JobShape.of_profile(profile), allowed=NAMES[1:],
+                   exact=compression == "none", sparse=compression == "sparse")
+    except (ConfigError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def price(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> Candidate:
+    """One candidate priced on ``model``'s cluster (module doc)."""
+    family = spec_for(name)
+    period = 1
+    if family.periodic:   # the period the settings name, else the one given, else its default
+        period = int(kwargs.get(family.period_key or "", inputs.period or family.default_period[name]))
+    times: StrategyTimes = strategy_times(model, name, inputs.payload_bytes,
+                                          CostOptions(period, family.streams(kwargs), family.pattern(kwargs),
+                                                      str(kwargs.get("compression", "none")),
+                                                      float(kwargs.get("density", CostOptions.density)),
+                                                      int(kwargs.get("bits", CostOptions.bits))))
+    window = family.overlap.get(name)
+    hidden = compute_split(window, inputs.compute_s)[1]
+    return Candidate(strategy=name, kwargs=dict(kwargs), exact=name in family.exact, period=period,
+                     overlap=window, sync_s=times.predicted_s, hidden_s=hidden,
+                     step_s=inputs.compute_s + max(0.0, times.predicted_s - hidden),
+                     bound_s=times.bound_s, network_bound_s=times.network_bound_s,
+                     network_binding=times.network_binding)
+
+
+def make_plan(profile: ClusterProfile, inputs: PlanInputs) -> Plan:
+    """Every offered strategy's candidates on ``profile``, priced and ranked (module doc)."""
+    model = CostModel(profile, alpha_s=inputs.alpha_s)
+    order = {name: i for i, name in enumerate(n for spec in SPECS for n in spec.strategies)}
+    candidates, excluded = [], []
+    for name in offered(inputs):
+        for kwargs in settings_of(spec_for(name), name, inputs.period):
+            reason = why_not(name, kwargs, profile)
+            if reason is None:
+                try:
+                    candidates.append(price(model, name, kwargs, inputs))
+                    continue
+                except (ConfigError, ValueError) as exc:    # a pattern this cluster cannot carry
+                    reason = str(exc)
+            excluded.append(Excluded(name, kwargs, reason))
+    candidates.sort(key=lambda c: (round(c.step_s, 9), order[c.strategy]))
+    return Plan(profile.name, profile.world_size, inputs, candidates, excluded)

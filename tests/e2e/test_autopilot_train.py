@@ -1,0 +1,35 @@
+"""``python train.py strategy=auto``: the job picks a strategy by the plan, runs it as if named,
+and its summary says what it chose and why (issue 36)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_auto_trains_digits_and_explains_its_choice(tmp_path: Path) -> None:
+    network = tmp_path / "pair.yaml"     # the network the plan is for (this job runs on this machine)
+    network.write_text(yaml.safe_dump({"name": "pair", "racks": [
+        {"name": "r0", "hosts": [{"name": "a", "nic_mbit": 100}, {"name": "b", "nic_mbit": 100}]}]}))
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "train.py", "strategy=auto", f"strategy.kwargs.cluster={network}",
+                             "trainer.devices=2", "trainer.max_epochs=1", f"hydra.run.dir={run}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    auto = summary["strategy_details"]["auto"]
+    assert auto["accept"] == "exact"
+    assert summary["strategy"] == auto["choice"]["strategy"] in {"ddp", "flexreduce"}   # exact only
+    assert all(c["exact"] for c in auto["candidates"] if c["strategy"] == auto["choice"]["strategy"])
+    assert auto["runner_up"] is not None and auto["runner_up"]["step_s"] >= auto["choice"]["step_s"]
+    assert auto["inputs"]["cluster"] == "pair" and auto["inputs"]["world_size"] == 2
+    assert auto["inputs"]["payload_bytes"] > 0 and auto["inputs"]["compute_s"] > 0   # timed real steps
+    assert summary["steps"] > 0 and summary["metrics"]["val_acc"] > 0.3
+    log = (run / "logs" / "rank0.log").read_text()
+    assert f"strategy=auto (accept=exact): {auto['choice']['label']}, predicted" in log and "runner-up" in log
