@@ -66,6 +66,8 @@ BAD_JOB_VALUES: list[tuple[str, Any, str]] = [
     ("fault", {"rank": -1}, "fault.rank"), ("fault", {"step": 0}, "fault.step"),
     ("fault", [{"kind": "kill", "rank": 1, "step": 2}, {"kind": "stop", "rank": 2, "step": 2}], "fault[1].rank"),
     ("fault", {"kind": "netdown", "rank": 1, "step": 2}, "fault.kind=netdown"),
+    ("fault", {"kind": "slow", "rank": 1, "factor": 0, "step": 0}, "fault.factor"),
+    ("fault", {"kind": "slow", "rank": 2, "factor": 2.0, "step": 0}, "fault.rank"),   # the job has 2 ranks
     *((f"trainer.{key}", value, f"trainer.{key}") for key, value in BAD_TRAINER_VALUES.items()),
 ]
 

@@ -85,7 +85,8 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         steps = -(-steps // rounds) * rounds          # whole averaging rounds of every periodic strategy
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
                 "compute_ms": compute_ms, "periods": used, "shards": shards, "compression": compression,
-                "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile}
+                "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile,
+                "compute_speeds": profile.compute_speeds()}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs")
@@ -94,7 +95,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
                        shards=shards, pair_streams=pair_streams, compression=compression, exchange=exchange)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
             "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
-            "pair_streams": pair_streams,
+            "pair_streams": pair_streams, "compute_speeds": profile.compute_speeds(),
             "compression": compression, "exchange": exchange, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "results": rows}
 
