@@ -42,7 +42,7 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
                "error_feedback_beta": 2, "outer": "adam", "exchange": "star", "topology": [3], "sync_timeout_s": 0,
                "fragments": 20, "overlap_steps": 10, "mix_alpha": 2, "consensus_eval": "x", "elastic": "x",
                "round_timeout_s": 0, "quorum_timeout_s": 0, "heartbeat_timeout_s": 0, "join_timeout_s": 0,
-               "lighthouse_host": ""},
+               "lighthouse_host": "", "inner_steps": "sometimes", "round_budget_s": -1.0},
     "ds_sync": {"topology": "two_racks", "adjust_every": -1, "imbalance": 0.5, "slow_factor": 2, "probe_mb": 0,
                 "ema": "x", "ema_decay": 2, "pair_streams": 0},     # two_racks has 8 ranks, the job 2
     "flexreduce": {"topology": [3], "chunk_mb": -3, "bucket_cap_mb": 0},
@@ -160,3 +160,9 @@ def test_a_check_only_the_running_ranks_can_make_fails_with_one_line(tmp_path, c
     assert worker.main([str(job)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "syncplane: rank 1: invalid configuration: fault.kind=netdown: this rank does not run inside an emulated host"]
+
+
+def test_time_budgeted_diloco_is_refused_in_elastic_mode_before_launch(tmp_path, no_launch):
+    cfg = copy.deepcopy(GOOD)
+    cfg["strategy"] = {"name": "diloco", "kwargs": {"inner_steps": "time", "elastic": True}}
+    assert "inner_steps=time is not supported with elastic=true" in refused(cfg, tmp_path)

@@ -81,3 +81,10 @@ def test_a_compute_speed_must_be_positive(speed) -> None:
 def test_the_shipped_mixed_gpus_profile_has_two_hosts_at_half_speed() -> None:
     assert plan_slowdowns(load_profile("mixed_gpus").compute_speeds(), []) == {2: Slowdown(base=2.0),
                                                                                3: Slowdown(base=2.0)}
+
+
+def test_a_batch_time_budgeted_diloco_skipped_is_neither_slowed_nor_counted() -> None:
+    from syncplane.algorithms.diloco.adaptive import skipped_step_output
+    from syncplane.runtime.slowdown import skipped
+
+    assert skipped(skipped_step_output()) and not skipped({"loss": 1.0}) and not skipped(None)

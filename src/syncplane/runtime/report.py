@@ -44,7 +44,7 @@ from typing_extensions import override
 
 from syncplane.comm import CommMeter, PhaseProfile, mean_and_distance, ring_allreduce_bytes
 from syncplane.comm.process_groups import control_group
-from syncplane.runtime.slowdown import ComputeReport
+from syncplane.runtime.slowdown import ComputeReport, skipped
 
 
 def attach_ddp_meter(model: DistributedDataParallel) -> CommMeter:
@@ -164,6 +164,8 @@ class RunReport(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.step_times.append(time.perf_counter() - self._step_start)
+        if skipped(outputs):
+            return   # not processed (time-budgeted DiLoCo): no samples or tokens
         self.samples += _batch_size(batch)
         count_tokens = getattr(pl_module, "batch_tokens", None)
         if callable(count_tokens):

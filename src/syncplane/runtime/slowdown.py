@@ -16,7 +16,7 @@ import collections
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from syncplane.algorithms.diloco.adaptive import SKIPPED_BATCH
 from syncplane.runtime.settings import FaultSettings
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ def plan_slowdowns(speeds: Sequence[float] | None, faults: Sequence[FaultSetting
     return plan
 
 
+def skipped(outputs: Any) -> bool:
+    """Whether the strategy skipped the batch (time-budgeted DiLoCo marks its output)."""
+    return isinstance(outputs, Mapping) and outputs.get(SKIPPED_BATCH) is True
+
+
 class SlowCompute(Callback):
     """Stretches this rank's steps by ``slowdown.at(step)``: after each training batch it waits
     (slowdown - 1) x the median of its last ``window`` measured batches. The first batch has
@@ -84,7 +90,8 @@ class SlowCompute(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.after_batch(self.clock() - self._start, self._step)
+        if not skipped(outputs):   # a skipped batch cost the slow GPU nothing
+            self.after_batch(self.clock() - self._start, self._step)
 
     def after_batch(self, took_s: float, step: int) -> float:
         """Record a batch of ``step`` that took ``took_s`` and wait; returns the wait."""

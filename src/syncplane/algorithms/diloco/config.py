@@ -46,6 +46,11 @@ class DiLoCoConfig:
             name / YAML path, or a list of ranks per host).
         mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
             overlap (the paper's value) and 0 (overwrite) without, the only value allowed then.
+        inner_steps: ``fixed`` (H inner steps per replica per round) or ``time``: each replica
+            computes on as many of the round's H batches as fit the round's time budget and
+            skips the rest, Δ averaged weighted by the samples each processed
+            (``syncplane.algorithms.diloco.adaptive``); plain DiLoCo only (fragments 1, no overlap).
+        round_budget_s: ``time``: the round's budget in seconds; None = H x the median step time.
     """
 
     sync_every: int = 10
@@ -65,6 +70,8 @@ class DiLoCoConfig:
     mix_alpha: float | None = None
     exchange: Literal["auto", "mesh", "owner", "tree", "gather"] = "auto"
     topology: str | list[int] = "auto"
+    inner_steps: Literal["fixed", "time"] = "fixed"
+    round_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -87,6 +94,17 @@ class DiLoCoConfig:
             raise ValueError(f"topology: expected auto, a profile name / path, or a list of ranks per host "
                              f"(each >= 1), got {self.topology!r}")
         self.alpha   # validates the streaming options
+        self._check_inner_steps()
+
+    def _check_inner_steps(self) -> None:
+        if self.inner_steps not in ("fixed", "time"):
+            raise ValueError(f"inner_steps: allowed values: fixed, time; got {self.inner_steps!r}")
+        if self.round_budget_s is not None and (self.inner_steps != "time" or self.round_budget_s <= 0):
+            raise ValueError(f"round_budget_s: a positive number of seconds with inner_steps=time (or null), "
+                             f"got {self.round_budget_s!r} with inner_steps={self.inner_steps}")
+        if self.inner_steps == "time" and (self.fragments != 1 or self.overlap_steps != 0):
+            raise ValueError(f"inner_steps=time runs plain DiLoCo rounds: fragments must be 1 and overlap_steps 0, "
+                             f"got fragments={self.fragments}, overlap_steps={self.overlap_steps}")
 
     def codec(self) -> Codec:
         """What carries Δ on the wire (``compression`` and its settings)."""
