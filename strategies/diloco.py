@@ -18,6 +18,13 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
   Streaming (``fragments`` P > 1, ``overlap_steps`` τ > 0; ``syncplane.algorithms.diloco.streaming``):
   the same round per fragment at that fragment's offset, its exchange on a background
   thread for τ steps, its result mixed in as ``α·θ_local + (1 − α)·θ_g``.
+  ``inner_steps=time`` (``syncplane.algorithms.diloco.adaptive``): times this replica's
+  computed steps, weights its Δ by the samples it processed, and at each round boundary
+  makes the agreed decision of every replica's inner steps for the next round.
+- ``training_step``: with ``inner_steps=time``, a replica whose round budget is spent skips
+  the rest of the round's batches (no forward; a zero loss that reaches no parameter, so no
+  update; Lightning refuses a None step in distributed training), so every rank stays on the
+  same step, epoch and checkpoint.
 - ``finish_pending_sync``: completes the exchanges in flight and their outer steps; the
   merges stay at their scheduled step, so a checkpoint or a validation in between does
   not change the trajectory.
@@ -35,12 +42,14 @@ copies run on a side CUDA stream when the model is on a GPU, plain copies on CPU
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal, Mapping
 
 import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from syncplane.algorithms.diloco.adaptive import TimedRounds, gather_floats, skipped_step_output
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
 from syncplane.algorithms.diloco.layout import check_replica, node_layout
@@ -55,7 +64,7 @@ from syncplane.strategies.registry import register
 class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, shards,
     compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
-    fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
+    fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
     and heal give up after it; ``quorum_timeout_s``: how long a replica waits for a quorum;
     ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
@@ -77,7 +86,8 @@ class DiLoCo(SyncplaneStrategy):
                  density: float = 0.02, bits: int = 2, chunk: int = 4096, error_feedback_beta: float = 0.95,
                  outer: Literal["nesterov", "sparseloco"] = "nesterov", sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
                  mix_alpha: float | None = None, exchange: Literal["auto", "mesh", "tree", "gather", "owner"] = "auto",
-                 topology: str | list[int] = "auto", elastic: bool = False, round_timeout_s: float = 30.0,
+                 topology: str | list[int] = "auto", inner_steps: Literal["fixed", "time"] = "fixed",
+                 round_budget_s: float | None = None, elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",
                  inner: Literal["ddp", "fsdp"] = "ddp", **kwargs: Any) -> None:
@@ -88,13 +98,19 @@ class DiLoCo(SyncplaneStrategy):
                                    outer=outer,
                                    sync_timeout_s=sync_timeout_s, fragments=fragments, overlap_steps=overlap_steps,
                                    mix_alpha=mix_alpha, exchange=exchange, topology=topology, replica=replica,
-                                   inner=inner)
+                                   inner=inner, inner_steps=inner_steps, round_budget_s=round_budget_s)
         check_replica(replica, inner, elastic=bool(elastic))
         if inner == "fsdp":   # the engine runs it (NodeEngine); validation and checkpoints here see whole tensors
             raise ValueError("inner='fsdp' runs in syncplane.algorithms.diloco.node.NodeEngine; through Lightning's "
                              "Trainer it is not built yet (consensus validation and checkpoints of FSDP shards): "
                              "use inner='ddp'")
+        if elastic and inner_steps == "time":
+            raise ValueError("inner_steps=time is not supported with elastic=true (its replicas come and go "
+                             "between rounds; the step counts are agreed by a fixed set of ranks)")
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        self.inner_steps = inner_steps
+        self._timed: TimedRounds | None = None
+        self._step_end: float | None = None   # when this rank's last step (and its sync) ended
         self.mix_alpha = self.config.alpha
         self.rounds = 0     # committed outer steps (one per fragment round)
         self.skipped = 0    # discarded rounds
@@ -129,6 +145,8 @@ class DiLoCo(SyncplaneStrategy):
             self.model = engine.module
             self.details.update(layout.describe())
         self.details["shards"], self.details["exchange"] = engine.shards, engine.exchange_name
+        if self.inner_steps == "time":
+            self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s)
 
     @property
     def engine(self) -> DiLoCoEngine | NodeEngine:
@@ -137,9 +155,30 @@ class DiLoCo(SyncplaneStrategy):
         return self._engine
 
     @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.inner_steps == "time":
+            # Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training step
+            # (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a collective per inner step,
+            # which makes every replica wait for the slowest at every step. Our launcher stops
+            # every rank on SIGTERM itself, so time-budgeted rounds go without it.
+            loop = trainer.fit_loop.epoch_loop
+            if hasattr(loop, "_broadcast_sigterm_tensor"):
+                loop._broadcast_sigterm_tensor = lambda: None
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._timed is not None and not self._timed.computes(self.step % self.sync_every):
+            return skipped_step_output()   # this replica's round budget is spent: the batch is skipped
+        return super().training_step(*args, **kwargs)
+
+    @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         outer = self.engine.outer
         done = self.step + 1   # self.step (trainer.global_step) counts the steps before this one
+        timed = self._timed
+        if timed is not None and self._step_end is not None and timed.computes(self.step % self.sync_every):
+            timed.record(time.perf_counter() - self._step_end)
         for fragment in outer.starting(done):
             if self.overlap_steps == 0:
                 self.outer_sync(fragment)
@@ -147,6 +186,9 @@ class DiLoCo(SyncplaneStrategy):
                 self._launch(fragment, done, background=True)
         for round_ in outer.pop_due(done):
             self._merge(round_)
+        if timed is not None and done % self.sync_every == 0:
+            self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank))
+        self._step_end = time.perf_counter()
 
     def outer_sync(self, fragment: int = 0) -> bool:
         """One blocking round of a fragment (the whole model when P = 1): average Δ (and
@@ -168,7 +210,9 @@ class DiLoCo(SyncplaneStrategy):
 
     def _launch(self, fragment: int, done: int, background: bool) -> None:
         """Start a round of ``fragment`` after step ``done``; it merges ``overlap_steps`` later."""
-        self.engine.launch(self.model_tensors(), fragment, done + self.overlap_steps, background, self.comm_meter)
+        scale = self._timed.scale if self._timed is not None else 1.0   # Δ weighted by the samples processed
+        self.engine.launch(self.model_tensors(), fragment, done + self.overlap_steps, background, self.comm_meter,
+                           scale=scale)
 
     def _merge(self, round_: Round) -> None:
         if self.engine.merge(self.model_tensors(), round_, self.mix_alpha):
@@ -180,13 +224,15 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def sync_state_dict(self) -> dict[str, Any]:
         return {**self.engine.outer.state_dict(), "sync_every": self.sync_every, "fragments": self.fragments,
-                "overlap_steps": self.overlap_steps, "rounds": self.rounds, "skipped": self.skipped}
+                "overlap_steps": self.overlap_steps, "rounds": self.rounds, "skipped": self.skipped,
+                "inner_steps": self.inner_steps,
+                **({"timed": self._timed.state_dict()} if self._timed is not None else {})}
 
     @override
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
             return
-        before_streaming = {"fragments": 1, "overlap_steps": 0}   # what older checkpoints imply
+        before_streaming = {"fragments": 1, "overlap_steps": 0, "inner_steps": "fixed"}   # what older checkpoints imply
         for key in ("sync_every", *before_streaming):
             saved, ours = state.get(key, before_streaming.get(key)), getattr(self, key)
             if saved != ours:
@@ -194,6 +240,9 @@ class DiLoCo(SyncplaneStrategy):
                                  f"{key}={ours}: rounds would not line up")
         self.engine.outer.load_state_dict(state)
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
+        if self._timed is not None:
+            self._timed.load_state_dict(state["timed"])   # the counts agreed for the round in progress
+        self._step_end = None
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:

@@ -58,7 +58,7 @@ DELETE = object()
 @pytest.mark.parametrize("path,value,message", [
     ("racks/0/hosts/0/nic_mbit", 0, r"cluster.racks\[0\].hosts\[0\].nic_mbit: must be positive"),
     ("racks/0/uplink_mbit", -5, r"cluster.racks\[0\].uplink_mbit: must be positive"),
-    ("racks/0/hosts/0/nic", 400, r"cluster.racks\[0\].hosts\[0\]: unknown key\(s\) nic; allowed keys: name, nic_mbit"),
+    ("racks/0/hosts/0/nic", 400, r"cluster.racks\[0\].hosts\[0\]: unknown key\(s\) nic; allowed keys: compute_speed, name, nic_mbit"),
     ("racks/1/hosts/0/name", "a", r"duplicate name 'a'"),
     ("racks/1/uplink_mbit", DELETE, r"racks\[1\].uplink_mbit: required when there is more than one rack"),
     ("background/0/dst", "zz", r"background\[0\].dst: unknown host 'zz'"),

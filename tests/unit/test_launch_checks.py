@@ -45,7 +45,8 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
                "fragments": 20, "overlap_steps": 10, "mix_alpha": 2, "consensus_eval": "x", "elastic": "x",
                "round_timeout_s": 0, "quorum_timeout_s": 0, "heartbeat_timeout_s": 0, "join_timeout_s": 0,
                "lighthouse_host": "", "replica": "cluster",
-               "inner": "fsdp"},   # inner=fsdp with replica=rank
+               "inner": "fsdp",   # inner=fsdp with replica=rank
+               "inner_steps": "sometimes", "round_budget_s": -1.0},
     "ds_sync": {"topology": "two_racks", "adjust_every": -1, "imbalance": 0.5, "slow_factor": 2, "probe_mb": 0,
                 "ema": "x", "ema_decay": 2, "pair_streams": 0},     # two_racks has 8 ranks, the job 2
     "flexreduce": {"topology": [3], "chunk_mb": -3, "bucket_cap_mb": 0},
@@ -69,6 +70,8 @@ BAD_JOB_VALUES: list[tuple[str, Any, str]] = [
     ("fault", {"rank": -1}, "fault.rank"), ("fault", {"step": 0}, "fault.step"),
     ("fault", [{"kind": "kill", "rank": 1, "step": 2}, {"kind": "stop", "rank": 2, "step": 2}], "fault[1].rank"),
     ("fault", {"kind": "netdown", "rank": 1, "step": 2}, "fault.kind=netdown"),
+    ("fault", {"kind": "slow", "rank": 1, "factor": 0, "step": 0}, "fault.factor"),
+    ("fault", {"kind": "slow", "rank": 2, "factor": 2.0, "step": 0}, "fault.rank"),   # the job has 2 ranks
     *((f"trainer.{key}", value, f"trainer.{key}") for key, value in BAD_TRAINER_VALUES.items()),
 ]
 
@@ -201,3 +204,9 @@ def test_a_check_only_the_running_ranks_can_make_fails_with_one_line(tmp_path, c
     assert worker.main([str(job)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "syncplane: rank 1: invalid configuration: fault.kind=netdown: this rank does not run inside an emulated host"]
+
+
+def test_time_budgeted_diloco_is_refused_in_elastic_mode_before_launch(tmp_path, no_launch):
+    cfg = copy.deepcopy(GOOD)
+    cfg["strategy"] = {"name": "diloco", "kwargs": {"inner_steps": "time", "elastic": True}}
+    assert "inner_steps=time is not supported with elastic=true" in refused(cfg, tmp_path)

@@ -95,7 +95,8 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
                 "compute_ms": compute_ms, "periods": used, "shards": shards, "compression": compression,
                 "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile,
-                "density": density, "bits": bits, "drops_namespace": switch_namespace()}
+                "density": density, "bits": bits, "drops_namespace": switch_namespace(),
+                "compute_speeds": profile.compute_speeds()}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs",
@@ -106,7 +107,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
                        density=density, bits=bits)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
             "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
-            "pair_streams": pair_streams,
+            "pair_streams": pair_streams, "compute_speeds": profile.compute_speeds(),
             "compression": compression, **({"density": density, "bits": bits} if compression == "sparse" else {}),
             "exchange": exchange, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "results": rows}

@@ -81,6 +81,9 @@ def main(spec_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     job = JobContext.from_environment(rank=rank, world_size=world)
     numel = int(spec["payload_bytes"]) // 4
+    # a host of the profile at compute_speed s computes (fastest / s) times as long (--compute-ms is the fastest's)
+    speeds = spec.get("compute_speeds") or [1.0] * world
+    compute_s = spec["compute_ms"] / 1000 * max(speeds) / speeds[rank]
     results = {}
     for name in spec["strategies"]:
         family = algorithms.spec_for(name)
@@ -99,8 +102,7 @@ def main(spec_path: str) -> None:
         tx_before, drops_before = _nic_tx_bytes(), _drops(spec, rank)
         for step in range(steps):
             dist.barrier()
-            exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(name),
-                                 spec["compute_ms"] / 1000)
+            exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(name), compute_s)
             elapsed = torch.tensor([exposed], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(elapsed.item())

@@ -43,9 +43,12 @@ class HostSpec:
     ranks: int = 1
     nics: int = 1
     per_flow_mbit: float | None = None
+    # the host's compute speed relative to the others (1.0 = nominal; 0.5: a GPU half as fast):
+    # its ranks' steps take (fastest speed / this) times as long (``syncplane.runtime.slowdown``)
+    compute_speed: float = 1.0
 
     def validate(self) -> None:
-        _positive_rates(self, "nic_mbit", "per_flow_mbit")
+        _positive_rates(self, "nic_mbit", "per_flow_mbit", "compute_speed")
         if self.ranks < 1:
             raise ConfigError(f"ranks: must be at least 1, got {self.ranks}")
         if not 1 <= self.nics <= 8:
@@ -218,6 +221,10 @@ class ClusterProfile:
             data["bcube"] = asdict(self.bcube)
         return data
 
+    def compute_speeds(self) -> list[float]:
+        """Every rank's ``compute_speed`` (its host's), rank by rank."""
+        return [host.spec.compute_speed for host in self.hosts for _ in host.ranks]
+
     def host_of_rank(self, rank: int) -> Host:
         for host in self.hosts:
             if rank in host.ranks:
@@ -293,7 +300,8 @@ def scaled(template: ClusterProfile, racks: int, hosts_per_rack: int) -> Cluster
     new_racks = [
         RackSpec(name=f"r{r}", uplink_mbit=uplink if racks > 1 else None, per_flow_mbit=rack0.per_flow_mbit,
                  hosts=[HostSpec(name=f"r{r}h{h}", nic_mbit=host0.nic_mbit, ranks=host0.ranks, nics=host0.nics,
-                                 per_flow_mbit=host0.per_flow_mbit) for h in range(hosts_per_rack)])
+                                 per_flow_mbit=host0.per_flow_mbit, compute_speed=host0.compute_speed)
+                        for h in range(hosts_per_rack)])
         for r in range(racks)
     ]
     return ClusterProfile(name=f"{template.name}_x{racks}x{hosts_per_rack}", racks=new_racks)

@@ -40,12 +40,13 @@ from syncplane.job import REPLICA_ENV
 from syncplane.config import ConfigError
 from syncplane.runtime.launcher import signals_stop_the_job
 from syncplane.experiments.comparison import CONFIG_DIR, compose_job
-from syncplane.runtime.settings import FaultSettings, JobSpec, parse_job
+from syncplane.runtime.settings import FAILING_KINDS, FaultSettings, JobSpec, parse_job
 
 log = logging.getLogger(__name__)
 
 TRAIN_PY = CONFIG_DIR.parent / "train.py"
-KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultSettings)["kind"])
+#: the fault kinds that fail a rank (``slow`` only slows one: give it as the job's ``fault=`` to train.py)
+KINDS: tuple[str, ...] = FAILING_KINDS
 #: The line ``InjectFault`` logs on the rank as it fails.
 FAULT_LINE = re.compile(r"fault: rank (\d+) fails \((\w+)\) after step (\d+)")
 #: An error a rank writes as it stops: the heartbeat's ``syncplane: ...`` line, or the last

@@ -21,6 +21,10 @@ the contract's): ``batch_tokens(batch) -> int`` adds ``throughput.tokens_per_s``
 ``train_flops_per_sample() -> float`` adds ``throughput.model_flops_per_s`` and, on
 GPUs whose peak Lightning knows, ``throughput.mfu`` (null on CPU); every other ``val_*``
 metric it logs (a language model's ``val_perplexity``) is added to ``metrics``.
+
+``compute`` (emulated slow compute, ``syncplane.runtime.slowdown``): every rank's profile
+``compute_speeds`` (null without a cluster) and the ``slowed`` ranks, each with its slowdown
+(``base`` x ``factor`` from step ``from_step``) and the seconds it waited in all.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing_extensions import override
 
 from syncplane.comm import CommMeter, PhaseProfile, mean_and_distance, ring_allreduce_bytes
 from syncplane.comm.process_groups import control_group
+from syncplane.runtime.slowdown import ComputeReport, skipped
 
 
 def attach_ddp_meter(model: DistributedDataParallel) -> CommMeter:
@@ -93,9 +98,10 @@ class RunReport(Callback):
     """
 
     def __init__(self, run_dir: str | Path, strategy_name: str, recipe_name: str, seed: int | None = None,
-                 label: str | None = None) -> None:
+                 label: str | None = None, compute: ComputeReport | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.label = label or strategy_name   # how comparisons name the run (a variant of its strategy)
+        self.compute = compute
         self.seed = seed   # recorded so comparisons pair each run with the DDP run of the same seed
         self.strategy_name, self.recipe_name = strategy_name, recipe_name
         self.step_times: list[float] = []
@@ -160,6 +166,8 @@ class RunReport(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.step_times.append(time.perf_counter() - self._step_start)
+        if skipped(outputs):
+            return   # not processed (time-budgeted DiLoCo): no samples or tokens
         self.samples += _batch_size(batch)
         count_tokens = getattr(pl_module, "batch_tokens", None)
         if callable(count_tokens):
@@ -206,8 +214,10 @@ class RunReport(Callback):
         timings = torch.tensor([self._train_seconds, self._setup_s, self._before_train_s,
                                 sum(seconds for _, seconds in saves), before_first_epoch], dtype=torch.float64)
         steps = torch.tensor(self.step_times, dtype=torch.float64)
+        waited = torch.tensor(self.compute.waits(world) if self.compute is not None else [0.0], dtype=torch.float64)
         if distributed:
             dist.all_reduce(totals, group=control_group())   # CPU tensors: never the NCCL group
+            dist.all_reduce(waited, group=control_group())
             dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=control_group())
             # ranks normally run equally many steps (DistributedSampler pads the shards);
             # agree on the common prefix anyway so the all-reduce below cannot mismatch
@@ -250,6 +260,7 @@ class RunReport(Callback):
                 "phases": phases.as_dict() if isinstance(phases, PhaseProfile) else None,
             },
             "strategy_details": dict(getattr(trainer.strategy, "details", {})),
+            "compute": self.compute.as_dict(waited.tolist()) if self.compute is not None else None,
         }
         if trainer.is_global_zero:
             path = self.run_dir / "summary.json"
@@ -321,6 +332,8 @@ def print_summary(summary: dict[str, Any], path: Path) -> None:
         ("comm time per rank (s)", fmt(summary["comm"]["seconds"], ".3f")),
         ("bytes sent per rank", fmt(summary["comm"]["bytes_sent_per_rank"], ",.0f")),
         ("consensus distance", fmt(summary["consensus_distance"], ".2e")),
+        *((f"slowed rank {slow['rank']} (x, waited s)", f"{slow['base'] * slow['factor']:.2f}, {slow['waited_s']:.1f}")
+          for slow in (summary.get("compute") or {}).get("slowed", [])),
         ("training wall time (s)", fmt(summary["train_seconds"], ".1f")),
         ("  of which checkpoints (s)", fmt(summary["timing"]["checkpoint_s"], ".1f")),
         ("setup before training (s)", fmt(summary["timing"]["setup_s"], ".1f")),

@@ -74,24 +74,42 @@ def lightning_precisions() -> tuple[str, ...]:
     return (*typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
 
 
+#: fault kinds that take a rank out of the job; ``slow`` only slows one down
+FAILING_KINDS = ("kill", "stop", "raise", "netdown")
+
+
 @dataclass
 class FaultSettings:
     """A failure to inject (``fault.*``), to see what a job does when a rank is lost: rank
     ``rank`` kills itself (``kill``, SIGKILL), stops (``stop``, SIGSTOP: what a hung GPU or a
     swapping host looks like), raises (``raise``), or takes its host's NICs down (``netdown``,
     emulated clusters only: the host and every rank on it drop off the network) after
-    training step ``step``. A job takes a list of them (``parse_faults``): ``syncplane chaos``
-    fails a whole emulated host as one fault per rank of it."""
+    training step ``step``. ``slow`` loses nothing: from step ``step`` (0: the first) the
+    rank's steps take ``factor`` times as long, a straggler such as an older or throttled GPU
+    (``syncplane.runtime.slowdown``). A job takes a list of them (``parse_faults``):
+    ``syncplane chaos`` fails a whole emulated host as one fault per rank of it."""
 
-    kind: Literal["kill", "stop", "raise", "netdown"] = "stop"
+    kind: Literal["kill", "stop", "raise", "netdown", "slow"] = "stop"
     rank: int = 1
     step: int = 10
+    factor: float | None = None   # kind=slow only: how many times as long each step takes (>= 1)
 
     def validate(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"rank: must be >= 0, got {self.rank}")
+        if self.kind == "slow":
+            if self.step < 0:
+                raise ConfigError(f"step: must be >= 0 (the first slowed step; 0 = from the start), got {self.step}")
+            if self.factor is None or self.factor <= 0:
+                raise ConfigError(f"factor: kind=slow needs a factor > 0 (2.0: each step takes twice as long), "
+                                  f"got {self.factor}")
+            if self.factor < 1:
+                raise ConfigError(f"factor: must be >= 1 (a rank can be slowed down, not sped up), got {self.factor}")
+            return
         if self.step < 1:
             raise ConfigError(f"step: must be >= 1, got {self.step}")
+        if self.factor is not None:
+            raise ConfigError(f"factor: only kind=slow takes a factor; kind={self.kind} fails the rank")
 
 
 @dataclass
@@ -254,7 +272,8 @@ def parse_faults(value: Any) -> list[FaultSettings]:
     """``fault``: null, one mapping (``fault={kind:stop,rank:2,step:15}``) or a list of them
     (``syncplane chaos`` fails a whole host: one entry per rank). A rank fails once: a second
     fault on it could never happen (a stopped or killed rank takes no more steps), so a list
-    that names a rank twice is refused rather than silently half-run."""
+    that names a rank twice is refused rather than silently half-run (a ``slow`` fault may join
+    a failing one: a straggler can still crash)."""
     if value is None:
         return []
     if isinstance(value, Mapping):
@@ -262,8 +281,10 @@ def parse_faults(value: Any) -> list[FaultSettings]:
     if not isinstance(value, (list, tuple)) or not value:
         raise ConfigError(f"fault: expected a mapping or a non-empty list of mappings, got {value!r}")
     faults = [parse_dataclass(FaultSettings, item, f"fault[{i}]") for i, item in enumerate(value)]
-    ranks = [f.rank for f in faults]
-    twice = sorted({r for r in ranks if ranks.count(r) > 1})
-    if twice:
-        raise ConfigError(f"fault: rank(s) {', '.join(map(str, twice))} given more than one fault; a rank fails once")
+    for failing, what in ((True, "a rank fails once"), (False, "a rank is slowed by one factor")):
+        ranks = [f.rank for f in faults if (f.kind in FAILING_KINDS) == failing]
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        if twice:
+            raise ConfigError(f"fault: rank(s) {', '.join(map(str, twice))} given more than one "
+                              f"{'' if failing else 'slow '}fault; {what}")
     return faults

@@ -79,6 +79,8 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     from syncplane.runtime.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
     from syncplane.runtime.liveness import HeartbeatCallback, InjectFault
     from syncplane.runtime.report import RunReport
+    from syncplane.runtime.settings import FAILING_KINDS
+    from syncplane.runtime.slowdown import ComputeReport, SlowCompute, plan_slowdowns
 
     # the job's shape, read from the launcher once, here; everything below gets it as an argument
     job = JobContext.from_environment(run_dir=spec.run_dir)
@@ -110,7 +112,13 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
         if not isinstance(getattr(strategy, "details", None), dict):
             strategy.details = {}    # Lightning's own DDP keeps none
         strategy.details["auto"] = auto
-    report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name, spec.seed, spec.label)
+    # emulated slow compute (profile compute_speed, fault.kind=slow): planned alike on every rank
+    speeds = spec.cluster.compute_speeds() if spec.cluster is not None else None
+    slowdowns = plan_slowdowns(speeds, spec.faults)
+    own_rank = job.rank if replica is None else replica
+    slow = SlowCompute(slowdowns[own_rank]) if own_rank in slowdowns else None
+    report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name, spec.seed, spec.label,
+                       compute=ComputeReport(speeds, slowdowns, own_rank, slow))
     checkpoints = LastCheckpoint(Path(spec.run_dir) / "checkpoints")
     trainer_cfg = spec.trainer
     # CPU processes may be spread unevenly over (emulated) hosts: present them to
@@ -132,8 +140,10 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
         gradient_clip_val=trainer_cfg.gradient_clip_val,
         deterministic=trainer_cfg.deterministic,
         logger=make_loggers(spec) or False,
-        callbacks=[report, checkpoints, HeartbeatCallback(trainer_cfg.heartbeat_timeout_s),
-                   *(InjectFault(f) for f in spec.faults)],
+        # the slowdown first: the report's step times then include its wait, as a slower GPU's would
+        callbacks=[*([slow] if slow is not None else []), report, checkpoints,
+                   HeartbeatCallback(trainer_cfg.heartbeat_timeout_s),
+                   *(InjectFault(f) for f in spec.faults if f.kind in FAILING_KINDS)],
         plugins=[AtomicCheckpointIO()],
         default_root_dir=spec.run_dir,
         enable_progress_bar=False,  # one line per epoch instead (logs are files, not TTYs)

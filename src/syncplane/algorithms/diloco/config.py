@@ -46,6 +46,11 @@ class DiLoCoConfig:
             name / YAML path, or a list of ranks per host).
         mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
             overlap (the paper's value) and 0 (overwrite) without, the only value allowed then.
+        inner_steps: ``fixed`` (H inner steps per replica per round) or ``time``: each replica
+            computes on as many of the round's H batches as fit the round's time budget and
+            skips the rest, Δ averaged weighted by the samples each processed
+            (``syncplane.algorithms.diloco.adaptive``); plain DiLoCo only (fragments 1, no overlap).
+        round_budget_s: ``time``: the round's budget in seconds; None = H x the median step time.
     """
 
     sync_every: int = 10
@@ -67,6 +72,8 @@ class DiLoCoConfig:
     topology: str | list[int] = "auto"
     replica: Literal["rank", "node", "auto"] = "rank"
     inner: Literal["ddp", "fsdp"] = "ddp"
+    inner_steps: Literal["fixed", "time"] = "fixed"
+    round_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -90,6 +97,20 @@ class DiLoCoConfig:
         self.alpha   # validates the streaming options
         check_replica(self.replica, self.inner, fragments=self.fragments, overlap_steps=self.overlap_steps,
                       compression=self.compression, exchange=self.exchange)
+        self._check_inner_steps()
+
+    def _check_inner_steps(self) -> None:
+        if self.inner_steps not in ("fixed", "time"):
+            raise ValueError(f"inner_steps: allowed values: fixed, time; got {self.inner_steps!r}")
+        if self.round_budget_s is not None and (self.inner_steps != "time" or self.round_budget_s <= 0):
+            raise ValueError(f"round_budget_s: a positive number of seconds with inner_steps=time (or null), "
+                             f"got {self.round_budget_s!r} with inner_steps={self.inner_steps}")
+        if self.inner_steps == "time" and (self.fragments != 1 or self.overlap_steps != 0):
+            raise ValueError(f"inner_steps=time runs plain DiLoCo rounds: fragments must be 1 and overlap_steps 0, "
+                             f"got fragments={self.fragments}, overlap_steps={self.overlap_steps}")
+        if self.inner_steps == "time" and self.replica == "node":
+            raise ValueError("inner_steps=time weighs each rank's replica by its own samples; with replica=node the "
+                             "ranks of a node train as one model: use replica=rank (or inner_steps=fixed)")
 
     def codec(self) -> Codec:
         """What carries Δ on the wire (``compression`` and its settings)."""

@@ -58,14 +58,21 @@ class DiLoCoEngine:
                                                            exact_from=n_params)
 
     def launch(self, tensors: Sequence[torch.Tensor], fragment: int, due: int, background: bool,
-               meter: CommMeter) -> None:
-        """Start fragment ``fragment``'s round from the live model (merged at step ``due``)."""
+               meter: CommMeter, scale: float = 1.0) -> None:
+        """Start fragment ``fragment``'s round from the live model (merged at step ``due``).
+        ``scale``: this rank's factor on its Δ (and floating buffers) before the mean, so that
+        the mean is a weighted one (``adaptive.weight_scale``; 1.0: the plain mean)."""
         exchange, total = self.exchange, self.host.buffer.numel()
         start, end = self.outer.bounds[fragment]
         # the fragment's slice of the host buffer is reused in place for its Δ and the result
         self.host.to_host(list(tensors), start, end)
-        self.outer.launch(fragment, lambda flat, offset: exchange.allreduce_mean_(
-            flat, meter, offset=offset, total=total), due=due, background=background)
+
+        def average_(flat: torch.Tensor, offset: int) -> bool:
+            if scale != 1.0:
+                flat.mul_(scale)
+            return exchange.allreduce_mean_(flat, meter, offset=offset, total=total)
+
+        self.outer.launch(fragment, average_, due=due, background=background)
 
     def merge(self, tensors: Sequence[torch.Tensor], round_: Round, alpha: float) -> bool:
         """A finished round into the live model (nothing when it was discarded); True if applied."""

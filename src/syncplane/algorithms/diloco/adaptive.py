@@ -1,0 +1,146 @@
+"""Time-budgeted rounds (``inner_steps: time``): a slow replica must not set
+everyone's pace.
+
+With ``inner_steps: fixed`` every replica runs H inner steps per round, so a round lasts as
+long as the slowest replica's H steps and the fast ones wait. With ``time``, a round is H
+*slots* (the batches every rank's data loader hands out, so all ranks stay on the same
+``global_step``, epoch and checkpoint), and replica i computes on the first ``n_i`` of them
+and skips the rest: ``n_i = min(H, max(1, ⌊T·(1 + SLACK) / t_i⌋))``, with ``t_i`` its median
+step time in the last round and ``T`` the round's budget (``round_budget_s``, or H x the
+median of the ``t_i``). A skipped slot costs nothing, so every replica reaches the round's
+exchange after about ``T`` seconds and the round ends on every rank at once. The
+pseudo-gradients are averaged with weights equal to the samples each replica processed
+(``n_i`` batches of one size): ``Δ = Σ n_i Δ_i / Σ n_i``.
+
+The step counts are one explicit decision, made at each round boundary from the all-gathered
+step times with the same arithmetic on every rank (the transport is handed in), logged, and
+checkpointed with the round they belong to, so a resume continues with the same counts and
+equal speeds give every rank the same decision (``SLACK`` absorbs the noise of equal speeds).
+
+Data: an epoch is the job's global sample budget (every rank's shard, as with fixed H); a slow
+replica skips -- drops for this epoch -- the last ``H - n_i`` batches of each round. Its
+shard is a fresh uniformly random subset every epoch (the distributed sampler's shuffled
+split), so the skipped samples are a random subset too: every sample is equally likely to be
+skipped and the data seen stays unbiased (docs/diloco.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: How much longer than the budget a replica may take before it skips a slot: step times of
+#: equally fast replicas differ by noise, and they should all keep every slot.
+SLACK = 0.1
+
+#: The key a skipped batch's training-step output carries (True): what the run's report and the
+#: emulated slow compute read, so that a skipped batch counts no samples and no compute.
+SKIPPED_BATCH = "skipped_batch"
+
+#: ``gather(value) -> every rank's value, in rank order`` (a collective, same order everywhere).
+Gather = Callable[[float], list[float]]
+
+
+def plan_round(step_s: Sequence[float], slots: int, budget_s: float | None = None) -> list[int]:
+    """Every replica's inner steps for the next round from every replica's step time.
+
+    Args:
+        step_s: each replica's median step time in the last round (seconds, > 0).
+        slots: H, the batches of a round.
+        budget_s: the round's time budget; None = H x the median of ``step_s``.
+    """
+    budget = slots * statistics.median(step_s) if budget_s is None else budget_s
+    return [min(slots, max(1, math.floor(budget * (1 + SLACK) / t))) for t in step_s]
+
+
+def weight_scale(steps: Sequence[int], rank: int) -> float:
+    """What rank ``rank`` multiplies its Δ by so that the plain mean over ranks is the
+    sample-weighted mean ``Σ n_i Δ_i / Σ n_i`` (1.0 when every count is equal)."""
+    return steps[rank] * len(steps) / sum(steps)
+
+
+def skipped_step_output() -> dict[str, Any]:
+    """What a skipped slot's training step returns: a zero loss that reaches no parameter
+    (Lightning refuses None in distributed training; after its zero_grad no parameter has a
+    gradient, so the inner optimizer leaves them all as they are) and the skip marker."""
+    import torch
+
+    return {"loss": torch.zeros((), requires_grad=True), SKIPPED_BATCH: True}
+
+
+class TimedRounds:
+    """This rank's side of the time-budgeted rounds: the decided step counts, the step
+    times measured in the current round, and the decision at its end.
+
+    Args:
+        slots: H.
+        world_size, rank: the replicas and this one.
+        budget_s: ``round_budget_s`` (None: H x the median step time).
+    """
+
+    def __init__(self, slots: int, world_size: int, rank: int, budget_s: float | None = None) -> None:
+        self.slots, self.world_size, self.rank, self.budget_s = slots, world_size, rank, budget_s
+        self.steps = [slots] * world_size   # the first round: every replica every slot
+        self.decisions = 0
+        self.measured: list[float] = []
+
+    def computes(self, slot: int) -> bool:
+        """Whether this replica computes on slot ``slot`` (0..H-1) of the round."""
+        return slot < self.steps[self.rank]
+
+    def record(self, step_s: float) -> None:
+        """A computed step's duration (skipped slots are not recorded)."""
+        self.measured.append(step_s)
+
+    @property
+    def scale(self) -> float:
+        """This rank's factor on its Δ for the round now ending (``weight_scale``)."""
+        return weight_scale(self.steps, self.rank)
+
+    def decide(self, gather: Gather) -> list[int]:
+        """At a round boundary, on every rank: gather the step times, plan the next round."""
+        own = statistics.median(self.measured) if self.measured else 0.0
+        times = gather(own)
+        self.measured = []
+        if min(times) <= 0:   # a replica measured nothing (a resume at the boundary): keep the counts
+            return self.steps
+        steps = plan_round(times, self.slots, self.budget_s)
+        if steps != self.steps:
+            log.info("diloco inner_steps=time: round %d, step times %s s -> inner steps %s of %d",
+                     self.decisions + 1, ", ".join(f"{t:.3f}" for t in times), steps, self.slots)
+        self.steps = steps
+        self.decisions += 1
+        return steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), "decisions": self.decisions}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        steps = [int(n) for n in state["steps"]]
+        if len(steps) != self.world_size:
+            raise ValueError(f"the checkpoint's inner_steps=time plan is for {len(steps)} replicas, this job has "
+                             f"{self.world_size}")
+        self.steps, self.decisions, self.measured = steps, int(state["decisions"]), []
+
+
+def gather_floats(world_size: int, rank: int) -> Gather:
+    """The real transport of ``TimedRounds.decide``: one float per rank over the job's gloo
+    control group (a sum of one-hot vectors: exact, and every rank gets the same list)."""
+    import torch
+    import torch.distributed as dist
+
+    from syncplane.comm.process_groups import control_group
+
+    def gather(value: float) -> list[float]:
+        every = torch.zeros(world_size, dtype=torch.float64)
+        every[rank] = value
+        if world_size > 1:
+            dist.all_reduce(every, group=control_group())
+        return every.tolist()
+
+    return gather

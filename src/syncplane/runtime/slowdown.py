@@ -1,0 +1,128 @@
+"""Emulated slow compute: a rank whose steps take longer, as on an older, throttled or
+shared GPU.
+
+Two sources, combined per rank: the ``compute_speed`` of the rank's host in the cluster
+profile (a rank on a host at 0.5 while the fastest runs at 1.0 takes 2x as long, from the
+first step), and ``fault={kind:slow,rank:R,factor:F,step:S}`` (rank R's steps take F times as
+long from step S on). The slowdown is a timed wait after each step, proportional to the
+rank's own measured step time (the median of its recent steps, the waits left out), so it
+behaves like a slower accelerator -- every step stretched by the same factor while the CPU
+stays free -- rather than like a loaded CPU, which would slow the other ranks sharing it too.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from syncplane.algorithms.diloco.adaptive import SKIPPED_BATCH
+from syncplane.runtime.settings import FaultSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """How many times as long one rank's steps take: ``base`` from the first step (its host's
+    compute speed against the fastest host's), times ``factor`` from step ``from_step`` on."""
+
+    base: float = 1.0
+    factor: float = 1.0
+    from_step: int = 0
+
+    def at(self, step: int) -> float:
+        """The slowdown of step ``step`` (0 = the first)."""
+        return self.base * (self.factor if step >= self.from_step else 1.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"base": self.base, "factor": self.factor, "from_step": self.from_step}
+
+
+def plan_slowdowns(speeds: Sequence[float] | None, faults: Sequence[FaultSettings]) -> dict[int, Slowdown]:
+    """The ranks that run slower than nominal and by how much: ``speeds`` is every rank's
+    ``compute_speed`` (None: no profile, all nominal), ``faults`` the job's fault list (its
+    ``slow`` entries count). The fastest host sets the pace; the same on every rank."""
+    speeds = list(speeds or [])
+    fastest = max(speeds, default=1.0)
+    plan = {rank: Slowdown(base=fastest / speed) for rank, speed in enumerate(speeds) if speed != fastest}
+    for fault in faults:
+        if fault.kind == "slow":
+            assert fault.factor is not None   # FaultSettings.validate requires it
+            base = plan.get(fault.rank, Slowdown()).base
+            plan[fault.rank] = Slowdown(base=base, factor=fault.factor, from_step=fault.step)
+    return plan
+
+
+def skipped(outputs: Any) -> bool:
+    """Whether the strategy skipped the batch (time-budgeted DiLoCo marks its output)."""
+    return isinstance(outputs, Mapping) and outputs.get(SKIPPED_BATCH) is True
+
+
+class SlowCompute(Callback):
+    """Stretches this rank's steps by ``slowdown.at(step)``: after each training batch it waits
+    (slowdown - 1) x the median of its last ``window`` measured batches. The first batch has
+    nothing to measure against but itself. ``waited_s`` is the total wait (``summary.json``)."""
+
+    def __init__(self, slowdown: Slowdown, window: int = 16, clock: Callable[[], float] = time.perf_counter,
+                 wait: Callable[[float], None] = time.sleep) -> None:
+        self.slowdown = slowdown
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+        self.clock, self.wait = clock, wait
+        self.waited_s = 0.0
+        self._start = 0.0
+        self._step = 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._step = trainer.global_step   # the step this batch belongs to (0 = the first)
+        self._start = self.clock()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not skipped(outputs):   # a skipped batch cost the slow GPU nothing
+            self.after_batch(self.clock() - self._start, self._step)
+
+    def after_batch(self, took_s: float, step: int) -> float:
+        """Record a batch of ``step`` that took ``took_s`` and wait; returns the wait."""
+        self.recent.append(took_s)
+        extra = (self.slowdown.at(step) - 1.0) * statistics.median(self.recent)
+        if extra > 0:
+            self.wait(extra)
+            self.waited_s += extra
+        return extra
+
+
+@dataclass
+class ComputeReport:
+    """What ``summary.json`` says about emulated compute (its ``compute`` entry): every rank's
+    ``compute_speed`` (null without a profile) and each slowed rank's slowdown and total wait."""
+
+    speeds: list[float] | None
+    slowdowns: dict[int, Slowdown]
+    rank: int                       # this rank (the replica in an elastic job)
+    own: SlowCompute | None = None  # this rank's callback, when it is slowed
+
+    def waits(self, world_size: int) -> list[float]:
+        """A per-rank vector, the same length on every rank, with this rank's total wait in its
+        slot (the report sums it over the ranks)."""
+        waits = [0.0] * max([world_size, len(self.speeds or []), *(r + 1 for r in self.slowdowns)])
+        if self.own is not None:
+            waits[self.rank] = self.own.waited_s
+        return waits
+
+    def as_dict(self, waited_s: Sequence[float]) -> dict[str, Any]:
+        """The summary entry; ``waited_s[r]``: rank r's total wait (all ranks' summed by the report)."""
+        return {"compute_speeds": self.speeds,
+                "slowed": [{"rank": r, **s.as_dict(), "waited_s": round(float(waited_s[r]), 3)}
+                           for r, s in sorted(self.slowdowns.items())]}

@@ -1,0 +1,73 @@
+"""Time-budgeted DiLoCo rounds (``inner_steps: time``), Lightning-free: the plan from the step
+times, the weights, and the decision with a mocked transport."""
+
+from __future__ import annotations
+
+import pytest
+
+from syncplane.algorithms.diloco.adaptive import TimedRounds, plan_round, weight_scale
+from syncplane.algorithms.diloco.config import DiLoCoConfig
+
+
+def test_a_replica_at_half_speed_computes_half_the_slots_and_equal_ones_keep_all() -> None:
+    assert plan_round([0.1, 0.2, 0.1, 0.1], slots=10) == [10, 5, 10, 10]
+    # noise among equal speeds (within SLACK) changes nothing
+    assert plan_round([0.100, 0.108, 0.095, 0.102], slots=10) == [10, 10, 10, 10]
+    # an explicit budget; at least one step, at most the round's slots
+    assert plan_round([0.1, 0.2, 5.0], slots=10, budget_s=0.5) == [5, 2, 1]
+    assert plan_round([0.01, 0.02], slots=10, budget_s=100.0) == [10, 10]
+
+
+def test_the_scales_make_the_plain_mean_the_sample_weighted_mean() -> None:
+    steps = [10, 5, 10, 10]
+    deltas = [1.0, 2.0, 3.0, 4.0]
+    plain_mean_of_scaled = sum(weight_scale(steps, r) * d for r, d in enumerate(deltas)) / len(deltas)
+    assert plain_mean_of_scaled == pytest.approx(sum(n * d for n, d in zip(steps, deltas)) / sum(steps))
+    assert [weight_scale([4, 4, 4], r) for r in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_every_rank_decides_the_same_from_the_gathered_times_and_checkpoints_it() -> None:
+    gathered = [0.1, 0.2, 0.1]
+    calls: list[float] = []
+
+    def gather(value: float) -> list[float]:
+        calls.append(value)
+        return gathered
+
+    ranks = [TimedRounds(4, 3, rank) for rank in range(3)]
+    assert [[r.computes(s) for s in range(4)] for r in ranks][1] == [True] * 4   # round 1: all slots
+    for rank, timed in enumerate(ranks):
+        for t in (0.1, 0.3, gathered[rank]):
+            timed.record(t)
+    decisions = [timed.decide(gather) for timed in ranks]
+    assert calls == [0.1, 0.2, 0.1]       # each rank sends its own median
+    assert decisions == [[4, 2, 4]] * 3
+    assert [ranks[1].computes(s) for s in range(4)] == [True, True, False, False]
+    assert ranks[1].scale == pytest.approx(2 * 3 / 10)
+    restored = TimedRounds(4, 3, 1)
+    restored.load_state_dict(ranks[1].state_dict())
+    assert restored.steps == [4, 2, 4] and restored.decisions == 1
+    # a rank that measured nothing (resumed at the boundary) keeps the agreed counts
+    assert restored.decide(lambda v: [0.1, v, 0.1]) == [4, 2, 4]
+    with pytest.raises(ValueError, match="plan is for 3 replicas, this job has 2"):
+        TimedRounds(4, 2, 0).load_state_dict(ranks[0].state_dict())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"inner_steps": "sometimes"}, "inner_steps: allowed values: fixed, time"),
+    ({"inner_steps": "time", "round_budget_s": 0.0}, "round_budget_s: a positive number"),
+    ({"round_budget_s": 2.0}, "round_budget_s: .* with inner_steps=fixed"),
+    ({"inner_steps": "time", "sync_every": 4, "fragments": 2}, "inner_steps=time runs plain DiLoCo rounds"),
+])
+def test_bad_inner_steps_settings_name_the_key(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        DiLoCoConfig(**kwargs)
+
+
+def test_time_budgeted_rounds_are_refused_in_elastic_mode() -> None:
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    from syncplane.strategies.diloco import DiLoCo
+
+    with pytest.raises(ValueError, match="inner_steps=time is not supported with elastic=true"):
+        DiLoCo(cluster_environment=TorchElasticEnvironment(), inner_steps="time", elastic=True)
