@@ -34,8 +34,9 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     the gather of sparse pieces (``gather``: at ``options``' density and bits, by racks else
     hosts; the mesh's shards at their codec's size) -- ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this
     cluster (auto: the tree when ranks form hosts or racks)."""
-    codec = delta_codec(options.compression, density=options.density, bits=options.bits)
-    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, options.compression, codec)
+    compression = "sparse" if options.pattern == "gather" else options.compression   # the gather carries sparse
+    codec = delta_codec(compression, density=options.density, bits=options.bits)
+    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, compression, codec)
     return [exchange] + [[] for _ in range(options.period - 1)]
 
 
