@@ -117,8 +117,13 @@ class NodeEngine:
         return [0] if done % self.sync_every == 0 else []
 
     def launch(self, tensors: Sequence[torch.Tensor], fragment: int, due: int, background: bool,
-               meter: CommMeter) -> None:
-        """One round of every owned shard: Δ, the weighted mean over its group, the outer step."""
+               meter: CommMeter, scale: float = 1.0) -> None:
+        """One round of every owned shard: Δ, the weighted mean over its group, the outer step.
+        ``scale`` (``DiLoCoEngine.launch``'s per-rank weight for ``inner_steps: time``) must be 1:
+        a node's weight is its rank count, and the config refuses the time mode with nodes."""
+        if scale != 1.0:
+            raise ValueError(f"replica=node weighs nodes by their rank count; a per-rank scale {scale} "
+                             "(inner_steps=time) is not supported")
         tensors = [local(t) for t in tensors]
         committed = [self._shard_round(tensors, k, meter) for k in self.owned]
         self.pending[fragment] = Round(fragment, due, committed=all(committed))
