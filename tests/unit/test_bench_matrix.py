@@ -17,6 +17,7 @@ from syncplane.cluster import parse_profile
 from syncplane.cluster.emulator import parse_root_drops, uplink_drops
 from syncplane.config import ConfigError
 from syncplane.runtime.launcher import JobStopped, LaunchError
+from tests.helpers.scripts import load_script
 
 TC_STATS = """\
 qdisc noqueue 0: dev lo root refcnt 2
@@ -176,16 +177,6 @@ def test_progress_counts_each_cell_once():
         echo.write("bench: ddp median 0.1 s/step\nother line\nbench: ddp med")
         echo.write("ian 0.1 s/step\nbench: atc median 0.2 s/step\n")
         assert progress.tasks[0].completed == 2 and echo.cells == set()
-
-
-def load_script(name: str):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_scoreboard_script_puts_one_section_at_the_top_of_the_docs_and_replaces_it(tmp_path, monkeypatch):
