@@ -18,7 +18,7 @@ from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import EXCHANGES, STREAM_CHOICES, delta_codec, exchange_phases
+from syncplane.algorithms.diloco.exchange import EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_phases
 from syncplane.algorithms.diloco.layout import node_layout
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
@@ -34,7 +34,7 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     the gather of sparse pieces (``gather``: at ``options``' density and bits, by racks else
     hosts; the mesh's shards at their codec's size) -- ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this
     cluster (auto: the tree when ranks form hosts or racks)."""
-    compression = "sparse" if options.pattern == "gather" else options.compression   # the gather carries sparse
+    compression = carried(options.pattern, options.compression)
     codec = delta_codec(compression, density=options.density, bits=options.bits)
     exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, compression, codec)
     return [exchange] + [[] for _ in range(options.period - 1)]

@@ -10,7 +10,7 @@ import torch
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.outer import OuterOptimizer
-from syncplane.algorithms.diloco.exchange import EXCHANGES, build_exchange, delta_codec
+from syncplane.algorithms.diloco.exchange import EXCHANGES, build_exchange, carried, delta_codec
 from syncplane.comm import CommMeter, PhaseProfile
 from syncplane.exchanges import offered
 from syncplane.job import JobContext
@@ -28,8 +28,7 @@ class DiLoCoStep:
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", DiLoCoConfig.sync_every))
         exchange = offered(options.get("exchange"), EXCHANGES)
-        # the gather carries the sparse codec (as it is priced); sparse rides only the gather
-        compression = "sparse" if exchange == "gather" else str(options.get("compression", "none"))
+        compression = carried(exchange, str(options.get("compression", "none")))
         codec = delta_codec(compression, density=float(options.get("density", DiLoCoConfig.density)),
                             bits=int(options.get("bits", DiLoCoConfig.bits)))
         self.allreduce, self.exchange = build_exchange(

@@ -55,6 +55,12 @@ def check_exchange(exchange: str, compression: str) -> None:
                          "exchange='mesh' (or 'auto', which picks it)")
 
 
+def carried(exchange: str, compression: str) -> str:
+    """The codec ``exchange`` carries: the gather always carries the sparse one (that is what
+    it is for, and how it is priced); the others carry ``compression``."""
+    return "sparse" if exchange == "gather" else compression
+
+
 def delta_codec(compression: str = "none", block_size: int = 256, density: float = 0.02, bits: int = 2,
                 chunk: int = 4096) -> Codec:
     """What carries Δ on the wire: fp32, int8 (``block_size`` values per scale) or the sparse
@@ -69,8 +75,7 @@ def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int,
     """One all-reduce of Δ (``payload_bytes`` of fp32) on ``streams`` streams, as ``exchange``
     resolves on this cluster. The gather is priced with its pieces' size: ``codec``'s, else
     the sparse codec's at DiLoCo's default density, bits and chunk (``--exchange gather``)."""
-    if exchange == "gather":
-        compression = "sparse"
+    compression = carried(exchange, compression)
     chosen = choose(exchange, JobShape.of_profile(profile), allowed=EXCHANGES, exact=compression == "none",
                     strict=False, sparse=compression == "sparse")
     if chosen.name == "gather":
