@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from syncplane.experiments.comparison import parse_variant
+
 
 def rows_by_label(report: Mapping[str, Any]) -> dict[str, list[Mapping[str, Any]]]:
     """The report's finished runs, grouped by row label in order of appearance."""
@@ -50,9 +52,10 @@ def bench_sync_per_step(paths: Sequence[Path]) -> dict[str, float]:
 
 def codec_key(label: str) -> str:
     """``diloco[compression=sparse,density=0.01]`` -> ``sparse@0.01``; ``ddp`` -> ``ddp``."""
-    if not label.startswith("diloco"):
+    name, pairs = parse_variant(label)
+    if name != "diloco":
         return label
-    options = dict(pair.split("=", 1) for pair in label.partition("[")[2].rstrip("]").split(",") if "=" in pair)
+    options = dict(pairs)
     codec = options.get("compression", "none")
     return f"sparse@{float(options.get('density', 0.02)):g}" if codec == "sparse" else codec
 
