@@ -27,7 +27,14 @@ def stage(into: Path) -> Path:
     """Copy the package's sources into ``into/syncplane`` in their installed shape."""
     pkg = into / "syncplane"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "csrc")
-    shutil.copytree(ROOT / "src" / "syncplane", pkg, ignore=ignore)
+    src = ROOT / "src" / "syncplane"
+
+    def ignore_in_src(folder: str, names: list[str]) -> set[str]:
+        # a development checkout may link strategies/ and recipes/ into the package: staged below
+        linked = {n for n in ("strategies", "recipes") if Path(folder) == src and (src / n).is_symlink()}
+        return set(ignore(folder, names)) | linked
+
+    shutil.copytree(src, pkg, ignore=ignore_in_src)
     shutil.copytree(ROOT / "strategies", pkg / "strategies", ignore=ignore)
     shutil.copytree(ROOT / "recipes", pkg / "recipes", ignore=ignore)
     return into

@@ -79,23 +79,55 @@ def test_relative_error_falls_with_bits(test_seed):
     assert errors[2] < 0.01
 
 
-@pytest.mark.parametrize("density,chunk,bitmap", [(0.01, 4096, False), (0.03, 4096, False), (0.1, 4096, True),
-                                                  (0.05, 64, False), (0.2, 64, True)])
-def test_layout_sends_the_smaller_of_offsets_and_bitmap(density, chunk, bitmap):
+def _index_bits(mode: str, k: int, length: int) -> int:
+    """The three encodings' sizes, written out from the layout's definition."""
+    if mode == "bitmap":
+        return length
+    if mode == "offsets":
+        return k * max(1, (length - 1).bit_length())
+    low = int(math.floor(math.log2(length / k)))
+    return k * low + k + (length - 1) // 2**low + 1
+
+
+@pytest.mark.parametrize("density,chunk,mode", [(0.01, 4096, "elias_fano"), (0.03, 4096, "elias_fano"),
+                                                (0.1, 4096, "elias_fano"), (0.3, 4096, "bitmap"),
+                                                (1 / 4096, 4096, "offsets"), (0.05, 64, "offsets"),
+                                                (0.2, 64, "elias_fano"), (0.5, 64, "bitmap")])
+def test_layout_sends_the_smallest_index_encoding(density, chunk, mode):
     codec = ChunkedTopK(density, 2, chunk)
-    k, width = codec.k, max(1, (chunk - 1).bit_length())
+    k = codec.k
     layout = codec.layout(10 * chunk)
-    assert layout.bitmap(chunk) is bitmap
-    assert layout.index_bytes(chunk) == math.ceil(min(chunk, k * width) / 8)
+    sizes = {m: _index_bits(m, k, chunk) for m in ("bitmap", "offsets", "elias_fano")}
+    assert layout.index_mode(chunk) == mode
+    assert sizes[mode] == min(sizes.values())
+    assert layout.index_bytes(chunk) == math.ceil(sizes[mode] / 8)
     assert codec.nbytes(10 * chunk) == 10 * (4 + layout.index_bytes(chunk) + math.ceil(k * 2 / 8))
 
 
+@pytest.mark.parametrize("density,chunk", [(0.01, 4096), (0.03, 4096), (0.1, 4096), (1 / 4096, 4096),
+                                           (0.05, 64), (0.5, 64), (0.02, 300)])
+@pytest.mark.parametrize("backend", ["ext", "torch"])
+def test_every_index_encoding_round_trips(density, chunk, backend, test_seed):
+    """Each mode, with a tail chunk of its own mode, decodes the kept values back in place."""
+    codec = ChunkedTopK(density, 8, chunk)
+    n = 5 * chunk + chunk // 3 + 1
+    x = sample("student_t3", n, test_seed)
+    data = kernels.sparse_encode(x, codec.k, chunk, 8, backend=backend)
+    y = kernels.sparse_decode_add([data], torch.zeros(n), codec.k, chunk, 8, backend=backend)
+    for start in range(0, n, chunk):
+        xc, yc = x[start:start + chunk], y[start:start + chunk]
+        top = torch.sort(xc.abs(), descending=True, stable=True).indices[:min(codec.k, xc.numel())]
+        assert torch.equal(torch.sort(yc.nonzero().flatten()).values, torch.sort(top).values)
+
+
 def test_compression_ratios_at_sparselocos_settings():
-    """1 % of chunks of 4096 at 2 bits: 77 bytes per chunk, > 200x smaller than fp32; 3 %: > 70x."""
+    """Chunks of 4096 at 2 bits, positions in Elias-Fano: 1 % is 59 bytes per chunk (277x
+    smaller than fp32), 3 % is 144 (113x); bit-packed offsets would take 77 and 220."""
     n = 4096 * 100
-    assert ChunkedTopK(0.01, 2, 4096).nbytes(n) == 77 * 100
-    assert 4 * n / ChunkedTopK(0.01, 2, 4096).nbytes(n) > 200
-    assert 4 * n / ChunkedTopK(0.03, 2, 4096).nbytes(n) > 70
+    assert ChunkedTopK(0.01, 2, 4096).nbytes(n) == 59 * 100
+    assert ChunkedTopK(0.03, 2, 4096).nbytes(n) == 144 * 100
+    assert 4 * n / ChunkedTopK(0.01, 2, 4096).nbytes(n) > 270
+    assert 4 * n / ChunkedTopK(0.03, 2, 4096).nbytes(n) > 110
 
 
 def test_decode_add_is_the_ordered_sum_of_extracts(test_seed):
@@ -116,12 +148,19 @@ def test_bad_settings_name_the_key(kwargs, key):
 
 
 @pytest.mark.parametrize("backend", ["ext", "torch"])
-def test_malformed_payloads_are_refused(backend):
-    codec = ChunkedTopK(0.25, 2, 64)   # bitmap chunks
-    data = codec.compress(torch.randn(128))
+@pytest.mark.parametrize("density,chunk", [(0.25, 64), (0.03, 4096)])   # a bitmap, Elias-Fano
+def test_malformed_payloads_are_refused(backend, density, chunk):
+    codec = ChunkedTopK(density, 2, chunk)
+    n = 2 * chunk
+    data = codec.compress(torch.randn(n))
+    layout = codec.layout(n)
     with pytest.raises(ValueError, match="payload 0"):
-        kernels.sparse_decode_add([data[:-1]], torch.zeros(128), codec.k, 64, 2, backend=backend)
-    broken = data.clone()
-    broken[4 * 2:4 * 2 + 8] = 0   # chunk 0's bitmap emptied
-    with pytest.raises((RuntimeError, ValueError), match="bitmap"):
-        kernels.sparse_decode_add([broken], torch.zeros(128), codec.k, 64, 2, backend=backend)
+        kernels.sparse_decode_add([data[:-1]], torch.zeros(n), codec.k, chunk, 2, backend=backend)
+    index_at, index_bytes = 4 * 2, layout.index_bytes(chunk)
+    emptied = data.clone()
+    emptied[index_at:index_at + index_bytes] = 0   # chunk 0 sends no position
+    flooded = data.clone()
+    flooded[index_at:index_at + index_bytes] = 255   # chunk 0 sends too many
+    for broken in (emptied, flooded):
+        with pytest.raises((RuntimeError, ValueError), match="corrupt payload"):
+            kernels.sparse_decode_add([broken], torch.zeros(n), codec.k, chunk, 2, backend=backend)

@@ -485,8 +485,7 @@ void encode_chunk(const float* x, int64_t length, const Layout& L, float* scale_
   const float m_levels = static_cast<float>(levels);
   std::memset(index_out, 0, L.index_bytes(length));
   std::memset(codes_out, 0, L.value_bytes(length));
-  const bool bitmap = L.bitmap(length);
-  const int width = Layout::width(length);
+  const IndexCodec index(L, length);
   for (int64_t j = 0; j < kept; ++j) {
     const float v = x[chosen[j]];
     const float t = (std::fabs(v) / safe) * m_levels;
@@ -494,8 +493,7 @@ void encode_chunk(const float* x, int64_t length, const Layout& L, float* scale_
     const int m = static_cast<int>(std::min(std::max(r, 0.0f), static_cast<float>(levels - 1)));
     const uint32_t code = (static_cast<uint32_t>(std::signbit(v) ? 1 : 0) << (L.bits - 1)) | static_cast<uint32_t>(m);
     put_bits(codes_out, j * L.bits, code, L.bits);
-    if (bitmap) put_bits(index_out, chosen[j], 1u, 1);
-    else put_bits(index_out, j * width, static_cast<uint32_t>(chosen[j]), width);
+    index.put(index_out, j, chosen[j]);
   }
 }
 
@@ -509,31 +507,19 @@ void decode_add_chunk(const uint8_t* payload, int64_t c, const Layout& L, float 
   const float step = a / static_cast<float>(levels);
   const uint8_t* index_in = payload + L.index_at(c);
   const uint8_t* codes_in = payload + L.codes_at(c);
-  const bool bitmap = L.bitmap(length);
-  const int width = Layout::width(length);
-  int64_t pos = 0;  // bitmap cursor
+  IndexReader index(L, index_in, length);
   for (int64_t j = 0; j < kept; ++j) {
-    int64_t offset;
-    if (bitmap) {
-      while (pos < length && !((index_in[pos >> 3] >> (pos & 7)) & 1u)) ++pos;
-      TORCH_CHECK(pos < length, "sparse_decode_add: a bitmap does not hold ", kept, " positions");
-      offset = pos++;
-    } else {
-      offset = get_bits(index_in, j * width, width);
-      TORCH_CHECK(offset < length, "sparse_decode_add: an offset is outside its chunk of ", length, " values");
-    }
+    const int64_t offset = index.next(j);
+    TORCH_CHECK(offset >= 0, "sparse_decode_add: chunk ", c, "'s indices do not hold ", kept,
+                " ascending positions inside its ", length, " values (corrupt payload)");
     const uint32_t code = get_bits(codes_in, j * L.bits, L.bits);
     float v = static_cast<float>((code & static_cast<uint32_t>(levels - 1)) + 1) * step;
     if (code >> (L.bits - 1)) v = -v;
     v = v * scale;
     out[offset] = out[offset] + v;
   }
-  if (bitmap) {
-    for (; pos < length; ++pos) {
-      TORCH_CHECK(!((index_in[pos >> 3] >> (pos & 7)) & 1u), "sparse_decode_add: a bitmap does not hold ", kept,
-                  " positions");
-    }
-  }
+  TORCH_CHECK(index.rest_clear(), "sparse_decode_add: chunk ", c, "'s indices hold more than ", kept,
+              " positions (corrupt payload)");
 }
 
 }  // namespace sparse

@@ -334,8 +334,7 @@ __global__ void sparse_pack_kernel(const float* __restrict__ x, const int64_t* _
   const float m_levels = static_cast<float>(levels);
   uint8_t* index_out = out + L.index_at(c);
   uint8_t* codes_out = out + L.codes_at(c);
-  const bool bitmap = L.bitmap(length);
-  const int width = sparse::Layout::width(length);
+  const sparse::IndexCodec index(L, length);
   const float* xc = x + c * L.chunk;
   for (int64_t j = 0; j < kept; ++j) {
     const int64_t i = chosen[r * kept + j];
@@ -345,8 +344,7 @@ __global__ void sparse_pack_kernel(const float* __restrict__ x, const int64_t* _
     const int m = static_cast<int>(fminf(fmaxf(q, 0.0f), static_cast<float>(levels - 1)));
     const uint32_t code = (static_cast<uint32_t>(signbit(v) ? 1 : 0) << (L.bits - 1)) | static_cast<uint32_t>(m);
     sparse::put_bits(codes_out, j * L.bits, code, L.bits);
-    if (bitmap) sparse::put_bits(index_out, i, 1u, 1);
-    else sparse::put_bits(index_out, j * width, static_cast<uint32_t>(i), width);
+    index.put(index_out, j, i);
   }
   memcpy(out + 4 * c, &a, 4);
 }
@@ -364,30 +362,17 @@ __global__ void sparse_unpack_add_kernel(const uint8_t* __restrict__ payload, sp
   const float step = __fdiv_rn(a, static_cast<float>(levels));
   const uint8_t* index_in = payload + L.index_at(c);
   const uint8_t* codes_in = payload + L.codes_at(c);
-  const bool bitmap = L.bitmap(length);
-  const int width = sparse::Layout::width(length);
+  sparse::IndexReader index(L, index_in, length);
   float* oc = out + c * L.chunk;
-  int64_t pos = 0;
   for (int64_t j = 0; j < kept; ++j) {
-    int64_t offset;
-    if (bitmap) {
-      while (pos < length && !((index_in[pos >> 3] >> (pos & 7)) & 1u)) ++pos;
-      if (pos >= length) { atomicExch(bad, 1); return; }
-      offset = pos++;
-    } else {
-      offset = sparse::get_bits(index_in, j * width, width);
-      if (offset >= length) { atomicExch(bad, 1); return; }
-    }
+    const int64_t offset = index.next(j);
+    if (offset < 0) { atomicExch(bad, 1); return; }
     const uint32_t code = sparse::get_bits(codes_in, j * L.bits, L.bits);
     float v = __fmul_rn(static_cast<float>((code & static_cast<uint32_t>(levels - 1)) + 1), step);
     if (code >> (L.bits - 1)) v = -v;
     oc[offset] = __fadd_rn(oc[offset], __fmul_rn(v, scale));
   }
-  if (bitmap) {
-    for (; pos < length; ++pos) {
-      if ((index_in[pos >> 3] >> (pos & 7)) & 1u) { atomicExch(bad, 1); return; }
-    }
-  }
+  if (!index.rest_clear()) atomicExch(bad, 1);
 }
 
 // c_bits of kernels.py's SPARSE_CLIP (as in cpu_kernels.cpp)
