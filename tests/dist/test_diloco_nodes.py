@@ -8,6 +8,8 @@ sharded over its ranks -- on real gloo ranks, nodes given as ranks per host, fre
 - A resume from the sharded outer state (``torch.load(weights_only=True)``) continues bit for
   bit; each rank keeps 1/L of the outer state.
 - Through Lightning's Trainer (the strategy's glue): H = 1 equals Lightning's DDP on 2 hosts of 2.
+- The sparse codec on nodes (2+2, 2+1): each shard's round is the mean of its owners' pieces
+  (each owner's top-k of its weighted Δ), the same on every rank of every node.
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ def _engine(rank: int, world: int, sizes: list[int] | None, kwargs: dict, model:
     from syncplane.job import JobContext
 
     job = JobContext(rank=rank, world_size=world)
+    kwargs = {"exchange": "mesh", **kwargs}
     if sizes is None:
         tensors = [p.data for p in model.parameters()]
-        return DiLoCoEngine(tensors, sum(t.numel() for t in tensors), DiLoCoConfig(exchange="mesh", **kwargs), job)
-    config = DiLoCoConfig(replica="node", exchange="mesh", **kwargs)
+        return DiLoCoEngine(tensors, sum(t.numel() for t in tensors), DiLoCoConfig(**kwargs), job)
+    config = DiLoCoConfig(replica="node", **kwargs)
     return NodeEngine(model, config, job, ReplicaLayout.of_sizes(sizes, inner))
 
 
@@ -119,8 +122,11 @@ def one_rank_nodes_vs_diloco(rank: int, world: int, seed: int, kwargs: dict):
     return out
 
 
-@pytest.mark.parametrize("kwargs", [{"sync_every": 2}, {"sync_every": 3, "compression": "int8", "block_size": 4}],
-                         ids=["nesterov", "int8"])
+SPARSE = {"compression": "sparse", "density": 0.25, "bits": 4, "chunk": 8, "exchange": "gather"}
+
+
+@pytest.mark.parametrize("kwargs", [{"sync_every": 2}, {"sync_every": 3, "compression": "int8", "block_size": 4},
+                                    {"sync_every": 2, **SPARSE}], ids=["nesterov", "int8", "sparse"])
 def test_one_rank_per_node_is_todays_diloco_bit_for_bit(kwargs):
     seed = int(torch.randint(0, 2**20, ()))
     for (params, outer), (node_params, node_outer) in run_distributed(one_rank_nodes_vs_diloco, 3, seed, kwargs,
@@ -172,6 +178,52 @@ def test_resume_from_the_sharded_outer_state_is_bit_identical_and_each_rank_keep
     n = results[0][3]
     # θ_g, Nesterov momentum and Δ, 12 bytes per value: rank 2 (a node of one) all of it, ranks 0-1 half each
     assert [r[2] for r in results] == [12 * ((n + 1) // 2), 12 * (n // 2), 12 * n]
+
+
+def sparse_node_round(rank: int, world: int, sizes: list[int], seed: int):
+    """One round (H = 2, plain averaging) with the sparse codec; this rank's pieces as the
+    codec makes them from its weighted Δ (first round: the accumulator is Δ)."""
+    from syncplane.comm import ChunkedTopK, CommMeter
+
+    model = _model(seed)
+    engine = _engine(rank, world, sizes, {"sync_every": 2, **PLAIN_AVERAGING, **SPARSE}, model)
+    before = {k: engine.outers[k].params.clone() for k in engine.owned}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(2):
+        _inner_step(engine.module, optimizer, seed, rank, step)
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    codec = ChunkedTopK(SPARSE["density"], SPARSE["bits"], SPARSE["chunk"])
+    pieces = {k: codec.compress(engine.outers[k].pseudo_gradient(local[slice(*engine.bounds[k])]) * engine.weight)
+              for k in engine.owned}
+    tensors = [p.data for p in model.parameters()]
+    engine.launch(tensors, 0, 2, False, CommMeter())
+    assert engine.merge(tensors, engine.outer.pop(0), 0.0)
+    after = {k: engine.outers[k].params.clone() for k in engine.owned}
+    engine.close()
+    return before, pieces, after, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), engine.bounds
+
+
+@pytest.mark.parametrize("sizes", [[2, 2], [2, 1]], ids=str)
+def test_sparse_shards_are_the_mean_of_their_owners_pieces_on_every_rank(sizes):
+    from syncplane.comm import ChunkedTopK
+
+    seed = int(torch.randint(0, 2**20, ()))
+    results = run_distributed(sparse_node_round, sum(sizes), sizes, seed, timeout=180)
+    codec = ChunkedTopK(SPARSE["density"], SPARSE["bits"], SPARSE["chunk"])
+    owners: dict[int, list[int]] = {}
+    for rank, (_, pieces, _, _, _) in enumerate(results):
+        for k in pieces:
+            owners.setdefault(k, []).append(rank)
+    assert sorted(owners) == [0, 1] and all(len(ranks) == 2 for ranks in owners.values())   # one owner per node
+    for k, ranks in owners.items():
+        n = results[ranks[0]][0][k].numel()
+        mean = codec.decode_add([results[r][1][k] for r in ranks], torch.zeros(n)) / len(ranks)
+        assert mean.count_nonzero() > 0
+        for r in ranks:
+            torch.testing.assert_close(results[r][2][k], results[r][0][k] - mean, rtol=0, atol=1e-6)
+            assert torch.equal(results[r][2][k], results[ranks[0]][2][k])      # bit-identical across nodes
+    models = [model for _, _, _, model, _ in results]
+    assert all(torch.equal(m, models[0]) for m in models)                        # every rank: one θ_g
 
 
 def test_through_lightning_h1_on_two_hosts_of_two_equals_ddp(tmp_path):

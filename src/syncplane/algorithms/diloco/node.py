@@ -7,7 +7,9 @@ the j-th ranks of every node, which needs nodes of one size). Across nodes, rank
 of the outer state (``layout.ReplicaLayout``: θ_g and the outer optimizer per shard, Δ formed
 in place in the host mirror) and exchanges each with that shard's owners in the other nodes,
 on a ``StreamRunner`` of its own (its own gloo groups: L exchanges at once per node, on the
-host's NICs in turn, with the deadline and commit/discard of every DiLoCo exchange). With DDP, after
+host's NICs in turn, with the deadline and commit/discard of every DiLoCo exchange): a mesh,
+or for ``compression: sparse`` a gather of each shard's sparse pieces, its error feedback kept
+per shard by the shard's owner. With DDP, after
 the round one all-gather on the node's gloo group rebuilds the replica's whole θ_g, which
 is copied into the model.
 
@@ -34,10 +36,9 @@ from syncplane.algorithms.diloco.engine import host_mirror
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.streaming import Round
-from syncplane.comm import make_codec
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.streams import StreamRunner, reserve_key
-from syncplane.exchanges import MeshExchange
+from syncplane.exchanges import GatherExchange, MeshExchange
 from syncplane.job import JobContext
 
 
@@ -97,12 +98,22 @@ class NodeEngine:
                        for k, (a, b) in ((k, self.bounds[k]) for k in self.owned)}
         key = reserve_key("diloco-node")
         shards = 1 if config.shards == "auto" else int(config.shards)
-        self.runners = {k: StreamRunner(MeshExchange(shards), codec=make_codec(config.compression, config.block_size),
+        self.runners = {k: StreamRunner(self._pattern(k, shards, n_params), codec=config.codec(),
                                         interfaces=job.interfaces, timeout_s=config.sync_timeout_s,
-                                        members=layout.shard_group(k), key=f"{key}/shard{k}")
+                                        members=layout.shard_group(k), key=f"{key}/shard{k}",
+                                        error_feedback_beta=config.error_feedback)
                         for k in self.owned}
-        self.shards, self.exchange_name = shards, "mesh"
+        self.shards = shards
+        self.exchange_name = "gather" if config.compression == "sparse" else "mesh"
         self.pending: dict[int, Round] = {}
+
+    def _pattern(self, k: int, shards: int, n_params: int) -> MeshExchange | GatherExchange:
+        """Shard ``k``'s exchange: the mesh; for the sparse codec, a gather of the pieces (a sum of
+        top-k vectors is denser than each), the floating buffers past ``n_params`` as exact fp32."""
+        if self.config.compression != "sparse":
+            return MeshExchange(shards)
+        a, b = self.bounds[k]
+        return GatherExchange(shards, exact_from=max(0, n_params - a) if b > n_params else None)
 
     def _wrap(self, module: torch.nn.Module, device: str, device_ids: list[int] | None) -> torch.nn.Module:
         """``inner: ddp``: torch's DDP over the node; ``fsdp``: FSDP2's ``fully_shard`` over it (in place)."""
