@@ -18,6 +18,7 @@ from syncplane.algorithms import canary, ddp, decentralized, diloco, ds_sync, fl
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster.cost import CostModel
+from syncplane.exchanges.cpu import CpuRates
 
 #: Every family, baseline first; peers (from other projects) last.
 SPECS: tuple[AlgorithmSpec, ...] = (ddp.SPEC, decentralized.SPEC, ds_sync.SPEC, diloco.SPEC, flexreduce.SPEC,
@@ -64,26 +65,32 @@ class StrategyTimes:
     bandwidth bound; ``network_bound_s``: the network's lower bound for an all-reduce of the
     payload (``syncplane.cluster.bound``) once per step that communicates, whatever the
     pattern -- how fast the wire would let the step be; ``network_binding``: the cut or
-    count that sets it.
+    count that sets it; ``cpu_s``: the part of ``predicted_s`` that is CPU work (encoding,
+    decoding, sums: the family's ``AlgorithmSpec.cpu`` at measured rates; 0 without rates).
     """
 
     predicted_s: float
     bound_s: float
     network_bound_s: float
     network_binding: str
+    cpu_s: float = 0.0
 
 
-def strategy_times(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()
-                   ) -> StrategyTimes:
+def strategy_times(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions(),
+                   cpu: CpuRates | None = None) -> StrategyTimes:
     """``StrategyTimes`` of ``name`` on ``model``'s cluster: the means over one period of its
-    pattern (so periodic algorithms are amortized, their network bound too)."""
-    steps = spec_for(name).cost(name, model.profile, payload_bytes, options)
+    pattern (so periodic algorithms are amortized, their network bound too); with ``cpu``
+    rates, the prediction adds the family's CPU work per round (the bounds stay the wire's)."""
+    family = spec_for(name)
+    steps = family.cost(name, model.profile, payload_bytes, options)
     if not steps:
         return StrategyTimes(0.0, 0.0, 0.0, "no communication")
     network = allreduce_network_bound(model.profile, payload_bytes, options.streams)
     rounds = sum(1 for step in steps if step) / len(steps)
-    return StrategyTimes(sum(model.time(p) for p in steps) / len(steps), sum(model.bound(p) for p in steps) / len(steps),
-                         network.seconds * rounds, network.binding)
+    cpu_s = cpu.seconds(family.cpu(name, model.profile, payload_bytes, options)) * rounds if cpu is not None else 0.0
+    return StrategyTimes(sum(model.time(p) for p in steps) / len(steps) + cpu_s,
+                         sum(model.bound(p) for p in steps) / len(steps), network.seconds * rounds, network.binding,
+                         cpu_s)
 
 
 def periods(names: list[str], period: int | None = None) -> dict[str, int]:

@@ -27,6 +27,7 @@ from syncplane.cluster.cost import DEFAULT_ALPHA_S, CostModel
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.config import ConfigError
 from syncplane.exchanges.choose import NAMES, JobShape, choose
+from syncplane.exchanges.cpu import CpuRates, CpuWork
 from syncplane.job import JobContext
 
 #: ``strategy.kwargs.accept`` / ``syncplane plan --accept``: which results the user accepts.
@@ -49,6 +50,7 @@ class PlanInputs:
     period: int | None = None            # every periodic strategy's period (None: each one's default)
     alpha_s: float = DEFAULT_ALPHA_S
     strategies: tuple[str, ...] | None = None   # None: every registered strategy
+    cpu: CpuRates | None = None          # measured CPU rates (``exchanges.cpu.calibrate``); None: the wire only
 
     def __post_init__(self) -> None:
         if self.payload_bytes <= 0:
@@ -57,6 +59,8 @@ class PlanInputs:
             raise ConfigError(f"compute: must be at least 0 s, got {self.compute_s}")
         if self.period is not None and self.period < 1:
             raise ConfigError(f"period: must be at least 1, got {self.period}")
+        if isinstance(self.cpu, Mapping):      # read back from a plan's JSON (``asdict``)
+            object.__setattr__(self, "cpu", CpuRates(**self.cpu))
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Candidate:
     bound_s: float
     network_bound_s: float
     network_binding: str     # the cut or count that sets the network's bound
+    cpu_s: float = 0.0       # the part of ``sync_s`` that is CPU work (0 without ``PlanInputs.cpu``)
 
     @property
     def exposed_s(self) -> float:
@@ -170,24 +175,34 @@ def why_not(name: str, kwargs: Mapping[str, Any], profile: ClusterProfile) -> st
     return None
 
 
-def price(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> Candidate:
-    """One candidate priced on ``model``'s cluster (module doc)."""
+def cost_options(name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> CostOptions:
+    """The cost model's options for one candidate: its period (the settings', else the one
+    given, else its default), streams, exchange and codec."""
     family = spec_for(name)
     period = 1
-    if family.periodic:   # the period the settings name, else the one given, else its default
+    if family.periodic:
         period = int(kwargs.get(family.period_key or "", inputs.period or family.default_period[name]))
-    times: StrategyTimes = strategy_times(model, name, inputs.payload_bytes,
-                                          CostOptions(period, family.streams(kwargs), family.pattern(kwargs),
-                                                      str(kwargs.get("compression", "none")),
-                                                      float(kwargs.get("density", CostOptions.density)),
-                                                      int(kwargs.get("bits", CostOptions.bits))))
+    return CostOptions(period, family.streams(kwargs), family.pattern(kwargs), str(kwargs.get("compression", "none")),
+                       float(kwargs.get("density", CostOptions.density)), int(kwargs.get("bits", CostOptions.bits)))
+
+
+def cpu_work(profile: ClusterProfile, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> CpuWork:
+    """One round's CPU work of a candidate (what its CPU rates must cover: ``calibrate`` it)."""
+    return spec_for(name).cpu(name, profile, inputs.payload_bytes, cost_options(name, kwargs, inputs))
+
+
+def price(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> Candidate:
+    """One candidate priced on ``model``'s cluster (module doc), its CPU work at ``inputs.cpu``."""
+    family = spec_for(name)
+    options = cost_options(name, kwargs, inputs)
+    times: StrategyTimes = strategy_times(model, name, inputs.payload_bytes, options, inputs.cpu)
     window = family.overlap.get(name)
     hidden = compute_split(window, inputs.compute_s)[1]
-    return Candidate(strategy=name, kwargs=dict(kwargs), exact=name in family.exact, period=period,
+    return Candidate(strategy=name, kwargs=dict(kwargs), exact=name in family.exact, period=options.period,
                      overlap=window, sync_s=times.predicted_s, hidden_s=hidden,
                      step_s=inputs.compute_s + max(0.0, times.predicted_s - hidden),
                      bound_s=times.bound_s, network_bound_s=times.network_bound_s,
-                     network_binding=times.network_binding)
+                     network_binding=times.network_binding, cpu_s=times.cpu_s)
 
 
 def make_plan(profile: ClusterProfile, inputs: PlanInputs) -> Plan:

@@ -19,6 +19,7 @@ import torch
 from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm.meter import CommMeter
+from syncplane.exchanges.cpu import CpuWork
 from syncplane.job import JobContext
 
 
@@ -49,6 +50,9 @@ class CostOptions:
 #: (an idle step is an empty list): a step costs the period's mean.
 CostPattern = Callable[[str, ClusterProfile, float, CostOptions], list[list[Phase]]]
 #: (strategy name, bench options, the job's shape) -> the step the bench times.
+#: (strategy name, cluster, payload bytes, options) -> one rank's CPU work in one round
+#: (``syncplane.exchanges.cpu``: encoding, decoding, sums, copies), priced by measured rates.
+CpuPattern = Callable[[str, ClusterProfile, float, CostOptions], CpuWork]
 StepFactory = Callable[[str, Mapping[str, Any], JobContext], SyncStep]
 
 
@@ -83,6 +87,8 @@ class AlgorithmSpec:
             one candidate (absent: the defaults only). Bench option names are the kwargs' own,
             so ``streams`` and ``pattern`` read a variant as they read the bench's options.
         period_key: the ``strategy.kwargs`` key of a periodic algorithm's period (DiLoCo's H).
+        cpu: the CPU work of one round beside the wire (absent: none modelled), priced with
+            the rates ``syncplane.exchanges.cpu.calibrate`` measures on the machine.
     """
 
     family: str
@@ -99,6 +105,7 @@ class AlgorithmSpec:
     exact: tuple[str, ...] = ()
     variants: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
     period_key: str | None = None
+    cpu: CpuPattern = lambda name, profile, payload_bytes, options: CpuWork()
 
 
 def compute_split(window: str | None, compute_s: float) -> tuple[float, float, float]:

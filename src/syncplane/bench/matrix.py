@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from syncplane.bench.runner import plot, report_rows, run_bench
+from syncplane.bench.runner import emulator_cpu_rates, plot, report_rows, run_bench
 from syncplane.cluster import ClusterProfile
 from syncplane.cluster.emulator import EmulationError
 from syncplane.config import ConfigError
@@ -136,7 +136,8 @@ def _partial_rows(profile: ClusterProfile, order: list[str], settings: MatrixSet
     results = run_dir / "results.json"
     measured = json.loads(results.read_text())["results"] if results.exists() else {}
     finished = [s for s in order if s in measured]
-    return report_rows(profile, finished, settings.payload_bytes, measured, compute_ms=settings.compute_ms)
+    return report_rows(profile, finished, settings.payload_bytes, measured, compute_ms=settings.compute_ms,
+                       cpu=emulator_cpu_rates(profile, finished, settings.payload_bytes, None, {}))
 
 
 def stamp_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

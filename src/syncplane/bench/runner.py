@@ -14,6 +14,9 @@ interface counters: the cross-check of ``bytes_sent_per_rank``), ``step_s`` (all
 ``overlap`` (with ``compute_ms``: the part of the step the sync ran behind; its sync,
 bound and prediction are then the exposed part, bound − hidden compute, at least 0),
 ``model_error`` (predicted over measured, minus 1: negative when the model is optimistic),
+``predicted_cpu_s`` (the prediction's CPU part: encoding, decoding and sums at rates measured
+on this machine, ``syncplane.exchanges.cpu``, every rank sharing its cores) and
+``model_error_wire`` (the error of the wire's price alone, without that part),
 ``switch_drops`` (packets each shaped switch port dropped per step, from ``tc -s``) and
 ``uplink_drops`` (their rack uplinks' sum; None without uplinks).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -38,6 +42,7 @@ from syncplane.cluster.emulator import switch_namespace, uplink_drops
 from syncplane.comm.codecs import check_sparse_options
 from syncplane.config import ConfigError
 from syncplane.exchanges import normalize
+from syncplane.exchanges.cpu import CpuRates, CpuWork, calibrate
 
 
 def parse_payload(value: str) -> int:
@@ -102,9 +107,10 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs",
                           echo_to=echo_to)
         measured = json.loads((out_dir / "results.json").read_text())["results"]
+    options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
+               "density": density, "bits": bits}
     rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period,
-                       shards=shards, pair_streams=pair_streams, compression=compression, exchange=exchange,
-                       density=density, bits=bits)
+                       cpu=emulator_cpu_rates(profile, strategies, payload_bytes, period, options), **options)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
             "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
             "pair_streams": pair_streams, "compute_speeds": profile.compute_speeds(),
@@ -113,13 +119,25 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
             "results": rows}
 
 
+def emulator_cpu_rates(profile: ClusterProfile, strategies: list[str], payload_bytes: int, period: int | None,
+                       options: dict[str, Any]) -> CpuRates:
+    """CPU rates for the strategies' work on the emulator: measured on this machine
+    (``calibrate``, cached), every rank of ``profile`` sharing this machine's cores."""
+    inputs = plan.PlanInputs(payload_bytes, period=period)
+    work = sum((plan.cpu_work(profile, name, options, inputs) for name in strategies if name not in algorithms.PLANNED),
+               CpuWork())
+    return calibrate(work, sharing=profile.world_size / len(os.sched_getaffinity(0)))
+
+
 def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: int, measured: dict[str, Any], *,
                 compute_ms: float = 0.0, period: int | None = None, shards: int = 1,
                 pair_streams: int | str = "auto", compression: str = "none",
-                exchange: str = "auto", density: float = 0.02, bits: int = 2) -> list[dict[str, Any]]:
+                exchange: str = "auto", density: float = 0.02, bits: int = 2,
+                cpu: CpuRates | None = None) -> list[dict[str, Any]]:
     """One report row per strategy: the workers' measurements (``measured[name]``: step
     times, bytes, NIC counters) next to the model's prediction and both bounds
-    (``period``: the periodic strategies' steps per round; None = each one's own default)."""
+    (``period``: the periodic strategies' steps per round; None = each one's own default;
+    ``cpu``: the CPU rates its prediction adds, ``emulator_cpu_rates``; None: the wire only)."""
     periods = algorithms.periods(strategies, period)
     model = CostModel(profile, tcp=EMULATED_TCP)     # measured where it runs: on the emulator
     background_senders = {profile.host(f.src).index for f in profile.background}
@@ -145,9 +163,11 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
                        "density": density, "bits": bits}
             # priced as ``syncplane plan`` prices it: the compute its overlap window hides comes off
-            priced = plan.price(model, name, options, plan.PlanInputs(payload_bytes, compute_ms / 1000, period))
+            inputs = plan.PlanInputs(payload_bytes, compute_ms / 1000, period, cpu=cpu)
+            priced = plan.price(model, name, options, inputs)
             hidden = priced.hidden_s
             row["predicted_s"], row["bound_s"] = priced.exposed_s, max(0.0, priced.bound_s - hidden)
+            row["predicted_cpu_s"] = priced.cpu_s
             row["network_bound_s"] = max(0.0, priced.network_bound_s - hidden)
             row["network_binding"] = priced.network_binding
             row["overlap"] = priced.overlap if hidden else None
@@ -158,6 +178,8 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
                                               if priced.network_bound_s else None)
                 row["model_error"] = (row["predicted_s"] / row["sync_s_median"] - 1
                                       if row["sync_s_median"] > 0 else None)
+                wire = max(0.0, priced.sync_s - priced.cpu_s - hidden)
+                row["model_error_wire"] = wire / row["sync_s_median"] - 1 if row["sync_s_median"] > 0 else None
         rows.append(row)
     ddp = next((r for r in rows if r["strategy"] == "ddp" and "sync_s_median" in r), None)
     for row in rows:

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from syncplane.cluster.cost import FlowArray, Phase
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm.codecs import Codec, Fp32
+from syncplane.exchanges.cpu import CpuWork, coded, feedback_encoded
 from syncplane.comm.streams import Round, shard_bounds
 
 _TAG_BASE = 64
@@ -368,6 +369,33 @@ def nested_cost(radices: Sequence[int], payload_bytes: float, streams: int = 1,
     return scatter + gather[::-1]
 
 
+def nested_cpu_work(radices: Sequence[int], numel: float, codec: Codec, exact_levels: Sequence[int] = ()) -> CpuWork:
+    """One rank's CPU work in one round of ``DigitExchange.run`` (``syncplane.exchanges.cpu``)
+    on mixed-radix levels ``radices``: at level i, of the H values it holds it encodes (with
+    error feedback) the (a−1)/a it sends, decodes the a − 1 pieces of H/a it receives and sums
+    a of them; then the mean of its M/n encoded once, and at the end every piece decoded into
+    the result. An ``exact_levels`` level travels as fp32 (sums only). The β streams of the
+    cube split M, so their work adds up to the same totals (``cube_cpu_work``)."""
+    n = int(np.prod(radices)) if radices else 1
+    if n < 2:
+        return CpuWork()
+    work = CpuWork()
+    held = float(numel)
+    for level, radix in enumerate(radices):
+        wire = _FP32 if level in exact_levels else codec
+        work += feedback_encoded(wire, held * (radix - 1) / radix) + coded(wire, decoded=held * (radix - 1) / radix)
+        work += CpuWork.adds(held)
+        held /= radix
+    work += feedback_encoded(codec, held) + coded(codec, decoded=float(numel))
+    work += CpuWork.adds(held + numel)                   # the mean, and every piece copied into the result
+    return work
+
+
+def cube_cpu_work(alpha: int, beta: int, numel: float, codec: Codec) -> CpuWork:
+    """``nested_cpu_work`` of the cube all-reduce on BCube(α, β): β levels of radix α."""
+    return nested_cpu_work([alpha] * beta, numel, codec)
+
+
 def cube_steps(alpha: int, beta: int) -> list[list[tuple[int, int]]]:
     """The two-stage cube all-reduce on BCube(α, β) (BML's pattern): per step, ``(stream, level)`` for each of the β streams. The payload is cut
     into β streams; stream t reduce-scatters along levels t, t+1, … (mod β), one level per
@@ -400,5 +428,5 @@ def cube_cost(profile: ClusterProfile, payload_bytes: float) -> list[Phase]:
     return phases
 
 
-__all__ = ["CubeExchange", "CubeStep", "DigitExchange", "NestedExchange", "cube_cost", "cube_schedule", "cube_steps",
-           "digit_schedule", "nested_cost", "nested_schedule"]
+__all__ = ["CubeExchange", "CubeStep", "DigitExchange", "NestedExchange", "cube_cost", "cube_cpu_work", "cube_schedule", "cube_steps",
+           "digit_schedule", "nested_cost", "nested_cpu_work", "nested_schedule"]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from syncplane.cluster.cost import FlowArray, Phase
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm.codecs import Codec
+from syncplane.exchanges.cpu import CpuWork, coded, feedback_encoded
 from syncplane.comm.streams import Round, shard_bounds
 from syncplane.exchanges.mesh import all_pairs
 
@@ -233,3 +234,14 @@ def cost(world_size: int, piece_bytes: float, streams: int = 1,
                                 np.array([len(m.carries) * piece_bytes / streams for m in step]),
                                 np.full(len(step), streams, dtype=np.int64), pinned=True))
     return phases
+
+
+def cpu_work(world_size: int, numel: float, codec: Codec) -> CpuWork:
+    """One rank's CPU work in one round of ``GatherExchange.run`` (``syncplane.exchanges.cpu``):
+    its piece encoded with error feedback, then all n pieces decoded into one dense buffer
+    (each a pass over the buffer) and divided once. Forwarding a block costs no coding."""
+    n, m = world_size, float(numel)
+    if n < 2:
+        return CpuWork()
+    return feedback_encoded(codec, m) + coded(codec, decoded=n * m) + CpuWork.adds(m)
+

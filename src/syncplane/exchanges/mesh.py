@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from syncplane.cluster.cost import FlowArray, Phase
 from syncplane.comm.codecs import Codec
+from syncplane.exchanges.cpu import CpuWork, coded, feedback_encoded
 from syncplane.comm.streams import Round, shard_bounds
 
 _TAG_SCATTER, _TAG_GATHER = 1, 2
@@ -169,3 +170,16 @@ def cost(world_size: int, payload_bytes: float, streams: int = 1) -> list[Phase]
         return []
     step = all_pairs(world_size, payload_bytes / world_size, streams)
     return [step, step]
+
+
+def cpu_work(world_size: int, numel: float, codec: Codec) -> CpuWork:
+    """One rank's CPU work in one round of ``MeshExchange.run`` (``syncplane.exchanges.cpu``):
+    every segment encoded with error feedback; as the owner of M/n, n pieces decoded and
+    summed, the mean taken, encoded and decoded once more; the other n − 1 means decoded."""
+    n, m = world_size, float(numel)
+    if n < 2:
+        return CpuWork()
+    return (feedback_encoded(codec, m) + feedback_encoded(codec, m / n)
+            + coded(codec, decoded=m + m / n + m * (n - 1) / n)
+            + CpuWork.adds(m * (n - 1) / n + m / n + m))      # the sum, the mean, the pieces into ``out``
+

@@ -24,8 +24,9 @@ from syncplane.algorithms.canary.engine import BackwardPipeline, CanaryEngine, E
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
-from syncplane.exchanges import JobShape, choose, digit, mesh
+from syncplane.exchanges import DigitExchange, JobShape, MeshExchange, choose, digit, mesh
 from syncplane.cluster.profile import ClusterProfile
+from syncplane.exchanges.cpu import CpuWork, runner_work
 
 
 def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
@@ -50,6 +51,24 @@ def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     return [mesh.cost(n, payload_bytes * ratio, options.streams)]
 
 
+def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
+    """One step's CPU work for the exchange ``canary_cost`` prices: sketching, decoding and
+    summing pieces (``syncplane.exchanges.cpu``; the colayers go one after another, so their
+    work adds up to the payload's), and the runner's residual snapshots and copy."""
+    shape = JobShape.of_profile(profile)
+    chosen = choose(options.pattern, shape, allowed=EXCHANGES, exact=False, strict=False)
+    codec, numel = CanaryConfig().codec(), max(1, int(payload_bytes // 4))
+    if chosen.name == "cube" and profile.bcube is not None:
+        work = digit.cube_cpu_work(profile.bcube.alpha, profile.bcube.beta, numel, codec)
+    elif chosen.name == "nested" and shape.radices is not None:
+        exact = [0] if innermost_is_host(shape.radices, profile.hosts[0].spec.ranks) else []
+        work = digit.nested_cpu_work(shape.radices, numel, codec, exact)
+    else:
+        work = mesh.cpu_work(profile.world_size, numel, codec)
+    slots = DigitExchange.feedback_slots if chosen.name in ("cube", "nested") else MeshExchange.feedback_slots
+    return work + runner_work(codec, slots, numel)
+
+
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> CanaryStep:
     return CanaryStep(options, job)
 
@@ -64,6 +83,7 @@ SPEC = AlgorithmSpec(
     pattern=lambda options: str(options.get("exchange") or "auto"),
     check_job=check_job,
     variants={"canary": tuple({"exchange": e} for e in EXCHANGES)},
+    cpu=canary_cpu,
 )
 
-__all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "sketch_ratio"]
+__all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "canary_cpu", "sketch_ratio"]

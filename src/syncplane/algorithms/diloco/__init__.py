@@ -18,13 +18,15 @@ from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_phases
+from syncplane.algorithms.diloco.exchange import (EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_cpu_work,
+                                                exchange_phases)
 from syncplane.algorithms.diloco.layout import node_layout
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
+from syncplane.exchanges.cpu import CpuWork
 
 
 def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
@@ -38,6 +40,13 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     codec = delta_codec(compression, density=options.density, bits=options.bits)
     exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, compression, codec)
     return [exchange] + [[] for _ in range(options.period - 1)]
+
+
+def diloco_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
+    """One round's CPU work: the outer step and the exchange's coding, at ``options``' codec."""
+    compression = carried(options.pattern, options.compression)
+    codec = delta_codec(compression, density=options.density, bits=options.bits)
+    return exchange_cpu_work(profile, payload_bytes, options.pattern, compression, codec)
 
 
 def _pattern(options: Mapping[str, Any]) -> str:
@@ -76,4 +85,5 @@ SPEC = AlgorithmSpec(
     variants={"diloco": tuple({"shards": s, "exchange": e, **({"compression": "sparse"} if e == "gather" else {})}
                               for e in EXCHANGES for s in STREAM_CHOICES)},
     period_key="sync_every",
+    cpu=diloco_cpu,
 )

@@ -28,8 +28,9 @@ from syncplane.cluster.cost import CostModel, Phase
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm import ChunkedTopK, StreamRunner, make_codec
 from syncplane.comm.codecs import Codec
-from syncplane.exchanges import GatherExchange, JobShape, MeshExchange, TreeExchange, choose, normalize
+from syncplane.exchanges import Choice, GatherExchange, JobShape, MeshExchange, TreeExchange, choose, normalize
 from syncplane.exchanges import gather, mesh
+from syncplane.exchanges.cpu import CpuWork, runner_work
 from syncplane.exchanges.tree import exchange as tree
 from syncplane.exchanges.tree.tree import job_tree
 from syncplane.job import JobContext
@@ -76,8 +77,7 @@ def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int,
     resolves on this cluster. The gather is priced with its pieces' size: ``codec``'s, else
     the sparse codec's at DiLoCo's default density, bits and chunk (``--exchange gather``)."""
     compression = carried(exchange, compression)
-    chosen = choose(exchange, JobShape.of_profile(profile), allowed=EXCHANGES, exact=compression == "none",
-                    strict=False, sparse=compression == "sparse")
+    chosen = _priced_choice(profile, exchange, compression)
     if chosen.name == "gather":
         sparse = codec if codec is not None else ChunkedTopK()
         return gather.cost(profile.world_size, sparse.nbytes(int(payload_bytes // 4)), streams,
@@ -88,6 +88,36 @@ def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int,
         numel = max(int(payload_bytes // 4), 1)
         payload_bytes = payload_bytes * codec.nbytes(numel) / (4 * numel)
     return mesh.cost(profile.world_size, payload_bytes, streams)
+
+
+def _priced_choice(profile: ClusterProfile, exchange: str, compression: str) -> Choice:
+    """The exchange the price assumes on ``profile`` (``compression`` as ``carried`` says)."""
+    return choose(exchange, JobShape.of_profile(profile), allowed=EXCHANGES, exact=compression == "none",
+                  strict=False, sparse=compression == "sparse")
+
+
+#: fp32 passes over the model per round around the exchange: the copy in, Δ = θ_g − θ_local,
+#: the outer Nesterov step (momentum scaled and added, the Nesterov gradient, the update),
+#: θ_g back into the buffer and the buffer back into the model (``DiLoCoStep``, ``OuterOptimizer``)
+OUTER_PASSES = 8
+
+
+def exchange_cpu_work(profile: ClusterProfile, payload_bytes: float, exchange: str = "auto",
+                      compression: str = "none", codec: Codec | None = None) -> CpuWork:
+    """One rank's CPU work in one round (``syncplane.exchanges.cpu``): the outer step's passes
+    and the runner's copies, plus the chosen exchange's coding and sums (the tree's sums are
+    not modelled: it carries fp32 and reduces inside gloo's sends)."""
+    compression = carried(exchange, compression)
+    codec = codec if codec is not None else delta_codec(compression)
+    numel = max(int(payload_bytes // 4), 1)
+    chosen = _priced_choice(profile, exchange, compression)
+    work = CpuWork.adds(OUTER_PASSES * numel)
+    n = profile.world_size
+    if chosen.name == "gather":
+        return work + gather.cpu_work(n, numel, codec) + runner_work(codec, GatherExchange.feedback_slots, numel)
+    if chosen.name == "tree":
+        return work + runner_work(codec, TreeExchange.feedback_slots, numel)
+    return work + mesh.cpu_work(n, numel, codec) + runner_work(codec, MeshExchange.feedback_slots, numel)
 
 
 def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",

@@ -1,0 +1,184 @@
+"""The CPU side of an exchange: encoding, decoding and summing pieces, priced per element.
+
+The α-β model (``syncplane.cluster.cost``) prices the wire only. An exchange that carries a
+codec also encodes what it sends and decodes what it receives, and every reducing exchange
+sums the pieces it receives; on a small payload or a fast wire that CPU work is the step
+(DiLoCo's sparse gather of a 5 MB model on ``wan_two_sites``: 0.011 s per step measured
+against 0.001 s of wire). Here it is priced as ``CpuWork`` -- how many fp32 elements one
+rank passes through each operation in one round, on the round's critical path -- times
+``CpuRates`` -- seconds per element of each operation, **measured on this machine** by
+``calibrate`` (a micro-benchmark of the codecs' own kernels, cached per machine and torch
+version), never written down for one machine.
+
+Operations: ``add`` (``a += b`` of fp32, the unit of a sum, a copy or an optimizer pass)
+and, per codec (``codec_key``), ``encode:<codec>`` (``compress``) and ``decode:<codec>``
+(``extract``; the sparse codec's ``decode_add`` into a dense buffer, per dense element).
+An exact fp32 codec costs no encode or decode. ``CpuRates.sharing`` is how many ranks run
+their CPU work at once per core: on the emulator every rank shares this machine's cores
+(world size over cores), on a real cluster a rank has its own (1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from syncplane.comm.codecs import Codec, Fp32
+
+log = logging.getLogger(__name__)
+
+ADD = "add"
+DEFAULT_CACHE = Path.home() / ".cache" / "syncplane" / "cpu_rates.json"
+CALIBRATION_ELEMENTS = 1 << 20          # 4 MiB of fp32: past the caches, a few ms per op
+
+
+def codec_key(codec: Codec) -> str:
+    """The codec with its settings (``ChunkedTopK(density=0.01, bits=2, chunk=4096)``): what
+    its rates are measured and cached under (the sparse codec's cost depends on its density)."""
+    return repr(codec)
+
+
+def encode_op(codec: Codec) -> str:
+    return f"encode:{codec_key(codec)}"
+
+
+def decode_op(codec: Codec) -> str:
+    return f"decode:{codec_key(codec)}"
+
+
+@dataclass(frozen=True)
+class CpuWork:
+    """One rank's CPU work in one round: op name -> fp32 elements through it (``elements``),
+    and the codecs those ops name (``codecs``, by ``codec_key``: what ``calibrate`` measures)."""
+
+    elements: Counter[str] = field(default_factory=Counter)
+    codecs: Mapping[str, Codec] = field(default_factory=dict)
+
+    def __add__(self, other: CpuWork) -> CpuWork:
+        return CpuWork(self.elements + other.elements, {**self.codecs, **other.codecs})
+
+    @staticmethod
+    def adds(elements: float) -> CpuWork:
+        """``elements`` fp32 adds (or copies: the same pass over memory)."""
+        return CpuWork(Counter({ADD: elements}))
+
+
+def coded(codec: Codec, encoded: float = 0.0, decoded: float = 0.0) -> CpuWork:
+    """``encoded`` elements through ``codec``'s encoder and ``decoded`` through its decoder
+    (nothing for exact fp32, whose pieces travel as they are)."""
+    if isinstance(codec, Fp32):
+        return CpuWork()
+    return CpuWork(Counter({encode_op(codec): encoded, decode_op(codec): decoded}), {codec_key(codec): codec})
+
+
+def feedback_encoded(codec: Codec, elements: float) -> CpuWork:
+    """``ErrorFeedback.compress`` of ``elements``: add the residual, encode, decode what was
+    sent and keep the difference (two adds, one encode, one decode)."""
+    if isinstance(codec, Fp32):
+        return CpuWork()
+    return coded(codec, elements, elements) + CpuWork.adds(2 * elements)
+
+
+@dataclass(frozen=True)
+class CpuRates:
+    """Seconds per element of each operation (``per_element``), and how many ranks share a
+    core while they run it (``sharing``, module doc)."""
+
+    per_element: Mapping[str, float] = field(default_factory=dict)
+    sharing: float = 1.0
+
+    def seconds(self, work: CpuWork) -> float:
+        """One rank's time for ``work``; an operation without a rate is a KeyError naming it."""
+        elements = work.elements
+        missing = sorted(op for op, n in elements.items() if n and op not in self.per_element)
+        if missing:
+            raise KeyError(f"no CPU rate for {', '.join(missing)}; measured: {', '.join(sorted(self.per_element))} "
+                           "(calibrate with the codecs the strategy carries)")
+        return max(1.0, self.sharing) * sum(n * self.per_element[op] for op, n in elements.items() if n)
+
+    def shared(self, sharing: float) -> CpuRates:
+        return CpuRates(dict(self.per_element), sharing)
+
+
+def _min_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` runs after one warm-up (others' load only slows a run down)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(codecs: Iterable[Codec], numel: int = CALIBRATION_ELEMENTS, repeats: int = 5) -> dict[str, float]:
+    """Seconds per element of ``add`` and of each lossy codec's encode and decode, on one
+    thread (a bench worker's and a training rank's setting), on Gaussian values."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        acc = torch.zeros(numel)
+        rates = {ADD: _min_seconds(lambda: acc.add_(x), repeats) / numel}
+        for codec in codecs:
+            if isinstance(codec, Fp32):
+                continue
+            data = codec.compress(x)
+            rates[encode_op(codec)] = _min_seconds(lambda: codec.compress(x), repeats) / numel
+            decode_add = getattr(codec, "decode_add", None)     # what the gather runs: into a dense buffer
+            if decode_add is not None:
+                decode: Callable[[], object] = lambda: decode_add([data], acc)
+            else:
+                decode = lambda: codec.extract(data, numel)  # noqa: E731
+            rates[decode_op(codec)] = _min_seconds(decode, repeats) / numel
+        return rates
+    finally:
+        torch.set_num_threads(threads)
+
+
+def machine_key() -> str:
+    """What a cached rate belongs to: this host, its processor and the torch build."""
+    return f"{platform.node()}|{platform.machine()}|{platform.processor()}|torch {torch.__version__}"
+
+
+def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sharing: float = 1.0,
+              numel: int = CALIBRATION_ELEMENTS) -> CpuRates:
+    """``CpuRates`` for ``add`` and the codecs ``work`` names, on this machine: read from
+    ``cache`` (a JSON file, one entry per ``machine_key``) where measured before, else
+    measured now (about a second per codec) and written back. ``cache=None`` measures
+    without keeping."""
+    codecs = list(work.codecs.values())
+    wanted = {ADD, *(op for c in codecs if not isinstance(c, Fp32) for op in (encode_op(c), decode_op(c)))}
+    stored: dict[str, dict[str, float]] = {}
+    if cache is not None and cache.exists():
+        try:
+            stored = json.loads(cache.read_text())
+        except (OSError, ValueError) as exc:       # a broken cache is measured again, never fatal
+            log.warning("cpu rates: ignoring unreadable cache %s (%s)", cache, exc)
+    mine = dict(stored.get(machine_key(), {}))
+    todo = [c for c in codecs if not isinstance(c, Fp32) and encode_op(c) not in mine]
+    if ADD not in mine or todo:
+        measured = measure(todo, numel)
+        log.info("cpu rates: measured %s", ", ".join(f"{op} {s * 1e9:.2f} ns/elem" for op, s in measured.items()))
+        mine.update(measured)
+        if cache is not None:
+            stored[machine_key()] = mine
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(stored, indent=1, sort_keys=True))
+    return CpuRates({op: mine[op] for op in sorted(wanted)}, sharing)
+
+
+
+def runner_work(codec: Codec, feedback_slots: int, elements: float) -> CpuWork:
+    """What ``StreamRunner.allreduce_mean_`` adds around an exchange: a copy of each
+    error-feedback slot's residuals (to undo a discarded round) and the copy of the result."""
+    snapshots = 0 if isinstance(codec, Fp32) else feedback_slots
+    return CpuWork.adds((snapshots + 1) * elements)

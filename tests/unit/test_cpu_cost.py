@@ -1,0 +1,115 @@
+"""The CPU term of the cost model (``syncplane.exchanges.cpu``): its calibration (measured once,
+cached, read back) and that it is added to the price of the strategies that pay it. Rates in
+the pricing tests are made up, so no assert depends on this machine's speed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from syncplane.algorithms import spec_for, strategy_times
+from syncplane.algorithms.plan import PlanInputs
+from syncplane.algorithms.spec import CostOptions
+from syncplane.bench.runner import report_rows
+from syncplane.cluster import load_profile
+from syncplane.cluster.cost import EMULATED_TCP, CostModel
+from syncplane.comm import ChunkedTopK, make_codec
+from syncplane.exchanges import cpu, digit, gather, mesh
+from syncplane.exchanges.cpu import ADD, CpuRates, CpuWork, calibrate, decode_op, encode_op
+
+SPARSE = ChunkedTopK(density=0.01)
+INT8 = make_codec("int8")
+
+
+def made_up_rates(work: CpuWork, sharing: float = 1.0) -> CpuRates:
+    """1 ns per element for every op ``work`` names, 2 ns for encoding."""
+    return CpuRates({op: (2e-9 if op.startswith("encode:") else 1e-9) for op in work.elements}, sharing)
+
+
+def test_calibration_measures_add_and_each_codec_then_reads_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "rates.json"
+    work = cpu.coded(SPARSE, 1, 1) + cpu.coded(INT8, 1, 1) + cpu.coded(make_codec("none"), 1, 1)
+    rates = calibrate(work, cache=cache, numel=4096)
+    assert set(rates.per_element) == {ADD, encode_op(SPARSE), decode_op(SPARSE), encode_op(INT8), decode_op(INT8)}
+    assert all(s > 0 for s in rates.per_element.values())
+    assert json.loads(cache.read_text())[cpu.machine_key()] == rates.per_element
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again although the cache holds every rate")
+
+    monkeypatch.setattr(cpu, "measure", no_measuring)
+    again = calibrate(cpu.coded(SPARSE, 1, 1), cache=cache, sharing=3.0)
+    assert again.per_element == {op: rates.per_element[op] for op in (ADD, decode_op(SPARSE), encode_op(SPARSE))}
+    assert again.sharing == 3.0
+
+
+def test_a_broken_cache_is_measured_again(tmp_path):
+    cache = tmp_path / "rates.json"
+    cache.write_text("not json")
+    assert calibrate(cpu.coded(INT8, 1, 1), cache=cache, numel=1024).per_element[encode_op(INT8)] > 0
+    assert encode_op(INT8) in json.loads(cache.read_text())[cpu.machine_key()]
+
+
+def test_seconds_is_elements_times_rates_times_sharing_and_names_a_missing_rate():
+    work = cpu.feedback_encoded(INT8, 100) + CpuWork.adds(50)
+    assert work.elements == {encode_op(INT8): 100, decode_op(INT8): 100, ADD: 250}
+    rates = CpuRates({encode_op(INT8): 3.0, decode_op(INT8): 2.0, ADD: 1.0})
+    assert rates.seconds(work) == pytest.approx(300 + 200 + 250)
+    assert rates.shared(4).seconds(work) == pytest.approx(4 * 750)
+    assert rates.shared(0.5).seconds(work) == pytest.approx(750)        # a core per rank at most
+    with pytest.raises(KeyError, match="encode:ChunkedTopK"):
+        rates.seconds(cpu.coded(SPARSE, 1, 1))
+
+
+def test_exchange_work_follows_what_each_exchange_runs():
+    m = 1000.0
+    # the nested exchange on hosts of 2 in 2 racks, the in-host level exact: only the rack
+    # level's half of the held values and the owned mean are encoded; every piece decoded at the end
+    nested = digit.nested_cpu_work([2, 2], m, SPARSE, exact_levels=[0]).elements
+    assert nested == {encode_op(SPARSE): 500, decode_op(SPARSE): 1750, ADD: 3750}
+    assert digit.cube_cpu_work(3, 2, m, SPARSE).elements == digit.nested_cpu_work([3, 3], m, SPARSE).elements
+    # the gather decodes all n pieces, each a pass over the buffer
+    assert gather.cpu_work(4, m, SPARSE).elements[decode_op(SPARSE)] == 1000 + 4 * 1000
+    # exact fp32 codes nothing: sums and copies only
+    assert set(mesh.cpu_work(4, m, make_codec("none")).elements) == {ADD}
+    assert mesh.cpu_work(1, m, INT8).elements == {}
+
+
+def test_the_cpu_term_is_added_to_the_price_of_the_strategies_that_pay_it():
+    profile = load_profile("wan_two_sites")
+    model = CostModel(profile, tcp=EMULATED_TCP)
+    payload = 5 * 2**20
+    options = CostOptions(period=10, pattern="gather", compression="sparse", density=0.01)
+    work = spec_for("diloco").cpu("diloco", profile, payload, options)
+    assert work.elements[encode_op(SPARSE)] == payload // 4
+    rates = made_up_rates(work, sharing=2.0)
+    wire = strategy_times(model, "diloco", payload, options)
+    both = strategy_times(model, "diloco", payload, options, rates)
+    assert wire.cpu_s == 0.0
+    assert both.cpu_s == pytest.approx(rates.seconds(work) / 10)          # one round per period of 10 steps
+    assert both.predicted_s == pytest.approx(wire.predicted_s + both.cpu_s)
+    assert (both.bound_s, both.network_bound_s) == (wire.bound_s, wire.network_bound_s)   # bounds stay the wire's
+    ddp = strategy_times(model, "ddp", payload, CostOptions(), rates)
+    assert ddp.cpu_s == 0.0
+    canary = spec_for("canary").cpu("canary", load_profile("two_racks"), payload, CostOptions())
+    assert any(op.startswith("encode:GradientSketch") for op in canary.elements)
+
+
+def test_the_bench_row_shows_the_cpu_part_and_the_wire_only_error():
+    profile, payload = load_profile("wan_two_sites"), 5 * 2**20
+    options = {"compression": "sparse", "exchange": "gather", "density": 0.01}
+    work = spec_for("diloco").cpu("diloco", profile, payload, CostOptions(period=10, pattern="gather",
+                                                                          compression="sparse", density=0.01))
+    measured = {"diloco": {"step_s": [0.02] * 10, "comm_bytes": [1.0] * 4, "nic_tx_bytes": [1.0] * 4}}
+    (wire,) = report_rows(profile, ["diloco"], payload, measured, period=10, **options)
+    (row,) = report_rows(profile, ["diloco"], payload, measured, period=10, cpu=made_up_rates(work), **options)
+    assert row["predicted_cpu_s"] > 0 and wire["predicted_cpu_s"] == 0
+    assert row["predicted_s"] == pytest.approx(wire["predicted_s"] + row["predicted_cpu_s"])
+    assert row["model_error_wire"] == pytest.approx(wire["model_error"])
+
+
+def test_plan_inputs_read_back_their_rates():
+    inputs = PlanInputs(2**20, cpu=CpuRates({ADD: 1e-9}, 2.0))
+    assert PlanInputs(**asdict(inputs)).cpu == inputs.cpu
