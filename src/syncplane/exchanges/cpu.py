@@ -145,8 +145,12 @@ def measure(codecs: Iterable[Codec], numel: int = CALIBRATION_ELEMENTS, repeats:
 
 
 def machine_key() -> str:
-    """What a cached rate belongs to: this host, its processor and the torch build."""
-    return f"{platform.node()}|{platform.machine()}|{platform.processor()}|torch {torch.__version__}"
+    """What a cached rate belongs to: this host, its processor, the torch build and the build of
+    our kernels (named after a hash of their sources: an edited codec is measured again)."""
+    from syncplane import ext
+
+    return (f"{platform.node()}|{platform.machine()}|{platform.processor()}|torch {torch.__version__}"
+            f"|{ext.load_cpu().__name__}")
 
 
 def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sharing: float = 1.0,
