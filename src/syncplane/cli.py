@@ -145,11 +145,12 @@ def cmd_emulate(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.algorithms import PLANNED, CostOptions, describe_periods, periods, strategy_times
+    from syncplane.algorithms import PLANNED, CostOptions, describe_periods, periods, strategy_times, variant
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -169,9 +170,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for col in ("strategy", "predicted s", "bound s", "net bound s", "net ratio", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     rows = {}
-    for name in names:
-        options = CostOptions(period=used.get(name, 1), streams=args.streams, pattern=args.exchange)
-        rows[name] = None if name in PLANNED else strategy_times(model, name, payload, options)
+    for name in names:     # a label: NAME or NAME[key=value,...] (diloco[replica=node,shards=2])
+        base, settings = variant(name)
+        options = CostOptions(period=used.get(name, 1), streams=int(settings.get("shards", args.streams)),
+                              pattern=str(settings.get("exchange", args.exchange)),
+                              compression=str(settings.get("compression", CostOptions.compression)),
+                              replica=str(settings.get("replica", CostOptions.replica)))
+        rows[name] = None if base in PLANNED else strategy_times(model, base, payload, options)
     ddp = rows.get("ddp")
 
     def net_ratio(value: Any) -> float | None:
@@ -180,11 +185,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     for name, value in rows.items():
         if value is None:
-            table.add_row(name, "[yellow]not modelled yet[/]", "-", "-", "-", "-")
+            table.add_row(escape(name), "[yellow]not modelled yet[/]", "-", "-", "-", "-")
         else:
             speed = f"{ddp.predicted_s / value.predicted_s:.2f}x" if ddp and value.predicted_s else "-"
             ratio = net_ratio(value)
-            table.add_row(name, f"{value.predicted_s:.3f}", f"{value.bound_s:.3f}", f"{value.network_bound_s:.3f}",
+            table.add_row(escape(name), f"{value.predicted_s:.3f}", f"{value.bound_s:.3f}", f"{value.network_bound_s:.3f}",
                           "-" if ratio is None else f"{ratio:.2f}", speed)
     Console(width=110).print(table)
     if any(rows.values()):

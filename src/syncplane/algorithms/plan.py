@@ -180,7 +180,8 @@ def price(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanIn
                                           CostOptions(period, family.streams(kwargs), family.pattern(kwargs),
                                                       str(kwargs.get("compression", "none")),
                                                       float(kwargs.get("density", CostOptions.density)),
-                                                      int(kwargs.get("bits", CostOptions.bits))))
+                                                      int(kwargs.get("bits", CostOptions.bits)),
+                                                      str(kwargs.get("replica", CostOptions.replica))))
     window = family.overlap.get(name)
     hidden = compute_split(window, inputs.compute_s)[1]
     return Candidate(strategy=name, kwargs=dict(kwargs), exact=name in family.exact, period=period,

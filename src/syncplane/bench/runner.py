@@ -36,7 +36,7 @@ from syncplane.cluster import ClusterProfile, load_profile
 from syncplane.cluster.cost import EMULATED_TCP, CostModel
 from syncplane.cluster.emulator import switch_namespace, uplink_drops
 from syncplane.comm.codecs import check_sparse_options
-from syncplane.config import ConfigError
+from syncplane.config import ConfigError, parse_list
 from syncplane.exchanges import normalize
 
 
@@ -55,15 +55,19 @@ def parse_payload(value: str) -> int:
 
 
 def parse_strategies(value: str) -> list[str]:
-    """Comma-separated names, or ``all`` (every product strategy, no peers)."""
+    """Comma-separated names, or ``all`` (every product strategy, no peers). A name may carry
+    settings of its own, ``NAME[key=value,...]`` (``diloco[replica=node]``): a row of its own,
+    labelled by the whole item, whose settings override the command's options."""
     if value.strip() == "all":
         return algorithms.strategy_names()
-    names = [s.strip() for s in value.split(",") if s.strip()]
+    names = parse_list(value, "--strategies") if value.strip() else []
     allowed = algorithms.all_names()
-    unknown = [s for s in names if s not in allowed]
+    unknown = [s for s in names if algorithms.variant(s)[0] not in allowed]
     if unknown or not names:
         raise ConfigError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; "
                           f"allowed values: {', '.join(allowed)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--strategies: {value!r} names a row twice")
     return names
 
 
@@ -86,7 +90,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").unlink(missing_ok=True)        # never an earlier run's
-    implemented = [s for s in strategies if s not in algorithms.PLANNED]
+    implemented = [s for s in strategies if algorithms.variant(s)[0] not in algorithms.PLANNED]
     measured: dict[str, Any] = {}
     used = algorithms.periods(strategies, period)
     if implemented:
@@ -106,6 +110,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
                        shards=shards, pair_streams=pair_streams, compression=compression, exchange=exchange,
                        density=density, bits=bits)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
+            "ranks_per_host": [h.spec.ranks for h in profile.hosts],
             "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
             "pair_streams": pair_streams, "compute_speeds": profile.compute_speeds(),
             "compression": compression, **({"density": density, "bits": bits} if compression == "sparse" else {}),
@@ -141,11 +146,13 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
                 row["uplink_drops"] = uplink_drops(m["switch_drops"])
             if m.get("profile"):
                 row["profile"] = m["profile"]
-        if name not in algorithms.PLANNED:
+        base, settings = algorithms.variant(name)
+        if base not in algorithms.PLANNED:
             options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
-                       "density": density, "bits": bits}
+                       "density": density, "bits": bits, **settings}
             # priced as ``syncplane plan`` prices it: the compute its overlap window hides comes off
-            priced = plan.price(model, name, options, plan.PlanInputs(payload_bytes, compute_ms / 1000, period))
+            priced = plan.price(model, base, options, plan.PlanInputs(payload_bytes, compute_ms / 1000,
+                                                                      periods.get(name, period)))
             hidden = priced.hidden_s
             row["predicted_s"], row["bound_s"] = priced.exposed_s, max(0.0, priced.bound_s - hidden)
             row["network_bound_s"] = max(0.0, priced.network_bound_s - hidden)
@@ -171,22 +178,25 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
 
 def print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     period = algorithms.describe_periods(report.get("periods") or {}, report.get("period"))
-    table = Table(title=f"syncplane bench: {report['cluster']} ({report['world_size']} ranks), "
+    hosts = report.get("ranks_per_host") or []
+    per_host = f", {len(hosts)} hosts of {'/'.join(map(str, sorted(set(hosts))))} ranks" if hosts else ""
+    table = Table(title=f"syncplane bench: {report['cluster']} ({report['world_size']} ranks{per_host}), "
                         f"payload {report['payload_bytes'] / 2**20:.1f} MB" + (f", {period}" if period else ""))
     for col in ("strategy", "sync s (median)", "p90", "MB sent/rank", "NIC MB/rank", "bound s", "bound ratio",
                 "net bound s", "net ratio", "predicted s", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in report["results"]:
         if r["status"] != "ok":
-            table.add_row(r["strategy"], "[yellow]not implemented yet[/]", *["-"] * 9)
+            table.add_row(escape(r["strategy"]), "[yellow]not implemented yet[/]", *["-"] * 9)
             continue
-        table.add_row(r["strategy"], fmt(r["sync_s_median"], ".3f"), fmt(r["sync_s_p90"], ".3f"),
+        table.add_row(escape(r["strategy"]), fmt(r["sync_s_median"], ".3f"), fmt(r["sync_s_p90"], ".3f"),
                       fmt(r["bytes_sent_per_rank"] / 2**20, ".1f"),
                       fmt(r["nic_bytes_per_rank"] / 2**20 if r.get("nic_bytes_per_rank") is not None else None, ".1f"),
                       fmt(r["bound_s"], ".3f"), fmt(r["bound_ratio"], ".2f"),

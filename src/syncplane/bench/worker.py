@@ -85,9 +85,10 @@ def main(spec_path: str) -> None:
     speeds = spec.get("compute_speeds") or [1.0] * world
     compute_s = spec["compute_ms"] / 1000 * max(speeds) / speeds[rank]
     results = {}
-    for name in spec["strategies"]:
-        family = algorithms.spec_for(name)
-        sync = family.bench_step(name, {**spec, "period": spec["periods"].get(name, 1)}, job)   # its own H
+    for name in spec["strategies"]:     # a label: NAME or NAME[key=value,...] (its settings over the spec's)
+        base, settings = algorithms.variant(name)
+        family = algorithms.spec_for(base)
+        sync = family.bench_step(base, {**spec, **settings, "period": spec["periods"].get(name, 1)}, job)   # its H
         period = getattr(sync, "period", 1)   # periodic syncs are amortized over their rounds
         steps = -(-spec["steps"] // period) * period      # whole periods (a schedule's may exceed --steps)
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
@@ -102,7 +103,7 @@ def main(spec_path: str) -> None:
         tx_before, drops_before = _nic_tx_bytes(), _drops(spec, rank)
         for step in range(steps):
             dist.barrier()
-            exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(name), compute_s)
+            exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(base), compute_s)
             elapsed = torch.tensor([exposed], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(elapsed.item())

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +35,9 @@ from syncplane.algorithms.diloco.engine import host_mirror
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.streaming import Round
+from syncplane.cluster.cost import FlowArray, Phase, concurrent_group_allreduces
 from syncplane.comm import make_codec
+from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.streams import StreamRunner, reserve_key
 from syncplane.exchanges import MeshExchange
@@ -54,6 +57,16 @@ def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """What a replica's outer round works on: the parameters (this rank's shard of each, under
     FSDP), then the floating buffers."""
     return [local(p.data) for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
+
+
+def shard_interfaces(interfaces: Sequence[str], shard: int) -> tuple[str, ...]:
+    """The NICs of shard ``shard``'s streams: the host's, rotated by the shard, so that the L
+    exchanges a node runs at once start on L different NICs where it has several (stream s of
+    shard k on NIC (k + s) mod k_nics; every member of a shard group rotates alike)."""
+    if not interfaces:
+        return ()
+    turn = shard % len(interfaces)
+    return (*interfaces[turn:], *interfaces[:turn])
 
 
 def node_groups(layout: ReplicaLayout, backend: str) -> dist.ProcessGroup:
@@ -98,7 +111,8 @@ class NodeEngine:
         key = reserve_key("diloco-node")
         shards = 1 if config.shards == "auto" else int(config.shards)
         self.runners = {k: StreamRunner(MeshExchange(shards), codec=make_codec(config.compression, config.block_size),
-                                        interfaces=job.interfaces, timeout_s=config.sync_timeout_s,
+                                        interfaces=shard_interfaces(job.interfaces, k),
+                                        timeout_s=config.sync_timeout_s,
                                         members=layout.shard_group(k), key=f"{key}/shard{k}")
                         for k in self.owned}
         self.shards, self.exchange_name = shards, "mesh"
@@ -224,3 +238,47 @@ class NodeEngine:
             for i, (a_i, b_i) in enumerate(spans):
                 part = self.host.buffer[min(a_i + c, b_i):min(a_i + c + n, b_i)]
                 part.copy_(out[i * n: i * n + part.numel()])
+
+
+# ---------------------------------------------------------------- the price (``syncplane simulate``, plan, bench)
+
+
+def node_cost(layout: ReplicaLayout, payload_bytes: float, period: int, streams: int, codec: Codec
+              ) -> list[list[Phase]]:
+    """One round of ``period`` steps of ``replica: node`` (inner DDP) as the cost model's flows.
+
+    Every step, torch's DDP all-reduces the gradient inside each node (a ring on loopback).
+    At the round's end, the shards' meshes run at once: node a sends node b the b-th part of
+    each of its S shards, M/N in all, in each of the mesh's two phases (so a node sends
+    2(N−1)/N·M per round per direction across: M between two nodes), on S x ``streams``
+    connections, pinned to the host's NICs in turn; then each node's ranks all-gather the
+    replica's θ_g over loopback."""
+    inner = concurrent_group_allreduces(layout.nodes, payload_bytes)
+    return [inner + shard_exchange_cost(layout, payload_bytes, streams, codec) + gather_cost(layout, payload_bytes)] \
+        + [list(inner) for _ in range(period - 1)]
+
+
+def shard_exchange_cost(layout: ReplicaLayout, payload_bytes: float, streams: int, codec: Codec) -> list[Phase]:
+    """The S shard groups' meshes together: two phases in which every node sends every other
+    node M/N (``codec``'s size of it) over S x ``streams`` pinned flows (module doc of ``node_cost``)."""
+    n = len(layout.nodes)
+    if n < 2:
+        return []
+    numel = max(int(payload_bytes // 4), 1)
+    coded = payload_bytes * codec.nbytes(numel) / (4 * numel)
+    flows = layout.shards * streams
+    pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
+    src = np.array([layout.nodes[a][0] for a, _ in pairs], dtype=np.int64)
+    dst = np.array([layout.nodes[b][0] for _, b in pairs], dtype=np.int64)
+    step = FlowArray(src, dst, np.full(len(pairs), coded / n / flows), np.full(len(pairs), flows, dtype=np.int64),
+                     pinned=True)
+    return [step, step]
+
+
+def gather_cost(layout: ReplicaLayout, payload_bytes: float) -> list[Phase]:
+    """``NodeEngine._gather``: every rank of a node sends its span of θ_g (fp32) to the others."""
+    numel = max(int(payload_bytes // 4), 1)
+    bounds = layout.bounds(numel)
+    flows = [(rank, other, 4.0 * (bounds[layout.owned(rank)[-1]][1] - bounds[layout.owned(rank)[0]][0]))
+             for node in layout.nodes for rank in node for other in node if other != rank]
+    return [flows] if flows else []
