@@ -93,8 +93,13 @@ def test_bench_and_simulate_take_a_strategy_with_its_settings(tmp_path):
         with pytest.raises(ConfigError, match=message):
             parse_strategies(bad)
     profile = load_profile("multi_nic")
-    rows = {r["strategy"]: r for r in report_rows(profile, ["diloco", "diloco[replica=node]"], M, {}, period=1)}
+    per_nic = [{"eth0": M / 2, "eth1": M / 2}] * 2 + [{"eth0": M / 2 + 1, "eth1": M / 2}] * 2   # a host's ranks agree
+    measured = {"diloco[replica=node]": {"step_s": [1.0], "comm_bytes": [M] * 4, "nic_tx_bytes": [M] * 4,
+                                         "nic_tx_by_nic": per_nic}}
+    rows = {r["strategy"]: r for r in report_rows(profile, ["diloco", "diloco[replica=node]"], M, measured, period=1)}
     assert rows["diloco[replica=node]"]["predicted_s"] < 0.6 * rows["diloco"]["predicted_s"]
+    assert rows["diloco[replica=node]"]["nic_bytes_by_host"] == {"n0": per_nic[0], "n1": per_nic[2]}
+    assert "nic_bytes_by_host" not in rows["diloco"]                   # not measured
     out = tmp_path / "sim.json"
     assert cli.main(["simulate", "--cluster", "multi_nic", "--strategies", "diloco,diloco[replica=node,sync_every=5]",
                      "--payload-mb", "16", "--json", str(out)]) == 0

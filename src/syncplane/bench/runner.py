@@ -15,7 +15,9 @@ interface counters: the cross-check of ``bytes_sent_per_rank``), ``step_s`` (all
 bound and prediction are then the exposed part, bound − hidden compute, at least 0),
 ``model_error`` (predicted over measured, minus 1: negative when the model is optimistic),
 ``switch_drops`` (packets each shaped switch port dropped per step, from ``tc -s``) and
-``uplink_drops`` (their rack uplinks' sum; None without uplinks).
+``uplink_drops`` (their rack uplinks' sum; None without uplinks), ``nic_bytes_by_host`` (bytes per
+step each host's NICs sent, NIC by NIC: how a host's traffic spread over them) and, in the report,
+``ranks_per_host``.
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             per_host = [m["nic_tx_bytes"][h.first_rank] / h.spec.ranks for h in profile.hosts
                         if h.index not in background_senders]
             row["nic_bytes_per_rank"] = statistics.fmean(per_host) if per_host else None
+            if m.get("nic_tx_by_nic"):     # where a host's bytes left: one counter per NIC, per step
+                row["nic_bytes_by_host"] = {h.name: m["nic_tx_by_nic"][h.first_rank] for h in profile.hosts}
             row["step_s"] = m["step_s"]
             if "switch_drops" in m:
                 row["switch_drops"] = m["switch_drops"]
