@@ -352,7 +352,7 @@ def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
 
     if args.fault:
         raise ConfigError("--matrix places one fault per cell (--kinds, --rank, --step); drop --fault")
-    plans = matrix_plans(parse_strategies(args.strategies), [k.strip() for k in args.kinds.split(",") if k.strip()],
+    plans = matrix_plans(parse_strategies(args.strategies, variants=False), [k.strip() for k in args.kinds.split(",") if k.strip()],
                          args.overrides, out, rank=args.rank, step=args.step)
     json_path = Path(args.json) if args.json else out / "matrix.json"
     with say_if_left_up(any(plan.job.cluster is not None for plan in plans)):
@@ -365,7 +365,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import parse_strategies
     from syncplane.bench.soak import print_table, run_soak
 
-    names = parse_strategies(args.strategies)
+    names = parse_strategies(args.strategies, variants=False)
     if args.steps < 10 or args.ranks < 2:
         raise ConfigError(f"--steps must be >= 10 and --ranks >= 2, got {args.steps} and {args.ranks}")
     out_dir = Path(args.json).resolve().parent / (Path(args.json).stem + "-run")
@@ -396,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time every strategy's sync on an emulated cluster, side by side")
     bench.add_argument("--cluster", help="shipped profile name or YAML path (required without --matrix)")
     bench.add_argument("--strategies", default=None,
-                       help="comma-separated strategy names, or all (default: ddp; with --matrix: all)")
+                       help="comma-separated strategy names, or all (default: ddp; with --matrix: all); a "
+                            "strategy with settings of its own is a row of its own: "
+                            "'ddp,diloco,diloco[replica=node]'")
     bench.add_argument("--payload-mb", default="resnet50", help="MB, or a preset: resnet50, bert_large")
     bench.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (a timed wait)")
     bench.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
@@ -506,7 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = sub.add_parser("simulate", help="α-β cost model of each strategy on a profile, at any scale")
     simulate.add_argument("--cluster", required=True, help="shipped profile name or YAML path (the template)")
-    simulate.add_argument("--strategies", default="ddp")
+    simulate.add_argument("--strategies", default="ddp",
+                          help="comma-separated strategy names; NAME[key=value,...] prices one with settings of "
+                               "its own (shards, exchange, compression, replica, sync_every)")
     simulate.add_argument("--payload-mb", default="resnet50")
     simulate.add_argument("--racks", type=int, help="scale the template to this many racks")
     simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")

@@ -92,6 +92,8 @@ def test_bench_and_simulate_take_a_strategy_with_its_settings(tmp_path):
                          ("diloco[replica]", "not key=value")):
         with pytest.raises(ConfigError, match=message):
             parse_strategies(bad)
+    with pytest.raises(ConfigError, match="strategy names only"):          # chaos --matrix, soak
+        parse_strategies("ddp,diloco[replica=node]", variants=False)
     profile = load_profile("multi_nic")
     per_nic = [{"eth0": M / 2, "eth1": M / 2}] * 2 + [{"eth0": M / 2 + 1, "eth1": M / 2}] * 2   # a host's ranks agree
     measured = {"diloco[replica=node]": {"step_s": [1.0], "comm_bytes": [M] * 4, "nic_tx_bytes": [M] * 4,

@@ -56,10 +56,11 @@ def parse_payload(value: str) -> int:
     return int(mb * 2**20)
 
 
-def parse_strategies(value: str) -> list[str]:
+def parse_strategies(value: str, variants: bool = True) -> list[str]:
     """Comma-separated names, or ``all`` (every product strategy, no peers). A name may carry
     settings of its own, ``NAME[key=value,...]`` (``diloco[replica=node]``): a row of its own,
-    labelled by the whole item, whose settings override the command's options."""
+    labelled by the whole item, whose settings override the command's options (bench,
+    simulate); ``variants=False`` refuses them (a command that runs names only)."""
     if value.strip() == "all":
         return algorithms.strategy_names()
     names = parse_list(value, "--strategies") if value.strip() else []
@@ -68,6 +69,10 @@ def parse_strategies(value: str) -> list[str]:
     if unknown or not names:
         raise ConfigError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; "
                           f"allowed values: {', '.join(allowed)}")
+    labelled = [s for s in names if "[" in s]
+    if labelled and not variants:
+        raise ConfigError(f"--strategies: {', '.join(labelled)}: this command takes strategy names only "
+                          "(NAME[key=value,...] rows are for bench and simulate)")
     if len(set(names)) != len(names):
         raise ConfigError(f"--strategies: {value!r} names a row twice")
     return names
