@@ -108,3 +108,18 @@ def test_bench_and_simulate_take_a_strategy_with_its_settings(tmp_path):
     sim = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
     node = algorithms.strategy_times(CostModel(profile), "diloco", M, CostOptions(period=5, replica="node"))
     assert sim["diloco[replica=node,sync_every=5]"]["predicted_s"] == pytest.approx(node.predicted_s)
+
+
+def test_sparse_node_rounds_are_priced_as_the_shards_gathers():
+    profile = load_profile("multi_nic")
+    layout = ReplicaLayout(tuple(tuple(h.ranks) for h in profile.hosts))
+    codec = delta_codec("sparse", density=0.02, bits=2)
+    round_ = node_cost(layout, M, 1, 1, codec, gather=True)[0]
+    sent, connections = crossing(profile, round_)
+    shards = layout.bounds(M // 4)
+    assert sent == pytest.approx(sum(codec.nbytes(b - a) for a, b in shards))   # every encoded shard, once
+    assert connections == 2 and sent < M / 100
+    model = CostModel(profile)
+    sparse = algorithms.strategy_times(model, "diloco", M, CostOptions(period=1, replica="node", compression="sparse"))
+    dense = algorithms.strategy_times(model, "diloco", M, CostOptions(period=1, replica="node"))
+    assert sparse.bound_s < dense.bound_s / 10

@@ -39,7 +39,8 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     where it is node): ``node.node_cost``, the shards' meshes across nodes and DDP inside them."""
     layout = priced_layout(options.replica, options.compression, profile)
     if layout is not None:
-        return node_cost(layout, payload_bytes, options.period, options.streams, delta_codec(options.compression))
+        codec = delta_codec(options.compression, density=options.density, bits=options.bits)
+        return node_cost(layout, payload_bytes, options.period, options.streams, codec, options.compression == "sparse")
     compression = carried(options.pattern, options.compression)
     codec = delta_codec(compression, density=options.density, bits=options.bits)
     exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, compression, codec)

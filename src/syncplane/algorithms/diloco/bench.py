@@ -69,7 +69,8 @@ class NodeStep:
     inner DDP): every step, the node's all-reduce of the gradient (DDP's, in its 25 MB
     buckets, on the node's group: loopback); every ``period`` steps, the engine's round (each
     rank's shards of Δ exchanged with the same shards of the other nodes, L exchanges per node
-    at once on ``options["shards"]`` streams each, compression none or int8), then the
+    at once on ``options["shards"]`` streams each: the mesh, or the gather of top-k pieces for
+    ``compression: sparse``), then the
     all-gather of θ_g inside the node. The engine wraps the payload itself (one parameter) and
     is built on the first step: a collective, in the warm-up (``warmup``)."""
 
@@ -78,7 +79,9 @@ class NodeStep:
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", DiLoCoConfig.sync_every))
         self.config = DiLoCoConfig(sync_every=self.period, shards=int(options.get("shards", 1)),
-                                   compression=str(options.get("compression", "none")), replica="node")
+                                   compression=str(options.get("compression", "none")), replica="node",
+                                   density=float(options.get("density", DiLoCoConfig.density)),
+                                   bits=int(options.get("bits", DiLoCoConfig.bits)))
         layout = node_layout("node", "ddp", job)
         assert layout is not None          # node_layout refuses a job of one rank per host
         self.layout, self.job = layout, job

@@ -49,9 +49,11 @@ def check_replica(replica: str, inner: str, *, fragments: int = 1, overlap_steps
     if fragments != 1 or overlap_steps != 0:
         raise ValueError(f"replica={replica!r} runs plain DiLoCo rounds (fragments=1, overlap_steps=0); got "
                          f"fragments={fragments}, overlap_steps={overlap_steps}")
-    if compression not in ("none", "int8") or exchange not in ("auto", "mesh", "owner"):
-        raise ValueError(f"replica={replica!r} exchanges each shard on the mesh (compression none or int8); got "
-                         f"compression={compression!r}, exchange={exchange!r}")
+    shard_exchanges = ("auto", "gather") if compression == "sparse" else ("auto", "mesh", "owner")
+    if exchange not in shard_exchanges:
+        raise ValueError(f"replica={replica!r} exchanges each shard on the mesh (compression none or int8) or, "
+                         f"for compression='sparse', the gather; got compression={compression!r}, "
+                         f"exchange={exchange!r}")
 
 
 @dataclass(frozen=True)
