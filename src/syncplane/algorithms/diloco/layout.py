@@ -13,9 +13,10 @@ are weighted by the replica's rank (sample) count, so that H = 1 with outer SGD 
 momentum is DDP over all ranks whatever the node sizes.
 
 ``replica: auto`` takes ``node`` when the job has several hosts and some host runs several
-ranks, else ``rank``. The default stays ``rank``: measured on 2 hosts of 2 ranks (3 seeds,
-``docs/benchmarks.md``), the node layout ended further from DDP's accuracy than ``rank`` and
-crossed the wire no faster than ``rank`` on as many streams as the hosts have NICs.
+ranks, else ``rank``. The default stays ``rank``: measured on 2 hosts of 2 ranks
+(``docs/benchmarks.md``), the node layout was no more accurate than ``rank`` (behind it at 15
+epochs, level at 30) and crossed the wire no faster than ``rank`` on as many streams as the
+hosts have NICs; what it buys is memory.
 """
 
 from __future__ import annotations
