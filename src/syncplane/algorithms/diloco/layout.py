@@ -14,9 +14,9 @@ momentum is DDP over all ranks whatever the node sizes.
 
 ``replica: auto`` takes ``node`` when the job has several hosts and some host runs several
 ranks, else ``rank``. The default stays ``rank``: measured on 2 hosts of 2 ranks
-(``docs/benchmarks.md``), the node layout was no more accurate than ``rank`` (behind it at 15
-epochs, level at 30) and crossed the wire no faster than ``rank`` on as many streams as the
-hosts have NICs; what it buys is memory.
+(``docs/benchmarks.md``), the node layout was not reliably more accurate than ``rank`` (behind
+it at 15 epochs, ahead at 30, by a few validation images) and crossed the wire no faster than
+``rank`` on as many streams as the hosts have NICs; what it buys for certain is memory.
 """
 
 from __future__ import annotations
