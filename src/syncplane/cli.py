@@ -145,11 +145,12 @@ def cmd_emulate(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.algorithms import PLANNED, CostOptions, describe_periods, periods, strategy_times
+    from syncplane.algorithms import PLANNED, CostOptions, describe_periods, periods, strategy_times, variant
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -169,9 +170,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for col in ("strategy", "predicted s", "bound s", "net bound s", "net ratio", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     rows = {}
-    for name in names:
-        options = CostOptions(period=used.get(name, 1), streams=args.streams, pattern=args.exchange)
-        rows[name] = None if name in PLANNED else strategy_times(model, name, payload, options)
+    for name in names:     # a label: NAME or NAME[key=value,...] (diloco[replica=node,shards=2])
+        base, settings = variant(name)
+        options = CostOptions(period=used.get(name, 1), streams=int(settings.get("shards", args.streams)),
+                              pattern=str(settings.get("exchange", args.exchange)),
+                              compression=str(settings.get("compression", CostOptions.compression)),
+                              replica=str(settings.get("replica", CostOptions.replica)))
+        rows[name] = None if base in PLANNED else strategy_times(model, base, payload, options)
     ddp = rows.get("ddp")
 
     def net_ratio(value: Any) -> float | None:
@@ -180,11 +185,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     for name, value in rows.items():
         if value is None:
-            table.add_row(name, "[yellow]not modelled yet[/]", "-", "-", "-", "-")
+            table.add_row(escape(name), "[yellow]not modelled yet[/]", "-", "-", "-", "-")
         else:
             speed = f"{ddp.predicted_s / value.predicted_s:.2f}x" if ddp and value.predicted_s else "-"
             ratio = net_ratio(value)
-            table.add_row(name, f"{value.predicted_s:.3f}", f"{value.bound_s:.3f}", f"{value.network_bound_s:.3f}",
+            table.add_row(escape(name), f"{value.predicted_s:.3f}", f"{value.bound_s:.3f}", f"{value.network_bound_s:.3f}",
                           "-" if ratio is None else f"{ratio:.2f}", speed)
     Console(width=110).print(table)
     if any(rows.values()):
@@ -347,7 +352,7 @@ def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
 
     if args.fault:
         raise ConfigError("--matrix places one fault per cell (--kinds, --rank, --step); drop --fault")
-    plans = matrix_plans(parse_strategies(args.strategies), [k.strip() for k in args.kinds.split(",") if k.strip()],
+    plans = matrix_plans(parse_strategies(args.strategies, variants=False), [k.strip() for k in args.kinds.split(",") if k.strip()],
                          args.overrides, out, rank=args.rank, step=args.step)
     json_path = Path(args.json) if args.json else out / "matrix.json"
     with say_if_left_up(any(plan.job.cluster is not None for plan in plans)):
@@ -360,7 +365,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import parse_strategies
     from syncplane.bench.soak import print_table, run_soak
 
-    names = parse_strategies(args.strategies)
+    names = parse_strategies(args.strategies, variants=False)
     if args.steps < 10 or args.ranks < 2:
         raise ConfigError(f"--steps must be >= 10 and --ranks >= 2, got {args.steps} and {args.ranks}")
     out_dir = Path(args.json).resolve().parent / (Path(args.json).stem + "-run")
@@ -391,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time every strategy's sync on an emulated cluster, side by side")
     bench.add_argument("--cluster", help="shipped profile name or YAML path (required without --matrix)")
     bench.add_argument("--strategies", default=None,
-                       help="comma-separated strategy names, or all (default: ddp; with --matrix: all)")
+                       help="comma-separated strategy names, or all (default: ddp; with --matrix: all); a "
+                            "strategy with settings of its own is a row of its own: "
+                            "'ddp,diloco,diloco[replica=node]'")
     bench.add_argument("--payload-mb", default="resnet50", help="MB, or a preset: resnet50, bert_large")
     bench.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (a timed wait)")
     bench.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
@@ -501,7 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = sub.add_parser("simulate", help="α-β cost model of each strategy on a profile, at any scale")
     simulate.add_argument("--cluster", required=True, help="shipped profile name or YAML path (the template)")
-    simulate.add_argument("--strategies", default="ddp")
+    simulate.add_argument("--strategies", default="ddp",
+                          help="comma-separated strategy names; NAME[key=value,...] prices one with settings of "
+                               "its own (shards, exchange, compression, replica, sync_every)")
     simulate.add_argument("--payload-mb", default="resnet50")
     simulate.add_argument("--racks", type=int, help="scale the template to this many racks")
     simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")

@@ -154,3 +154,43 @@ def _only_simple(tp: Any) -> bool:
     if origin in (typing.Union, types.UnionType):
         return all(_only_simple(a) for a in typing.get_args(tp))
     return False
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    """Comma-separated items; a comma inside ``[...]`` belongs to its item
+    (``ddp,diloco[compression=sparse,density=0.01]`` is two items)."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            raise ConfigError(f"{what}: unbalanced brackets in {text!r}")
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    if depth:
+        raise ConfigError(f"{what}: unbalanced brackets in {text!r}")
+    items = [x.strip() for x in [*items, current] if x.strip()]
+    if not items:
+        raise ConfigError(f"{what}: empty list")
+    return items
+
+
+def parse_variant(item: str) -> tuple[str, list[tuple[str, str]]]:
+    """``NAME`` or ``NAME[key=value,...]``: a strategy and overrides of its ``strategy.kwargs``
+    (one row of ``syncplane compare`` or ``bench``, labelled by the whole item)."""
+    name, bracket, rest = item.partition("[")
+    if not bracket:
+        return item, []
+    if "'" in item or '"' in item:
+        raise ConfigError(f"--strategies: {item!r}: no quotes inside NAME[key=value,...]")
+    if not rest.endswith("]") or not name:
+        raise ConfigError(f"--strategies: {item!r}: expected NAME[key=value,...]")
+    options = []
+    for pair in (p.strip() for p in rest[:-1].split(",")):
+        key, equals, value = pair.partition("=")
+        if not equals or not key.strip() or not value.strip() or not key.strip().isidentifier():
+            raise ConfigError(f"--strategies: {item!r}: {pair!r} is not key=value (a strategy.kwargs key)")
+        options.append((key.strip(), value.strip()))
+    return name.strip(), options

@@ -153,6 +153,7 @@ def test_canary_nested_is_checked_against_the_emulated_clusters_profile(tmp_path
     ({"replica": "node"}, (None, 5, 2), "replica='node': the job's nodes do not divide"),
     ({"replica": "node", "elastic": True}, ("multi_nic", 4), "replica='node' with elastic=true"),
     ({"replica": "node", "fragments": 2}, ("multi_nic", 4), "replica='node' runs plain DiLoCo rounds"),
+    ({"replica": "node", "exchange": "tree"}, ("multi_nic", 4), "replica='node' exchanges each shard"),
     ({"replica": "node", "compression": "int8", "exchange": "gather"}, ("multi_nic", 4), "replica='node' exchanges each shard"),
     ({"replica": "node", "inner": "fsdp"}, ("multi_nic", 4), "inner='fsdp' runs in .*NodeEngine"),
 ], ids=lambda v: str(v)[:30])

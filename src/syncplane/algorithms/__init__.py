@@ -13,11 +13,13 @@ simulate`` (cost patterns).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from syncplane.algorithms import canary, ddp, decentralized, diloco, ds_sync, flexreduce, peers, torch_hooks
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster.cost import CostModel
+from syncplane.config import parse_variant
 from syncplane.exchanges.cpu import CpuRates
 
 #: Every family, baseline first; peers (from other projects) last.
@@ -37,6 +39,23 @@ def spec_for(name: str) -> AlgorithmSpec:
     except KeyError:
         state = "is planned but not implemented yet" if name in PLANNED else "is unknown"
         raise KeyError(f"{name!r} {state}; implemented: {', '.join(_BY_NAME)}") from None
+
+
+def variant(label: str) -> tuple[str, dict[str, Any]]:
+    """A bench or simulate row's strategy and settings: ``NAME`` or ``NAME[key=value,...]``
+    (``diloco[replica=node,shards=2]``), the values as numbers where they read as one. The
+    keys are the strategy's ``strategy.kwargs``, the names the bench's options use too."""
+    name, pairs = parse_variant(label)
+    return name, {key: _number(value) for key, value in pairs}
+
+
+def _number(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def strategy_names() -> list[str]:
@@ -79,25 +98,34 @@ class StrategyTimes:
 def strategy_times(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions(),
                    cpu: CpuRates | None = None) -> StrategyTimes:
     """``StrategyTimes`` of ``name`` on ``model``'s cluster: the means over one period of its
-    pattern (so periodic algorithms are amortized, their network bound too); with ``cpu``
-    rates, the prediction adds the family's CPU work per round (the bounds stay the wire's)."""
+    pattern (so periodic algorithms are amortized, their network bound too: it counts the
+    steps whose flows leave a host, not those on loopback only); with ``cpu`` rates, the
+    prediction adds the family's CPU work per round (the bounds stay the wire's)."""
     family = spec_for(name)
     steps = family.cost(name, model.profile, payload_bytes, options)
     if not steps:
         return StrategyTimes(0.0, 0.0, 0.0, "no communication")
     network = allreduce_network_bound(model.profile, payload_bytes, options.streams)
-    rounds = sum(1 for step in steps if step) / len(steps)
-    cpu_s = cpu.seconds(family.cpu(name, model.profile, payload_bytes, options)) * rounds if cpu is not None else 0.0
+    rounds = sum(1 for step in steps if model.crosses_hosts(step)) / len(steps)
+    exchanges = sum(1 for step in steps if step) / len(steps)
+    cpu_s = cpu.seconds(family.cpu(name, model.profile, payload_bytes, options)) * exchanges if cpu is not None else 0.0
     return StrategyTimes(sum(model.time(p) for p in steps) / len(steps) + cpu_s,
                          sum(model.bound(p) for p in steps) / len(steps), network.seconds * rounds, network.binding,
                          cpu_s)
 
 
 def periods(names: list[str], period: int | None = None) -> dict[str, int]:
-    """Steps per round of each periodic strategy among ``names``: ``period`` where one is
-    given (``--period``), else the strategy's own default (DiLoCo's ``sync_every``)."""
-    return {name: period if period is not None else spec_for(name).default_period[name]
-            for name in names if name not in PLANNED and spec_for(name).periodic}
+    """Steps per round of each periodic strategy among ``names`` (labels, ``variant``):
+    ``period`` where one is given (``--period``), else the one a variant names
+    (``diloco[sync_every=4]``), else the strategy's own default (DiLoCo's ``sync_every``)."""
+    used = {}
+    for label in names:
+        name, options = variant(label)
+        family = spec_for(name) if name not in PLANNED else None
+        if family is not None and family.periodic:
+            own = options.get(family.period_key or "", family.default_period[name])
+            used[label] = period if period is not None else int(own)
+    return used
 
 
 def describe_periods(periods_used: dict[str, int], period: int | None = None) -> str:
@@ -118,4 +146,4 @@ def strategy_time(model: CostModel, name: str, payload_bytes: float, options: Co
 
 __all__ = ["PLANNED", "SPECS", "AlgorithmSpec", "CostOptions", "StrategyTimes", "all_names", "describe_periods",
            "description", "peer_names", "periods",
-           "spec_for", "strategy_names", "strategy_time", "strategy_times"]
+           "spec_for", "strategy_names", "strategy_time", "strategy_times", "variant"]

@@ -183,7 +183,8 @@ def cost_options(name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> Co
     if family.periodic:
         period = int(kwargs.get(family.period_key or "", inputs.period or family.default_period[name]))
     return CostOptions(period, family.streams(kwargs), family.pattern(kwargs), str(kwargs.get("compression", "none")),
-                       float(kwargs.get("density", CostOptions.density)), int(kwargs.get("bits", CostOptions.bits)))
+                       float(kwargs.get("density", CostOptions.density)), int(kwargs.get("bits", CostOptions.bits)),
+                       str(kwargs.get("replica", CostOptions.replica)))
 
 
 def cpu_work(profile: ClusterProfile, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> CpuWork:

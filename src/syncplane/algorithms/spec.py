@@ -44,6 +44,7 @@ class CostOptions:
     compression: str = "none"   # DiLoCo's codec of Δ: none | int8 | sparse (at ``density`` and ``bits``)
     density: float = 0.02
     bits: int = 2
+    replica: str = "rank"   # DiLoCo's replica: rank | node | auto (``diloco.layout``)
 
 
 #: (strategy name, cluster, payload bytes, options) -> the phases of every step of one period

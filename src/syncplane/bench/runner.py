@@ -18,7 +18,9 @@ bound and prediction are then the exposed part, bound − hidden compute, at lea
 on this machine, ``syncplane.exchanges.cpu``, every rank sharing its cores) and
 ``model_error_wire`` (the error of the wire's price alone, without that part),
 ``switch_drops`` (packets each shaped switch port dropped per step, from ``tc -s``) and
-``uplink_drops`` (their rack uplinks' sum; None without uplinks).
+``uplink_drops`` (their rack uplinks' sum; None without uplinks), ``nic_bytes_by_host`` (bytes per
+step each host's NICs sent, NIC by NIC: how a host's traffic spread over them) and, in the report,
+``ranks_per_host``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from syncplane.cluster import ClusterProfile, load_profile
 from syncplane.cluster.cost import EMULATED_TCP, CostModel
 from syncplane.cluster.emulator import switch_namespace, uplink_drops
 from syncplane.comm.codecs import check_sparse_options
-from syncplane.config import ConfigError
+from syncplane.config import ConfigError, parse_list
 from syncplane.exchanges import normalize
 from syncplane.exchanges.cpu import CpuRates, CpuWork, calibrate
 
@@ -59,16 +61,25 @@ def parse_payload(value: str) -> int:
     return int(mb * 2**20)
 
 
-def parse_strategies(value: str) -> list[str]:
-    """Comma-separated names, or ``all`` (every product strategy, no peers)."""
+def parse_strategies(value: str, variants: bool = True) -> list[str]:
+    """Comma-separated names, or ``all`` (every product strategy, no peers). A name may carry
+    settings of its own, ``NAME[key=value,...]`` (``diloco[replica=node]``): a row of its own,
+    labelled by the whole item, whose settings override the command's options (bench,
+    simulate); ``variants=False`` refuses them (a command that runs names only)."""
     if value.strip() == "all":
         return algorithms.strategy_names()
-    names = [s.strip() for s in value.split(",") if s.strip()]
+    names = parse_list(value, "--strategies") if value.strip() else []
     allowed = algorithms.all_names()
-    unknown = [s for s in names if s not in allowed]
+    unknown = [s for s in names if algorithms.variant(s)[0] not in allowed]
     if unknown or not names:
         raise ConfigError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; "
                           f"allowed values: {', '.join(allowed)}")
+    labelled = [s for s in names if "[" in s]
+    if labelled and not variants:
+        raise ConfigError(f"--strategies: {', '.join(labelled)}: this command takes strategy names only "
+                          "(NAME[key=value,...] rows are for bench and simulate)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--strategies: {value!r} names a row twice")
     return names
 
 
@@ -91,7 +102,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").unlink(missing_ok=True)        # never an earlier run's
-    implemented = [s for s in strategies if s not in algorithms.PLANNED]
+    implemented = [s for s in strategies if algorithms.variant(s)[0] not in algorithms.PLANNED]
     measured: dict[str, Any] = {}
     used = algorithms.periods(strategies, period)
     if implemented:
@@ -112,6 +123,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
     rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period,
                        cpu=emulator_cpu_rates(profile, strategies, payload_bytes, period, options), **options)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
+            "ranks_per_host": [h.spec.ranks for h in profile.hosts],
             "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
             "pair_streams": pair_streams, "compute_speeds": profile.compute_speeds(),
             "compression": compression, **({"density": density, "bits": bits} if compression == "sparse" else {}),
@@ -124,8 +136,9 @@ def emulator_cpu_rates(profile: ClusterProfile, strategies: list[str], payload_b
     """CPU rates for the strategies' work on the emulator: measured on this machine
     (``calibrate``, cached), every rank of ``profile`` sharing this machine's cores."""
     inputs = plan.PlanInputs(payload_bytes, period=period)
-    work = sum((plan.cpu_work(profile, name, options, inputs) for name in strategies if name not in algorithms.PLANNED),
-               CpuWork())
+    variants = [algorithms.variant(name) for name in strategies]
+    work = sum((plan.cpu_work(profile, base, {**options, **settings}, inputs) for base, settings in variants
+                if base not in algorithms.PLANNED), CpuWork())
     return calibrate(work, sharing=profile.world_size / len(os.sched_getaffinity(0)))
 
 
@@ -153,18 +166,21 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             per_host = [m["nic_tx_bytes"][h.first_rank] / h.spec.ranks for h in profile.hosts
                         if h.index not in background_senders]
             row["nic_bytes_per_rank"] = statistics.fmean(per_host) if per_host else None
+            if m.get("nic_tx_by_nic"):     # where a host's bytes left: one counter per NIC, per step
+                row["nic_bytes_by_host"] = {h.name: m["nic_tx_by_nic"][h.first_rank] for h in profile.hosts}
             row["step_s"] = m["step_s"]
             if "switch_drops" in m:
                 row["switch_drops"] = m["switch_drops"]
                 row["uplink_drops"] = uplink_drops(m["switch_drops"])
             if m.get("profile"):
                 row["profile"] = m["profile"]
-        if name not in algorithms.PLANNED:
+        base, settings = algorithms.variant(name)
+        if base not in algorithms.PLANNED:
             options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
-                       "density": density, "bits": bits}
+                       "density": density, "bits": bits, **settings}
             # priced as ``syncplane plan`` prices it: the compute its overlap window hides comes off
-            inputs = plan.PlanInputs(payload_bytes, compute_ms / 1000, period, cpu=cpu)
-            priced = plan.price(model, name, options, inputs)
+            inputs = plan.PlanInputs(payload_bytes, compute_ms / 1000, periods.get(name, period), cpu=cpu)
+            priced = plan.price(model, base, options, inputs)
             hidden = priced.hidden_s
             row["predicted_s"], row["bound_s"] = priced.exposed_s, max(0.0, priced.bound_s - hidden)
             row["predicted_cpu_s"] = priced.cpu_s
@@ -193,22 +209,25 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
 
 def print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     period = algorithms.describe_periods(report.get("periods") or {}, report.get("period"))
-    table = Table(title=f"syncplane bench: {report['cluster']} ({report['world_size']} ranks), "
+    hosts = report.get("ranks_per_host") or []
+    per_host = f", {len(hosts)} hosts of {'/'.join(map(str, sorted(set(hosts))))} ranks" if hosts else ""
+    table = Table(title=f"syncplane bench: {report['cluster']} ({report['world_size']} ranks{per_host}), "
                         f"payload {report['payload_bytes'] / 2**20:.1f} MB" + (f", {period}" if period else ""))
     for col in ("strategy", "sync s (median)", "p90", "MB sent/rank", "NIC MB/rank", "bound s", "bound ratio",
                 "net bound s", "net ratio", "predicted s", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in report["results"]:
         if r["status"] != "ok":
-            table.add_row(r["strategy"], "[yellow]not implemented yet[/]", *["-"] * 9)
+            table.add_row(escape(r["strategy"]), "[yellow]not implemented yet[/]", *["-"] * 9)
             continue
-        table.add_row(r["strategy"], fmt(r["sync_s_median"], ".3f"), fmt(r["sync_s_p90"], ".3f"),
+        table.add_row(escape(r["strategy"]), fmt(r["sync_s_median"], ".3f"), fmt(r["sync_s_p90"], ".3f"),
                       fmt(r["bytes_sent_per_rank"] / 2**20, ".1f"),
                       fmt(r["nic_bytes_per_rank"] / 2**20 if r.get("nic_bytes_per_rank") is not None else None, ".1f"),
                       fmt(r["bound_s"], ".3f"), fmt(r["bound_ratio"], ".2f"),

@@ -32,11 +32,10 @@ from syncplane.comm import CommMeter
 from syncplane.comm.basics import release_groups
 
 
-def _nic_tx_bytes() -> int:
-    total = 0
-    for path in glob.glob("/sys/class/net/eth*/statistics/tx_bytes"):
-        total += int(Path(path).read_text())
-    return total
+def _nic_tx_bytes() -> dict[str, int]:
+    """Bytes each of this host's NICs has sent (its namespace's ``eth*`` counters)."""
+    return {Path(path).parts[-3]: int(Path(path).read_text())
+            for path in sorted(glob.glob("/sys/class/net/eth*/statistics/tx_bytes"))}
 
 
 def timed_step(sync: Any, payload: torch.Tensor, step: int, meter: CommMeter, window: str | None,
@@ -85,9 +84,10 @@ def main(spec_path: str) -> None:
     speeds = spec.get("compute_speeds") or [1.0] * world
     compute_s = spec["compute_ms"] / 1000 * max(speeds) / speeds[rank]
     results = {}
-    for name in spec["strategies"]:
-        family = algorithms.spec_for(name)
-        sync = family.bench_step(name, {**spec, "period": spec["periods"].get(name, 1)}, job)   # its own H
+    for name in spec["strategies"]:     # a label: NAME or NAME[key=value,...] (its settings over the spec's)
+        base, settings = algorithms.variant(name)
+        family = algorithms.spec_for(base)
+        sync = family.bench_step(base, {**spec, **settings, "period": spec["periods"].get(name, 1)}, job)   # its H
         period = getattr(sync, "period", 1)   # periodic syncs are amortized over their rounds
         steps = -(-spec["steps"] // period) * period      # whole periods (a schedule's may exceed --steps)
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
@@ -102,18 +102,22 @@ def main(spec_path: str) -> None:
         tx_before, drops_before = _nic_tx_bytes(), _drops(spec, rank)
         for step in range(steps):
             dist.barrier()
-            exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(name), compute_s)
+            exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(base), compute_s)
             elapsed = torch.tensor([exposed], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(elapsed.item())
         dist.barrier()
-        tx = torch.tensor([float(_nic_tx_bytes() - tx_before), float(meter.bytes_sent)], dtype=torch.float64)
+        tx_after = _nic_tx_bytes()
+        by_nic = {nic: (n - tx_before.get(nic, 0)) / steps for nic, n in tx_after.items()}
+        tx = torch.tensor([float(sum(by_nic.values())) * steps, float(meter.bytes_sent)], dtype=torch.float64)
         per_rank = [torch.zeros_like(tx) for _ in range(world)]
         dist.all_gather(per_rank, tx)
+        nics: list[Any] = [None] * world
+        dist.all_gather_object(nics, by_nic)
         if period > 1:
             times = [sum(times[i:i + period]) / period for i in range(0, len(times) - period + 1, period)]
         results[name] = {"step_s": times, "comm_bytes": [float(t[1]) / steps for t in per_rank],
-                         "nic_tx_bytes": [float(t[0]) / steps for t in per_rank]}
+                         "nic_tx_bytes": [float(t[0]) / steps for t in per_rank], "nic_tx_by_nic": nics}
         drops_after = _drops(spec, rank)
         if drops_before is not None and drops_after is not None:
             results[name]["switch_drops"] = {dev: (n - drops_before.get(dev, 0)) / steps

@@ -352,6 +352,15 @@ class CostModel:
         """The bandwidth lower bound: no per-message latency, ideal links."""
         return sum(self.phase_times(phases, alpha_s=0.0, tcp=IDEAL))
 
+    def crosses_hosts(self, phases: Sequence[Phase]) -> bool:
+        """Whether a flow of ``phases`` leaves its host: a step that only uses loopback (the
+        all-reduce inside a node replica) asks nothing of the network."""
+        for phase in phases:
+            src, dst, nbytes, _ = columns_of(phase)
+            if np.any((self._host_of_rank[src] != self._host_of_rank[dst]) & (nbytes > 0)):
+                return True
+        return False
+
 
 # ----------------------------------------------------------------------------- patterns
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from syncplane.config import ConfigError
+from syncplane.config import ConfigError, parse_list, parse_variant
 
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
@@ -237,46 +237,6 @@ def settings_from_args(args: Any) -> CompareSettings:
         overrides=args.overrides,
         out=Path(args.out) if args.out else Path("comparisons") / f"{args.recipe}-{args.cluster or 'local'}",
         wandb=not args.no_wandb, wandb_mode=args.wandb_mode)
-
-
-def parse_list(text: str, what: str) -> list[str]:
-    """Comma-separated items; a comma inside ``[...]`` belongs to its item
-    (``ddp,diloco[compression=sparse,density=0.01]`` is two items)."""
-    items, depth, current = [], 0, ""
-    for char in text:
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if depth < 0 or depth > 1:
-            raise ConfigError(f"{what}: unbalanced brackets in {text!r}")
-        if char == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += char
-    if depth:
-        raise ConfigError(f"{what}: unbalanced brackets in {text!r}")
-    items = [x.strip() for x in [*items, current] if x.strip()]
-    if not items:
-        raise ConfigError(f"{what}: empty list")
-    return items
-
-
-def parse_variant(item: str) -> tuple[str, list[tuple[str, str]]]:
-    """``NAME`` or ``NAME[key=value,...]``: a strategy and overrides of its ``strategy.kwargs``
-    (one row of the comparison, labelled by the whole item)."""
-    name, bracket, rest = item.partition("[")
-    if not bracket:
-        return item, []
-    if "'" in item or '"' in item:
-        raise ConfigError(f"--strategies: {item!r}: no quotes inside NAME[key=value,...]")
-    if not rest.endswith("]") or not name:
-        raise ConfigError(f"--strategies: {item!r}: expected NAME[key=value,...]")
-    options = []
-    for pair in (p.strip() for p in rest[:-1].split(",")):
-        key, equals, value = pair.partition("=")
-        if not equals or not key.strip() or not value.strip() or not key.strip().isidentifier():
-            raise ConfigError(f"--strategies: {item!r}: {pair!r} is not key=value (a strategy.kwargs key)")
-        options.append((key.strip(), value.strip()))
-    return name.strip(), options
 
 
 def dir_name(item: str) -> str:

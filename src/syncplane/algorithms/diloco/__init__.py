@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.diloco.bench import DiLoCoStep
+from syncplane.algorithms.diloco.bench import DiLoCoStep, NodeStep
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import (EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_cpu_work,
                                                 exchange_phases)
-from syncplane.algorithms.diloco.layout import node_layout
+from syncplane.algorithms.diloco.layout import ReplicaLayout, check_replica, node_layout
+from syncplane.algorithms.diloco.node import node_cost
+from syncplane.config import ConfigError
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
@@ -35,7 +37,12 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     mesh (every rank sends shard j to its owner j, owners send the mean back), the tree, or
     the gather of sparse pieces (``gather``: at ``options``' density and bits, by racks else
     hosts; the mesh's shards at their codec's size) -- ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this
-    cluster (auto: the tree when ranks form hosts or racks)."""
+    cluster (auto: the tree when ranks form hosts or racks). ``replica: node`` (or ``auto``
+    where it is node): ``node.node_cost``, the shards' meshes across nodes and DDP inside them."""
+    layout = priced_layout(options.replica, options.compression, profile)
+    if layout is not None:
+        codec = delta_codec(options.compression, density=options.density, bits=options.bits)
+        return node_cost(layout, payload_bytes, options.period, options.streams, codec, options.compression == "sparse")
     compression = carried(options.pattern, options.compression)
     codec = delta_codec(compression, density=options.density, bits=options.bits)
     exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, compression, codec)
@@ -47,6 +54,23 @@ def diloco_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options
     compression = carried(options.pattern, options.compression)
     codec = delta_codec(compression, density=options.density, bits=options.bits)
     return exchange_cpu_work(profile, payload_bytes, options.pattern, compression, codec)
+
+
+def priced_layout(replica: str, compression: str, profile: ClusterProfile) -> ReplicaLayout | None:
+    """The node layout ``replica`` gives a job on ``profile`` (None: a replica per rank);
+    a ConfigError naming ``replica`` where it cannot run there."""
+    try:
+        check_replica(replica, "ddp", compression=compression)
+        return node_layout(replica, "ddp", JobContext.planned(profile.world_size, profile))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DiLoCoStep | NodeStep:
+    """``replica: node`` (or ``auto`` where it is node) times ``NodeStep``, else ``DiLoCoStep``."""
+    if node_layout(str(options.get("replica", "rank")), "ddp", job) is not None:
+        return NodeStep(options, job)
+    return DiLoCoStep(options, job)
 
 
 def _pattern(options: Mapping[str, Any]) -> str:
@@ -66,10 +90,6 @@ def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
         check_topology(topology, job)
 
 
-def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DiLoCoStep:
-    return DiLoCoStep(options, job)
-
-
 SPEC = AlgorithmSpec(
     family="diloco",
     strategies={"diloco": "DiLoCo: H local steps, then an outer Nesterov step on the gloo-averaged "
@@ -81,9 +101,11 @@ SPEC = AlgorithmSpec(
     streams=lambda options: int(options.get("shards", 1)),
     pattern=_pattern,
     check_job=_check_job,
-    # the plan's candidates: S streams x the exchange of Δ (the gather carries the sparse codec)
-    variants={"diloco": tuple({"shards": s, "exchange": e, **({"compression": "sparse"} if e == "gather" else {})}
-                              for e in EXCHANGES for s in STREAM_CHOICES)},
+    # the plan's candidates: S streams x the exchange of Δ (the gather carries the sparse codec), and a node
+    # as one replica on S streams per shard (excluded, with the reason, where hosts run one rank each)
+    variants={"diloco": (*({"shards": s, "exchange": e, **({"compression": "sparse"} if e == "gather" else {})}
+                           for e in EXCHANGES for s in STREAM_CHOICES),
+                         *({"replica": "node", "shards": s} for s in STREAM_CHOICES))},
     period_key="sync_every",
     cpu=diloco_cpu,
 )

@@ -6,12 +6,17 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import time
+
 import torch
+import torch.distributed as dist
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
+from syncplane.algorithms.diloco.layout import node_layout
+from syncplane.algorithms.diloco.node import NodeEngine
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.exchange import EXCHANGES, build_exchange, carried, delta_codec
-from syncplane.comm import CommMeter, PhaseProfile
+from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, PhaseProfile, ring_allreduce_bytes
 from syncplane.exchanges import offered
 from syncplane.job import JobContext
 
@@ -57,3 +62,54 @@ class DiLoCoStep:
 
     def _phase(self, name: str) -> AbstractContextManager[None]:
         return self.profile.time(name) if self.profile is not None else nullcontext()
+
+
+class NodeStep:
+    """``replica: node``'s sync on the payload, by the engine training runs (``NodeEngine``,
+    inner DDP): every step, the node's all-reduce of the gradient (DDP's, in its 25 MB
+    buckets, on the node's group: loopback); every ``period`` steps, the engine's round (each
+    rank's shards of Δ exchanged with the same shards of the other nodes, L exchanges per node
+    at once on ``options["shards"]`` streams each: the mesh, or the gather of top-k pieces for
+    ``compression: sparse``), then the
+    all-gather of θ_g inside the node. The engine wraps the payload itself (one parameter) and
+    is built on the first step: a collective, in the warm-up (``warmup``)."""
+
+    warmup = 1
+
+    def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
+        self.period = int(options.get("period", DiLoCoConfig.sync_every))
+        self.config = DiLoCoConfig(sync_every=self.period, shards=int(options.get("shards", 1)),
+                                   compression=str(options.get("compression", "none")), replica="node",
+                                   density=float(options.get("density", DiLoCoConfig.density)),
+                                   bits=int(options.get("bits", DiLoCoConfig.bits)))
+        layout = node_layout("node", "ddp", job)
+        assert layout is not None          # node_layout refuses a job of one rank per host
+        self.layout, self.job = layout, job
+        self.engine: NodeEngine | None = None
+
+    def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
+        if self.engine is None:
+            module = torch.nn.Module()
+            module.register_parameter("payload", torch.nn.Parameter(payload))   # shares its storage
+            self.engine = NodeEngine(module, self.config, self.job, self.layout)
+        self._inner(payload, meter)
+        if (step + 1) % self.period:
+            return
+        self.engine.launch([payload], 0, step + 1, False, meter)
+        self.engine.merge([payload], self.engine.pop(0), alpha=0.0)
+
+    def _inner(self, payload: torch.Tensor, meter: CommMeter) -> None:
+        """DDP inside the node: the mean of the payload over the node's ranks, in buckets."""
+        assert self.engine is not None
+        group, size = self.engine.inner_group, len(self.layout.nodes[self.layout.replica_of(self.job.rank)])
+        start = time.perf_counter()
+        works = [dist.all_reduce(c, group=group, async_op=True)
+                 for c in payload.split(DEFAULT_BUCKET_BYTES // payload.element_size())]
+        for work in works:
+            work.wait()
+        payload.div_(size)
+        meter.record(start, time.perf_counter(), ring_allreduce_bytes(payload.numel() * payload.element_size(), size))
+
+    def describe(self) -> str:
+        return (f"diloco replica=node: nodes of {self.layout.sizes} ranks, {self.layout.shards} shard group(s) "
+                f"of {self.config.shards} stream(s)")

@@ -13,7 +13,10 @@ are weighted by the replica's rank (sample) count, so that H = 1 with outer SGD 
 momentum is DDP over all ranks whatever the node sizes.
 
 ``replica: auto`` takes ``node`` when the job has several hosts and some host runs several
-ranks, else ``rank``. The default stays ``rank`` until a training comparison says otherwise.
+ranks, else ``rank``. The default stays ``rank``: measured on 2 hosts of 2 ranks
+(``docs/benchmarks.md``), the node layout was not reliably more accurate than ``rank`` (behind
+it at 15 epochs, ahead at 30, by a few validation images) and crossed the wire no faster than
+``rank`` on as many streams as the hosts have NICs; what it buys for certain is memory.
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ def check_replica(replica: str, inner: str, *, fragments: int = 1, overlap_steps
     if fragments != 1 or overlap_steps != 0:
         raise ValueError(f"replica={replica!r} runs plain DiLoCo rounds (fragments=1, overlap_steps=0); got "
                          f"fragments={fragments}, overlap_steps={overlap_steps}")
-    carries = ("auto", "gather") if compression == "sparse" else ("auto", "mesh", "owner")
-    if exchange not in carries:
-        raise ValueError(f"replica={replica!r} exchanges each shard on the mesh (compression none or int8) or "
-                         f"gathers its sparse pieces (compression sparse); got compression={compression!r}, "
+    shard_exchanges = ("auto", "gather") if compression == "sparse" else ("auto", "mesh", "owner")
+    if exchange not in shard_exchanges:
+        raise ValueError(f"replica={replica!r} exchanges each shard on the mesh (compression none or int8) or, "
+                         f"for compression='sparse', the gather; got compression={compression!r}, "
                          f"exchange={exchange!r}")
 
 

@@ -7,16 +7,16 @@ the j-th ranks of every node, which needs nodes of one size). Across nodes, rank
 of the outer state (``layout.ReplicaLayout``: θ_g and the outer optimizer per shard, Δ formed
 in place in the host mirror) and exchanges each with that shard's owners in the other nodes,
 on a ``StreamRunner`` of its own (its own gloo groups: L exchanges at once per node, on the
-host's NICs in turn, with the deadline and commit/discard of every DiLoCo exchange): a mesh,
-or for ``compression: sparse`` a gather of each shard's sparse pieces, its error feedback kept
-per shard by the shard's owner. With DDP, after
+host's NICs in turn, with the deadline and commit/discard of every DiLoCo exchange): the
+mesh (fp32, int8), or with ``compression: sparse`` the gather of each shard's top-k pieces,
+its error feedback kept per shard by its owner. With DDP, after
 the round one all-gather on the node's gloo group rebuilds the replica's whole θ_g, which
 is copied into the model.
 
 A shard whose exchange was discarded keeps the replica's θ_local there (the owner puts it
 back before the gather): its group skipped the round on every replica, nothing is lost.
 With one rank per node the round is ``DiLoCoEngine``'s, bit for bit (one shard: the whole
-model, on a mesh over every rank).
+model, on a mesh -- or the gather, for sparse -- over every rank).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +37,8 @@ from syncplane.algorithms.diloco.engine import host_mirror
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.streaming import Round
+from syncplane.cluster.cost import FlowArray, Phase, concurrent_group_allreduces
+from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.streams import StreamRunner, reserve_key
 from syncplane.exchanges import GatherExchange, MeshExchange
@@ -55,6 +58,16 @@ def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """What a replica's outer round works on: the parameters (this rank's shard of each, under
     FSDP), then the floating buffers."""
     return [local(p.data) for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
+
+
+def shard_interfaces(interfaces: Sequence[str], shard: int) -> tuple[str, ...]:
+    """The NICs of shard ``shard``'s streams: the host's, rotated by the shard, so that the L
+    exchanges a node runs at once start on L different NICs where it has several (stream s of
+    shard k on NIC (k + s) mod k_nics; every member of a shard group rotates alike)."""
+    if not interfaces:
+        return ()
+    turn = shard % len(interfaces)
+    return (*interfaces[turn:], *interfaces[:turn])
 
 
 def node_groups(layout: ReplicaLayout, backend: str) -> dist.ProcessGroup:
@@ -98,22 +111,23 @@ class NodeEngine:
                        for k, (a, b) in ((k, self.bounds[k]) for k in self.owned)}
         key = reserve_key("diloco-node")
         shards = 1 if config.shards == "auto" else int(config.shards)
-        self.runners = {k: StreamRunner(self._pattern(k, shards, n_params), codec=config.codec(),
-                                        interfaces=job.interfaces, timeout_s=config.sync_timeout_s,
-                                        members=layout.shard_group(k), key=f"{key}/shard{k}",
-                                        error_feedback_beta=config.error_feedback)
+        self.runners = {k: StreamRunner(self._exchange(shards, n_params - self.bounds[k][0]),
+                                        codec=config.codec(),
+                                        error_feedback_beta=config.error_feedback,
+                                        interfaces=shard_interfaces(job.interfaces, k),
+                                        timeout_s=config.sync_timeout_s,
+                                        members=layout.shard_group(k), key=f"{key}/shard{k}")
                         for k in self.owned}
-        self.shards = shards
-        self.exchange_name = "gather" if config.compression == "sparse" else "mesh"
+        self.shards, self.exchange_name = shards, "gather" if config.compression == "sparse" else "mesh"
         self.pending: dict[int, Round] = {}
 
-    def _pattern(self, k: int, shards: int, n_params: int) -> MeshExchange | GatherExchange:
-        """Shard ``k``'s exchange: the mesh; for the sparse codec, a gather of the pieces (a sum of
-        top-k vectors is denser than each), the floating buffers past ``n_params`` as exact fp32."""
-        if self.config.compression != "sparse":
-            return MeshExchange(shards)
-        a, b = self.bounds[k]
-        return GatherExchange(shards, exact_from=max(0, n_params - a) if b > n_params else None)
+    def _exchange(self, streams: int, exact_from: int) -> MeshExchange | GatherExchange:
+        """A shard's exchange: the mesh (fp32, int8), or for ``compression: sparse`` the gather of
+        its top-k pieces (a sum of them would be dense), the shard's floating buffers (from
+        ``exact_from`` on, in the shard's own positions) as exact fp32, as ``DiLoCoEngine`` sends them."""
+        if self.config.compression == "sparse":
+            return GatherExchange(streams, max(0, exact_from))
+        return MeshExchange(streams)
 
     def _wrap(self, module: torch.nn.Module, device: str, device_ids: list[int] | None) -> torch.nn.Module:
         """``inner: ddp``: torch's DDP over the node; ``fsdp``: FSDP2's ``fully_shard`` over it (in place)."""
@@ -235,3 +249,53 @@ class NodeEngine:
             for i, (a_i, b_i) in enumerate(spans):
                 part = self.host.buffer[min(a_i + c, b_i):min(a_i + c + n, b_i)]
                 part.copy_(out[i * n: i * n + part.numel()])
+
+
+# ---------------------------------------------------------------- the price (``syncplane simulate``, plan, bench)
+
+
+def node_cost(layout: ReplicaLayout, payload_bytes: float, period: int, streams: int, codec: Codec,
+              gather: bool = False) -> list[list[Phase]]:
+    """One round of ``period`` steps of ``replica: node`` (inner DDP) as the cost model's flows.
+
+    Every step, torch's DDP all-reduces the gradient inside each node (a ring on loopback).
+    At the round's end, the shards' meshes run at once: node a sends node b the b-th part of
+    each of its S shards, M/N in all, in each of the mesh's two phases (so a node sends
+    2(N−1)/N·M per round per direction across: M between two nodes), on S x ``streams``
+    connections, pinned to the host's NICs in turn; then each node's ranks all-gather the
+    replica's θ_g over loopback. ``gather`` (``compression: sparse``): the shards' gathers
+    instead, one phase in which a node sends every other node its encoded shards."""
+    inner = concurrent_group_allreduces(layout.nodes, payload_bytes)
+    across = shard_exchange_cost(layout, payload_bytes, streams, codec, gather)
+    return [inner + across + gather_cost(layout, payload_bytes)] + [list(inner) for _ in range(period - 1)]
+
+
+def shard_exchange_cost(layout: ReplicaLayout, payload_bytes: float, streams: int, codec: Codec,
+                        gather: bool = False) -> list[Phase]:
+    """The S shard groups' meshes together: two phases in which every node sends every other
+    node M/N (``codec``'s size of it) over S x ``streams`` pinned flows (module doc of
+    ``node_cost``); or their gathers: one phase of all of M's encoded pieces to every other node."""
+    n = len(layout.nodes)
+    if n < 2:
+        return []
+    numel = max(int(payload_bytes // 4), 1)
+    flows = layout.shards * streams
+    if gather:
+        coded = sum(codec.nbytes(b - a) for a, b in layout.bounds(numel))
+    else:
+        coded = payload_bytes * codec.nbytes(numel) / (4 * numel) / n
+    pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
+    src = np.array([layout.nodes[a][0] for a, _ in pairs], dtype=np.int64)
+    dst = np.array([layout.nodes[b][0] for _, b in pairs], dtype=np.int64)
+    step = FlowArray(src, dst, np.full(len(pairs), coded / flows), np.full(len(pairs), flows, dtype=np.int64),
+                     pinned=True)
+    return [step] if gather else [step, step]
+
+
+def gather_cost(layout: ReplicaLayout, payload_bytes: float) -> list[Phase]:
+    """``NodeEngine._gather``: every rank of a node sends its span of θ_g (fp32) to the others."""
+    numel = max(int(payload_bytes // 4), 1)
+    bounds = layout.bounds(numel)
+    flows = [(rank, other, 4.0 * (bounds[layout.owned(rank)[-1]][1] - bounds[layout.owned(rank)[0]][0]))
+             for node in layout.nodes for rank in node for other in node if other != rank]
+    return [flows] if flows else []
