@@ -22,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STRATEGY_CONFIGS = {path.stem: yaml.safe_load(path.read_text()) for path in sorted((ROOT / "configs/strategy").glob("*.yaml"))}
 
 #: keys a strategy config documents in comments (added with +strategy.kwargs.KEY=VALUE)
-OPTIONAL_KEYS = {"canary": ("staleness", "proportion", "warmup_steps", "momentum_compensation", "compress_in_host"),
-                 "atc": ("max_staleness", "late_after_s"), "awc": ("max_staleness", "late_after_s")}
+OPTIONAL_KEYS = {"canary": ("staleness", "proportion", "warmup_steps", "momentum_compensation", "compress_in_host")}
 
 _DECENTRALIZED = {"schedule": "sometimes", "topology": "NoSuchGraph", "topology_kwargs": {"nope": 1},
                   "global_every": -1, "bucket_mb": 0, "consensus_eval": "maybe", "consensus_every": -1,
