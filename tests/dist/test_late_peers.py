@@ -44,7 +44,7 @@ def _mix(rank: int, world: int, seed: int, max_staleness: int, late: bool, late_
         mixed.append(torch.cat([t.reshape(-1) for t in tensors]).clone())
     averager.drain()
     averager.close()
-    used = averager.late.used if averager.late is not None else []
+    used = list(averager.late.used) if averager.late is not None else []
     dist.barrier()
     return sent, mixed, used, schedule.matrix(0)
 

@@ -44,6 +44,10 @@ from syncplane.comm.p2p import exchange_tensors
 #: an exponential graph of a few hundred ranks (a queued watcher only reports arrival later).
 WATCHERS = 32
 
+#: Steps whose message choices ``LatePeerMixer.used`` keeps (for tests and debugging; bounded so a
+#: long run does not grow).
+USED_KEPT = 1024
+
 
 @dataclass
 class Message:
@@ -63,6 +67,7 @@ class LatePeerMixer:
     them; ``used`` records, per combined step, the step of each source's message it took
     (what a test compares against the dense reference)."""
 
+
     def __init__(self, max_staleness: int, late_after_s: float, *, timeout_s: float,
                  meter: CommMeter | None = None) -> None:
         if max_staleness < 1:
@@ -78,13 +83,12 @@ class LatePeerMixer:
         self._received: dict[int, int] = defaultdict(int)                # receives posted per source
         self._sent: dict[int, int] = defaultdict(int)                    # sends posted per destination
         self._spare: dict[int, list[list[torch.Tensor]]] = defaultdict(list)   # reusable receive buffers
-        self.used: list[tuple[int, dict[int, int]]] = []                  # (step, {source: its message's step})
+        #: (step, {source: the step of the message combined}) for the last USED_KEPT steps
+        self.used: deque[tuple[int, dict[int, int]]] = deque(maxlen=USED_KEPT)
 
     def _post(self, peer: int, step: int, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> Future[object]:
         handle = exchange_tensors([(peer, t) for t in sends], [(peer, t) for t in recvs], None, lambda: sends,
                                   timeout_s=self.timeout_s, what=f"neighbor_allreduce (step {step}, late-peer mode)")
-        if self.meter is not None:   # bytes only: the seconds a late peer holds a send are not the link's
-            self.meter.record(0.0, 0.0, sum(t.numel() * t.element_size() for t in sends))
         return self._watch.submit(handle.wait)
 
     def launch(self, step: int, plan: RankPlan, flats: Sequence[torch.Tensor]) -> Callable[[], None]:
@@ -104,7 +108,8 @@ class LatePeerMixer:
             self._inbox[peer].append(message)
             wanted[peer] = message.index
             self._received[peer] += 1
-        return lambda: self._combine(step, plan, flats, wanted)
+        sent = len(plan.dst_weights) * sum(f.numel() * f.element_size() for f in flats)
+        return lambda: self._combine(step, plan, flats, wanted, sent)
 
     def _freshest(self, peer: int, index: int, deadline: float) -> Message:
         """The newest arrived message of ``peer``: message ``index`` if it arrives before
@@ -123,13 +128,19 @@ class LatePeerMixer:
             self._latest[peer] = message
         return self._latest[peer]
 
-    def _combine(self, step: int, plan: RankPlan, flats: Sequence[torch.Tensor], wanted: dict[int, int]) -> None:
+    def _combine(self, step: int, plan: RankPlan, flats: Sequence[torch.Tensor], wanted: dict[int, int],
+                 sent: int) -> None:
+        """Combine step ``step``; the meter gets the bytes sent and the seconds this blocked (the
+        seconds a late peer holds a send in flight are not the link's)."""
+        start = time.perf_counter()
         deadline = time.monotonic() + self.late_after_s
         chosen = [self._freshest(peer, wanted[peer], deadline) for peer in plan.src_weights]
         self.used.append((step, {peer: m.step for peer, m in zip(plan.src_weights, chosen)}))
         weights = list(plan.src_weights.values())
         for i, flat in enumerate(flats):
             kernels.weighted_combine(flat, [m.buffers[i] for m in chosen], weights, plan.self_weight, out=flat)
+        if self.meter is not None:
+            self.meter.record(start, time.perf_counter(), sent)
 
     def drain(self) -> None:
         """Wait for every message in flight (checkpoints, validation, the end of a fit: every
