@@ -67,7 +67,6 @@ class LatePeerMixer:
     them; ``used`` records, per combined step, the step of each source's message it took
     (what a test compares against the dense reference)."""
 
-
     def __init__(self, max_staleness: int, late_after_s: float, *, timeout_s: float,
                  meter: CommMeter | None = None) -> None:
         if max_staleness < 1:
