@@ -169,6 +169,10 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         for averager in (self.averager, self.buffer_averager):
             if averager is not None:
                 averager.drain()   # late-peer mode: every message in flight too
+        late = self.averager.late if self.averager is not None else None
+        if late is not None:       # summary.json's strategy_details (rank 0's counts)
+            self.details["late_peers"] = {"max_staleness": late.max_staleness, "late_after_s": late.late_after_s,
+                                          "neighbour_values": late.values, "stale_values": late.stale_values}
 
     @override
     def teardown(self) -> None:

@@ -45,6 +45,9 @@ def _mix(rank: int, world: int, seed: int, max_staleness: int, late: bool, late_
     averager.drain()
     averager.close()
     used = list(averager.late.used) if averager.late is not None else []
+    if averager.late is not None:   # the counts summary.json reports
+        assert averager.late.values == sum(len(by_peer) for _, by_peer in used)
+        assert averager.late.stale_values == sum(s != step for step, by_peer in used for s in by_peer.values())
     dist.barrier()
     return sent, mixed, used, schedule.matrix(0)
 

@@ -84,6 +84,8 @@ class LatePeerMixer:
         self._spare: dict[int, list[list[torch.Tensor]]] = defaultdict(list)   # reusable receive buffers
         #: (step, {source: the step of the message combined}) for the last USED_KEPT steps
         self.used: deque[tuple[int, dict[int, int]]] = deque(maxlen=USED_KEPT)
+        self.values = 0           # neighbour values combined so far
+        self.stale_values = 0     # of which were not the step's own (a late neighbour)
 
     def _post(self, peer: int, step: int, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> Future[object]:
         handle = exchange_tensors([(peer, t) for t in sends], [(peer, t) for t in recvs], None, lambda: sends,
@@ -135,6 +137,8 @@ class LatePeerMixer:
         deadline = time.monotonic() + self.late_after_s
         chosen = [self._freshest(peer, wanted[peer], deadline) for peer in plan.src_weights]
         self.used.append((step, {peer: m.step for peer, m in zip(plan.src_weights, chosen)}))
+        self.values += len(chosen)
+        self.stale_values += sum(m.step != step for m in chosen)
         weights = list(plan.src_weights.values())
         for i, flat in enumerate(flats):
             kernels.weighted_combine(flat, [m.buffers[i] for m in chosen], weights, plan.self_weight, out=flat)
