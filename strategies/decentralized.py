@@ -21,7 +21,9 @@ Hooks used (see ``SyncplaneStrategy``): ``setup_sync`` (schedule, averager, chec
 buckets no forward read, before the optimizer reads them), ``after_optimizer_step``
 (ATC, periodic global average), ``training_step`` (ATC: the first step finds reads
 outside the owners' forwards, ``strategies/first_reads.py``; later steps wait for those
-buckets first), ``finish_pending_sync``. The schedule position is
+buckets first), ``finish_pending_sync`` (with ``max_staleness``: also every message still
+in flight), ``setup`` (with ``max_staleness``: no per-step SIGTERM broadcast, so a late
+neighbour does not hold every rank up through Lightning's own collective). The schedule position is
 ``trainer.global_step``, so a resumed run continues the dynamic schedule where it stopped.
 """
 
