@@ -202,6 +202,17 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
             # runs on the consensus instead (on_validation_start).
             Strategy.setup(self, trainer)
 
+    @staticmethod
+    def skip_per_step_sigterm_broadcast(trainer: pl.Trainer) -> None:
+        """Drop Lightning 2.6's SIGTERM flag broadcast from rank 0 before every training step
+        (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a collective per step, which makes
+        every rank wait for the slowest at every step. For strategies whose ranks may run
+        apart (time-budgeted DiLoCo rounds, late-peer mixing); our launcher stops every rank
+        on SIGTERM itself."""
+        loop = trainer.fit_loop.epoch_loop
+        if hasattr(loop, "_broadcast_sigterm_tensor"):
+            loop._broadcast_sigterm_tensor = lambda: None
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:

@@ -21,7 +21,9 @@ Hooks used (see ``SyncplaneStrategy``): ``setup_sync`` (schedule, averager, chec
 buckets no forward read, before the optimizer reads them), ``after_optimizer_step``
 (ATC, periodic global average), ``training_step`` (ATC: the first step finds reads
 outside the owners' forwards, ``strategies/first_reads.py``; later steps wait for those
-buckets first), ``finish_pending_sync``. The schedule position is
+buckets first), ``finish_pending_sync`` (with ``max_staleness``: also every message still
+in flight), ``setup`` (with ``max_staleness``: no per-step SIGTERM broadcast, so a late
+neighbour does not hold every rank up through Lightning's own collective). The schedule position is
 ``trainer.global_step``, so a resumed run continues the dynamic schedule where it stopped.
 """
 
@@ -50,7 +52,8 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     """Shared glue of the four decentralized strategies; subclasses pick when to mix.
 
     Args: those of ``DecentralizedConfig`` (topology, topology_kwargs, schedule,
-    global_every, machines, ranks_per_machine, check_schedule, timeout_s), then
+    global_every, machines, ranks_per_machine, check_schedule, timeout_s, max_staleness,
+    late_after_s), then
     ``consensus_every`` and ``bucket_mb`` (neighbour-exchange buckets: small, so a bucket is
     combined while the next one is still on the wire) and ``SyncplaneStrategy``'s others.
     """
@@ -62,13 +65,19 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     def __init__(self, topology: str = "ExponentialTwoGraph", topology_kwargs: dict[str, Any] | None = None,
                  schedule: str = "one_peer", global_every: int = 0, machines: str = "auto",
                  ranks_per_machine: int | None = None,
-                 check_schedule: bool = True, timeout_s: float = 300.0, consensus_every: int = 10,
+                 check_schedule: bool = True, timeout_s: float = 300.0, max_staleness: int = 0,
+                 late_after_s: float = 0.05, consensus_every: int = 10,
                  bucket_mb: float = NEIGHBOR_BUCKET_BYTES / 2**20, **kwargs: Any) -> None:
         super().__init__(consensus_every=consensus_every, bucket_mb=bucket_mb, **kwargs)
         self.config = DecentralizedConfig(topology=topology, topology_kwargs=dict(topology_kwargs or {}),
                                           schedule=schedule, global_every=global_every, machines=machines,
                                           ranks_per_machine=ranks_per_machine, check_schedule=check_schedule,
-                                          timeout_s=timeout_s)
+                                          timeout_s=timeout_s, max_staleness=max_staleness,
+                                          late_after_s=late_after_s)
+        if max_staleness and self.hierarchical:
+            raise ValueError(f"max_staleness={max_staleness}: {type(self).__name__} cannot go on without a late "
+                             "machine (its exchange reduces inside each machine with collectives); "
+                             "use atc or awc, or max_staleness=0")
         self.averager: NeighborAverager | None = None
         self.buffer_averager: NeighborAverager | None = None
         self._hooks: list[RemovableHandle] = []
@@ -97,7 +106,8 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
 
         def averager(part: list[torch.Tensor]) -> NeighborAverager:
             return NeighborAverager(part, schedule, hierarchical=self.hierarchical, machines=machines,
-                                    bucket_bytes=self.bucket_bytes, meter=self.comm_meter, timeout_s=config.timeout_s)
+                                    bucket_bytes=self.bucket_bytes, meter=self.comm_meter, timeout_s=config.timeout_s,
+                                    max_staleness=config.max_staleness, late_after_s=config.late_after_s)
 
         self.averager = averager(mixed)
         self.buffer_averager = averager(after_step) if after_step else None
@@ -151,15 +161,29 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         return every > 0 and (self.step + 1) % every == 0
 
     @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.config.max_staleness:   # ranks may run up to max_staleness messages apart
+            self.skip_per_step_sigterm_broadcast(trainer)
+
+    @override
     def finish_pending_sync(self) -> None:
-        if self.averager is not None:
-            self.averager.wait()
+        for averager in (self.averager, self.buffer_averager):
+            if averager is not None:
+                averager.drain()   # late-peer mode: every message in flight too
+        late = self.averager.late if self.averager is not None else None
+        if late is not None:       # summary.json's strategy_details (rank 0's counts)
+            self.details["late_peers"] = {"max_staleness": late.max_staleness, "late_after_s": late.late_after_s,
+                                          "neighbour_values": late.values, "stale_values": late.stale_values}
 
     @override
     def teardown(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for averager in (self.averager, self.buffer_averager):
+            if averager is not None:
+                averager.close()
         release()             # the machine groups and the background worker go with the process groups
         super().teardown()
 

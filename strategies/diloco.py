@@ -157,14 +157,8 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if self.inner_steps == "time":
-            # Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training step
-            # (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a collective per inner step,
-            # which makes every replica wait for the slowest at every step. Our launcher stops
-            # every rank on SIGTERM itself, so time-budgeted rounds go without it.
-            loop = trainer.fit_loop.epoch_loop
-            if hasattr(loop, "_broadcast_sigterm_tensor"):
-                loop._broadcast_sigterm_tensor = lambda: None
+        if self.inner_steps == "time":   # replicas run apart within a round
+            self.skip_per_step_sigterm_broadcast(trainer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -28,10 +28,12 @@ _DECENTRALIZED = {"schedule": "sometimes", "topology": "NoSuchGraph", "topology_
                   "global_every": -1, "bucket_mb": 0, "consensus_eval": "maybe", "consensus_every": -1,
                   "check_schedule": "maybe", "timeout_s": 0}
 _HIERARCHICAL = {**_DECENTRALIZED, "machines": "pod", "ranks_per_machine": 3}   # 3 does not divide 2 ranks
+_LATE_PEERS = {"max_staleness": -1, "late_after_s": -0.5}
 
 #: strategy -> key -> one bad value for a job of 2 ranks on this machine
 BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
-    "atc": _DECENTRALIZED, "awc": _DECENTRALIZED, "h_atc": _HIERARCHICAL, "h_awc": _HIERARCHICAL,
+    "atc": {**_DECENTRALIZED, **_LATE_PEERS}, "awc": {**_DECENTRALIZED, **_LATE_PEERS},
+    "h_atc": _HIERARCHICAL, "h_awc": _HIERARCHICAL,
     "canary": {"compression": "fp4", "exact_fraction": 2, "quantile_weight": -1, "nics": 0,
                "exchange": "nested",   # 2 ranks on one host do not nest: known before launch
                "bucket_cap_mb": 0, "sync_timeout_s": 0, "staleness": -1, "proportion": 2, "warmup_steps": -1,
@@ -124,6 +126,13 @@ def test_a_bad_job_value_is_refused_before_launch_naming_its_key(path, value, ke
         node = node[part]
     node[leaf] = value
     assert key in refused(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["h_atc", "h_awc"])
+def test_late_peer_mixing_is_refused_for_the_hierarchical_forms_naming_its_key(name, tmp_path, no_launch):
+    cfg = copy.deepcopy(GOOD)
+    cfg["strategy"] = {"name": name, "kwargs": {**(STRATEGY_CONFIGS[name].get("kwargs") or {}), "max_staleness": 1}}
+    assert "max_staleness" in refused(cfg, tmp_path)
 
 
 def test_the_ranks_another_launcher_started_are_the_world_checked(tmp_path):

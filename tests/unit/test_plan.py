@@ -52,6 +52,21 @@ def test_prices_are_simulates_minus_the_compute_the_overlap_window_hides() -> No
     assert tree4.sync_s == pytest.approx(expected) and tree4.step_s == pytest.approx(compute + expected)
 
 
+def test_the_predicted_step_takes_the_slowest_ranks_compute() -> None:
+    """mixed_gpus: two hosts at compute_speed 0.5, so a 0.1 s step (at speed 1) is 0.2 s on
+    them, and every strategy waits for them; an equal-speed profile keeps 0.1 s."""
+    profile, compute = load_profile("mixed_gpus"), 0.1
+    assert min(profile.compute_speeds()) == 0.5
+    by = {c.label: c for c in make_plan(profile, PlanInputs(50 * MB, compute_s=compute)).candidates}
+    slowest = compute / 0.5
+    for label in ("ddp", "atc", "awc"):
+        c = by[label]
+        assert c.hidden_s == pytest.approx({"ddp": 2 * slowest / 3, "atc": slowest / 3, "awc": slowest}[label])
+        assert c.step_s == pytest.approx(slowest + max(0.0, c.sync_s - c.hidden_s))
+    even = {c.label: c for c in make_plan(load_profile("homogeneous8"), PlanInputs(50 * MB, compute)).candidates}
+    assert even["ddp"].step_s == pytest.approx(compute + max(0.0, even["ddp"].sync_s - 2 * compute / 3))
+
+
 def test_a_longer_period_amortizes_the_round() -> None:
     profile = load_profile("wan_two_sites")
     h10, h20 = (make_plan(profile, PlanInputs(40 * MB, 0.1, period=h, strategies=("diloco",))) for h in (10, 20))

@@ -7,6 +7,10 @@ its period (DiLoCo's H: its default, or the one given). Each is priced by the α
 exactly as ``syncplane simulate`` and the bench's prediction price it
 (``strategy_times``), then the part of the step's compute it runs behind (its spec's
 ``overlap`` window, ``compute_split``) is taken off: predicted step = compute + exposed sync.
+The compute is the slowest rank's: ``compute`` is a step on the fastest host, and, as in the
+emulation (``compute_speed``: the fastest host sets the pace), a host at speed ``s`` takes
+``max speed / s`` times as long; every priced strategy synchronizes (every step, or every
+round), so it waits for the slowest.
 A candidate that cannot run on this job (its ``check_job``, an exchange ``choose`` refuses
 on this cluster) is excluded with the reason. Candidates are split into **exact** (DDP's
 result: ``AlgorithmSpec.exact``) and **approximate** (gossip, local SGD, compression).
@@ -198,10 +202,12 @@ def price(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanIn
     options = cost_options(name, kwargs, inputs)
     times: StrategyTimes = strategy_times(model, name, inputs.payload_bytes, options, inputs.cpu)
     window = family.overlap.get(name)
-    hidden = compute_split(window, inputs.compute_s)[1]
+    speeds = model.profile.compute_speeds()
+    compute = inputs.compute_s * max(speeds) / min(speeds)   # the slowest rank's (module doc)
+    hidden = compute_split(window, compute)[1]
     return Candidate(strategy=name, kwargs=dict(kwargs), exact=name in family.exact, period=options.period,
                      overlap=window, sync_s=times.predicted_s, hidden_s=hidden,
-                     step_s=inputs.compute_s + max(0.0, times.predicted_s - hidden),
+                     step_s=compute + max(0.0, times.predicted_s - hidden),
                      bound_s=times.bound_s, network_bound_s=times.network_bound_s,
                      network_binding=times.network_binding, cpu_s=times.cpu_s)
 

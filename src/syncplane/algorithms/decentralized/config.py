@@ -31,6 +31,10 @@ class DecentralizedConfig:
         ranks_per_machine: explicit machine size (overrides ``machines``).
         check_schedule: verify at setup that every step's senders and receivers agree.
         timeout_s: how long a neighbour exchange may wait before failing with the ranks named.
+        max_staleness: tolerate a late neighbour (flat ``atc``/``awc`` only): a neighbour whose
+            message has not arrived ``late_after_s`` into the combine is mixed with its newest
+            arrived value, at most this many of its messages old (0: wait for everyone).
+        late_after_s: the grace a neighbour's message gets before the neighbour counts as late.
     """
 
     topology: str = "ExponentialTwoGraph"
@@ -41,6 +45,8 @@ class DecentralizedConfig:
     ranks_per_machine: int | None = None
     check_schedule: bool = True
     timeout_s: float = 300.0
+    max_staleness: int = 0
+    late_after_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -61,3 +67,7 @@ class DecentralizedConfig:
             raise ValueError(f"ranks_per_machine must be >= 1, got {self.ranks_per_machine}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (0 = wait for every neighbour), got {self.max_staleness}")
+        if self.late_after_s < 0:
+            raise ValueError(f"late_after_s must be >= 0, got {self.late_after_s}")

@@ -11,11 +11,14 @@ Flat mode mixes ranks (``neighbor_allreduce``); hierarchical mode mixes machines
 (``hierarchical_neighbor_allreduce_tensors``: reduce-scatter inside a machine, each local
 rank exchanges its shard with the neighbour machines, all-gather; buckets pipelined on a
 background thread) with the schedule defined over machines.
+
+With ``max_staleness`` > 0 (flat mode only) a late neighbour does not hold the step up:
+its newest arrived value is used, within that bound (``late_peers.py`` has the rule).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,7 @@ from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce_nonblock
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.neighbor import neighbor_allreduce_nonblocking
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
+from syncplane.algorithms.decentralized.late_peers import LatePeerMixer
 from syncplane.algorithms.decentralized.schedule import Schedule
 
 
@@ -48,12 +52,20 @@ class NeighborAverager:
         local_size: processes per machine for ``hierarchical`` (default: the launch's
             ``LOCAL_WORLD_SIZE``). Creating the machine groups is a collective.
         machines: each machine's ranks, of any sizes (``machines_for``); replaces ``local_size``.
+        max_staleness: combine a late neighbour's newest arrived value when it is at most this
+            many of its messages behind (0: wait for every neighbour, the exact exchange).
+        late_after_s: with ``max_staleness``, how long a step waits for a neighbour's message
+            before the neighbour counts as late.
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], schedule: Schedule, *, hierarchical: bool = False,
                  local_size: int | None = None, machines: Sequence[Sequence[int]] | None = None,
                  bucket_bytes: int = NEIGHBOR_BUCKET_BYTES,
-                 meter: CommMeter | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 meter: CommMeter | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_staleness: int = 0, late_after_s: float = 0.05) -> None:
+        if max_staleness and hierarchical:
+            raise ValueError("max_staleness: late-peer mixing is for flat neighbour averaging (atc, awc); "
+                             "the hierarchical exchange reduces inside each machine with collectives")
         self.schedule, self.hierarchical = schedule, hierarchical
         self.meter, self.timeout_s = meter, timeout_s
         self.rank = dist.get_rank()
@@ -72,6 +84,8 @@ class NeighborAverager:
         self._bucket_of = {t.data_ptr(): i for i, b in enumerate(self.buckets) for t in b.tensors}
         self._pending: dict[int, Handle] = {}
         self._receive: dict[tuple[int, int], torch.Tensor] = {}   # (bucket, k-th source) -> reused buffer
+        self.late = (LatePeerMixer(max_staleness, late_after_s, timeout_s=timeout_s, meter=meter)
+                     if max_staleness else None)
 
     # ------------------------------------------------------------------ queries
 
@@ -104,7 +118,10 @@ class NeighborAverager:
         plan = self.schedule.plan(step, self.me)
         # a bucket of one tensor is sent and combined in place: no pack/unpack copies
         flats = [kernels.flat_view(b.tensors[0]) if len(b.tensors) == 1 else b.pack() for b in self.buckets]
-        if self.hierarchical:   # one pipeline over all buckets (see hierarchical_neighbor_allreduce_tensors)
+        if self.late is not None:   # one combine for every bucket, whichever is waited for first
+            combine = _once(self.late.launch(step, plan, flats))
+            handles = [Handle(_finish=lambda flat=flat: (combine(), flat)[1]) for flat in flats]
+        elif self.hierarchical:   # one pipeline over all buckets (see hierarchical_neighbor_allreduce_tensors)
             handles = hierarchical_neighbor_allreduce_nonblocking(
                 flats, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
                 timeout_s=self.timeout_s, meter=self.meter)
@@ -130,6 +147,30 @@ class NeighborAverager:
             bucket = self.buckets[index]
             if len(bucket.tensors) > 1 or self.hierarchical:
                 bucket.unpack(result)
+
+
+    def drain(self) -> None:
+        """Finish every bucket, and in late-peer mode every message still in flight."""
+        self.wait()
+        if self.late is not None:
+            self.late.drain()
+
+    def close(self) -> None:
+        """Stop the late-peer watchers (nothing to stop otherwise); ``drain`` first to finish."""
+        if self.late is not None:
+            self.late.close()
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, run on the first call only."""
+    done = [False]
+
+    def run() -> None:
+        if not done[0]:
+            done[0] = True
+            fn()
+
+    return run
 
 
 def release() -> None:
