@@ -33,7 +33,18 @@ def shard_module(module: torch.nn.Module, mesh: DeviceMesh, unit_params: int = U
     every submodule that holds ``unit_params`` parameters of its own subtree (not in a smaller
     unit) and every child of the root that holds any is a unit; the root itself only when it
     has parameters of its own (then its ``forward`` must be what runs). Calling a child
-    (``self.net(x)`` in a ``training_step``) unshards what it needs."""
+    (``self.net(x)`` in a ``training_step``) unshards what it needs. A submodule that holds a
+    parameter tied elsewhere (BERT's word embeddings and its MLM decoder) is no unit of its
+    own: a tied parameter belongs to one unit, the one above both."""
+    def uses(m: torch.nn.Module) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for _, p in m.named_parameters(remove_duplicate=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+        return counts
+
+    everywhere = uses(module)
+    tied = {id(m): any(n < everywhere[key] for key, n in uses(m).items()) for m in module.modules()}
+
     def unsharded(m: torch.nn.Module) -> int:
         return sum(p.numel() for p in m.parameters() if not isinstance(p, DTensor))
 
@@ -41,7 +52,7 @@ def shard_module(module: torch.nn.Module, mesh: DeviceMesh, unit_params: int = U
         for child in m.children():
             visit(child, False)
         n = unsharded(m)
-        if n and (top or n >= unit_params):
+        if n and (top or (n >= unit_params and not tied[id(m)])):   # tied: a parameter also used outside m
             fully_shard(m, mesh=mesh)
 
     for child in module.children():
