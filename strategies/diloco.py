@@ -3,8 +3,10 @@ pseudo-gradient, with the outer state on CPU and the exchange over gloo.
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:
 
-- ``setup_sync``: with ``replica: node`` (``syncplane.algorithms.diloco.node``), wrap the model
-  in torch's DDP over the node's ranks and shard the outer state over them; otherwise lay the model (parameters, then floating buffers) out in one flat
+- ``setup_sync``: with ``replica: node`` (``syncplane.algorithms.diloco.node``), wrap the model in
+  torch's DDP over the node's ranks (``inner: fsdp``: FSDP2 in place) and shard the outer state
+  over them; ``consensus_group``: with FSDP2, the ranks holding this rank's shard in every node
+  (validation's consensus); otherwise lay the model (parameters, then floating buffers) out in one flat
   fp32 host buffer, create the outer optimizer over the parameters' part (``θ_g`` on
   CPU; one per fragment) and the sharded gloo exchange -- separate gloo groups, so this
   works when the training itself uses NCCL; its pattern (``exchange``: the mesh, or
