@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.algorithms import replicas as replica_ops
+from syncplane.algorithms import sharded
 from syncplane.algorithms.replicas import DEFAULT_BUCKET_BYTES, CommMeter, ModelReplicas, PhaseProfile
 from syncplane.job import JobContext
 from syncplane.strategies import replicas
@@ -161,9 +162,10 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         return module.trainer.global_step if module is not None and module._trainer is not None else 0
 
     def model_parameters(self) -> list[torch.Tensor]:
+        """This rank's values of the parameters (its shard of each, where FSDP2 shards them)."""
         module = self.lightning_module
         assert module is not None
-        return [p.data for p in module.parameters()]
+        return [sharded.local(p.data) for p in module.parameters()]
 
     def model_buffers(self) -> list[torch.Tensor]:
         """Floating-point buffers (BatchNorm statistics), not step counters."""
@@ -185,8 +187,14 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
     def model_replicas(self) -> ModelReplicas:
         """The model's tensors fused into buckets, built on first use."""
         if self._model_replicas is None:
-            self._model_replicas = ModelReplicas(self.model_tensors(), self.bucket_bytes)
+            self._model_replicas = ModelReplicas(self.model_tensors(), self.bucket_bytes, self.consensus_group())
         return self._model_replicas
+
+    def consensus_group(self) -> Any:
+        """The ranks whose ``model_tensors`` the consensus averages: None, all of them; a
+        strategy whose ranks hold different shards of one replica names the group that holds
+        this rank's shard in every replica."""
+        return None
 
     # ------------------------------------------------------------ Lightning hooks
 
@@ -262,7 +270,7 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         self._metered = (seconds, sent)
         if self.consensus_every and self.world_size > 1 and (self.step + 1) % self.consensus_every == 0:
             self.finish_pending_sync()
-            distance = replica_ops.consensus_distance(self.model_tensors())
+            distance = replica_ops.consensus_distance(self.model_tensors(), self.consensus_group())
             module.log("sync/consensus_distance", distance, on_step=True, on_epoch=False)
 
     def evaluation_tensors(self) -> list[torch.Tensor] | None:
@@ -320,6 +328,7 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
 
     @override
     def on_validation_end(self) -> None:
+        sharded.reshard(self.lightning_module)   # FSDP2: the shards again, not the whole parameters
         if self._stashed_replica is not None and self.evaluation_tensors() is None:
             # the consensus of the replicas (not of other tensors, e.g. DS-Sync's EMA models,
             # which the replica check of _show_validated_model would not cover)
@@ -338,7 +347,7 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         replica: Lightning writes checkpoints from rank 0 only. A collective."""
         self.finish_pending_sync()
         if self._stashed_replica is not None or not self._shows_another_model():
-            return super().lightning_module_state_dict()   # inside validation it is shown already
+            return sharded.whole(super().lightning_module_state_dict())   # inside validation it is shown already
         # Not metered: the comm meter reports what training's sync (and validation) costs,
         # compared with DDP, whose checkpoints need no averaging; nothing is in flight here.
         meter, self.comm_meter = self.comm_meter, CommMeter()
@@ -349,7 +358,7 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
                 self._show_evaluation_model()
             self.phases.add("checkpoint/consensus_reused" if reused else "checkpoint/consensus",
                             time.perf_counter() - start)
-            return {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
+            return {k: v.detach().clone() for k, v in sharded.whole(super().lightning_module_state_dict()).items()}
         finally:
             self._restore_replica()
             self.comm_meter = meter
@@ -387,11 +396,15 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         replicas.prune_replicas(filepath, self.global_rank)
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return sharded.plain(super().optimizer_state(optimizer))   # FSDP2: this rank's shard, plain tensors
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict)
+        sharded.load_module_state(self.lightning_module, checkpoint["state_dict"], strict)
         own = replicas.own_replica(checkpoint, self.global_rank, self.world_size)
         if own is not None:
-            self.lightning_module.load_state_dict(own["model"], strict=strict)
+            sharded.load_module_state(self.lightning_module, own["model"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -399,7 +412,9 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         if own is None:
             super().load_optimizer_state_dict(checkpoint)
         else:
-            super().load_optimizer_state_dict({"optimizer_states": own["optimizers"]})
+            states = [sharded.optimizer_state_like(state, [p for g in opt.param_groups for p in g["params"]])
+                      for opt, state in zip(self.optimizers, own["optimizers"])]
+            super().load_optimizer_state_dict({"optimizer_states": states})
         extra = checkpoint.get("syncplane")
         if extra is not None:
             self.load_sync_state_dict(extra.get("state", {}))

@@ -3,8 +3,10 @@ pseudo-gradient, with the outer state on CPU and the exchange over gloo.
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:
 
-- ``setup_sync``: with ``replica: node`` (``syncplane.algorithms.diloco.node``), wrap the model
-  in torch's DDP over the node's ranks and shard the outer state over them; otherwise lay the model (parameters, then floating buffers) out in one flat
+- ``setup_sync``: with ``replica: node`` (``syncplane.algorithms.diloco.node``), wrap the model in
+  torch's DDP over the node's ranks (``inner: fsdp``: FSDP2 in place) and shard the outer state
+  over them; ``consensus_group``: with FSDP2, the ranks holding this rank's shard in every node
+  (validation's consensus); otherwise lay the model (parameters, then floating buffers) out in one flat
   fp32 host buffer, create the outer optimizer over the parameters' part (``θ_g`` on
   CPU; one per fragment) and the sharded gloo exchange -- separate gloo groups, so this
   works when the training itself uses NCCL; its pattern (``exchange``: the mesh, or
@@ -100,10 +102,6 @@ class DiLoCo(SyncplaneStrategy):
                                    mix_alpha=mix_alpha, exchange=exchange, topology=topology, replica=replica,
                                    inner=inner, inner_steps=inner_steps, round_budget_s=round_budget_s)
         check_replica(replica, inner, elastic=bool(elastic))
-        if inner == "fsdp":   # the engine runs it (NodeEngine); validation and checkpoints here see whole tensors
-            raise ValueError("inner='fsdp' runs in syncplane.algorithms.diloco.node.NodeEngine; through Lightning's "
-                             "Trainer it is not built yet (consensus validation and checkpoints of FSDP shards): "
-                             "use inner='ddp'")
         if elastic and inner_steps == "time":
             raise ValueError("inner_steps=time is not supported with elastic=true (its replicas come and go "
                              "between rounds; the step counts are agreed by a fixed set of ranks)")
@@ -147,6 +145,10 @@ class DiLoCo(SyncplaneStrategy):
         self.details["shards"], self.details["exchange"] = engine.shards, engine.exchange_name
         if self.inner_steps == "time":
             self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s)
+
+    @override
+    def consensus_group(self) -> Any:
+        return getattr(self.engine, "consensus_group", None)   # inner=fsdp: the ranks holding this rank's shard
 
     @property
     def engine(self) -> DiLoCoEngine | NodeEngine:

@@ -33,15 +33,17 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 
 from syncplane.algorithms.replicas import agreed_token, control_barrier
+from syncplane.algorithms.sharded import local, plain
 
 
 def replica_state(module: torch.nn.Module, optimizers: Sequence[Optimizer],
                   stash: Mapping[int, torch.Tensor], rank_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """This rank's model and optimizer state, and the strategy's per-rank state; ``stash``
-    substitutes the rank's own values for tensors that currently hold the consensus (during
-    validation)."""
-    model = {k: stash.get(v.data_ptr(), v).detach().clone() for k, v in module.state_dict().items()}
-    return {"model": model, "optimizers": [opt.state_dict() for opt in optimizers],
+    """This rank's model and optimizer state (its shards, as plain tensors, where FSDP2 shards
+    the model), and the strategy's per-rank state; ``stash`` substitutes the rank's own values
+    for tensors that currently hold the consensus (during validation)."""
+    model = {k: stash.get(v.data_ptr(), v).detach().clone()
+             for k, v in ((k, local(v)) for k, v in module.state_dict().items())}
+    return {"model": model, "optimizers": [plain(opt.state_dict()) for opt in optimizers],
             "rank_state": dict(rank_state or {})}
 
 

@@ -26,7 +26,10 @@ PLAIN_AVERAGING = {"outer_optimizer": "torch.optim.SGD", "outer_kwargs": {"lr": 
 
 
 def _params(module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in module.parameters()]
+    """This rank's parameters (its shard of each, under FSDP2), copied."""
+    from syncplane.algorithms.sharded import local
+
+    return [local(p.detach()).clone() for p in module.parameters()]
 
 
 def _diloco(**kwargs):

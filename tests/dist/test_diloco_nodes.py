@@ -266,21 +266,67 @@ def test_fsdp_inside_the_node_equals_ddp_inside_it():
         assert sum(results[r][1] for r in node) == sum(results[r][3] for r in node) == 12 * n
 
 
-def test_through_lightning_a_mid_round_resume_from_sharded_outer_state_is_bit_identical(tmp_path):
-    """The Trainer's checkpoint: each rank's outer shards ride in its own replica file."""
+@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
+def test_through_lightning_a_mid_round_resume_from_sharded_outer_state_is_bit_identical(tmp_path, inner):
+    """The Trainer's checkpoint: each rank's outer shards ride in its own replica file (with
+    FSDP2 its model and momentum shards too, plain tensors); everything loads with weights_only."""
     from syncplane.job import JobContext
     from syncplane.strategies.replicas import load_replicas
     from tests.dist.test_diloco import resume_vs_uninterrupted
+    from tests.helpers.models import TinyRegressor
 
-    kwargs = {"sync_every": 2, "replica": "node", "exchange": "mesh", "compression": "int8", "block_size": 4,
-              "job": JobContext(world_size=4, local_world_size=2)}
+    kwargs = {"sync_every": 2, "replica": "node", "inner": inner, "exchange": "mesh", "compression": "int8",
+              "block_size": 4, "job": JobContext(world_size=4, local_world_size=2)}
     results = run_distributed(resume_vs_uninterrupted, 4, str(tmp_path), kwargs, "nodes.ckpt", timeout=240)
-    shards = [r["rank_state"]["shards"] for r in load_replicas(tmp_path / "nodes.ckpt")]
-    assert shards == [[0], [1], [0], [1]]
+    files = load_replicas(tmp_path / "nodes.ckpt")
+    assert [r["rank_state"]["shards"] for r in files] == [[0], [1], [0], [1]]
+    whole = {k: v.shape for k, v in TinyRegressor().state_dict().items()}
+    # rank 0's checkpoint: the whole consensus model; a rank's file: its shard (FSDP: half the rows)
+    assert {k: v.shape for k, v in torch.load(tmp_path / "nodes.ckpt", weights_only=True)["state_dict"].items()} == whole
+    rows = {k: v.shape[0] for k, v in files[0]["model"].items()}
+    assert rows == {k: (s[0] + 1) // 2 if inner == "fsdp" else s[0] for k, s in whole.items()}
     for (params, outer), (resumed_params, resumed_outer), rounds in results:
         assert rounds == 12 // 2
         assert torch.equal(outer, resumed_outer)
         assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
+
+
+def trainer_fsdp_vs_ddp(rank: int, world: int, tmp_dir: str, seed: int, steps: int):
+    """``steps`` steps through the Trainer (Nesterov outer, H = 5, a validation every epoch: the
+    consensus), DDP then FSDP2 inside the node: the whole parameters, the last val_loss, the layout."""
+    from syncplane.job import JobContext
+    from tests.dist.test_diloco import _diloco
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    out = {}
+    for inner in ("ddp", "fsdp"):
+        torch.manual_seed(seed)
+        model = TinyRegressor()
+        strategy = _diloco(sync_every=5, replica="node", inner=inner, exchange="mesh",
+                           job=JobContext(world_size=world, local_world_size=2))
+        trainer = trainer_for(strategy, tmp_dir, max_steps=steps, limit_val_batches=2)
+        trainer.fit(model, RegressionData(seed=seed))
+        params = [p.full_tensor() if inner == "fsdp" else p.detach().clone() for p in model.parameters()]
+        out[inner] = (params, float(trainer.callback_metrics["val_loss"]), strategy.rounds, dict(strategy.details))
+    return out
+
+
+def test_through_lightning_fsdp_inside_the_node_equals_ddp_inside_it(tmp_path):
+    """``inner=fsdp`` through the Trainer on 2 hosts of 2: 20 steps equal ``inner=ddp`` (1e-5),
+    the consensus shown to validation included."""
+    from tests.helpers.models import TinyRegressor
+
+    seed = int(torch.randint(0, 2**20, ()))
+    results = run_distributed(trainer_fsdp_vs_ddp, 4, str(tmp_path), seed, 20, timeout=300)
+    torch.manual_seed(seed)
+    start = [p.detach() for p in TinyRegressor().parameters()]
+    for result in results:
+        (ddp, ddp_loss, ddp_rounds, _), (fsdp, fsdp_loss, fsdp_rounds, details) = result["ddp"], result["fsdp"]
+        assert ddp_rounds == fsdp_rounds == 4 and details["inner"] == "fsdp" and details["ranks_per_replica"] == [2, 2]
+        assert any(not torch.equal(a, b) for a, b in zip(ddp, start))
+        for a, b in zip(ddp, fsdp):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert abs(fsdp_loss - ddp_loss) < 1e-5
 
 
 def discard_one_shard(rank: int, world: int, seed: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, PhaseProfile, allreduce_mean_, make_buckets
 from syncplane.comm.collectives import agreed_token, control_barrier, every_rank, mean_and_distance
@@ -30,18 +31,20 @@ def average_(tensors: Sequence[torch.Tensor], bucket_bytes: int, meter: CommMete
     allreduce_mean_(make_buckets(list(tensors), bucket_bytes), meter=meter)
 
 
-def consensus_distance(tensors: Sequence[torch.Tensor]) -> float:
-    """``mean_i ‖xᵢ − x̄‖ / ‖x̄‖`` over all ranks (a collective; 0.0 on one process)."""
-    return mean_and_distance(tensors)
+def consensus_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> float:
+    """``mean_i ‖xᵢ − x̄‖ / ‖x̄‖`` over ``group`` (None: all ranks; a collective; 0.0 on one process)."""
+    return mean_and_distance(tensors, group)
 
 
 class ModelReplicas:
     """The model's tensors (parameters, then floating buffers) fused into buckets once -- the
     model's tensors do not move -- for averages of the whole replica."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.buckets = make_buckets(list(tensors), bucket_bytes)
+        self.group = group
 
     def average_(self, meter: CommMeter | None = None) -> None:
-        """Every rank's replica replaced by the mean over all ranks."""
-        allreduce_mean_(self.buckets, meter=meter)
+        """Every rank's replica replaced by the mean over ``group`` (None: all ranks)."""
+        allreduce_mean_(self.buckets, self.group, meter=meter)

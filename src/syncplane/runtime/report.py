@@ -197,6 +197,14 @@ class RunReport(Callback):
 
     # -------------------------------------------------------------- reporting
 
+    @staticmethod
+    def _consensus_distance(strategy: Any, pl_module: pl.LightningModule) -> float:
+        """Over the ranks that hold the same values: a syncplane strategy's own parameters (its
+        shards under FSDP2) over its consensus group; else every rank's whole parameters."""
+        if hasattr(strategy, "consensus_group"):
+            return mean_and_distance(strategy.model_parameters(), strategy.consensus_group())
+        return mean_and_distance([p.detach() for p in pl_module.parameters()])
+
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         world = trainer.world_size
@@ -225,7 +233,7 @@ class RunReport(Callback):
             dist.all_reduce(common, op=dist.ReduceOp.MIN, group=control_group())
             steps = steps[: int(common.item())].contiguous()
             dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=control_group())
-        distance = mean_and_distance([p.detach() for p in pl_module.parameters()]) if distributed else 0.0
+        distance = self._consensus_distance(trainer.strategy, pl_module) if distributed else 0.0
         metrics = trainer.callback_metrics
         train_seconds, setup_s, before_train_s, checkpoint_s, before_first_epoch_s = timings.tolist()
         seconds = max(train_seconds, 1e-9)

@@ -28,8 +28,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
@@ -37,6 +35,7 @@ from syncplane.algorithms.diloco.engine import host_mirror
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.streaming import Round
+from syncplane.algorithms.sharded import local, shard_module
 from syncplane.cluster.cost import FlowArray, Phase, concurrent_group_allreduces
 from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
@@ -47,11 +46,6 @@ from syncplane.job import JobContext
 
 #: Values per all-gather of the replica's θ_g (its staging: (L + 1) x 16 MB at most).
 GATHER_CHUNK = 1 << 22
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A rank's own values of ``tensor``: its FSDP shard (a view: writing it writes the parameter)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -96,6 +90,11 @@ class NodeEngine:
         self.gather_group = node_groups(layout, "gloo")
         self.inner_group = node_groups(layout, "nccl") if on_gpu else self.gather_group
         self.module = self._wrap(module, "cuda" if on_gpu else "cpu", device_ids)
+        #: FSDP: the ranks that hold this rank's shard in every node (the consensus averages over
+        #: them); DDP: None (all ranks: a node's ranks are one model, weighted by their count)
+        self.consensus_group = (dist.new_subgroups_by_enumeration(
+            [list(layout.shard_group(k)) for k in range(layout.shards)], backend="gloo")[0]
+            if layout.inner == "fsdp" else None)
         tensors = local_tensors(module)
         n_params = sum(local(p.data).numel() for p in module.parameters())
         self.host = host_mirror(tensors)      # DDP: the gather target, the replica's whole model
@@ -130,9 +129,10 @@ class NodeEngine:
         return MeshExchange(streams)
 
     def _wrap(self, module: torch.nn.Module, device: str, device_ids: list[int] | None) -> torch.nn.Module:
-        """``inner: ddp``: torch's DDP over the node; ``fsdp``: FSDP2's ``fully_shard`` over it (in place)."""
+        """``inner: ddp``: torch's DDP over the node; ``fsdp``: FSDP2's ``fully_shard`` over it (in place,
+        ``sharded.shard_module``'s units)."""
         if self.layout.inner == "fsdp":
-            return fully_shard(module, mesh=DeviceMesh.from_group(self.inner_group, device))
+            return shard_module(module, DeviceMesh.from_group(self.inner_group, device))
         return DistributedDataParallel(module, device_ids=device_ids, process_group=self.inner_group)
 
     # ------------------------------------------------------------ the schedule (P = 1, τ = 0)
