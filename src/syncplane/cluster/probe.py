@@ -238,12 +238,13 @@ def _both_ways(parts: Parts, peer: int) -> float:
 
 
 def _one_way(parts: Parts, pair: tuple[int, int], me: int, tiny_out: torch.Tensor, tiny_in: torch.Tensor,
-             group: Any) -> float:
+             group: Any, outward: bool = False) -> float:
     """Seconds for this rank to send its parts to its peer until the peer replies that it has
-    them; ``pair[0]`` sends first, then the other way round (which the peer times)."""
+    them; ``pair[0]`` sends first, then (unless ``outward``) the other way round (which the
+    peer times; 0.0 on a rank that only receives)."""
     took = 0.0
     peer = pair[1] if pair[0] == me else pair[0]
-    for sender in pair:
+    for sender in pair[:1] if outward else pair:
         start = time.perf_counter()
         if sender == me:
             for w in [dist.isend(out, peer, group=lane) for lane, out, _ in parts]:
@@ -259,7 +260,8 @@ def _one_way(parts: Parts, pair: tuple[int, int], me: int, tiny_out: torch.Tenso
 
 def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
                    pings: int = 3, repeats: int = 2, group: Any = None,
-                   streams: Sequence[Any] = (), one_way: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                   streams: Sequence[Any] = (), one_way: bool = False,
+                   outward: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Collective: in each round the pairs exchange ``nbytes / 4`` and then ``nbytes`` both ways
     at once, ``repeats`` times (after a few tiny ping-pongs for the latency). Returns (bandwidth bytes/s, latency s),
     n×n, on every rank; pairs that did not meet hold 0. ``streams``: process groups over every
@@ -267,7 +269,8 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
     (none: one stream, ``group``). ``one_way``: each end sends in turn, timed by the sender up
     to the receiver's reply (a link's rate: an exchange both ways queues each direction's
     ACKs behind the other's data, and one TCP stream then got ~60 % of an emulated 100 Mbit
-    uplink under load; both ways is what DS-Sync's swaps do)."""
+    uplink under load; both ways is what DS-Sync's swaps do). ``outward``: with ``one_way``,
+    only the first of each pair sends."""
     n, me = dist.get_world_size(), dist.get_rank()   # group: the job's gloo control group (CPU tensors)
     bw, lat = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
     send = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
@@ -300,15 +303,17 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
         for _ in range(repeats):
             for k, numel in enumerate((send.numel() // 4, send.numel())):
                 parts = list(zip(lanes, send[:numel].tensor_split(len(lanes)), recv[:numel].tensor_split(len(lanes))))
-                best[k] = min(best[k], _one_way(parts, pair, me, tiny_out, tiny_in, group) if one_way
+                best[k] = min(best[k], _one_way(parts, pair, me, tiny_out, tiny_in, group, outward) if one_way
                               else _both_ways(parts, peer))
+        if outward and one_way and me == pair[1]:
+            continue                            # the sender timed it
         large = send.numel() * 4
         slope = (large - send.numel() // 4 * 4) / max(best[1] - best[0], 1e-9)
         bw[me, peer] = min(slope, large / best[1])
         lat[me, peer] = min(rtts) / 2
     dist.all_reduce(bw, group=group)
     dist.all_reduce(lat, group=group)
-    bw = (bw + bw.T) / 2          # both ends timed the same exchange
+    bw = torch.maximum(bw, bw.T) if outward and one_way else (bw + bw.T) / 2   # both ends timed it (or one did)
     lat = (lat + lat.T) / 2
     return bw.numpy(), lat.numpy()
 
@@ -458,8 +463,8 @@ def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, gr
     R while another host u of R exchanges with the host v outside R (not x) it reaches best.
     If x is outside R both exchanges cross R's uplink and slow each other down (their rates,
     as shares of their rates alone, add up to about 1); if x is in R they share no link (about 2).
-    (Timed one way at a time, as the other phases are, it once placed ``uneven_three_racks``'s
-    lone-rack host into another rack on the loaded emulator.)"""
+    (Timed each way in turn, or both ways at once, it placed ``uneven_three_racks``'s lone-rack
+    host into another rack on the loaded emulator.)"""
     first = [ranks[0] for ranks in hosts]
 
     def belongs(x: int, rack: list[int]) -> bool | None:
@@ -470,11 +475,11 @@ def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, gr
         u = next(h for h in rack if h != y)
         v = max(outside, key=lambda h: float(host_bw[u, h]))
         xy, uv = (first[y], first[x]), (first[u], first[v])
-        # both ways at once, alone and together: each exchange loads both directions of R's
-        # uplink throughout, so the two meet whatever their drift (one way at a time, one
-        # pair's turn could fall in the other's pause, and the fastest repeat is kept)
-        rates, _ = measure_rounds([[xy], [uv]], nbytes, group=group)
-        both, _ = measure_rounds([[xy, uv]], nbytes, group=group)
+        # out of R only (y and u send), alone and together: taking turns, one pair's turn could
+        # fall in the other's pause (the fastest repeat is kept); both ways at once, a pair
+        # alone gets ~60 % of an emulated uplink and two together still fit
+        rates, _ = measure_rounds([[xy], [uv]], nbytes, group=group, one_way=True, outward=True)
+        both, _ = measure_rounds([[xy, uv]], nbytes, group=group, one_way=True, outward=True)
         kept = both[xy] / rates[xy] + both[uv] / rates[uv]
         return bool(kept >= NO_SHARED_LINK)
 
