@@ -30,6 +30,7 @@ A probe's result is cached per cluster (``~/.cache/syncplane/probe/<key>.json``)
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import os
 import statistics
@@ -45,11 +46,12 @@ import torch
 import torch.distributed as dist
 
 from syncplane import net
-from syncplane.cluster.cost import CostModel
+from syncplane.cluster.cost import MBIT, CostModel
 from syncplane.job import JobContext
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
 
+log = logging.getLogger(__name__)
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "syncplane" / "probe"
 MIN_GAP_RATIO = 2.0                    # a rack boundary: bandwidth drops by at least this factor
 
@@ -58,7 +60,8 @@ MIN_GAP_RATIO = 2.0                    # a rack boundary: bandwidth drops by at 
 #: (1.5 found a false cap on emulated 10 Gbit NICs, where 2 CPU cores are the limit)
 FLOW_CAP_RATIO = 2.0
 #: two concurrent exchanges that keep this much of their rates together (of 2) share no link
-NO_SHARED_LINK = 1.5
+#: (emulated uneven_three_racks, loaded: 1.85-2.01 apart, 1.10-1.59 sharing an uplink)
+NO_SHARED_LINK = 1.75
 
 
 @dataclass(frozen=True)
@@ -478,9 +481,14 @@ def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, gr
         # out of R only (y and u send), alone and together: taking turns, one pair's turn could
         # fall in the other's pause (the fastest repeat is kept); both ways at once, a pair
         # alone gets ~60 % of an emulated uplink and two together still fit
-        rates, _ = measure_rounds([[xy], [uv]], nbytes, group=group, one_way=True, outward=True)
-        both, _ = measure_rounds([[xy, uv]], nbytes, group=group, one_way=True, outward=True)
+        # 4x the bytes, timed once: long enough that a descheduled rank's late start does not
+        # leave the two transfers apart (the fastest of two short repeats was a lone one)
+        rates, _ = measure_rounds([[xy], [uv]], 4 * nbytes, repeats=1, group=group, one_way=True, outward=True)
+        both, _ = measure_rounds([[xy, uv]], 4 * nbytes, repeats=1, group=group, one_way=True, outward=True)
         kept = both[xy] / rates[xy] + both[uv] / rates[uv]
+        log.info("probe: host %d beside rack %s (pairs %s, %s): alone %.0f, %.0f Mbit/s, together %.0f, %.0f: "
+                 "kept %.2f of 2", x, rack, xy, uv, rates[xy] / MBIT, rates[uv] / MBIT, both[xy] / MBIT,
+                 both[uv] / MBIT, kept)
         return bool(kept >= NO_SHARED_LINK)
 
     return belongs
@@ -625,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="where rank 0 writes a cluster profile YAML of what was found "
                                           "(for bench, simulate, emulate, plan and train.py cluster=PATH)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.mb <= 0:
         parser.error(f"--mb must be positive, got {args.mb}")
     if args.streams < 1:
