@@ -1,6 +1,6 @@
 """Probe -> profile: a topology written as a cluster profile reproduces the pairwise bandwidths
-it was found with, racks and hosts included (issue 36 item 4; the topology here is the one a
-profile declares, ``probe.from_profile`` -- the probe on an emulated cluster is not run)."""
+it was found with, racks and hosts included (the topology here is the one a profile declares,
+``probe.from_profile``; the probe on emulated clusters: ``tests/cluster/test_probe_round_trip.py``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_racks_are_found_from_noisy_measurements_and_written(name: str, racks_fo
     racks clustered -> a profile whose bandwidths are the truth's within 15 %. On
     ``uneven_three_racks`` pairwise rates alone cannot find the racks (host a2's 100 Mbit NIC
     equals the uplinks, so a2 looks as far from its rack as from the others): the profile
-    still reproduces every pair's rate, but finding those racks needs concurrent flows (not
-    done yet, issue 36)."""
+    still reproduces every pair's rate; finding those racks takes the probe's concurrent test
+    (``cluster_racks``'s ``belongs``), which needs real flows."""
     from syncplane.cluster.probe import topology_from_measurements
 
     truth = from_profile(load_profile(name))
