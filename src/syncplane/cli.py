@@ -17,6 +17,8 @@ from syncplane.cluster.emulator import EmulationError
 from syncplane.config import ConfigError
 from syncplane.ext import ExtensionError
 from syncplane.runtime.launcher import LaunchError
+from syncplane.runtime.probe_job import ProbeError
+from syncplane.runtime.rendezvous import RendezvousTimeout
 
 #: ``--exchange`` of bench and simulate: one vocabulary (``syncplane.exchanges``) for every
 #: family that has a choice; a family that does not run the name given uses auto
@@ -257,7 +259,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import parse_payload
     from syncplane.cluster import load_profile
 
-    profile = load_profile(args.cluster)
+    if args.probe:
+        from syncplane.runtime.probe_job import probe_emulated, probe_here
+
+        if args.probe_mb <= 0 or args.probe_streams < 1:
+            raise ConfigError(f"plan --probe: --probe-mb must be positive and --probe-streams at least 1, got "
+                              f"{args.probe_mb} and {args.probe_streams}")
+
+        profile = probe_emulated(args.cluster, args.probe_mb, args.probe_streams) if args.cluster else \
+            probe_here(args.probe_mb, args.probe_streams, args.probe_timeout_s)
+        if profile is None:                  # a rank other than 0 under the launcher: rank 0 plans
+            return 0
+        import yaml
+
+        Path(args.probe_out).write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+        label = args.probe_out if "/" in args.probe_out else f"./{args.probe_out}"
+        print(f"plan --probe: the network as found is in {label} (for --cluster, cluster=, bench, simulate)")
+    elif args.cluster is None:
+        raise ConfigError("plan: give --cluster NAME|PATH, or --probe to measure the network first")
+    else:
+        profile, label = load_profile(args.cluster), args.cluster
     if (args.mb is None) == (args.recipe is None):
         raise ConfigError("plan: give the payload as --mb MB (or a preset: resnet50, bert_large) or --recipe NAME")
     payload = parse_payload(args.mb) if args.mb is not None else plan_report.recipe_payload(args.recipe)
@@ -267,9 +288,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  else plan_report.time_recipe_steps(args.recipe, args.time_steps))
     strategies = tuple(s for s in args.strategies.split(",") if s) if args.strategies else None
     plan = make_plan(profile, PlanInputs(payload, compute_s, args.period, args.alpha_ms / 1000, strategies))
-    plan_report.print_plan(plan, args.cluster, args.top)
+    plan_report.print_plan(plan, label, args.top)
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    plan_report.write_outputs(plan, args.cluster, args.json, png)
+    plan_report.write_outputs(plan, label, args.json, png)
     plan.best(args.accept)   # none in the class the user accepts: the error, exit 2
     return 0
 
@@ -490,7 +511,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="price every strategy and its settings on a cluster for this job, "
                                        "ranked by predicted step time, exact and approximate apart")
-    plan.add_argument("--cluster", required=True, help="shipped profile name or YAML path")
+    plan.add_argument("--cluster", help="shipped profile name or YAML path (with --probe: the emulated cluster to probe)")
+    plan.add_argument("--probe", action="store_true",
+                      help="measure the network first and plan on what was found: once per rank under "
+                           "torchrun/srun, or on the emulated --cluster")
+    plan.add_argument("--probe-mb", type=float, default=2.0, help="--probe: MB each pair exchanges")
+    plan.add_argument("--probe-streams", type=int, default=4,
+                      help="--probe: streams per pair for the per-flow cap test (1: no test)")
+    plan.add_argument("--probe-out", default="probed.yaml", help="--probe: where the probed profile is written")
+    plan.add_argument("--probe-timeout-s", type=float, default=120.0,
+                      help="--probe under a launcher: how long to wait for every rank")
     plan.add_argument("--mb", help="the payload: MB of fp32 parameters, or a preset: resnet50, bert_large")
     plan.add_argument("--recipe", help="the payload from a recipe's parameter count (and, without "
                                        "--compute-ms, its compute timed over a few real steps here)")
@@ -536,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ExtensionError, ConfigError, EmulationError, LaunchError) as exc:
+    except (ExtensionError, ConfigError, EmulationError, LaunchError, ProbeError, RendezvousTimeout) as exc:
         print(f"syncplane {args.command}: {exc}", file=sys.stderr)   # one clear message, no traceback
         return 2 if isinstance(exc, ConfigError) else 1
 

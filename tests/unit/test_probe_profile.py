@@ -1,6 +1,6 @@
 """Probe -> profile: a topology written as a cluster profile reproduces the pairwise bandwidths
-it was found with, racks and hosts included (issue 36 item 4; the topology here is the one a
-profile declares, ``probe.from_profile`` -- the probe on an emulated cluster is not run)."""
+it was found with, racks and hosts included (the topology here is the one a profile declares,
+``probe.from_profile``; the probe on emulated clusters: ``tests/cluster/test_probe_round_trip.py``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_racks_are_found_from_noisy_measurements_and_written(name: str, racks_fo
     racks clustered -> a profile whose bandwidths are the truth's within 15 %. On
     ``uneven_three_racks`` pairwise rates alone cannot find the racks (host a2's 100 Mbit NIC
     equals the uplinks, so a2 looks as far from its rack as from the others): the profile
-    still reproduces every pair's rate, but finding those racks needs concurrent flows (not
-    done yet, issue 36)."""
+    still reproduces every pair's rate; finding those racks takes the probe's concurrent test
+    (``cluster_racks``'s ``belongs``), which needs real flows."""
     from syncplane.cluster.probe import topology_from_measurements
 
     truth = from_profile(load_profile(name))
@@ -45,3 +45,53 @@ def test_racks_are_found_from_noisy_measurements_and_written(name: str, racks_fo
     off = ~np.eye(truth.world_size, dtype=bool)
     ratio = again.bandwidth[off] / truth.bandwidth[np.ix_(order, order)][off]
     assert np.all(np.abs(ratio - 1) <= 0.15), f"bandwidth ratios {ratio.min():.2f}..{ratio.max():.2f}"
+
+
+def test_exclusive_rounds_never_put_one_part_in_a_round_twice() -> None:
+    part = {r: r // 3 for r in range(9)}                 # three racks of three ranks
+    pairs = [(a, b) for a in range(9) for b in range(a + 1, 9) if part[a] != part[b]]
+    from syncplane.cluster.probe import exclusive_rounds
+
+    rounds = exclusive_rounds(pairs, part)
+    assert sorted(p for r in rounds for p in r) == sorted(pairs)
+    for r in rounds:
+        used = [part[x] for p in r for x in p]
+        assert len(used) == len(set(used))
+
+
+def test_a_host_that_belongs_to_no_rack_is_a_rack_of_its_own() -> None:
+    """Hosts 0-1 and 2-3 fast pairs; hosts 4 and 5 slow to everyone. ``belongs`` (the probe's
+    concurrent test) puts 4 into the second rack and rules 5 out of both."""
+    from syncplane.cluster.probe import cluster_racks
+
+    bw = np.full((6, 6), 10.0)
+    bw[0, 1] = bw[1, 0] = bw[2, 3] = bw[3, 2] = 40.0
+    asked = []
+
+    def belongs(host: int, rack: list[int]) -> bool:
+        asked.append((host, rack))
+        return host == 4 and rack == [2, 3]
+
+    assert cluster_racks(bw, belongs) == [[0, 1], [2, 3, 4], [5]]
+    assert asked == [(4, [0, 1]), (4, [2, 3]), (5, [0, 1]), (5, [2, 3, 4])]
+    assert cluster_racks(bw, lambda host, rack: None) == cluster_racks(bw)      # cannot tell: join the best
+
+
+def test_per_flow_caps_are_written_and_read_back() -> None:
+    """A cap on rack uplinks becomes the racks' ``per_flow_mbit`` with the several-stream rate
+    as the uplink; a pair between the racks then gets the cap in the profile."""
+    from syncplane.cluster.probe import FlowCap, Topology
+
+    mb = 1e6 / 8
+    bw = np.full((4, 4), 95 * mb)
+    bw[0, 1] = bw[1, 0] = bw[2, 3] = bw[3, 2] = 1000 * mb
+    np.fill_diagonal(bw, np.inf)
+    cap = FlowCap(per_flow=95 * mb, link=380 * mb)
+    topo = Topology(racks=[[0, 1], [2, 3]], hosts=[[0], [1], [2], [3]], bandwidth=bw, latency=np.zeros((4, 4)),
+                    source="test", host_caps=[None] * 4, rack_caps=[cap, cap])
+    assert Topology.from_dict(topo.to_dict()).rack_caps == [cap, cap]
+    profile = parse_profile(topo.to_profile().to_dict())
+    assert [(r.uplink_mbit, r.per_flow_mbit) for r in profile.racks] == [(380.0, 95.0), (380.0, 95.0)]
+    assert all(h.spec.per_flow_mbit is None for h in profile.hosts)
+    again = from_profile(profile).bandwidth
+    assert again[0, 2] == pytest.approx(95 * mb) and again[0, 1] == pytest.approx(1000 * mb)

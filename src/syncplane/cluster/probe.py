@@ -13,18 +13,30 @@ Two sources, one result (``Topology``):
   bandwidth at its largest gap (a rack is a set of hosts that reach each other much
   faster than they reach the rest).
 
+  The tournament's concurrent pairs share rack uplinks, so a slow (cross-rack) pair's rate
+  is only a share of it: those pairs are timed again in rounds where no group of close
+  hosts takes part twice (``exclusive_rounds``). A host with no fast link (a slow NIC, or a
+  rack of its own: their pairwise rates look alike) is placed by a concurrent test: its
+  exchange with a rack runs beside an exchange that leaves that rack; if the two slow each
+  other down they share the rack's uplink, and the host is outside (``cluster_racks``'s
+  ``belongs``). With ``streams`` > 1, one pair per rack and per pair of racks is timed over
+  one TCP stream and over ``streams`` at once: a link on which several streams get at least
+  twice one stream's rate caps each flow (``FlowCap``), which the profile writes as
+  ``per_flow_mbit``.
+
 A probe's result is cached per cluster (``~/.cache/syncplane/probe/<key>.json``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +46,46 @@ import torch
 import torch.distributed as dist
 
 from syncplane import net
-from syncplane.cluster.cost import CostModel
+from syncplane.cluster.cost import MBIT, CostModel
 from syncplane.job import JobContext
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
 
+log = logging.getLogger(__name__)
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "syncplane" / "probe"
 MIN_GAP_RATIO = 2.0                    # a rack boundary: bandwidth drops by at least this factor
 
 
+#: several streams get at least this multiple of one stream's rate: the link caps each flow
+#: (1.5 found a false cap on emulated 10 Gbit NICs, where 2 CPU cores are the limit)
+FLOW_CAP_RATIO = 2.0
+#: two concurrent exchanges that keep this much of their rates together (of 2) share no link
+#: (emulated uneven_three_racks, loaded: 1.85-2.01 apart, 1.10-1.59 sharing an uplink)
+NO_SHARED_LINK = 1.75
+
+
+@dataclass(frozen=True)
+class FlowCap:
+    """A link on which one TCP stream gets ``per_flow`` bytes/s and several at once ``link``
+    (a lower bound of the link's rate when the streams did not fill it)."""
+
+    per_flow: float
+    link: float
+
+
 @dataclass
 class Topology:
-    """Ranks grouped into hosts and racks, with pairwise bandwidth (bytes/s) and latency (s)."""
+    """Ranks grouped into hosts and racks, with pairwise bandwidth (bytes/s) and latency (s);
+    per-flow caps found on a host's NIC (``host_caps``, per host) or a rack's uplink
+    (``rack_caps``, per rack), empty when not measured."""
 
     racks: list[list[int]]
     hosts: list[list[int]]
     bandwidth: np.ndarray
     latency: np.ndarray
     source: str
+    host_caps: list[FlowCap | None] = field(default_factory=list)
+    rack_caps: list[FlowCap | None] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -104,7 +138,8 @@ class Topology:
         from its uplink, and the slower of the two is what the profile then reproduces), a
         single host ``loopback_mbit``; each rack's ``uplink_mbit`` (several racks) the median
         rate of its ranks to other racks. Ranks are renumbered rack by rack, host by host, as
-        profiles number them. Not measured yet: per-flow caps (one stream vs several)."""
+        profiles number them. A per-flow cap found on a NIC or an uplink becomes its
+        ``per_flow_mbit``, and the link's rate the faster of its pairwise and its several-stream rate."""
         from syncplane.cluster.profile import HostSpec, RackSpec
 
         nic, uplink = self.nic_estimate(), self.uplink_estimate()
@@ -122,21 +157,31 @@ class Topology:
                 others = [j for j in range(self.world_size) if j not in ranks]
                 rate = nic[ranks[0]] if nic[ranks[0]] is not None else \
                     (float(self.bandwidth[ranks[0], others].max()) if others else loopback_mbit * 1e6 / 8)
-                hosts.append(HostSpec(name=f"h{h}", nic_mbit=mbit(rate), ranks=len(ranks)))
-            racks.append(RackSpec(name=f"r{k}", hosts=hosts,
-                                  uplink_mbit=mbit(uplink[k]) if several and uplink[k] is not None else None))
+                cap = self.host_caps[h] if self.host_caps else None
+                hosts.append(HostSpec(name=f"h{h}", nic_mbit=mbit(max(rate, cap.link) if cap else rate),
+                                      ranks=len(ranks), per_flow_mbit=mbit(cap.per_flow) if cap else None))
+            cap = self.rack_caps[k] if self.rack_caps and several else None
+            rate = max(uplink[k], cap.link) if cap and uplink[k] is not None else uplink[k]
+            racks.append(RackSpec(name=f"r{k}", hosts=hosts, uplink_mbit=mbit(rate) if several and rate is not None
+                                  else None, per_flow_mbit=mbit(cap.per_flow) if cap else None))
         profile = ClusterProfile(name=name, racks=racks)
         profile.validate()
         return profile
 
     def to_dict(self) -> dict[str, Any]:
         return {"racks": self.racks, "hosts": self.hosts, "bandwidth": self.bandwidth.tolist(),
-                "latency": self.latency.tolist(), "source": self.source}
+                "latency": self.latency.tolist(), "source": self.source,
+                "host_caps": [asdict(c) if c else None for c in self.host_caps],
+                "rack_caps": [asdict(c) if c else None for c in self.rack_caps]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Topology:
+        def caps(key: str) -> list[FlowCap | None]:
+            return [FlowCap(**c) if c else None for c in data.get(key, [])]
+
         return cls(racks=data["racks"], hosts=data["hosts"], bandwidth=np.asarray(data["bandwidth"], dtype=float),
-                   latency=np.asarray(data["latency"], dtype=float), source=data["source"])
+                   latency=np.asarray(data["latency"], dtype=float), source=data["source"],
+                   host_caps=caps("host_caps"), rack_caps=caps("rack_caps"))
 
 
 # ----------------------------------------------------------------------------- from a profile
@@ -182,21 +227,65 @@ def round_robin_rounds(n: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
+Parts = list[tuple[Any, torch.Tensor, torch.Tensor]]     # (stream group, part to send, part to receive)
+
+
+def _both_ways(parts: Parts, peer: int) -> float:
+    """Seconds for both ends to send their parts to each other at once."""
+    start = time.perf_counter()
+    works = [w for lane, out, into in parts for w in (dist.isend(out, peer, group=lane),
+                                                      dist.irecv(into, peer, group=lane))]
+    for w in works:
+        w.wait()
+    return time.perf_counter() - start
+
+
+def _one_way(parts: Parts, pair: tuple[int, int], me: int, tiny_out: torch.Tensor, tiny_in: torch.Tensor,
+             group: Any, outward: bool = False) -> float:
+    """Seconds for this rank to send its parts to its peer until the peer replies that it has
+    them; ``pair[0]`` sends first, then (unless ``outward``) the other way round (which the
+    peer times; 0.0 on a rank that only receives)."""
+    took = 0.0
+    peer = pair[1] if pair[0] == me else pair[0]
+    for sender in pair[:1] if outward else pair:
+        start = time.perf_counter()
+        if sender == me:
+            for w in [dist.isend(out, peer, group=lane) for lane, out, _ in parts]:
+                w.wait()
+            dist.recv(tiny_in, peer, group=group)
+            took = time.perf_counter() - start
+        else:
+            for w in [dist.irecv(into, peer, group=lane) for lane, _, into in parts]:
+                w.wait()
+            dist.send(tiny_out, peer, group=group)
+    return took
+
+
 def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
-                   pings: int = 3, repeats: int = 2, group: Any = None) -> tuple[np.ndarray, np.ndarray]:
+                   pings: int = 3, repeats: int = 2, group: Any = None,
+                   streams: Sequence[Any] = (), one_way: bool = False,
+                   outward: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Collective: in each round the pairs exchange ``nbytes / 4`` and then ``nbytes`` both ways
     at once, ``repeats`` times (after a few tiny ping-pongs for the latency). Returns (bandwidth bytes/s, latency s),
-    n×n, on every rank; pairs that did not meet hold 0."""
+    n×n, on every rank; pairs that did not meet hold 0. ``streams``: process groups over every
+    rank, one TCP connection per pair each, that carry equal parts of the exchange at once
+    (none: one stream, ``group``). ``one_way``: each end sends in turn, timed by the sender up
+    to the receiver's reply (a link's rate: an exchange both ways queues each direction's
+    ACKs behind the other's data, and one TCP stream then got ~60 % of an emulated 100 Mbit
+    uplink under load; both ways is what DS-Sync's swaps do). ``outward``: with ``one_way``,
+    only the first of each pair sends."""
     n, me = dist.get_world_size(), dist.get_rank()   # group: the job's gloo control group (CPU tensors)
     bw, lat = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
     send = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     recv = torch.empty_like(send)
     tiny_out, tiny_in = torch.zeros(1), torch.zeros(1)
+    lanes = list(streams) or [group]
     for pairs in rounds:
         dist.barrier(group=group)
-        peer = next((b if a == me else a for a, b in pairs if me in (a, b)), None)
-        if peer is None:
+        pair = next(((a, b) for a, b in pairs if me in (a, b)), None)
+        if pair is None:
             continue
+        peer = pair[1] if pair[0] == me else pair[0]
         rtts = []
         for _ in range(pings):
             start = time.perf_counter()
@@ -216,20 +305,37 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
         best = [float("inf"), float("inf")]
         for _ in range(repeats):
             for k, numel in enumerate((send.numel() // 4, send.numel())):
-                start = time.perf_counter()
-                works = [dist.isend(send[:numel], peer, group=group), dist.irecv(recv[:numel], peer, group=group)]
-                for w in works:
-                    w.wait()
-                best[k] = min(best[k], time.perf_counter() - start)
+                parts = list(zip(lanes, send[:numel].tensor_split(len(lanes)), recv[:numel].tensor_split(len(lanes))))
+                best[k] = min(best[k], _one_way(parts, pair, me, tiny_out, tiny_in, group, outward) if one_way
+                              else _both_ways(parts, peer))
+        if outward and one_way and me == pair[1]:
+            continue                            # the sender timed it
         large = send.numel() * 4
         slope = (large - send.numel() // 4 * 4) / max(best[1] - best[0], 1e-9)
         bw[me, peer] = min(slope, large / best[1])
         lat[me, peer] = min(rtts) / 2
     dist.all_reduce(bw, group=group)
     dist.all_reduce(lat, group=group)
-    bw = (bw + bw.T) / 2          # both ends timed the same exchange
+    bw = torch.maximum(bw, bw.T) if outward and one_way else (bw + bw.T) / 2   # both ends timed it (or one did)
     lat = (lat + lat.T) / 2
     return bw.numpy(), lat.numpy()
+
+
+def exclusive_rounds(pairs: Sequence[tuple[int, int]], part: Mapping[int, int]) -> list[list[tuple[int, int]]]:
+    """``pairs`` of ranks into rounds in which no part (``part[rank]``: a group of close ranks,
+    e.g. a rack) takes part twice, so that on a tree network no two pairs of a round cross the
+    same uplink; greedily, in the order given (the same rounds on every rank)."""
+    left, rounds = list(pairs), []
+    while left:
+        used: set[int] = set()
+        taken = []
+        for a, b in left:
+            if not {part[a], part[b]} & used:
+                used |= {part[a], part[b]}
+                taken.append((a, b))
+        rounds.append(taken)
+        left = [p for p in left if p not in taken]
+    return rounds
 
 
 def rack_threshold(values: Sequence[float]) -> float | None:
@@ -251,15 +357,20 @@ def rack_threshold(values: Sequence[float]) -> float | None:
     return float(np.exp((logs[split - 1] + logs[split]) / 2))
 
 
-def cluster_racks(host_bw: np.ndarray) -> list[list[int]]:
+#: does host x belong to rack R (a list of hosts): True, False, or None (cannot tell)
+Belongs = Callable[[int, list[int]], "bool | None"]
+
+
+def cluster_racks(host_bw: np.ndarray, belongs: Belongs | None = None) -> list[list[int]]:
     """Hosts into racks. Each link is classed fast or slow (``rack_threshold``); two hosts
     share a rack when most of their fast neighbourhoods agree (Jaccard similarity of the sets
     {self} ∪ {fast peers} above ½), racks are the connected components of that relation.
     Comparing whole neighbourhoods, not single links, is what makes it robust: one cross-rack
     pair that happened to measure fast (or one in-rack pair that measured slow) changes one
     member of two sets and merges (or splits) nothing. A host with no fast link at all has a
-    slow NIC rather than a rack of its own (the two look alike; give a profile to tell them
-    apart): it joins the rack it reaches best."""
+    slow NIC rather than a rack of its own (the two look alike by pairwise rates): it joins
+    the rack it reaches best, of those ``belongs`` (a concurrent test, ``probe``) does not rule
+    out; a host that ``belongs`` rules out of every rack is a rack of its own."""
     h = len(host_bw)
     if h <= 2:
         return [list(range(h))]
@@ -275,31 +386,158 @@ def cluster_racks(host_bw: np.ndarray) -> list[list[int]]:
     racks = [c for c in clusters if len(c) > 1]
     if not racks:
         return [list(range(h))]
+    own: list[list[int]] = []
     for lone in (c[0] for c in clusters if len(c) == 1):
-        best = max(range(len(racks)), key=lambda r: statistics.median(float(host_bw[lone, j]) for j in racks[r]))
+        verdicts = [belongs(lone, list(rack)) for rack in racks] if belongs is not None else []
+        options = [r for r, v in enumerate(verdicts) if v] if verdicts and None not in verdicts \
+            else list(range(len(racks)))
+        if not options:
+            own.append([lone])
+            continue
+        best = max(options, key=lambda r: statistics.median(float(host_bw[lone, j]) for j in racks[r]))
         racks[best].append(lone)
-    return sorted(sorted(r) for r in racks)
+    return sorted(sorted(r) for r in racks + own)
 
 
-def topology_from_measurements(bw: np.ndarray, lat: np.ndarray, host_ids: Sequence[int]) -> Topology:
-    """Hosts from ``host_ids`` (one per rank), racks from clustering the host-level bandwidth."""
-    ids = sorted(set(host_ids))
-    hosts = [[r for r, h in enumerate(host_ids) if h == hid] for hid in ids]
+def hosts_of(host_ids: Sequence[int]) -> list[list[int]]:
+    """Ranks grouped by host id (one per rank), hosts in id order."""
+    return [[r for r, h in enumerate(host_ids) if h == hid] for hid in sorted(set(host_ids))]
+
+
+def host_matrix(bw: np.ndarray, hosts: list[list[int]]) -> np.ndarray:
+    """Host-to-host bandwidth: the best of their ranks' pairs (0 on the diagonal)."""
     hb = np.zeros((len(hosts), len(hosts)))
     for a, ra in enumerate(hosts):
         for b, rb in enumerate(hosts):
             if a != b:
                 hb[a, b] = max(float(bw[i, j]) for i in ra for j in rb)
-    racks = [sorted(r for h in rack for r in hosts[h]) for rack in cluster_racks(hb)]
+    return hb
+
+
+def topology_from_measurements(bw: np.ndarray, lat: np.ndarray, host_ids: Sequence[int],
+                               belongs: Belongs | None = None) -> Topology:
+    """Hosts from ``host_ids`` (one per rank), racks from clustering the host-level bandwidth."""
+    hosts = hosts_of(host_ids)
+    hb = host_matrix(bw, hosts)
+    racks = [sorted(r for h in rack for r in hosts[h]) for rack in cluster_racks(hb, belongs)]
     bw = bw.copy()
     np.fill_diagonal(bw, np.inf)
     return Topology(racks=sorted(racks), hosts=hosts, bandwidth=bw, latency=lat, source="probe")
 
 
+def close_parts(host_bw: np.ndarray) -> list[int]:
+    """Per host, the id of its group of close hosts: connected by links above the rack
+    threshold (``rack_threshold``); one group when the links are one class."""
+    h = len(host_bw)
+    threshold = rack_threshold([float(host_bw[i, j]) for i in range(h) for j in range(i + 1, h)]) if h > 1 else None
+    graph = nx.Graph()
+    graph.add_nodes_from(range(h))
+    if threshold is not None:
+        graph.add_edges_from((i, j) for i in range(h) for j in range(i + 1, h) if host_bw[i, j] >= threshold)
+    part = [0] * h
+    for k, members in enumerate(sorted(sorted(c) for c in nx.connected_components(graph))):
+        for m in members:
+            part[m] = k
+    return part
+
+
+def remeasure_slow_pairs(bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None) -> np.ndarray:
+    """Collective: ``bw`` with every pair of hosts in different close groups (``close_parts``)
+    timed again, one pair per group per round (``exclusive_rounds``), so that no two pairs
+    of a round share an uplink: the tournament timed them beside other pairs that did."""
+    hb = host_matrix(bw, hosts)
+    part = close_parts(hb)
+    pairs = [(a, b) for a in range(len(hosts)) for b in range(a + 1, len(hosts)) if part[a] != part[b]]
+    if not pairs:
+        return bw
+    first = [ranks[0] for ranks in hosts]
+    rank_part = {first[h]: part[h] for h in range(len(hosts))}
+    again, _ = measure_rounds(exclusive_rounds([(first[a], first[b]) for a, b in pairs], rank_part), nbytes,
+                              group=group, one_way=True)
+    out = bw.copy()
+    for a, b in pairs:
+        out[np.ix_(hosts[a], hosts[b])] = out[np.ix_(hosts[b], hosts[a])] = again[first[a], first[b]]
+    return out
+
+
+def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None) -> Belongs:
+    """``cluster_racks``'s ``belongs`` for a probe (collective: every rank must call it with the
+    same arguments in the same order). Host x and rack R: x exchanges with its best peer y in
+    R while another host u of R exchanges with the host v outside R (not x) it reaches best.
+    If x is outside R both exchanges cross R's uplink and slow each other down (their rates,
+    as shares of their rates alone, add up to about 1); if x is in R they share no link (about 2).
+    (Timed each way in turn, or both ways at once, it placed ``uneven_three_racks``'s lone-rack
+    host into another rack on the loaded emulator.)"""
+    first = [ranks[0] for ranks in hosts]
+
+    def belongs(x: int, rack: list[int]) -> bool | None:
+        y = max(rack, key=lambda h: float(host_bw[x, h]))
+        outside = [h for h in range(len(hosts)) if h not in rack and h != x]
+        if len(rack) < 2 or not outside:
+            return None
+        u = next(h for h in rack if h != y)
+        v = max(outside, key=lambda h: float(host_bw[u, h]))
+        xy, uv = (first[y], first[x]), (first[u], first[v])
+        # out of R only (y and u send), alone and together: taking turns, one pair's turn could
+        # fall in the other's pause (the fastest repeat is kept); both ways at once, a pair
+        # alone gets ~60 % of an emulated uplink and two together still fit
+        # 4x the bytes, timed once: long enough that a descheduled rank's late start does not
+        # leave the two transfers apart (the fastest of two short repeats was a lone one)
+        rates, _ = measure_rounds([[xy], [uv]], 4 * nbytes, repeats=1, group=group, one_way=True, outward=True)
+        both, _ = measure_rounds([[xy, uv]], 4 * nbytes, repeats=1, group=group, one_way=True, outward=True)
+        kept = both[xy] / rates[xy] + both[uv] / rates[uv]
+        log.info("probe: host %d beside rack %s (pairs %s, %s): alone %.0f, %.0f Mbit/s, together %.0f, %.0f: "
+                 "kept %.2f of 2", x, rack, xy, uv, rates[xy] / MBIT, rates[uv] / MBIT, both[xy] / MBIT,
+                 both[uv] / MBIT, kept)
+        return bool(kept >= NO_SHARED_LINK)
+
+    return belongs
+
+
+def measure_flow_caps(topo: Topology, nbytes: int, streams: int,
+                      group: Any = None) -> tuple[list[FlowCap | None], list[FlowCap | None]]:
+    """Collective: (per host, per rack) per-flow caps. One pair inside each rack (its NICs) and
+    one between each two racks (their uplinks), the pairs with the best rate, are timed over
+    one stream and over ``streams`` at once (``streams - 1`` extra gloo groups). A rack whose
+    in-rack pair shows a cap gives it to each of its hosts' NICs; a rack gets an uplink cap
+    when every pair to another rack shows one (with two racks a cap seen between them is put
+    on both: which uplink has it cannot be told)."""
+    host_index = {r: h for h, ranks in enumerate(topo.hosts) for r in ranks}
+    rack_of_host = {host_index[r]: k for k, rack in enumerate(topo.racks) for r in rack}
+    firsts = [[ranks[0] for ranks in topo.hosts if ranks[0] in rack] for rack in topo.racks]
+
+    def best(a: list[int], b: list[int]) -> tuple[int, int] | None:
+        pairs = [(i, j) for i in a for j in b if host_index[i] != host_index[j]]
+        return max(pairs, key=lambda p: float(topo.bandwidth[p])) if pairs else None
+
+    inside = {k: best(f, f) for k, f in enumerate(firsts)}
+    across = {(k, m): best(firsts[k], firsts[m]) for k in range(len(firsts)) for m in range(k + 1, len(firsts))}
+    samples = [(min(p), max(p)) for p in [*inside.values(), *across.values()] if p is not None]
+    rounds = exclusive_rounds(samples, {r: topo.rack_of(r) for r in range(topo.world_size)})
+    lanes = [group] + [dist.new_group(backend="gloo") for _ in range(streams - 1)]
+    one, _ = measure_rounds(rounds, nbytes, group=group, one_way=True)
+    several, _ = measure_rounds(rounds, nbytes, group=group, streams=lanes, one_way=True)
+
+    def cap(pair: tuple[int, int] | None) -> FlowCap | None:
+        if pair is None or several[pair] < FLOW_CAP_RATIO * one[pair]:
+            return None
+        return FlowCap(per_flow=float(one[pair]), link=float(several[pair]))
+
+    host_caps = [cap(inside[rack_of_host[h]]) for h in range(len(topo.hosts))]
+    rack_caps: list[FlowCap | None] = []
+    for k in range(len(topo.racks)):
+        found = [cap(p) for (a, b), p in across.items() if k in (a, b) and p is not None]
+        rack_caps.append(min(found, key=lambda c: c.per_flow) if found and all(found) else None)  # type: ignore[arg-type]
+    return host_caps, rack_caps
+
+
 def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool = False,
-          group: Any = None, job: JobContext | None = None) -> Topology:
+          group: Any = None, job: JobContext | None = None, streams: int = 1) -> Topology:
     """Collective: measure (or load from the cache) this job's topology; same result on every
-    rank. ``job``: the job's context (default: the launcher's, ``JobContext.from_environment``)."""
+    rank. ``job``: the job's context (default: the launcher's, ``JobContext.from_environment``).
+    ``streams`` > 1: measure per-flow caps too (``measure_flow_caps``)."""
+    if streams < 1:
+        raise ConfigError(f"probe streams: must be at least 1, got {streams}")
     n = dist.get_world_size()
     job = job if job is not None else JobContext.from_environment(rank=dist.get_rank(), world_size=n)
     host_id = int(job.node_rank) if job.node_rank is not None else dist.get_rank()
@@ -307,7 +545,7 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     dist.all_gather_object(ids, host_id, group=group)
     cluster_file = job.cluster      # the emulated cluster's profile (its content, not its path)
     cluster = Path(cluster_file).read_text() if cluster_file and Path(cluster_file).exists() else ""
-    key = hashlib.sha1(json.dumps([n, ids, job.master_addr, nbytes, cluster]).encode()).hexdigest()[:16]
+    key = hashlib.sha1(json.dumps([n, ids, job.master_addr, nbytes, cluster, streams]).encode()).hexdigest()[:16]
     path = cache_dir / f"{key}.json" if cache_dir is not None else None
     box: list[Any] = [None]
     if dist.get_rank() == 0 and path is not None and path.exists() and not refresh:
@@ -317,8 +555,12 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
         topo = Topology.from_dict(box[0])
         topo.source = f"probe (cached {path})"
         return topo
-    bw, lat = measure_rounds(round_robin_rounds(n), nbytes, group=group)
-    topo = topology_from_measurements(bw, lat, ids)
+    bw, lat = measure_rounds(round_robin_rounds(n), nbytes, group=group, one_way=True)
+    hosts = hosts_of(ids)
+    bw = remeasure_slow_pairs(bw, hosts, nbytes, group)
+    topo = topology_from_measurements(bw, lat, ids, concurrent_test(host_matrix(bw, hosts), hosts, nbytes, group))
+    if streams > 1:
+        topo.host_caps, topo.rack_caps = measure_flow_caps(topo, nbytes, streams, group)
     if dist.get_rank() == 0 and path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = topo.to_dict()
@@ -386,14 +628,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=1.0, help="bytes each pair exchanges, in MB")
     parser.add_argument("--json", help="where rank 0 writes the topology")
     parser.add_argument("--refresh", action="store_true", help="ignore (and rewrite) the cached result")
+    parser.add_argument("--streams", type=int, default=4,
+                        help="streams per pair for the per-flow cap test (1: no test)")
     parser.add_argument("--profile", help="where rank 0 writes a cluster profile YAML of what was found "
                                           "(for bench, simulate, emulate, plan and train.py cluster=PATH)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.mb <= 0:
         parser.error(f"--mb must be positive, got {args.mb}")
+    if args.streams < 1:
+        parser.error(f"--streams must be at least 1, got {args.streams}")
     net.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
-        topo = probe(int(args.mb * 2**20), refresh=args.refresh)
+        topo = probe(int(args.mb * 2**20), refresh=args.refresh, streams=args.streams)
         if dist.get_rank() == 0:
             print_table(topo)
             if args.json:
