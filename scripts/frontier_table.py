@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from syncplane.experiments.comparison import parse_variant
+from syncplane.config import parse_variant
 
 
 def rows_by_label(report: Mapping[str, Any]) -> dict[str, list[Mapping[str, Any]]]:

@@ -522,7 +522,7 @@ def _unpack_positions(index_bytes: torch.Tensor, layout: SparseLayout, length: i
     else:
         bits = _unpack_bits(index_bytes, 1, layout.index_bits(length))
         low = layout.low_width(length) if mode == "elias_fano" else 0
-        unary = bits[:, kept * low:] if mode == "elias_fano" else bits
+        unary = bits[:, kept * low:]          # a bitmap is all unary (low = 0)
         if not bool((unary.sum(1) == kept).all()):
             raise ValueError(f"sparse_decode_add: a chunk's indices do not hold {kept} positions (corrupt payload)")
         chosen = unary.nonzero()[:, 1].view(rows, kept)
