@@ -44,7 +44,7 @@ def _inner_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, seed:
 
 
 def _engine(rank: int, world: int, sizes: list[int] | None, kwargs: dict, model: torch.nn.Module,
-            inner: str = "ddp"):
+            inner: str = "ddp", init=None):
     """The node engine on nodes of ``sizes`` ranks (None: today's per-rank engine)."""
     from syncplane.algorithms.diloco.config import DiLoCoConfig
     from syncplane.algorithms.diloco.engine import DiLoCoEngine
@@ -58,7 +58,7 @@ def _engine(rank: int, world: int, sizes: list[int] | None, kwargs: dict, model:
         tensors = [p.data for p in model.parameters()]
         return DiLoCoEngine(tensors, sum(t.numel() for t in tensors), DiLoCoConfig(**kwargs), job)
     config = DiLoCoConfig(replica="node", **kwargs)
-    return NodeEngine(model, config, job, ReplicaLayout.of_sizes(sizes, inner))
+    return NodeEngine(model, config, job, ReplicaLayout.of_sizes(sizes, inner), init=init)
 
 
 def _train(engine, module, model, optimizer, seed: int, rank: int, steps: range, sync_every: int) -> None:
@@ -240,30 +240,46 @@ def test_through_lightning_h1_on_two_hosts_of_two_equals_ddp(tmp_path):
 
 def fsdp_vs_ddp(rank: int, world: int, seed: int, steps: int):
     out = []
-    for inner in ("ddp", "fsdp"):
-        model = _model(seed)
-        engine = _engine(rank, world, [2, 2], {"sync_every": 5}, model, inner)
+    reference = dict(_model(seed).named_parameters())
+    for inner in ("ddp", "fsdp", "fsdp-meta"):
+        init = None
+        if inner == "fsdp-meta":       # built without storage; each rank makes only its shards
+            with torch.device("meta"):
+                model = _model(seed)
+
+            def init(name: str, tensor: torch.Tensor) -> None:
+                tensor.copy_(reference[name])
+        else:
+            model = _model(seed)
+        engine = _engine(rank, world, [2, 2], {"sync_every": 5}, model, inner.split("-")[0], init)
+        if init is not None:          # the shards hold the whole tensors' values, and nothing is whole
+            assert all(p.to_local().numel() < p.numel() for p in model.parameters() if p.shape[0] > 1)
+            out.append(all(torch.equal(p.full_tensor(), reference[n]) for n, p in model.named_parameters()))
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         _train(engine, engine.module, model, optimizer, seed, rank, range(steps), 5)
-        out.append([p.full_tensor() if inner == "fsdp" else p.detach().clone() for p in model.parameters()])
+        out.append([p.full_tensor() if inner != "ddp" else p.detach().clone() for p in model.parameters()])
         out.append(engine.outer_state_bytes())
         engine.close()
     return out
 
 
 def test_fsdp_inside_the_node_equals_ddp_inside_it():
-    """FSDP2 over the node's ranks, a rank's DiLoCo shard its FSDP shard (Nesterov outer, 20 steps)."""
+    """FSDP2 over the node's ranks, a rank's DiLoCo shard its FSDP shard (Nesterov outer, 20 steps);
+    the same from a model built on the meta device, whose ranks made only their own shards."""
     seed = int(torch.randint(0, 2**20, ()))
     results = run_distributed(fsdp_vs_ddp, 4, seed, 20, timeout=180)
-    for ddp, _, fsdp, _ in results:
+    for ddp, _, fsdp, _, materialized, meta, _ in results:
+        assert materialized
         assert any(not torch.equal(a, b) for a, b in zip(ddp, _model(seed).parameters()))
-        for a, b in zip(ddp, fsdp):
+        for a, b, c in zip(ddp, fsdp, meta):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            assert torch.equal(c, b)
     # a node's ranks hold the outer state (θ_g, momentum, Δ: 12 bytes per value) once between them,
     # cut where DDP's shards or FSDP's row chunks fall
     n = sum(p.numel() for p in _model(seed).parameters())
     for node in ((0, 1), (2, 3)):
         assert sum(results[r][1] for r in node) == sum(results[r][3] for r in node) == 12 * n
+        assert sum(results[r][6] for r in node) == 12 * n
 
 
 @pytest.mark.parametrize("inner", ["ddp", "fsdp"])

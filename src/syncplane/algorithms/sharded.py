@@ -9,7 +9,7 @@ model's, taken from the parameter it goes back into.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,26 @@ def shard_module(module: torch.nn.Module, mesh: DeviceMesh, unit_params: int = U
     if unsharded(module):
         fully_shard(module, mesh=mesh)
     return module
+
+
+def materialize(module: torch.nn.Module, init: Callable[[str, torch.Tensor], None], device: str = "cpu") -> None:
+    """Give values to ``module``, built on the meta device and sharded by ``shard_module``: each
+    parameter and buffer is made whole by ``init(name, tensor)``, one at a time, and this rank
+    keeps its shard. The peak is the largest tensor, never the model, and the values are the
+    same whatever the layout (a shard of the same whole tensor on every node), so the replicas
+    start as one model. ``init`` must be deterministic (seed its randomness by ``name``)."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            init(name, whole)
+            local(tensor.data).copy_(like(whole, tensor.data).to_local() if isinstance(tensor.data, DTensor)
+                                     else whole)
+
+
+def on_meta(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has a parameter without storage yet (built on the meta device)."""
+    return any(p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta) for p in module.parameters())
 
 
 def plain(obj: Any) -> Any:

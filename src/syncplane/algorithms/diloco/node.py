@@ -21,7 +21,7 @@ model, on a mesh -- or the gather, for sparse -- over every rank).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from syncplane.algorithms.diloco.engine import host_mirror
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.streaming import Round
-from syncplane.algorithms.sharded import local, shard_module
+from syncplane.algorithms.sharded import local, materialize, on_meta, shard_module
 from syncplane.cluster.cost import FlowArray, Phase, concurrent_group_allreduces
 from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
@@ -80,16 +80,25 @@ class NodeEngine:
         job: the job's shape (this rank, the NICs).
         layout: the node replicas and the shard owner map.
         device_ids: DDP's, for a model on a GPU.
+        init: for a model built on the meta device (``inner: fsdp`` only): each parameter's and
+            buffer's values by name (``sharded.materialize``), so that no rank ever holds the
+            whole model; the shards are made on CPU.
     """
 
     def __init__(self, module: torch.nn.Module, config: DiLoCoConfig, job: JobContext, layout: ReplicaLayout,
-                 device_ids: list[int] | None = None) -> None:
+                 device_ids: list[int] | None = None, init: Callable[[str, torch.Tensor], None] | None = None) -> None:
         self.config, self.layout, self.rank = config, layout, job.rank
         self.sync_every = config.sync_every
         on_gpu = next(module.parameters()).device.type == "cuda"
+        meta = on_meta(module)
+        if meta and (init is None or layout.inner != "fsdp"):
+            raise ValueError("a model on the meta device needs inner='fsdp' and an init: each rank then "
+                             "makes only its own shards (sharded.materialize)")
         self.gather_group = node_groups(layout, "gloo")
         self.inner_group = node_groups(layout, "nccl") if on_gpu else self.gather_group
         self.module = self._wrap(module, "cuda" if on_gpu else "cpu", device_ids)
+        if meta:
+            materialize(self.module, init, "cpu")
         #: FSDP: the ranks that hold this rank's shard in every node (the consensus averages over
         #: them); DDP: None (all ranks: a node's ranks are one model, weighted by their count)
         self.consensus_group = (dist.new_subgroups_by_enumeration(
