@@ -232,13 +232,32 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # never wrapped in DistributedDataParallel
 
+    def makes_meta_models(self) -> bool:
+        """Whether this strategy gives values to a model built on the meta device (in the
+        LightningModule's ``configure_model``): only one that shards it, each rank making its
+        own shards (DiLoCo with ``replica: node``, ``inner: fsdp``)."""
+        return False
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if sharded.on_meta(self.model):
+            if self.makes_meta_models():
+                return    # no values yet: the strategy makes each rank's shards (setup_sync)
+            raise ValueError(f"the model has parameters on the meta device (built so in configure_model?): "
+                             f"{type(self).__name__} cannot give them values; only strategy=diloco with "
+                             "strategy.kwargs.replica=node and strategy.kwargs.inner=fsdp makes each rank's "
+                             "shards. Build the model on a real device, or use those settings")
+        super().model_to_device()
+
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
         with self.phases.time("setup/control_group"):
             replica_ops.start_control()   # the gloo group for CPU-side collectives, before any strategy makes groups
         with self.phases.time("setup/broadcast"):
-            _sync_module_states(self.model)
+            if not sharded.on_meta(self.model):
+                _sync_module_states(self.model)
         with self.phases.time("setup/setup_sync"):
             self.setup_sync(self.job)
 

@@ -56,6 +56,7 @@ from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
 from syncplane.algorithms.diloco.layout import check_replica, node_layout
 from syncplane.algorithms.diloco.node import NodeEngine
+from syncplane.algorithms import sharded
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
@@ -139,12 +140,18 @@ class DiLoCo(SyncplaneStrategy):
             self._engine = engine = DiLoCoEngine(self.model_tensors(), n_params, self.config, job)
             self.details.update(replica="rank", replicas=job.world_size, ranks_per_replica=[1] * job.world_size)
         else:
-            self._engine = engine = NodeEngine(self.model, self.config, job, layout, self.determine_ddp_device_ids())
+            init = sharded.reset_init(self.model) if sharded.on_meta(self.model) else None   # built in configure_model
+            self._engine = engine = NodeEngine(self.model, self.config, job, layout, self.determine_ddp_device_ids(),
+                                               init)
             self.model = engine.module
             self.details.update(layout.describe())
         self.details["shards"], self.details["exchange"] = engine.shards, engine.exchange_name
         if self.inner_steps == "time":
             self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s)
+
+    @override
+    def makes_meta_models(self) -> bool:
+        return self.config.inner == "fsdp"     # each rank makes its FSDP shards (NodeEngine's init)
 
     @override
     def consensus_group(self) -> Any:

@@ -247,12 +247,12 @@ def fsdp_vs_ddp(rank: int, world: int, seed: int, steps: int):
             with torch.device("meta"):
                 model = _model(seed)
 
-            def init(name: str, tensor: torch.Tensor) -> None:
-                tensor.copy_(reference[name])
+            def init(name: str, tensor: torch.Tensor) -> None:   # the second node draws other values
+                tensor.copy_(reference[name] + (rank >= 2))
         else:
             model = _model(seed)
         engine = _engine(rank, world, [2, 2], {"sync_every": 5}, model, inner.split("-")[0], init)
-        if init is not None:          # the shards hold the whole tensors' values, and nothing is whole
+        if init is not None:          # the shards hold the first node's values, and nothing is whole
             assert all(p.to_local().numel() < p.numel() for p in model.parameters() if p.shape[0] > 1)
             out.append(all(torch.equal(p.full_tensor(), reference[n]) for n, p in model.named_parameters()))
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -265,7 +265,8 @@ def fsdp_vs_ddp(rank: int, world: int, seed: int, steps: int):
 
 def test_fsdp_inside_the_node_equals_ddp_inside_it():
     """FSDP2 over the node's ranks, a rank's DiLoCo shard its FSDP shard (Nesterov outer, 20 steps);
-    the same from a model built on the meta device, whose ranks made only their own shards."""
+    the same from a model built on the meta device, whose ranks made only their own shards (the
+    second node from other values: every node takes the first node's)."""
     seed = int(torch.randint(0, 2**20, ()))
     results = run_distributed(fsdp_vs_ddp, 4, seed, 20, timeout=180)
     for ddp, _, fsdp, _, materialized, meta, _ in results:
@@ -307,22 +308,42 @@ def test_through_lightning_a_mid_round_resume_from_sharded_outer_state_is_bit_id
         assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
 
 
+def _meta_regressor():
+    """``TinyRegressor`` whose net is built on the meta device in ``configure_model``."""
+    from tests.helpers.models import TinyRegressor
+
+    class MetaRegressor(TinyRegressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = None
+
+        def configure_model(self) -> None:
+            if self.net is None:
+                with torch.device("meta"):
+                    self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    return MetaRegressor()
+
+
 def trainer_fsdp_vs_ddp(rank: int, world: int, tmp_dir: str, seed: int, steps: int):
     """``steps`` steps through the Trainer (Nesterov outer, H = 5, a validation every epoch: the
-    consensus), DDP then FSDP2 inside the node: the whole parameters, the last val_loss, the layout."""
+    consensus), DDP then FSDP2 inside the node, then FSDP2 from a model built on the meta device
+    in ``configure_model`` (each rank makes its shards, torch's initialization from the same
+    seed): the whole parameters, the last val_loss, the layout."""
     from syncplane.job import JobContext
     from tests.dist.test_diloco import _diloco
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
     out = {}
-    for inner in ("ddp", "fsdp"):
+    for inner in ("ddp", "fsdp", "fsdp-meta"):
         torch.manual_seed(seed)
-        model = TinyRegressor()
-        strategy = _diloco(sync_every=5, replica="node", inner=inner, exchange="mesh",
+        model = _meta_regressor() if inner == "fsdp-meta" else TinyRegressor()
+        torch.manual_seed(seed)
+        strategy = _diloco(sync_every=5, replica="node", inner=inner.split("-")[0], exchange="mesh",
                            job=JobContext(world_size=world, local_world_size=2))
         trainer = trainer_for(strategy, tmp_dir, max_steps=steps, limit_val_batches=2)
         trainer.fit(model, RegressionData(seed=seed))
-        params = [p.full_tensor() if inner == "fsdp" else p.detach().clone() for p in model.parameters()]
+        params = [p.full_tensor() if inner != "ddp" else p.detach().clone() for p in model.parameters()]
         out[inner] = (params, float(trainer.callback_metrics["val_loss"]), strategy.rounds, dict(strategy.details))
     return out
 
@@ -343,6 +364,9 @@ def test_through_lightning_fsdp_inside_the_node_equals_ddp_inside_it(tmp_path):
         for a, b in zip(ddp, fsdp):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert abs(fsdp_loss - ddp_loss) < 1e-5
+        meta, meta_loss, meta_rounds, _ = result["fsdp-meta"]
+        assert meta_rounds == 4 and meta_loss == fsdp_loss
+        assert all(torch.equal(a, b) for a, b in zip(fsdp, meta))
 
 
 def discard_one_shard(rank: int, world: int, seed: int):

@@ -9,6 +9,7 @@ model's, taken from the parameter it goes back into.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -64,17 +65,61 @@ def shard_module(module: torch.nn.Module, mesh: DeviceMesh, unit_params: int = U
 
 def materialize(module: torch.nn.Module, init: Callable[[str, torch.Tensor], None], device: str = "cpu") -> None:
     """Give values to ``module``, built on the meta device and sharded by ``shard_module``: each
-    parameter and buffer is made whole by ``init(name, tensor)``, one at a time, and this rank
-    keeps its shard. The peak is the largest tensor, never the model, and the values are the
-    same whatever the layout (a shard of the same whole tensor on every node), so the replicas
-    start as one model. ``init`` must be deterministic (seed its randomness by ``name``)."""
+    parameter and buffer is made whole by ``init(name, tensor)``, one at a time and submodule by
+    submodule (a tied parameter by its first owner), and this rank keeps its shard. The peak is
+    the largest tensor, never the model, and the values are the same whatever the layout (a
+    shard of the same whole tensor on every node), so the replicas start as one model.
+    ``init`` must be deterministic: seed its randomness by ``name``, or draw from a seeded
+    generator in this (every rank's same) order, as ``reset_init`` does."""
     module.to_empty(device=device)
+    seen: set[int] = set()
     with torch.no_grad():
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            init(name, whole)
-            local(tensor.data).copy_(like(whole, tensor.data).to_local() if isinstance(tensor.data, DTensor)
-                                     else whole)
+        for prefix, owner in module.named_modules():
+            for name, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+                if id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                init(f"{prefix}.{name}" if prefix else name, whole)
+                local(tensor.data).copy_(like(whole, tensor.data).to_local() if isinstance(tensor.data, DTensor)
+                                         else whole)
+
+
+def reset_init(meta_module: torch.nn.Module, device: str = "cpu") -> Callable[[str, torch.Tensor], None]:
+    """An ``init`` for ``materialize`` from torch's own initialization: the submodule that owns a
+    tensor is made whole on its own (a copy of ``meta_module``'s, taken here, before sharding)
+    and its ``reset_parameters()`` run, as Lightning materializes a model built on the meta
+    device. The submodules come in the order ``materialize`` asks for them, one at a time, so
+    every rank draws the same values from the same seed; a submodule with tensors and no
+    ``reset_parameters`` is refused by name."""
+    def own_tensors(m: torch.nn.Module) -> bool:
+        return any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+
+    def refused(prefix: str, m: torch.nn.Module) -> ValueError:
+        return ValueError(f"{prefix or 'the root module'} ({type(m).__name__}) has tensors and no "
+                          "reset_parameters(): build it on the meta device with an init of its own")
+
+    # the root (a LightningModule, attached to its trainer) is never copied: it has no reset_parameters
+    template: dict[str, torch.nn.Module | ValueError] = {
+        prefix: (copy.deepcopy(m) if prefix and hasattr(m, "reset_parameters") else refused(prefix, m))
+        for prefix, m in meta_module.named_modules() if own_tensors(m)}
+    current: dict[str, torch.nn.Module] = {}
+
+    def init(name: str, tensor: torch.Tensor) -> None:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix not in current:
+            owner = template[prefix]
+            if isinstance(owner, ValueError):
+                raise owner
+            for done in current.values():        # one whole submodule at a time
+                done.to_empty(device="meta", recurse=False)
+            current.clear()
+            owner.to_empty(device=device, recurse=False)
+            owner.reset_parameters()  # type: ignore[operator]
+            current[prefix] = owner
+        tensor.copy_(getattr(current[prefix], leaf))
+
+    return init
 
 
 def on_meta(module: torch.nn.Module) -> bool:

@@ -97,13 +97,18 @@ class NodeEngine:
         self.gather_group = node_groups(layout, "gloo")
         self.inner_group = node_groups(layout, "nccl") if on_gpu else self.gather_group
         self.module = self._wrap(module, "cuda" if on_gpu else "cpu", device_ids)
-        if meta:
-            materialize(self.module, init, "cpu")
         #: FSDP: the ranks that hold this rank's shard in every node (the consensus averages over
         #: them); DDP: None (all ranks: a node's ranks are one model, weighted by their count)
         self.consensus_group = (dist.new_subgroups_by_enumeration(
             [list(layout.shard_group(k)) for k in range(layout.shards)], backend="gloo")[0]
             if layout.inner == "fsdp" else None)
+        if meta:
+            materialize(self.module, init, "cpu")
+            # every node takes the first node's values of this shard, as a model built whole
+            # takes rank 0's: the nodes agree even where their ranks' seeds did not
+            src = layout.shard_group(layout.owned(job.rank)[0])[0]
+            for tensor in local_tensors(self.module):
+                dist.broadcast(tensor, src=src, group=self.consensus_group)
         tensors = local_tensors(module)
         n_params = sum(local(p.data).numel() for p in module.parameters())
         self.host = host_mirror(tensors)      # DDP: the gather target, the replica's whole model
