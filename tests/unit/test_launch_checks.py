@@ -28,7 +28,7 @@ _DECENTRALIZED = {"schedule": "sometimes", "topology": "NoSuchGraph", "topology_
                   "global_every": -1, "bucket_mb": 0, "consensus_eval": "maybe", "consensus_every": -1,
                   "check_schedule": "maybe", "timeout_s": 0}
 _HIERARCHICAL = {**_DECENTRALIZED, "machines": "pod", "ranks_per_machine": 3}   # 3 does not divide 2 ranks
-_LATE_PEERS = {"max_staleness": -1, "late_after_s": -0.5}
+_LATE_PEERS = {"max_staleness": -1, "late_after_s": -0.5, "hierarchy": "pod"}
 
 #: strategy -> key -> one bad value for a job of 2 ranks on this machine
 BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
