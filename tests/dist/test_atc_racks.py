@@ -84,3 +84,23 @@ def test_the_decision_is_the_profiles():
     assert not mixes_racks("auto", load_profile("two_racks"), max_staleness=2)
     with pytest.raises(ValueError, match="unknown hierarchy 'pod'"):
         mixes_racks("pod", load_profile("two_racks"))
+
+
+def _train_on_racks(rank: int, world: int, tmp_dir: str, profile_path: str):
+    os.environ["SYNCPLANE_CLUSTER"] = profile_path
+    from tests.dist.test_decentralized import _train
+
+    return {label: _train(rank, world, tmp_dir, name, kwargs, 3, 0.9)[0]
+            for label, name, kwargs in (("atc", "atc", {}), ("h_atc", "h_atc", {"machines": "rack"}),
+                                        ("flat", "atc", {"hierarchy": "none"}))}
+
+
+@pytest.mark.timeout(300)
+def test_the_atc_strategy_on_racks_trains_as_h_atc_on_racks(tmp_path):
+    """Through Lightning: the default ``atc`` on a profile with racks ends with h_atc's
+    parameters (machines = racks) bit for bit, and ``hierarchy: none`` with other ones."""
+    profile = tmp_path / "racks.yaml"
+    profile.write_text(_profile(2, 2, 1))
+    for result in run_distributed(_train_on_racks, 4, str(tmp_path), str(profile), timeout=280):
+        assert torch.equal(result["atc"], result["h_atc"])
+        assert not torch.equal(result["atc"], result["flat"])
