@@ -60,20 +60,21 @@ from syncplane.strategies.registry import register
 @register("canary")
 class CanaryStrategy(SyncplaneStrategy):
     """Args: those of ``CanaryConfig`` (compression, exact_fraction, quantile_weight, nics,
-    exchange, compress_in_host, bucket_cap_mb, sync_timeout_s, staleness, proportion,
+    exchange, compress_in_host, colayers_in_flight, bucket_cap_mb, sync_timeout_s, staleness, proportion,
     warmup_steps, momentum_compensation), then ``SyncplaneStrategy``'s."""
 
     replicas_identical = True   # every rank applies the same decoded mean gradient (of the same step)
 
     def __init__(self, compression: str = "sketch", exact_fraction: float = 0.01, quantile_weight: float = 0.3,
                  nics: int | str = "auto", exchange: str = "auto", compress_in_host: bool = False,
-                 bucket_cap_mb: float = 25.0, sync_timeout_s: float = 600.0,
+                 colayers_in_flight: int = 2, bucket_cap_mb: float = 25.0, sync_timeout_s: float = 600.0,
                  staleness: int = 0, proportion: float | None = None, warmup_steps: int = 100,
                  momentum_compensation: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = CanaryConfig(compression=compression, exact_fraction=exact_fraction,
                                    quantile_weight=quantile_weight, nics=nics, exchange=exchange,
-                                   compress_in_host=compress_in_host, bucket_cap_mb=bucket_cap_mb,
+                                   compress_in_host=compress_in_host, colayers_in_flight=colayers_in_flight,
+                                   bucket_cap_mb=bucket_cap_mb,
                                    sync_timeout_s=sync_timeout_s, staleness=staleness, proportion=proportion,
                                    warmup_steps=warmup_steps, momentum_compensation=momentum_compensation)
         self._colayers: Colayers | None = None
@@ -103,6 +104,7 @@ class CanaryStrategy(SyncplaneStrategy):
         rank_zero_info(f"canary: {len(self._colayers)} colayer(s) of {self._engine.total} gradient values, "
                        f"{self.world_size} pieces each, {self.config.compression}, "
                        f"{self._engine.exchange} over {self._engine.transport.streams} stream(s), "
+                       f"{self._engine.lanes} colayer(s) in flight, "
                        + ("exchanged during the backward" if overlap else "exchanged after the backward (accumulation)")
                        + (f", staleness {self.config.staleness}, proportion {self.config.proportion}" if self.gei else ""))
 

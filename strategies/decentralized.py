@@ -15,6 +15,9 @@ all-reduce except, optionally, every ``global_every`` steps.
 - ``h_atc`` / ``h_awc``: the same, mixing *machines* (``hierarchical_neighbor_allreduce``:
   average inside each machine, mix with the neighbouring machines, each process carrying
   1/L of its machine's exchange) -- one payload per machine crosses the slow links.
+- ``atc``/``awc`` on a cluster profile with racks (``hierarchy: auto``, the default) mix racks
+  the way ``h_atc``/``h_awc`` do: flat gossip piles flows of the whole payload onto the
+  uplinks (``machines.mixes_racks``); ``hierarchy: none`` keeps the ranks.
 
 Hooks used (see ``SyncplaneStrategy``): ``setup_sync`` (schedule, averager, checks),
 ``before_optimizer_step`` (AWC), ``before_parameter_update`` (AWC: combine; ATC: finish
@@ -38,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from syncplane.algorithms.decentralized.config import DecentralizedConfig
-from syncplane.algorithms.decentralized.machines import machines_for
+from syncplane.algorithms.decentralized.machines import machines_for, mixes_racks
 from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager, release
 from syncplane.algorithms.decentralized.schedule import build_graph, build_schedule
 from syncplane.job import JobContext
@@ -52,7 +55,7 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     """Shared glue of the four decentralized strategies; subclasses pick when to mix.
 
     Args: those of ``DecentralizedConfig`` (topology, topology_kwargs, schedule,
-    global_every, machines, ranks_per_machine, check_schedule, timeout_s, max_staleness,
+    global_every, hierarchy, machines, ranks_per_machine, check_schedule, timeout_s, max_staleness,
     late_after_s), then
     ``consensus_every`` and ``bucket_mb`` (neighbour-exchange buckets: small, so a bucket is
     combined while the next one is still on the wire) and ``SyncplaneStrategy``'s others.
@@ -63,14 +66,15 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     combine_buffers_after_step = False  # AWC: buffers are mixed after the step (see setup_sync)
 
     def __init__(self, topology: str = "ExponentialTwoGraph", topology_kwargs: dict[str, Any] | None = None,
-                 schedule: str = "one_peer", global_every: int = 0, machines: str = "auto",
+                 schedule: str = "one_peer", global_every: int = 0, hierarchy: str = "auto", machines: str = "auto",
                  ranks_per_machine: int | None = None,
                  check_schedule: bool = True, timeout_s: float = 300.0, max_staleness: int = 0,
                  late_after_s: float = 0.05, consensus_every: int = 10,
                  bucket_mb: float = NEIGHBOR_BUCKET_BYTES / 2**20, **kwargs: Any) -> None:
         super().__init__(consensus_every=consensus_every, bucket_mb=bucket_mb, **kwargs)
         self.config = DecentralizedConfig(topology=topology, topology_kwargs=dict(topology_kwargs or {}),
-                                          schedule=schedule, global_every=global_every, machines=machines,
+                                          schedule=schedule, global_every=global_every, hierarchy=hierarchy,
+                                          machines=machines,
                                           ranks_per_machine=ranks_per_machine, check_schedule=check_schedule,
                                           timeout_s=timeout_s, max_staleness=max_staleness,
                                           late_after_s=late_after_s)
@@ -89,12 +93,19 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
     def setup_sync(self, job: JobContext) -> None:
         config = self.config
         machines: list[list[int]] | None = None
-        if self.hierarchical:   # collective on every rank: machines of any sizes (see machines_for)
-            used, machines = machines_for(job, config.machines, config.ranks_per_machine, self.world_size)
+        # atc/awc on a profile with racks mix racks, as h_atc/h_awc do (``mixes_racks``)
+        by_rack = not self.hierarchical and mixes_racks(config.hierarchy, job.profile, config.max_staleness)
+        hierarchical = self.hierarchical or by_rack
+        if hierarchical:   # collective on every rank: machines of any sizes (see machines_for)
+            used, machines = (machines_for(job, "rack", None, self.world_size) if by_rack else
+                              machines_for(job, config.machines, config.ranks_per_machine, self.world_size))
             sizes = [len(ranks) for ranks in machines]
             self.details = {"machines": used, "machine_sizes": sizes}
+            if by_rack:
+                self.details["hierarchy"] = "racks (hierarchy=auto on a profile with racks)"
             if self.is_global_zero:
-                log.info("%s: machines = %s, %d machines of %s ranks", type(self).__name__, used, len(sizes), sizes)
+                log.info("%s: machines = %s, %d machines of %s ranks%s", type(self).__name__, used, len(sizes), sizes,
+                         " (hierarchy=auto: the profile has racks; hierarchy=none mixes ranks)" if by_rack else "")
         participants = len(machines) if machines is not None else self.world_size
         graph = build_graph(config.topology, participants, **config.topology_kwargs)
         schedule = build_schedule(config.schedule, graph)
@@ -105,7 +116,7 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         mixed, after_step = (params, buffers) if self.combine_buffers_after_step else (params + buffers, [])
 
         def averager(part: list[torch.Tensor]) -> NeighborAverager:
-            return NeighborAverager(part, schedule, hierarchical=self.hierarchical, machines=machines,
+            return NeighborAverager(part, schedule, hierarchical=hierarchical, machines=machines,
                                     bucket_bytes=self.bucket_bytes, meter=self.comm_meter, timeout_s=config.timeout_s,
                                     max_staleness=config.max_staleness, late_after_s=config.late_after_s)
 

@@ -70,11 +70,23 @@ def test_strategy_time_reports_unmodelled_strategies(monkeypatch):
 def test_one_peer_atc_on_two_racks_piles_flows_onto_the_uplink():
     """Step t of the one-peer schedule sends 2^t flows across each 100 Mbit uplink (t = 0,
     1, 2 for 8 ranks in two racks of 4): the bound is the mean of 1, 2 and 4 payloads at
-    uplink speed -- why flat gossip loses to DDP there (the DS-Sync paper, §II)."""
+    uplink speed -- why flat gossip loses to DDP there (the DS-Sync paper, §II), and why
+    atc's default there mixes racks (``hierarchy: none`` keeps the ranks)."""
+    from syncplane.algorithms import CostOptions
+
     model = CostModel(load_profile("two_racks"))
-    _, bound = strategy_time(model, "atc", M)
+    _, bound = strategy_time(model, "atc", M, CostOptions(pattern="none"))
     uplink = 100e6 / 8
     assert bound == pytest.approx((1 + 2 + 4) / 3 * M / uplink, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["atc", "awc"])
+def test_the_default_atc_mixes_racks_on_a_profile_with_racks_and_ranks_elsewhere(name):
+    """``hierarchy: auto``: priced as h_atc on two_racks, as flat gossip on one rack."""
+    racks = CostModel(load_profile("two_racks"))
+    assert strategy_time(racks, name, M) == strategy_time(racks, "h_" + name, M)
+    one_rack = CostModel(load_profile("homogeneous8"))
+    assert strategy_time(one_rack, name, M) != strategy_time(one_rack, "h_" + name, M)
 
 
 def test_hierarchical_atc_on_two_racks_sends_one_payload_per_rack_over_the_uplink():

@@ -97,6 +97,28 @@ def test_the_cpu_term_is_added_to_the_price_of_the_strategies_that_pay_it():
     assert any(op.startswith("encode:GradientSketch") for op in canary.elements)
 
 
+def test_canary_colayers_in_flight_overlap_their_cpu_work_with_the_wire():
+    """Four colayers of ResNet-50's payload in flight two at a time: the longer of the wire
+    and the CPU work plus a quarter of the shorter; one in flight (or one colayer): their sum."""
+    from syncplane.algorithms import overlapped
+    from syncplane.algorithms.plan import cost_options
+
+    profile = load_profile("two_racks")
+    model = CostModel(profile, tcp=EMULATED_TCP)
+    payload = 97.49 * 2**20
+    rates = made_up_rates(spec_for("canary").cpu("canary", profile, payload, CostOptions()))
+    assert overlapped(3.0, 1.0, 4) == 3.25 and overlapped(1.0, 3.0, 4) == 3.25 and overlapped(3.0, 1.0, 1) == 4.0
+    inputs = PlanInputs(payload, cpu=rates)
+    piped, serial = (strategy_times(model, "canary", payload, cost_options("canary", kwargs, inputs), rates)
+                     for kwargs in ({}, {"colayers_in_flight": 1}))
+    assert cost_options("canary", {}, inputs).parts == 4 and cost_options("canary", {"colayers_in_flight": 1}, inputs).parts == 1
+    wire = serial.predicted_s - serial.cpu_s
+    assert piped.cpu_s == serial.cpu_s > 0
+    assert piped.predicted_s == pytest.approx(max(wire, piped.cpu_s) + min(wire, piped.cpu_s) / 4)
+    one = 20 * 2**20                                              # one colayer: nothing to overlap
+    assert cost_options("canary", {}, PlanInputs(one, cpu=rates)).parts == 1
+
+
 def test_the_bench_row_shows_the_cpu_part_and_the_wire_only_error():
     profile, payload = load_profile("wan_two_sites"), 5 * 2**20
     options = {"compression": "sparse", "exchange": "gather", "density": 0.01}

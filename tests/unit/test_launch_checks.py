@@ -28,7 +28,7 @@ _DECENTRALIZED = {"schedule": "sometimes", "topology": "NoSuchGraph", "topology_
                   "global_every": -1, "bucket_mb": 0, "consensus_eval": "maybe", "consensus_every": -1,
                   "check_schedule": "maybe", "timeout_s": 0}
 _HIERARCHICAL = {**_DECENTRALIZED, "machines": "pod", "ranks_per_machine": 3}   # 3 does not divide 2 ranks
-_LATE_PEERS = {"max_staleness": -1, "late_after_s": -0.5}
+_LATE_PEERS = {"max_staleness": -1, "late_after_s": -0.5, "hierarchy": "pod"}
 
 #: strategy -> key -> one bad value for a job of 2 ranks on this machine
 BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
@@ -37,7 +37,7 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
     "canary": {"compression": "fp4", "exact_fraction": 2, "quantile_weight": -1, "nics": 0,
                "exchange": "nested",   # 2 ranks on one host do not nest: known before launch
                "bucket_cap_mb": 0, "sync_timeout_s": 0, "staleness": -1, "proportion": 2, "warmup_steps": -1,
-               "momentum_compensation": "x", "compress_in_host": "x"},
+               "momentum_compensation": "x", "compress_in_host": "x", "colayers_in_flight": 0},
     "auto": {"accept": "exakt", "compute_ms": -1, "time_steps": 0, "cluster": "nope", "strategies": ["nope"],
              "period": 0},
     "ddp": {},

@@ -100,7 +100,8 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
     """``StrategyTimes`` of ``name`` on ``model``'s cluster: the means over one period of its
     pattern (so periodic algorithms are amortized, their network bound too: it counts the
     steps whose flows leave a host, not those on loopback only); with ``cpu`` rates, the
-    prediction adds the family's CPU work per round (the bounds stay the wire's)."""
+    prediction adds the family's CPU work per round, overlapped with the wire where the round
+    goes in several parts (``overlapped``; the bounds stay the wire's)."""
     family = spec_for(name)
     steps = family.cost(name, model.profile, payload_bytes, options)
     if not steps:
@@ -109,7 +110,7 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
     rounds = sum(1 for step in steps if model.crosses_hosts(step)) / len(steps)
     exchanges = sum(1 for step in steps if step) / len(steps)
     cpu_s = cpu.seconds(family.cpu(name, model.profile, payload_bytes, options)) * exchanges if cpu is not None else 0.0
-    return StrategyTimes(sum(model.time(p) for p in steps) / len(steps) + cpu_s,
+    return StrategyTimes(overlapped(sum(model.time(p) for p in steps) / len(steps), cpu_s, options.parts),
                          sum(model.bound(p) for p in steps) / len(steps), network.seconds * rounds, network.binding,
                          cpu_s)
 
@@ -135,6 +136,15 @@ def describe_periods(periods_used: dict[str, int], period: int | None = None) ->
     if period is not None:
         return f"period {period} (--period)"
     return "period " + ", ".join(f"{name} {p}" for name, p in periods_used.items()) + " (their defaults; --period sets one for all)"
+
+
+def overlapped(wire_s: float, cpu_s: float, parts: int = 1) -> float:
+    """A round's time when it goes in ``parts`` equal parts, each part's CPU work running
+    while the previous part is on the wire (a two-stage pipeline): the longer stage plus one
+    part of the shorter (filling it); with one part the two add up."""
+    if parts <= 1:
+        return wire_s + cpu_s
+    return max(wire_s, cpu_s) + min(wire_s, cpu_s) / parts
 
 
 def strategy_time(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()

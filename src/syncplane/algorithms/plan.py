@@ -188,7 +188,7 @@ def cost_options(name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> Co
         period = int(kwargs.get(family.period_key or "", inputs.period or family.default_period[name]))
     return CostOptions(period, family.streams(kwargs), family.pattern(kwargs), str(kwargs.get("compression", "none")),
                        float(kwargs.get("density", CostOptions.density)), int(kwargs.get("bits", CostOptions.bits)),
-                       str(kwargs.get("replica", CostOptions.replica)))
+                       str(kwargs.get("replica", CostOptions.replica)), family.parts(kwargs, inputs.payload_bytes))
 
 
 def cpu_work(profile: ClusterProfile, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> CpuWork:

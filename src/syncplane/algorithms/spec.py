@@ -45,6 +45,7 @@ class CostOptions:
     density: float = 0.02
     bits: int = 2
     replica: str = "rank"   # DiLoCo's replica: rank | node | auto (``diloco.layout``)
+    parts: int = 1   # parts of a round whose CPU work overlaps the previous part's wire (``AlgorithmSpec.parts``)
 
 
 #: (strategy name, cluster, payload bytes, options) -> the phases of every step of one period
@@ -90,6 +91,9 @@ class AlgorithmSpec:
         period_key: the ``strategy.kwargs`` key of a periodic algorithm's period (DiLoCo's H).
         cpu: the CPU work of one round beside the wire (absent: none modelled), priced with
             the rates ``syncplane.exchanges.cpu.calibrate`` measures on the machine.
+        parts: (bench options, payload bytes) -> how many parts a round goes in, one part's
+            CPU work running while the previous one is on the wire (Canary's colayers in
+            flight); 1: the CPU work and the wire add up.
     """
 
     family: str
@@ -107,6 +111,7 @@ class AlgorithmSpec:
     variants: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
     period_key: str | None = None
     cpu: CpuPattern = lambda name, profile, payload_bytes, options: CpuWork()
+    parts: Callable[[Mapping[str, Any], float], int] = lambda options, payload_bytes: 1
 
 
 def compute_split(window: str | None, compute_s: float) -> tuple[float, float, float]:

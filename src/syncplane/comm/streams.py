@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Mapping, Sequence
@@ -181,6 +182,8 @@ class StreamRunner:
         self._groups = self._build_groups()
         self._feedback: tuple[ErrorFeedback, ...] | None = None
         self._feedback_numel = -1     # the buffer length the residuals are for
+        self._residuals: StreamRunner = self   # whose residuals this runner updates (``share_residuals``)
+        self._feedback_lock = threading.Lock()
         #: set a ``PhaseProfile`` to have each round's phases timed (``syncplane bench --profile``)
         self.profile: PhaseProfile | None = None
         # operations (and their buffers) of the current round: kept alive until the round
@@ -250,6 +253,15 @@ class StreamRunner:
         self._copy = torch.empty(0)    # a fresh working copy after a failed round
         return False
 
+    def share_residuals(self, owner: StreamRunner) -> None:
+        """Update ``owner``'s error-feedback residuals instead of keeping its own: runners that
+        exchange disjoint slices of one logical buffer at the same time (Canary's colayers in
+        flight on their own groups) then hold exactly the residuals one runner would, and
+        ``owner``'s ``state_dict`` holds them all. Not a collective."""
+        if owner.exchange.feedback_slots != self.exchange.feedback_slots or type(owner.codec) is not type(self.codec):
+            raise ValueError("share_residuals: the runners keep different residuals (exchange or codec differ)")
+        self._residuals = owner._residuals
+
     def bytes_per_round(self, numel: int) -> int:
         """Bytes this rank sends in one round of ``numel`` values."""
         return self.exchange.bytes_per_round(numel, self.codec, self.rank, self.size)
@@ -258,9 +270,10 @@ class StreamRunner:
         """This rank's error-feedback residuals (empty for exact fp32). They differ per rank:
         a strategy saves them as per-rank state, which the checkpoint gathers from every rank.
         Not a collective."""
-        if isinstance(self.codec, Fp32) or self._feedback is None:
+        owner = self._residuals
+        if isinstance(self.codec, Fp32) or owner._feedback is None:
             return {}
-        return {"residuals": torch.stack([f.residual for f in self._feedback])}
+        return {"residuals": torch.stack([f.residual for f in owner._feedback])}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take back this rank's residuals (what ``state_dict`` returned on this rank)."""
@@ -308,13 +321,17 @@ class StreamRunner:
     def _error_feedback(self, numel: int) -> tuple[ErrorFeedback, ...]:
         """One residual of ``numel`` values per slot the exchange declares; none for exact fp32,
         which has nothing to remember (a model-sized buffer per slot would be host memory for
-        nothing)."""
-        if self._feedback is None or self._feedback_numel != numel:
-            slots = max(1, self.exchange.feedback_slots)
-            size = 0 if isinstance(self.codec, Fp32) else numel
-            self._feedback = tuple(ErrorFeedback(self.codec, size, self.beta) for _ in range(slots))
-            self._feedback_numel = numel
-        return self._feedback
+        nothing). Thread-safe: runners sharing residuals may ask at once."""
+        owner = self._residuals
+        if owner is not self:
+            return owner._error_feedback(numel)
+        with self._feedback_lock:
+            if self._feedback is None or self._feedback_numel != numel:
+                slots = max(1, self.exchange.feedback_slots)
+                size = 0 if isinstance(self.codec, Fp32) else numel
+                self._feedback = tuple(ErrorFeedback(self.codec, size, self.beta) for _ in range(slots))
+                self._feedback_numel = numel
+            return self._feedback
 
     def _agree(self, ok: bool) -> bool:
         """Collective: True only if every rank's round succeeded."""

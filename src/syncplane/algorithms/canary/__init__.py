@@ -12,6 +12,7 @@ Glue: ``strategies/canary.py``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,8 +54,9 @@ def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
 
 def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
     """One step's CPU work for the exchange ``canary_cost`` prices: sketching, decoding and
-    summing pieces (``syncplane.exchanges.cpu``; the colayers go one after another, so their
-    work adds up to the payload's), and the runner's residual snapshots and copy."""
+    summing pieces (``syncplane.exchanges.cpu``; the colayers' work adds up to the payload's;
+    with colayers in flight it overlaps the wire, ``canary_parts``), and the runner's residual
+    snapshots and copy."""
     shape = JobShape.of_profile(profile)
     chosen = choose(options.pattern, shape, allowed=EXCHANGES, exact=False, strict=False)
     codec, numel = CanaryConfig().codec(), max(1, int(payload_bytes // 4))
@@ -67,6 +69,15 @@ def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options
         work = mesh.cpu_work(profile.world_size, numel, codec)
     slots = DigitExchange.feedback_slots if chosen.name in ("cube", "nested") else MeshExchange.feedback_slots
     return work + runner_work(codec, slots, numel)
+
+
+def canary_parts(options: Mapping[str, Any], payload_bytes: float) -> int:
+    """Colayers of the payload when several are in flight (``colayers_in_flight``): colayer
+    k+1 is sketched while colayer k is on the wire; with one in flight, 1 (CPU and wire add up)."""
+    if int(options.get("colayers_in_flight") or CanaryConfig.colayers_in_flight) < 2:
+        return 1
+    bucket = float(options.get("bucket_cap_mb") or CanaryConfig.bucket_cap_mb) * 2**20
+    return max(1, math.ceil(payload_bytes / bucket))
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> CanaryStep:
@@ -84,6 +95,7 @@ SPEC = AlgorithmSpec(
     check_job=check_job,
     variants={"canary": tuple({"exchange": e} for e in EXCHANGES)},
     cpu=canary_cpu,
+    parts=canary_parts,
 )
 
 __all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "canary_cpu", "sketch_ratio"]

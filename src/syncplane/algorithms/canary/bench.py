@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 class CanaryStep:
     """Canary's exchange of the payload as DDP-sized colayers (25 MiB), every step, after
-    the backward (it does not overlap it), always with the gradient sketch (the bench's
+    the backward (it does not overlap it), ``colayers_in_flight`` of them at once (the
+    training default, or ``options["colayers_in_flight"]``), always with the gradient sketch (the bench's
     ``compression`` option is DiLoCo's). ``options["shards"]`` > 1 sets the gloo groups;
     otherwise one per NIC the job names. ``options["exchange"]``: ``mesh``, ``nested``, ``cube``,
     or ``auto`` (what training would pick); a name Canary does not run counts as ``auto``."""
@@ -29,7 +30,9 @@ class CanaryStep:
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         shards = int(options.get("shards") or 1)
         self.config = CanaryConfig(compression="sketch", nics=shards if shards > 1 else "auto",
-                                   exchange=offered(options.get("exchange"), EXCHANGES))
+                                   exchange=offered(options.get("exchange"), EXCHANGES),
+                                   colayers_in_flight=int(options.get("colayers_in_flight")
+                                                          or CanaryConfig.colayers_in_flight))
         self.transport = make_transport(self.config, job)
         self.engine: CanaryEngine | None = None
 
@@ -42,7 +45,8 @@ class CanaryStep:
             layout = f"nested exchange, levels {pattern.radices}" + (f", exact level(s) {exact}" if exact else "")
         else:
             layout = "piece mesh"
-        return f"canary: {self.config.compression}, {self.transport.streams} stream(s), {layout}"
+        return (f"canary: {self.config.compression}, {self.transport.streams} stream(s), {layout}, "
+                f"{self.transport.lanes} colayer(s) in flight")
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
         per_colayer = DEFAULT_BUCKET_BYTES // payload.element_size()

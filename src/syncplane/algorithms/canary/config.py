@@ -37,6 +37,10 @@ class CanaryConfig:
         compress_in_host: whether the nested exchange also sketches what ranks of one host
             send each other (default no: raw fp32 through memory costs no wire, and
             encoding it would cost CPU and accuracy for nothing).
+        colayers_in_flight: colayers exchanged at once, each on its own gloo groups (all the
+            streams, one per NIC): colayer k+1's encoding and in-host hop then run while
+            colayer k is on the wire; 1 = one after another. The result is the same bits
+            either way (each colayer keeps its own residuals).
         bucket_cap_mb: colayer size: gradients grouped in backward order up to this many MiB.
         sync_timeout_s: an exchange slower than this fails the step (on every rank).
         staleness: s, a step's aggregate is applied s steps later (a rank waits only for a
@@ -58,6 +62,7 @@ class CanaryConfig:
     nics: int | str = "auto"
     exchange: str = "auto"
     compress_in_host: bool = False
+    colayers_in_flight: int = 2
     bucket_cap_mb: float = 25.0
     sync_timeout_s: float = 600.0
     staleness: int = 0
@@ -80,6 +85,9 @@ class CanaryConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         object.__setattr__(self, "exchange", exchange)
+        if isinstance(self.colayers_in_flight, bool) or not isinstance(self.colayers_in_flight, int) \
+                or self.colayers_in_flight < 1:
+            raise ConfigError(f"colayers_in_flight: expected an integer >= 1, got {self.colayers_in_flight!r}")
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb: must be positive, got {self.bucket_cap_mb}")
         if not self.sync_timeout_s > 0:

@@ -9,8 +9,14 @@ every colayer keeps its own). All of that is the transport's piece layout
 (``syncplane.comm.StreamRunner`` over ``syncplane.exchanges.MeshExchange(layout="pieces")``: piece j travels on the gloo group
 of NIC ``j mod k``); the engine owns the colayers, their positions and their residuals.
 
+Colayers in flight: a transport with ``lanes`` > 1 (``exchange.Lanes``) runs that many
+colayers at once, each lane on its own gloo groups and its own worker thread; colayer i
+always takes lane ``i mod lanes``, so every rank runs the same sequence of exchanges on each
+lane, and colayer k+1 is encoded (and takes its in-host hop) while colayer k is on the wire.
+
 Lightning-free, and the transport is injected, so tests run it on any exchange that has
-``allreduce_mean_(flat, meter, offset=, total=)``, ``state_dict`` and ``load_state_dict``.
+``allreduce_mean_(flat, meter, offset=, total=)`` (and ``lane=`` with ``lanes`` > 1),
+``state_dict`` and ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 import torch
@@ -71,24 +77,53 @@ class CanaryEngine:
         self.pieces = pieces
         self.transport = transport
         self.rounds = 0
+        self.lanes = max(1, int(getattr(transport, "lanes", 1)))
+        self._workers: list[ThreadPoolExecutor] = []
+
+    def submit(self, index: int, fn: Callable[..., torch.Tensor], *args: Any) -> Future[torch.Tensor]:
+        """Run ``fn(*args)`` -- colayer ``index``'s exchange -- on the worker of its lane
+        (``index mod lanes``): a lane takes its colayers in the order they are submitted."""
+        if not self._workers:
+            self._workers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"canary-lane{lane}")
+                             for lane in range(self.lanes)]
+        return self._workers[index % self.lanes].submit(fn, *args)
+
+    def shutdown(self) -> None:
+        """Wait for the exchanges submitted so far and stop the lane workers (a later
+        ``submit`` starts new ones)."""
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.shutdown(wait=True)
 
     def exchange_(self, index: int, flat: torch.Tensor, meter: CommMeter | None = None) -> None:
         """Replace colayer ``index``'s flat fp32 CPU gradient by its mean over all ranks
         (through the compressed pieces); raises ``ExchangeFailed`` if it was discarded."""
         if flat.numel() != self.sizes[index]:
             raise ValueError(f"colayer {index} has {self.sizes[index]} elements, got a buffer of {flat.numel()}")
-        if not self.transport.allreduce_mean_(flat, meter, offset=self.offsets[index], total=self.total):
+        lane = {"lane": index % self.lanes} if self.lanes > 1 else {}
+        if not self.transport.allreduce_mean_(flat, meter, offset=self.offsets[index], total=self.total, **lane):
             detail = getattr(self.transport, "last_error", None)
             raise ExchangeFailed(f"canary: the exchange of colayer {index} was discarded on every rank"
                                  + (f" ({detail})" if detail else ""))
 
     def exchange_all_(self, colayers: Sequence[torch.Tensor], meter: CommMeter | None = None) -> None:
-        """Every colayer in order (one step)."""
+        """Every colayer in order (one step), ``lanes`` of them in flight at once; raises the
+        first failed colayer's error once every exchange is over."""
         if len(colayers) != len(self.sizes):
             raise ValueError(f"expected {len(self.sizes)} colayers, got {len(colayers)}")
-        for index, flat in enumerate(colayers):
-            self.exchange_(index, flat, meter)
+        if self.lanes == 1:
+            for index, flat in enumerate(colayers):
+                self.exchange_(index, flat, meter)
+        else:
+            futures = [self.submit(index, self._exchanged, index, flat, meter) for index, flat in enumerate(colayers)]
+            wait(futures)
+            for future in futures:
+                future.result()
         self.rounds += 1
+
+    def _exchanged(self, index: int, flat: torch.Tensor, meter: CommMeter | None) -> torch.Tensor:
+        self.exchange_(index, flat, meter)
+        return flat
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback residuals (per-rank state: each rank saves its own)."""
@@ -116,7 +151,7 @@ class CanaryEngine:
 
 
 class BackwardPipeline:
-    """Exchanges colayers on one worker thread while the backward goes on.
+    """Exchanges colayers on the engine's lane workers while the backward goes on.
 
     The glue calls ``begin()`` when a step starts, ``ready(i)`` when colayer i's gradients
     are all produced; colayers are handed to the worker strictly in index order (a colayer
@@ -142,7 +177,6 @@ class BackwardPipeline:
     def __init__(self, engine: CanaryEngine, pack: Callable[[int], torch.Tensor],
                  meter: CommMeter | None = None, gei: GEI | None = None) -> None:
         self.engine, self._pack, self._meter, self.gei = engine, pack, meter, gei
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary")
         self._lock = threading.Lock()
         self._done: set[int] = set()
         self._next = 0
@@ -256,14 +290,14 @@ class BackwardPipeline:
 
     def close(self) -> None:
         """Wait for the exchanges in flight (every rank submitted the same ones) and stop."""
-        self._worker.shutdown(wait=True)
+        self.engine.shutdown()
 
     def _submit_in_order(self, stop_at_gap: bool) -> None:
         while self._next < len(self.engine.sizes) and (self._next in self._done or not stop_at_gap):
             # stale: pack now -- the gradients are overwritten by the next step's backward
             # before the worker may reach this exchange
             packed = self._pack(self._next).clone() if self.stale else None
-            self._futures.append(self._worker.submit(self._exchange, self._step, self._next, packed))
+            self._futures.append(self.engine.submit(self._next, self._exchange, self._step, self._next, packed))
             self._next += 1
             self.early += stop_at_gap
 

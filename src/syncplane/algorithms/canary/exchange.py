@@ -7,11 +7,13 @@ before any rank starts (``check_job``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from syncplane.algorithms.canary.config import CanaryConfig
-from syncplane.comm import StreamExchange, StreamRunner
+from syncplane.comm import CommMeter, StreamExchange, StreamRunner
 from syncplane.config import ConfigError
 from syncplane.exchanges import CubeExchange, JobShape, MeshExchange, NestedExchange, choose
 from syncplane.job import JobContext
@@ -67,20 +69,76 @@ def plan_exchange(config: CanaryConfig, job: JobContext) -> tuple[StreamExchange
     return MeshExchange(streams, layout="pieces"), f"piece-level mesh exchange, {streams} stream(s) ({chosen.reason})"
 
 
-def make_transport(config: CanaryConfig, job: JobContext) -> StreamRunner:
-    """The exchange ``plan_exchange`` picks, on its streams (a collective; every rank decides
-    alike from the same context)."""
+class Lanes:
+    """The transport of colayers in flight at once: one ``StreamRunner`` per lane, each on its
+    own gloo groups (every stream, one per NIC), so colayer k+1's encoding and in-host hop run
+    while colayer k is on the wire. Colayer i always travels on lane ``i mod lanes`` (the
+    engine's choice, the same on every rank), and every lane updates the first lane's
+    error-feedback residuals (disjoint positions), so the result and the residuals are those
+    of one runner taking the colayers one after another, bit for bit. Each lane commits or
+    discards its own rounds."""
+
+    def __init__(self, runners: Sequence[StreamRunner]) -> None:
+        if not runners:
+            raise ValueError("lanes: at least one runner")
+        self.runners = list(runners)
+        for runner in self.runners[1:]:
+            runner.share_residuals(self.runners[0])
+
+    @property
+    def lanes(self) -> int:
+        return len(self.runners)
+
+    @property
+    def exchange(self) -> StreamExchange:
+        return self.runners[0].exchange
+
+    @property
+    def streams(self) -> int:
+        return self.runners[0].streams
+
+    @property
+    def failures(self) -> int:
+        return sum(r.failures for r in self.runners)
+
+    @property
+    def last_error(self) -> str | None:
+        return next((r.last_error for r in self.runners if r.last_error), None)
+
+    def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *, offset: int = 0,
+                        total: int | None = None, lane: int = 0) -> bool:
+        """``StreamRunner.allreduce_mean_`` on lane ``lane`` (one caller per lane at a time)."""
+        return self.runners[lane].allreduce_mean_(flat, meter, offset=offset, total=total)
+
+    def bytes_per_round(self, numel: int) -> int:
+        return self.runners[0].bytes_per_round(numel)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.runners[0].state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.runners[0].load_state_dict(state)
+
+    def close(self) -> None:
+        for runner in self.runners:
+            runner.close()
+
+
+def make_transport(config: CanaryConfig, job: JobContext) -> Lanes:
+    """The exchange ``plan_exchange`` picks, on its streams, ``config.colayers_in_flight``
+    lanes of them (a collective; every rank decides alike from the same context)."""
     pattern, what = plan_exchange(config, job)
     if isinstance(pattern, CubeExchange) and job.interfaces and len(job.interfaces) != pattern.beta:
         log.warning("cube exchange: %d levels but %d NIC(s) named (%s); levels share NICs",
                     pattern.beta, len(job.interfaces), ",".join(job.interfaces))
-    log.info("canary: %s", what)
-    return StreamRunner(pattern, codec=config.codec(), interfaces=job.interfaces, timeout_s=config.sync_timeout_s)
+    log.info("canary: %s, %d colayer(s) in flight", what, config.colayers_in_flight)
+    return Lanes([StreamRunner(pattern, codec=config.codec(), interfaces=job.interfaces,
+                               timeout_s=config.sync_timeout_s) for _ in range(config.colayers_in_flight)])
 
 
 def check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
     """``plan_exchange``'s choice made in the launching process, so that what it would refuse
     on every rank (``exchange: nested`` on ranks that do not nest, the cube's NIC count, a
     BCube host of several ranks) is refused before any rank starts."""
-    keys = ("exchange", "nics", "compress_in_host")
+    keys = ("exchange", "nics", "compress_in_host", "colayers_in_flight")
     plan_exchange(CanaryConfig(**{k: kwargs[k] for k in keys if k in kwargs}), job)

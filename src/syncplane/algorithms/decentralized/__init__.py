@@ -13,7 +13,7 @@ from typing import Any
 
 from syncplane.algorithms.decentralized.bench import NeighborAveragingStep
 from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps, one_peer_steps
-from syncplane.algorithms.decentralized.machines import machines_for
+from syncplane.algorithms.decentralized.machines import HIERARCHIES, machines_for, mixes_racks
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
@@ -26,8 +26,10 @@ def _hierarchical(name: str) -> bool:
 
 def decentralized_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                        options: CostOptions) -> list[list[Phase]]:
-    """One period of the one-peer schedule, over ranks or (``h_*``) over racks."""
-    pattern = hierarchical_one_peer_steps if _hierarchical(name) else one_peer_steps
+    """One period of the one-peer schedule, over ranks or over racks (``h_*``, and ``atc``/``awc``
+    where ``hierarchy``, ``options.pattern`` here, mixes racks on this profile)."""
+    racks = _hierarchical(name) or mixes_racks(_hierarchy({"hierarchy": options.pattern}), profile)
+    pattern = hierarchical_one_peer_steps if racks else one_peer_steps
     return pattern(profile, payload_bytes, options)
 
 
@@ -38,7 +40,16 @@ def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> NeighborAveragingStep:
+    if not _hierarchical(name) and mixes_racks(_hierarchy(options), job.profile):
+        return NeighborAveragingStep({**options, "machines": "rack"}, job, hierarchical=True)
     return NeighborAveragingStep(options, job, hierarchical=_hierarchical(name))
+
+
+def _hierarchy(options: Mapping[str, Any]) -> str:
+    """``hierarchy`` of a bench row or variant (``atc[hierarchy=none]``); a value that is not
+    one (another family's ``exchange`` shared through the cost options) means the default."""
+    value = str(options.get("hierarchy") or "auto")
+    return value if value in HIERARCHIES else "auto"
 
 
 SPEC = AlgorithmSpec(
@@ -54,5 +65,6 @@ SPEC = AlgorithmSpec(
     # ATC's exchange runs behind the next forward (each module waits for its own buckets),
     # AWC's behind forward and backward (combined before the update).
     overlap={"atc": "forward", "h_atc": "forward", "awc": "step", "h_awc": "step"},
+    pattern=_hierarchy,     # atc/awc: whether they mix racks on a profile with racks
     check_job=_check_job,
 )

@@ -7,7 +7,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from syncplane.algorithms.decentralized.machines import MACHINE_KINDS
+from syncplane.algorithms.decentralized.machines import HIERARCHIES, MACHINE_KINDS
 from syncplane.algorithms.decentralized.schedule import SCHEDULES
 from syncplane.comm import topology as graphs
 
@@ -25,6 +25,9 @@ class DecentralizedConfig:
         schedule: ``one_peer`` (dynamic one-peer exponential, BlueFog's training
             default: one payload per rank per step) or ``static`` (the graph every step).
         global_every: an exact global average every K steps (0 = never).
+        hierarchy: ``atc``/``awc`` only: ``auto`` mixes racks as ``h_atc``/``h_awc`` do (machines
+            = racks) where the job's cluster profile has several racks and some rack holds
+            several ranks (``machines.mixes_racks``), else ranks; ``none`` always mixes ranks.
         machines: what a machine is for the hierarchical forms: ``host`` (the processes
             started per host), ``rack`` (a rack of the cluster profile / probe) or ``auto``
             (hosts when hosts run several ranks, else racks).
@@ -41,6 +44,7 @@ class DecentralizedConfig:
     topology_kwargs: dict[str, Any] = field(default_factory=dict)
     schedule: str = "one_peer"
     global_every: int = 0
+    hierarchy: str = "auto"
     machines: str = "auto"
     ranks_per_machine: int | None = None
     check_schedule: bool = True
@@ -61,6 +65,8 @@ class DecentralizedConfig:
             raise ValueError(f"unknown schedule {self.schedule!r}; allowed values: {', '.join(SCHEDULES)}")
         if self.global_every < 0:
             raise ValueError(f"global_every must be >= 0 (0 = never), got {self.global_every}")
+        if self.hierarchy not in HIERARCHIES:
+            raise ValueError(f"unknown hierarchy {self.hierarchy!r}; allowed values: {', '.join(HIERARCHIES)}")
         if self.machines not in MACHINE_KINDS:
             raise ValueError(f"unknown machines {self.machines!r}; allowed values: {', '.join(MACHINE_KINDS)}")
         if self.ranks_per_machine is not None and self.ranks_per_machine < 1:
