@@ -12,7 +12,12 @@ How:
 - each rank watches its ring successor ``(rank + 1) % world``: if the successor's counter has
   not moved for ``timeout_s`` (measured on the watcher's own monotonic clock, so clocks of
   different hosts never meet), the watcher posts ``<prefix>/abort`` with a message naming it;
-- every rank polls ``<prefix>/abort`` and, when it appears, stops with that message.
+- every rank polls ``<prefix>/abort`` and, when it appears, stops with that message (and
+  marks ``<prefix>/read/<rank>``); the rank whose process holds the store (rank 0 under
+  syncplane's launcher) first waits, at most two beat intervals, until every rank that is not
+  lost has read it (``settle``): leaving at once would take the store down under a rank that
+  had not polled yet (one training inside its own node, with no collective across to break),
+  whose error would then name nobody.
 
 A ring costs O(world) store operations per interval in all (three per rank), and every rank is
 watched by exactly one other. A rank that ends cleanly writes ``done``; its watcher stops
@@ -66,12 +71,15 @@ class Heartbeat:
         where: how to name the store in messages (its address or file).
         on_lost: called once with the message when a rank is lost (default: ``exit_now``).
         clock: a monotonic clock (tests pass their own).
+        hosts_store: this rank's process holds the store, so that it ``settle``s before leaving.
+        sleep: how ``settle`` waits (tests pass their own).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
                  interval_s: float | None = None, startup_s: float | None = None, where: str = "the store",
                  prefix: str = "syncplane/heartbeat", on_lost: Callable[[str], None] = exit_now,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hosts_store: bool = False,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if timeout_s <= 0:
             raise ValueError(f"heartbeat timeout_s must be positive, got {timeout_s}")
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -79,6 +87,7 @@ class Heartbeat:
         self.interval_s = timeout_s / 5 if interval_s is None else interval_s
         self.startup_s = max(60.0, 3 * timeout_s) if startup_s is None else startup_s
         self.where, self.prefix, self.on_lost, self.clock = where, prefix, on_lost, clock
+        self.hosts_store, self.sleep = hosts_store, sleep
         self.watched: int | None = (rank + 1) % world_size if world_size > 1 else None
         self.beats = 0
         self.lost: str | None = None
@@ -97,8 +106,9 @@ class Heartbeat:
         try:
             self.beats += 1
             self.store.set(self._key(self.rank), str(self.beats))
-            if self.store.check([self._key("abort")]):
-                return self._report(self.store.get(self._key("abort")).decode())
+            posted = self._read_abort()
+            if posted is not None:
+                return self._report(posted)
             message = self._check_successor()
         except RuntimeError as exc:   # torch's store errors (timeouts, resets) are RuntimeErrors
             message = (f"rank {self.rank}: the job's store at {self.where} did not answer within "
@@ -108,6 +118,7 @@ class Heartbeat:
             return self._report(message)
         if message is not None:
             try:
+                self.store.set(self._key("lost"), str(self.watched))
                 self.store.set(self._key("abort"), message)
             except RuntimeError:
                 pass   # the others will find the lost rank themselves, or the store gone
@@ -144,11 +155,19 @@ class Heartbeat:
         if self.lost is not None:
             return self.lost
         try:
-            if self.store.check([self._key("abort")]):
-                return self.store.get(self._key("abort")).decode()
+            return self._read_abort()
         except RuntimeError:
-            pass   # the store is gone with the job: nothing to add to the rank's own error
-        return None
+            return None   # the store is gone with the job: nothing to add to the rank's own error
+
+    def _read_abort(self) -> str | None:
+        """The posted verdict (None: none yet), marking that this rank read it (``settle``
+        waits for that); a failing store raises its RuntimeError."""
+        key = self._key("abort")
+        if not self.store.check([key]):
+            return None
+        verdict = self.store.get(key).decode()
+        self.store.set(self._key(f"read/{self.rank}"), "1")
+        return verdict
 
     def find_lost(self, window_s: float | None = None, sleep: Callable[[float], None] = time.sleep) -> str | None:
         """Name the ranks that stopped beating, now rather than ``timeout_s`` from now.
@@ -187,10 +206,49 @@ class Heartbeat:
         message = (f"{names} stopped sending heartbeats (gone, or hung) while rank {self.rank}'s collective "
                    f"broke; found by rank {self.rank} within {window:.0f} s")
         try:   # atomically: the first rank to post wins, and every rank reports its message
+            self.store.compare_set(self._key("lost"), "", ",".join(map(str, silent)))
             message = self.store.compare_set(self._key("abort"), "", message).decode()
+            self.store.set(self._key(f"read/{self.rank}"), "1")
         except RuntimeError:
             pass
         return message
+
+    def settle(self, window_s: float | None = None) -> None:
+        """On the rank that holds the store (``hosts_store``), before it leaves on a verdict:
+        wait until every other rank has read the verdict, finished, was named lost by it (the
+        ``lost`` key its poster sets), or has shown itself silent (its counter still after a
+        beat interval: gone or hung, it will read nothing), at most ``window_s`` (default two
+        beat intervals), beating meanwhile. Elsewhere a no-op. Why: the module docstring."""
+        if not self.hosts_store or self.world_size < 2:
+            return
+        window = 2 * self.interval_s + 0.5 if window_s is None else window_s
+        step, waited = self.interval_s / 4, 0.0
+        try:
+            lost_key = self._key("lost")
+            named = self.store.get(lost_key).decode().split(",") if self.store.check([lost_key]) else []
+            waiting = {r for r in range(self.world_size) if r != self.rank and str(r) not in named}
+            before = self._counters()
+            while True:
+                waiting = {r for r in waiting if not self.store.check([self._key(f"read/{r}")])
+                           and not self._finished(r)}
+                if waiting and waited >= self.interval_s + 0.5:   # a live rank has beaten, and so polled
+                    now = self._counters()
+                    waiting = {r for r in waiting if now[r] != before[r]}
+                if not waiting or waited >= window:
+                    break
+                self.beats += 1
+                self.store.set(self._key(self.rank), str(self.beats))
+                self.sleep(step)
+                waited += step
+        except RuntimeError:
+            return   # the store is failing anyway: nothing to wait for
+        if waiting:
+            log.warning("rank %d: leaving before rank(s) %s read the verdict (waited %.1f s)", self.rank,
+                        sorted(waiting), waited)
+
+    def _finished(self, rank: int) -> bool:
+        key = self._key(rank)
+        return self.store.check([key]) and self.store.get(key) == _DONE
 
     def _counters(self) -> list[bytes | None]:
         keys = [self._key(r) for r in range(self.world_size)]
@@ -198,6 +256,7 @@ class Heartbeat:
 
     def _report(self, message: str) -> str:
         self.lost = message
+        self.settle()
         self.on_lost(message)
         return message
 

@@ -49,8 +49,10 @@ class HeartbeatCallback(Callback):
         if stage != "fit" or self.timeout_s <= 0 or not dist.is_initialized() or dist.get_world_size() < 2:
             return
         store, where, prefix = rendezvous.heartbeat_store(self.timeout_s)
+        # under syncplane's launcher rank 0's process holds the TCP store (a file store needs no one)
         self.heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size(), timeout_s=self.timeout_s,
-                                   where=where, prefix=prefix)
+                                   where=where, prefix=prefix, hosts_store=dist.get_rank() == 0
+                                   and not isinstance(store, dist.FileStore))
         self.heartbeat.start()
         log.info("heartbeat: every %.1f s; a rank silent for %.0f s stops the job",
                  self.heartbeat.interval_s, self.timeout_s)
@@ -65,6 +67,8 @@ class HeartbeatCallback(Callback):
             # same count this rank as alive
             verdict = (self.heartbeat.find_lost() if is_transport_error(exception)
                        else self.heartbeat.verdict())
+            if verdict is not None:
+                self.heartbeat.settle()
             self.heartbeat.stop(done=False)
             self.heartbeat = None
             if verdict is not None:
