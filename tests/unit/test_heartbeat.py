@@ -178,7 +178,7 @@ def test_the_rank_holding_the_store_waits_until_every_live_rank_read_the_verdict
     rounds(beats, clock, 20)
     message = census(beats, clock, 3, dead=(2,))
     assert message is not None and "rank 2 stopped" in message
-    host = Heartbeat(store, 0, 4, timeout_s=10, clock=clock, hosts_store=True, sleep=lambda _: None)
+    host = Heartbeat(store, 0, 4, timeout_s=10, clock=clock, settles=True, sleep=lambda _: None)
     other = Heartbeat(store, 1, 4, timeout_s=10, clock=clock, sleep=pytest.fail)
     other.settle()                                        # not the store's host: no wait
 
@@ -196,7 +196,17 @@ def test_the_rank_holding_the_store_waits_until_every_live_rank_read_the_verdict
 
     # a hung rank never reads it: settle stops waiting once its counter has stood still a beat interval
     waited.clear()
-    hung = Heartbeat(store, 0, 4, timeout_s=10, clock=clock, hosts_store=True, sleep=lambda s: waited.append(s))
+    hung = Heartbeat(store, 0, 4, timeout_s=10, clock=clock, settles=True, sleep=lambda s: waited.append(s))
     store.delete_key("syncplane/heartbeat/read/1")
     hung.settle()
     assert hung.interval_s + 0.5 <= sum(waited) < 2 * hung.interval_s + 0.5
+
+
+def test_a_rank_that_lost_the_store_leaves_without_settling():
+    class Broken(dist.HashStore):
+        def set(self, key, value):
+            raise RuntimeError("Socket Timeout")
+    lost: list[str] = []
+    beat = Heartbeat(Broken(), 1, 4, timeout_s=7, on_lost=lost.append, settles=True, sleep=pytest.fail)
+    assert beat.poll() is not None and "did not answer" in lost[0]
+    beat.settle()                                         # no store: nothing to wait for, no sleep

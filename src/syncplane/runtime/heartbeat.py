@@ -13,11 +13,12 @@ How:
   not moved for ``timeout_s`` (measured on the watcher's own monotonic clock, so clocks of
   different hosts never meet), the watcher posts ``<prefix>/abort`` with a message naming it;
 - every rank polls ``<prefix>/abort`` and, when it appears, stops with that message (and
-  marks ``<prefix>/read/<rank>``); the rank whose process holds the store (rank 0 under
-  syncplane's launcher) first waits, at most two beat intervals, until every rank that is not
-  lost has read it (``settle``): leaving at once would take the store down under a rank that
-  had not polled yet (one training inside its own node, with no collective across to break),
-  whose error would then name nobody.
+  marks ``<prefix>/read/<rank>``). Before leaving, a rank says why, then waits (``settle``, at
+  most two beat intervals) until every rank that is not lost has read it: a rank that left
+  at once could take the store down with it (rank 0 holds it under syncplane's launcher), or
+  start the launcher's stop of the others, under a rank that had not polled yet -- one that
+  trains inside its own node, with no collective across to break -- whose error would then
+  name nobody.
 
 A ring costs O(world) store operations per interval in all (three per rank), and every rank is
 watched by exactly one other. A rank that ends cleanly writes ``done``; its watcher stops
@@ -48,13 +49,16 @@ LOST_PEER_EXIT = 75
 _DONE = b"done"
 
 
-def exit_now(message: str) -> None:
-    """The default reaction: say why on stderr and leave at once. The main thread is blocked
-    inside a collective that only the 30-minute process-group timeout would end, so there is
-    nothing to unwind; checkpoints are written atomically, so none is left half-written."""
+def exit_now(message: str, before_exit: Callable[[], None] | None = None) -> None:
+    """The default reaction: say why on stderr, run ``before_exit`` (``Heartbeat.settle``) and
+    leave. The main thread is blocked inside a collective that only the 30-minute process-group
+    timeout would end, so there is nothing to unwind; checkpoints are written atomically, so
+    none is left half-written."""
     sys.stderr.write(f"syncplane: {message}\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    if before_exit is not None:
+        before_exit()
     os._exit(LOST_PEER_EXIT)
 
 
@@ -69,16 +73,17 @@ class Heartbeat:
         interval_s: time between beats (default ``timeout_s / 5``).
         startup_s: how long a successor that never beat gets (default ``max(60, 3·timeout_s)``).
         where: how to name the store in messages (its address or file).
-        on_lost: called once with the message when a rank is lost (default: ``exit_now``).
+        on_lost: called once with the message when a rank is lost (default: ``exit_now``,
+            settling first).
         clock: a monotonic clock (tests pass their own).
-        hosts_store: this rank's process holds the store, so that it ``settle``s before leaving.
+        settles: ``settle`` waits for the other ranks to read the verdict (else a no-op).
         sleep: how ``settle`` waits (tests pass their own).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
                  interval_s: float | None = None, startup_s: float | None = None, where: str = "the store",
-                 prefix: str = "syncplane/heartbeat", on_lost: Callable[[str], None] = exit_now,
-                 clock: Callable[[], float] = time.monotonic, hosts_store: bool = False,
+                 prefix: str = "syncplane/heartbeat", on_lost: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, settles: bool = False,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         if timeout_s <= 0:
             raise ValueError(f"heartbeat timeout_s must be positive, got {timeout_s}")
@@ -86,8 +91,9 @@ class Heartbeat:
         self.timeout_s = timeout_s
         self.interval_s = timeout_s / 5 if interval_s is None else interval_s
         self.startup_s = max(60.0, 3 * timeout_s) if startup_s is None else startup_s
-        self.where, self.prefix, self.on_lost, self.clock = where, prefix, on_lost, clock
-        self.hosts_store, self.sleep = hosts_store, sleep
+        self.where, self.prefix, self.clock = where, prefix, clock
+        self.on_lost = on_lost or (lambda message: exit_now(message, before_exit=self.settle))
+        self.settles, self.sleep = settles, sleep
         self.watched: int | None = (rank + 1) % world_size if world_size > 1 else None
         self.beats = 0
         self.lost: str | None = None
@@ -111,6 +117,7 @@ class Heartbeat:
                 return self._report(posted)
             message = self._check_successor()
         except RuntimeError as exc:   # torch's store errors (timeouts, resets) are RuntimeErrors
+            self.settles = False      # nobody can read a verdict now: leave at once
             message = (f"rank {self.rank}: the job's store at {self.where} did not answer within "
                        f"{self.timeout_s:.0f} s ({exc}); the host holding it (rank 0 under syncplane's "
                        "launcher, node 0's torchrun agent otherwise) is hung or unreachable, or this "
@@ -120,6 +127,7 @@ class Heartbeat:
             try:
                 self.store.set(self._key("lost"), str(self.watched))
                 self.store.set(self._key("abort"), message)
+                self.store.set(self._key(f"read/{self.rank}"), "1")
             except RuntimeError:
                 pass   # the others will find the lost rank themselves, or the store gone
             return self._report(message)
@@ -214,12 +222,11 @@ class Heartbeat:
         return message
 
     def settle(self, window_s: float | None = None) -> None:
-        """On the rank that holds the store (``hosts_store``), before it leaves on a verdict:
-        wait until every other rank has read the verdict, finished, was named lost by it (the
+        """Before this rank leaves on a verdict (with ``settles``): wait until every other rank has read the verdict, finished, was named lost by it (the
         ``lost`` key its poster sets), or has shown itself silent (its counter still after a
         beat interval: gone or hung, it will read nothing), at most ``window_s`` (default two
         beat intervals), beating meanwhile. Elsewhere a no-op. Why: the module docstring."""
-        if not self.hosts_store or self.world_size < 2:
+        if not self.settles or self.world_size < 2:
             return
         window = 2 * self.interval_s + 0.5 if window_s is None else window_s
         step, waited = self.interval_s / 4, 0.0
@@ -256,7 +263,6 @@ class Heartbeat:
 
     def _report(self, message: str) -> str:
         self.lost = message
-        self.settle()
         self.on_lost(message)
         return message
 
