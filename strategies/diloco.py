@@ -1,45 +1,29 @@
 """DiLoCo: H local steps of the user's optimizer, then one outer step on the averaged
-pseudo-gradient, with the outer state on CPU and the exchange over gloo.
+pseudo-gradient, outer state on CPU, exchange on gloo groups of its own (so the training
+itself may use NCCL). This is the Lightning glue; the rounds, the state and the layout are
+``syncplane.algorithms.diloco``'s (``DiLoCoEngine``: a rank is a replica; ``NodeEngine``: the
+ranks of a node, ``replica: node``; ``rounds``: which engine a job runs, the settings' checks,
+a checkpoint's round state).
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:
 
-- ``setup_sync``: with ``replica: node`` (``syncplane.algorithms.diloco.node``), wrap the model in
-  torch's DDP over the node's ranks (``inner: fsdp``: FSDP2 in place) and shard the outer state
-  over them; ``consensus_group``: with FSDP2, the ranks holding this rank's shard in every node
-  (validation's consensus); otherwise lay the model (parameters, then floating buffers) out in one flat
-  fp32 host buffer, create the outer optimizer over the parameters' part (``θ_g`` on
-  CPU; one per fragment) and the sharded gloo exchange -- separate gloo groups, so this
-  works when the training itself uses NCCL; its pattern (``exchange``: the mesh, or
-  FlexReduce's tree on a cluster with hosts/racks/sites) is chosen here, on every rank.
-- ``after_optimizer_step``: every ``sync_every`` real steps, counted from
-  ``trainer.global_step`` (so a resume stays aligned): ``Δ = θ_g − θ_local`` on CPU,
-  averaged over all ranks, one outer step, ``θ_g`` copied back into the model; floating
-  buffers (BatchNorm statistics) are averaged in the same exchange. If the exchange is
-  discarded (a rank failed or timed out), every rank skips the outer step and keeps its
-  local replica: the next round's ``Δ`` then covers both rounds, nothing is lost.
-  Streaming (``fragments`` P > 1, ``overlap_steps`` τ > 0; ``syncplane.algorithms.diloco.streaming``):
-  the same round per fragment at that fragment's offset, its exchange on a background
-  thread for τ steps, its result mixed in as ``α·θ_local + (1 − α)·θ_g``.
-  ``inner_steps=time`` (``syncplane.algorithms.diloco.adaptive``): times this replica's
-  computed steps, weights its Δ by the samples it processed, and at each round boundary
-  makes the agreed decision of every replica's inner steps for the next round.
+- ``setup_sync``: build the engine; with ``replica: node`` train the module it wraps (DDP over
+  the node, or FSDP2), and ``consensus_group`` is, with FSDP2, the ranks holding this shard.
+- ``after_optimizer_step``: every ``sync_every`` steps, counted from ``trainer.global_step``
+  (a resume stays aligned), a round: Δ averaged, one outer step, θ_g copied back (a discarded
+  round keeps the local replica; the next Δ covers both). Streaming (``fragments``,
+  ``overlap_steps``): a round per fragment, exchanged in the background for τ steps.
+  ``inner_steps=time`` (``adaptive``): steps timed, Δ weighted by samples, the next round's
+  inner steps agreed.
 - ``training_step``: with ``inner_steps=time``, a replica whose round budget is spent skips
-  the rest of the round's batches (no forward; a zero loss that reaches no parameter, so no
-  update; Lightning refuses a None step in distributed training), so every rank stays on the
-  same step, epoch and checkpoint.
-- ``finish_pending_sync``: completes the exchanges in flight and their outer steps; the
-  merges stay at their scheduled step, so a checkpoint or a validation in between does
-  not change the trajectory.
-- ``sync_state_dict`` / ``load_sync_state_dict``: outer parameters, outer optimizer
-  state (per fragment), error-feedback residuals, the rounds waiting to be merged and the
-  position within the round, so a resume is bit-identical (the base restores each rank's
-  own replica after the initial broadcast).
+  its batches (a zero loss reaching no parameter: Lightning refuses a None step), so every
+  rank stays on the same step and checkpoint.
+- ``finish_pending_sync``: completes the exchanges in flight; merges stay at their step.
+- ``sync_state_dict`` / ``load_sync_state_dict`` (``rank_state_dict``: error feedback): outer
+  state, rounds waiting to merge, position in the round: a resume is bit-identical.
 
-Elastic mode (``elastic=true``) is ``ElasticDiLoCo`` in ``syncplane.strategies.diloco_elastic``:
-``DiLoCo(..., elastic=True)`` constructs one, so configs keep naming ``strategy=diloco``.
-
-The state and the rounds are ``syncplane.algorithms.diloco.engine.DiLoCoEngine``'s; host<->device
-copies run on a side CUDA stream when the model is on a GPU, plain copies on CPU.
+Elastic mode (``elastic=true``) is ``ElasticDiLoCo`` (``strategies/diloco_elastic.py``), which
+``DiLoCo(..., elastic=True)`` constructs, so configs keep naming ``strategy=diloco``.
 """
 
 from __future__ import annotations
@@ -51,12 +35,11 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from syncplane.algorithms.diloco import rounds as diloco_rounds
 from syncplane.algorithms.diloco.adaptive import TimedRounds, gather_floats, skipped_step_output
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
-from syncplane.algorithms.diloco.layout import check_replica, node_layout
 from syncplane.algorithms.diloco.node import NodeEngine
-from syncplane.algorithms import sharded
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
@@ -94,18 +77,13 @@ class DiLoCo(SyncplaneStrategy):
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",
                  inner: Literal["ddp", "fsdp"] = "ddp", **kwargs: Any) -> None:
+        settings = locals()   # the arguments, by name: DiLoCoConfig takes those that are its fields
         super().__init__(**kwargs)
-        self.config = DiLoCoConfig(sync_every=sync_every, outer_optimizer=outer_optimizer, outer_kwargs=outer_kwargs,
-                                   shards=shards, compression=compression, block_size=block_size,
-                                   density=density, bits=bits, chunk=chunk, error_feedback_beta=error_feedback_beta,
-                                   outer=outer,
-                                   sync_timeout_s=sync_timeout_s, fragments=fragments, overlap_steps=overlap_steps,
-                                   mix_alpha=mix_alpha, exchange=exchange, topology=topology, replica=replica,
-                                   inner=inner, inner_steps=inner_steps, round_budget_s=round_budget_s)
-        check_replica(replica, inner, elastic=bool(elastic))
-        if elastic and inner_steps == "time":
-            raise ValueError("inner_steps=time is not supported with elastic=true (its replicas come and go "
-                             "between rounds; the step counts are agreed by a fixed set of ranks)")
+        self.config = DiLoCoConfig.pick(settings)
+        # the elastic settings are read by ElasticDiLoCo (and heartbeat/join by the launcher)
+        self.elastic_timeouts = {"round_timeout_s": round_timeout_s, "quorum_timeout_s": quorum_timeout_s,
+                                 "heartbeat_timeout_s": heartbeat_timeout_s, "join_timeout_s": join_timeout_s}
+        diloco_rounds.check_mode(self.config, bool(elastic), self.elastic_timeouts, lighthouse_host)
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self.inner_steps = inner_steps
         self._timed: TimedRounds | None = None
@@ -117,16 +95,7 @@ class DiLoCo(SyncplaneStrategy):
         if bool(elastic) != self.ELASTIC:
             raise ValueError(f"elastic={elastic!r} on {type(self).__name__}: construct DiLoCo(..., elastic=...), "
                              "which picks the class for the mode")
-        self.elastic = self.ELASTIC
-        # the elastic settings are read by ElasticDiLoCo (and heartbeat/join by the launcher)
-        self.elastic_timeouts = {"round_timeout_s": round_timeout_s, "quorum_timeout_s": quorum_timeout_s,
-                                 "heartbeat_timeout_s": heartbeat_timeout_s, "join_timeout_s": join_timeout_s}
-        for key, value in self.elastic_timeouts.items():   # checked in either mode: a bad value is a typo
-            if value <= 0:
-                raise ValueError(f"{key} must be positive, got {value}")
-        if not lighthouse_host or any(c.isspace() for c in lighthouse_host):
-            raise ValueError(f"lighthouse_host must be an address or host name, got {lighthouse_host!r}")
-        self.lighthouse_host = lighthouse_host
+        self.elastic, self.lighthouse_host = self.ELASTIC, lighthouse_host
 
     # ------------------------------------------------------------ extension points
 
@@ -135,17 +104,11 @@ class DiLoCo(SyncplaneStrategy):
         n_params = sum(p.numel() for p in self.lightning_module.parameters())
         if self._engine is not None:
             self._engine.close()
-        layout = node_layout(self.config.replica, self.config.inner, job)
-        if layout is None:
-            self._engine = engine = DiLoCoEngine(self.model_tensors(), n_params, self.config, job)
-            self.details.update(replica="rank", replicas=job.world_size, ranks_per_replica=[1] * job.world_size)
-        else:
-            init = sharded.reset_init(self.model) if sharded.on_meta(self.model) else None   # built in configure_model
-            self._engine = engine = NodeEngine(self.model, self.config, job, layout, self.determine_ddp_device_ids(),
-                                               init)
-            self.model = engine.module
-            self.details.update(layout.describe())
-        self.details["shards"], self.details["exchange"] = engine.shards, engine.exchange_name
+        self._engine, details = diloco_rounds.build_engine(self.config, job, self.model, self.model_tensors, n_params,
+                                                           self.determine_ddp_device_ids())
+        if isinstance(self._engine, NodeEngine):
+            self.model = self._engine.module
+        self.details.update(details)
         if self.inner_steps == "time":
             self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s)
 
@@ -224,23 +187,20 @@ class DiLoCo(SyncplaneStrategy):
             self.skipped += 1
         self.details["outer_state_bytes_per_rank"] = self.engine.outer_state_bytes()   # rank 0's in summary.json
 
+    def _round_settings(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "fragments": self.fragments, "overlap_steps": self.overlap_steps,
+                "inner_steps": self.inner_steps}
+
     @override
     def sync_state_dict(self) -> dict[str, Any]:
-        return {**self.engine.outer.state_dict(), "sync_every": self.sync_every, "fragments": self.fragments,
-                "overlap_steps": self.overlap_steps, "rounds": self.rounds, "skipped": self.skipped,
-                "inner_steps": self.inner_steps,
-                **({"timed": self._timed.state_dict()} if self._timed is not None else {})}
+        return diloco_rounds.round_state(self.engine.outer.state_dict(), self._round_settings(), self.rounds,
+                                         self.skipped, self._timed)
 
     @override
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
             return
-        before_streaming = {"fragments": 1, "overlap_steps": 0, "inner_steps": "fixed"}   # what older checkpoints imply
-        for key in ("sync_every", *before_streaming):
-            saved, ours = state.get(key, before_streaming.get(key)), getattr(self, key)
-            if saved != ours:
-                raise ValueError(f"the checkpoint was written with {key}={saved}, this run has "
-                                 f"{key}={ours}: rounds would not line up")
+        diloco_rounds.check_resumed(state, self._round_settings())
         self.engine.outer.load_state_dict(state)
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
         if self._timed is not None:

@@ -373,7 +373,7 @@ def _chaos_matrix(args: argparse.Namespace, out: Path) -> int:
 
     if args.fault:
         raise ConfigError("--matrix places one fault per cell (--kinds, --rank, --step); drop --fault")
-    plans = matrix_plans(parse_strategies(args.strategies, variants=False), [k.strip() for k in args.kinds.split(",") if k.strip()],
+    plans = matrix_plans(parse_strategies(args.strategies), [k.strip() for k in args.kinds.split(",") if k.strip()],
                          args.overrides, out, rank=args.rank, step=args.step)
     json_path = Path(args.json) if args.json else out / "matrix.json"
     with say_if_left_up(any(plan.job.cluster is not None for plan in plans)):
@@ -487,7 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--matrix", action="store_true",
                        help="one job per strategy x fault kind (--strategies, --kinds), one fault each (--rank, "
                             "--step), and a table of the outcomes; exit 0 when every cell kept the promise")
-    chaos.add_argument("--strategies", default="all", help="--matrix: comma-separated strategy names, or all")
+    chaos.add_argument("--strategies", default="all",
+                       help="--matrix: comma-separated rows, or all; a row is a strategy or a variant of its "
+                            "kwargs, NAME[key=value,...] (diloco[replica=node] runs on cluster=multi_nic unless the "
+                            "job names a cluster)")
     chaos.add_argument("--kinds", default="kill,stop,netdown",
                        help="--matrix: fault kinds (netdown runs on cluster=multi_nic unless the job names a cluster)")
     chaos.add_argument("--rank", type=int, default=2, help="--matrix: the rank that fails (default 2)")

@@ -290,8 +290,32 @@ def test_the_matrix_plans_every_cell_up_front_and_puts_netdown_on_a_cluster(tmp_
     assert plans[1].faults[0].lost == [2, 3]          # netdown loses rank 2's whole host
 
 
+def test_a_node_replica_row_runs_on_hosts_of_two_ranks_under_its_own_label(tmp_path: Path) -> None:
+    """``diloco[replica=node]`` is a row of its own: its kwargs reach the job, it runs on
+    ``multi_nic`` (two nodes of two ranks; this machine is one host), and its cells, run
+    directories and table rows carry the whole item."""
+    plans = chaos.matrix_plans(["diloco[replica=node]", "diloco[replica=node,inner=fsdp]"], ["kill", "netdown"],
+                               ["trainer.devices=4"], tmp_path, rank=2, step=12)
+    assert [p.run_dir.name for p in plans] == ["diloco-replica-node-kill", "diloco-replica-node-netdown",
+                                               "diloco-replica-node-inner-fsdp-kill",
+                                               "diloco-replica-node-inner-fsdp-netdown"]
+    for plan in plans:
+        assert plan.job.cluster is not None and plan.job.cluster.name == chaos.NETDOWN_CLUSTER
+        assert plan.job.strategy.name == "diloco" and plan.job.strategy.kwargs["replica"] == "node"
+    assert [p.job.strategy.kwargs["inner"] for p in plans] == ["ddp", "ddp", "fsdp", "fsdp"]
+    assert [p.job.label for p in plans[::2]] == ["diloco[replica=node]", "diloco[replica=node,inner=fsdp]"]
+    assert plans[0].faults[0].lost == [2]                # a rank inside node 1, not its whole host
+    own = chaos.matrix_plans(["diloco[replica=node]"], ["kill"], ["trainer.devices=5", "cluster=asymmetric_2_3"],
+                             tmp_path / "own", rank=2, step=12)
+    assert own[0].job.cluster.name == "asymmetric_2_3"    # the job's own cluster is kept
+    report = chaos.analyse(plans[0], Observation(ranks={r: RankSeen() for r in range(4)}), None, 30)
+    assert chaos.matrix_row(report)["strategy"] == "diloco[replica=node]"
+
+
 @pytest.mark.parametrize(("strategies", "kinds", "overrides", "message"), [
     (["ddp"], ["kill"], ["strategy=atc"], "--matrix sets the strategy per cell"),
+    (["diloco[replica=nod]"], ["kill"], ["trainer.devices=4"], "strategy.kwargs.replica: got 'nod'"),
+    (["diloco[replica=node]"], ["kill"], ["label=x"], "--matrix sets the strategy per cell"),
     (["ddp"], ["explode"], [], "--kinds: unknown explode"),
     (["ddp"], [], [], r"--kinds: unknown \(none given\)"),
     (["ddp", "atc"], ["stop"], ["trainer.devices=1"], "rank 2"),   # the last cell's problem, before any runs

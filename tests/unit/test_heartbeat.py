@@ -166,3 +166,47 @@ def test_only_a_broken_collective_makes_a_rank_look_for_the_lost():
     assert is_transport_error(dist.DistNetworkError("Connection reset by peer"))
     assert not is_transport_error(RuntimeError("fault injected: rank 2 raised after step 12"))
     assert not is_transport_error(ValueError("bad shape"))
+
+
+def test_the_rank_holding_the_store_waits_until_every_live_rank_read_the_verdict():
+    """Ranks 0-1 and 2-3 are two nodes training apart; rank 2 is killed and rank 3 finds it
+    (its node's collective broke). Rank 0 holds the store: leaving on the verdict at once would
+    break rank 1's node-local collective with the store already gone, and rank 1's error would
+    name nobody. ``settle`` waits until rank 1 has polled (read it), not for rank 2, which the
+    verdict names; a rank not holding the store leaves at once."""
+    store, clock, lost, beats = ring(4, timeout_s=10)
+    rounds(beats, clock, 20)
+    message = census(beats, clock, 3, dead=(2,))
+    assert message is not None and "rank 2 stopped" in message
+    host = Heartbeat(store, 0, 4, timeout_s=10, clock=clock, settles=True, sleep=lambda _: None)
+    other = Heartbeat(store, 1, 4, timeout_s=10, clock=clock, sleep=pytest.fail)
+    other.settle()                                        # not the store's host: no wait
+
+    def sleep(seconds: float) -> None:                   # ranks 1 and 3 beat while rank 0 waits
+        clock.now += seconds
+        waited.append(seconds)
+        if sum(waited) >= 1.0:                           # rank 1 polls one second in
+            beats[1].poll()
+        beats[3].poll()
+    waited: list[float] = []
+    host.sleep = sleep
+    host.settle()
+    assert (1, message) in lost                           # rank 1 read the verdict before rank 0 left
+    assert 1.0 <= sum(waited) < host.interval_s   # rank 2, named lost by the verdict, is not waited for
+
+    # a hung rank never reads it: settle stops waiting once its counter has stood still a beat interval
+    waited.clear()
+    hung = Heartbeat(store, 0, 4, timeout_s=10, clock=clock, settles=True, sleep=lambda s: waited.append(s))
+    store.delete_key("syncplane/heartbeat/read/1")
+    hung.settle()
+    assert hung.interval_s + 0.5 <= sum(waited) < 2 * hung.interval_s + 0.5
+
+
+def test_a_rank_that_lost_the_store_leaves_without_settling():
+    class Broken(dist.HashStore):
+        def set(self, key, value):
+            raise RuntimeError("Socket Timeout")
+    lost: list[str] = []
+    beat = Heartbeat(Broken(), 1, 4, timeout_s=7, on_lost=lost.append, settles=True, sleep=pytest.fail)
+    assert beat.poll() is not None and "did not answer" in lost[0]
+    beat.settle()                                         # no store: nothing to wait for, no sleep

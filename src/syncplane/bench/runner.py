@@ -77,7 +77,7 @@ def parse_strategies(value: str, variants: bool = True) -> list[str]:
     labelled = [s for s in names if "[" in s]
     if labelled and not variants:
         raise ConfigError(f"--strategies: {', '.join(labelled)}: this command takes strategy names only "
-                          "(NAME[key=value,...] rows are for bench and simulate)")
+                          "(NAME[key=value,...] rows are for bench, simulate and chaos --matrix)")
     if len(set(names)) != len(names):
         raise ConfigError(f"--strategies: {value!r} names a row twice")
     return names

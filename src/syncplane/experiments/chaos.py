@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from syncplane.job import REPLICA_ENV
-from syncplane.config import ConfigError
+from syncplane.config import ConfigError, parse_variant
 from syncplane.runtime.launcher import signals_stop_the_job
 from syncplane.experiments.comparison import CONFIG_DIR, compose_job
 from syncplane.runtime.settings import FAILING_KINDS, FaultSettings, JobSpec, parse_job
@@ -428,7 +428,7 @@ def analyse(plan: ChaosPlan, seen: Observation, checkpoint: dict[str, Any] | Non
     launcher_error = LAUNCHER_ERROR.search(seen.output)
     error_block = seen.output[launcher_error.start():] if launcher_error else ""
     report = {
-        "job": {"strategy": plan.job.strategy.name, "recipe": plan.job.recipe_name,
+        "job": {"strategy": plan.job.strategy.name, "label": plan.job.label, "recipe": plan.job.recipe_name,
                 "world_size": plan.job.trainer.devices, "elastic": plan.job.elastic,
                 "cluster": plan.job.cluster.name if plan.job.cluster is not None else None,
                 "overrides": plan.overrides, "run_dir": str(plan.run_dir),
@@ -493,12 +493,13 @@ def run_chaos(plan: ChaosPlan, deadline_s: float, timeout_s: float, json_path: P
 def print_report(report: dict[str, Any], json_path: Path) -> None:
     """The report as tables (rich; plain text when not on a terminal)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=140)
     job = report["job"]
     where = f"emulated cluster {job['cluster']!r}" if job["cluster"] else "this machine"
-    faults = Table(title=f"chaos: {job['strategy']} on {job['recipe']}, {job['world_size']} ranks on {where}")
+    faults = Table(title=f"chaos: {escape(job.get('label') or job['strategy'])} on {job['recipe']}, {job['world_size']} ranks on {where}")
     for col in ("fault", "injected by", "ranks lost", "fired (s after start)"):
         faults.add_column(col)
     for f in report["faults"]:
@@ -547,29 +548,53 @@ def _seconds(value: float | None) -> str:
 # ------------------------------------------------------------------ every strategy × every fault
 
 
-#: Where a ``netdown`` cell runs when the job names no cluster: two hosts of two ranks and two
-#: NICs each, so the fault takes one whole host (its ranks) off the network.
+#: Where a ``netdown`` cell, or a row whose replica is a node, runs when the job names no
+#: cluster: two hosts of two ranks and two NICs each, so a netdown takes one whole host (its
+#: ranks) off the network, and ``diloco[replica=node]`` has two nodes of two ranks.
 NETDOWN_CLUSTER = "multi_nic"
+#: ``strategy.kwargs.replica`` values that make a node (the ranks of a host) one replica:
+#: such a row needs hosts of several ranks, which a job on this machine (one host) lacks.
+NODE_REPLICAS = ("node", "auto")
+
+
+def cell_overrides(item: str) -> list[str]:
+    """A row's job overrides: ``NAME`` or ``NAME[key=value,...]`` (a variant of its
+    ``strategy.kwargs``, as in ``syncplane compare``), labelled by the whole item."""
+    name, options = parse_variant(item)
+    return [f"strategy={name}", *([f"label='{item}'"] if options else []),
+            *(f"strategy.kwargs.{key}={value}" for key, value in options)]
+
+
+def cell_dir(item: str, kind: str) -> str:
+    """A cell's run directory name: ``diloco[replica=node]`` x kill -> ``diloco-replica-node-kill``."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", item).strip("-") + f"-{kind}"
+
+
+def _needs_hosts(item: str) -> bool:
+    return dict(parse_variant(item)[1]).get("replica") in NODE_REPLICAS
 
 
 def matrix_plans(strategies: list[str], kinds: list[str], overrides: list[str], out_dir: Path, *, rank: int,
                  step: int) -> list[ChaosPlan]:
-    """One plan per strategy × kind (the same job otherwise), all validated before any runs:
-    a typo in the 30th cell fails now, not after half an hour."""
+    """One plan per row × kind (the same job otherwise), all validated before any runs: a
+    typo in the 30th cell fails now, not after half an hour. A row is a strategy or a variant
+    ``NAME[key=value,...]`` (``diloco[replica=node]``); a netdown cell and a node-replica row
+    run on ``NETDOWN_CLUSTER`` unless the job names a cluster."""
     for override in overrides:
-        if override.lstrip("+~").partition("=")[0] == "strategy":
-            raise ConfigError(f"{override!r}: --matrix sets the strategy per cell; give --strategies instead")
+        if override.lstrip("+~").partition("=")[0] in ("strategy", "label"):
+            raise ConfigError(f"{override!r}: --matrix sets the strategy per cell; give --strategies instead "
+                              "(NAME[key=value,...] for a variant)")
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ConfigError(f"--kinds: unknown {', '.join(unknown) or '(none given)'}; allowed kinds: {', '.join(KINDS)}")
     own_cluster = any(o.lstrip("+").startswith("cluster=") for o in overrides)
     plans = []
-    for strategy in strategies:
+    for item in strategies:
         for kind in kinds:
-            job = [f"strategy={strategy}", *overrides]
-            if kind == "netdown" and not own_cluster:
+            job = [*cell_overrides(item), *overrides]
+            if (kind == "netdown" or _needs_hosts(item)) and not own_cluster:
                 job.append(f"cluster={NETDOWN_CLUSTER}")
-            plans.append(prepare(job, [f"{kind}:rank={rank}:step={step}"], out_dir / f"{strategy}-{kind}"))
+            plans.append(prepare(job, [f"{kind}:rank={rank}:step={step}"], out_dir / cell_dir(item, kind)))
     return plans
 
 
@@ -578,7 +603,7 @@ def matrix_row(report: dict[str, Any]) -> dict[str, Any]:
     survivors = [r for r in report["ranks"] if r["role"] == "survivor"]
     exits = [r["exited_after_s"] for r in survivors]
     checkpoint = report["checkpoint"]
-    return {"strategy": report["job"]["strategy"], "kind": report["faults"][0]["kind"],
+    return {"strategy": report["job"].get("label") or report["job"]["strategy"], "kind": report["faults"][0]["kind"],
             "cluster": report["job"]["cluster"], "ok": report["ok"], "lost": report["lost_ranks"],
             "survivors_out_s": None if None in exits or not exits else max(exits),
             "launcher_out_s": report["launcher"]["ended_after_s"], "exit_code": report["launcher"]["exit_code"],
@@ -603,6 +628,7 @@ def run_matrix(plans: list[ChaosPlan], deadline_s: float, timeout_s: float, json
 
 def print_matrix(rows: list[dict[str, Any]], deadline_s: float, json_path: Path) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=140)
@@ -613,7 +639,7 @@ def print_matrix(rows: list[dict[str, Any]], deadline_s: float, json_path: Path)
         table.add_column(col, justify="right" if "out" in col else "left")
     for row in rows:
         where = f" ({row['cluster']})" if row["cluster"] else ""
-        table.add_row(row["strategy"], row["kind"] + where, str(row["lost"]), _seconds(row["survivors_out_s"]),
+        table.add_row(escape(row["strategy"]), row["kind"] + where, str(row["lost"]), _seconds(row["survivors_out_s"]),
                       _seconds(row["launcher_out_s"]), f"{row['survivors_named']}/{row['survivors']}",
                       str(row["leftover"]), "-" if row["checkpoint_step"] is None else f"step {row['checkpoint_step']}",
                       "[green]kept[/]" if row["ok"] else "[red]broken[/]: " + "; ".join(row["problems"]))

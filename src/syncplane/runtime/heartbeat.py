@@ -12,7 +12,13 @@ How:
 - each rank watches its ring successor ``(rank + 1) % world``: if the successor's counter has
   not moved for ``timeout_s`` (measured on the watcher's own monotonic clock, so clocks of
   different hosts never meet), the watcher posts ``<prefix>/abort`` with a message naming it;
-- every rank polls ``<prefix>/abort`` and, when it appears, stops with that message.
+- every rank polls ``<prefix>/abort`` and, when it appears, stops with that message (and
+  marks ``<prefix>/read/<rank>``). Before leaving, a rank says why, then waits (``settle``, at
+  most two beat intervals) until every rank that is not lost has read it: a rank that left
+  at once could take the store down with it (rank 0 holds it under syncplane's launcher), or
+  start the launcher's stop of the others, under a rank that had not polled yet -- one that
+  trains inside its own node, with no collective across to break -- whose error would then
+  name nobody.
 
 A ring costs O(world) store operations per interval in all (three per rank), and every rank is
 watched by exactly one other. A rank that ends cleanly writes ``done``; its watcher stops
@@ -43,13 +49,16 @@ LOST_PEER_EXIT = 75
 _DONE = b"done"
 
 
-def exit_now(message: str) -> None:
-    """The default reaction: say why on stderr and leave at once. The main thread is blocked
-    inside a collective that only the 30-minute process-group timeout would end, so there is
-    nothing to unwind; checkpoints are written atomically, so none is left half-written."""
+def exit_now(message: str, before_exit: Callable[[], None] | None = None) -> None:
+    """The default reaction: say why on stderr, run ``before_exit`` (``Heartbeat.settle``) and
+    leave. The main thread is blocked inside a collective that only the 30-minute process-group
+    timeout would end, so there is nothing to unwind; checkpoints are written atomically, so
+    none is left half-written."""
     sys.stderr.write(f"syncplane: {message}\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    if before_exit is not None:
+        before_exit()
     os._exit(LOST_PEER_EXIT)
 
 
@@ -64,21 +73,27 @@ class Heartbeat:
         interval_s: time between beats (default ``timeout_s / 5``).
         startup_s: how long a successor that never beat gets (default ``max(60, 3·timeout_s)``).
         where: how to name the store in messages (its address or file).
-        on_lost: called once with the message when a rank is lost (default: ``exit_now``).
+        on_lost: called once with the message when a rank is lost (default: ``exit_now``,
+            settling first).
         clock: a monotonic clock (tests pass their own).
+        settles: ``settle`` waits for the other ranks to read the verdict (else a no-op).
+        sleep: how ``settle`` waits (tests pass their own).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
                  interval_s: float | None = None, startup_s: float | None = None, where: str = "the store",
-                 prefix: str = "syncplane/heartbeat", on_lost: Callable[[str], None] = exit_now,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 prefix: str = "syncplane/heartbeat", on_lost: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, settles: bool = False,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if timeout_s <= 0:
             raise ValueError(f"heartbeat timeout_s must be positive, got {timeout_s}")
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s = timeout_s
         self.interval_s = timeout_s / 5 if interval_s is None else interval_s
         self.startup_s = max(60.0, 3 * timeout_s) if startup_s is None else startup_s
-        self.where, self.prefix, self.on_lost, self.clock = where, prefix, on_lost, clock
+        self.where, self.prefix, self.clock = where, prefix, clock
+        self.on_lost = on_lost or (lambda message: exit_now(message, before_exit=self.settle))
+        self.settles, self.sleep = settles, sleep
         self.watched: int | None = (rank + 1) % world_size if world_size > 1 else None
         self.beats = 0
         self.lost: str | None = None
@@ -97,10 +112,12 @@ class Heartbeat:
         try:
             self.beats += 1
             self.store.set(self._key(self.rank), str(self.beats))
-            if self.store.check([self._key("abort")]):
-                return self._report(self.store.get(self._key("abort")).decode())
+            posted = self._read_abort()
+            if posted is not None:
+                return self._report(posted)
             message = self._check_successor()
         except RuntimeError as exc:   # torch's store errors (timeouts, resets) are RuntimeErrors
+            self.settles = False      # nobody can read a verdict now: leave at once
             message = (f"rank {self.rank}: the job's store at {self.where} did not answer within "
                        f"{self.timeout_s:.0f} s ({exc}); the host holding it (rank 0 under syncplane's "
                        "launcher, node 0's torchrun agent otherwise) is hung or unreachable, or this "
@@ -108,7 +125,9 @@ class Heartbeat:
             return self._report(message)
         if message is not None:
             try:
+                self.store.set(self._key("lost"), str(self.watched))
                 self.store.set(self._key("abort"), message)
+                self.store.set(self._key(f"read/{self.rank}"), "1")
             except RuntimeError:
                 pass   # the others will find the lost rank themselves, or the store gone
             return self._report(message)
@@ -144,11 +163,19 @@ class Heartbeat:
         if self.lost is not None:
             return self.lost
         try:
-            if self.store.check([self._key("abort")]):
-                return self.store.get(self._key("abort")).decode()
+            return self._read_abort()
         except RuntimeError:
-            pass   # the store is gone with the job: nothing to add to the rank's own error
-        return None
+            return None   # the store is gone with the job: nothing to add to the rank's own error
+
+    def _read_abort(self) -> str | None:
+        """The posted verdict (None: none yet), marking that this rank read it (``settle``
+        waits for that); a failing store raises its RuntimeError."""
+        key = self._key("abort")
+        if not self.store.check([key]):
+            return None
+        verdict = self.store.get(key).decode()
+        self.store.set(self._key(f"read/{self.rank}"), "1")
+        return verdict
 
     def find_lost(self, window_s: float | None = None, sleep: Callable[[float], None] = time.sleep) -> str | None:
         """Name the ranks that stopped beating, now rather than ``timeout_s`` from now.
@@ -187,10 +214,48 @@ class Heartbeat:
         message = (f"{names} stopped sending heartbeats (gone, or hung) while rank {self.rank}'s collective "
                    f"broke; found by rank {self.rank} within {window:.0f} s")
         try:   # atomically: the first rank to post wins, and every rank reports its message
+            self.store.compare_set(self._key("lost"), "", ",".join(map(str, silent)))
             message = self.store.compare_set(self._key("abort"), "", message).decode()
+            self.store.set(self._key(f"read/{self.rank}"), "1")
         except RuntimeError:
             pass
         return message
+
+    def settle(self, window_s: float | None = None) -> None:
+        """Before this rank leaves on a verdict (with ``settles``): wait until every other rank has read the verdict, finished, was named lost by it (the
+        ``lost`` key its poster sets), or has shown itself silent (its counter still after a
+        beat interval: gone or hung, it will read nothing), at most ``window_s`` (default two
+        beat intervals), beating meanwhile. Elsewhere a no-op. Why: the module docstring."""
+        if not self.settles or self.world_size < 2:
+            return
+        window = 2 * self.interval_s + 0.5 if window_s is None else window_s
+        step, waited = self.interval_s / 4, 0.0
+        try:
+            lost_key = self._key("lost")
+            named = self.store.get(lost_key).decode().split(",") if self.store.check([lost_key]) else []
+            waiting = {r for r in range(self.world_size) if r != self.rank and str(r) not in named}
+            before = self._counters()
+            while True:
+                waiting = {r for r in waiting if not self.store.check([self._key(f"read/{r}")])
+                           and not self._finished(r)}
+                if waiting and waited >= self.interval_s + 0.5:   # a live rank has beaten, and so polled
+                    now = self._counters()
+                    waiting = {r for r in waiting if now[r] != before[r]}
+                if not waiting or waited >= window:
+                    break
+                self.beats += 1
+                self.store.set(self._key(self.rank), str(self.beats))
+                self.sleep(step)
+                waited += step
+        except RuntimeError:
+            return   # the store is failing anyway: nothing to wait for
+        if waiting:
+            log.warning("rank %d: leaving before rank(s) %s read the verdict (waited %.1f s)", self.rank,
+                        sorted(waiting), waited)
+
+    def _finished(self, rank: int) -> bool:
+        key = self._key(rank)
+        return self.store.check([key]) and self.store.get(key) == _DONE
 
     def _counters(self) -> list[bytes | None]:
         keys = [self._key(r) for r in range(self.world_size)]

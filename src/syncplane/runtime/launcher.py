@@ -324,8 +324,11 @@ PARENT_ENV = "SYNCPLANE_LAUNCHER_PID"
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
-#: How long the other ranks get to exit once one has left because a peer was lost.
-_LOST_PEER_GRACE_S = 3.0
+#: How long the other ranks get to exit once one has left because a peer was lost. A rank
+#: leaves on the heartbeat's verdict only after saying why and after every live rank has read
+#: it (``Heartbeat.settle``), so a second later what still runs is the lost rank, or a rank on
+#: its way out whose error is already written.
+_LOST_PEER_GRACE_S = 1.0
 
 
 @contextlib.contextmanager

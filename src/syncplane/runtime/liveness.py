@@ -50,7 +50,7 @@ class HeartbeatCallback(Callback):
             return
         store, where, prefix = rendezvous.heartbeat_store(self.timeout_s)
         self.heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size(), timeout_s=self.timeout_s,
-                                   where=where, prefix=prefix)
+                                   where=where, prefix=prefix, settles=True)
         self.heartbeat.start()
         log.info("heartbeat: every %.1f s; a rank silent for %.0f s stops the job",
                  self.heartbeat.interval_s, self.timeout_s)
@@ -65,11 +65,12 @@ class HeartbeatCallback(Callback):
             # same count this rank as alive
             verdict = (self.heartbeat.find_lost() if is_transport_error(exception)
                        else self.heartbeat.verdict())
-            self.heartbeat.stop(done=False)
-            self.heartbeat = None
-            if verdict is not None:
+            heartbeat, self.heartbeat = self.heartbeat, None
+            heartbeat.stop(done=False)
+            if verdict is not None:   # said first, then the others are given time to read it (``settle``)
                 first = str(exception).strip().splitlines()[0][:160] if str(exception).strip() else ""
-                exit_now(f"{verdict} (this rank's own error followed: {type(exception).__name__}: {first})")
+                exit_now(f"{verdict} (this rank's own error followed: {type(exception).__name__}: {first})",
+                         before_exit=heartbeat.settle)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -3,7 +3,8 @@ value fails before the first step, naming the key)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from syncplane.algorithms.diloco.exchange import check_exchange, delta_codec
@@ -111,6 +112,12 @@ class DiLoCoConfig:
         if self.inner_steps == "time" and self.replica == "node":
             raise ValueError("inner_steps=time weighs each rank's replica by its own samples; with replica=node the "
                              "ranks of a node train as one model: use replica=rank (or inner_steps=fixed)")
+
+    @classmethod
+    def pick(cls, settings: Mapping[str, Any]) -> DiLoCoConfig:
+        """The config from a strategy's arguments: the keys that are its fields (the strategy's
+        own, such as ``elastic``, are left out)."""
+        return cls(**{f.name: settings[f.name] for f in fields(cls) if f.name in settings})
 
     def codec(self) -> Codec:
         """What carries Δ on the wire (``compression`` and its settings)."""

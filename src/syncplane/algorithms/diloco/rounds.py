@@ -1,0 +1,79 @@
+"""What the DiLoCo strategy needs besides Lightning glue, Lightning-free: the checks of its
+settings outside ``DiLoCoConfig`` (elastic mode's), which engine runs a replica (its layout:
+a rank, or the ranks of a node), and the round state a checkpoint carries, with its check on
+resume (``strategies/diloco.py`` calls these; the rounds themselves are the engines')."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from syncplane.algorithms import sharded
+from syncplane.algorithms.diloco.adaptive import TimedRounds
+from syncplane.algorithms.diloco.config import DiLoCoConfig
+from syncplane.algorithms.diloco.engine import DiLoCoEngine
+from syncplane.algorithms.diloco.layout import check_replica, node_layout
+from syncplane.algorithms.diloco.node import NodeEngine
+from syncplane.job import JobContext
+
+#: What a checkpoint written before these round settings existed implies.
+BEFORE_STREAMING: dict[str, Any] = {"fragments": 1, "overlap_steps": 0, "inner_steps": "fixed"}
+
+
+def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float], lighthouse_host: str) -> None:
+    """The settings beside ``DiLoCoConfig``, at construction (errors name the key): the replica
+    layout and ``inner_steps`` in elastic mode, and the elastic timeouts and Lighthouse address,
+    checked in either mode (a bad value is a typo)."""
+    check_replica(config.replica, config.inner, elastic=elastic)
+    if elastic and config.inner_steps == "time":
+        raise ValueError("inner_steps=time is not supported with elastic=true (its replicas come and go "
+                         "between rounds; the step counts are agreed by a fixed set of ranks)")
+    for key, value in timeouts.items():
+        if value <= 0:
+            raise ValueError(f"{key} must be positive, got {value}")
+    if not lighthouse_host or any(c.isspace() for c in lighthouse_host):
+        raise ValueError(f"lighthouse_host must be an address or host name, got {lighthouse_host!r}")
+
+
+def build_engine(config: DiLoCoConfig, job: JobContext, model: torch.nn.Module,
+                 tensors: Callable[[], list[torch.Tensor]], n_params: int,
+                 device_ids: list[int] | None) -> tuple[DiLoCoEngine | NodeEngine, dict[str, Any]]:
+    """The replica's engine, and what ``summary.json`` says of its layout. A collective.
+
+    ``replica: rank``: ``DiLoCoEngine`` over the model's ``tensors`` (parameters, then floating
+    buffers; ``n_params`` of them parameters). ``replica: node`` (``node_layout``):
+    ``NodeEngine``, which wraps ``model`` (torch's DDP over the node's ranks, or FSDP2) and
+    shards the outer state over them -- train its ``module``."""
+    layout = node_layout(config.replica, config.inner, job)
+    engine: DiLoCoEngine | NodeEngine
+    if layout is None:
+        engine = DiLoCoEngine(tensors(), n_params, config, job)
+        details: dict[str, Any] = {"replica": "rank", "replicas": job.world_size,
+                                   "ranks_per_replica": [1] * job.world_size}
+    else:   # a model built on the meta device (configure_model): each rank makes its shards
+        init = sharded.reset_init(model) if sharded.on_meta(model) else None
+        engine = NodeEngine(model, config, job, layout, device_ids, init)
+        details = dict(layout.describe())
+    details["shards"], details["exchange"] = engine.shards, engine.exchange_name
+    return engine, details
+
+
+def round_state(outer_state: Mapping[str, Any], settings: Mapping[str, Any], rounds: int, skipped: int,
+                timed: TimedRounds | None) -> dict[str, Any]:
+    """A checkpoint's DiLoCo state: the outer state, the round ``settings`` (``sync_every``,
+    ``fragments``, ``overlap_steps``, ``inner_steps``), the committed and discarded rounds, and
+    the time mode's agreed counts."""
+    return {**outer_state, "sync_every": settings["sync_every"], "fragments": settings["fragments"],
+            "overlap_steps": settings["overlap_steps"], "rounds": rounds, "skipped": skipped,
+            "inner_steps": settings["inner_steps"], **({"timed": timed.state_dict()} if timed is not None else {})}
+
+
+def check_resumed(state: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """A checkpoint's round settings must be this run's, or the rounds would not line up."""
+    for key in ("sync_every", *BEFORE_STREAMING):
+        saved, ours = state.get(key, BEFORE_STREAMING.get(key)), settings[key]
+        if saved != ours:
+            raise ValueError(f"the checkpoint was written with {key}={saved}, this run has "
+                             f"{key}={ours}: rounds would not line up")
