@@ -44,11 +44,41 @@ def test_the_summary_entry_names_every_slowed_rank_and_its_wait() -> None:
     own = SlowCompute(plan[2], wait=lambda s: None)
     own.after_batch(0.5, 10)
     report = ComputeReport([1.0, 1.0, 0.5, 1.0], plan, rank=2, own=own)
-    assert report.waits(4) == [0.0, 0.0, 1.0, 0.0]
-    assert report.as_dict([0.0, 0.0, 1.0, 0.0]) == {"compute_speeds": [1.0, 1.0, 0.5, 1.0], "slowed": [
-        {"rank": 2, "base": 2.0, "factor": 1.5, "from_step": 4, "waited_s": 1.0}]}
+    assert report.waits(4) == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert report.as_dict([0.0, 0.0, 1.0, 0.0, 0.0, 0.0]) == {"compute_speeds": [1.0, 1.0, 0.5, 1.0], "slowed": [
+        {"rank": 2, "base": 2.0, "factor": 1.5, "from_step": 4, "waited_s": 1.0}],
+        "emulated_step_s": 0.0, "emulated_steps": 0, "overran_steps": 0}
     # every rank sends a vector of the same length, its own wait in its slot
-    assert ComputeReport(None, {3: Slowdown(factor=2.0)}, rank=0).waits(2) == [0.0] * 4
+    assert ComputeReport(None, {3: Slowdown(factor=2.0)}, rank=0).waits(2) == [0.0] * 6
+
+
+def test_an_emulated_accelerator_fills_each_batch_to_its_nominal_time_and_counts_overruns() -> None:
+    waits: list[float] = []
+    nominal = SlowCompute(Slowdown(), wait=waits.append, nominal_s=0.2)
+    slow = SlowCompute(Slowdown(factor=2.0, from_step=1), wait=waits.append, nominal_s=0.2)
+    # the real compute is part of the nominal step; a batch slower than it waits nothing, counted
+    assert [nominal.emulate(took, step) for step, took in enumerate([0.05, 0.15, 0.25])] == \
+        pytest.approx([0.15, 0.05, 0.0])
+    assert (nominal.steps, nominal.overruns) == (3, 1) and nominal.waited_s == pytest.approx(0.20)
+    # a slowed rank's nominal step is the factor times as long
+    assert [slow.emulate(took, step) for step, took in enumerate([0.05, 0.05, 0.30])] == \
+        pytest.approx([0.15, 0.35, 0.10])
+    assert waits == pytest.approx([0.15, 0.05, 0.15, 0.35, 0.10])
+    # the summary: every rank's batches and overruns summed; the nominal step named
+    report = ComputeReport(None, {1: slow.slowdown}, rank=0, own=nominal, emulated_step_s=0.2)
+    assert report.waits(2) == pytest.approx([0.20, 0.0, 3.0, 1.0])
+    summary = report.as_dict([0.20, 0.60, 6.0, 1.0])
+    assert (summary["emulated_step_s"], summary["emulated_steps"], summary["overran_steps"]) == (0.2, 6, 1)
+    assert summary["slowed"] == [{"rank": 1, "base": 1.0, "factor": 2.0, "from_step": 1, "waited_s": 0.6}]
+
+
+@pytest.mark.parametrize("value", [-0.1, 61])
+def test_a_bad_emulated_step_names_the_key(value) -> None:
+    from syncplane.config import parse_dataclass
+    from syncplane.runtime.settings import TrainerSettings
+
+    with pytest.raises(ConfigError, match=r"trainer.emulated_step_s: must be between 0 \(off\) and 60"):
+        parse_dataclass(TrainerSettings, {"emulated_step_s": value}, "trainer")
 
 
 @pytest.mark.parametrize("fault,message", [

@@ -24,7 +24,9 @@ metric it logs (a language model's ``val_perplexity``) is added to ``metrics``.
 
 ``compute`` (emulated slow compute, ``syncplane.runtime.slowdown``): every rank's profile
 ``compute_speeds`` (null without a cluster) and the ``slowed`` ranks, each with its slowdown
-(``base`` x ``factor`` from step ``from_step``) and the seconds it waited in all.
+(``base`` x ``factor`` from step ``from_step``) and the seconds it waited in all, and the
+emulated accelerator's ``emulated_step_s`` (0: off) with all ranks' ``emulated_steps`` and
+``overran_steps`` (batches whose real compute alone exceeded their nominal time).
 """
 
 from __future__ import annotations

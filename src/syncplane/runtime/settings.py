@@ -36,6 +36,9 @@ class TrainerSettings:
     heartbeat_timeout_s: float = 15.0   # a rank silent this long counts as lost and stops the job; 0: no heartbeat
     max_restarts: int = 0   # elastic DiLoCo: times the launcher restarts a failed replica (torchrun's flag, per replica)
     restart_delay_s: float = 0.0   # elastic DiLoCo: wait before a restart (the others go on without it first)
+    # an emulated accelerator: every computed batch takes this long at nominal speed, its CPU work
+    # included, a timed wait filling the rest (syncplane.runtime.slowdown); 0: off, batches take what the CPU takes
+    emulated_step_s: float = 0.0
 
     def validate(self) -> None:
         if self.devices < 1:
@@ -65,6 +68,8 @@ class TrainerSettings:
             raise ConfigError(f"max_restarts: must be >= 0, got {self.max_restarts}")
         if self.restart_delay_s < 0:
             raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
+        if not 0 <= self.emulated_step_s <= 60:
+            raise ConfigError(f"emulated_step_s: must be between 0 (off) and 60 seconds, got {self.emulated_step_s}")
 
 
 def lightning_precisions() -> tuple[str, ...]:

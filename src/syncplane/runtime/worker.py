@@ -80,7 +80,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     from syncplane.runtime.liveness import HeartbeatCallback, InjectFault
     from syncplane.runtime.report import RunReport
     from syncplane.runtime.settings import FAILING_KINDS
-    from syncplane.runtime.slowdown import ComputeReport, SlowCompute, plan_slowdowns
+    from syncplane.runtime.slowdown import ComputeReport, SlowCompute, Slowdown, plan_slowdowns
 
     # the job's shape, read from the launcher once, here; everything below gets it as an argument
     job = JobContext.from_environment(run_dir=spec.run_dir)
@@ -116,9 +116,11 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     speeds = spec.cluster.compute_speeds() if spec.cluster is not None else None
     slowdowns = plan_slowdowns(speeds, spec.faults)
     own_rank = job.rank if replica is None else replica
-    slow = SlowCompute(slowdowns[own_rank]) if own_rank in slowdowns else None
+    nominal_s = spec.trainer.emulated_step_s   # an emulated accelerator: every rank waits, slowed or not
+    slow = (SlowCompute(slowdowns.get(own_rank, Slowdown()), nominal_s=nominal_s)
+            if own_rank in slowdowns or nominal_s > 0 else None)
     report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name, spec.seed, spec.label,
-                       compute=ComputeReport(speeds, slowdowns, own_rank, slow))
+                       compute=ComputeReport(speeds, slowdowns, own_rank, slow, nominal_s))
     checkpoints = LastCheckpoint(Path(spec.run_dir) / "checkpoints")
     trainer_cfg = spec.trainer
     # CPU processes may be spread unevenly over (emulated) hosts: present them to
