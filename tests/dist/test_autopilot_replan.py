@@ -1,8 +1,8 @@
 """``strategy=auto`` re-plans while it trains (``replan_every_s``), on real gloo ranks.
 
 Two ranks train DiLoCo (H = 2, Nesterov outer) as ``strategy=auto`` chose it, with the mesh
-exchange; at each round boundary they re-probe for real (loopback) and each rank adds its own
-fresh random noise to what it measured, on a network whose flows are capped at 50 Mbit. The
+exchange; at each round boundary they re-probe for real (loopback), and then each rank adds its
+own fresh random noise to what it measured and caps every flow at 50 Mbit (the link changed). The
 sparse gather then prices far faster than the mesh: every rank must switch at the same step to
 the same settings (rank 0's decision), the switch must change neither the model nor the outer
 optimizer's state, and after it the replicas stay one model (bit-identical on every rank, so
@@ -44,19 +44,21 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
+    from syncplane.comm.process_groups import control_group
     from syncplane.runtime import replan
     from syncplane.runtime.autopilot import torch_broadcast
     from syncplane.strategies.diloco import DiLoCo
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
-    declared = pair_profile(per_flow_mbit=50)
+    reprobe = replan.Reprobe(pair_profile(per_flow_mbit=None), control_group)
     noise = random.Random()           # fresh, different on every rank
     probed: list[float] = []
 
     def probe() -> Any:
-        data = replan.reprobe(declared).to_dict()      # the real collective re-probe
+        data = reprobe().to_dict()      # the real collective re-probe (loopback), then the changed link
         for host in data["racks"][0]["hosts"]:
             host["nic_mbit"] *= noise.uniform(0.7, 1.3)
+            host["per_flow_mbit"] = 50.0
             probed.append(host["nic_mbit"])
         return parse_profile(data)
 

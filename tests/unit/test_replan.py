@@ -11,7 +11,7 @@ import pytest
 
 from syncplane.algorithms.plan import Candidate
 from syncplane.cluster import load_profile
-from syncplane.runtime.replan import FASTER, Replanner, choose_switch, keep_declared, not_switchable
+from syncplane.runtime.replan import FASTER, Replanner, choose_switch, keep_speeds, not_switchable
 
 
 def cand(step_s: float, **kwargs: Any) -> Candidate:
@@ -48,20 +48,17 @@ def test_what_cannot_switch_says_why() -> None:
     assert "replica=node" in not_switchable("diloco", {"replica": "node", "shards": 1})
 
 
-def test_a_reprobed_profile_keeps_the_declared_caps_and_speeds() -> None:
-    declared = load_profile("wan_two_sites")
-    data = declared.to_dict()
-    for rack in data["racks"]:
-        rack["per_flow_mbit"] = None
-        for host in rack["hosts"]:
-            host["per_flow_mbit"], host["compute_speed"], host["nic_mbit"] = None, 1.0, 123.0
+def test_a_reprobed_profile_keeps_the_declared_compute_speeds() -> None:
     from syncplane.cluster import parse_profile
 
-    kept = keep_declared(parse_profile(data), declared).to_dict()
-    for rack, was in zip(kept["racks"], declared.to_dict()["racks"]):
-        assert rack.get("per_flow_mbit") == was.get("per_flow_mbit")
-        assert [h["nic_mbit"] for h in rack["hosts"]] == [123.0] * len(was["hosts"])
-        assert [h.get("per_flow_mbit") for h in rack["hosts"]] == [h.get("per_flow_mbit") for h in was["hosts"]]
+    declared = load_profile("mixed_gpus")
+    data = declared.to_dict()
+    for rack in data["racks"]:
+        for host in rack["hosts"]:
+            host["compute_speed"], host["nic_mbit"] = 1.0, 123.0
+    kept = keep_speeds(parse_profile(data), declared)
+    assert kept.compute_speeds() == declared.compute_speeds() != parse_profile(data).compute_speeds()
+    assert all(h["nic_mbit"] == 123.0 for r in kept.to_dict()["racks"] for h in r["hosts"])
 
 
 class Fake:

@@ -182,7 +182,7 @@ def replanner(kwargs: Mapping[str, Any], profile: ClusterProfile | None, auto: d
     if settings.replan_every_s is None:
         return None
     from syncplane.comm.process_groups import control_group
-    from syncplane.runtime.replan import Replanner, reprobe
+    from syncplane.runtime.replan import Replanner, Reprobe
 
-    network = network_of(settings, profile)
-    return Replanner(auto, settings.replan_every_s, lambda: reprobe(network, group=control_group()), broadcast, rank)
+    return Replanner(auto, settings.replan_every_s, Reprobe(network_of(settings, profile), control_group), broadcast,
+                     rank)

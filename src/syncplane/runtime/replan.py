@@ -2,8 +2,8 @@
 
 At each round boundary rank 0 asks its clock whether ``replan_every_s`` has passed since the
 last plan, and broadcasts the answer: every rank takes the same branch. When it has, the
-ranks re-probe the network together (``reprobe``: every pair once, short transfers, racks
-and hosts as the job's profile declares them), rank 0 re-prices the candidates it may switch
+ranks re-probe the network together (``Reprobe``: every pair once and the per-flow caps,
+short transfers, racks and hosts as the job's profile declares them), rank 0 re-prices the candidates it may switch
 to on what was measured with the same pure plan function as at start-up
 (``syncplane.algorithms.plan.make_plan``), and broadcasts its decision: switch when one is
 at least ``FASTER`` times faster than the current one on the new measurements. Every rank then
@@ -33,7 +33,8 @@ import numpy as np
 from lightning.pytorch.callbacks import Callback
 
 from syncplane.algorithms.plan import Candidate, PlanInputs, make_plan
-from syncplane.cluster.probe import Topology, from_profile, measure_rounds, remeasure_slow_pairs, round_robin_rounds
+from syncplane.cluster.probe import (Topology, from_profile, measure_flow_caps, measure_rounds, remeasure_slow_pairs,
+                                    round_robin_rounds)
 from syncplane.cluster.profile import ClusterProfile, parse_profile
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ SWITCHABLE: dict[str, tuple[str, ...]] = {"diloco": ("shards", "exchange", "comp
 FASTER = 1.2
 #: bytes each pair exchanges in a re-probe (short: it runs inside the training)
 REPROBE_BYTES = 256 * 1024
+#: streams of the per-flow cap test in a re-probe (a link that caps each flow shows it at 4)
+REPROBE_STREAMS = 4
 
 Probe = Callable[[], ClusterProfile]
 
@@ -81,26 +84,40 @@ def _priced(c: Candidate) -> dict[str, Any]:
     return {"label": c.label, "kwargs": dict(c.kwargs), "step_s": c.step_s, "sync_s": c.sync_s}
 
 
-def reprobe(profile: ClusterProfile, nbytes: int = REPROBE_BYTES, group: Any = None) -> ClusterProfile:
-    """Collective: ``profile`` with its rates measured now. Every pair exchanges ``nbytes``
-    once (``round_robin_rounds``), pairs across close groups again alone
-    (``remeasure_slow_pairs``); racks and hosts stay as declared, and so do the per-flow caps
-    and compute speeds (measuring caps costs several streams per link: too long here)."""
-    declared = from_profile(profile)
-    bw, lat = measure_rounds(round_robin_rounds(profile.world_size), nbytes, group=group)
-    bw = remeasure_slow_pairs(bw, declared.hosts, nbytes, group=group)
-    np.fill_diagonal(bw, np.inf)
-    probed = Topology(racks=declared.racks, hosts=declared.hosts, bandwidth=bw, latency=lat, source="re-probe")
-    return keep_declared(probed.to_profile(name=f"{profile.name} re-probed"), profile)
+class Reprobe:
+    """The network now (a collective: every rank calls it at the same step): ``profile``'s
+    racks and hosts with their rates and per-flow caps measured again, cheaply. Every pair
+    exchanges ``nbytes`` once (``round_robin_rounds``), pairs across close groups again alone
+    (``remeasure_slow_pairs``), and one pair per rack and per pair of racks over one stream and
+    over ``streams`` (``measure_flow_caps``, on lanes made once, at the first re-probe);
+    compute speeds stay as declared. ``group``: the gloo group to probe over (called then)."""
+
+    def __init__(self, profile: ClusterProfile, group: Callable[[], Any], nbytes: int = REPROBE_BYTES,
+                 streams: int = REPROBE_STREAMS) -> None:
+        self.profile, self.group, self.nbytes, self.streams = profile, group, nbytes, streams
+        self.lanes: list[Any] | None = None
+
+    def __call__(self) -> ClusterProfile:
+        import torch.distributed as dist
+
+        group = self.group()
+        if self.lanes is None:
+            self.lanes = [group] + [dist.new_group(backend="gloo") for _ in range(self.streams - 1)]
+        declared = from_profile(self.profile)
+        bw, lat = measure_rounds(round_robin_rounds(self.profile.world_size), self.nbytes, group=group, one_way=True)
+        bw = remeasure_slow_pairs(bw, declared.hosts, self.nbytes, group=group)
+        np.fill_diagonal(bw, np.inf)
+        topo = Topology(racks=declared.racks, hosts=declared.hosts, bandwidth=bw, latency=lat, source="re-probe")
+        if self.streams > 1:
+            topo.host_caps, topo.rack_caps = measure_flow_caps(topo, self.nbytes, self.streams, group, self.lanes)
+        return keep_speeds(topo.to_profile(name=f"{self.profile.name} re-probed"), self.profile)
 
 
-def keep_declared(probed: ClusterProfile, declared: ClusterProfile) -> ClusterProfile:
-    """``probed`` with ``declared``'s per-flow caps and compute speeds (same racks and hosts)."""
+def keep_speeds(probed: ClusterProfile, declared: ClusterProfile) -> ClusterProfile:
+    """``probed`` with ``declared``'s compute speeds (same racks and hosts)."""
     data = probed.to_dict()
     for rack, rack_was in zip(data["racks"], declared.to_dict()["racks"]):
-        rack["per_flow_mbit"] = rack_was.get("per_flow_mbit")
         for host, host_was in zip(rack["hosts"], rack_was["hosts"]):
-            host["per_flow_mbit"] = host_was.get("per_flow_mbit")
             host["compute_speed"] = host_was.get("compute_speed", 1.0)
     return parse_profile(data)
 
@@ -126,7 +143,7 @@ class Replanner(Callback):
     """Re-plans ``strategy=auto``'s choice every ``every_s`` seconds, at round boundaries
     (module doc). ``auto``: ``strategy_details.auto`` (its choice and the agreed inputs; the
     record of each switch is appended to its ``replans``); ``probe``: the network now, a
-    collective (``reprobe``); ``broadcast``: rank 0's object to every rank; ``clock``: rank 0's
+    collective (``Reprobe``); ``broadcast``: rank 0's object to every rank; ``clock``: rank 0's
     seconds."""
 
     def __init__(self, auto: dict[str, Any], every_s: float, probe: Probe, broadcast: Callable[[Any], Any],
