@@ -494,14 +494,15 @@ def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, gr
     return belongs
 
 
-def measure_flow_caps(topo: Topology, nbytes: int, streams: int,
-                      group: Any = None) -> tuple[list[FlowCap | None], list[FlowCap | None]]:
+def measure_flow_caps(topo: Topology, nbytes: int, streams: int, group: Any = None,
+                      lanes: Sequence[Any] | None = None) -> tuple[list[FlowCap | None], list[FlowCap | None]]:
     """Collective: (per host, per rack) per-flow caps. One pair inside each rack (its NICs) and
     one between each two racks (their uplinks), the pairs with the best rate, are timed over
     one stream and over ``streams`` at once (``streams - 1`` extra gloo groups). A rack whose
     in-rack pair shows a cap gives it to each of its hosts' NICs; a rack gets an uplink cap
     when every pair to another rack shows one (with two racks a cap seen between them is put
-    on both: which uplink has it cannot be told)."""
+    on both: which uplink has it cannot be told). ``lanes``: the ``streams`` groups to time
+    them over (``group`` first), made by a caller that probes again and again; None: made here."""
     host_index = {r: h for h, ranks in enumerate(topo.hosts) for r in ranks}
     rack_of_host = {host_index[r]: k for k, rack in enumerate(topo.racks) for r in rack}
     firsts = [[ranks[0] for ranks in topo.hosts if ranks[0] in rack] for rack in topo.racks]
@@ -514,7 +515,8 @@ def measure_flow_caps(topo: Topology, nbytes: int, streams: int,
     across = {(k, m): best(firsts[k], firsts[m]) for k in range(len(firsts)) for m in range(k + 1, len(firsts))}
     samples = [(min(p), max(p)) for p in [*inside.values(), *across.values()] if p is not None]
     rounds = exclusive_rounds(samples, {r: topo.rack_of(r) for r in range(topo.world_size)})
-    lanes = [group] + [dist.new_group(backend="gloo") for _ in range(streams - 1)]
+    if lanes is None:
+        lanes = [group] + [dist.new_group(backend="gloo") for _ in range(streams - 1)]
     one, _ = measure_rounds(rounds, nbytes, group=group, one_way=True)
     several, _ = measure_rounds(rounds, nbytes, group=group, streams=lanes, one_way=True)
 

@@ -10,6 +10,8 @@ plan from those (``syncplane.algorithms.plan`` is a pure function of its inputs)
 decision, whatever the noise. The choice and the runner-up are logged with their
 predictions and written to ``summary.json`` as ``strategy_details.auto``; then the
 chosen strategy runs as if it had been named, with the settings the plan priced.
+With ``replan_every_s`` the choice is re-planned while training, on a re-probe of the
+network, and switched where that is safe (``syncplane.runtime.replan``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class AutoSettings:
     cluster: str | None = None       # the network's profile (name or path) when the job runs on no emulated cluster
     strategies: list[str] | str | None = None   # strategies to choose among, [a,b] or "a,b" (None: every one)
     period: int | None = None        # H of the periodic strategies (None: each one's default)
+    replan_every_s: float | None = None   # re-probe and re-price this often while training (None: never)
 
     def validate(self) -> None:
         check_accept(self.accept, "accept")
@@ -52,6 +55,9 @@ class AutoSettings:
             raise ConfigError(f"time_steps: must be at least 1, got {self.time_steps}")
         if self.period is not None and self.period < 1:
             raise ConfigError(f"period: must be at least 1, got {self.period}")
+        if self.replan_every_s is not None and not self.replan_every_s > 0:
+            raise ConfigError(f"replan_every_s: must be a positive number of seconds (leave it unset for no "
+                              f"re-planning), got {self.replan_every_s}")
 
     @property
     def strategy_list(self) -> tuple[str, ...] | None:
@@ -166,3 +172,17 @@ def choose_strategy(kwargs: Mapping[str, Any], profile: ClusterProfile | None, m
     compute_s = settings.compute_ms / 1000 if settings.compute_ms is not None else \
         time_steps(module, data, settings.time_steps)
     return decide(settings, network, payload, compute_s, broadcast)
+
+
+def replanner(kwargs: Mapping[str, Any], profile: ClusterProfile | None, auto: dict[str, Any],
+              broadcast: Broadcast, rank: int) -> Any:
+    """The ``syncplane.runtime.replan.Replanner`` callback for ``strategy.kwargs.replan_every_s``
+    (None when unset): it re-probes the network the plan was made for over the control group."""
+    settings = parse_dataclass(AutoSettings, kwargs, "strategy.kwargs")
+    if settings.replan_every_s is None:
+        return None
+    from syncplane.comm.process_groups import control_group
+    from syncplane.runtime.replan import Replanner, Reprobe
+
+    return Replanner(auto, settings.replan_every_s, Reprobe(network_of(settings, profile), control_group), broadcast,
+                     rank)

@@ -185,6 +185,9 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", wor
     if strategy_cfg:
         raise ConfigError(f"strategy: unknown key(s) {', '.join(sorted(strategy_cfg))}; allowed keys: kwargs, name")
     if name != autopilot.AUTO:
+        if "replan_every_s" in kwargs:
+            raise ConfigError(f"strategy.kwargs.replan_every_s: only strategy=auto re-plans while training; "
+                              f"strategy={name} runs as named (set strategy=auto, or drop replan_every_s)")
         kwargs = check_kwargs(strategy_registry.accepted_params(name), kwargs, "strategy.kwargs")
 
     recipe_cfg = dict(cfg.get("recipe") or {})

@@ -101,9 +101,11 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     # then finds the group initialized and joins it
     rendezvous.join(spec.trainer.accelerator, spec.trainer.rendezvous_timeout_s)
     module, data = recipes.get(spec.recipe_name).build(spec.recipe)
-    auto = None
+    auto, replanner = None, None
     if spec.strategy.name == autopilot.AUTO:   # decided here, identically on every rank, then run as if named
-        auto = autopilot.choose_strategy(spec.strategy.kwargs, spec.cluster, module, data, autopilot.torch_broadcast())
+        broadcast = autopilot.torch_broadcast()
+        auto = autopilot.choose_strategy(spec.strategy.kwargs, spec.cluster, module, data, broadcast)
+        replanner = autopilot.replanner(spec.strategy.kwargs, spec.cluster, auto, broadcast, job.rank)
         chosen = StrategySpec(auto["choice"]["strategy"], dict(auto["choice"]["kwargs"]))
         registry.validate(chosen.name, chosen.kwargs, job)
         spec = dataclasses.replace(spec, strategy=chosen)
@@ -143,7 +145,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
         deterministic=trainer_cfg.deterministic,
         logger=make_loggers(spec) or False,
         # the slowdown first: the report's step times then include its wait, as a slower GPU's would
-        callbacks=[*([slow] if slow is not None else []), report, checkpoints,
+        callbacks=[*([slow] if slow is not None else []), report, checkpoints, *([replanner] if replanner else []),
                    HeartbeatCallback(trainer_cfg.heartbeat_timeout_s),
                    *(InjectFault(f) for f in spec.faults if f.kind in FAILING_KINDS)],
         plugins=[AtomicCheckpointIO()],

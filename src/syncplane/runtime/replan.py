@@ -1,0 +1,201 @@
+"""Re-planning while ``strategy=auto`` trains (``strategy.kwargs.replan_every_s``).
+
+At each round boundary rank 0 asks its clock whether ``replan_every_s`` has passed since the
+last plan, and broadcasts the answer: every rank takes the same branch. When it has, the
+ranks re-probe the network together (``Reprobe``: every pair once and the per-flow caps,
+short transfers, racks and hosts as the job's profile declares them), rank 0 re-prices the candidates it may switch
+to on what was measured with the same pure plan function as at start-up
+(``syncplane.algorithms.plan.make_plan``), and broadcasts its decision: switch when one is
+at least ``FASTER`` times faster than the current one on the new measurements. Every rank then
+switches at the same step, and the switch is logged and recorded in
+``strategy_details.auto.replans``.
+
+What can be switched, and why only that: a switch must leave the parameters and the
+optimizer state the same on every rank. Today that is DiLoCo's exchange settings
+(``SWITCHABLE``: ``shards``, ``exchange``, ``compression``) at a round boundary, on one rank per
+replica, without streaming: there every replica holds θ_g after the outer step, and the
+outer optimizer's state does not depend on how Δ travels, so it is carried over as is (the
+sparse codec's error-feedback residuals are not: a switch starts them from zero). A switch
+to another strategy (DDP -> FlexReduce, DiLoCo -> DDP) would swap the Lightning strategy
+object mid-fit; it is not offered, and a job whose chosen strategy has nothing to switch
+says so at start-up (log and ``strategy_details.auto.replan``) and keeps its choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from lightning.pytorch.callbacks import Callback
+
+from syncplane.algorithms.plan import Candidate, PlanInputs, make_plan
+from syncplane.cluster.probe import (Topology, from_profile, measure_flow_caps, measure_rounds, remeasure_slow_pairs,
+                                    round_robin_rounds)
+from syncplane.cluster.profile import ClusterProfile, parse_profile
+
+log = logging.getLogger(__name__)
+
+#: strategy -> the ``strategy.kwargs`` a replan may change while it trains (module doc)
+SWITCHABLE: dict[str, tuple[str, ...]] = {"diloco": ("shards", "exchange", "compression")}
+#: a candidate replaces the current one when its predicted step is at least this many times faster
+FASTER = 1.2
+#: bytes each pair exchanges in a re-probe (short: it runs inside the training)
+REPROBE_BYTES = 256 * 1024
+#: streams of the per-flow cap test in a re-probe (a link that caps each flow shows it at 4)
+REPROBE_STREAMS = 4
+
+Probe = Callable[[], ClusterProfile]
+
+
+def not_switchable(strategy: str, kwargs: Mapping[str, Any]) -> str | None:
+    """Why a job running ``strategy`` with ``kwargs`` cannot re-plan (None: it can)."""
+    if strategy not in SWITCHABLE:
+        offered = ", ".join(f"{name}'s {'/'.join(keys)}" for name, keys in SWITCHABLE.items())
+        return f"{strategy} cannot be switched while it trains (only {offered}, at a round boundary)"
+    if strategy == "diloco" and kwargs.get("replica", "rank") != "rank":
+        return "diloco with replica=node holds its outer state sharded over a node; only replica=rank switches"
+    return None
+
+
+def fixed_part(strategy: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a switch keeps (everything but ``SWITCHABLE``'s keys)."""
+    return {k: v for k, v in kwargs.items() if k not in SWITCHABLE.get(strategy, ())}
+
+
+def choose_switch(candidates: list[Candidate], strategy: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Pure: the current candidate and the fastest one it may switch to, both as priced in
+    ``candidates`` (one plan, fastest first); ``switch`` is True when the latter is at least
+    ``FASTER`` times faster. The current one must be among ``candidates``."""
+    same = [c for c in candidates if c.strategy == strategy and fixed_part(strategy, c.kwargs) ==
+            fixed_part(strategy, kwargs)]
+    current = next((c for c in same if c.kwargs == dict(kwargs)), None)
+    if current is None:
+        raise ValueError(f"the running {strategy} {dict(kwargs)} is not among the plan's candidates")
+    best = same[0]
+    return {"switch": best.step_s * FASTER <= current.step_s and best.kwargs != current.kwargs,
+            "current": _priced(current), "best": _priced(best)}
+
+
+def _priced(c: Candidate) -> dict[str, Any]:
+    return {"label": c.label, "kwargs": dict(c.kwargs), "step_s": c.step_s, "sync_s": c.sync_s}
+
+
+class Reprobe:
+    """The network now (a collective: every rank calls it at the same step): ``profile``'s
+    racks and hosts with their rates and per-flow caps measured again, cheaply. Every pair
+    exchanges ``nbytes`` once (``round_robin_rounds``), pairs across close groups again alone
+    (``remeasure_slow_pairs``), and one pair per rack and per pair of racks over one stream and
+    over ``streams`` (``measure_flow_caps``, on lanes made once, at the first re-probe);
+    compute speeds stay as declared. ``group``: the gloo group to probe over (called then)."""
+
+    def __init__(self, profile: ClusterProfile, group: Callable[[], Any], nbytes: int = REPROBE_BYTES,
+                 streams: int = REPROBE_STREAMS) -> None:
+        self.profile, self.group, self.nbytes, self.streams = profile, group, nbytes, streams
+        self.lanes: list[Any] | None = None
+
+    def __call__(self) -> ClusterProfile:
+        import torch.distributed as dist
+
+        group = self.group()
+        if self.lanes is None:
+            self.lanes = [group] + [dist.new_group(backend="gloo") for _ in range(self.streams - 1)]
+        declared = from_profile(self.profile)
+        bw, lat = measure_rounds(round_robin_rounds(self.profile.world_size), self.nbytes, group=group, one_way=True)
+        bw = remeasure_slow_pairs(bw, declared.hosts, self.nbytes, group=group)
+        np.fill_diagonal(bw, np.inf)
+        topo = Topology(racks=declared.racks, hosts=declared.hosts, bandwidth=bw, latency=lat, source="re-probe")
+        if self.streams > 1:
+            topo.host_caps, topo.rack_caps = measure_flow_caps(topo, self.nbytes, self.streams, group, self.lanes)
+        return keep_speeds(topo.to_profile(name=f"{self.profile.name} re-probed"), self.profile)
+
+
+def keep_speeds(probed: ClusterProfile, declared: ClusterProfile) -> ClusterProfile:
+    """``probed`` with ``declared``'s compute speeds (same racks and hosts)."""
+    data = probed.to_dict()
+    for rack, rack_was in zip(data["racks"], declared.to_dict()["racks"]):
+        for host, host_was in zip(rack["hosts"], rack_was["hosts"]):
+            host["compute_speed"] = host_was.get("compute_speed", 1.0)
+    return parse_profile(data)
+
+
+def switch_diloco(strategy: Any, kwargs: Mapping[str, Any]) -> None:
+    """Collective, at a round boundary: DiLoCo's exchange rebuilt with ``kwargs``'s
+    ``SWITCHABLE`` settings, its outer optimizer's state carried over (module doc)."""
+    from syncplane.algorithms.diloco.config import DiLoCoConfig
+
+    strategy.finish_pending_sync()
+    outer = strategy.engine.outer.state_dict()
+    defaults = {f.name: f.default for f in dataclasses.fields(DiLoCoConfig)}
+    changes = {k: kwargs.get(k, defaults[k]) for k in SWITCHABLE["diloco"]}
+    strategy.config = dataclasses.replace(strategy.config, **changes)
+    strategy.setup_sync(strategy.job)          # closes the old exchange, builds the new one (new groups)
+    strategy.engine.outer.load_state_dict(outer)
+
+
+SWITCHERS: dict[str, Callable[[Any, Mapping[str, Any]], None]] = {"diloco": switch_diloco}
+
+
+class Replanner(Callback):
+    """Re-plans ``strategy=auto``'s choice every ``every_s`` seconds, at round boundaries
+    (module doc). ``auto``: ``strategy_details.auto`` (its choice and the agreed inputs; the
+    record of each switch is appended to its ``replans``); ``probe``: the network now, a
+    collective (``Reprobe``); ``broadcast``: rank 0's object to every rank; ``clock``: rank 0's
+    seconds."""
+
+    def __init__(self, auto: dict[str, Any], every_s: float, probe: Probe, broadcast: Callable[[Any], Any],
+                 rank: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.auto, self.every_s, self.probe, self.broadcast = auto, every_s, probe, broadcast
+        self.rank, self.clock = rank, clock
+        self.strategy: str = auto["choice"]["strategy"]
+        self.kwargs: dict[str, Any] = dict(auto["choice"]["kwargs"])
+        self.refused = not_switchable(self.strategy, self.kwargs)
+        auto["replan"] = {"every_s": every_s, "faster": FASTER, "refused": self.refused, "checks": 0,
+                          "switchable": list(SWITCHABLE.get(self.strategy, ())) if self.refused is None else []}
+        auto["replans"] = []
+        if self.refused is not None:
+            log.warning("strategy=auto: replan_every_s=%s: no re-planning: %s", every_s, self.refused)
+        self._last = clock()
+        self._seen = 0
+
+    @property
+    def period(self) -> int:
+        """Steps per round of the running choice (a switch happens only at their end)."""
+        return int(self.kwargs.get("sync_every", 1))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.refused is not None or step == self._seen or step % self.period:
+            return          # not a round boundary (or a micro-batch of an accumulated step)
+        self._seen = step
+        if not self.broadcast(self.clock() - self._last >= self.every_s):
+            return
+        self.replan(trainer.strategy, step)
+        self._last = self.clock()
+
+    def replan(self, strategy: Any, step: int) -> dict[str, Any]:
+        """Collective: re-probe, rank 0 decides, every rank applies its decision; returns it."""
+        start = time.perf_counter()
+        profile = self.probe()
+        decision = self.broadcast(self.decide(profile, step) if self.rank == 0 else None)
+        self.auto["replan"]["checks"] += 1
+        if decision["switch"]:
+            SWITCHERS[self.strategy](strategy, decision["best"]["kwargs"])
+            self.kwargs = dict(decision["best"]["kwargs"])
+            decision["seconds"] = time.perf_counter() - start
+            self.auto["replans"].append(decision)
+            log.info("strategy=auto: re-planned at step %d on %s: %s (predicted %.3f s/step) -> %s (%.3f s/step)",
+                     step, decision["cluster"], decision["current"]["label"], decision["current"]["step_s"],
+                     decision["best"]["label"], decision["best"]["step_s"])
+        return decision
+
+    def decide(self, profile: ClusterProfile, step: int) -> dict[str, Any]:
+        """Rank 0's decision on ``profile``: the agreed start-up inputs, the running strategy's
+        candidates only, priced by the plan."""
+        inputs = {**self.auto["inputs"], "strategies": (self.strategy,)}
+        inputs.pop("cluster"), inputs.pop("world_size")
+        plan = make_plan(profile, PlanInputs(**inputs))
+        return {"step": step, "cluster": profile.name, **choose_switch(plan.candidates, self.strategy, self.kwargs)}

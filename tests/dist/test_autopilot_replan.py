@@ -1,0 +1,113 @@
+"""``strategy=auto`` re-plans while it trains (``replan_every_s``), on real gloo ranks.
+
+Two ranks train DiLoCo (H = 2, Nesterov outer) as ``strategy=auto`` chose it, with the mesh
+exchange; at each round boundary they re-probe for real (loopback), and then each rank adds its
+own fresh random noise to what it measured and caps every flow at 50 Mbit (the link changed). The
+sparse gather then prices far faster than the mesh: every rank must switch at the same step to
+the same settings (rank 0's decision), the switch must change neither the model nor the outer
+optimizer's state, and after it the replicas stay one model (bit-identical on every rank, so
+equal to their mean) with the outer state identical on every rank.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from syncplane.algorithms.plan import PlanInputs
+from syncplane.cluster import parse_profile
+from tests.helpers.distributed import run_distributed
+
+PAYLOAD = 40_000_000
+CHOICE = {"sync_every": 2, "shards": 1, "exchange": "mesh"}
+
+
+def pair_profile(per_flow_mbit: float | None) -> Any:
+    hosts = [{"name": f"h{i}", "nic_mbit": 1000, "per_flow_mbit": per_flow_mbit} for i in range(2)]
+    return parse_profile({"name": "pair", "racks": [{"name": "r0", "hosts": hosts}]})
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested state dict, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        return [state.clone()]
+    if isinstance(state, dict):
+        return [t for k in sorted(state, key=str) for t in _tensors(state[k])]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    from syncplane.comm.process_groups import control_group
+    from syncplane.runtime import replan
+    from syncplane.runtime.autopilot import torch_broadcast
+    from syncplane.strategies.diloco import DiLoCo
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    reprobe = replan.Reprobe(pair_profile(per_flow_mbit=None), control_group)
+    noise = random.Random()           # fresh, different on every rank
+    probed: list[float] = []
+
+    def probe() -> Any:
+        data = reprobe().to_dict()      # the real collective re-probe (loopback), then the changed link
+        for host in data["racks"][0]["hosts"]:
+            host["nic_mbit"] *= noise.uniform(0.7, 1.3)
+            host["per_flow_mbit"] = 50.0
+            probed.append(host["nic_mbit"])
+        return parse_profile(data)
+
+    auto = {"choice": {"strategy": "diloco", "kwargs": dict(CHOICE)},
+            "inputs": {"cluster": "pair", "world_size": world,
+                       **asdict(PlanInputs(PAYLOAD, 0.05, period=2, strategies=("diloco",)))}}
+    replanner = replan.Replanner(auto, 1e-9, probe, torch_broadcast(), rank)   # due at every round boundary
+    switches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    switch = replan.SWITCHERS["diloco"]
+
+    def recorded(strategy: Any, kwargs: Any) -> None:
+        before = [p.detach().clone() for p in strategy.lightning_module.parameters()] + \
+            _tensors(strategy.engine.outer.state_dict())
+        switch(strategy, kwargs)
+        after = [p.detach().clone() for p in strategy.lightning_module.parameters()] + \
+            _tensors(strategy.engine.outer.state_dict())
+        switches.append((before, after))
+
+    replan.SWITCHERS["diloco"] = recorded
+    torch.manual_seed(123)
+    model = TinyRegressor()
+    strategy = DiLoCo(cluster_environment=TorchElasticEnvironment(), **CHOICE)
+    trainer_for(strategy, tmp_dir, max_steps=6, limit_val_batches=0, callbacks=[replanner]).fit(model, RegressionData())
+    return {"replans": auto["replans"], "checks": auto["replan"]["checks"], "probed": probed,
+            "switches": switches, "exchange": strategy.details["exchange"], "config": asdict(strategy.config),
+            "params": [p.detach().clone() for p in model.parameters()],
+            "outer": _tensors(strategy.engine.outer.state_dict()), "rounds": strategy.rounds}
+
+
+def test_every_rank_switches_alike_and_keeps_one_model(tmp_path) -> None:
+    results = run_distributed(_rank, 2, str(tmp_path))
+    first, second = results
+    assert first["probed"] != second["probed"], "each rank must see its own noise"
+    # one decision: a switch at the first round boundary, mesh -> the sparse gather; none after
+    assert first["checks"] == second["checks"] == 3
+    assert [(r["step"], r["current"]["kwargs"], r["best"]["kwargs"]) for r in first["replans"]] == \
+        [(r["step"], r["current"]["kwargs"], r["best"]["kwargs"]) for r in second["replans"]]
+    (record,) = first["replans"]
+    assert record["step"] == 2 and record["switch"]
+    assert record["current"]["kwargs"] == CHOICE
+    assert record["best"]["kwargs"]["exchange"] == "gather" and record["best"]["kwargs"]["compression"] == "sparse"
+    assert record["best"]["step_s"] * 1.2 <= record["current"]["step_s"]
+    for r in results:
+        assert r["config"]["exchange"] == "gather" and r["config"]["compression"] == "sparse"
+        assert r["config"]["shards"] == record["best"]["kwargs"]["shards"]
+        assert r["rounds"] == 3
+        (before, after), = r["switches"]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a switch must not move the model or outer state"
+    # the replicas are one model (so equal to their mean), the outer state one state, before and after
+    for key in ("params", "outer"):
+        assert all(torch.equal(a, b) for a, b in zip(first[key], second[key])), key
+    assert all(torch.equal(a, b) for a, b in zip(first["switches"][0][0], second["switches"][0][0]))

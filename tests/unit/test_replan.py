@@ -1,0 +1,105 @@
+"""``strategy=auto``'s re-plan, without processes: the switch rule (at least 1.2x faster, among the
+settings that can switch), what refuses to re-plan, and when the callback probes (round
+boundaries, once rank 0's clock says so)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from syncplane.algorithms.plan import Candidate
+from syncplane.cluster import load_profile
+from syncplane.runtime.replan import FASTER, Replanner, choose_switch, keep_speeds, not_switchable
+
+
+def cand(step_s: float, **kwargs: Any) -> Candidate:
+    return Candidate(strategy="diloco", kwargs={"sync_every": 10, **kwargs}, exact=False, period=10, overlap=None,
+                     sync_s=step_s, hidden_s=0.0, step_s=step_s, bound_s=0.0, network_bound_s=0.0,
+                     network_binding="")
+
+
+MESH = {"shards": 1, "exchange": "mesh"}
+TREE = {"shards": 4, "exchange": "tree"}
+
+
+@pytest.mark.parametrize("tree_s,switch", [(1.0 / FASTER, True), (1.0 / FASTER + 1e-6, False), (1.0, False)])
+def test_switch_only_when_at_least_faster_by_the_factor(tree_s: float, switch: bool) -> None:
+    decision = choose_switch(sorted([cand(1.0, **MESH), cand(tree_s, **TREE)], key=lambda c: c.step_s),
+                             "diloco", {"sync_every": 10, **MESH})
+    assert decision["switch"] is switch
+    assert decision["current"]["kwargs"] == {"sync_every": 10, **MESH}
+
+
+def test_candidates_that_change_a_fixed_setting_are_not_offered() -> None:
+    other_h = Candidate(**{**cand(0.1, **TREE).__dict__, "kwargs": {"sync_every": 20, **TREE}})
+    node = cand(0.1, replica="node", shards=1)
+    decision = choose_switch([other_h, node, cand(1.0, **MESH)], "diloco", {"sync_every": 10, **MESH})
+    assert not decision["switch"] and decision["best"]["kwargs"] == {"sync_every": 10, **MESH}
+    with pytest.raises(ValueError, match="not among the plan's candidates"):
+        choose_switch([cand(1.0, **TREE)], "diloco", {"sync_every": 10, **MESH})
+
+
+def test_what_cannot_switch_says_why() -> None:
+    assert not_switchable("diloco", {"shards": 1}) is None
+    assert "flexreduce cannot be switched while it trains (only diloco's shards/exchange/compression" in \
+        not_switchable("flexreduce", {})
+    assert "replica=node" in not_switchable("diloco", {"replica": "node", "shards": 1})
+
+
+def test_a_reprobed_profile_keeps_the_declared_compute_speeds() -> None:
+    from syncplane.cluster import parse_profile
+
+    declared = load_profile("mixed_gpus")
+    data = declared.to_dict()
+    for rack in data["racks"]:
+        for host in rack["hosts"]:
+            host["compute_speed"], host["nic_mbit"] = 1.0, 123.0
+    kept = keep_speeds(parse_profile(data), declared)
+    assert kept.compute_speeds() == declared.compute_speeds() != parse_profile(data).compute_speeds()
+    assert all(h["nic_mbit"] == 123.0 for r in kept.to_dict()["racks"] for h in r["hosts"])
+
+
+class Fake:
+    """A job of one rank: the broadcast is the identity, the clock and probe are counted."""
+
+    def __init__(self, strategy: str = "diloco", kwargs: dict | None = None) -> None:
+        self.now, self.probes = 0.0, 0
+        self.auto = {"choice": {"strategy": strategy, "kwargs": kwargs or {"sync_every": 10, **MESH}},
+                     "inputs": {}}
+        self.replanner = Replanner(self.auto, 30.0, self.probe, lambda obj: obj, 0, clock=lambda: self.now)
+        self.replanner.replan = self.replan   # the re-probe and decision are the dist test's
+
+    def probe(self) -> Any:
+        self.probes += 1
+
+    def replan(self, strategy: Any, step: int) -> None:
+        self.probe()
+
+    def step(self, global_step: int, now: float) -> None:
+        self.now = now
+        self.replanner.on_train_batch_end(SimpleNamespace(global_step=global_step, strategy=None), None, None, None, 0)
+
+
+def test_probes_at_round_boundaries_once_the_time_has_passed() -> None:
+    fake = Fake()
+    fake.step(5, 100.0)     # inside a round: never
+    fake.step(10, 20.0)     # a boundary, 20 s after the plan: not yet
+    assert fake.probes == 0
+    fake.step(20, 31.0)
+    fake.step(20, 90.0)     # the same step again (a micro-batch of an accumulated step): once
+    assert fake.probes == 1
+    fake.step(30, 50.0)     # 19 s after the last re-plan
+    assert fake.probes == 1
+    fake.step(40, 62.0)
+    assert fake.probes == 2
+
+
+def test_a_strategy_that_cannot_switch_never_probes_and_says_so() -> None:
+    fake = Fake("flexreduce", {})
+    fake.step(1, 1000.0)
+    assert fake.probes == 0
+    assert "flexreduce cannot be switched" in fake.auto["replan"]["refused"]
+    assert fake.auto["replans"] == []
+
