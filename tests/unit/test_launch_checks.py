@@ -39,7 +39,7 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
                "bucket_cap_mb": 0, "sync_timeout_s": 0, "staleness": -1, "proportion": 2, "warmup_steps": -1,
                "momentum_compensation": "x", "compress_in_host": "x", "colayers_in_flight": 0},
     "auto": {"accept": "exakt", "compute_ms": -1, "time_steps": 0, "cluster": "nope", "strategies": ["nope"],
-             "period": 0},
+             "period": 0, "replan_every_s": 0},
     "ddp": {},
     "diloco": {"sync_every": -1, "outer_optimizer": "torch.optim.Nope", "outer_kwargs": {"nope": 1}, "shards": 0,
                "compression": "fp4", "block_size": 0, "density": 0, "bits": 3, "chunk": 0,
