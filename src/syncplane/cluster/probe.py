@@ -460,6 +460,14 @@ def remeasure_slow_pairs(bw: np.ndarray, hosts: list[list[int]], nbytes: int, gr
     return out
 
 
+def measure_pairs(world_size: int, hosts: list[list[int]], nbytes: int,
+                  group: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Collective: (bandwidth, latency) of every pair, one way, each pair once in round-robin
+    rounds, the pairs across close groups of hosts timed again alone (``remeasure_slow_pairs``)."""
+    bw, lat = measure_rounds(round_robin_rounds(world_size), nbytes, group=group, one_way=True)
+    return remeasure_slow_pairs(bw, hosts, nbytes, group), lat
+
+
 def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None) -> Belongs:
     """``cluster_racks``'s ``belongs`` for a probe (collective: every rank must call it with the
     same arguments in the same order). Host x and rack R: x exchanges with its best peer y in
@@ -557,9 +565,8 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
         topo = Topology.from_dict(box[0])
         topo.source = f"probe (cached {path})"
         return topo
-    bw, lat = measure_rounds(round_robin_rounds(n), nbytes, group=group, one_way=True)
     hosts = hosts_of(ids)
-    bw = remeasure_slow_pairs(bw, hosts, nbytes, group)
+    bw, lat = measure_pairs(n, hosts, nbytes, group)
     topo = topology_from_measurements(bw, lat, ids, concurrent_test(host_matrix(bw, hosts), hosts, nbytes, group))
     if streams > 1:
         topo.host_caps, topo.rack_caps = measure_flow_caps(topo, nbytes, streams, group)
