@@ -50,7 +50,7 @@ from typing_extensions import override
 
 from syncplane.algorithms import replicas as replica_ops
 from syncplane.algorithms import sharded
-from syncplane.algorithms.replicas import DEFAULT_BUCKET_BYTES, CommMeter, ModelReplicas, PhaseProfile
+from syncplane.algorithms.replicas import DEFAULT_BUCKET_BYTES, DEFAULT_CONSENSUS_SKETCH, CommMeter, ModelReplicas, PhaseProfile
 from syncplane.job import JobContext
 from syncplane.strategies import replicas
 
@@ -80,7 +80,12 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
             own replica and checkpoints hold rank 0's.
         bucket_mb: tensor-fusion bucket size for model-wide collectives.
         consensus_every: log the consensus distance ``mean_i ‖xᵢ − x̄‖/‖x̄‖`` every this
-            many steps (0 = never); it costs one all-reduce of the model in float64.
+            many steps (0 = never); a collective, so every rank waits for the others there.
+        consensus_sketch: estimate that logged distance from a count sketch of this many
+            float64 buckets (relative error about ``1/sqrt(consensus_sketch)``), all-reduced
+            instead of the whole model: exact all-reduces of a large model over a slow link
+            cost more than the training they watch. 0, or a model no larger: exact.
+            ``summary.json``'s final distance is always exact.
     """
 
     #: Subclasses whose replicas stay bit-identical (e.g. exact global averaging every
@@ -88,16 +93,20 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
     replicas_identical: bool = False
 
     def __init__(self, consensus_eval: bool = True, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
-                 consensus_every: int = 0, job: JobContext | None = None, **kwargs: Any) -> None:
+                 consensus_every: int = 0, consensus_sketch: int = DEFAULT_CONSENSUS_SKETCH,
+                 job: JobContext | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._job = job
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         if consensus_every < 0:
             raise ValueError(f"consensus_every must be >= 0 (0 = never), got {consensus_every}")
+        if consensus_sketch < 0:
+            raise ValueError(f"consensus_sketch must be >= 0 (0 = exact), got {consensus_sketch}")
         self.consensus_eval = consensus_eval
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.consensus_every = consensus_every
+        self.consensus_sketch = consensus_sketch
         self.comm_meter = CommMeter()
         #: what showing validation the consensus model costs (an evaluation choice, not the
         #: algorithm's sync: DDP's identical replicas need none); ``summary.json`` reports it apart
@@ -289,7 +298,8 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         self._metered = (seconds, sent)
         if self.consensus_every and self.world_size > 1 and (self.step + 1) % self.consensus_every == 0:
             self.finish_pending_sync()
-            distance = replica_ops.consensus_distance(self.model_tensors(), self.consensus_group())
+            distance = replica_ops.consensus_distance(self.model_tensors(), self.consensus_group(),
+                                                      self.consensus_sketch)
             module.log("sync/consensus_distance", distance, on_step=True, on_epoch=False)
 
     def evaluation_tensors(self) -> list[torch.Tensor] | None:

@@ -57,6 +57,35 @@ def test_consensus_distance_matches_definition(test_seed):
         assert got == pytest.approx(expected, rel=1e-9)
 
 
+def _sketched_distance(rank: int, world: int, seed: int, size: int, drift: float):
+    import torch
+
+    from syncplane.comm import mean_and_distance
+
+    shared = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    x = shared + drift * torch.randn(size, generator=torch.Generator().manual_seed(seed + 1 + rank))
+    parts = [x[: size // 3], x[size // 3:]]
+    return (x, mean_and_distance(parts, sketch_buckets=4096), mean_and_distance(parts, sketch_buckets=size),
+            mean_and_distance([shared], sketch_buckets=4096))
+
+
+def test_sketched_consensus_distance_estimates_the_definition(test_seed):
+    """Ranks that drift apart by a random amount: the sketched distance (4096 buckets for
+    300,000 values) is within 5 % of the exact one (its error is about 1.6 %: a wrong sketch
+    misses by far more), a sketch as large as the model is the exact computation, and
+    identical replicas give 0."""
+    size, drift = 300_000, float(torch.empty(()).uniform_(0.01, 1.0, generator=torch.Generator().manual_seed(test_seed)))
+    results = run_distributed(_sketched_distance, 3, test_seed, size, drift)
+    xs = torch.stack([r[0].double() for r in results])
+    mean = xs.mean(dim=0)
+    expected = float(((xs - mean).norm(dim=1) / mean.norm()).mean())
+    for _, sketched, full, identical in results:
+        assert sketched == pytest.approx(expected, rel=0.05)
+        assert full == pytest.approx(expected, rel=1e-9)
+        assert identical == 0.0
+    assert len({r[1] for r in results}) == 1   # every rank reports the same estimate
+
+
 def _rank0_decides(rank: int, world: int, seed: int):
     import torch
 

@@ -26,6 +26,7 @@ OPTIONAL_KEYS = {"canary": ("staleness", "proportion", "warmup_steps", "momentum
 
 _DECENTRALIZED = {"schedule": "sometimes", "topology": "NoSuchGraph", "topology_kwargs": {"nope": 1},
                   "global_every": -1, "bucket_mb": 0, "consensus_eval": "maybe", "consensus_every": -1,
+                  "consensus_sketch": -1,
                   "check_schedule": "maybe", "timeout_s": 0}
 _HIERARCHICAL = {**_DECENTRALIZED, "machines": "pod", "ranks_per_machine": 3}   # 3 does not divide 2 ranks
 _LATE_PEERS = {"max_staleness": -1, "late_after_s": -0.5, "hierarchy": "pod"}

@@ -58,10 +58,16 @@ def _measured(meter: CommMeter | None, bytes_sent: int) -> AbstractContextManage
     return meter.measure(bytes_sent) if meter is not None else nullcontext()
 
 
-def mean_and_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> float:
+def mean_and_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
+                      sketch_buckets: int = 0) -> float:
     """Consensus distance ``mean_i ||x_i - x̄|| / ||x̄||`` over the concatenation of ``tensors``.
 
     One all-reduce of the float64 flat vector (for x̄), one of a scalar (for the mean).
+    With ``sketch_buckets`` smaller than the vector, the vector all-reduced is instead its
+    count sketch of that many buckets (``count_sketch``): the sketch is linear, so the
+    sketch of ``x_i - x̄`` is this rank's sketch minus the mean sketch, and its norm is an
+    unbiased estimate of ``||x_i - x̄||²`` (relative error about ``1/sqrt(buckets)`` on the
+    norm), for ``sketch_buckets`` floats on the wire instead of the whole model.
     Returns 0.0 on a single process.
     """
     n = world_size(group)
@@ -70,12 +76,43 @@ def mean_and_distance(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup 
     host = HostMirror(tensors, dtype=torch.float64)
     host.to_host(tensors)
     local = host.buffer
+    if 0 < sketch_buckets < local.numel():
+        local = count_sketch(local, sketch_buckets)
     mean = local.clone()
     dist.all_reduce(mean, group=control_group(group))
     mean /= n
     ratio = torch.tensor([(local - mean).norm().item() / max(mean.norm().item(), 1e-30)], dtype=torch.float64)
     dist.all_reduce(ratio, group=control_group(group))
     return float(ratio.item() / n)
+
+
+#: The seed of ``count_sketch``'s signs: every rank must draw the same ones (the sketch's
+#: linearity across ranks depends on it).
+SKETCH_SEED = 0x5C7
+
+
+def count_sketch(vector: torch.Tensor, buckets: int, chunk_rows: int = 64) -> torch.Tensor:
+    """``vector``'s count sketch: element ``j`` goes, with a random sign, into bucket
+    ``j mod buckets``. Linear in ``vector``; ``||sketch||²`` estimates ``||vector||²`` without
+    bias, since the signs are independent. The signs come from a fixed seed, drawn chunk by
+    chunk, so that every rank sketches with the same ones and memory stays
+    ``chunk_rows × buckets``."""
+    if buckets <= 0:
+        raise ValueError(f"a count sketch needs a positive number of buckets, got {buckets}")
+    flat = vector.reshape(-1)
+    sketch = torch.zeros(buckets, dtype=flat.dtype)
+    generator = torch.Generator().manual_seed(SKETCH_SEED)
+    step = buckets * chunk_rows
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start:start + step]
+        signs = torch.randint(0, 2, (chunk.numel(),), generator=generator, dtype=torch.int8).to(flat.dtype) * 2 - 1
+        signed = chunk * signs
+        rows, tail = divmod(signed.numel(), buckets)
+        if rows:
+            sketch += signed[:rows * buckets].view(rows, buckets).sum(0)
+        if tail:
+            sketch[:tail] += signed[rows * buckets:]
+    return sketch
 
 
 def gather_to_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
