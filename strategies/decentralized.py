@@ -184,8 +184,7 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
                 averager.drain()   # late-peer mode: every message in flight too
         late = self.averager.late if self.averager is not None else None
         if late is not None:       # summary.json's strategy_details (rank 0's counts)
-            self.details["late_peers"] = {"max_staleness": late.max_staleness, "late_after_s": late.late_after_s,
-                                          "neighbour_values": late.values, "stale_values": late.stale_values}
+            self.details["late_peers"] = late.summary()
 
     @override
     def teardown(self) -> None:

@@ -16,6 +16,10 @@ Overridden hooks, and why:
 - ``after_optimizer_step``: one group average per step, then the EMA update.
 - ``evaluation_tensors``: with ``ema``, validation and checkpoints show the ensemble.
 - ``on_train_end``: with ``ema``, the final model is the global mean of the EMA models.
+- ``setup`` (with ``max_staleness``): no per-step SIGTERM broadcast, so a late group
+  member does not hold every rank up through Lightning's own collective.
+- ``finish_pending_sync`` / ``teardown`` (with ``max_staleness``): every message still in
+  flight, then the mixer's watcher threads; summary.json gets the late-peer counts.
 - ``sync_state_dict`` / ``load_sync_state_dict``: schedule position, adopted pattern,
   bandwidth estimate; ``rank_state_dict`` / ``load_rank_state_dict``: this rank's EMA
   model -- a resume continues exactly.
@@ -44,15 +48,17 @@ log = logging.getLogger(__name__)
 @register("ds_sync")
 class DSSyncStrategy(SyncplaneStrategy):
     """Args: those of ``DSSyncConfig`` (topology, adjust_every, imbalance, slow_factor,
-    probe_mb, ema, ema_decay, pair_streams), then ``SyncplaneStrategy``'s."""
+    probe_mb, ema, ema_decay, pair_streams, max_staleness, late_after_s), then ``SyncplaneStrategy``'s."""
 
     def __init__(self, topology: str = "auto", adjust_every: int = 100, imbalance: float = 1.5,
                  slow_factor: float = 0.5, probe_mb: float = 1.0, ema: bool = False, ema_decay: float = 0.99,
-                 pair_streams: PairStreams = "auto", **kwargs: Any) -> None:
+                 pair_streams: PairStreams = "auto", max_staleness: int = 0, late_after_s: float = 0.05,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = DSSyncConfig(topology=topology, adjust_every=adjust_every, imbalance=imbalance,
                                    slow_factor=slow_factor, probe_mb=probe_mb, ema=ema, ema_decay=ema_decay,
-                                   pair_streams=pair_streams)
+                                   pair_streams=pair_streams, max_staleness=max_staleness,
+                                   late_after_s=late_after_s)
         self._runtime: DSSync | None = None
         self._ema_model: list[torch.Tensor] | None = None
 
@@ -64,6 +70,12 @@ class DSSyncStrategy(SyncplaneStrategy):
             log.info("ds_sync: %s", self._runtime.streams.describe())
         if self.config.ema:
             self._ema_model = [t.detach().clone() for t in self.model_tensors()]
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.config.max_staleness:   # ranks may run up to max_staleness messages apart
+            self.skip_per_step_sigterm_broadcast(trainer)
 
     @property
     def runtime(self) -> DSSync:
@@ -85,12 +97,27 @@ class DSSyncStrategy(SyncplaneStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self.finish_pending_sync()            # late-peer mode: no message in flight under the collective
         if self._ema_model is not None:
             with torch.no_grad():
                 for live, avg in zip(self.model_tensors(), self._ema_model):
                     live.copy_(avg)
             self.average_replicas_()          # the ensemble: global mean of the EMA models
         super().on_train_end()
+
+    @override
+    def finish_pending_sync(self) -> None:
+        if self._runtime is None or self._runtime.late is None:
+            return
+        late = self._runtime.late
+        late.drain()
+        self.details["late_peers"] = late.summary()
+
+    @override
+    def teardown(self) -> None:
+        if self._runtime is not None:
+            self._runtime.close()
+        super().teardown()
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:

@@ -13,35 +13,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import mix_steps_with_a_late_rank, run_distributed
 
 STEPS, LATE_RANK, LATE_STEP = 5, 2, 2
 
 
 def _mix(rank: int, world: int, seed: int, max_staleness: int, late: bool, late_after_s: float = 0.0):
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
     from syncplane.algorithms.decentralized.engine import NeighborAverager
     from syncplane.algorithms.decentralized.schedule import build_graph, build_schedule
 
-    store = distributed_c10d._get_default_store()
     generator = torch.Generator().manual_seed(seed * 100 + rank)
     tensors = [torch.randn(7, generator=generator), torch.randn(3, 4, generator=generator)]
     schedule = build_schedule("static", build_graph("RingGraph", world))
     averager = NeighborAverager(tensors, schedule, bucket_bytes=64, max_staleness=max_staleness,
                                 late_after_s=late_after_s, timeout_s=60.0)
-    sent, mixed = [], []
-    for step in range(STEPS):
-        if late and rank == LATE_RANK and step == LATE_STEP:   # late: only after the others combined this step
-            store.wait([f"combined/{step}/{r}" for r in range(world) if r != rank])
-        for t in tensors:
-            t.add_(torch.randn(t.shape, generator=generator))   # this step's local update
-        sent.append(torch.cat([t.reshape(-1) for t in tensors]).clone())
-        averager.launch(step)
-        averager.wait()
-        store.set(f"combined/{step}/{rank}", "1")
-        mixed.append(torch.cat([t.reshape(-1) for t in tensors]).clone())
+    sent, mixed = mix_steps_with_a_late_rank(tensors, generator, lambda step: (averager.launch(step), averager.wait()),
+                                             STEPS, LATE_RANK if late else None, LATE_STEP)
     averager.drain()
     averager.close()
     used = list(averager.late.used) if averager.late is not None else []

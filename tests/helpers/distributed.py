@@ -160,3 +160,26 @@ def assert_only_the_straggled_round_discarded(results: list[Any], world: int, nu
         for round_ in (0, 2):
             want = torch.full((numel,), (world - 1) / 2 + 10 * round_)
             torch.testing.assert_close(flats[round_][1], want, rtol=1e-6, atol=1e-6)
+
+
+def mix_steps_with_a_late_rank(tensors: list[Any], generator: Any, mix: Callable[[int], None], steps: int,
+                               late_rank: int | None, late_step: int) -> tuple[list[Any], list[Any]]:
+    """``steps`` steps of: a random local update of ``tensors``, then ``mix(step)`` (in place).
+    ``late_rank`` (None: nobody) starts ``late_step`` only after every other rank has mixed it
+    (a store key, no sleep). Returns the values each step sent and the mixed ones, flat."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store, rank, world = distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    sent, mixed = [], []
+    for step in range(steps):
+        if rank == late_rank and step == late_step:   # late: only after the others combined this step
+            store.wait([f"combined/{step}/{r}" for r in range(world) if r != rank])
+        for t in tensors:
+            t.add_(torch.randn(t.shape, generator=generator))   # this step's local update
+        sent.append(torch.cat([t.reshape(-1) for t in tensors]).clone())
+        mix(step)
+        store.set(f"combined/{step}/{rank}", "1")
+        mixed.append(torch.cat([t.reshape(-1) for t in tensors]).clone())
+    return sent, mixed

@@ -51,7 +51,8 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
                "inner": "fsdp",   # inner=fsdp with replica=rank
                "inner_steps": "sometimes", "round_budget_s": -1.0},
     "ds_sync": {"topology": "two_racks", "adjust_every": -1, "imbalance": 0.5, "slow_factor": 2, "probe_mb": 0,
-                "ema": "x", "ema_decay": 2, "pair_streams": 0},     # two_racks has 8 ranks, the job 2
+                "ema": "x", "ema_decay": 2, "pair_streams": 0,      # two_racks has 8 ranks, the job 2
+                "max_staleness": -1, "late_after_s": -0.5},
     "flexreduce": {"topology": [3], "chunk_mb": -3, "bucket_cap_mb": 0},
     "torch_fp16": {},
     "torch_powersgd": {"matrix_approximation_rank": 0, "start_powerSGD_iter": -1, "min_compression_rate": "x",
@@ -134,6 +135,14 @@ def test_late_peer_mixing_is_refused_for_the_hierarchical_forms_naming_its_key(n
     cfg = copy.deepcopy(GOOD)
     cfg["strategy"] = {"name": name, "kwargs": {**(STRATEGY_CONFIGS[name].get("kwargs") or {}), "max_staleness": 1}}
     assert "max_staleness" in refused(cfg, tmp_path)
+
+
+def test_late_peer_averaging_with_several_pair_streams_is_refused_naming_both_keys(tmp_path, no_launch):
+    cfg = copy.deepcopy(GOOD)
+    cfg["strategy"] = {"name": "ds_sync", "kwargs": {**STRATEGY_CONFIGS["ds_sync"]["kwargs"], "max_staleness": 1,
+                                                     "pair_streams": 2}}
+    message = refused(cfg, tmp_path)
+    assert "max_staleness" in message and "pair_streams" in message
 
 
 def test_the_ranks_another_launcher_started_are_the_world_checked(tmp_path):

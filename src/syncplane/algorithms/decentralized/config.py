@@ -9,6 +9,7 @@ from typing import Any
 
 from syncplane.algorithms.decentralized.machines import HIERARCHIES, MACHINE_KINDS
 from syncplane.algorithms.decentralized.schedule import SCHEDULES
+from syncplane.algorithms.late_peers import check_late_peer_options
 from syncplane.comm import topology as graphs
 
 #: Graph builders a config may name (``topology: RingGraph``); all take the size first.
@@ -73,7 +74,4 @@ class DecentralizedConfig:
             raise ValueError(f"ranks_per_machine must be >= 1, got {self.ranks_per_machine}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 (0 = wait for every neighbour), got {self.max_staleness}")
-        if self.late_after_s < 0:
-            raise ValueError(f"late_after_s must be >= 0, got {self.late_after_s}")
+        check_late_peer_options(self.max_staleness, self.late_after_s)

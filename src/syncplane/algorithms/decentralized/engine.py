@@ -31,7 +31,7 @@ from syncplane.comm.hierarchical import hierarchical_neighbor_allreduce_nonblock
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.neighbor import neighbor_allreduce_nonblocking
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
-from syncplane.algorithms.decentralized.late_peers import LatePeerMixer
+from syncplane.algorithms.late_peers import LatePeerMixer
 from syncplane.algorithms.decentralized.schedule import Schedule
 
 

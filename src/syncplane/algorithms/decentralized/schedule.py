@@ -17,21 +17,12 @@ tests use as the reference and ``check`` uses to refuse a schedule that never mi
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
 
+from syncplane.algorithms.late_peers import RankPlan
 from syncplane.comm import topology
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """One rank's part of one mixing step: ``y = self_weight·x + Σ src_weights[j]·x_j``."""
-
-    self_weight: float
-    src_weights: dict[int, float]
-    dst_weights: dict[int, float]
 
 
 class Schedule:

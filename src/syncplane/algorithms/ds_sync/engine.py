@@ -12,6 +12,26 @@ Pairs (the inter-rack group with two racks, a slow NIC's group) can swap over se
 connections per direction; with ``pair_streams="auto"`` the first syncs (and those after
 every re-probe) try one and several, and the faster is kept (``comm.pair_streams``).
 
+With ``max_staleness`` > 0 a late group member does not hold its group up: each group
+averages as a clique of point-to-point messages (``syncplane.algorithms.late_peers``, the
+mixer ATC/AWC use, with ``group_plan``'s weights ``1/|g|``), and a member whose message has
+not arrived ``late_after_s`` into the combine counts with its newest arrived message, at
+most ``max_staleness`` of its messages to this rank old. What is kept:
+
+- **nobody late**: the group mean, within float tolerance, not bit for bit: the combine
+  rounds the float64 sum of ``x_j/|g|`` once (correctly rounded) where the all-reduce
+  rounds a float32 ring sum; for a pair both are ``round(a + b)/2``, bit for bit (barring
+  subnormals). Members of a group of three or more may differ by an ulp (each sums in its
+  own order);
+- **a late member** (bounded-delay averaging): ``y_i = (x_i + Σ_j x_j(t_j))/|g|`` with
+  ``t_j`` among j's last ``max_staleness + 1`` messages to i -- every value one j really
+  held, but the group's mass is not conserved for that step (its mean moves by
+  ``(x_j(t_j) − x_j(t))/|g|`` per stale member) and its members leave with different values;
+- **run-ahead**: at most ``max_staleness + 1`` sends in flight per destination, so a rank
+  runs at most that many messages ahead of a group mate; a member held longer still sets
+  its mates' pace. The contention check (``adjust_every``) is a collective: every rank
+  meets there, the late one included, once per ``adjust_every`` steps.
+
 Used by the ``ds_sync`` strategy (parameters after each local step) and by
 ``syncplane bench`` (a flat payload) -- the same code in both.
 """
@@ -34,6 +54,8 @@ from syncplane.algorithms.ds_sync.pattern import Candidates, GroupPattern, candi
 from syncplane.comm.groups import GroupSet
 from syncplane.comm.meter import CommMeter
 from syncplane.algorithms.ds_sync.pair_streams import PairStreams, PairStreamTuner, connections
+from syncplane.algorithms.late_peers import LatePeerMixer, group_plan
+from syncplane.comm.p2p import DEFAULT_TIMEOUT_S
 from syncplane.comm.process_groups import control_group
 
 #: Re-measures the pairwise bandwidth (a collective); returns (bandwidth n×n, slow ranks, slow racks),
@@ -77,12 +99,16 @@ def choose_candidate(candidates: Candidates, slow_ranks: Sequence[int], slow_rac
 
 
 class DSSync:
-    """Collective construction (creates the process groups). Call ``sync_`` once per step on every rank."""
+    """Collective construction (creates the process groups). Call ``sync_`` once per step on
+    every rank; with ``max_staleness``, ``drain`` where every rank is at the same step
+    (checkpoints, the end of a fit) and ``close`` at the end."""
 
     def __init__(self, racks: Sequence[Sequence[int]], bandwidth: np.ndarray, slow_ranks: Sequence[int] = (),
                  slow_racks: Sequence[int] = (), *, adjust_every: int = 0, imbalance: float = 1.5,
-                 reprobe: Reprobe | None = None, pair_streams: PairStreams = "auto") -> None:
-        DSSyncConfig(adjust_every=adjust_every, imbalance=imbalance, pair_streams=pair_streams)   # validates
+                 reprobe: Reprobe | None = None, pair_streams: PairStreams = "auto", max_staleness: int = 0,
+                 late_after_s: float = 0.05, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        pair_streams = DSSyncConfig(adjust_every=adjust_every, imbalance=imbalance, pair_streams=pair_streams,
+                                    max_staleness=max_staleness, late_after_s=late_after_s).streams   # validates
         world = dist.get_world_size()
         size = sum(len(r) for r in racks)
         if size != world:
@@ -98,6 +124,7 @@ class DSSync:
         self.q_ref: float | None = None
         self._window: list[float] = []
         self.adjustments: list[tuple[int, str]] = []     # (step, candidate key) for the log
+        self.late = LatePeerMixer(max_staleness, late_after_s, timeout_s=timeout_s) if max_staleness else None
         self._try_pair_streams()
 
     @property
@@ -115,12 +142,34 @@ class DSSync:
         group = self.pattern.group_of(self.rank, self.step)
         self.streams.before(self.step)
         start = time.perf_counter()
-        self.groups.group_average_(buckets, group, meter)
+        if self.late is None:
+            self.groups.group_average_(buckets, group, meter)
+        else:
+            self._late_average_(buckets, group, meter)
         self._window.append(time.perf_counter() - start)
         self.streams.after(self.step, self._window[-1], in_pair=len(group) == 2)
         self.step += 1
         if self.adjust_every and self.step % self.adjust_every == 0:
             self._adjust(sum(b.nbytes for b in buckets))
+
+    def _late_average_(self, buckets: Sequence[Bucket], group: Sequence[int], meter: CommMeter | None) -> None:
+        """``group_average_`` that goes on without a late member (the module docstring's rule)."""
+        assert self.late is not None
+        if len(group) < 2:
+            return
+        self.late.meter = meter
+        self.late.launch(self.step, group_plan(group, self.rank), [b.pack() for b in buckets])()
+        for bucket in buckets:
+            bucket.unpack()
+
+    def drain(self) -> None:
+        """Wait for every late-peer message in flight (no-op without ``max_staleness``)."""
+        if self.late is not None:
+            self.late.drain()
+
+    def close(self) -> None:
+        if self.late is not None:
+            self.late.close()
 
     def _adjust(self, payload_bytes: float) -> None:
         """Every ``adjust_every`` steps: did a splittable group lag in most of the window?

@@ -32,7 +32,8 @@ def ds_sync_for(topo: Topology, config: DSSyncConfig) -> DSSync:
     slow_ranks, slow_racks = topo.bottlenecks(config.slow_factor)
     return DSSync(topo.racks, topo.bandwidth, slow_ranks, slow_racks, adjust_every=config.adjust_every,
                   imbalance=config.imbalance, reprobe=reprober(topo, config.probe_bytes, config.slow_factor),
-                  pair_streams=config.pair_streams)
+                  pair_streams=config.pair_streams, max_staleness=config.max_staleness,
+                  late_after_s=config.late_after_s)
 
 
 def ds_sync_for_job(job: JobContext, config: DSSyncConfig) -> tuple[DSSync, str]:

@@ -20,6 +20,10 @@ first): memory stays bounded and no rank runs more than that ahead of a destinat
 rank held back for longer than a bound therefore still sets its neighbours' pace, after
 ``max_staleness`` messages of slack.
 
+Shared by two families (a module of ``syncplane.algorithms``, not of either, so they stay
+independent): ``atc``/``awc`` mix with their schedule's plan; ``ds_sync`` mixes each step's
+group as a clique, ``group_plan``: weights ``1/|g|`` on every member, the group mean.
+
 Arrival is watched by threads, one blocking ``wait`` per message: under gloo a point-to-point
 work's ``is_completed()`` stays False until someone waits for it, and a ``wait`` that times out
 closes the connection, so it cannot be polled.
@@ -36,7 +40,6 @@ from dataclasses import dataclass
 import torch
 
 from syncplane import kernels
-from syncplane.algorithms.decentralized.schedule import RankPlan
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.p2p import exchange_tensors
 
@@ -47,6 +50,33 @@ WATCHERS = 32
 #: Steps whose message choices ``LatePeerMixer.used`` keeps (for tests and debugging; bounded so a
 #: long run does not grow).
 USED_KEPT = 1024
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of one mixing step: ``y = self_weight·x + Σ src_weights[j]·x_j``."""
+
+    self_weight: float
+    src_weights: dict[int, float]
+    dst_weights: dict[int, float]
+
+
+def group_plan(group: Sequence[int], rank: int) -> RankPlan:
+    """``rank``'s plan for averaging ``group`` (which holds it) as a clique: every member's
+    value, sent unscaled, weighs ``1/|g|`` -- a group average as a neighbour mix."""
+    if rank not in group:
+        raise ValueError(f"rank {rank} is not in group {list(group)}")
+    weight = 1.0 / len(group)
+    peers = [r for r in group if r != rank]
+    return RankPlan(weight, {r: weight for r in peers}, {r: 1.0 for r in peers})
+
+
+def check_late_peer_options(max_staleness: int, late_after_s: float) -> None:
+    """The settings' rules, for every strategy that offers them (raises ``ValueError`` naming the key)."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0 (0 = wait for every neighbour), got {max_staleness}")
+    if late_after_s < 0:
+        raise ValueError(f"late_after_s must be >= 0, got {late_after_s}")
 
 
 @dataclass
@@ -61,7 +91,7 @@ class Message:
 
 
 class LatePeerMixer:
-    """The per-peer message queues of one ``NeighborAverager`` in flat mode.
+    """The per-peer message queues of one ``NeighborAverager`` in flat mode (or of ``DSSync``).
 
     ``launch`` posts one step's sends and receives and returns the function that combines
     them; ``used`` records, per combined step, the step of each source's message it took
@@ -69,10 +99,9 @@ class LatePeerMixer:
 
     def __init__(self, max_staleness: int, late_after_s: float, *, timeout_s: float,
                  meter: CommMeter | None = None) -> None:
+        check_late_peer_options(max_staleness, late_after_s)
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for late-peer mixing, got {max_staleness}")
-        if late_after_s < 0:
-            raise ValueError(f"late_after_s must be >= 0, got {late_after_s}")
         self.max_staleness, self.late_after_s = max_staleness, late_after_s
         self.timeout_s, self.meter = timeout_s, meter
         self._watch = ThreadPoolExecutor(max_workers=WATCHERS, thread_name_prefix="syncplane-late-peer")
@@ -144,6 +173,11 @@ class LatePeerMixer:
             kernels.weighted_combine(flat, [m.buffers[i] for m in chosen], weights, plan.self_weight, out=flat)
         if self.meter is not None:
             self.meter.record(start, time.perf_counter(), sent)
+
+    def summary(self) -> dict[str, float]:
+        """The settings and counts a run reports (summary.json's ``strategy_details.late_peers``)."""
+        return {"max_staleness": self.max_staleness, "late_after_s": self.late_after_s,
+                "neighbour_values": self.values, "stale_values": self.stale_values}
 
     def drain(self) -> None:
         """Wait for every message in flight (checkpoints, validation, the end of a fit: every
