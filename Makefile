@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := build/.installed
 
-.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables compare-pngs clean
+.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables figures compare-pngs clean
 
 # Install the package (editable) with its extras, then compile the C++ kernels once.
 # Re-runs only when pyproject.toml changes; `make setup -B` forces it.
@@ -45,6 +45,11 @@ scoreboard: setup
 # The tables and charts again from the matrix's JSON, without running anything.
 scoreboard-tables:
 	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
+
+# The published scoreboard's charts (docs/matrix/<profile>.png) and tables again from the
+# committed docs/matrix/<profile>.json, without running anything (seconds).
+figures:
+	$(PYTHON) scripts/scoreboard.py docs/matrix
 
 # The published training comparisons (docs/compare/*/comparison.{json,md,png}) again, with the
 # command docs/benchmarks.md gives: one compare per seed, then merged (training; hours).

@@ -193,3 +193,14 @@ def test_the_scoreboard_script_puts_one_section_at_the_top_of_the_docs_and_repla
     assert scoreboard.main([str(tmp_path), "--docs", str(docs), "--no-png"]) == 0
     assert docs.read_text() == once                                 # replaced in place, not added twice
     assert (tmp_path / "scoreboard.md").exists()
+
+
+def test_the_scoreboard_script_draws_each_profile_chart_from_its_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", FakeBench(fail={"awc"}))
+    run_matrix(settings(tmp_path, ["atc", "awc"]))
+    for stale in tmp_path.glob("*.png"):
+        stale.unlink()
+    assert load_script("scoreboard").main([str(tmp_path)]) == 0
+    charts = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert charts == sorted(p.with_suffix(".png").name for p in tmp_path.glob("*.json"))
+    assert all((tmp_path / c).read_bytes().startswith(b"\x89PNG") for c in charts)
