@@ -50,7 +50,8 @@ from syncplane.strategies.registry import register
 class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, shards,
     compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
-    fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
+    fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s,
+    time_weighting), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
     and heal give up after it; ``quorum_timeout_s``: how long a replica waits for a quorum;
     ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
@@ -73,7 +74,8 @@ class DiLoCo(SyncplaneStrategy):
                  outer: Literal["nesterov", "sparseloco"] = "nesterov", sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
                  mix_alpha: float | None = None, exchange: Literal["auto", "mesh", "tree", "gather", "owner"] = "auto",
                  topology: str | list[int] = "auto", inner_steps: Literal["fixed", "time"] = "fixed",
-                 round_budget_s: float | None = None, elastic: bool = False, round_timeout_s: float = 30.0,
+                 round_budget_s: float | None = None, time_weighting: Literal["samples", "fednova"] = "samples",
+                 elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",
                  inner: Literal["ddp", "fsdp"] = "ddp", **kwargs: Any) -> None:
@@ -110,7 +112,8 @@ class DiLoCo(SyncplaneStrategy):
             self.model = self._engine.module
         self.details.update(details)
         if self.inner_steps == "time":
-            self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s)
+            self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s,
+                                      self.config.time_weighting)
 
     @override
     def makes_meta_models(self) -> bool:
@@ -176,7 +179,7 @@ class DiLoCo(SyncplaneStrategy):
 
     def _launch(self, fragment: int, done: int, background: bool) -> None:
         """Start a round of ``fragment`` after step ``done``; it merges ``overlap_steps`` later."""
-        scale = self._timed.scale if self._timed is not None else 1.0   # Δ weighted by the samples processed
+        scale = self._timed.scale if self._timed is not None else 1.0   # Δ weighted by the step counts (time_weighting)
         self.engine.launch(self.model_tensors(), fragment, done + self.overlap_steps, background, self.comm_meter,
                            scale=scale)
 

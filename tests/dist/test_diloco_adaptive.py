@@ -2,6 +2,8 @@
 
 - The engine's weighted round against a dense reference: 3 ranks with unequal sample counts,
   fresh random replicas, outer SGD(lr 1, no momentum): θ_g ← Σ n_i θ_i / Σ n_i.
+- The same with ``time_weighting: fednova``: θ_g ← θ_g + τ_eff Σ (θ_i − θ_g) / (m n_i),
+  τ_eff = mean(n_i) (FedNova's normalized averaging with equal data weights).
 - Through Lightning on 3 ranks with scripted step times (rank 1 at half speed): every rank
   makes the same decision, rank 1 skips the slots beyond its budget (its batches are not
   processed), every round ends on the same step everywhere, and a resume from a mid-round
@@ -17,8 +19,8 @@ import torch
 from tests.helpers.distributed import run_distributed
 
 
-def _weighted_round(rank: int, world: int, seed: int, steps: list[int]):
-    from syncplane.algorithms.diloco.adaptive import weight_scale
+def _weighted_round(rank: int, world: int, seed: int, steps: list[int], weighting: str = "samples"):
+    from syncplane.algorithms.diloco.adaptive import TimedRounds
     from syncplane.algorithms.diloco.config import DiLoCoConfig
     from syncplane.algorithms.diloco.engine import DiLoCoEngine
     from syncplane.comm.meter import CommMeter
@@ -28,20 +30,35 @@ def _weighted_round(rank: int, world: int, seed: int, steps: list[int]):
     start = [torch.randn(7, generator=g), torch.randn(5, generator=g)]           # θ_g, the same everywhere
     replicas = [[torch.randn(7, generator=g), torch.randn(5, generator=g)] for _ in range(world)]
     tensors = [t.clone() for t in start]
-    config = DiLoCoConfig(sync_every=4, outer_kwargs={"lr": 1.0, "momentum": 0.0}, inner_steps="time")
+    config = DiLoCoConfig(sync_every=4, outer_kwargs={"lr": 1.0, "momentum": 0.0}, inner_steps="time",
+                          time_weighting=weighting)
+    timed = TimedRounds(4, world, rank, weighting=config.time_weighting)
+    timed.steps = steps
     engine = DiLoCoEngine(tensors, 12, config, JobContext(rank=rank, world_size=world))
     for t, mine in zip(tensors, replicas[rank]):
         t.copy_(mine)
-    engine.launch(tensors, 0, due=4, background=False, meter=CommMeter(), scale=weight_scale(steps, rank))
+    engine.launch(tensors, 0, due=4, background=False, meter=CommMeter(), scale=timed.scale)
     assert engine.merge(tensors, engine.outer.pop(0), alpha=0.0)
     engine.close()
-    dense = [sum(n * replica[i] for n, replica in zip(steps, replicas)) / sum(steps) for i in range(2)]
+    if weighting == "samples":
+        dense = [sum(n * replica[i] for n, replica in zip(steps, replicas)) / sum(steps) for i in range(2)]
+    else:
+        tau_eff = sum(steps) / world
+        dense = [start[i] + tau_eff * sum((replica[i] - start[i]) / n for n, replica in zip(steps, replicas)) / world
+                 for i in range(2)]
     return tensors, dense
 
 
 @pytest.mark.parametrize("seed", [11, 12])
 def test_the_weighted_round_is_the_sample_weighted_mean_of_the_replicas(seed):
     for merged, dense in run_distributed(_weighted_round, 3, seed, [5, 2, 3], timeout=120):
+        for got, want in zip(merged, dense):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_the_fednova_round_is_the_step_normalized_average_of_the_replicas(seed):
+    for merged, dense in run_distributed(_weighted_round, 4, seed, [5, 2, 3, 5], "fednova", timeout=120):
         for got, want in zip(merged, dense):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -101,13 +118,13 @@ def test_equal_speeds_give_every_rank_the_same_decisions(tmp_path):
     assert results[0][0] == results[1][0] == results[2][0]
 
 
-def _resume(rank: int, world: int, tmp_dir: str):
+def _resume(rank: int, world: int, tmp_dir: str, weighting: str):
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
     def fit(epochs: int, ckpt: str | None = None):
         torch.manual_seed(5)
         model, strategy = TinyRegressor(), _scripted([1.0, 2.0, 1.0], sync_every=3, compression="int8",
-                                                     block_size=4)
+                                                     block_size=4, time_weighting=weighting)
         trainer = trainer_for(strategy, tmp_dir, max_epochs=epochs, limit_val_batches=0)
         trainer.fit(model, RegressionData(seed=rank), ckpt_path=ckpt)
         return trainer, model, strategy
@@ -120,10 +137,12 @@ def _resume(rank: int, world: int, tmp_dir: str):
     return uninterrupted, ([p.detach().clone() for p in model.parameters()], strategy.outer_params)
 
 
-def test_a_resume_from_a_mid_round_checkpoint_is_bit_identical(tmp_path):
-    results = run_distributed(_resume, 3, str(tmp_path), timeout=240)
+@pytest.mark.parametrize("weighting", ["samples", "fednova"])
+def test_a_resume_from_a_mid_round_checkpoint_is_bit_identical(tmp_path, weighting):
+    results = run_distributed(_resume, 3, str(tmp_path), weighting, timeout=240)
     state = torch.load(tmp_path / "mid_round.ckpt", weights_only=True)["syncplane"]["state"]
     assert state["inner_steps"] == "time" and state["timed"]["steps"] == [3, 1, 3]
+    assert state["timed"]["weighting"] == weighting
     for (params, outer), (resumed_params, resumed_outer) in results:
         assert torch.equal(outer, resumed_outer)
         for a, b in zip(params, resumed_params):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from syncplane.algorithms.diloco.adaptive import TimedRounds, plan_round, weight_scale
+from syncplane.algorithms.diloco.adaptive import TimedRounds, fednova_scale, plan_round, weight_scale
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 
 
@@ -24,6 +24,28 @@ def test_the_scales_make_the_plain_mean_the_sample_weighted_mean() -> None:
     plain_mean_of_scaled = sum(weight_scale(steps, r) * d for r, d in enumerate(deltas)) / len(deltas)
     assert plain_mean_of_scaled == pytest.approx(sum(n * d for n, d in zip(steps, deltas)) / sum(steps))
     assert [weight_scale([4, 4, 4], r) for r in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_the_fednova_scales_make_the_plain_mean_the_normalized_average() -> None:
+    steps = [10, 5, 10, 8]
+    deltas = [1.0, 2.0, 3.0, 4.0]
+    plain_mean_of_scaled = sum(fednova_scale(steps, r) * d for r, d in enumerate(deltas)) / len(deltas)
+    tau_eff = sum(steps) / len(steps)           # Σ p_i τ_i, p_i = 1/m
+    assert plain_mean_of_scaled == pytest.approx(tau_eff * sum(d / n for n, d in zip(steps, deltas)) / len(steps))
+    assert [fednova_scale([4, 4, 4], r) for r in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_a_fednova_round_state_is_checkpointed_and_a_changed_weighting_is_refused() -> None:
+    timed = TimedRounds(4, 3, 1, weighting="fednova")
+    timed.steps = [4, 2, 4]
+    assert timed.scale == pytest.approx((10 / 3) / 2)
+    restored = TimedRounds(4, 3, 1, weighting="fednova")
+    restored.load_state_dict(timed.state_dict())
+    assert restored.steps == [4, 2, 4] and restored.scale == timed.scale
+    with pytest.raises(ValueError, match="time_weighting: the checkpoint's rounds were averaged with 'fednova'"):
+        TimedRounds(4, 3, 1).load_state_dict(timed.state_dict())
+    # a checkpoint from before the option averaged by samples
+    TimedRounds(4, 3, 1).load_state_dict({"steps": [4, 2, 4], "decisions": 1})
 
 
 def test_every_rank_decides_the_same_from_the_gathered_times_and_checkpoints_it() -> None:
@@ -58,6 +80,8 @@ def test_every_rank_decides_the_same_from_the_gathered_times_and_checkpoints_it(
     ({"inner_steps": "time", "round_budget_s": 0.0}, "round_budget_s: a positive number"),
     ({"round_budget_s": 2.0}, "round_budget_s: .* with inner_steps=fixed"),
     ({"inner_steps": "time", "sync_every": 4, "fragments": 2}, "inner_steps=time runs plain DiLoCo rounds"),
+    ({"inner_steps": "time", "time_weighting": "steps"}, "time_weighting: allowed values: samples, fednova"),
+    ({"time_weighting": "fednova"}, "time_weighting: fednova .* with inner_steps=fixed"),
 ])
 def test_bad_inner_steps_settings_name_the_key(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -10,7 +10,15 @@ step time in the last round and ``T`` the round's budget (``round_budget_s``, or
 median of the ``t_i``). A skipped slot costs nothing, so every replica reaches the round's
 exchange after about ``T`` seconds and the round ends on every rank at once. The
 pseudo-gradients are averaged with weights equal to the samples each replica processed
-(``n_i`` batches of one size): ``Δ = Σ n_i Δ_i / Σ n_i``.
+(``n_i`` batches of one size): ``Δ = Σ n_i Δ_i / Σ n_i`` (``time_weighting: samples``).
+
+``time_weighting: fednova`` is FedNova's normalized averaging (Wang et al., NeurIPS 2020,
+"Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization"): each
+replica's Δ_i is divided by its own step count, averaged with the data weights p_i (equal here:
+every replica holds an equal shard, p_i = 1/m), and rescaled by ``τ_eff = Σ p_i n_i``:
+``Δ = τ_eff Σ p_i Δ_i / n_i``. With plain SGD inner steps that is the paper's rule; with
+momentum or Adam inner optimizers it is the normalization by step count that the paper's
+general form reduces to when the local solver's ``a_i = n_i`` (its ‖a_i‖₁ is not tracked).
 
 The step counts are one explicit decision, made at each round boundary from the all-gathered
 step times with the same arithmetic on every rank (the transport is handed in), logged, and
@@ -64,6 +72,17 @@ def weight_scale(steps: Sequence[int], rank: int) -> float:
     return steps[rank] * len(steps) / sum(steps)
 
 
+def fednova_scale(steps: Sequence[int], rank: int) -> float:
+    """What rank ``rank`` multiplies its Δ by so that the plain mean over ranks is FedNova's
+    ``τ_eff Σ p_i Δ_i / n_i`` with equal data weights ``p_i = 1/m`` and ``τ_eff = mean(n_i)``
+    (1.0 when every count is equal)."""
+    return sum(steps) / len(steps) / steps[rank]
+
+
+#: ``time_weighting`` -> the per-rank factor on Δ (rank's factor from every replica's step count).
+WEIGHTINGS: dict[str, Callable[[Sequence[int], int], float]] = {"samples": weight_scale, "fednova": fednova_scale}
+
+
 def skipped_step_output() -> dict[str, Any]:
     """What a skipped slot's training step returns: a zero loss that reaches no parameter
     (Lightning refuses None in distributed training; after its zero_grad no parameter has a
@@ -81,10 +100,13 @@ class TimedRounds:
         slots: H.
         world_size, rank: the replicas and this one.
         budget_s: ``round_budget_s`` (None: H x the median step time).
+        weighting: ``time_weighting``: ``samples`` or ``fednova`` (``WEIGHTINGS``).
     """
 
-    def __init__(self, slots: int, world_size: int, rank: int, budget_s: float | None = None) -> None:
+    def __init__(self, slots: int, world_size: int, rank: int, budget_s: float | None = None,
+                 weighting: str = "samples") -> None:
         self.slots, self.world_size, self.rank, self.budget_s = slots, world_size, rank, budget_s
+        self.weighting = weighting
         self.steps = [slots] * world_size   # the first round: every replica every slot
         self.decisions = 0
         self.measured: list[float] = []
@@ -99,8 +121,8 @@ class TimedRounds:
 
     @property
     def scale(self) -> float:
-        """This rank's factor on its Δ for the round now ending (``weight_scale``)."""
-        return weight_scale(self.steps, self.rank)
+        """This rank's factor on its Δ for the round now ending (``WEIGHTINGS[weighting]``)."""
+        return WEIGHTINGS[self.weighting](self.steps, self.rank)
 
     def decide(self, gather: Gather) -> list[int]:
         """At a round boundary, on every rank: gather the step times, plan the next round."""
@@ -118,13 +140,17 @@ class TimedRounds:
         return steps
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": list(self.steps), "decisions": self.decisions}
+        return {"steps": list(self.steps), "decisions": self.decisions, "weighting": self.weighting}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         steps = [int(n) for n in state["steps"]]
         if len(steps) != self.world_size:
             raise ValueError(f"the checkpoint's inner_steps=time plan is for {len(steps)} replicas, this job has "
                              f"{self.world_size}")
+        saved = state.get("weighting", "samples")   # checkpoints from before the option: samples
+        if saved != self.weighting:
+            raise ValueError(f"time_weighting: the checkpoint's rounds were averaged with {saved!r}, this job "
+                             f"asks for {self.weighting!r}; resume with time_weighting={saved}")
         self.steps, self.decisions, self.measured = steps, int(state["decisions"]), []
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from syncplane.algorithms.diloco.adaptive import WEIGHTINGS
 from syncplane.algorithms.diloco.exchange import check_exchange, delta_codec
 from syncplane.algorithms.diloco.layout import check_replica
 from syncplane.algorithms.diloco.outer import check_outer
@@ -52,6 +53,10 @@ class DiLoCoConfig:
             skips the rest, Δ averaged weighted by the samples each processed
             (``syncplane.algorithms.diloco.adaptive``); plain DiLoCo only (fragments 1, no overlap).
         round_budget_s: ``time``: the round's budget in seconds; None = H x the median step time.
+        time_weighting: ``time``: how the replicas' Δ are averaged: ``samples`` (weights = the
+            samples each processed) or ``fednova`` (FedNova's normalized averaging: each Δ_i
+            divided by its step count, the mean rescaled by the mean step count); see
+            ``syncplane.algorithms.diloco.adaptive``.
     """
 
     sync_every: int = 10
@@ -75,6 +80,7 @@ class DiLoCoConfig:
     inner: Literal["ddp", "fsdp"] = "ddp"
     inner_steps: Literal["fixed", "time"] = "fixed"
     round_budget_s: float | None = None
+    time_weighting: Literal["samples", "fednova"] = "samples"
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -106,6 +112,12 @@ class DiLoCoConfig:
         if self.round_budget_s is not None and (self.inner_steps != "time" or self.round_budget_s <= 0):
             raise ValueError(f"round_budget_s: a positive number of seconds with inner_steps=time (or null), "
                              f"got {self.round_budget_s!r} with inner_steps={self.inner_steps}")
+        if self.time_weighting not in WEIGHTINGS:
+            raise ValueError(f"time_weighting: allowed values: {', '.join(WEIGHTINGS)}; got {self.time_weighting!r}")
+        if self.time_weighting != "samples" and self.inner_steps != "time":
+            raise ValueError(f"time_weighting: {self.time_weighting} weighs the replicas of inner_steps=time rounds "
+                             f"by their step counts; with inner_steps={self.inner_steps} every count is equal: "
+                             f"use inner_steps=time or leave time_weighting at samples")
         if self.inner_steps == "time" and (self.fragments != 1 or self.overlap_steps != 0):
             raise ValueError(f"inner_steps=time runs plain DiLoCo rounds: fragments must be 1 and overlap_steps 0, "
                              f"got fragments={self.fragments}, overlap_steps={self.overlap_steps}")
