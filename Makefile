@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := build/.installed
 
-.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables compare-pngs clean
+.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables figures compare-pngs clean
 
 # Install the package (editable) with its extras, then compile the C++ kernels once.
 # Re-runs only when pyproject.toml changes; `make setup -B` forces it.
@@ -46,8 +46,15 @@ scoreboard: setup
 scoreboard-tables:
 	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
 
-# The published training comparisons (docs/compare/*/comparison.{json,md,png}) again, with the
-# command docs/benchmarks.md gives: one compare per seed, then merged (training; hours).
+# The published scoreboard charts (docs/matrix/<profile>.png: vs DDP, bound ratio, model error
+# per strategy) again from their committed JSON, without running anything (seconds).
+figures:
+	$(PYTHON) scripts/scoreboard.py docs/matrix --png-only
+
+# The published training comparisons (docs/compare/*/comparison.{json,md}) again, with the
+# command docs/benchmarks.md gives: one compare per seed, then merged (training; hours). Their
+# charts need the runs' histories, which are not committed, so no comparison.png is published:
+# the committed figures are `make figures`'.
 COMPARE_STRATEGIES ?= ddp,torchft_diloco,diloco,atc,h_atc,ds_sync,flexreduce,canary,horovod
 compare-pngs: setup
 	for cluster in two_racks wan_two_sites; do for seed in 1 2 3; do \

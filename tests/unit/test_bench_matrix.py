@@ -193,3 +193,21 @@ def test_the_scoreboard_script_puts_one_section_at_the_top_of_the_docs_and_repla
     assert scoreboard.main([str(tmp_path), "--docs", str(docs), "--no-png"]) == 0
     assert docs.read_text() == once                                 # replaced in place, not added twice
     assert (tmp_path / "scoreboard.md").exists()
+
+
+def test_make_figures_redraws_each_profile_chart_from_its_json_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", FakeBench(fail={"awc"}))
+    run_matrix(settings(tmp_path, ["atc", "awc"]))
+    png, table = tmp_path / "fake_racks.png", tmp_path / "fake_racks.md"
+    png.unlink()
+    table.write_text("kept")
+    assert load_script("scoreboard").main([str(tmp_path), "--png-only"]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG") and table.read_text() == "kept"   # charts only
+    fig = matrix.scoreboard_chart(json.loads((tmp_path / "fake_racks.json").read_text()))
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["vs DDP (×, higher is faster)", "bound ratio", "model error (%)"]
+    labels = [t.get_text() for t in fig.axes[1].texts]
+    assert len(labels) == 3 and labels[-1] == "n/a"                 # ddp, atc, then the failed awc
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
