@@ -46,13 +46,15 @@ scoreboard: setup
 scoreboard-tables:
 	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
 
-# The published scoreboard's charts (docs/matrix/<profile>.png) and tables again from the
-# committed docs/matrix/<profile>.json, without running anything (seconds).
+# The published scoreboard charts (docs/matrix/<profile>.png: vs DDP, bound ratio, model error
+# per strategy) again from their committed JSON, without running anything (seconds).
 figures:
-	$(PYTHON) scripts/scoreboard.py docs/matrix
+	$(PYTHON) scripts/scoreboard.py docs/matrix --png-only
 
 # The published training comparisons (docs/compare/*/comparison.{json,md,png}) again, with the
-# command docs/benchmarks.md gives: one compare per seed, then merged (training; hours).
+# command docs/benchmarks.md gives: one compare per seed, then merged (training; hours). Their
+# charts need the runs' histories, which are not committed: only this redraws them.
+# compare/two_racks has no chart: its canary and atc rows are superseded (docs/benchmarks.md).
 COMPARE_STRATEGIES ?= ddp,torchft_diloco,diloco,atc,h_atc,ds_sync,flexreduce,canary,horovod
 compare-pngs: setup
 	for cluster in two_racks wan_two_sites; do for seed in 1 2 3; do \

@@ -6,6 +6,7 @@ when there; else placed before the file's first ``## `` heading).
 
     python scripts/scoreboard.py bench-matrix --docs docs/benchmarks.md
 
+``make figures`` (``--png-only`` on ``docs/matrix``) redraws only the published charts.
 ``make scoreboard`` runs the matrix first (resumable: an interrupted one picks up where it
 stopped), then this.
 """
@@ -18,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syncplane.bench.matrix import BOUND_TARGET, MODEL_ERROR_TARGET, markdown_table, misses
-from syncplane.bench.runner import plot
+from syncplane.bench.matrix import BOUND_TARGET, MODEL_ERROR_TARGET, markdown_table, misses, plot_scoreboard
 
 BEGIN, END = "<!-- scoreboard:begin -->", "<!-- scoreboard:end -->"
 
@@ -67,17 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, help="the --out folder of `syncplane bench --matrix`")
     parser.add_argument("--docs", type=Path, help="also put the section at the top of this Markdown file")
     parser.add_argument("--no-png", action="store_true", help="tables only")
+    parser.add_argument("--png-only", action="store_true",
+                        help="the charts only (`make figures`: every <profile>.png from its committed JSON)")
     args = parser.parse_args(argv)
     reports = load_reports(args.folder)
     if not reports:
         print(f"scoreboard: no matrix reports in {args.folder} (run `syncplane bench --matrix --out "
               f"{args.folder}` first)", file=sys.stderr)
         return 2
+    if args.no_png and args.png_only:
+        parser.error("give --no-png or --png-only, not both")
     for report in reports:
         path = args.folder / f"{report['cluster']}.json"
-        path.with_suffix(".md").write_text(markdown_table(report))
         if not args.no_png and any(r.get("status") == "ok" for r in report["results"]):
-            plot(report, path.with_suffix(".png"))
+            plot_scoreboard(report, path.with_suffix(".png"))
+        if not args.png_only:
+            path.with_suffix(".md").write_text(markdown_table(report))
+    if args.png_only:
+        print(f"scoreboard: {len(reports)} charts in {args.folder}")
+        return 0
     block = section(reports)
     (args.folder / "scoreboard.md").write_text(block)
     if args.docs:

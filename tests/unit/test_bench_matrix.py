@@ -195,12 +195,19 @@ def test_the_scoreboard_script_puts_one_section_at_the_top_of_the_docs_and_repla
     assert (tmp_path / "scoreboard.md").exists()
 
 
-def test_the_scoreboard_script_draws_each_profile_chart_from_its_json(tmp_path, monkeypatch):
+def test_make_figures_redraws_each_profile_chart_from_its_json_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(matrix, "run_bench", FakeBench(fail={"awc"}))
     run_matrix(settings(tmp_path, ["atc", "awc"]))
-    for stale in tmp_path.glob("*.png"):
-        stale.unlink()
-    assert load_script("scoreboard").main([str(tmp_path)]) == 0
-    charts = sorted(p.name for p in tmp_path.glob("*.png"))
-    assert charts == sorted(p.with_suffix(".png").name for p in tmp_path.glob("*.json"))
-    assert all((tmp_path / c).read_bytes().startswith(b"\x89PNG") for c in charts)
+    png, table = tmp_path / "fake_racks.png", tmp_path / "fake_racks.md"
+    png.unlink()
+    table.write_text("kept")
+    assert load_script("scoreboard").main([str(tmp_path), "--png-only"]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG") and table.read_text() == "kept"   # charts only
+    fig = matrix.scoreboard_chart(json.loads((tmp_path / "fake_racks.json").read_text()))
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["vs DDP (×, higher is faster)", "bound ratio", "model error (%)"]
+    labels = [t.get_text() for t in fig.axes[1].texts]
+    assert len(labels) == 3 and labels[-1] == "n/a"                 # ddp, atc, then the failed awc
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -3,7 +3,8 @@
 Each profile is one ``run_bench`` (the same launch, worker and report rows as ``syncplane
 bench``) with ``ddp`` beside, so a row's *vs DDP* compares two syncs of one run. Per profile
 it writes ``OUT/<profile>.json`` (the bench report, plus ``meta``: date, commit, command),
-``OUT/<profile>.md`` (the table) and ``OUT/<profile>.png`` (the bench's chart).
+``OUT/<profile>.md`` (the table) and ``OUT/<profile>.png`` (``scoreboard_chart``: vs DDP,
+bound ratio, model error).
 
 Resumable: a cell (profile × strategy) whose row is already in ``OUT/<profile>.json`` with
 status ``ok`` is skipped; the rest of that profile runs again, with ``ddp`` beside. The
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from syncplane.bench.runner import emulator_cpu_rates, plot, report_rows, run_bench
+from syncplane.bench.runner import emulator_cpu_rates, report_rows, run_bench
 from syncplane.cluster import ClusterProfile
 from syncplane.cluster.emulator import EmulationError
 from syncplane.config import ConfigError
@@ -211,8 +212,54 @@ def _write_profile(path: Path, profile: ClusterProfile, settings: MatrixSettings
     path.write_text(json.dumps(merged, indent=2) + "\n")
     path.with_suffix(".md").write_text(markdown_table(merged))
     if any(r.get("status") == "ok" for r in merged["results"]):
-        plot(merged, path.with_suffix(".png"))
+        plot_scoreboard(merged, path.with_suffix(".png"))
     return merged
+
+
+def plot_scoreboard(report: dict[str, Any], path: Path) -> None:
+    """Write ``scoreboard_chart(report)`` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = scoreboard_chart(report)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def scoreboard_chart(report: dict[str, Any]) -> Any:
+    """One profile's scoreboard as three panels of a bar per strategy: *vs DDP*, *bound ratio*
+    and *model error*, the same numbers as its table (so the figure can be redrawn from the
+    JSON alone and never disagrees with the text); a failed cell reads 'n/a', the targets are
+    drawn as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    names = [r["strategy"] for r in rows]
+    panels = [("vs DDP (×, higher is faster)", "speedup_vs_ddp", 1.0, "{:.2f}×", [1.0]),
+              ("bound ratio", "bound_ratio", 1.0, "{:.2f}", [BOUND_TARGET, 1.0]),
+              ("model error (%)", "model_error", 100.0, "{:+.0f}", [-MODEL_ERROR_TARGET * 100, MODEL_ERROR_TARGET * 100])]
+    fig, axes = plt.subplots(1, 3, figsize=(max(9.0, 3.0 + 1.2 * len(names)), 4.2))
+    for ax, (title, key, scale, label, lines) in zip(axes, panels):
+        values = [r[key] * scale if r.get("status") == "ok" and r.get(key) is not None else None for r in rows]
+        bars = ax.bar(names, [v or 0.0 for v in values],
+                      color=["C0" if v is not None else "lightgrey" for v in values])
+        for bar, value in zip(bars, values):
+            ax.annotate("n/a" if value is None else label.format(value),
+                        (bar.get_x() + bar.get_width() / 2, value or 0.0), xytext=(0, 3 if (value or 0) >= 0 else -10),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7)
+        for y in lines:
+            ax.axhline(y, color="C3", linestyle="--", linewidth=0.8)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right", rotation_mode="anchor", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high + 0.1 * (high - low))      # room for the value above the tallest
+    fig.suptitle(f"{report['cluster']}: {report['payload_bytes'] / 2**20:.1f} MB, {report['world_size']} ranks "
+                 f"(dashed: the targets)", fontsize=11)
+    fig.tight_layout()
+    return fig
 
 
 def misses(row: dict[str, Any]) -> str:
