@@ -30,6 +30,25 @@ def pair_profile(per_flow_mbit: float | None) -> Any:
     return parse_profile({"name": "pair", "racks": [{"name": "r0", "hosts": hosts}]})
 
 
+def changed_link_probe(probed: list[float]) -> Any:
+    """The real collective re-probe (loopback), then the changed link: each rank's own fresh
+    noise on the NIC rates (appended to ``probed``) and every flow capped at 50 Mbit."""
+    from syncplane.comm.process_groups import control_group
+    from syncplane.runtime import replan
+
+    reprobe = replan.Reprobe(pair_profile(per_flow_mbit=None), control_group)
+    noise = random.Random()           # fresh, different on every rank
+
+    def probe() -> Any:
+        data = reprobe().to_dict()
+        for host in data["racks"][0]["hosts"]:
+            host["nic_mbit"] *= noise.uniform(0.7, 1.3)
+            host["per_flow_mbit"] = 50.0
+            probed.append(host["nic_mbit"])
+        return parse_profile(data)
+    return probe
+
+
 def _tensors(state: Any) -> list[torch.Tensor]:
     """Every tensor in a nested state dict, in a fixed order."""
     if isinstance(state, torch.Tensor):
@@ -44,23 +63,13 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
-    from syncplane.comm.process_groups import control_group
     from syncplane.runtime import replan
     from syncplane.runtime.autopilot import torch_broadcast
     from syncplane.strategies.diloco import DiLoCo
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
-    reprobe = replan.Reprobe(pair_profile(per_flow_mbit=None), control_group)
-    noise = random.Random()           # fresh, different on every rank
     probed: list[float] = []
-
-    def probe() -> Any:
-        data = reprobe().to_dict()      # the real collective re-probe (loopback), then the changed link
-        for host in data["racks"][0]["hosts"]:
-            host["nic_mbit"] *= noise.uniform(0.7, 1.3)
-            host["per_flow_mbit"] = 50.0
-            probed.append(host["nic_mbit"])
-        return parse_profile(data)
+    probe = changed_link_probe(probed)
 
     auto = {"choice": {"strategy": "diloco", "kwargs": dict(CHOICE)},
             "inputs": {"cluster": "pair", "world_size": world,
@@ -119,21 +128,12 @@ def _resume_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from syncplane.comm.process_groups import control_group
     from syncplane.runtime import replan
     from syncplane.runtime.autopilot import torch_broadcast
     from syncplane.strategies.diloco import DiLoCo
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
-    reprobe = replan.Reprobe(pair_profile(per_flow_mbit=None), control_group)
-    noise = random.Random()           # fresh, different on every rank
-
-    def probe() -> Any:
-        data = reprobe().to_dict()
-        for host in data["racks"][0]["hosts"]:
-            host["nic_mbit"] *= noise.uniform(0.7, 1.3)
-            host["per_flow_mbit"] = 50.0
-        return parse_profile(data)
+    probe = changed_link_probe([])
 
     def fit(tag: str, ckpt: str | None = None) -> dict[str, Any]:
         auto = {"choice": {"strategy": "diloco", "kwargs": dict(CHOICE)},
