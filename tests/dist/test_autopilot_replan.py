@@ -30,6 +30,25 @@ def pair_profile(per_flow_mbit: float | None) -> Any:
     return parse_profile({"name": "pair", "racks": [{"name": "r0", "hosts": hosts}]})
 
 
+def changed_link_probe(probed: list[float]) -> Any:
+    """The real collective re-probe (loopback), then the changed link: each rank's own fresh
+    noise on the NIC rates (appended to ``probed``) and every flow capped at 50 Mbit."""
+    from syncplane.comm.process_groups import control_group
+    from syncplane.runtime import replan
+
+    reprobe = replan.Reprobe(pair_profile(per_flow_mbit=None), control_group)
+    noise = random.Random()           # fresh, different on every rank
+
+    def probe() -> Any:
+        data = reprobe().to_dict()
+        for host in data["racks"][0]["hosts"]:
+            host["nic_mbit"] *= noise.uniform(0.7, 1.3)
+            host["per_flow_mbit"] = 50.0
+            probed.append(host["nic_mbit"])
+        return parse_profile(data)
+    return probe
+
+
 def _tensors(state: Any) -> list[torch.Tensor]:
     """Every tensor in a nested state dict, in a fixed order."""
     if isinstance(state, torch.Tensor):
@@ -44,23 +63,13 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
-    from syncplane.comm.process_groups import control_group
     from syncplane.runtime import replan
     from syncplane.runtime.autopilot import torch_broadcast
     from syncplane.strategies.diloco import DiLoCo
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
 
-    reprobe = replan.Reprobe(pair_profile(per_flow_mbit=None), control_group)
-    noise = random.Random()           # fresh, different on every rank
     probed: list[float] = []
-
-    def probe() -> Any:
-        data = reprobe().to_dict()      # the real collective re-probe (loopback), then the changed link
-        for host in data["racks"][0]["hosts"]:
-            host["nic_mbit"] *= noise.uniform(0.7, 1.3)
-            host["per_flow_mbit"] = 50.0
-            probed.append(host["nic_mbit"])
-        return parse_profile(data)
+    probe = changed_link_probe(probed)
 
     auto = {"choice": {"strategy": "diloco", "kwargs": dict(CHOICE)},
             "inputs": {"cluster": "pair", "world_size": world,
@@ -111,3 +120,53 @@ def test_every_rank_switches_alike_and_keeps_one_model(tmp_path) -> None:
     for key in ("params", "outer"):
         assert all(torch.equal(a, b) for a, b in zip(first[key], second[key])), key
     assert all(torch.equal(a, b) for a, b in zip(first["switches"][0][0], second["switches"][0][0]))
+
+
+def _resume_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
+    """3 epochs of 3 steps uninterrupted (the switch at step 2), then the same run resumed from
+    the checkpoint after epoch 1 (step 3: after the switch, mid-round)."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from syncplane.runtime import replan
+    from syncplane.runtime.autopilot import torch_broadcast
+    from syncplane.strategies.diloco import DiLoCo
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    probe = changed_link_probe([])
+
+    def fit(tag: str, ckpt: str | None = None) -> dict[str, Any]:
+        auto = {"choice": {"strategy": "diloco", "kwargs": dict(CHOICE)},
+                "inputs": {"cluster": "pair", "world_size": world,
+                           **asdict(PlanInputs(PAYLOAD, 0.05, period=2, strategies=("diloco",)))}}
+        replanner = replan.Replanner(auto, 1e-9, probe, torch_broadcast(), rank)
+        torch.manual_seed(123)
+        model = TinyRegressor()
+        strategy = DiLoCo(cluster_environment=TorchElasticEnvironment(), **CHOICE)
+        keep = ModelCheckpoint(dirpath=tmp_dir, filename=f"{tag}-{{epoch}}", every_n_epochs=1, save_top_k=-1,
+                               save_on_train_epoch_end=True)
+        trainer_for(strategy, tmp_dir, max_epochs=3, limit_train_batches=3, limit_val_batches=0,
+                    enable_checkpointing=True, callbacks=[replanner, keep]).fit(model, RegressionData(), ckpt_path=ckpt)
+        return {"replans": [(r["step"], r["best"]["kwargs"]) for r in auto["replans"]],
+                "checks": auto["replan"]["checks"], "config": asdict(strategy.config),
+                "params": [p.detach().clone() for p in model.parameters()],
+                "outer": _tensors(strategy.engine.outer.state_dict()),
+                "residuals": _tensors(strategy.rank_state_dict()), "rounds": strategy.rounds}
+
+    whole = fit("whole")
+    path = f"{tmp_dir}/whole-epoch=0.ckpt"
+    torch.load(path, weights_only=True)          # plain data only, as a user's resume reads it
+    return {"whole": whole, "resumed": fit("resumed", ckpt=path)}
+
+
+def test_a_resume_after_a_switch_keeps_the_switch_and_is_bit_identical(tmp_path) -> None:
+    for r in run_distributed(_resume_rank, 2, str(tmp_path)):
+        whole, resumed = r["whole"], r["resumed"]
+        assert whole["replans"][0][0] == 2 and whole["config"]["compression"] == "sparse"
+        # the switched settings, the record and the clock's checks carry over; no second switch
+        assert resumed["config"] == whole["config"]
+        assert resumed["replans"] == whole["replans"] and resumed["checks"] == whole["checks"]
+        assert resumed["rounds"] == whole["rounds"]
+        assert len(resumed["residuals"]) == len(whole["residuals"]) > 0
+        for key in ("params", "outer", "residuals"):
+            assert all(torch.equal(a, b) for a, b in zip(whole[key], resumed[key])), key

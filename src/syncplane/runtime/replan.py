@@ -24,6 +24,7 @@ says so at start-up (log and ``strategy_details.auto.replan``) and keeps its cho
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -158,6 +159,34 @@ class Replanner(Callback):
             log.warning("strategy=auto: replan_every_s=%s: no re-planning: %s", every_s, self.refused)
         self._last = clock()
         self._seen = 0
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer_strategy = trainer.strategy     # what a resume switches (``load_state_dict``)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs: the running settings, the record of checks and switches, and
+        the seconds since the last plan (the clock itself does not survive a restart)."""
+        return {"kwargs": dict(self.kwargs), "checks": self.auto["replan"]["checks"],
+                "replans": json.loads(json.dumps(self.auto["replans"], default=float)), "since_s": self.clock() - self._last, "seen": self._seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume where the checkpoint left off. Lightning restores callbacks after the strategy
+        built its exchange from the start-up choice and before the strategy's own state (outer
+        optimizer, residuals) is loaded: a checkpoint written after a switch therefore rebuilds
+        the exchange with the switched settings here (a collective: every rank restores), so
+        that state lands in the exchange it was written by, instead of silently going back."""
+        kwargs = dict(state_dict["kwargs"])
+        if kwargs != self.kwargs:
+            if fixed_part(self.strategy, kwargs) != fixed_part(self.strategy, self.kwargs):
+                raise ValueError(f"strategy=auto: the checkpoint ran {self.strategy} {kwargs}, this job chose "
+                                 f"{self.kwargs}: only {list(SWITCHABLE.get(self.strategy, ()))} may differ")
+            SWITCHERS[self.strategy](self._trainer_strategy, kwargs)
+            log.info("strategy=auto: resumed with the settings of the last re-plan: %s", kwargs)
+            self.kwargs = kwargs
+        self.auto["replan"]["checks"] = int(state_dict["checks"])
+        self.auto["replans"][:] = list(state_dict["replans"])
+        self._last = self.clock() - float(state_dict["since_s"])
+        self._seen = int(state_dict["seen"])
 
     @property
     def period(self) -> int:
