@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.algorithms.diloco import rounds as diloco_rounds
-from syncplane.algorithms.diloco.adaptive import TimedRounds, gather_floats, skipped_step_output
+from syncplane.algorithms.diloco.adaptive import TimedRounds, check_weighting, gather_floats, skipped_step_output
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
 from syncplane.algorithms.diloco.node import NodeEngine
@@ -112,6 +112,8 @@ class DiLoCo(SyncplaneStrategy):
             self.model = self._engine.module
         self.details.update(details)
         if self.inner_steps == "time":
+            check_weighting(self.config.time_weighting,
+                            sum(b.is_floating_point() for b in self.lightning_module.buffers()))
             self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s,
                                       self.config.time_weighting)
 

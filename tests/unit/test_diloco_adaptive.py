@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from syncplane.algorithms.diloco.adaptive import TimedRounds, fednova_scale, plan_round, weight_scale
+from syncplane.algorithms.diloco.adaptive import TimedRounds, check_weighting, fednova_scale, plan_round, weight_scale
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 
 
@@ -95,3 +95,11 @@ def test_time_budgeted_rounds_are_refused_in_elastic_mode() -> None:
 
     with pytest.raises(ValueError, match="inner_steps=time is not supported with elastic=true"):
         DiLoCo(cluster_environment=TorchElasticEnvironment(), inner_steps="time", elastic=True)
+
+
+def test_fednova_is_refused_for_a_model_with_floating_buffers() -> None:
+    """Its factors do not sum to the replica count: buffers averaged as values would be scaled."""
+    with pytest.raises(ValueError, match="time_weighting=fednova.*2 floating buffer"):
+        check_weighting("fednova", 2)
+    check_weighting("fednova", 0)
+    check_weighting("samples", 3)

@@ -83,6 +83,16 @@ def fednova_scale(steps: Sequence[int], rank: int) -> float:
 WEIGHTINGS: dict[str, Callable[[Sequence[int], int], float]] = {"samples": weight_scale, "fednova": fednova_scale}
 
 
+def check_weighting(weighting: str, floating_buffers: int) -> None:
+    """``fednova``'s factors normalize the parameters' Δ and do not sum to the replica count,
+    so floating buffers (BatchNorm statistics), averaged as values with the same factors,
+    would come out scaled: refused, naming the key."""
+    if weighting == "fednova" and floating_buffers:
+        raise ValueError(f"time_weighting=fednova normalizes the parameters' Δ by each replica's steps; this model "
+                         f"has {floating_buffers} floating buffer(s) (e.g. BatchNorm statistics), averaged as values, "
+                         f"which its factors would scale: use time_weighting=samples")
+
+
 def skipped_step_output() -> dict[str, Any]:
     """What a skipped slot's training step returns: a zero loss that reaches no parameter
     (Lightning refuses None in distributed training; after its zero_grad no parameter has a
