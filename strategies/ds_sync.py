@@ -109,9 +109,8 @@ class DSSyncStrategy(SyncplaneStrategy):
     def finish_pending_sync(self) -> None:
         if self._runtime is None or self._runtime.late is None:
             return
-        late = self._runtime.late
-        late.drain()
-        self.details["late_peers"] = late.summary()
+        self._runtime.drain()
+        self.details["late_peers"] = self._runtime.late.summary()
 
     @override
     def teardown(self) -> None:

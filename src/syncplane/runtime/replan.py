@@ -167,7 +167,9 @@ class Replanner(Callback):
         """What a resume needs: the running settings, the record of checks and switches, and
         the seconds since the last plan (the clock itself does not survive a restart)."""
         return {"kwargs": dict(self.kwargs), "checks": self.auto["replan"]["checks"],
-                "replans": json.loads(json.dumps(self.auto["replans"], default=float)), "since_s": self.clock() - self._last, "seen": self._seen}
+                # plain JSON types, so that the checkpoint loads with weights_only=True
+                "replans": json.loads(json.dumps(self.auto["replans"], default=float)),
+                "since_s": self.clock() - self._last, "seen": self._seen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume where the checkpoint left off. Lightning restores callbacks after the strategy
