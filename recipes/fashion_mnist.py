@@ -49,6 +49,7 @@ class FashionMnistSettings:
     val_limit: int | None = None    # likewise for the 10,000 test images; null: all (full), 256 (tiny)
     model: Literal["cnn", "mlp"] = "cnn"   # mlp: a wide MLP, many bytes per FLOP (sync-bound on slow links)
     hidden: int = 1024              # mlp only: width of its two hidden layers
+    schedule: Literal["constant", "cosine", "step", "linear"] = "cosine"   # the LR over the run's steps
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -57,6 +58,8 @@ class FashionMnistSettings:
             raise ConfigError(f"lr: must be positive, got {self.lr}")
         if self.model not in ("cnn", "mlp"):
             raise ConfigError(f"model: cnn or mlp, got {self.model!r}")
+        if self.schedule not in ("constant", "cosine", "step", "linear"):
+            raise ConfigError(f"schedule: constant, cosine, step or linear, got {self.schedule!r}")
         if self.hidden < 1:
             raise ConfigError(f"hidden: must be at least 1, got {self.hidden}")
         for key in ("width", "train_limit", "val_limit"):
@@ -168,7 +171,7 @@ def build(settings: FashionMnistSettings) -> tuple[ImageClassifier, FashionMnist
     else:
         width = settings.resolved_width()
         network, make = fashion_cnn(width), partial(fashion_cnn, width)
-    model = ImageClassifier(network, settings.lr, settings.momentum, settings.weight_decay,
+    model = ImageClassifier(network, settings.lr, settings.momentum, settings.weight_decay, settings.schedule,
                             flops_model=(make, (1, 28, 28)))
     return model, FashionMnistData(settings)
 

@@ -18,6 +18,8 @@ Overridden hooks (see ``SyncplaneStrategy``), and why:
 - ``training_step``: with ``inner_steps=time``, a replica whose round budget is spent skips
   its batches (a zero loss reaching no parameter: Lightning refuses a None step), so every
   rank stays on the same step and checkpoint.
+- ``process_dataloader``: with ``time_samples=share``, the training loader is rebuilt on the
+  stream that deals the dataset's batches to the replicas as they compute (``dealing``).
 - ``finish_pending_sync``: completes the exchanges in flight; merges stay at their step.
 - ``sync_state_dict`` / ``load_sync_state_dict`` (``rank_state_dict``: error feedback): outer
   state, rounds waiting to merge, position in the round: a resume is bit-identical.
@@ -35,6 +37,7 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from syncplane.algorithms.diloco import dealing
 from syncplane.algorithms.diloco import rounds as diloco_rounds
 from syncplane.algorithms.diloco.adaptive import TimedRounds, check_weighting, gather_floats, skipped_step_output
 from syncplane.algorithms.diloco.config import DiLoCoConfig
@@ -51,7 +54,7 @@ class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, shards,
     compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
     fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s,
-    time_weighting), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
+    time_weighting, time_samples), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
     and heal give up after it; ``quorum_timeout_s``: how long a replica waits for a quorum;
     ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
@@ -75,6 +78,7 @@ class DiLoCo(SyncplaneStrategy):
                  mix_alpha: float | None = None, exchange: Literal["auto", "mesh", "tree", "gather", "owner"] = "auto",
                  topology: str | list[int] = "auto", inner_steps: Literal["fixed", "time"] = "fixed",
                  round_budget_s: float | None = None, time_weighting: Literal["samples", "fednova"] = "samples",
+                 time_samples: Literal["share", "drop"] = "drop",
                  elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",
@@ -89,6 +93,8 @@ class DiLoCo(SyncplaneStrategy):
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self.inner_steps = inner_steps
         self._timed: TimedRounds | None = None
+        self._dealer: dealing.DealtBatches | None = None   # time_samples=share: the training loader's deal
+        self._resumed_deal: Mapping[str, Any] | None = None
         self._step_end: float | None = None   # when this rank's last step (and its sync) ended
         self.mix_alpha = self.config.alpha
         self.rounds = 0     # committed outer steps (one per fragment round)
@@ -114,8 +120,9 @@ class DiLoCo(SyncplaneStrategy):
         if self.inner_steps == "time":
             check_weighting(self.config.time_weighting,
                             sum(b.is_floating_point() for b in self.lightning_module.buffers()))
+            pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
             self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s,
-                                      self.config.time_weighting)
+                                      self.config.time_weighting, pace)
 
     @override
     def makes_meta_models(self) -> bool:
@@ -136,10 +143,36 @@ class DiLoCo(SyncplaneStrategy):
         super().setup(trainer)
         if self.inner_steps == "time":   # replicas run apart within a round
             self.skip_per_step_sigterm_broadcast(trainer)
+        if self._dealer is not None:
+            dealing.check_schedulers([config.interval for config in self.lr_scheduler_configs])
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        if (self._timed is None or self.config.time_samples != "share" or not trainer.training
+                or trainer.sanity_checking or trainer.fit_loop._combined_loader is not None):
+            return dataloader    # only the training loader, when fitting starts, is dealt
+        if trainer.reload_dataloaders_every_n_epochs:
+            raise ValueError("time_samples=share deals one training loader for the whole fit; "
+                             "reload_dataloaders_every_n_epochs must be 0 (or use time_samples=drop)")
+        timed = self._timed
+        loader = dealing.dealt_loader(dataloader, self.world_size, self.global_rank, self.sync_every,
+                                      timed.counts_for,
+                                      lambda: (trainer.current_epoch, self.step))
+        self._dealer = loader.batch_sampler
+        if self._resumed_deal is not None:
+            self._dealer.load_state_dict(self._resumed_deal)
+        return loader
+
+    def _computes(self) -> bool:
+        """Whether this replica computes on the current step's batch (``inner_steps=time``)."""
+        if self._dealer is not None:
+            return self._dealer.computes(self.step)
+        return self._timed is None or self._timed.computes(self.step % self.sync_every)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._timed is not None and not self._timed.computes(self.step % self.sync_every):
+        if not self._computes():
             return skipped_step_output()   # this replica's round budget is spent: the batch is skipped
         return super().training_step(*args, **kwargs)
 
@@ -148,7 +181,7 @@ class DiLoCo(SyncplaneStrategy):
         outer = self.engine.outer
         done = self.step + 1   # self.step (trainer.global_step) counts the steps before this one
         timed = self._timed
-        if timed is not None and self._step_end is not None and timed.computes(self.step % self.sync_every):
+        if timed is not None and self._step_end is not None and self._computes():
             timed.record(time.perf_counter() - self._step_end)
         for fragment in outer.starting(done):
             if self.overlap_steps == 0:
@@ -158,7 +191,8 @@ class DiLoCo(SyncplaneStrategy):
         for round_ in outer.pop_due(done):
             self._merge(round_)
         if timed is not None and done % self.sync_every == 0:
-            self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank))
+            self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank),
+                                                       done // self.sync_every)
         self._step_end = time.perf_counter()
 
     def outer_sync(self, fragment: int = 0) -> bool:
@@ -181,7 +215,10 @@ class DiLoCo(SyncplaneStrategy):
 
     def _launch(self, fragment: int, done: int, background: bool) -> None:
         """Start a round of ``fragment`` after step ``done``; it merges ``overlap_steps`` later."""
-        scale = self._timed.scale if self._timed is not None else 1.0   # Δ weighted by the step counts (time_weighting)
+        scale = 1.0    # inner_steps=time: Δ weighted by the batches each replica processed (time_weighting)
+        if self._timed is not None:
+            dealt = self._dealer
+            scale = self._timed.scale(None if dealt is None else dealt.round_counts(done // self.sync_every - 1))
         self.engine.launch(self.model_tensors(), fragment, done + self.overlap_steps, background, self.comm_meter,
                            scale=scale)
 
@@ -198,8 +235,11 @@ class DiLoCo(SyncplaneStrategy):
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
-        return diloco_rounds.round_state(self.engine.outer.state_dict(), self._round_settings(), self.rounds,
-                                         self.skipped, self._timed)
+        state = diloco_rounds.round_state(self.engine.outer.state_dict(), self._round_settings(), self.rounds,
+                                          self.skipped, self._timed)
+        if self._dealer is not None:
+            state["dealt"] = self._dealer.state_dict(self.step)
+        return state
 
     @override
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -210,6 +250,10 @@ class DiLoCo(SyncplaneStrategy):
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
         if self._timed is not None:
             self._timed.load_state_dict(state["timed"])   # the counts agreed for the round in progress
+            dealing.check_resumed(state, self.config.time_samples)
+            self._resumed_deal = state.get("dealt")   # the loader is dealt when fitting starts
+            if self._dealer is not None and self._resumed_deal is not None:
+                self._dealer.load_state_dict(self._resumed_deal)
         self._step_end = None
 
     @override

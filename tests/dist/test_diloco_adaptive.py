@@ -37,7 +37,7 @@ def _weighted_round(rank: int, world: int, seed: int, steps: list[int], weightin
     engine = DiLoCoEngine(tensors, 12, config, JobContext(rank=rank, world_size=world))
     for t, mine in zip(tensors, replicas[rank]):
         t.copy_(mine)
-    engine.launch(tensors, 0, due=4, background=False, meter=CommMeter(), scale=timed.scale)
+    engine.launch(tensors, 0, due=4, background=False, meter=CommMeter(), scale=timed.scale())
     assert engine.merge(tensors, engine.outer.pop(0), alpha=0.0)
     engine.close()
     if weighting == "samples":
@@ -77,7 +77,7 @@ def _scripted(speeds: list[float] | None, **kwargs):
             if speeds is not None:
                 timed.record = lambda seconds: timed.measured.append(speeds[self.global_rank])
             decide = timed.decide
-            timed.decide = lambda gather: self.decided.append(decide(gather)) or self.decided[-1]
+            timed.decide = lambda *a: self.decided.append(decide(*a)) or self.decided[-1]
 
         def training_step(self, *args, **kw):
             out = super().training_step(*args, **kw)
@@ -146,4 +146,106 @@ def test_a_resume_from_a_mid_round_checkpoint_is_bit_identical(tmp_path, weighti
     for (params, outer), (resumed_params, resumed_outer) in results:
         assert torch.equal(outer, resumed_outer)
         for a, b in zip(params, resumed_params):
+            assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- time_samples=share
+
+
+def _indexed(n: int = 96):
+    """TinyRegressor on one regression set (the same on every rank) whose batches carry the
+    samples' indices, recorded by the training steps that compute on them."""
+    from lightning.pytorch import LightningDataModule
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.helpers.models import TinyRegressor
+
+    class Indexed(TinyRegressor):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[int, int, list[int]]] = []     # (epoch, step, sample indices)
+
+        def training_step(self, batch, batch_idx):
+            x, y, idx = batch
+            self.seen.append((self.current_epoch, self.global_step, idx.tolist()))
+            return super().training_step((x, y), batch_idx)
+
+    class Data(LightningDataModule):
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(3)
+            x = torch.randn(n, 4, generator=g)
+            return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True).sin(), torch.arange(n)), batch_size=8)
+
+    return Indexed(), Data()
+
+
+def _train_shared(rank: int, world: int, tmp_dir: str, epochs: int, stop_at: int | None):
+    from tests.helpers.models import trainer_for
+
+    def fit(ckpt: str | None = None, **limits):
+        torch.manual_seed(5)
+        (model, data), strategy = _indexed(), _scripted([1.0, 2.0, 1.0], sync_every=3, time_samples="share")
+        scales = []
+        strategy._launch = _recording(strategy._launch, lambda: scales.append(strategy._timed.scale(
+            strategy._dealer.round_counts(strategy.step // 3))))
+        trainer = trainer_for(strategy, tmp_dir, limit_val_batches=0, **limits)
+        trainer.fit(model, data, ckpt_path=ckpt)
+        return trainer, model, strategy, scales
+
+    _, model, strategy, scales = fit(max_epochs=epochs)
+    out = {"decided": strategy.decided, "seen": model.seen, "scales": scales,
+           "params": [p.detach().clone() for p in model.parameters()], "outer": strategy.outer_params}
+    if stop_at is not None:
+        trainer, _, _, _ = fit(max_epochs=epochs, max_steps=stop_at)
+        trainer.save_checkpoint(f"{tmp_dir}/stopped.ckpt")
+        _, model, strategy, scales = fit(f"{tmp_dir}/stopped.ckpt", max_epochs=epochs)
+        out["resumed"] = ([p.detach().clone() for p in model.parameters()], strategy.outer_params)
+        out["resumed_seen"], out["resumed_scales"] = model.seen, scales
+    return out
+
+
+def _recording(launch, record):
+    def wrapped(*args, **kwargs):
+        record()
+        return launch(*args, **kwargs)
+    return wrapped
+
+
+def test_shared_samples_deal_every_sample_once_an_epoch_and_weigh_by_the_batches_dealt(tmp_path):
+    results = run_distributed(_train_shared, 3, str(tmp_path), 3, None, timeout=240)
+    assert results[0]["decided"] == results[1]["decided"] == results[2]["decided"]
+    assert results[0]["decided"][0] == [3, 1, 3]          # rank 1 at half speed: one slot a round
+    seen = [(epoch, step, i) for r in results for epoch, step, batch in r["seen"] for i in batch]
+    for epoch in range(3):
+        indices = sorted(i for e, _, i in seen if e == epoch)
+        assert indices == list(range(96)), f"epoch {epoch}: every sample exactly once"
+    first_batch = [[i for e, step, i in seen if e == epoch][:8] for epoch in range(3)]
+    assert first_batch[0] != first_batch[1] != first_batch[2]     # a fresh permutation each epoch
+    # the fast replicas took the slow one's batches: 12 batches of 8, rank 1 computes about 1 in 3 slots
+    per_rank = [len(r["seen"]) for r in results]
+    assert sum(per_rank) == 36 and per_rank[1] < min(per_rank[0], per_rank[2])
+    # epoch 0: round 0 deals 9 batches, round 1's first slot the last 3; epoch 1 starts mid-round
+    # (slots 4, 5: ranks 0 and 2 only) and ends on slot 9, where only rank 0 gets the last batch
+    assert sorted({step for e, step, _ in seen if e == 0}) == [0, 1, 2, 3]
+    assert sorted({step for e, step, _ in seen if e == 1}) == [4, 5, 6, 7, 8, 9]
+    assert [step for _, step, _ in results[1]["seen"]][:5] == [0, 1, 2, 3, 6]
+    # each round's weights are the batches each replica was dealt in it
+    for rank, r in enumerate(results):
+        for round_, scale in enumerate(r["scales"]):
+            counts = [sum(1 for _, step, _ in other["seen"] if step // 3 == round_) for other in results]
+            assert scale == pytest.approx(counts[rank] * 3 / sum(counts))
+    assert torch.equal(results[0]["outer"], results[1]["outer"]) and torch.equal(results[0]["outer"], results[2]["outer"])
+
+
+@pytest.mark.parametrize("stop_at", [4, 10])   # the ends of epochs 0 and 1, both in the middle of a round
+def test_a_shared_samples_resume_deals_the_same_batches_and_is_bit_identical(tmp_path, stop_at):
+    results = run_distributed(_train_shared, 3, str(tmp_path), 3, stop_at, timeout=240)
+    state = torch.load(tmp_path / "stopped.ckpt", weights_only=True)["syncplane"]["state"]
+    assert [slot for slot, _ in state["dealt"]["dealt"]] == list(range(stop_at - stop_at % 3, stop_at))
+    for r in results:
+        assert r["resumed_seen"] == [seen for seen in r["seen"] if seen[1] >= stop_at]   # the same deal
+        assert r["resumed_scales"] == r["scales"][-len(r["resumed_scales"]):]
+        params, outer = r["resumed"]
+        assert torch.equal(outer, r["outer"])
+        for a, b in zip(params, r["params"]):
             assert torch.equal(a, b)

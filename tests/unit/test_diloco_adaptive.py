@@ -18,6 +18,14 @@ def test_a_replica_at_half_speed_computes_half_the_slots_and_equal_ones_keep_all
     assert plan_round([0.01, 0.02], slots=10, budget_s=100.0) == [10, 10]
 
 
+def test_half_the_replicas_slow_the_median_budget_idles_the_fast_ones_the_fastest_does_not() -> None:
+    # time_samples=drop paces by the median: the slow ones keep 8 slots, the fast ones wait
+    assert plan_round([0.2, 0.2, 0.4, 0.4], slots=10) == [10, 10, 8, 8]
+    # time_samples=share paces by the fastest: their batches are dealt to the others, nobody waits
+    assert plan_round([0.2, 0.2, 0.4, 0.4], slots=10, pace="fastest") == [10, 10, 5, 5]
+    assert plan_round([0.2, 0.2, 0.4, 0.4], slots=10, budget_s=3.0, pace="fastest") == [10, 10, 8, 8]
+
+
 def test_the_scales_make_the_plain_mean_the_sample_weighted_mean() -> None:
     steps = [10, 5, 10, 10]
     deltas = [1.0, 2.0, 3.0, 4.0]
@@ -38,10 +46,10 @@ def test_the_fednova_scales_make_the_plain_mean_the_normalized_average() -> None
 def test_a_fednova_round_state_is_checkpointed_and_a_changed_weighting_is_refused() -> None:
     timed = TimedRounds(4, 3, 1, weighting="fednova")
     timed.steps = [4, 2, 4]
-    assert timed.scale == pytest.approx((10 / 3) / 2)
+    assert timed.scale() == pytest.approx((10 / 3) / 2)
     restored = TimedRounds(4, 3, 1, weighting="fednova")
     restored.load_state_dict(timed.state_dict())
-    assert restored.steps == [4, 2, 4] and restored.scale == timed.scale
+    assert restored.steps == [4, 2, 4] and restored.scale() == timed.scale()
     with pytest.raises(ValueError, match="time_weighting: the checkpoint's rounds were averaged with 'fednova'"):
         TimedRounds(4, 3, 1).load_state_dict(timed.state_dict())
     # a checkpoint from before the option averaged by samples
@@ -65,7 +73,7 @@ def test_every_rank_decides_the_same_from_the_gathered_times_and_checkpoints_it(
     assert calls == [0.1, 0.2, 0.1]       # each rank sends its own median
     assert decisions == [[4, 2, 4]] * 3
     assert [ranks[1].computes(s) for s in range(4)] == [True, True, False, False]
-    assert ranks[1].scale == pytest.approx(2 * 3 / 10)
+    assert ranks[1].scale() == pytest.approx(2 * 3 / 10)
     restored = TimedRounds(4, 3, 1)
     restored.load_state_dict(ranks[1].state_dict())
     assert restored.steps == [4, 2, 4] and restored.decisions == 1

@@ -49,7 +49,8 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
                "round_timeout_s": 0, "quorum_timeout_s": 0, "heartbeat_timeout_s": 0, "join_timeout_s": 0,
                "lighthouse_host": "", "replica": "cluster",
                "inner": "fsdp",   # inner=fsdp with replica=rank
-               "inner_steps": "sometimes", "round_budget_s": -1.0, "time_weighting": "fednovo"},
+               "inner_steps": "sometimes", "round_budget_s": -1.0, "time_weighting": "fednovo",
+               "time_samples": "deal"},
     "ds_sync": {"topology": "two_racks", "adjust_every": -1, "imbalance": 0.5, "slow_factor": 2, "probe_mb": 0,
                 "ema": "x", "ema_decay": 2, "pair_streams": 0,      # two_racks has 8 ranks, the job 2
                 "max_staleness": -1, "late_after_s": -0.5},

@@ -177,6 +177,16 @@ def test_missing_fashion_mnist_files_name_what_is_expected(tmp_path):
         fashion_mnist.FashionMnistSettings(data_dir="/nonexistent/fm").validate()
 
 
+def test_the_fashion_mnist_schedule_reaches_the_model_and_a_bad_one_is_named():
+    settings = fashion_mnist.FashionMnistSettings(size="tiny", schedule="constant")
+    settings.validate()
+    model, _ = fashion_mnist.build(settings)
+    assert model.schedule == "constant"
+    assert fashion_mnist.build(fashion_mnist.FashionMnistSettings(size="tiny"))[0].schedule == "cosine"
+    with pytest.raises(ConfigError, match="schedule: constant, cosine, step or linear, got 'cosin'"):
+        fashion_mnist.FashionMnistSettings(size="tiny", schedule="cosin").validate()
+
+
 # ------------------------------------------------------------------ BERT data
 
 def test_missing_or_bad_vocab_and_data_files_are_clear_errors(tmp_path):

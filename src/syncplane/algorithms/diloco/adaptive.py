@@ -7,8 +7,10 @@ long as the slowest replica's H steps and the fast ones wait. With ``time``, a r
 ``global_step``, epoch and checkpoint), and replica i computes on the first ``n_i`` of them
 and skips the rest: ``n_i = min(H, max(1, ⌊T·(1 + SLACK) / t_i⌋))``, with ``t_i`` its median
 step time in the last round and ``T`` the round's budget (``round_budget_s``, or H x the
-median of the ``t_i``). A skipped slot costs nothing, so every replica reaches the round's
-exchange after about ``T`` seconds and the round ends on every rank at once. The
+median of the ``t_i``; with ``time_samples: share``, H x the fastest ``t_i``: no replica idles,
+and the batches a slow one leaves go to the others instead of being dropped). A skipped slot
+costs nothing, so every replica reaches the round's exchange after about ``T`` seconds and the
+round ends on every rank at once. The
 pseudo-gradients are averaged with weights equal to the samples each replica processed
 (``n_i`` batches of one size): ``Δ = Σ n_i Δ_i / Σ n_i`` (``time_weighting: samples``).
 
@@ -25,11 +27,13 @@ step times with the same arithmetic on every rank (the transport is handed in), 
 checkpointed with the round they belong to, so a resume continues with the same counts and
 equal speeds give every rank the same decision (``SLACK`` absorbs the noise of equal speeds).
 
-Data: an epoch is the job's global sample budget (every rank's shard, as with fixed H); a slow
-replica skips -- drops for this epoch -- the last ``H - n_i`` batches of each round. Its
-shard is a fresh uniformly random subset every epoch (the distributed sampler's shuffled
-split), so the skipped samples are a random subset too: every sample is equally likely to be
-skipped and the data seen stays unbiased (docs/diloco.md).
+Data (``time_samples``): with ``share`` (``syncplane.algorithms.diloco.dealing``) an epoch is the
+dataset once, one shuffled stream dealt slot by slot to the replicas that compute, so the fast
+ones take the batches the slow one has no time for and an epoch ends sooner; the weights are the
+batches each replica was dealt in the round. With ``drop`` every rank keeps the distributed
+sampler's equal shard and a slow replica skips -- drops for this epoch -- the last ``H - n_i``
+batches of each round: a uniformly random subset (its shard is a fresh random split every epoch),
+so the data seen stays unbiased but an epoch sees less of it (docs/diloco.md).
 """
 
 from __future__ import annotations
@@ -54,16 +58,18 @@ SKIPPED_BATCH = "skipped_batch"
 Gather = Callable[[float], list[float]]
 
 
-def plan_round(step_s: Sequence[float], slots: int, budget_s: float | None = None) -> list[int]:
+def plan_round(step_s: Sequence[float], slots: int, budget_s: float | None = None, pace: str = "median") -> list[int]:
     """Every replica's inner steps for the next round from every replica's step time.
 
     Args:
         step_s: each replica's median step time in the last round (seconds, > 0).
         slots: H, the batches of a round.
-        budget_s: the round's time budget; None = H x the median of ``step_s``.
+        budget_s: the round's time budget; None = H x the ``pace`` of ``step_s``.
+        pace: ``median`` or ``fastest`` (``min``): the step time the default budget is H of.
     """
-    budget = slots * statistics.median(step_s) if budget_s is None else budget_s
-    return [min(slots, max(1, math.floor(budget * (1 + SLACK) / t))) for t in step_s]
+    if budget_s is None:
+        budget_s = slots * (min(step_s) if pace == "fastest" else statistics.median(step_s))
+    return [min(slots, max(1, math.floor(budget_s * (1 + SLACK) / t))) for t in step_s]
 
 
 def weight_scale(steps: Sequence[int], rank: int) -> float:
@@ -109,15 +115,17 @@ class TimedRounds:
     Args:
         slots: H.
         world_size, rank: the replicas and this one.
-        budget_s: ``round_budget_s`` (None: H x the median step time).
+        budget_s: ``round_budget_s`` (None: H x the ``pace`` step time).
+        pace: ``median`` (``time_samples: drop``) or ``fastest`` (``share``), see ``plan_round``.
         weighting: ``time_weighting``: ``samples`` or ``fednova`` (``WEIGHTINGS``).
     """
 
     def __init__(self, slots: int, world_size: int, rank: int, budget_s: float | None = None,
-                 weighting: str = "samples") -> None:
-        self.slots, self.world_size, self.rank, self.budget_s = slots, world_size, rank, budget_s
+                 weighting: str = "samples", pace: str = "median") -> None:
+        self.slots, self.world_size, self.rank, self.budget_s, self.pace = slots, world_size, rank, budget_s, pace
         self.weighting = weighting
         self.steps = [slots] * world_size   # the first round: every replica every slot
+        self.round: int | None = 0          # the round ``steps`` belong to (None: unknown, an old checkpoint)
         self.decisions = 0
         self.measured: list[float] = []
 
@@ -129,19 +137,29 @@ class TimedRounds:
         """A computed step's duration (skipped slots are not recorded)."""
         self.measured.append(step_s)
 
-    @property
-    def scale(self) -> float:
-        """This rank's factor on its Δ for the round now ending (``WEIGHTINGS[weighting]``)."""
-        return WEIGHTINGS[self.weighting](self.steps, self.rank)
+    def scale(self, processed: Sequence[int] | None = None) -> float:
+        """This rank's factor on its Δ for the round now ending (``WEIGHTINGS[weighting]``), from
+        the batches each replica ``processed`` in it (default: the agreed counts)."""
+        return WEIGHTINGS[self.weighting](self.steps if processed is None else processed, self.rank)
 
-    def decide(self, gather: Gather) -> list[int]:
-        """At a round boundary, on every rank: gather the step times, plan the next round."""
+    def counts_for(self, round_: int) -> list[int]:
+        """The agreed counts of round ``round_``, which must be the decided one (the data
+        loader's deal asks for them, and must not read ahead of the decision)."""
+        if self.round is not None and round_ != self.round:
+            raise RuntimeError(f"inner_steps=time: round {round_}'s step counts were asked for while round "
+                               f"{self.round}'s are the decided ones (the training data loader reads too far ahead)")
+        return self.steps
+
+    def decide(self, gather: Gather, round_: int | None = None) -> list[int]:
+        """At a round boundary, on every rank: gather the step times, plan the next round
+        (``round_``, its index)."""
         own = statistics.median(self.measured) if self.measured else 0.0
         times = gather(own)
         self.measured = []
+        self.round = round_
         if min(times) <= 0:   # a replica measured nothing (a resume at the boundary): keep the counts
             return self.steps
-        steps = plan_round(times, self.slots, self.budget_s)
+        steps = plan_round(times, self.slots, self.budget_s, self.pace)
         if steps != self.steps:
             log.info("diloco inner_steps=time: round %d, step times %s s -> inner steps %s of %d",
                      self.decisions + 1, ", ".join(f"{t:.3f}" for t in times), steps, self.slots)
@@ -150,7 +168,8 @@ class TimedRounds:
         return steps
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": list(self.steps), "decisions": self.decisions, "weighting": self.weighting}
+        return {"steps": list(self.steps), "decisions": self.decisions, "weighting": self.weighting,
+                **({} if self.round is None else {"round": self.round})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         steps = [int(n) for n in state["steps"]]
@@ -162,6 +181,7 @@ class TimedRounds:
             raise ValueError(f"time_weighting: the checkpoint's rounds were averaged with {saved!r}, this job "
                              f"asks for {self.weighting!r}; resume with time_weighting={saved}")
         self.steps, self.decisions, self.measured = steps, int(state["decisions"]), []
+        self.round = int(state["round"]) if "round" in state else None
 
 
 def gather_floats(world_size: int, rank: int) -> Gather:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from syncplane.algorithms.diloco.adaptive import WEIGHTINGS
+from syncplane.algorithms.diloco.dealing import TIME_SAMPLES
 from syncplane.algorithms.diloco.exchange import check_exchange, delta_codec
 from syncplane.algorithms.diloco.layout import check_replica
 from syncplane.algorithms.diloco.outer import check_outer
@@ -57,6 +58,10 @@ class DiLoCoConfig:
             samples each processed) or ``fednova`` (FedNova's normalized averaging: each Δ_i
             divided by its step count, the mean rescaled by the mean step count); see
             ``syncplane.algorithms.diloco.adaptive``.
+        time_samples: ``time``: what happens to the batches a slow replica has no time for:
+            ``share`` (one shuffled stream of the dataset dealt to the replicas as they compute:
+            an epoch sees every sample once and ends sooner) or ``drop`` (each replica keeps its
+            equal shard and skips them for the epoch); ``syncplane.algorithms.diloco.dealing``.
     """
 
     sync_every: int = 10
@@ -81,6 +86,7 @@ class DiLoCoConfig:
     inner_steps: Literal["fixed", "time"] = "fixed"
     round_budget_s: float | None = None
     time_weighting: Literal["samples", "fednova"] = "samples"
+    time_samples: Literal["share", "drop"] = "drop"
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -114,6 +120,8 @@ class DiLoCoConfig:
                              f"got {self.round_budget_s!r} with inner_steps={self.inner_steps}")
         if self.time_weighting not in WEIGHTINGS:
             raise ValueError(f"time_weighting: allowed values: {', '.join(WEIGHTINGS)}; got {self.time_weighting!r}")
+        if self.time_samples not in TIME_SAMPLES:
+            raise ValueError(f"time_samples: allowed values: {', '.join(TIME_SAMPLES)}; got {self.time_samples!r}")
         if self.time_weighting != "samples" and self.inner_steps != "time":
             raise ValueError(f"time_weighting: {self.time_weighting} weighs the replicas of inner_steps=time rounds "
                              f"by their step counts; with inner_steps={self.inner_steps} every count is equal: "

@@ -1,0 +1,168 @@
+"""One stream of batches dealt to the replicas as they compute (``time_samples: share``).
+
+With ``inner_steps: time`` a slow replica computes on fewer of a round's H slots than the
+others. ``time_samples: drop`` keeps the distributed sampler's equal shards, so the batches a
+slow replica has no time for are skipped for the epoch (a uniformly random subset; the epoch
+sees less data). ``share`` deals instead: an epoch is one shuffled permutation of the whole
+dataset, cut into batches, and each slot hands the next batches of that stream to the replicas
+that compute on it, in rank order. Every sample is seen exactly once per epoch whatever the
+speeds; the fast replicas take the batches the slow one has no time for, so a fixed
+``max_epochs`` ends sooner with a straggler (an epoch is the dataset, not a number of slots),
+and nothing is skipped or biased.
+
+The dealing is a pure function of the epoch's permutation (seed + epoch, as torch's
+``DistributedSampler``), the first slot of the epoch and the round's agreed counts
+(``TimedRounds``), so every rank computes the same deal without communication, and a rank knows
+how many batches every replica processed in a round: the weights of the sample-weighted
+average. At slot 0 of a round every replica computes (``plan_round`` gives each at least one
+step), so the deal of a round's first slot needs only the previous round's counts; that lets the
+data loader read one batch ahead (Lightning's prefetch), never more: a loader that reads further
+ahead (``num_workers > 0``) is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+log = logging.getLogger(__name__)
+
+#: ``time_samples`` values: what happens to the batches a slow replica has no time for.
+TIME_SAMPLES = ("share", "drop")
+
+
+class DealtBatches(Sampler[list[int]]):
+    """A batch sampler for one rank: the batches the stream deals it, slot by slot.
+
+    The stream ends the epoch at the slot that deals its last batch; a rank that computes on a
+    slot but gets no batch (the stream ran out mid-slot), or that skips the slot, gets a
+    one-sample placeholder that its training step skips (``computes``). The sampler has no
+    length: the number of slots in an epoch depends on the speeds.
+
+    Args:
+        n_samples: the dataset's length.
+        batch_size, drop_last, shuffle, seed: the training loader's (``DistributedSampler``'s
+            seed): the epoch's permutation is ``randperm(n_samples)`` from ``seed + epoch``.
+        world_size, rank: the replicas and this one.
+        slots: H, the slots of a round.
+        counts: ``counts(round)`` -> every replica's agreed steps for that round (raises when the
+            round is not decided yet).
+        start: ``start()`` -> (the epoch, the global step it starts at), read when the epoch's
+            first batch is drawn (Lightning sets no epoch on a batch sampler).
+    """
+
+    def __init__(self, n_samples: int, batch_size: int, drop_last: bool, shuffle: bool, seed: int, world_size: int,
+                 rank: int, slots: int, counts: Callable[[int], Sequence[int]],
+                 start: Callable[[], tuple[int, int]]) -> None:
+        if n_samples < batch_size * world_size:
+            raise ValueError(f"time_samples=share: the dataset's {n_samples} samples do not make one batch of "
+                             f"{batch_size} for each of the {world_size} replicas")
+        self.n_samples, self.batch_size, self.drop_last, self.shuffle = n_samples, batch_size, drop_last, shuffle
+        self.seed, self.world_size, self.rank, self.slots = seed, world_size, rank, slots
+        self._counts, self._start = counts, start
+        #: slot -> the ranks that got a batch of the stream on it (kept for two rounds)
+        self.dealt: dict[int, tuple[int, ...]] = {}
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's stream: its permutation cut into batches (the last partial one kept
+        unless ``drop_last``)."""
+        if self.shuffle:
+            order = torch.randperm(self.n_samples, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        else:
+            order = list(range(self.n_samples))
+        stop = self.n_samples - self.n_samples % self.batch_size if self.drop_last else self.n_samples
+        return [order[i:i + self.batch_size] for i in range(0, stop, self.batch_size)]
+
+    def takers(self, slot: int) -> list[int]:
+        """The ranks that compute on ``slot``, in rank order (all of them on a round's first)."""
+        round_, j = divmod(slot, self.slots)
+        if j == 0:
+            return list(range(self.world_size))
+        return [i for i, n in enumerate(self._counts(round_)) if n > j]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, slot = self._start()
+        stream = self.batches(epoch)
+        at = 0
+        while at < len(stream):
+            got = tuple(self.takers(slot)[:len(stream) - at])   # the stream may end mid-slot
+            self.dealt[slot] = got
+            for old in [s for s in self.dealt if s < slot - 2 * self.slots]:
+                del self.dealt[old]
+            yield stream[at + got.index(self.rank)] if self.rank in got else stream[0][:1]
+            at += len(got)
+            slot += 1
+        log.debug("time_samples=share: epoch %d dealt %d batches, ending at slot %d", epoch, len(stream), slot)
+
+    def computes(self, slot: int) -> bool:
+        """Whether this rank got a batch of the stream on ``slot`` (else its step is skipped)."""
+        return self.rank in self.dealt[slot]
+
+    def round_counts(self, round_: int) -> list[int]:
+        """Every replica's batches in round ``round_`` (its slots must all have been dealt): the
+        sample weights of the round's average."""
+        counts = [0] * self.world_size
+        for slot in range(round_ * self.slots, (round_ + 1) * self.slots):
+            for i in self.dealt[slot]:
+                counts[i] += 1
+        return counts
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """At global step ``step`` (the next slot to run): the deal of the round's slots already
+        run, the weights of the round in progress. Nothing else is needed: a resume starts an
+        epoch (syncplane checkpoints at epoch ends and when training stops, and Lightning resumes a
+        stopped run at the next epoch), whose stream is dealt from its start."""
+        first = step - step % self.slots
+        return {"dealt": [[s, list(self.dealt[s])] for s in range(first, step)]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.dealt = {int(s): tuple(int(i) for i in got) for s, got in state["dealt"]}
+
+
+def dealt_loader(loader: Any, world_size: int, rank: int, slots: int, counts: Callable[[int], Sequence[int]],
+                 start: Callable[[], tuple[int, int]]) -> Any:
+    """The training ``loader`` (as Lightning prepared it: a ``DataLoader`` over a map-style
+    dataset with torch's ``DistributedSampler``) rebuilt on a ``DealtBatches`` sampler, with its
+    dataset, collate function and pinning; refused, naming the cause, when it cannot be."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, DistributedSampler):
+        raise ValueError(f"time_samples=share deals the training set's batches itself and needs a DataLoader over "
+                         f"a map-style dataset with Lightning's distributed sampler (use_distributed_sampler=True); "
+                         f"got {type(loader).__name__} with sampler "
+                         f"{type(getattr(loader, 'sampler', None)).__name__}: use time_samples=drop")
+    if loader.num_workers > 0:
+        raise ValueError(f"time_samples=share deals each slot's batches once the round's step counts are agreed, "
+                         f"and a loader with num_workers={loader.num_workers} reads batches further ahead: use "
+                         f"num_workers=0 or time_samples=drop")
+    if loader.batch_size is None:
+        raise ValueError("time_samples=share needs the loader's batch_size (a custom batch_sampler cannot be dealt): "
+                         "use time_samples=drop")
+    sampler = loader.sampler
+    dealt = DealtBatches(len(loader.dataset), loader.batch_size, loader.drop_last, sampler.shuffle, sampler.seed,
+                         world_size, rank, slots, counts, start)
+    return DataLoader(loader.dataset, batch_sampler=dealt, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory)
+
+
+def check_resumed(state: Mapping[str, Any], time_samples: str) -> None:
+    """A checkpoint's rounds must have dealt their batches as this run does: a round in progress
+    is weighted by the batches dealt in it, which a ``drop`` checkpoint does not hold."""
+    saved = "share" if "dealt" in state else "drop"
+    if saved != time_samples:
+        raise ValueError(f"time_samples: the checkpoint's rounds ran with time_samples={saved}, this job asks for "
+                         f"{time_samples}: resume with time_samples={saved}")
+
+
+def check_schedulers(intervals: Sequence[str]) -> None:
+    """With ``share`` an epoch's number of steps depends on the speeds, so a learning-rate
+    schedule stepped per optimizer step and sized from Lightning's estimated steps (unknown:
+    the loader has no length) would be wrong without a word: refused, naming the key."""
+    if "step" in intervals:
+        raise ValueError("time_samples=share: an epoch's number of steps depends on the replicas' speeds, so a "
+                         "learning-rate scheduler stepped every step (interval='step', sized from the run's "
+                         "estimated steps) cannot be sized; use a constant or epoch-interval schedule (e.g. "
+                         "recipe.schedule=constant) or time_samples=drop")
