@@ -22,7 +22,8 @@ Overridden hooks, and why:
   flight, then the mixer's watcher threads; summary.json gets the late-peer counts.
 - ``sync_state_dict`` / ``load_sync_state_dict``: schedule position, adopted pattern,
   bandwidth estimate; ``rank_state_dict`` / ``load_rank_state_dict``: this rank's EMA
-  model -- a resume continues exactly.
+  model and, with ``max_staleness``, its late-peer mixer (drained at the checkpoint: message
+  counters, each group mate's newest message) -- a resume continues exactly.
 """
 
 from __future__ import annotations
@@ -128,10 +129,17 @@ class DSSyncStrategy(SyncplaneStrategy):
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
-        return {"ema": [t.detach().cpu().clone() for t in self._ema_model]} if self._ema_model is not None else {}
+        state: dict[str, Any] = {}
+        if self._ema_model is not None:
+            state["ema"] = [t.detach().cpu().clone() for t in self._ema_model]
+        if self._runtime is not None and self._runtime.late is not None:   # drained by save_checkpoint
+            state["late_peers"] = self._runtime.late.state_dict()
+        return state
 
     @override
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._runtime is not None and self._runtime.late is not None and "late_peers" in state:
+            self._runtime.late.load_state_dict(state["late_peers"])
         if self._ema_model is not None and "ema" in state:
             with torch.no_grad():
                 for t, saved in zip(self._ema_model, state["ema"]):

@@ -152,7 +152,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.algorithms import PLANNED, CostOptions, describe_periods, periods, strategy_times, variant
+    from syncplane.algorithms import (PLANNED, CostOptions, describe_periods, periods, spec_for, strategy_times,
+                                      variant)
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -174,8 +175,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rows = {}
     for name in names:     # a label: NAME or NAME[key=value,...] (diloco[replica=node,shards=2])
         base, settings = variant(name)
+        exchange = str(settings.get("exchange", args.exchange))
+        if exchange == "auto" and base not in PLANNED:   # the row's settings pick it, as plan and bench price it
+            exchange = spec_for(base).pattern(settings)
         options = CostOptions(period=used.get(name, 1), streams=int(settings.get("shards", args.streams)),
-                              pattern=str(settings.get("exchange", args.exchange)),
+                              pattern=exchange,
                               compression=str(settings.get("compression", CostOptions.compression)),
                               replica=str(settings.get("replica", CostOptions.replica)))
         rows[name] = None if base in PLANNED else strategy_times(model, base, payload, options)

@@ -95,21 +95,31 @@ PROFILE = {"name": "test_2_1", "racks": [
 ]}
 
 
-def _late_at(step: int, late_rank: int):
-    """A callback holding ``late_rank`` back at ``step`` until the others have synced it (no sleep)."""
+def _late_at(step: int, late_rank: int, tag: str = "synced", grace_s: float | None = None):
+    """A callback holding ``late_rank`` back at ``step`` until the others have synced it (no sleep;
+    store keys under ``tag``, one per fit of a process group). With ``grace_s`` the others wait
+    that long for a message (``late_after_s``) except at ``step``, where they give up at once: a
+    run whose every choice is known in advance."""
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
     from torch.distributed import distributed_c10d
 
     store, world = distributed_c10d._get_default_store(), dist.get_world_size()
 
+    def grace(trainer, seconds: float | None) -> None:
+        if seconds is not None:
+            trainer.strategy.runtime.late.late_after_s = seconds
+
     class Late(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == step and dist.get_rank() == late_rank:
-                store.wait([f"synced/{step}/{r}" for r in range(world) if r != late_rank])
+                store.wait([f"{tag}/{step}/{r}" for r in range(world) if r != late_rank])
+            elif trainer.global_step == step:
+                grace(trainer, grace_s and 0.0)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            store.set(f"synced/{trainer.global_step - 1}/{dist.get_rank()}", "1")
+            store.set(f"{tag}/{trainer.global_step - 1}/{dist.get_rank()}", "1")
+            grace(trainer, grace_s)
 
     return Late()
 
@@ -144,3 +154,55 @@ def test_through_the_trainer_on_time_is_bit_for_bit_and_a_late_rank_does_not_hol
     # rank 0 pairs with rank 2 at the late step: it went on with rank 2's message of the step before
     assert late[0][1]["late_peers"]["stale_values"] >= 1
     assert "late_peers" not in exact[0][1]
+
+
+def _resume(rank: int, world: int, tmp_dir: str, profile: str, seed: int):
+    """Straight through 2 epochs of 3 steps vs. stopped after the first, checkpointed and
+    resumed; rank 2 is late at step 3, the first step after the resume: its mate must count
+    with its message of step 2, the newest one the checkpoint holds."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    from syncplane.strategies.ds_sync import DSSyncStrategy
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    def fit(tag: str, epochs: int, ckpt_path: str | None = None, init_seed: int = seed):
+        torch.manual_seed(init_seed)
+        model = TinyRegressor()
+        strategy = DSSyncStrategy(topology=profile, adjust_every=0, max_staleness=2, late_after_s=60.0,
+                                  cluster_environment=TorchElasticEnvironment())
+        trainer = trainer_for(strategy, tmp_dir, max_epochs=epochs, limit_val_batches=0,
+                              callbacks=[_late_at(3, LATE_RANK, tag, 60.0)])
+        trainer.fit(model, RegressionData(n=72, seed=seed + rank), ckpt_path=ckpt_path)   # 3 steps an epoch
+        return trainer, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), strategy
+
+    _, params, strategy = fit("straight", 2)
+    straight = params, strategy.runtime.late.state_dict()
+    trainer, _, _ = fit("first", 1)
+    trainer.save_checkpoint(f"{tmp_dir}/mid.ckpt")
+    _, params, strategy = fit("resumed", 2, f"{tmp_dir}/mid.ckpt", init_seed=seed + 1)   # the checkpoint restores it
+    return straight, (params, strategy.runtime.late.state_dict())
+
+
+def test_resume_with_max_staleness_continues_bit_for_bit(tmp_path):
+    """The checkpoint drains the messages in flight and keeps each rank's late-peer mixer
+    (message counters, every mate's newest message, the counts): the resumed run makes the
+    same choices -- a stale value at the step after the resume -- and ends bit for bit equal."""
+    from syncplane.strategies.replicas import load_replicas
+
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(yaml.safe_dump(PROFILE))
+    seed = int(torch.randint(0, 2**31 - 2, ()).item())   # fresh inputs every run
+    results = run_distributed(_resume, 3, str(tmp_path), str(profile), seed, timeout=240)
+    for (want, want_late), (got, got_late) in results:
+        assert torch.equal(got, want)
+        for key in ("sent", "received", "values", "stale_values", "used"):
+            assert got_late[key] == want_late[key], key
+        assert got_late["latest"].keys() == want_late["latest"].keys()
+        for peer, message in want_late["latest"].items():
+            assert all(torch.equal(a, b) for a, b in zip(got_late["latest"][peer]["buffers"], message["buffers"]))
+    stale = [(rank, step, by_peer) for rank, (_, (_, late)) in enumerate(results) for step, by_peer in late["used"]
+             if any(s != step for s in by_peer.values())]
+    # the one late message: rank 2's newest to its mate of step 3, from step 1 (pairs alternate mates)
+    assert [(step, by_peer) for _, step, by_peer in stale] == [(3, {LATE_RANK: 1})]
+    saved = [r["rank_state"]["late_peers"] for r in load_replicas(tmp_path / "mid.ckpt")]
+    assert all(state["values"] > 0 and state["latest"] for state in saved)   # weights_only, every rank

@@ -47,3 +47,59 @@ def test_pair_streams_take_their_fair_share_of_a_contended_uplink():
         assert bound == pytest.approx(M / (k / (k + 1) * 100 * MBIT))
     quiet = CostModel(load_profile("two_racks"))
     assert strategy_time(quiet, "ds_sync", M, CostOptions(streams=4)) == pytest.approx(strategy_time(quiet, "ds_sync", M))
+
+
+def _sent_per_rank(phases) -> dict[int, float]:
+    sent: dict[int, float] = {}
+    for phase in phases:
+        for src, _, nbytes in phase:
+            sent[src] = sent.get(src, 0.0) + nbytes
+    return sent
+
+
+def test_max_staleness_prices_every_group_as_a_clique(tmp_path):
+    """The late-peer exchange sends the payload to each of |g|−1 mates: a rack of four hosts
+    sends 3·M per member where the ring sends 1.5·M, and its NIC-bound time doubles; every
+    tool (plan, simulate, bench's bound) reaches it through the spec's pattern."""
+    import yaml
+
+    from syncplane.algorithms import plan, spec_for
+    from syncplane.algorithms.ds_sync.cost import CLIQUE, ds_sync_steps
+
+    path = tmp_path / "rack4.yaml"
+    path.write_text(yaml.safe_dump({"name": "rack4", "racks": [{"name": "r0", "uplink_mbit": 1000, "hosts": [
+        {"name": f"h{i}", "nic_mbit": 100} for i in range(4)]}]}))
+    profile = load_profile(str(path))
+    ring = ds_sync_steps("ds_sync", profile, M, CostOptions())
+    clique = ds_sync_steps("ds_sync", profile, M, CostOptions(pattern=CLIQUE))
+    assert len(ring) == len(clique)   # one group of four every step of the period
+    for ring_step, clique_step in zip(ring, clique):
+        assert _sent_per_rank(ring_step) == pytest.approx({r: 1.5 * M for r in range(4)})
+        assert _sent_per_rank(clique_step) == pytest.approx({r: 3 * M for r in range(4)})
+    model = CostModel(profile)
+    _, ring_bound = strategy_time(model, "ds_sync", M)
+    _, clique_bound = strategy_time(model, "ds_sync", M, CostOptions(pattern=CLIQUE))
+    assert clique_bound / ring_bound == pytest.approx(2.0)
+    family = spec_for("ds_sync")
+    assert (family.pattern({"max_staleness": 2}), family.streams({"max_staleness": 2})) == (CLIQUE, 1)
+    assert (family.pattern({}), family.pattern({"max_staleness": 0})) == ("auto", "auto")
+    options = plan.cost_options("ds_sync", {"max_staleness": 2}, plan.PlanInputs(M, compute_s=0.0))
+    assert (options.pattern, options.streams) == (CLIQUE, 1)
+
+
+def test_simulate_prices_a_max_staleness_row_as_the_clique(tmp_path):
+    """On ``two_racks`` the groups of three inside a rack send 2·M per member instead of
+    4/3·M; the cross-rack pair (the bound) is the same swap either way."""
+    import json
+
+    from syncplane import cli
+
+    out = tmp_path / "sim.json"
+    assert cli.main(["simulate", "--cluster", "two_racks", "--strategies", "ds_sync,ds_sync[max_staleness=2]",
+                     "--payload-mb", "8", "--alpha-ms", "0", "--json", str(out)]) == 0
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
+    ring, clique = rows["ds_sync"], rows["ds_sync[max_staleness=2]"]
+    assert clique["network_bound_s"] == pytest.approx(ring["network_bound_s"])   # the uplink pair binds
+    model = CostModel(load_profile("two_racks"), alpha_s=0.0)
+    assert clique["predicted_s"] == pytest.approx(strategy_time(model, "ds_sync", 8 * 2**20,
+                                                                CostOptions(pattern="clique"))[0])

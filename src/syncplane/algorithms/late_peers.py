@@ -32,10 +32,11 @@ closes the connection, so it cannot be polled.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -190,6 +191,35 @@ class LatePeerMixer:
             if inbox:
                 self._latest[peer] = inbox[-1]
             inbox.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs to go on exactly as without the stop (call after ``drain``: no
+        message is in flight then, so the per-peer counters of both ends agree): the messages
+        posted per peer (the numbering the bound counts in), each source's newest message (the
+        value a late source counts with), the counts and the recent choices. Tensors and
+        containers only (``torch.load(weights_only=True)``)."""
+        if any(self._inbox.values()) or any(self._outbox.values()):
+            raise RuntimeError("late-peer state with messages in flight: drain() first (every rank at the same step)")
+        return {"sent": dict(self._sent), "received": dict(self._received),
+                "latest": {peer: {"step": m.step, "index": m.index, "buffers": [b.detach().cpu().clone()
+                                                                             for b in m.buffers]}
+                           for peer, m in self._latest.items()},
+                "values": self.values, "stale_values": self.stale_values,
+                "used": [[step, dict(by_peer)] for step, by_peer in self.used]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict``'s state into a fresh mixer (nothing posted yet)."""
+        if any(self._received.values()) or any(self._sent.values()):
+            raise RuntimeError("load_state_dict on a late-peer mixer that already exchanged messages")
+        self._sent.update({int(k): int(v) for k, v in state["sent"].items()})
+        self._received.update({int(k): int(v) for k, v in state["received"].items()})
+        for peer, saved in state["latest"].items():
+            arrived: Future[object] = Future()
+            arrived.set_result(None)
+            self._latest[int(peer)] = Message(int(saved["step"]), int(saved["index"]), list(saved["buffers"]),
+                                              arrived)
+        self.values, self.stale_values = int(state["values"]), int(state["stale_values"])
+        self.used.extend((int(step), {int(k): int(v) for k, v in by_peer.items()}) for step, by_peer in state["used"])
 
     def close(self) -> None:
         """Stop watching; call ``drain`` first unless the job failed (a watcher still blocked in

@@ -28,7 +28,8 @@ class SyncStep(Protocol):
 
     A step that can overlap compute also has ``launch(payload, step, meter)`` and ``wait()``;
     a periodic one has ``period`` (the worker then reports the mean over whole periods); one
-    that needs a warm-up (a trial) has ``warmup``; ``describe()`` adds a line to the log.
+    that needs a warm-up (a trial) has ``warmup``; one that leaves messages in flight has
+    ``finish()`` (called after the timed steps); ``describe()`` adds a line to the log.
     """
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None: ...

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.ds_sync.bench import DSSyncStep
-from syncplane.algorithms.ds_sync.cost import ds_sync_steps
+from syncplane.algorithms.ds_sync.cost import CLIQUE, ds_sync_steps
 from syncplane.algorithms.ds_sync.pair_streams import MAX_PAIR_STREAMS, connections
 from syncplane.algorithms.spec import AlgorithmSpec
 from syncplane.cluster.probe import from_profile
@@ -32,6 +32,17 @@ def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
             raise ConfigError(f"topology={topology!r}: {exc}") from None
 
 
+def _pattern(options: Mapping[str, Any]) -> str:
+    """``clique`` with ``max_staleness`` (the late-peer exchange), else the group all-reduce."""
+    return CLIQUE if int(options.get("max_staleness") or 0) > 0 else "auto"
+
+
+def _streams(options: Mapping[str, Any]) -> int:
+    """A pair's connections: one under ``max_staleness``, else ``pair_streams``'s ("auto" may
+    pick the most streams: the bound is the best choice's)."""
+    return 1 if _pattern(options) == CLIQUE else connections(options.get("pair_streams", "auto"))
+
+
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DSSyncStep:
     return DSSyncStep(options, job)
 
@@ -41,8 +52,8 @@ SPEC = AlgorithmSpec(
     strategies={"ds_sync": "DS-Sync: concurrent topology-aware group averaging, groups reshuffled every step"},
     bench_step=_step,
     cost=ds_sync_steps,
-    # "auto" may pick the most streams: the bound is the best choice's
-    streams=lambda options: connections(options.get("pair_streams", "auto")),
+    streams=_streams,
+    pattern=_pattern,
     check_job=_check_job,
     variants={"ds_sync": tuple({"pair_streams": s} for s in (1, 2, MAX_PAIR_STREAMS))},
 )
