@@ -33,7 +33,7 @@ neighbour does not hold every rank up through Lightning's own collective). The s
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.optim import Optimizer
@@ -44,6 +44,7 @@ from syncplane.algorithms.decentralized.config import DecentralizedConfig
 from syncplane.algorithms.decentralized.machines import machines_for, mixes_racks
 from syncplane.algorithms.decentralized.engine import NEIGHBOR_BUCKET_BYTES, NeighborAverager, release
 from syncplane.algorithms.decentralized.schedule import build_graph, build_schedule
+from syncplane.algorithms.late_peers import LatePeerMixer
 from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.first_reads import FirstReads
@@ -185,6 +186,22 @@ class NeighborAveragingStrategy(SyncplaneStrategy):
         late = self.averager.late if self.averager is not None else None
         if late is not None:       # summary.json's strategy_details (rank 0's counts)
             self.details["late_peers"] = late.summary()
+
+    def late_mixers(self) -> list[LatePeerMixer]:
+        """The late-peer mixers (``max_staleness``): the parameters' and, for AWC, the buffers'."""
+        return [a.late for a in (self.averager, self.buffer_averager) if a is not None and a.late is not None]
+
+    @override
+    def rank_state_dict(self) -> dict[str, Any]:
+        """With ``max_staleness``, this rank's late-peer mixers (drained at the checkpoint: message
+        counters, each neighbour's newest message), so a resume makes the same choices."""
+        mixers = self.late_mixers()
+        return {"late_peers": [mixer.state_dict() for mixer in mixers]} if mixers else {}
+
+    @override
+    def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
+        for mixer, saved in zip(self.late_mixers(), state.get("late_peers", [])):
+            mixer.load_state_dict(saved)
 
     @override
     def teardown(self) -> None:

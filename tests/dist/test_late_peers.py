@@ -81,3 +81,50 @@ def _through_the_trainer(rank: int, world: int, tmp_dir: str, name: str):
 def test_the_strategies_with_on_time_peers_train_bit_for_bit_as_without(name, tmp_path):
     for exact, tolerant in run_distributed(_through_the_trainer, 3, str(tmp_path), name, timeout=240):
         assert torch.equal(tolerant, exact)
+
+
+def _resume(rank: int, world: int, tmp_dir: str, name: str, seed: int):
+    """2 epochs of 3 steps straight through vs. 1 epoch, a checkpoint and a resume, nobody late:
+    the parameters, and the late-peer mixer the resumed run starts from (the one the first run
+    checkpointed: message counters, each neighbour's newest message)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from tests.dist.test_decentralized import _flat, _strategy
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    started = []
+
+    class AtStart(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.extend(mixer.state_dict() for mixer in trainer.strategy.late_mixers())
+
+    def fit(epochs: int, ckpt: str | None = None, init_seed: int = seed):
+        torch.manual_seed(init_seed)
+        model = TinyRegressor()
+        strategy = _strategy(name, schedule="one_peer", max_staleness=2, late_after_s=60.0, consensus_every=0)
+        trainer = trainer_for(strategy, tmp_dir, max_epochs=epochs, limit_val_batches=0, callbacks=[AtStart()])
+        trainer.fit(model, RegressionData(n=72, seed=seed + rank), ckpt_path=ckpt)
+        return trainer, model, strategy
+
+    _, model, _ = fit(2)
+    straight = _flat(model.parameters())
+    trainer, _, strategy = fit(1)
+    trainer.save_checkpoint(f"{tmp_dir}/{name}.ckpt")
+    saved = [mixer.state_dict() for mixer in strategy.late_mixers()]
+    started.clear()
+    _, model, _ = fit(2, f"{tmp_dir}/{name}.ckpt", init_seed=seed + 1)   # the checkpoint restores everything
+    return straight, _flat(model.parameters()), saved, started
+
+
+@pytest.mark.parametrize("name", ["atc", "awc"])
+def test_a_resume_restores_the_late_peer_mixers_and_is_bit_identical(name, tmp_path):
+    seed = int(torch.randint(0, 2**31 - 2, ()).item())   # fresh inputs every run
+    for straight, resumed, saved, started in run_distributed(_resume, 3, str(tmp_path), name, seed, timeout=240):
+        assert torch.equal(resumed, straight)
+        assert len(saved) == len(started) >= 1
+        for want, got in zip(saved, started):
+            for key in ("sent", "received", "values", "stale_values", "used"):
+                assert got[key] == want[key], key
+            assert want["values"] > 0 and got["latest"].keys() == want["latest"].keys()
+            for peer, message in want["latest"].items():
+                assert all(torch.equal(a, b) for a, b in zip(got["latest"][peer]["buffers"], message["buffers"]))
