@@ -124,3 +124,21 @@ def test_unpinned_flows_of_a_host_share_one_nic_in_the_prediction_and_both_in_th
     model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP)
     assert model.bound([phase]) == pytest.approx(M / (100 * MBIT))
     assert model.time([phase]) == pytest.approx(2 * M / (100 * MBIT) * 1.06 / 0.86)
+
+
+def test_canary_is_priced_on_the_streams_its_transport_opens_one_per_nic():
+    """multi_nic (2 hosts of 2 ranks, 2 NICs of 100 Mbit): Canary's ``nics=auto`` opens one
+    gloo group per NIC, doubled for the exact in-host hop (4 streams, 2 per NIC), so its
+    cross-host phases ride both NICs: half the time of ``nics=1`` (measured: its bytes split
+    evenly over eth0 and eth1). The bench's ``shards`` (DiLoCo's) does not set it."""
+    from syncplane.algorithms.canary import canary_cost
+    from syncplane.algorithms.plan import PlanInputs, cost_options
+
+    profile, inputs = load_profile("multi_nic"), PlanInputs(M)
+    assert cost_options("canary", {"shards": 3}, inputs).streams == 0
+    assert cost_options("canary", {"nics": 1}, inputs).streams == 1
+    model = CostModel(profile, alpha_s=0.0)
+    auto, one = (model.phase_times(canary_cost("canary", profile, M, cost_options("canary", kw, inputs))[0])
+                 for kw in ({}, {"nics": 1}))
+    assert auto[0] == pytest.approx(one[0])                 # the in-host hop: memory, not the NICs
+    assert auto[1:3] == pytest.approx([t / 2 for t in one[1:3]], rel=0.01)  # the sketch's size moves a little
