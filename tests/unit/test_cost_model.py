@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from syncplane.cluster import load_profile, parse_profile
 from syncplane.algorithms import strategy_time
+from syncplane.algorithms.spec import CostOptions
 from syncplane.cluster.cost import MBIT, CostModel, neighbor_exchange, ring_allreduce
 
 M = 8 * 2**20
@@ -124,3 +127,47 @@ def test_unpinned_flows_of_a_host_share_one_nic_in_the_prediction_and_both_in_th
     model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP)
     assert model.bound([phase]) == pytest.approx(M / (100 * MBIT))
     assert model.time([phase]) == pytest.approx(2 * M / (100 * MBIT) * 1.06 / 0.86)
+
+
+def test_canary_is_priced_on_the_streams_its_transport_opens_one_per_nic():
+    """multi_nic (2 hosts of 2 ranks, 2 NICs of 100 Mbit): Canary's ``nics=auto`` opens one
+    gloo group per NIC, doubled for the exact in-host hop (4 streams, 2 per NIC), so its
+    cross-host phases ride both NICs: half the time of ``nics=1`` (measured: its bytes split
+    evenly over eth0 and eth1). The bench's ``shards`` (DiLoCo's) does not set it."""
+    from syncplane.algorithms.canary import canary_cost
+    from syncplane.algorithms.plan import PlanInputs, cost_options
+
+    profile, inputs = load_profile("multi_nic"), PlanInputs(M)
+    assert cost_options("canary", {"shards": 3}, inputs).streams == 0
+    assert cost_options("canary", {"nics": 1}, inputs).streams == 1
+    model = CostModel(profile, alpha_s=0.0)
+    auto, one = (model.phase_times(canary_cost("canary", profile, M, cost_options("canary", kw, inputs))[0])
+                 for kw in ({}, {"nics": 1}))
+    assert auto[0] == pytest.approx(one[0])                 # the in-host hop: memory, not the NICs
+    assert auto[1:3] == pytest.approx([t / 2 for t in one[1:3]], rel=0.01)  # the sketch's size moves a little
+
+
+@pytest.mark.parametrize("buckets, nics, streams", [(1, 2, 1), (4, 2, 2), (3, 2, 3), (4, 1, 1), (8, 4, 4), (6, 4, 6)])
+def test_ddp_buckets_rotate_over_the_nics_as_pinned_streams(buckets, nics, streams):
+    """gloo gives op i NIC i mod k: b buckets put ⌈b/k⌉ on the busiest NIC, what S pinned
+    streams do (S/⌈S/k⌉ NICs' worth), with no more TCP flows than needed."""
+    from syncplane.algorithms.ddp import bucket_streams
+
+    assert bucket_streams(buckets, nics) == streams
+    assert streams / math.ceil(streams / nics) == pytest.approx(buckets / math.ceil(buckets / nics)) or nics == 1
+
+
+def test_ddp_four_buckets_use_both_nics_of_multi_nic_one_bucket_one():
+    """multi_nic: a 100 MB payload (4 buckets) crosses each host on both NICs, half the
+    one-NIC time (measured 6.85 s, 2026-11-26, where one NIC priced 14.3 s); 8 MB (one
+    bucket) rides one NIC per step in the prediction. Each ring phase sends M/4 per rank;
+    one flow per host direction crosses it."""
+    from syncplane.algorithms.ddp import ddp_cost
+    from syncplane.cluster.cost import EMULATED_TCP
+
+    profile = load_profile("multi_nic")
+    model = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP)
+    for payload, nics in ((100 * 2**20, 2), (8 * 2**20, 1)):
+        phases = ddp_cost("ddp", profile, payload, CostOptions())[0]
+        assert len(phases) == 6
+        assert model.bound(phases) == pytest.approx(6 * payload / 4 / (nics * 100 * MBIT))

@@ -12,6 +12,8 @@ differ only where a per-flow cap or a greedy flow's fair share makes the flow co
 matter (``wan_two_sites``, ``two_racks_contended``), the predictions by one α elsewhere.
 DiLoCo's one-stream rows on ``multi_nic`` were re-recorded when streams became pinned to
 NICs (``FlowArray.pinned``): one stream has one of a host's two NICs, so twice the time.
+DDP's ResNet-50 rows on ``multi_nic`` were re-recorded when its 25 MB buckets became
+streams pinned to NICs (gloo hands its ops to the NICs in turn): four buckets use both, half the time.
 ``atc``/``awc`` rows are flat gossip over the ranks (their only form then): they are checked
 with ``hierarchy: none`` (``pattern="none"``), since on a profile with racks the default now
 mixes racks as ``h_atc``/``h_awc`` do, whose own rows are checked as they are.

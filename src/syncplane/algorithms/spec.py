@@ -40,7 +40,7 @@ class CostOptions:
     """The knobs a cost pattern may depend on besides the cluster and the payload."""
 
     period: int = 4      # steps per round of a periodic algorithm (DiLoCo's H, torch's averager period)
-    streams: int = 1     # parallel connections (DiLoCo's shards, DS-Sync's pair streams)
+    streams: int = 1     # parallel connections (DiLoCo's shards, DS-Sync's pair streams); 0: one per NIC
     pattern: str = "auto"   # the exchange of a family that has a choice (``syncplane.exchanges.NAMES``)
     compression: str = "none"   # DiLoCo's codec of Δ: none | int8 | sparse (at ``density`` and ``bits``)
     density: float = 0.02

@@ -365,11 +365,18 @@ class CostModel:
 # ----------------------------------------------------------------------------- patterns
 
 
-def ring_allreduce(world_size: int, payload_bytes: float) -> list[Phase]:
-    """Reduce-scatter then all-gather around the ring 0→1→…→n−1→0: 2(n−1) phases of M/n."""
+def ring_allreduce(world_size: int, payload_bytes: float, streams: int = 1) -> list[Phase]:
+    """Reduce-scatter then all-gather around the ring 0→1→…→n−1→0: 2(n−1) phases of M/n;
+    ``streams`` > 1: as that many concurrent rings of M/streams pinned to NICs round-robin
+    (``FlowArray.pinned``)."""
     if world_size < 2:
         return []
     chunk = payload_bytes / world_size
+    if streams > 1:
+        ranks = np.arange(world_size, dtype=np.int64)
+        return [FlowArray(ranks, (ranks + 1) % world_size, np.full(world_size, chunk / streams),
+                          np.full(world_size, streams, dtype=np.int64), pinned=True)
+                for _ in range(2 * (world_size - 1))]
     step = [(r, (r + 1) % world_size, chunk) for r in range(world_size)]
     return [list(step) for _ in range(2 * (world_size - 1))]
 

@@ -44,12 +44,22 @@ def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
         ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * profile.bcube.beta))
         return [digit.cube_cost(profile, payload_bytes * ratio)]
     radices = shape.radices
+    streams = options.streams or max(h.spec.nics for h in profile.hosts)     # 0: nics=auto, one per NIC
     if chosen.name == "nested" and radices is not None:
-        ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * options.streams))
         exact = [0] if innermost_is_host(radices, profile.hosts[0].spec.ranks) else []   # as make_transport picks
-        return [digit.nested_cost(radices, payload_bytes * ratio, options.streams, exact, payload_bytes)]
+        streams *= 2 if exact and not options.streams else 1                  # as plan_exchange doubles auto
+        ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * streams))
+        return [digit.nested_cost(radices, payload_bytes * ratio, streams, exact, payload_bytes)]
     ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n))
-    return [mesh.cost(n, payload_bytes * ratio, options.streams)]
+    return [mesh.cost(n, payload_bytes * ratio, streams)]
+
+
+def canary_streams(options: Mapping[str, Any]) -> int:
+    """The streams Canary's transport opens: ``nics`` (one gloo group each); 0 for ``auto``,
+    which ``canary_cost`` resolves to one per NIC of the profile's hosts, as ``nic_count``
+    does with the job's interfaces (the bench's ``shards`` is DiLoCo's, not Canary's)."""
+    nics = options.get("nics") or "auto"
+    return 0 if nics == "auto" else int(nics)
 
 
 def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
@@ -90,7 +100,7 @@ SPEC = AlgorithmSpec(
                           "exchange over one gloo group per NIC"},
     bench_step=_step,
     cost=canary_cost,
-    streams=lambda options: int(options.get("shards") or 1),
+    streams=canary_streams,
     pattern=lambda options: str(options.get("exchange") or "auto"),
     check_job=check_job,
     variants={"canary": tuple({"exchange": e} for e in EXCHANGES)},
