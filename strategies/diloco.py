@@ -199,13 +199,15 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def sync_state_dict(self) -> dict[str, Any]:
         return diloco_rounds.round_state(self.engine.outer.state_dict(), self._round_settings(), self.rounds,
-                                         self.skipped, self._timed)
+                                         self.skipped, self._timed,
+                                         diloco_rounds.exchange_ran(self.engine, self.config))
 
     @override
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
             return
         diloco_rounds.check_resumed(state, self._round_settings())
+        diloco_rounds.check_exchange_resumed(state, diloco_rounds.exchange_ran(self.engine, self.config))
         self.engine.outer.load_state_dict(state)
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
         if self._timed is not None:
