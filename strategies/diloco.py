@@ -236,7 +236,7 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def sync_state_dict(self) -> dict[str, Any]:
         state = diloco_rounds.round_state(self.engine.outer.state_dict(), self._round_settings(), self.rounds,
-                                          self.skipped, self._timed)
+                                          self.skipped, self._timed, diloco_rounds.exchange_ran(self.engine, self.config))
         if self._dealer is not None:
             state["dealt"] = self._dealer.state_dict(self.step)
         return state
@@ -246,6 +246,7 @@ class DiLoCo(SyncplaneStrategy):
         if not state:
             return
         diloco_rounds.check_resumed(state, self._round_settings())
+        diloco_rounds.check_exchange_resumed(state, diloco_rounds.exchange_ran(self.engine, self.config))
         self.engine.outer.load_state_dict(state)
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
         if self._timed is not None:

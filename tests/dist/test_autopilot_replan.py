@@ -124,7 +124,9 @@ def test_every_rank_switches_alike_and_keeps_one_model(tmp_path) -> None:
 
 def _resume_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     """3 epochs of 3 steps uninterrupted (the switch at step 2), then the same run resumed from
-    the checkpoint after epoch 1 (step 3: after the switch, mid-round)."""
+    the checkpoint after epoch 1 (step 3: after the switch, mid-round); then resumed by jobs
+    without ``replan_every_s`` (no Replanner): with the start-up settings (refused), and with the
+    settings the error names."""
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -135,20 +137,21 @@ def _resume_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
 
     probe = changed_link_probe([])
 
-    def fit(tag: str, ckpt: str | None = None) -> dict[str, Any]:
+    def fit(tag: str, ckpt: str | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``settings``: a job without re-planning that runs DiLoCo with these."""
         auto = {"choice": {"strategy": "diloco", "kwargs": dict(CHOICE)},
                 "inputs": {"cluster": "pair", "world_size": world,
                            **asdict(PlanInputs(PAYLOAD, 0.05, period=2, strategies=("diloco",)))}}
-        replanner = replan.Replanner(auto, 1e-9, probe, torch_broadcast(), rank)
+        replanner = [replan.Replanner(auto, 1e-9, probe, torch_broadcast(), rank)] if settings is None else []
         torch.manual_seed(123)
         model = TinyRegressor()
-        strategy = DiLoCo(cluster_environment=TorchElasticEnvironment(), **CHOICE)
+        strategy = DiLoCo(cluster_environment=TorchElasticEnvironment(), **(settings or CHOICE))
         keep = ModelCheckpoint(dirpath=tmp_dir, filename=f"{tag}-{{epoch}}", every_n_epochs=1, save_top_k=-1,
                                save_on_train_epoch_end=True)
         trainer_for(strategy, tmp_dir, max_epochs=3, limit_train_batches=3, limit_val_batches=0,
-                    enable_checkpointing=True, callbacks=[replanner, keep]).fit(model, RegressionData(), ckpt_path=ckpt)
-        return {"replans": [(r["step"], r["best"]["kwargs"]) for r in auto["replans"]],
-                "checks": auto["replan"]["checks"], "config": asdict(strategy.config),
+                    enable_checkpointing=True, callbacks=[*replanner, keep]).fit(model, RegressionData(), ckpt_path=ckpt)
+        return {"replans": [(r["step"], r["best"]["kwargs"]) for r in auto.get("replans", [])],
+                "checks": auto.get("replan", {}).get("checks"), "config": asdict(strategy.config),
                 "params": [p.detach().clone() for p in model.parameters()],
                 "outer": _tensors(strategy.engine.outer.state_dict()),
                 "residuals": _tensors(strategy.rank_state_dict()), "rounds": strategy.rounds}
@@ -156,12 +159,23 @@ def _resume_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     whole = fit("whole")
     path = f"{tmp_dir}/whole-epoch=0.ckpt"
     torch.load(path, weights_only=True)          # plain data only, as a user's resume reads it
-    return {"whole": whole, "resumed": fit("resumed", ckpt=path)}
+    resumed = fit("resumed", ckpt=path)
+    try:
+        fit("plain", ckpt=path, settings=dict(CHOICE))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    ran = {k: whole["config"][k] for k in ("shards", "exchange", "compression")}
+    return {"whole": whole, "resumed": resumed, "refused": refused,
+            "named": fit("named", ckpt=path, settings={"sync_every": CHOICE["sync_every"], **ran})}
 
 
-def test_a_resume_after_a_switch_keeps_the_switch_and_is_bit_identical(tmp_path) -> None:
+def test_a_resume_after_a_switch_keeps_the_switch_or_is_refused_never_reverts(tmp_path) -> None:
+    """With the Replanner the switch carries over; a job without ``replan_every_s`` never
+    silently goes back to the start-up exchange: it is refused with the keys and values to
+    pass, and with those it is bit-identical too."""
     for r in run_distributed(_resume_rank, 2, str(tmp_path)):
-        whole, resumed = r["whole"], r["resumed"]
+        whole, resumed, named, refused = r["whole"], r["resumed"], r["named"], r["refused"]
         assert whole["replans"][0][0] == 2 and whole["config"]["compression"] == "sparse"
         # the switched settings, the record and the clock's checks carry over; no second switch
         assert resumed["config"] == whole["config"]
@@ -170,3 +184,9 @@ def test_a_resume_after_a_switch_keeps_the_switch_and_is_bit_identical(tmp_path)
         assert len(resumed["residuals"]) == len(whole["residuals"]) > 0
         for key in ("params", "outer", "residuals"):
             assert all(torch.equal(a, b) for a, b in zip(whole[key], resumed[key])), key
+        assert "the checkpoint's exchange ran" in refused and "exchange=gather" in refused, refused
+        assert "compression=sparse" in refused and "this run has" in refused and "exchange=mesh" in refused
+        assert f"strategy.kwargs.shards={whole['config']['shards']}" in refused
+        assert named["rounds"] == whole["rounds"]
+        for key in ("params", "outer", "residuals"):
+            assert all(torch.equal(a, b) for a, b in zip(whole[key], named[key])), key

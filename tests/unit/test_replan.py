@@ -103,3 +103,16 @@ def test_a_strategy_that_cannot_switch_never_probes_and_says_so() -> None:
     assert "flexreduce cannot be switched" in fake.auto["replan"]["refused"]
     assert fake.auto["replans"] == []
 
+
+
+def test_a_checkpoints_exchange_settings_are_checked_on_resume_and_old_ones_pass() -> None:
+    """DiLoCo's checkpoint records the exchange it ran with: another one is refused naming the
+    keys and the values to pass; a checkpoint from before the record is not checked."""
+    from syncplane.algorithms.diloco.rounds import check_exchange_resumed
+
+    ran = {"shards": 4, "exchange": "mesh", "compression": "none"}
+    check_exchange_resumed({"exchange_ran": ran}, dict(ran))
+    check_exchange_resumed({}, {"shards": 1, "exchange": "mesh", "compression": "none"})
+    with pytest.raises(ValueError, match=r"ran shards=4 .*this run has shards=1.*strategy.kwargs.shards=4 "
+                                         r"strategy.kwargs.exchange=mesh strategy.kwargs.compression=none"):
+        check_exchange_resumed({"exchange_ran": ran}, {**ran, "shards": 1})

@@ -18,6 +18,9 @@ from syncplane.algorithms.diloco.layout import check_replica, node_layout
 from syncplane.algorithms.diloco.node import NodeEngine
 from syncplane.job import JobContext
 
+#: The exchange settings a checkpoint records as they ran (a re-plan may have switched them).
+EXCHANGE_KEYS: tuple[str, ...] = ("shards", "exchange", "compression")
+
 #: What a checkpoint written before these round settings existed implies.
 BEFORE_STREAMING: dict[str, Any] = {"fragments": 1, "overlap_steps": 0, "inner_steps": "fixed"}
 
@@ -60,14 +63,21 @@ def build_engine(config: DiLoCoConfig, job: JobContext, model: torch.nn.Module,
     return engine, details
 
 
+def exchange_ran(engine: DiLoCoEngine | NodeEngine, config: DiLoCoConfig) -> dict[str, Any]:
+    """The exchange settings as they run (``EXCHANGE_KEYS``): ``shards`` and ``exchange``
+    resolved (no ``auto``, old names mapped), ``compression`` as configured."""
+    return {"shards": int(engine.shards), "exchange": engine.exchange_name, "compression": config.compression}
+
+
 def round_state(outer_state: Mapping[str, Any], settings: Mapping[str, Any], rounds: int, skipped: int,
-                timed: TimedRounds | None) -> dict[str, Any]:
+                timed: TimedRounds | None, exchange: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's DiLoCo state: the outer state, the round ``settings`` (``sync_every``,
-    ``fragments``, ``overlap_steps``, ``inner_steps``), the committed and discarded rounds, and
-    the time mode's agreed counts."""
+    ``fragments``, ``overlap_steps``, ``inner_steps``), the committed and discarded rounds, the
+    time mode's agreed counts, and the ``exchange`` settings it ran with (``exchange_ran``)."""
     return {**outer_state, "sync_every": settings["sync_every"], "fragments": settings["fragments"],
             "overlap_steps": settings["overlap_steps"], "rounds": rounds, "skipped": skipped,
-            "inner_steps": settings["inner_steps"], **({"timed": timed.state_dict()} if timed is not None else {})}
+            "inner_steps": settings["inner_steps"], "exchange_ran": dict(exchange),
+            **({"timed": timed.state_dict()} if timed is not None else {})}
 
 
 def check_resumed(state: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
@@ -77,3 +87,27 @@ def check_resumed(state: Mapping[str, Any], settings: Mapping[str, Any]) -> None
         if saved != ours:
             raise ValueError(f"the checkpoint was written with {key}={saved}, this run has "
                              f"{key}={ours}: rounds would not line up")
+
+
+def check_exchange_resumed(state: Mapping[str, Any], running: Mapping[str, Any]) -> None:
+    """A checkpoint's exchange settings (``exchange_ran``) must be the ones this run built.
+
+    Refused rather than adopted: the checkpoint may have run settings a re-plan switched to
+    (``replan_every_s``) while this job's config says otherwise, and either silent choice breaks
+    something -- going back changes the numerics of a resume that must be bit-identical (the
+    residuals and the outer state were written by the other exchange), and taking the
+    checkpoint's over the config overrides what the user asked for. The error names the keys
+    and the values that resume it as it ran. A checkpoint written before they were recorded
+    is not checked."""
+    saved = state.get("exchange_ran")
+    if not saved:
+        return
+    differ = [k for k in EXCHANGE_KEYS if saved.get(k) != running[k]]
+    if differ:
+        ran = ", ".join(f"{k}={saved[k]}" for k in differ)
+        ours = ", ".join(f"{k}={running[k]}" for k in differ)
+        fix = " ".join(f"strategy.kwargs.{k}={saved[k]}" for k in EXCHANGE_KEYS)
+        raise ValueError(f"the checkpoint's exchange ran {ran} (a re-plan may have switched it), this run has "
+                         f"{ours}: the resume would not be bit-identical. Resume with strategy=diloco {fix}, or "
+                         f"with the strategy.kwargs.replan_every_s that wrote it (its re-plan state restores "
+                         f"the switch)")
