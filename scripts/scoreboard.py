@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syncplane.bench.matrix import BOUND_TARGET, MODEL_ERROR_TARGET, markdown_table, misses, plot_scoreboard
+from syncplane.bench.matrix import BOUND_TARGET, MODEL_ERROR_TARGET, markdown_table, misses, scoreboard_chart
+from syncplane.bench.runner import save_figure
 
 BEGIN, END = "<!-- scoreboard:begin -->", "<!-- scoreboard:end -->"
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     for report in reports:
         path = args.folder / f"{report['cluster']}.json"
         if not args.no_png and any(r.get("status") == "ok" for r in report["results"]):
-            plot_scoreboard(report, path.with_suffix(".png"))
+            save_figure(scoreboard_chart(report), path.with_suffix(".png"))
         if not args.png_only:
             path.with_suffix(".md").write_text(markdown_table(report))
     if args.png_only:

@@ -106,8 +106,8 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
     steps = family.cost(name, model.profile, payload_bytes, options)
     if not steps:
         return StrategyTimes(0.0, 0.0, 0.0, "no communication")
-    per_nic = max(h.spec.nics for h in model.profile.hosts)       # streams 0: one per NIC (Canary's auto)
-    network = allreduce_network_bound(model.profile, payload_bytes, options.streams or per_nic)
+    # streams 0: one per NIC (Canary's auto)
+    network = allreduce_network_bound(model.profile, payload_bytes, options.streams or model.profile.max_nics)
     rounds = sum(1 for step in steps if model.crosses_hosts(step)) / len(steps)
     exchanges = sum(1 for step in steps if step) / len(steps)
     cpu_s = cpu.seconds(family.cpu(name, model.profile, payload_bytes, options)) * exchanges if cpu is not None else 0.0

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from syncplane.bench.runner import save_figure
+
 
 @dataclass(frozen=True)
 class Target:
@@ -162,7 +164,7 @@ def build_comparison(run_dirs: Sequence[Path], out_dir: Path, *, target_acc: flo
     (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / "comparison.md").write_text(_markdown(rows, target, report.get("by_strategy")))
     if runs:
-        _plot(runs, out_dir / "comparison.png", target)
+        save_figure(chart(runs, target), out_dir / "comparison.png")
     return report
 
 
@@ -271,14 +273,6 @@ def _bars(ax: Any, groups: list[tuple[str, list[float | None]]], title: str, col
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.set_title(title)
-
-
-def _plot(runs: list[dict[str, Any]], path: Path, target: Target | None = None) -> None:
-    import matplotlib.pyplot as plt
-
-    fig = chart(runs, target)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 def chart(runs: list[dict[str, Any]], target: Target | None = None) -> Any:

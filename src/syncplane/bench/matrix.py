@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from syncplane.bench.runner import emulator_cpu_rates, report_rows, run_bench
+from syncplane.bench.runner import emulator_cpu_rates, report_rows, run_bench, save_figure
 from syncplane.cluster import ClusterProfile
 from syncplane.cluster.emulator import EmulationError
 from syncplane.config import ConfigError
@@ -212,17 +212,8 @@ def _write_profile(path: Path, profile: ClusterProfile, settings: MatrixSettings
     path.write_text(json.dumps(merged, indent=2) + "\n")
     path.with_suffix(".md").write_text(markdown_table(merged))
     if any(r.get("status") == "ok" for r in merged["results"]):
-        plot_scoreboard(merged, path.with_suffix(".png"))
+        save_figure(scoreboard_chart(merged), path.with_suffix(".png"))
     return merged
-
-
-def plot_scoreboard(report: dict[str, Any], path: Path) -> None:
-    """Write ``scoreboard_chart(report)`` to ``path``."""
-    import matplotlib.pyplot as plt
-
-    fig = scoreboard_chart(report)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 def scoreboard_chart(report: dict[str, Any]) -> Any:

@@ -237,13 +237,18 @@ def print_table(report: dict[str, Any]) -> None:
     Console(width=150).print(table)
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Write the bench's chart (``chart``) to ``path``."""
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Write a matplotlib figure to ``path`` and free it (the charts of bench, compare and the
+    scoreboard)."""
     import matplotlib.pyplot as plt
 
-    fig = chart(report)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Write the bench's chart (``chart``) to ``path``."""
+    save_figure(chart(report), path, dpi=120)
 
 
 def chart(report: dict[str, Any]) -> Any:

@@ -210,6 +210,11 @@ class ClusterProfile:
     def world_size(self) -> int:
         return sum(h.spec.ranks for h in self.hosts)
 
+    @property
+    def max_nics(self) -> int:
+        """The most NICs a host has: the streams of a transport that opens one per NIC."""
+        return max(h.spec.nics for h in self.hosts)
+
     def to_dict(self) -> dict[str, Any]:
         """The YAML mapping ``parse_profile`` reads back (unset optional fields left out)."""
         def plain(spec: object) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
         ratio = sketch_ratio(max(1, int(payload_bytes // 4)), max(1, n * profile.bcube.beta))
         return [digit.cube_cost(profile, payload_bytes * ratio)]
     radices = shape.radices
-    streams = options.streams or max(h.spec.nics for h in profile.hosts)     # 0: nics=auto, one per NIC
+    streams = options.streams or profile.max_nics     # 0: nics=auto, one per NIC
     if chosen.name == "nested" and radices is not None:
         exact = [0] if innermost_is_host(radices, profile.hosts[0].spec.ranks) else []   # as make_transport picks
         streams *= 2 if exact and not options.streams else 1                  # as plan_exchange doubles auto

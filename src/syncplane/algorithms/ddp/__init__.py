@@ -22,7 +22,7 @@ def ddp_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: 
     """One ring all-reduce of the payload per step, in the bench's buckets (``DDPStep``: one
     asynchronous all-reduce per 25 MB), priced as ``bucket_streams`` pinned rings."""
     buckets = math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES)
-    return [ring_allreduce(profile.world_size, payload_bytes, bucket_streams(buckets, max(h.spec.nics for h in profile.hosts)))]
+    return [ring_allreduce(profile.world_size, payload_bytes, bucket_streams(buckets, profile.max_nics))]
 
 
 def bucket_streams(buckets: int, nics: int) -> int:
