@@ -152,8 +152,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.algorithms import (PLANNED, CostOptions, describe_periods, periods, spec_for, strategy_times,
-                                      variant)
+    from syncplane.algorithms import PLANNED, describe_periods, periods, spec_for, strategy_times, variant
+    from syncplane.algorithms.plan import PlanInputs, cost_options
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -175,14 +175,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rows = {}
     for name in names:     # a label: NAME or NAME[key=value,...] (diloco[replica=node,shards=2])
         base, settings = variant(name)
-        exchange = str(settings.get("exchange", args.exchange))
-        if exchange == "auto" and base not in PLANNED:   # the row's settings pick it, as plan and bench price it
-            exchange = spec_for(base).pattern(settings)
-        options = CostOptions(period=used.get(name, 1), streams=int(settings.get("shards", args.streams)),
-                              pattern=exchange,
-                              compression=str(settings.get("compression", CostOptions.compression)),
-                              replica=str(settings.get("replica", CostOptions.replica)))
-        rows[name] = None if base in PLANNED else strategy_times(model, base, payload, options)
+        if base in PLANNED:
+            rows[name] = None
+            continue
+        # priced as plan and bench price it: --streams is DiLoCo's shards and DS-Sync's pair
+        # streams (Canary opens one stream per NIC), the row's own settings first
+        family = spec_for(base)
+        kwargs = {"shards": args.streams, "pair_streams": args.streams, "exchange": args.exchange, **settings,
+                  **({family.period_key: used[name]} if family.periodic and family.period_key else {})}
+        rows[name] = strategy_times(model, base, payload, cost_options(base, kwargs, PlanInputs(payload)))
     ddp = rows.get("ddp")
 
     def net_ratio(value: Any) -> float | None:
@@ -558,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "(diloco's sync_every; torch's averagers 4); the table's title says which")
     simulate.add_argument("--streams", type=int, default=1,
                           help="parallel connections of the multi-stream algorithms (DiLoCo's shards, "
-                               "DS-Sync's pair streams)")
+                               "DS-Sync's pair streams; Canary opens one per NIC)")
     simulate.add_argument("--exchange", default="auto", choices=EXCHANGE_CHOICES,
                           help=EXCHANGE_HELP)
     simulate.add_argument("--json", help="also write the predictions here")

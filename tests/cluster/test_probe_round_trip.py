@@ -52,19 +52,16 @@ def probe_on(name: str, tmp_path: Path) -> tuple[dict[str, Any], ClusterProfile,
     return topo, probed, ratio
 
 
-@pytest.mark.parametrize("name,bandwidths", [("two_racks", True), ("uneven_three_racks", False)])
-def test_the_probed_profile_finds_the_racks_and_reproduces_the_bandwidths(name: str, bandwidths: bool,
-                                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["two_racks", "uneven_three_racks"])
+def test_the_probed_profile_finds_the_racks_and_reproduces_the_bandwidths(name: str, tmp_path: Path) -> None:
     """On ``uneven_three_racks`` host a2's 100 Mbit NIC and lone rack r2's 100 Mbit uplink look
-    alike by pairwise rates: the concurrent test tells a2 into r0 and c0 into a rack of its own.
-    Its bandwidths are not held to 15 % yet: its lowest pair came out at 0.68-0.82 of the
-    declared rate in the runs of docs/benchmarks.md ("Probe to profile round trip")."""
+    alike by pairwise rates: the concurrent test tells a2 into r0 and c0 into a rack of its own,
+    and a2's pairs out of r0, first timed beside a0's and a1's, are timed again by rack."""
     topo, probed, ratio = probe_on(name, tmp_path)
     truth = from_profile(load_profile(name))
     assert topo["racks"] == truth.racks and topo["hosts"] == truth.hosts
     assert not any(topo["host_caps"]) and not any(topo["rack_caps"])        # no per-flow cap anywhere
-    if bandwidths:
-        assert np.all(np.abs(ratio - 1) <= 0.15), f"probed/declared bandwidth {ratio.min():.2f}..{ratio.max():.2f}"
+    assert np.all(np.abs(ratio - 1) <= 0.15), f"probed/declared bandwidth {ratio.min():.2f}..{ratio.max():.2f}"
 
 
 def test_the_probe_finds_the_per_flow_cap_of_a_wan_link(tmp_path: Path) -> None:

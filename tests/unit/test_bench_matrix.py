@@ -211,3 +211,24 @@ def test_make_figures_redraws_each_profile_chart_from_its_json_alone(tmp_path, m
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_the_table_says_what_the_planner_would_have_picked_per_class_and_how_it_measured():
+    """Per class, the pick is the fastest *predicted* measured row, held against the fastest
+    *measured* one of that class; predictions beyond 15 % are named. Approximate rows never
+    enter the exact class."""
+    def row(name: str, measured: float, predicted: float) -> dict:
+        return {"strategy": name, "status": "ok", "sync_s_median": measured, "predicted_s": predicted,
+                "model_error": predicted / measured - 1}
+
+    report = {"results": [row("ddp", 1.0, 1.05), row("flexreduce", 1.2, 0.9), row("diloco", 0.2, 0.1),
+                          row("ds_sync", 0.5, 0.5), {"strategy": "canary", "status": "failed: x"}]}
+    exact, approximate = matrix.planner_check(report)
+    assert (exact["pick"], exact["best"], exact["pick_ok"]) == ("flexreduce", "ddp", False)
+    assert exact["pick_slower"] == pytest.approx(0.2)
+    assert set(exact["prediction_misses"]) == {"flexreduce"}
+    assert (approximate["pick"], approximate["best"], approximate["pick_ok"]) == ("diloco", "diloco", True)
+    assert set(approximate["prediction_misses"]) == {"flexreduce", "diloco"}
+    lines = matrix.planner_lines(report)
+    assert "`flexreduce`" in lines[0] and "+20 % against `ddp`" in lines[0] and "beyond 10 %" in lines[0]
+    assert "the best" in lines[1]

@@ -66,3 +66,26 @@ def test_without_period_diloco_is_priced_at_its_own_sync_every(tmp_path, capsys)
     assert rows["diloco"]["period"] == h and rows["ddp"]["period"] is None
     assert rows == {r["strategy"]: r for r in given["results"]}
     assert f"period diloco {h} (their defaults" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("streams", ["1", "2"])
+def test_every_row_is_priced_as_plan_prices_it_and_streams_are_diloco_and_ds_syncs_only(tmp_path, streams):
+    """``--streams`` is DiLoCo's shards and DS-Sync's pair streams; Canary opens one stream per
+    NIC whatever it says (on ``multi_nic``: two), as ``plan`` and the bench price it (DiLoCo's
+    exchange: auto, the tree on this profile)."""
+    from syncplane.algorithms.plan import PlanInputs, make_plan
+    from syncplane.cluster import load_profile
+
+    out = tmp_path / "sim.json"
+    assert cli.main(["simulate", "--cluster", "multi_nic", "--strategies", "ddp,canary,diloco,ds_sync",
+                     "--payload-mb", "8", "--streams", streams, "--json", str(out)]) == 0
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
+    plan = make_plan(load_profile("multi_nic"), PlanInputs(8 * 2**20, 0.0))
+
+    def planned(strategy: str, **kwargs) -> float:
+        return next(c.sync_s for c in plan.candidates if c.strategy == strategy and
+                    all(c.kwargs.get(k) == v for k, v in kwargs.items()))
+
+    assert rows["canary"]["predicted_s"] == pytest.approx(planned("canary", exchange="nested"))
+    assert rows["diloco"]["predicted_s"] == pytest.approx(planned("diloco", shards=int(streams), exchange="tree"))
+    assert rows["ddp"]["predicted_s"] == pytest.approx(planned("ddp"))

@@ -59,6 +59,24 @@ def test_exclusive_rounds_never_put_one_part_in_a_round_twice() -> None:
         assert len(used) == len(set(used))
 
 
+def test_a_slow_nic_host_placed_in_a_rack_is_retimed_with_that_rack() -> None:
+    """``uneven_three_racks`` as the probe finds it: by pairwise rates host a2 (slow NIC) is close
+    to nobody, so its close group is its own and its pairs out of r0 were timed beside a0's;
+    once the concurrent test puts it into r0 the groups differ, and the rounds that time the
+    pairs again by rack never hold two pairs leaving one rack."""
+    from syncplane.cluster.probe import close_parts, exclusive_rounds, host_matrix, rack_parts, same_groups
+
+    truth = from_profile(load_profile("uneven_three_racks"))
+    racks = rack_parts(truth.hosts, truth.racks)
+    assert racks == [0, 0, 0, 1, 1, 2]
+    close = close_parts(host_matrix(truth.bandwidth, truth.hosts))
+    assert not same_groups(racks, close)
+    assert same_groups(racks, [5, 5, 5, 7, 7, 1]) and not same_groups(racks, [0, 0, 1, 1, 1, 2])
+    pairs = [(a, b) for a in range(6) for b in range(a + 1, 6) if racks[a] != racks[b]]
+    for r in exclusive_rounds(pairs, dict(enumerate(racks))):
+        assert len(r) == 1                 # three racks: one pair at a time, none sharing an uplink
+
+
 def test_a_host_that_belongs_to_no_rack_is_a_rack_of_its_own() -> None:
     """Hosts 0-1 and 2-3 fast pairs; hosts 4 and 5 slow to everyone. ``belongs`` (the probe's
     concurrent test) puts 4 into the second rack and rules 5 out of both."""

@@ -265,6 +265,52 @@ def misses(row: dict[str, Any]) -> str:
     return "; ".join(missed)
 
 
+#: ``syncplane plan``'s targets against the bench: its pick within this of the best measured of
+#: its class, and its predictions within ``PREDICTION_TARGET``.
+PICK_TARGET, PREDICTION_TARGET = 0.10, 0.15
+
+
+def planner_check(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The planner against one profile's measurements, per class (``exact``: DDP's result;
+    ``approximate``: any): the plan's pick among the measured rows (the fastest *predicted*:
+    the rows' ``predicted_s`` is ``plan.price``'s), the fastest *measured*, how much slower the
+    pick measured than that, and which rows' predictions miss by more than ``PREDICTION_TARGET``."""
+    from syncplane.algorithms import spec_for, variant
+
+    rows = [r for r in report["results"] if r.get("status") == "ok" and r.get("predicted_s") is not None
+            and r.get("sync_s_median")]
+    out = []
+    for accept in ("exact", "approximate"):
+        allowed = [r for r in rows if accept == "approximate" or variant(r["strategy"])[0] in
+                   spec_for(variant(r["strategy"])[0]).exact]
+        if not allowed:
+            continue
+        pick = min(allowed, key=lambda r: r["predicted_s"])
+        best = min(allowed, key=lambda r: r["sync_s_median"])
+        slower = pick["sync_s_median"] / best["sync_s_median"] - 1
+        out.append({"accept": accept, "pick": pick["strategy"], "predicted_s": pick["predicted_s"],
+                    "pick_measured_s": pick["sync_s_median"], "best": best["strategy"],
+                    "best_measured_s": best["sync_s_median"], "pick_slower": slower,
+                    "pick_ok": slower <= PICK_TARGET,
+                    "prediction_misses": {r["strategy"]: r["model_error"] for r in allowed
+                                          if abs(r["model_error"]) > PREDICTION_TARGET}})
+    return out
+
+
+def planner_lines(report: dict[str, Any]) -> list[str]:
+    """``planner_check`` in words, one line per class (for the profile's table)."""
+    lines = []
+    for c in planner_check(report):
+        verdict = "the best" if c["pick"] == c["best"] else \
+            f"{c['pick_slower'] * 100:+.0f} % against `{c['best']}` ({c['best_measured_s']:.3f} s)"
+        missed = ", ".join(f"`{name}` {err * 100:+.0f} %" for name, err in c["prediction_misses"].items())
+        lines.append(f"- plan, {c['accept']}: `{c['pick']}` (predicted {c['predicted_s']:.3f} s, measured "
+                     f"{c['pick_measured_s']:.3f} s): {verdict}" + ("" if c["pick_ok"] else
+                                                                   f" (beyond {PICK_TARGET * 100:.0f} %)")
+                     + f"; predictions beyond ±{PREDICTION_TARGET * 100:.0f} %: {missed or 'none'}")
+    return lines
+
+
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 
@@ -286,6 +332,9 @@ def markdown_table(report: dict[str, Any]) -> str:
             _fmt(r["model_error"] * 100 if r.get("model_error") is not None else None, "+.0f", " %"),
             _fmt(nic / 2**20 if nic is not None else None, ".1f"), _fmt(r.get("uplink_drops"), ".0f"),
             misses(r)]) + " |")
+    check = planner_lines(report)
+    if check:
+        lines += ["", *check]
     runs = sorted({r["measured"] for r in report["results"] if r.get("measured")})
     if len(runs) > 1:
         lines += ["", f"Rows from {len(runs)} runs ({', '.join(runs)}; a resumed matrix): each row's *vs DDP* is "

@@ -19,10 +19,11 @@ Two sources, one result (``Topology``):
   rack of its own: their pairwise rates look alike) is placed by a concurrent test: its
   exchange with a rack runs beside an exchange that leaves that rack; if the two slow each
   other down they share the rack's uplink, and the host is outside (``cluster_racks``'s
-  ``belongs``). With ``streams`` > 1, one pair per rack and per pair of racks is timed over
-  one TCP stream and over ``streams`` at once: a link on which several streams get at least
-  twice one stream's rate caps each flow (``FlowCap``), which the profile writes as
-  ``per_flow_mbit``.
+  ``belongs``); a slow-NIC host so placed then has its pairs out of the rack timed again, one
+  pair per rack at a time (its first timings ran beside its rack-mates'). With ``streams`` >
+  1, one pair per rack and per pair of racks is timed over one TCP stream and over
+  ``streams`` at once: a link on which several streams get at least twice one stream's rate
+  caps each flow (``FlowCap``), which the profile writes as ``per_flow_mbit``.
 
 A probe's result is cached per cluster (``~/.cache/syncplane/probe/<key>.json``).
 """
@@ -441,12 +442,25 @@ def close_parts(host_bw: np.ndarray) -> list[int]:
     return part
 
 
-def remeasure_slow_pairs(bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None) -> np.ndarray:
-    """Collective: ``bw`` with every pair of hosts in different close groups (``close_parts``)
-    timed again, one pair per group per round (``exclusive_rounds``), so that no two pairs
-    of a round share an uplink: the tournament timed them beside other pairs that did."""
-    hb = host_matrix(bw, hosts)
-    part = close_parts(hb)
+def rack_parts(hosts: list[list[int]], racks: Sequence[Sequence[int]]) -> list[int]:
+    """Per host, the index of its rack (``racks``: lists of ranks), for ``remeasure_slow_pairs``."""
+    of = {r: k for k, rack in enumerate(racks) for r in rack}
+    return [of[ranks[0]] for ranks in hosts]
+
+
+def same_groups(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether two labellings of the hosts (per host, its group) group them alike."""
+    return len(set(a)) == len(set(b)) == len(set(zip(a, b)))
+
+
+def remeasure_slow_pairs(bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None,
+                         part: Sequence[int] | None = None) -> np.ndarray:
+    """Collective: ``bw`` with every pair of hosts in different groups timed again, one pair per
+    group per round (``exclusive_rounds``), so that no two pairs of a round share an uplink: the
+    tournament timed them beside other pairs that did. ``part``: per host, its group -- its rack
+    where the racks are known (``rack_parts``), else its group of close hosts (``close_parts``),
+    which splits a rack at a slow-NIC host, whose pairs then still share its rack's uplink."""
+    part = list(part) if part is not None else close_parts(host_matrix(bw, hosts))
     pairs = [(a, b) for a in range(len(hosts)) for b in range(a + 1, len(hosts)) if part[a] != part[b]]
     if not pairs:
         return bw
@@ -460,12 +474,14 @@ def remeasure_slow_pairs(bw: np.ndarray, hosts: list[list[int]], nbytes: int, gr
     return out
 
 
-def measure_pairs(world_size: int, hosts: list[list[int]], nbytes: int,
-                  group: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def measure_pairs(world_size: int, hosts: list[list[int]], nbytes: int, group: Any = None,
+                  racks: Sequence[Sequence[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Collective: (bandwidth, latency) of every pair, one way, each pair once in round-robin
-    rounds, the pairs across close groups of hosts timed again alone (``remeasure_slow_pairs``)."""
+    rounds, the pairs across racks (``racks``, lists of ranks, where known) or across close
+    groups of hosts timed again alone (``remeasure_slow_pairs``)."""
     bw, lat = measure_rounds(round_robin_rounds(world_size), nbytes, group=group, one_way=True)
-    return remeasure_slow_pairs(bw, hosts, nbytes, group), lat
+    part = rack_parts(hosts, racks) if racks is not None else None
+    return remeasure_slow_pairs(bw, hosts, nbytes, group, part), lat
 
 
 def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None) -> Belongs:
@@ -568,6 +584,12 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     hosts = hosts_of(ids)
     bw, lat = measure_pairs(n, hosts, nbytes, group)
     topo = topology_from_measurements(bw, lat, ids, concurrent_test(host_matrix(bw, hosts), hosts, nbytes, group))
+    racks = rack_parts(hosts, topo.racks)
+    if not same_groups(racks, close_parts(host_matrix(bw, hosts))):
+        # a slow-NIC host joined a rack it was not close to: its pairs out of the rack were
+        # timed beside its rack-mates' and shared their uplink, so they are timed again by rack
+        topo.bandwidth = remeasure_slow_pairs(bw, hosts, nbytes, group, racks)
+        np.fill_diagonal(topo.bandwidth, np.inf)
     if streams > 1:
         topo.host_caps, topo.rack_caps = measure_flow_caps(topo, nbytes, streams, group)
     if dist.get_rank() == 0 and path is not None:

@@ -87,8 +87,8 @@ def _priced(c: Candidate) -> dict[str, Any]:
 class Reprobe:
     """The network now (a collective: every rank calls it at the same step): ``profile``'s
     racks and hosts with their rates and per-flow caps measured again, cheaply. Every pair
-    exchanges ``nbytes`` once, pairs across close groups again alone (``measure_pairs``, as the
-    start-up probe does), and one pair per rack and per pair of racks over one stream and
+    exchanges ``nbytes`` once, pairs across the declared racks again with one pair per rack at
+    a time (``measure_pairs``), and one pair per rack and per pair of racks over one stream and
     over ``streams`` (``measure_flow_caps``, on lanes made once, at the first re-probe);
     compute speeds stay as declared. ``group``: the gloo group to probe over (called then)."""
 
@@ -104,7 +104,7 @@ class Reprobe:
         if self.lanes is None:
             self.lanes = [group] + [dist.new_group(backend="gloo") for _ in range(self.streams - 1)]
         declared = from_profile(self.profile)
-        bw, lat = measure_pairs(self.profile.world_size, declared.hosts, self.nbytes, group)
+        bw, lat = measure_pairs(self.profile.world_size, declared.hosts, self.nbytes, group, declared.racks)
         np.fill_diagonal(bw, np.inf)
         topo = Topology(racks=declared.racks, hosts=declared.hosts, bandwidth=bw, latency=lat, source="re-probe")
         if self.streams > 1:
