@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syncplane.bench.matrix import BOUND_TARGET, MODEL_ERROR_TARGET, markdown_table, misses, scoreboard_chart
+from syncplane.bench.matrix import (BOUND_TARGET, MODEL_ERROR_TARGET, markdown_table, misses, planner_table,
+                                   scoreboard_chart)
 from syncplane.bench.runner import save_figure
 
 BEGIN, END = "<!-- scoreboard:begin -->", "<!-- scoreboard:end -->"
@@ -47,7 +48,10 @@ def section(reports: list[dict[str, Any]]) -> str:
             "(the *misses* column). *model error*: the cost model's prediction over the measurement, minus 1 "
             "(negative: the model is optimistic); *uplink drops/step*: packets the rack uplinks' shapers "
             "dropped per step (`tc -s`; `-` where a profile has no uplinks).", ""]
-    return "\n".join(head) + "\n".join(markdown_table(report) for report in reports)
+    planner = ["", "### The planner against these measurements", "",
+               "What `syncplane plan` would pick among the measured rows (the fastest predicted of each class) "
+               "against the fastest measured:", "", planner_table(reports)]
+    return "\n".join(head) + "\n".join(markdown_table(report) for report in reports) + "\n".join(planner)
 
 
 def place(document: str, block: str) -> str:

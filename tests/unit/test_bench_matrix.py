@@ -232,3 +232,7 @@ def test_the_table_says_what_the_planner_would_have_picked_per_class_and_how_it_
     lines = matrix.planner_lines(report)
     assert "`flexreduce`" in lines[0] and "+20 % against `ddp`" in lines[0] and "beyond 10 %" in lines[0]
     assert "the best" in lines[1]
+    table = matrix.planner_table([{"cluster": "fake", **report}])
+    assert "| fake | exact | `flexreduce` (0.900) | `ddp` (1.000) | 1.200 | **no** (+20 %) |" in table
+    assert "within 10 % of the best measured of its class in 1 of 2 cells" in table
+    assert "2 of 4 measured rows are predicted within ±15 %" in table     # flexreduce and diloco miss

@@ -77,6 +77,24 @@ def test_a_slow_nic_host_placed_in_a_rack_is_retimed_with_that_rack() -> None:
         assert len(r) == 1                 # three racks: one pair at a time, none sharing an uplink
 
 
+def test_pairs_that_shared_a_link_in_the_tournament_are_retimed_apart() -> None:
+    """Hosts 0 (two ranks), 1 and 2 in one group, 3 in another: every pair leaving the group is
+    retimed one per group per round; in the group, the pairs of the two-rank host are retimed
+    one per host per round, and the pair of two one-rank hosts (1, 2) is not (nothing else of
+    theirs ran beside it)."""
+    from syncplane.cluster.probe import retime_rounds
+
+    hosts = [[0, 1], [2], [3], [4]]
+    pairs, rounds = retime_rounds(hosts, [0, 0, 0, 1])
+    assert sorted(pairs) == [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]
+    timed = sorted(p for r in rounds for p in r)
+    assert timed == sorted([(0, 4), (2, 4), (3, 4), (0, 2), (0, 3)])     # hosts' first ranks
+    for r in rounds:
+        hosts_in = [h for p in r for h in p]
+        assert len(hosts_in) == len(set(hosts_in))
+        assert sum(4 in p for p in r) <= 1                                 # the group's uplink once
+
+
 def test_a_host_that_belongs_to_no_rack_is_a_rack_of_its_own() -> None:
     """Hosts 0-1 and 2-3 fast pairs; hosts 4 and 5 slow to everyone. ``belongs`` (the probe's
     concurrent test) puts 4 into the second rack and rules 5 out of both."""

@@ -311,6 +311,29 @@ def planner_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def planner_table(reports: list[dict[str, Any]]) -> str:
+    """``planner_check`` of every profile as one table: per profile and class the plan's pick,
+    the best measured, how much slower the pick measured, and the predictions beyond
+    ``PREDICTION_TARGET``; then how many cells meet each target."""
+    lines = ["| profile | class | plan's pick (predicted s) | measured best (s) | pick measured (s) | pick within "
+             f"{PICK_TARGET * 100:.0f} % | predictions beyond ±{PREDICTION_TARGET * 100:.0f} % |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    checks = [(report["cluster"], c) for report in reports for c in planner_check(report)]
+    rows = sum(len([r for r in report["results"] if r.get("status") == "ok" and r.get("model_error") is not None])
+               for report in reports)
+    missed = {(name, strategy) for name, c in checks for strategy in c["prediction_misses"]}
+    for name, c in checks:
+        ok = "yes" if c["pick"] == c["best"] else f"{'yes' if c['pick_ok'] else '**no**'} ({c['pick_slower'] * 100:+.0f} %)"
+        misses_ = ", ".join(f"`{k}` {v * 100:+.0f} %" for k, v in c["prediction_misses"].items()) or "none"
+        lines.append(f"| {name} | {c['accept']} | `{c['pick']}` ({c['predicted_s']:.3f}) | `{c['best']}` "
+                     f"({c['best_measured_s']:.3f}) | {c['pick_measured_s']:.3f} | {ok} | {misses_} |")
+    good = sum(c["pick_ok"] for _, c in checks)
+    lines += ["", f"The pick is within {PICK_TARGET * 100:.0f} % of the best measured of its class in {good} of "
+                  f"{len(checks)} cells; {rows - len(missed)} of {rows} measured rows are predicted within "
+                  f"±{PREDICTION_TARGET * 100:.0f} %."]
+    return "\n".join(lines) + "\n"
+
+
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 

@@ -15,8 +15,10 @@ Two sources, one result (``Topology``):
 
   The tournament's concurrent pairs share rack uplinks, so a slow (cross-rack) pair's rate
   is only a share of it: those pairs are timed again in rounds where no group of close
-  hosts takes part twice (``exclusive_rounds``). A host with no fast link (a slow NIC, or a
-  rack of its own: their pairwise rates look alike) is placed by a concurrent test: its
+  hosts takes part twice (``exclusive_rounds``), and so are the pairs of a host of several
+  ranks with its close hosts (its other ranks' pairs shared its NIC). A host with no fast
+  link (a slow NIC, or a rack of its own: their pairwise rates look alike) is placed by a
+  concurrent test: its
   exchange with a rack runs beside an exchange that leaves that rack; if the two slow each
   other down they share the rack's uplink, and the host is outside (``cluster_racks``'s
   ``belongs``); a slow-NIC host so placed then has its pairs out of the rack timed again, one
@@ -443,7 +445,7 @@ def close_parts(host_bw: np.ndarray) -> list[int]:
 
 
 def rack_parts(hosts: list[list[int]], racks: Sequence[Sequence[int]]) -> list[int]:
-    """Per host, the index of its rack (``racks``: lists of ranks), for ``remeasure_slow_pairs``."""
+    """Per host, the index of its rack (``racks``: lists of ranks), for ``retime_contended_pairs``."""
     of = {r: k for k, rack in enumerate(racks) for r in rack}
     return [of[ranks[0]] for ranks in hosts]
 
@@ -453,35 +455,54 @@ def same_groups(a: Sequence[int], b: Sequence[int]) -> bool:
     return len(set(a)) == len(set(b)) == len(set(zip(a, b)))
 
 
-def remeasure_slow_pairs(bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None,
-                         part: Sequence[int] | None = None) -> np.ndarray:
-    """Collective: ``bw`` with every pair of hosts in different groups timed again, one pair per
-    group per round (``exclusive_rounds``), so that no two pairs of a round share an uplink: the
-    tournament timed them beside other pairs that did. ``part``: per host, its group -- its rack
-    where the racks are known (``rack_parts``), else its group of close hosts (``close_parts``),
-    which splits a rack at a slow-NIC host, whose pairs then still share its rack's uplink."""
+def retime_rounds(hosts: list[list[int]], part: Sequence[int]) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]]]:
+    """The host pairs to time again after the tournament, and the rounds that time them (pairs
+    of hosts' first ranks). The tournament ran every rank in a pair of its own at once, so
+    (1) a pair of hosts in different groups (``part``, per host) shared its groups' uplinks with
+    the other pairs that left them: those are timed again one pair per group per round
+    (``exclusive_rounds``); (2) a pair of hosts of one group where a host runs several ranks
+    shared that host's NIC with its other ranks' pairs: those are timed again one pair per
+    host per round (no uplink in between)."""
+    first = [ranks[0] for ranks in hosts]
+    cross, shared = [], []
+    for a in range(len(hosts)):
+        for b in range(a + 1, len(hosts)):
+            if part[a] != part[b]:
+                cross.append((a, b))
+            elif len(hosts[a]) > 1 or len(hosts[b]) > 1:
+                shared.append((a, b))
+    rounds = exclusive_rounds([(first[a], first[b]) for a, b in cross], {first[h]: part[h] for h in range(len(hosts))})
+    rounds += exclusive_rounds([(first[a], first[b]) for a, b in shared], {r: r for r in first})
+    return cross + shared, rounds
+
+
+def retime_contended_pairs(bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None,
+                           part: Sequence[int] | None = None) -> np.ndarray:
+    """Collective: ``bw`` with the pairs of hosts the tournament timed beside other pairs
+    sharing a link with them timed again (``retime_rounds``). ``part``: per host, its group --
+    its rack where the racks are known (``rack_parts``), else its group of close hosts
+    (``close_parts``), which splits a rack at a slow-NIC host, whose pairs then still share its
+    rack's uplink."""
     part = list(part) if part is not None else close_parts(host_matrix(bw, hosts))
-    pairs = [(a, b) for a in range(len(hosts)) for b in range(a + 1, len(hosts)) if part[a] != part[b]]
+    pairs, rounds = retime_rounds(hosts, part)
     if not pairs:
         return bw
-    first = [ranks[0] for ranks in hosts]
-    rank_part = {first[h]: part[h] for h in range(len(hosts))}
-    again, _ = measure_rounds(exclusive_rounds([(first[a], first[b]) for a, b in pairs], rank_part), nbytes,
-                              group=group, one_way=True)
+    again, _ = measure_rounds(rounds, nbytes, group=group, one_way=True)
     out = bw.copy()
     for a, b in pairs:
-        out[np.ix_(hosts[a], hosts[b])] = out[np.ix_(hosts[b], hosts[a])] = again[first[a], first[b]]
+        out[np.ix_(hosts[a], hosts[b])] = out[np.ix_(hosts[b], hosts[a])] = again[hosts[a][0], hosts[b][0]]
     return out
 
 
 def measure_pairs(world_size: int, hosts: list[list[int]], nbytes: int, group: Any = None,
                   racks: Sequence[Sequence[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Collective: (bandwidth, latency) of every pair, one way, each pair once in round-robin
-    rounds, the pairs across racks (``racks``, lists of ranks, where known) or across close
-    groups of hosts timed again alone (``remeasure_slow_pairs``)."""
+    rounds; then the pairs across racks (``racks``, lists of ranks, where known) or across close
+    groups of hosts, and those beside a host's other ranks, timed again apart
+    (``retime_contended_pairs``)."""
     bw, lat = measure_rounds(round_robin_rounds(world_size), nbytes, group=group, one_way=True)
     part = rack_parts(hosts, racks) if racks is not None else None
-    return remeasure_slow_pairs(bw, hosts, nbytes, group, part), lat
+    return retime_contended_pairs(bw, hosts, nbytes, group, part), lat
 
 
 def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None) -> Belongs:
@@ -588,7 +609,7 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     if not same_groups(racks, close_parts(host_matrix(bw, hosts))):
         # a slow-NIC host joined a rack it was not close to: its pairs out of the rack were
         # timed beside its rack-mates' and shared their uplink, so they are timed again by rack
-        topo.bandwidth = remeasure_slow_pairs(bw, hosts, nbytes, group, racks)
+        topo.bandwidth = retime_contended_pairs(bw, hosts, nbytes, group, racks)
         np.fill_diagonal(topo.bandwidth, np.inf)
     if streams > 1:
         topo.host_caps, topo.rack_caps = measure_flow_caps(topo, nbytes, streams, group)
