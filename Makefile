@@ -46,10 +46,11 @@ scoreboard: setup
 scoreboard-tables:
 	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
 
-# The published scoreboard charts (docs/matrix/<profile>.png: vs DDP, bound ratio, model error
-# per strategy) again from their committed JSON, without running anything (seconds).
+# The published scoreboard charts (docs/matrix/<profile>.png and docs/matrix/8mb/: vs DDP, bound
+# ratio, model error per strategy) again from their committed JSON, without running anything (seconds).
 figures:
 	$(PYTHON) scripts/scoreboard.py docs/matrix --png-only
+	$(PYTHON) scripts/scoreboard.py docs/matrix/8mb --png-only
 
 # The published training comparisons (docs/compare/*/comparison.{json,md,png}) again, with the
 # command docs/benchmarks.md gives: one compare per seed, then merged (training; hours). Their
