@@ -67,10 +67,14 @@ def test_the_probed_profile_finds_the_racks_and_reproduces_the_bandwidths(name: 
 def test_the_probe_finds_the_per_flow_cap_of_a_wan_link(tmp_path: Path) -> None:
     """``wan_two_sites``: 1 Gbit between the sites, 100 Mbit per TCP flow. One stream gets the
     cap, four streams about four times it: the written profile caps each flow on both sites'
-    uplinks (not on the NICs), and a pair's rate in it is the cap's."""
+    uplinks at 100 Mbit (not on the NICs), and a pair's rate in it is the cap's."""
     topo, probed, ratio = probe_on("wan_two_sites", tmp_path)
     assert topo["racks"] == [[0, 1], [2, 3]]
-    assert not any(topo["host_caps"])
+    # The WAN's cap must not land on a NIC. A NIC may show a per-flow limit of its own: the
+    # emulated 10 Gbit NICs on 2 cores give one stream a few Gbit/s (CPU-bound) and four
+    # streams more (a fresh-clone suite run found 6.4 against 14.2 Gbit/s): real, and far above the WAN's.
+    for cap in topo["host_caps"]:
+        assert cap is None or cap["per_flow"] * 8 / 1e6 > 10 * 100, cap
     for rack in probed.racks:
         assert rack.per_flow_mbit is not None and abs(rack.per_flow_mbit / 100 - 1) <= 0.15, rack
         assert rack.uplink_mbit is not None and rack.uplink_mbit >= 1.5 * rack.per_flow_mbit
