@@ -297,13 +297,18 @@ def planner_check(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _misses_text(check: dict[str, Any]) -> str:
+    """A ``planner_check`` class's predictions beyond the target, as "`name` +NN %" items."""
+    return ", ".join(f"`{name}` {err * 100:+.0f} %" for name, err in check["prediction_misses"].items())
+
+
 def planner_lines(report: dict[str, Any]) -> list[str]:
     """``planner_check`` in words, one line per class (for the profile's table)."""
     lines = []
     for c in planner_check(report):
         verdict = "the best" if c["pick"] == c["best"] else \
             f"{c['pick_slower'] * 100:+.0f} % against `{c['best']}` ({c['best_measured_s']:.3f} s)"
-        missed = ", ".join(f"`{name}` {err * 100:+.0f} %" for name, err in c["prediction_misses"].items())
+        missed = _misses_text(c)
         lines.append(f"- plan, {c['accept']}: `{c['pick']}` (predicted {c['predicted_s']:.3f} s, measured "
                      f"{c['pick_measured_s']:.3f} s): {verdict}" + ("" if c["pick_ok"] else
                                                                    f" (beyond {PICK_TARGET * 100:.0f} %)")
@@ -324,7 +329,7 @@ def planner_table(reports: list[dict[str, Any]]) -> str:
     missed = {(name, strategy) for name, c in checks for strategy in c["prediction_misses"]}
     for name, c in checks:
         ok = "yes" if c["pick"] == c["best"] else f"{'yes' if c['pick_ok'] else '**no**'} ({c['pick_slower'] * 100:+.0f} %)"
-        misses_ = ", ".join(f"`{k}` {v * 100:+.0f} %" for k, v in c["prediction_misses"].items()) or "none"
+        misses_ = _misses_text(c) or "none"
         lines.append(f"| {name} | {c['accept']} | `{c['pick']}` ({c['predicted_s']:.3f}) | `{c['best']}` "
                      f"({c['best_measured_s']:.3f}) | {c['pick_measured_s']:.3f} | {ok} | {misses_} |")
     good = sum(c["pick_ok"] for _, c in checks)

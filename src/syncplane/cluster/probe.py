@@ -604,9 +604,10 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
         return topo
     hosts = hosts_of(ids)
     bw, lat = measure_pairs(n, hosts, nbytes, group)
-    topo = topology_from_measurements(bw, lat, ids, concurrent_test(host_matrix(bw, hosts), hosts, nbytes, group))
+    host_bw = host_matrix(bw, hosts)
+    topo = topology_from_measurements(bw, lat, ids, concurrent_test(host_bw, hosts, nbytes, group))
     racks = rack_parts(hosts, topo.racks)
-    if not same_groups(racks, close_parts(host_matrix(bw, hosts))):
+    if not same_groups(racks, close_parts(host_bw)):
         # a slow-NIC host joined a rack it was not close to: its pairs out of the rack were
         # timed beside its rack-mates' and shared their uplink, so they are timed again by rack
         topo.bandwidth = retime_contended_pairs(bw, hosts, nbytes, group, racks)
