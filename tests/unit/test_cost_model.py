@@ -171,3 +171,31 @@ def test_ddp_four_buckets_use_both_nics_of_multi_nic_one_bucket_one():
         phases = ddp_cost("ddp", profile, payload, CostOptions())[0]
         assert len(phases) == 6
         assert model.bound(phases) == pytest.approx(6 * payload / 4 / (nics * 100 * MBIT))
+
+
+def test_emulated_goodput_follows_the_link_rate_between_measured_points():
+    import numpy as np
+
+    from syncplane.cluster.cost import EMULATED_TCP, IDEAL, MBIT
+
+    one = np.array([1.0])
+    at = {mbit: float(EMULATED_TCP.factor(one, np.array([mbit * MBIT]))[0]) for mbit in (50, 100, 150, 400, 1000, 10000)}
+    assert at[50] == at[100] == pytest.approx(0.86)
+    assert at[150] == pytest.approx((0.86 + 0.957) / 2)
+    assert at[400] == pytest.approx(0.963) and at[1000] == at[10000] == pytest.approx(0.969)
+    assert float(EMULATED_TCP.factor(np.array([3.0]), np.array([400 * MBIT]))[0]) == pytest.approx(0.963 / 1.12)
+    assert float(IDEAL.factor(one, np.array([400 * MBIT]))[0]) == 1.0
+    # a flow on a 400 Mbit NIC is priced at that rate's goodput, one on a 100 Mbit uplink at its own
+    model = CostModel(load_profile("two_racks"), tcp=EMULATED_TCP, alpha_s=0.0)
+    assert model.phase_time([(0, 1, 50e6)]) == pytest.approx(50e6 / (400 * MBIT * 0.963))
+    assert model.phase_time([(0, 4, 50e6)]) == pytest.approx(50e6 / (100 * MBIT * 0.86))
+
+
+def test_hierarchical_gossip_sends_the_bytes_between_two_ranks_as_one_flow():
+    from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps
+
+    for name in ("homogeneous8", "two_racks", "uneven_three_racks"):
+        for step in hierarchical_one_peer_steps(load_profile(name), 8e6, CostOptions()):
+            for phase in step:
+                pairs = [(s, d) for s, d, _ in phase]
+                assert len(pairs) == len(set(pairs)), name

@@ -5,6 +5,7 @@ the pricing tests are made up, so no assert depends on this machine's speed."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict
 
 import pytest
@@ -135,3 +136,19 @@ def test_the_bench_row_shows_the_cpu_part_and_the_wire_only_error():
 def test_plan_inputs_read_back_their_rates():
     inputs = PlanInputs(2**20, cpu=CpuRates({ADD: 1e-9}, 2.0))
     assert PlanInputs(**asdict(inputs)).cpu == inputs.cpu
+
+
+def test_a_timed_op_is_measured_once_by_its_own_timer_then_read_from_the_cache(tmp_path):
+    cache, calls = tmp_path / "rates.json", []
+
+    def timer(numel: int) -> float:
+        calls.append(numel)
+        return 7e-9
+
+    work = CpuWork(Counter({"hook:x": 10}), timers={"hook:x": timer}) + CpuWork.adds(5)
+    assert set(work.timers) == {"hook:x"} and work.elements == {"hook:x": 10, ADD: 5}
+    rates = calibrate(work, cache=cache, numel=4096)
+    assert rates.per_element["hook:x"] == 7e-9 and calls == [4096]
+    assert calibrate(work, cache=cache, numel=4096).per_element["hook:x"] == 7e-9
+    assert calls == [4096]          # the cache answered
+    assert rates.seconds(work) == pytest.approx(70e-9 + 5 * rates.per_element[ADD])

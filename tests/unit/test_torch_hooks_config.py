@@ -35,3 +35,26 @@ def test_cost_pattern_bytes() -> None:
                       for phase in step for _, _, b in phase) for name in ("ddp", "torch_fp16", "torch_powersgd")}
     assert sent["torch_fp16"] == pytest.approx(sent["ddp"] / 2)
     assert sent["torch_powersgd"] == pytest.approx(sent["ddp"] * (2560 + 2560) / (2560 * 2560))
+
+
+def test_powersgd_is_priced_as_three_chained_all_reduces_uncompressed_then_p_then_q() -> None:
+    profile = load_profile("homogeneous8")
+    n, payload = profile.world_size, 4.0 * (2560 * 100 + 300)     # one 2560 x 100 matrix and 300 values
+    (step,) = spec_for("torch_powersgd").cost("torch_powersgd", profile, payload, CostOptions())
+    ring = 2 * (n - 1)
+    assert len(step) == 3 * ring
+    per_allreduce = [sum(b for phase in step[k * ring:(k + 1) * ring] for _, _, b in phase) for k in range(3)]
+    scale = 2 * (n - 1) / n * n * 4        # a ring all-reduce of e elements moves scale * e bytes in all
+    assert per_allreduce == pytest.approx([scale * 300, scale * 2560, scale * 100])
+
+
+def test_the_hooks_cpu_is_every_element_through_a_step_timed_on_this_machine() -> None:
+    from syncplane.algorithms.torch_hooks import hook_cpu
+    from syncplane.algorithms.torch_hooks.timing import hook_op, seconds_per_element
+
+    work = hook_cpu("torch_powersgd", load_profile("local"), 4.0 * 5000, CostOptions())
+    op = hook_op("torch_powersgd", 1)
+    assert work.elements == {op: 5000} and set(work.timers) == {op}
+    # the real step, in a child process with its own one-rank group: a time, not a stub
+    seconds = seconds_per_element("torch_powersgd", 1, 2560 * 16 + 10)
+    assert 0 < seconds < 1e-3

@@ -154,6 +154,8 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
     periods = algorithms.periods(strategies, period)
     model = CostModel(profile, tcp=EMULATED_TCP)     # measured where it runs: on the emulator
     background_senders = {profile.host(f.src).index for f in profile.background}
+    options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
+               "density": density, "bits": bits}
     rows = []
     for name in strategies:
         row: dict[str, Any] = {"strategy": name, "status": "ok" if name in measured else "not implemented",
@@ -174,28 +176,7 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
                 row["uplink_drops"] = uplink_drops(m["switch_drops"])
             if m.get("profile"):
                 row["profile"] = m["profile"]
-        base, settings = algorithms.variant(name)
-        if base not in algorithms.PLANNED:
-            options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
-                       "density": density, "bits": bits, **settings}
-            # priced as ``syncplane plan`` prices it: the compute its overlap window hides comes off
-            inputs = plan.PlanInputs(payload_bytes, compute_ms / 1000, periods.get(name, period), cpu=cpu)
-            priced = plan.price(model, base, options, inputs)
-            hidden = priced.hidden_s
-            row["predicted_s"], row["bound_s"] = priced.exposed_s, max(0.0, priced.bound_s - hidden)
-            row["predicted_cpu_s"] = priced.cpu_s
-            row["network_bound_s"] = max(0.0, priced.network_bound_s - hidden)
-            row["network_binding"] = priced.network_binding
-            row["overlap"] = priced.overlap if hidden else None
-            if "sync_s_median" in row:
-                row["bound_ratio"] = row["bound_s"] / row["sync_s_median"]
-                # no network (one host): no ratio, rather than a 0 that reads as "far from the wire"
-                row["network_bound_ratio"] = (row["network_bound_s"] / row["sync_s_median"]
-                                              if priced.network_bound_s else None)
-                row["model_error"] = (row["predicted_s"] / row["sync_s_median"] - 1
-                                      if row["sync_s_median"] > 0 else None)
-                wire = max(0.0, priced.sync_s - priced.cpu_s - hidden)
-                row["model_error_wire"] = wire / row["sync_s_median"] - 1 if row["sync_s_median"] > 0 else None
+        price_row(row, model, name, payload_bytes, compute_ms, periods.get(name, period), options, cpu)
         rows.append(row)
     ddp = next((r for r in rows if r["strategy"] == "ddp" and "sync_s_median" in r), None)
     for row in rows:
@@ -205,6 +186,32 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
                     "network_bound_ratio", "speedup_vs_ddp"):
             row.setdefault(key, None)
     return rows
+
+
+def price_row(row: dict[str, Any], model: CostModel, name: str, payload_bytes: int, compute_ms: float,
+              period: int | None, options: dict[str, Any], cpu: CpuRates | None) -> None:
+    """Fill ``row``'s model fields (prediction, bounds, errors against its ``sync_s_median``
+    where measured) as ``syncplane plan`` prices ``name``: the compute its overlap window
+    hides comes off. A planned-only strategy gets none."""
+    base, settings = algorithms.variant(name)
+    if base in algorithms.PLANNED:
+        return
+    inputs = plan.PlanInputs(payload_bytes, compute_ms / 1000, period, cpu=cpu)
+    priced = plan.price(model, base, {**options, **settings}, inputs)
+    hidden = priced.hidden_s
+    row["predicted_s"], row["bound_s"] = priced.exposed_s, max(0.0, priced.bound_s - hidden)
+    row["predicted_cpu_s"] = priced.cpu_s
+    row["network_bound_s"] = max(0.0, priced.network_bound_s - hidden)
+    row["network_binding"] = priced.network_binding
+    row["overlap"] = priced.overlap if hidden else None
+    measured = row.get("sync_s_median")
+    if measured is not None:
+        row["bound_ratio"] = row["bound_s"] / measured
+        # no network (one host): no ratio, rather than a 0 that reads as "far from the wire"
+        row["network_bound_ratio"] = row["network_bound_s"] / measured if priced.network_bound_s else None
+        row["model_error"] = row["predicted_s"] / measured - 1 if measured > 0 else None
+        wire = max(0.0, priced.sync_s - priced.cpu_s - hidden)
+        row["model_error_wire"] = wire / measured - 1 if measured > 0 else None
 
 
 def print_table(report: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from syncplane.bench.syncs import compute_split
 from syncplane.cluster.emulator import EmulationError, switch_drops
 from syncplane.job import JobContext
 from syncplane.comm import CommMeter
-from syncplane.comm.basics import release_groups
+from syncplane.comm.basics import destroy_subgroups, release_groups
 
 
 def _nic_tx_bytes() -> dict[str, int]:
@@ -129,10 +129,13 @@ def main(spec_path: str) -> None:
             profiles: list[Any] = [None] * world
             dist.all_gather_object(profiles, phases.as_dict())
             results[name]["profile"] = profiles
+        described = sync.describe() if hasattr(sync, "describe") else None
+        del sync, finish
+        destroy_subgroups()      # its groups' threads would slow the strategies timed after it
         if rank == 0:
             print(f"bench: {name} median {sorted(times)[len(times) // 2]:.3f} s/step", flush=True)
-            if hasattr(sync, "describe"):
-                print(f"bench: {sync.describe()}", flush=True)
+            if described is not None:
+                print(f"bench: {described}", flush=True)
             _write_results(spec_path, world, results)
     release_groups()
 

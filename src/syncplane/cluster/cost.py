@@ -113,31 +113,43 @@ def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 class LinkTcp:
     """How TCP flows of ours share a rate-limited link (a NIC or a rack uplink), beyond the
     α-β formula: one flow gets ``goodput`` of the rate (frame headers, slow start, the
-    shaper's queue drops), and each further concurrent flow on the link costs
-    ``per_flow_loss`` more (they overflow its queue together: drops and retransmits). With
-    ``one_nic_unpinned``, the flows of a host that are not streams pinned to NICs share one
-    of its NICs (measured: on ``multi_nic`` eth0 carried 86 % of two ranks' sends; our
-    reading is that gloo picks an op's device in turn, in the same order on every rank).
-    ``IDEAL`` is the plain formula, what the bounds and ``CostModel``'s default use;
-    ``EMULATED_TCP`` is measured."""
+    shaper's queue drops) -- or, with ``goodput_by_mbit``, the share measured at the link's
+    rate (``(mbit, goodput)`` points, interpolated, held flat beyond the ends) -- and each
+    further concurrent flow on the link costs ``per_flow_loss`` more (they overflow its
+    queue together: drops and retransmits). With ``one_nic_unpinned``, the flows of a host
+    that are not streams pinned to NICs share one of its NICs (measured: on ``multi_nic``
+    eth0 carried 86 % of two ranks' sends; our reading is that gloo picks an op's device in
+    turn, in the same order on every rank). ``IDEAL`` is the plain formula, what the bounds
+    and ``CostModel``'s default use; ``EMULATED_TCP`` is measured."""
 
     goodput: float = 1.0
     per_flow_loss: float = 0.0
     one_nic_unpinned: bool = False
+    goodput_by_mbit: tuple[tuple[float, float], ...] = ()
 
-    def factor(self, flows: np.ndarray) -> np.ndarray:
-        """The share of a link's rate that ``flows`` concurrent flows get together."""
-        return self.goodput / (1.0 + self.per_flow_loss * np.maximum(flows - 1, 0))
+    def factor(self, flows: np.ndarray, capacity: np.ndarray | None = None) -> np.ndarray:
+        """The share of a link's rate (``capacity``, bytes/s) that ``flows`` concurrent flows get together."""
+        goodput: float | np.ndarray = self.goodput
+        if self.goodput_by_mbit and capacity is not None:
+            mbit, measured = zip(*self.goodput_by_mbit)
+            goodput = np.interp(capacity / MBIT, mbit, measured)
+        return goodput / (1.0 + self.per_flow_loss * np.maximum(flows - 1, 0))
 
 
 IDEAL = LinkTcp()
-#: Measured on the emulator (2026-11-26; gloo isend/irecv of 8 MB from every rank to rank + s,
-#: 6 repetitions). ``two_racks`` (100 Mbit uplinks, 400 Mbit NICs): s = 1, 2, 4 puts 1, 2, 4
-#: flows on each uplink direction and took 0.78, 1.70, 3.70 s against the formula's 0.67,
-#: 1.34, 2.69 s (ratios 1.16, 1.26, 1.38; 1 / factor = 1.16, 1.23, 1.37). ``multi_nic`` (2
+#: Measured on the emulator. Sharing (2026-11-26; gloo isend/irecv of 8 MB from every rank to
+#: rank + s, 6 repetitions): ``two_racks`` (100 Mbit uplinks, 400 Mbit NICs): s = 1, 2, 4 puts
+#: 1, 2, 4 flows on each uplink direction and took 0.78, 1.70, 3.70 s against the formula's
+#: 0.67, 1.34, 2.69 s (ratios 1.16, 1.26, 1.38; 1 / factor = 1.16, 1.23, 1.37). ``multi_nic`` (2
 #: hosts of 2 ranks and 2 NICs of 100 Mbit): s = 2 (both ranks of a host send across at once)
 #: took 1.7–2.8 s, not the 0.67 s of two NICs, and the hosts' eth0 carried 86 % of the bytes.
-EMULATED_TCP = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=True)
+#: Goodput by rate (2026-11-27; ``syncplane bench`` of DDP's 8 MB all-reduce on two one-rank
+#: hosts, 5 steps): the bound over the median step was 0.957, 0.963, 0.969 at 200, 400, 1000
+#: Mbit (about the payload's share of a 1,514-byte frame), 0.916 at 100 Mbit, with steps
+#: spread 0.70–0.81 s; the 100-Mbit point is the uplink's 0.86 above. The matrix at 8 MB had
+#: shown it: one 0.86 for every link priced DDP +20–27 % on profiles of 400 Mbit NICs.
+EMULATED_TCP = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=True,
+                       goodput_by_mbit=((100.0, 0.86), (200.0, 0.957), (400.0, 0.963), (1000.0, 0.969)))
 
 
 @dataclass
@@ -305,7 +317,7 @@ class CostModel:
         capacity = self._capacity[links] * np.where(self._is_nic[links], spread, 1)
         if tcp != IDEAL:       # the flows per NIC they are spread over share it
             capacity = capacity * np.where(self._is_shaped[links], tcp.factor(count / np.where(
-                self._is_nic[links], spread, 1)), 1.0)
+                self._is_nic[links], spread, 1), self._capacity[links]), 1.0)
         share = count / (count + self._background[links])
         busiest = np.zeros(num_phases)
         np.maximum.at(busiest, owner, load / (capacity * share))

@@ -7,8 +7,9 @@ sums the pieces it receives; on a small payload or a fast wire that CPU work is 
 against 0.001 s of wire). Here it is priced as ``CpuWork`` -- how many fp32 elements one
 rank passes through each operation in one round, on the round's critical path -- times
 ``CpuRates`` -- seconds per element of each operation, **measured on this machine** by
-``calibrate`` (a micro-benchmark of the codecs' own kernels, cached per machine and torch
-version), never written down for one machine.
+``calibrate`` (a micro-benchmark of the codecs' own kernels, or of a routine's own run where a
+``CpuWork`` brings a timer for it, cached per machine and torch version), never written down
+for one machine.
 
 Operations: ``add`` (``a += b`` of fp32, the unit of a sum, a copy or an optimizer pass)
 and, per codec (``codec_key``), ``encode:<codec>`` (``compress``) and ``decode:<codec>``
@@ -54,16 +55,24 @@ def decode_op(codec: Codec) -> str:
     return f"decode:{codec_key(codec)}"
 
 
+#: times an operation that is not a codec's on ``numel`` elements; returns seconds per element
+Timer = Callable[[int], float]
+
+
 @dataclass(frozen=True)
 class CpuWork:
     """One rank's CPU work in one round: op name -> fp32 elements through it (``elements``),
-    and the codecs those ops name (``codecs``, by ``codec_key``: what ``calibrate`` measures)."""
+    the codecs those ops name (``codecs``, by ``codec_key``: what ``calibrate`` measures), and
+    for ops that are no codec's -- a whole library routine, such as torch's DDP with a comm
+    hook -- how to time them (``timers``, by op name)."""
 
     elements: Counter[str] = field(default_factory=Counter)
     codecs: Mapping[str, Codec] = field(default_factory=dict)
+    timers: Mapping[str, Timer] = field(default_factory=dict)
 
     def __add__(self, other: CpuWork) -> CpuWork:
-        return CpuWork(self.elements + other.elements, {**self.codecs, **other.codecs})
+        return CpuWork(self.elements + other.elements, {**self.codecs, **other.codecs},
+                       {**self.timers, **other.timers})
 
     @staticmethod
     def adds(elements: float) -> CpuWork:
@@ -155,12 +164,13 @@ def machine_key() -> str:
 
 def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sharing: float = 1.0,
               numel: int = CALIBRATION_ELEMENTS) -> CpuRates:
-    """``CpuRates`` for ``add`` and the codecs ``work`` names, on this machine: read from
-    ``cache`` (a JSON file, one entry per ``machine_key``) where measured before, else
-    measured now (about a second per codec) and written back. ``cache=None`` measures
+    """``CpuRates`` for ``add``, the codecs ``work`` names and its timed ops, on this machine:
+    read from ``cache`` (a JSON file, one entry per ``machine_key``) where measured before,
+    else measured now (about a second per codec or timer) and written back. ``cache=None`` measures
     without keeping."""
     codecs = list(work.codecs.values())
-    wanted = {ADD, *(op for c in codecs if not isinstance(c, Fp32) for op in (encode_op(c), decode_op(c)))}
+    wanted = {ADD, *(op for c in codecs if not isinstance(c, Fp32) for op in (encode_op(c), decode_op(c))),
+              *work.timers}
     stored: dict[str, dict[str, float]] = {}
     if cache is not None and cache.exists():
         try:
@@ -169,8 +179,10 @@ def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sha
             log.warning("cpu rates: ignoring unreadable cache %s (%s)", cache, exc)
     mine = dict(stored.get(machine_key(), {}))
     todo = [c for c in codecs if not isinstance(c, Fp32) and encode_op(c) not in mine]
-    if ADD not in mine or todo:
+    timed = [op for op in work.timers if op not in mine]
+    if ADD not in mine or todo or timed:
         measured = measure(todo, numel)
+        measured.update({op: work.timers[op](numel) for op in timed})
         log.info("cpu rates: measured %s", ", ".join(f"{op} {s * 1e9:.2f} ns/elem" for op, s in measured.items()))
         mine.update(measured)
         if cache is not None:

@@ -2,10 +2,13 @@
 ``torch_powersgd`` -- what a user of torch would pick to cut DDP's traffic, benchmarked
 beside ours and trainable through Lightning's ``DDPStrategy(ddp_comm_hook=...)``
 (glue: ``strategies/torch_hooks.py``). Files: ``hooks.py`` (validated settings -> torch's
-state and hook), ``bench.py`` (the payload through a real DDP with the hook)."""
+state and hook), ``bench.py`` (the payload through a real DDP with the hook), ``timing.py``
+(that step's CPU time on this machine, for the cost model)."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,21 +16,34 @@ from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
+from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer
 from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
+from syncplane.exchanges.cpu import CpuWork
 
 
 def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
-    """fp16: one ring all-reduce of half the bytes; PowerSGD: ring all-reduces of P then Q
-    (r·(rows + cols) values per matrix of ``payload_shapes``, vectors uncompressed)."""
+    """fp16: one ring all-reduce of half the bytes; PowerSGD: three ring all-reduces, one
+    after the other as torch's hook chains them -- the tensors it does not compress (vectors,
+    small matrices), then P (r·rows per matrix of ``payload_shapes``), then Q (r·cols)."""
     n = profile.world_size
     if name == "torch_fp16":
         return [ring_allreduce(n, payload_bytes / 2)]
     config = HookConfig(name=name)
     shapes = payload_shapes(max(1, int(payload_bytes // 4)))
-    p = sum(s[0] * config.matrix_approximation_rank if len(s) == 2 else s[0] for s in shapes)
-    q = sum(config.compressed_elements(s) for s in shapes) - p
-    return [ring_allreduce(n, 4 * p) + ring_allreduce(n, 4 * q)]
+    compressed = [s for s in shapes if config.compressed_elements(s) < math.prod(s)]
+    rest = sum(math.prod(s) for s in shapes if s not in compressed)
+    p = sum(s[0] * config.matrix_approximation_rank for s in compressed)
+    q = sum(config.compressed_elements(s) for s in compressed) - p
+    return [ring_allreduce(n, 4 * rest) + ring_allreduce(n, 4 * p) + ring_allreduce(n, 4 * q)]
+
+
+def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
+    """Every element of the payload through torch's DDP step with the hook (``timing``: the
+    reducer's copies and the hook's own work, timed as the bench runs them)."""
+    rank = HookConfig(name=name).matrix_approximation_rank
+    op = hook_op(name, rank)
+    return CpuWork(Counter({op: max(1, int(payload_bytes // 4))}), timers={op: hook_timer(name, rank)})
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> TorchHookStep:
@@ -40,7 +56,8 @@ SPEC = AlgorithmSpec(
                 "torch_powersgd": "torch's powerSGD_hook on DDP: rank-r PowerSGD with error feedback"},
     bench_step=_step,
     cost=hook_cost,
+    cpu=hook_cpu,
     overlap={name: "backward" for name in HOOK_NAMES},   # DDP's reducer: buckets during the backward
 )
 
-__all__ = ["HOOK_NAMES", "SPEC", "HookConfig", "TorchHookStep", "hook_cost", "payload_shapes"]
+__all__ = ["HOOK_NAMES", "SPEC", "HookConfig", "TorchHookStep", "hook_cost", "hook_cpu", "payload_shapes"]
