@@ -6,6 +6,9 @@ when there; else placed before the file's first ``## `` heading).
 
     python scripts/scoreboard.py bench-matrix --docs docs/benchmarks.md
 
+``--reprice`` prices every measured row again with the cost model as it is now (and this
+machine's CPU rates) and writes the JSON back, stamped (``meta.repriced``): a model fixed
+after a matrix ran is checked against its measurements without running it again.
 ``make figures`` (``--png-only`` on ``docs/matrix``) redraws only the published charts.
 ``make scoreboard`` runs the matrix first (resumable: an interrupted one picks up where it
 stopped), then this.
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from syncplane.bench.matrix import (BOUND_TARGET, MODEL_ERROR_TARGET, markdown_table, misses, planner_table,
-                                   scoreboard_chart)
+                                   reprice, scoreboard_chart)
 from syncplane.bench.runner import save_figure
 
 BEGIN, END = "<!-- scoreboard:begin -->", "<!-- scoreboard:end -->"
@@ -54,6 +57,17 @@ def section(reports: list[dict[str, Any]]) -> str:
     return "\n".join(head) + "\n".join(markdown_table(report) for report in reports) + "\n".join(planner)
 
 
+def reprice_file(folder: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """``matrix.reprice`` of one report, on its profile (a YAML of that name beside it, else
+    the shipped one), written back to its JSON."""
+    from syncplane.cluster import load_profile
+
+    own = folder / f"{report['cluster']}.yaml"
+    repriced = reprice(report, load_profile(str(own) if own.exists() else report["cluster"]))
+    (folder / f"{report['cluster']}.json").write_text(json.dumps(repriced, indent=2) + "\n")
+    return repriced
+
+
 def place(document: str, block: str) -> str:
     """``document`` with ``block`` between the markers: replaced in place, else inserted
     before the first ``## `` heading (or appended)."""
@@ -72,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, help="the --out folder of `syncplane bench --matrix`")
     parser.add_argument("--docs", type=Path, help="also put the section at the top of this Markdown file")
     parser.add_argument("--no-png", action="store_true", help="tables only")
+    parser.add_argument("--reprice", action="store_true",
+                        help="price the measured rows again with the current cost model; writes the JSON back")
     parser.add_argument("--png-only", action="store_true",
                         help="the charts only (`make figures`: every <profile>.png from its committed JSON)")
     args = parser.parse_args(argv)
@@ -82,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.no_png and args.png_only:
         parser.error("give --no-png or --png-only, not both")
+    if args.reprice:
+        reports = [reprice_file(args.folder, report) for report in reports]
     for report in reports:
         path = args.folder / f"{report['cluster']}.json"
         if not args.no_png and any(r.get("status") == "ok" for r in report["results"]):

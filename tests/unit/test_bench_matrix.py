@@ -36,9 +36,10 @@ qdisc tbf 8002: dev hp0n0 root refcnt 2 rate 400Mbit burst 500000b lat 100ms
  Sent 5 bytes 1 pkt (dropped 2, overlimits 0 requeues 0)
 """
 
-PROFILE = parse_profile({"name": "fake_racks", "racks": [
+PROFILE_SPEC = {"name": "fake_racks", "racks": [
     {"name": "r0", "uplink_mbit": 50, "hosts": [{"name": "a0", "nic_mbit": 200}, {"name": "a1", "nic_mbit": 200}]},
-    {"name": "r1", "uplink_mbit": 50, "hosts": [{"name": "b0", "nic_mbit": 200}]}]})
+    {"name": "r1", "uplink_mbit": 50, "hosts": [{"name": "b0", "nic_mbit": 200}]}]}
+PROFILE = parse_profile(PROFILE_SPEC)
 
 
 def test_drops_are_read_from_the_shaping_root_qdiscs_only():
@@ -236,3 +237,28 @@ def test_the_table_says_what_the_planner_would_have_picked_per_class_and_how_it_
     assert "| fake | exact | `flexreduce` (0.900) | `ddp` (1.000) | 1.200 | **no** (+20 %) |" in table
     assert "within 10 % of the best measured of its class in 1 of 2 cells" in table
     assert "2 of 4 measured rows are predicted within ±15 %" in table     # flexreduce and diloco miss
+
+
+def test_reprice_keeps_the_measurements_and_prices_them_again_with_the_model_as_it_is(tmp_path, monkeypatch):
+    import yaml
+
+    from syncplane.cluster import load_profile
+
+    monkeypatch.setattr(matrix, "run_bench", FakeBench())
+    run_matrix(settings(tmp_path, ["atc", "awc"]))
+    path = tmp_path / "fake_racks.json"
+    report = json.loads(path.read_text())
+    priced = {r["strategy"]: r["predicted_s"] for r in report["results"]}
+    for row in report["results"]:          # as an older model had priced them
+        row["predicted_s"], row["model_error"] = 99.0, 0.0
+    path.write_text(json.dumps(report))
+    (tmp_path / "fake_racks.yaml").write_text(yaml.safe_dump(PROFILE_SPEC))    # its profile, found beside it
+    assert load_script("scoreboard").main([str(tmp_path), "--reprice", "--no-png"]) == 0
+    again = json.loads(path.read_text())
+    rows = {r["strategy"]: r for r in again["results"]}
+    assert {name: r["predicted_s"] for name, r in rows.items()} == pytest.approx(priced)
+    assert rows["atc"]["sync_s_median"] == pytest.approx(0.2)          # the measurement is kept
+    assert rows["atc"]["model_error"] == pytest.approx(priced["atc"] / 0.2 - 1)
+    assert again["meta"]["repriced"]["at"] and again["meta"]["command"] == report["meta"]["command"]
+    with pytest.raises(ConfigError, match="profile 'two_racks' has 8 ranks, its report 3"):
+        matrix.reprice(report, load_profile("two_racks"))

@@ -149,6 +149,35 @@ def stamp_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**r, "measured": measured, "ddp_sync_s": ddp} for r in rows]
 
 
+def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
+    """``report`` with every measured row priced again by the cost model as it is now, on this
+    machine's CPU rates: the measurements are kept, the model's fields replaced, and
+    ``meta.repriced`` says when and at which commit (a model fixed after a matrix ran is
+    checked against its measurements without running it again)."""
+    from syncplane import algorithms
+    from syncplane.bench.runner import price_row
+    from syncplane.cluster.cost import EMULATED_TCP, CostModel
+
+    if profile.world_size != report["world_size"]:
+        raise ConfigError(f"reprice: profile {profile.name!r} has {profile.world_size} ranks, its report "
+                          f"{report['world_size']}")
+    rows = [dict(r) for r in report["results"]]
+    measured = [r["strategy"] for r in rows if r.get("status") == "ok"]
+    options = {"shards": report.get("shards", 1), "pair_streams": report.get("pair_streams", "auto"),
+               "compression": report.get("compression", "none"), "exchange": report.get("exchange", "auto"),
+               "density": report.get("density", 0.02), "bits": report.get("bits", 2)}
+    cpu = emulator_cpu_rates(profile, measured, report["payload_bytes"], report.get("period"), options)
+    model = CostModel(profile, tcp=EMULATED_TCP)
+    periods = algorithms.periods(measured, report.get("period"))
+    for row in rows:
+        if row.get("status") == "ok":
+            price_row(row, model, row["strategy"], report["payload_bytes"], report.get("compute_ms", 0.0),
+                      periods.get(row["strategy"], report.get("period")), options, cpu)
+    meta = {**report.get("meta", {}), "repriced": {"at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                                   "commit": git_commit(Path(__file__).parent)}}
+    return {**report, "results": rows, "meta": meta}
+
+
 def failed_row(strategy: str, reason: str) -> dict[str, Any]:
     """The row of a strategy whose run failed: the report's keys, no numbers."""
     return {"strategy": strategy, "status": f"failed: {reason}",
