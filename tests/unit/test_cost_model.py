@@ -151,7 +151,7 @@ def test_canary_is_priced_on_the_streams_its_transport_opens_one_per_nic():
 def test_ddp_buckets_rotate_over_the_nics_as_pinned_streams(buckets, nics, streams):
     """gloo gives op i NIC i mod k: b buckets put ⌈b/k⌉ on the busiest NIC, what S pinned
     streams do (S/⌈S/k⌉ NICs' worth), with no more TCP flows than needed."""
-    from syncplane.algorithms.ddp import bucket_streams
+    from syncplane.cluster.cost import bucket_streams
 
     assert bucket_streams(buckets, nics) == streams
     assert streams / math.ceil(streams / nics) == pytest.approx(buckets / math.ceil(buckets / nics)) or nics == 1

@@ -58,3 +58,14 @@ def test_the_hooks_cpu_is_every_element_through_a_step_timed_on_this_machine() -
     # the real step, in a child process with its own one-rank group: a time, not a stub
     seconds = seconds_per_element("torch_powersgd", 1, 2560 * 16 + 10)
     assert 0 < seconds < 1e-3
+
+
+def test_fp16_rides_ddps_buckets_over_the_nics_as_ddp_does() -> None:
+    from syncplane.algorithms import strategy_time
+    from syncplane.cluster.cost import CostModel, ring_allreduce
+
+    profile = load_profile("multi_nic")                  # two NICs per host
+    model, payload = CostModel(profile), 97.49 * 2**20      # four 25 MB buckets: two streams
+    fp16 = strategy_time(model, "torch_fp16", payload, CostOptions())[0]
+    assert fp16 == pytest.approx(strategy_time(model, "ddp", payload / 2, CostOptions())[0])
+    assert fp16 < model.time(ring_allreduce(profile.world_size, payload / 2))      # one stream: one NIC

@@ -377,6 +377,17 @@ class CostModel:
 # ----------------------------------------------------------------------------- patterns
 
 
+def bucket_streams(buckets: int, nics: int) -> int:
+    """gloo hands a group's collectives to the NICs it lists in turn (op i on NIC i mod k;
+    measured on ``multi_nic``: one 8 MB op per step alternates eth0/eth1 from step to step,
+    so the busiest NIC carries all of a step's bytes; four 25 MB ops go 2 + 2). The fewest
+    round-robin pinned streams that spread as ``buckets`` ops do over ``nics`` (the busiest
+    NIC carries ⌈b/k⌉ of b): one NIC, or one op, is one stream (no extra TCP flows)."""
+    if nics < 2 or buckets < 2:
+        return 1
+    return min(buckets, nics) if buckets % nics == 0 else buckets
+
+
 def ring_allreduce(world_size: int, payload_bytes: float, streams: int = 1) -> list[Phase]:
     """Reduce-scatter then all-gather around the ring 0→1→…→n−1→0: 2(n−1) phases of M/n;
     ``streams`` > 1: as that many concurrent rings of M/streams pinned to NICs round-robin

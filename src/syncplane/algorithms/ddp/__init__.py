@@ -13,7 +13,7 @@ from typing import Any
 from syncplane.algorithms.ddp.bench import DDPStep
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
-from syncplane.cluster.cost import Phase, ring_allreduce
+from syncplane.cluster.cost import Phase, bucket_streams, ring_allreduce
 from syncplane.comm import DEFAULT_BUCKET_BYTES
 from syncplane.cluster.profile import ClusterProfile
 
@@ -23,17 +23,6 @@ def ddp_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: 
     asynchronous all-reduce per 25 MB), priced as ``bucket_streams`` pinned rings."""
     buckets = math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES)
     return [ring_allreduce(profile.world_size, payload_bytes, bucket_streams(buckets, profile.max_nics))]
-
-
-def bucket_streams(buckets: int, nics: int) -> int:
-    """gloo hands a group's collectives to the NICs it lists in turn (op i on NIC i mod k;
-    measured on ``multi_nic``: one 8 MB op per step alternates eth0/eth1 from step to step,
-    so the busiest NIC carries all of a step's bytes; four 25 MB ops go 2 + 2). The fewest
-    round-robin pinned streams that spread as ``buckets`` ops do over ``nics`` (the busiest
-    NIC carries ⌈b/k⌉ of b): one NIC, or one op, is one stream (no extra TCP flows)."""
-    if nics < 2 or buckets < 2:
-        return 1
-    return min(buckets, nics) if buckets % nics == 0 else buckets
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DDPStep:

@@ -17,18 +17,21 @@ from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
 from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer
-from syncplane.cluster.cost import Phase, ring_allreduce
+from syncplane.cluster.cost import Phase, bucket_streams, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
+from syncplane.comm import DEFAULT_BUCKET_BYTES
 from syncplane.exchanges.cpu import CpuWork
 
 
 def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
-    """fp16: one ring all-reduce of half the bytes; PowerSGD: three ring all-reduces, one
-    after the other as torch's hook chains them -- the tensors it does not compress (vectors,
-    small matrices), then P (r·rows per matrix of ``payload_shapes``), then Q (r·cols)."""
+    """fp16: one ring all-reduce of half the bytes, in DDP's buckets spread over the NICs as
+    ``ddp``'s are (``bucket_streams``); PowerSGD: three ring all-reduces, one after the other
+    as torch's hook chains them -- the tensors it does not compress (vectors, small
+    matrices), then P (r·rows per matrix of ``payload_shapes``), then Q (r·cols)."""
     n = profile.world_size
     if name == "torch_fp16":
-        return [ring_allreduce(n, payload_bytes / 2)]
+        buckets = math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES)
+        return [ring_allreduce(n, payload_bytes / 2, bucket_streams(buckets, profile.max_nics))]
     config = HookConfig(name=name)
     shapes = payload_shapes(max(1, int(payload_bytes // 4)))
     compressed = [s for s in shapes if config.compressed_elements(s) < math.prod(s)]
