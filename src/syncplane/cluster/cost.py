@@ -109,6 +109,15 @@ def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
             np.ones(len(phase), dtype=np.int64))
 
 
+def per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0) -> FlowArray:
+    """The flows of ``columns`` (``columns_of`` of phases that run at once) as one flow per
+    (src, dst) of ``width`` ranks, bytes summed (times ``scale``): what goes between two
+    ranks at once shares their connection, so it counts as one flow on every link."""
+    src, dst, nbytes = (np.concatenate([c[i] for c in columns]) for i in range(3))
+    pairs, where = np.unique(src * width + dst, return_inverse=True)
+    return FlowArray(pairs // width, pairs % width, np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale)
+
+
 @dataclass(frozen=True)
 class LinkTcp:
     """How TCP flows of ours share a rate-limited link (a NIC or a rack uplink), beyond the

@@ -82,13 +82,12 @@ def destroy_subgroups() -> None:
     their wake-ups cost a timed run that follows in the same processes up to 2.6x (measured
     on ``homogeneous8``), so ``syncplane bench`` destroys them between strategies. torch has
     no public list of its groups; ``_world.pg_map`` is where ``new_group`` registers them."""
-    release_groups(destroy_default=False)
     if dist.is_initialized():
         world = dist.group.WORLD
         for group in list(dist.distributed_c10d._world.pg_map):
             if group is not world:
                 dist.destroy_process_group(group)
-    gc.collect()
+    release_groups(destroy_default=False)       # our caches' references go too, then one collect
 
 
 def size() -> int:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from syncplane.algorithms.decentralized.schedule import OnePeerSchedule
 from syncplane.algorithms.spec import CostOptions
-from syncplane.cluster.cost import Phase, concurrent_group_allreduces, neighbor_exchange
+from syncplane.cluster.cost import Phase, columns_of, concurrent_group_allreduces, neighbor_exchange, per_connection
 from syncplane.cluster.profile import ClusterProfile
 
 
@@ -43,8 +41,5 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
     for t in range(schedule.period):
         flows = [(m[s % len(m)], machines[k][s % len(machines[k])], payload_bytes / shards)
                  for mi, m in enumerate(machines) for s in range(shards) for k in schedule.plan(t, mi).dst_weights]
-        pairs: dict[tuple[int, int], float] = defaultdict(float)
-        for src, dst, nbytes in half_ring + flows + half_ring:
-            pairs[src, dst] += nbytes
-        steps.append([[(src, dst, nbytes) for (src, dst), nbytes in pairs.items()]])
+        steps.append([per_connection([columns_of(half_ring + flows + half_ring)], profile.world_size)])
     return steps

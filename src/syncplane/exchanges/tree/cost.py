@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from syncplane.exchanges.tree.executor import DEFAULT_CHUNK_BYTES
 from syncplane.exchanges.tree.plan import Plan, pairwise_root, plan_for
 from syncplane.exchanges.tree.tree import FlexTree
-from syncplane.cluster.cost import FlowArray, Phase, columns_of
+from syncplane.cluster.cost import FlowArray, Phase, columns_of, per_connection
 
 ELEMENT_SIZE = 4   # the bench's payload is float32
 
@@ -41,16 +39,7 @@ def level_phases(plan: Plan, element_size: int = ELEMENT_SIZE, scale: float = 1.
     up = [plan.flows(level, element_size) for level in range(plan.num_levels)]
     down = [plan.flows(level, element_size, gather=True) for level in reversed(range(plan.num_levels))]
     phases = up[:-1] + [up[-1] + down[0]] + down[1:] if swap_root and up else up + down
-    return [_per_connection([columns_of(phase)], plan.world_size, scale) for phase in phases]
-
-
-def _per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0) -> FlowArray:
-    """The flows of ``columns`` (``columns_of`` of phases that run at once) as one flow per
-    (src, dst), bytes summed: the executor sends a pair one message per phase, and the
-    chunks in flight at a tick share their pairs' connections."""
-    src, dst, nbytes = (np.concatenate([c[i] for c in columns]) for i in range(3))
-    pairs, where = np.unique(src * width + dst, return_inverse=True)
-    return FlowArray(pairs // width, pairs % width, np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale)
+    return [per_connection([columns_of(phase)], plan.world_size, scale) for phase in phases]
 
 
 def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -71,6 +60,6 @@ def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = D
     for tick in range(chunks + len(phases) - 1):
         active = tuple(tick - k for k in range(chunks) if 0 <= tick - k < len(phases))
         if active not in made:
-            made[active] = _per_connection([columns[p] for p in active], tree.world_size, 1.0 / chunks)
+            made[active] = per_connection([columns[p] for p in active], tree.world_size, 1.0 / chunks)
         ticks.append(made[active])
     return ticks
