@@ -15,6 +15,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch.nn.parallel import DistributedDataParallel
 
 from syncplane import algorithms
+from syncplane.algorithms.ddp import BASELINE
 from syncplane.config import ConfigError, signature_params
 from syncplane.job import JobContext
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
@@ -25,7 +26,6 @@ S = TypeVar("S", bound=type[Strategy])
 RESERVED_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
                    "precision_plugin", "process_group_backend", "job")
 
-BASELINE = "ddp"
 _ours: dict[str, type[Strategy]] = {}
 
 

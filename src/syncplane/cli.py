@@ -153,7 +153,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
     from syncplane.algorithms import PLANNED, describe_periods, periods, spec_for, strategy_times, variant
-    from syncplane.algorithms.plan import PlanInputs, cost_options
+    from syncplane.algorithms.plan import TCP_MODELS, PlanInputs, cost_options
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -163,11 +163,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     payload = parse_payload(args.payload_mb)
     if (args.period is not None and args.period < 1) or args.streams < 1:
         raise ConfigError(f"--period and --streams must be at least 1, got {args.period} and {args.streams}")
-    model = CostModel(profile, alpha_s=args.alpha_ms / 1000)
+    model = CostModel(profile, alpha_s=args.alpha_ms / 1000, tcp=TCP_MODELS[args.tcp])
     names = parse_strategies(args.strategies)
     used = periods(names, args.period)
     title = ", ".join(part for part in (f"α-β model: {profile.name}", f"{profile.world_size} ranks",
-                                        f"{payload / 2**20:.1f} MB", f"α = {args.alpha_ms:g} ms",
+                                        f"{payload / 2**20:.1f} MB", f"α = {args.alpha_ms:g} ms", f"TCP {args.tcp}",
                                         describe_periods(used, args.period), f"streams {args.streams}") if part)
     table = Table(title=title)
     for col in ("strategy", "predicted s", "bound s", "net bound s", "net ratio", "vs ddp"):
@@ -211,7 +211,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(describe(tree, plan_for(tree, payload // ELEMENT_SIZE), ELEMENT_SIZE))
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": profile.name, "world_size": profile.world_size,
-                                               "payload_bytes": payload, "alpha_s": model.alpha_s,
+                                               "payload_bytes": payload, "alpha_s": model.alpha_s, "tcp": args.tcp,
                                                "period": args.period, "periods": used, "streams": args.streams,
                                                "results": [{"strategy": n, "period": used.get(n),
                                                             "predicted_s": v.predicted_s if v else None,
@@ -259,7 +259,7 @@ def check_bench_args(args: argparse.Namespace) -> Any:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Price every strategy and its main settings on a cluster for this job; rank; explain."""
-    from syncplane.algorithms.plan import PlanInputs, make_plan
+    from syncplane.algorithms.plan import PlanInputs, cpu_sharing, make_plan, plan_cpu
     from syncplane.bench import plan_report
     from syncplane.bench.runner import parse_payload
     from syncplane.cluster import load_profile
@@ -292,7 +292,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     compute_s = (args.compute_ms / 1000 if args.compute_ms is not None
                  else plan_report.time_recipe_steps(args.recipe, args.time_steps))
     strategies = tuple(s for s in args.strategies.split(",") if s) if args.strategies else None
-    plan = make_plan(profile, PlanInputs(payload, compute_s, args.period, args.alpha_ms / 1000, strategies))
+    inputs = PlanInputs(payload, compute_s, args.period, args.alpha_ms / 1000, strategies, tcp=args.tcp)
+    cpu_mode = args.cpu or ("host" if args.probe and not args.cluster else "emulated")
+    plan = make_plan(profile, plan_cpu(profile, inputs, cpu_sharing(cpu_mode, profile)))
     plan_report.print_plan(plan, label, args.top)
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     plan_report.write_outputs(plan, label, args.json, png)
@@ -539,6 +541,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--accept", default="exact", choices=["exact", "approximate"],
                       help="the accuracy class the winner must be in (exit 2 if none can run)")
     plan.add_argument("--alpha-ms", type=float, default=DEFAULT_ALPHA_S * 1000, help="per-phase latency")
+    plan.add_argument("--tcp", default="emulated", choices=["emulated", "ideal"],
+                      help="how TCP flows share a link: as measured on the emulator (default), or the plain α-β formula")
+    plan.add_argument("--cpu", choices=["emulated", "host", "none"],
+                      help="the ranks' CPU work (codecs, torch's hooks), measured on this machine: every rank on its "
+                           "cores (emulated; the default with --cluster), each host's ranks on cores like its own "
+                           "(host; the default with --probe under a launcher), or not priced (none: GPU jobs)")
     plan.add_argument("--top", type=int, default=None, help="rows per class in the table (default: all)")
     plan.add_argument("--json", help="also write the plan here")
     plan.add_argument("--png", help="chart path (default: next to --json)")
@@ -553,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--racks", type=int, help="scale the template to this many racks")
     simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")
     simulate.add_argument("--alpha-ms", type=float, default=DEFAULT_ALPHA_S * 1000, help="per-phase latency")
+    simulate.add_argument("--tcp", default="emulated", choices=["emulated", "ideal"],
+                          help="how TCP flows share a link: as measured on the emulator (default, as plan and bench "
+                               "price), or the plain α-β formula")
     simulate.add_argument("--period", type=int, default=None,
                           help="steps per round of the periodic algorithms (DiLoCo's H, torch_periodic's period); "
                                "their per-step cost is one round's divided by it. Default: each one's own "

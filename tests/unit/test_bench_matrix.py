@@ -262,3 +262,20 @@ def test_reprice_keeps_the_measurements_and_prices_them_again_with_the_model_as_
     assert again["meta"]["repriced"]["at"] and again["meta"]["command"] == report["meta"]["command"]
     with pytest.raises(ConfigError, match="profile 'two_racks' has 8 ranks, its report 3"):
         matrix.reprice(report, load_profile("two_racks"))
+
+
+def test_reprice_prices_the_cpu_work_at_the_rates_the_report_keeps() -> None:
+    """A report keeps the CPU rates its predictions used (``cpu_rates``); a reprice on another
+    machine prices at those, not at its own, and keeps them."""
+    from syncplane.cluster import load_profile
+
+    profile = load_profile("two_racks")
+    row = {"strategy": "diloco", "status": "ok", "sync_s_median": 0.1}
+    report = {"cluster": "two_racks", "world_size": 8, "payload_bytes": 2**20, "results": [row]}
+    slow, fast = ({**report, "cpu_rates": {"per_element": {"add": add}, "sharing": 4.0}} for add in (1e-6, 1e-9))
+    priced = {name: matrix.reprice(r, profile) for name, r in (("slow", slow), ("fast", fast))}
+    cpu = {name: r["results"][0]["predicted_cpu_s"] for name, r in priced.items()}
+    assert cpu["slow"] == pytest.approx(1000 * cpu["fast"]) and cpu["fast"] > 0
+    assert priced["slow"]["cpu_rates"]["per_element"]["add"] == 1e-6 and priced["slow"]["cpu_rates"]["sharing"] == 4.0
+    mine = matrix.reprice(report, profile)           # none kept: this machine's, then kept
+    assert mine["cpu_rates"]["per_element"]["add"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from syncplane.cluster import load_profile, parse_profile
@@ -127,6 +128,33 @@ def test_unpinned_flows_of_a_host_share_one_nic_in_the_prediction_and_both_in_th
     model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP)
     assert model.bound([phase]) == pytest.approx(M / (100 * MBIT))
     assert model.time([phase]) == pytest.approx(2 * M / (100 * MBIT) * 1.06 / 0.86)
+
+
+@pytest.mark.parametrize("flows", [2, 4])
+def test_a_pipelines_chunks_pay_no_per_flow_loss_and_spread_over_the_nics(flows):
+    """FlexReduce's wavefront (``FlowArray.chunked``): the same flows as long ones pay the
+    per-flow loss and, unpinned, share one NIC of ``multi_nic``'s two; as one tick of chunks,
+    each its own op, they get the single flow's goodput and both NICs."""
+    from syncplane.cluster.cost import EMULATED_TCP, FlowArray
+
+    src, dst = np.arange(flows) % 2, 2 + np.arange(flows) % 2           # n0's ranks to n1's
+    nbytes = np.full(flows, M / flows)
+    model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP)
+    long = model.time([FlowArray(src, dst, nbytes)])
+    chunks = model.time([FlowArray(src, dst, nbytes, chunked=True)])
+    assert long == pytest.approx(M / (100 * MBIT) * (1 + 0.06 * (flows - 1)) / 0.86)
+    assert chunks == pytest.approx(M / (2 * 100 * MBIT) / 0.86)
+    assert model.bound([FlowArray(src, dst, nbytes, chunked=True)]) == pytest.approx(M / (2 * 100 * MBIT))
+
+
+def test_flexreduce_ticks_are_chunked_and_the_levelwise_schedule_is_not():
+    from syncplane.algorithms.flexreduce.cost import flexreduce_levelwise_steps, flexreduce_steps
+    from syncplane.algorithms.spec import CostOptions
+
+    profile = load_profile("two_racks")
+    pipelined, = flexreduce_steps("flexreduce", profile, 8 * M, CostOptions())
+    levelwise, = flexreduce_levelwise_steps("flexreduce", profile, 8 * M, CostOptions())
+    assert all(p.chunked for p in pipelined) and not any(getattr(p, "chunked", False) for p in levelwise)
 
 
 def test_canary_is_priced_on_the_streams_its_transport_opens_one_per_nic():

@@ -104,7 +104,7 @@ def test_bench_and_simulate_take_a_strategy_with_its_settings(tmp_path):
     assert "nic_bytes_by_host" not in rows["diloco"]                   # not measured
     out = tmp_path / "sim.json"
     assert cli.main(["simulate", "--cluster", "multi_nic", "--strategies", "diloco,diloco[replica=node,sync_every=5]",
-                     "--payload-mb", "16", "--json", str(out)]) == 0
+                     "--payload-mb", "16", "--tcp", "ideal", "--json", str(out)]) == 0
     sim = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
     node = algorithms.strategy_times(CostModel(profile), "diloco", M, CostOptions(period=5, replica="node"))
     assert sim["diloco[replica=node,sync_every=5]"]["predicted_s"] == pytest.approx(node.predicted_s)

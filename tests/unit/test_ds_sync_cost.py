@@ -96,7 +96,7 @@ def test_simulate_prices_a_max_staleness_row_as_the_clique(tmp_path):
 
     out = tmp_path / "sim.json"
     assert cli.main(["simulate", "--cluster", "two_racks", "--strategies", "ds_sync,ds_sync[max_staleness=2]",
-                     "--payload-mb", "8", "--alpha-ms", "0", "--json", str(out)]) == 0
+                     "--payload-mb", "8", "--alpha-ms", "0", "--tcp", "ideal", "--json", str(out)]) == 0
     rows = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
     ring, clique = rows["ds_sync"], rows["ds_sync[max_staleness=2]"]
     assert clique["network_bound_s"] == pytest.approx(ring["network_bound_s"])   # the uplink pair binds

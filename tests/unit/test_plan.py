@@ -14,7 +14,7 @@ from syncplane.algorithms.plan import PlanInputs, check_accept, make_plan
 from syncplane.algorithms.spec import CostOptions
 from syncplane.cli import main
 from syncplane.cluster import load_profile
-from syncplane.cluster.cost import CostModel
+from syncplane.cluster.cost import EMULATED_TCP, CostModel
 from syncplane.config import ConfigError
 
 MB = 2**20
@@ -40,8 +40,12 @@ def test_prices_are_simulates_minus_the_compute_the_overlap_window_hides() -> No
     profile, compute = load_profile("two_racks"), 0.9
     plan = make_plan(profile, PlanInputs(50 * MB, compute_s=compute))
     by = {c.label: c for c in plan.candidates}
-    model = CostModel(profile)
+    model = CostModel(profile, tcp=EMULATED_TCP)        # the plan's default: TCP as measured on the emulator
     ddp_sync = algorithms.strategy_times(model, "ddp", 50 * MB).predicted_s
+    ideal = make_plan(profile, PlanInputs(50 * MB, compute_s=compute, tcp="ideal"))   # simulate's formula
+    ideal_ddp = {c.label: c for c in ideal.candidates}["ddp"].sync_s
+    assert ideal_ddp == pytest.approx(algorithms.strategy_times(CostModel(profile), "ddp", 50 * MB).predicted_s)
+    assert ideal_ddp < ddp_sync
     assert by["ddp"].sync_s == pytest.approx(ddp_sync)
     assert by["ddp"].hidden_s == pytest.approx(2 * compute / 3)        # behind the backward
     assert by["ddp"].step_s == pytest.approx(compute + max(0.0, ddp_sync - 2 * compute / 3))
@@ -114,3 +118,59 @@ def test_the_cli_writes_table_json_png_and_the_winners_command(tmp_path: Path,
     assert "give the payload as --mb MB" in capsys.readouterr().err
     assert main(["plan", "--cluster", "two_racks", "--mb", "1", "--compute-ms", "3", "--strategies", "canary"]) == 2
     assert "no exact candidate can run on this job" in capsys.readouterr().err
+
+
+def test_the_cli_prices_the_cpu_work_as_asked_and_as_the_bench_does(tmp_path: Path) -> None:
+    """``--cpu``: every rank of the cluster on this machine's cores (the default with
+    ``--cluster``: the bench's pricing, so its table's *plan's pick* is this command's), each
+    host's ranks on cores like these (``host``), or no CPU term (``none``)."""
+    import os
+
+    from syncplane.bench.runner import emulator_cpu_rates, price_row
+
+    profile, cores = load_profile("uneven_hosts"), len(os.sched_getaffinity(0))
+
+    def planned(*extra: str) -> dict:
+        out = tmp_path / "plan.json"
+        assert main(["plan", "--cluster", "uneven_hosts", "--mb", "8", "--compute-ms", "0", "--json", str(out),
+                     "--strategies", "ddp,canary,torch_powersgd", *extra]) == 0
+        return json.loads(out.read_text())
+
+    emulated, host, none = planned(), planned("--cpu", "host"), planned("--cpu", "none")
+    assert emulated["inputs"]["cpu"]["sharing"] == pytest.approx(profile.world_size / cores)
+    assert host["inputs"]["cpu"]["sharing"] == pytest.approx(max(h.spec.ranks for h in profile.hosts) / cores)
+    assert none["inputs"]["cpu"] is None and all(c["cpu_s"] == 0 for c in none["candidates"])
+    by = {mode: {c["label"]: c for c in plan["candidates"]} for mode, plan in
+          (("emulated", emulated), ("host", host), ("none", none))}
+    for label in ("canary exchange=mesh", "torch_powersgd"):
+        assert by["emulated"][label]["cpu_s"] > by["host"][label]["cpu_s"] > 0
+        assert by["none"][label]["sync_s"] < by["emulated"][label]["sync_s"]
+    # the bench prices each row as this plan does: the same number for the same strategy
+    rates = emulator_cpu_rates(profile, ["ddp", "canary", "torch_powersgd"], 8 * MB, None, {})
+    for name in ("ddp", "torch_powersgd"):
+        row: dict = {}
+        price_row(row, CostModel(profile, tcp=EMULATED_TCP), name, 8 * MB, 0.0, None, {}, rates)
+        assert row["predicted_s"] == pytest.approx(by["emulated"][name]["sync_s"])
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", "uneven_hosts", "--mb", "8", "--compute-ms", "0", "--cpu", "gpu"])
+
+
+def test_ddp_is_kept_unless_another_is_predicted_clearly_faster() -> None:
+    """``choose_candidate``: the fastest, unless DDP is predicted within ``BASELINE_MARGIN`` of
+    it (the model's own error on DDP); ``Plan.best`` and the bench's planner check both use it."""
+    from syncplane.algorithms.plan import BASELINE_MARGIN, choose_candidate
+    from syncplane.bench.matrix import planner_check
+
+    def pick(steps: dict[str, float]) -> str:
+        ranked = sorted(steps.items(), key=lambda kv: kv[1])
+        return choose_candidate(ranked, lambda kv: kv[1], lambda kv: kv[0])[0]
+
+    near = 1 - BASELINE_MARGIN / 2
+    assert pick({"flexreduce": near, "ddp": 1.0}) == "ddp"
+    assert pick({"flexreduce": 1 - 2 * BASELINE_MARGIN, "ddp": 1.0}) == "flexreduce"
+    assert pick({"flexreduce": near, "diloco": 0.5}) == "diloco"                  # no DDP among them
+    assert pick({"ddp": 1.0, "flexreduce": 1.2}) == "ddp"
+    rows = [{"strategy": "ddp", "status": "ok", "predicted_s": 1.0, "sync_s_median": 1.0, "model_error": 0.0},
+            {"strategy": "flexreduce", "status": "ok", "predicted_s": near, "sync_s_median": 1.3, "model_error": 0.0}]
+    exact = next(c for c in planner_check({"results": rows}) if c["accept"] == "exact")
+    assert exact["pick"] == "ddp" and exact["pick_ok"]

@@ -4,9 +4,11 @@ What ``syncplane plan`` prints and ``strategy=auto`` decides by. Each registered
 one or more candidates: its defaults, or the settings its ``AlgorithmSpec.variants`` lists
 (DiLoCo's streams x exchange, DS-Sync's pair streams, Canary's exchange), a periodic one at
 its period (DiLoCo's H: its default, or the one given). Each is priced by the α-β cost model
-exactly as ``syncplane simulate`` and the bench's prediction price it
-(``strategy_times``), then the part of the step's compute it runs behind (its spec's
-``overlap`` window, ``compute_split``) is taken off: predicted step = compute + exposed sync.
+exactly as the bench's prediction prices it (``strategy_times``; how TCP shares a link as
+measured on the emulator unless ``PlanInputs.tcp`` says ``ideal``; the CPU work at
+``PlanInputs.cpu``'s rates, ``plan_cpu``, where given), then the part of the step's compute
+it runs behind (its spec's ``overlap`` window, ``compute_split``) is taken off: predicted
+step = compute + exposed sync.
 The compute is the slowest rank's: ``compute`` is a step on the fastest host, and, as in the
 emulation (``compute_speed``: the fastest host sets the pace), a host at speed ``s`` takes
 ``max speed / s`` times as long; every priced strategy synchronizes (every step, or every
@@ -21,21 +23,40 @@ same ranking (ties broken by the catalogue's order).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, TypeVar
 
 from syncplane.algorithms import SPECS, StrategyTimes, spec_for, strategy_names, strategy_times
+from syncplane.algorithms.ddp import BASELINE
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, compute_split
-from syncplane.cluster.cost import DEFAULT_ALPHA_S, CostModel
+from syncplane.cluster.cost import DEFAULT_ALPHA_S, EMULATED_TCP, IDEAL, CostModel, LinkTcp
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.config import ConfigError
 from syncplane.exchanges.choose import NAMES, JobShape, choose
-from syncplane.exchanges.cpu import CpuRates, CpuWork
+from syncplane.exchanges.cpu import CpuRates, CpuWork, calibrate
 from syncplane.job import JobContext
 
 #: ``strategy.kwargs.accept`` / ``syncplane plan --accept``: which results the user accepts.
 ACCEPT = ("exact", "approximate")
+
+#: How much faster than ``ddp`` a candidate must be predicted to be chosen over it: about the
+#: model's own error on DDP (within 13 % on 12 of the 15 profiles of the 8 MB matrix,
+#: docs/benchmarks.md). A smaller predicted gain is no evidence, and DDP is the baseline a
+#: user knows: the 8 MB matrix measured FlexReduce 21–34 % slower than DDP on the two
+#: profiles where it was predicted 1–3 % faster.
+BASELINE_MARGIN = 0.10
+
+#: ``PlanInputs.tcp``: how TCP flows share a shaped link. ``emulated``: as measured on our
+#: emulator (``cluster.cost.EMULATED_TCP``: goodput by link rate, the loss of concurrent flows,
+#: gloo's one NIC per op), what the bench's predictions use; ``ideal``: the plain α-β formula.
+TCP_MODELS: dict[str, LinkTcp] = {"emulated": EMULATED_TCP, "ideal": IDEAL}
+
+#: ``syncplane plan --cpu``: whose cores the ranks' CPU work (codecs, torch's hooks, sums)
+#: runs on. ``emulated``: every rank of the cluster on this machine (the emulator, the bench);
+#: ``host``: each host's ranks on its own cores, as many as this machine has (a CPU cluster of
+#: machines like this one); ``none``: not priced (the work runs on GPUs).
+CPU_MODES = ("emulated", "host", "none")
 
 
 def check_accept(value: Any, key: str = "strategy.kwargs.accept") -> str:
@@ -55,6 +76,7 @@ class PlanInputs:
     alpha_s: float = DEFAULT_ALPHA_S
     strategies: tuple[str, ...] | None = None   # None: every registered strategy
     cpu: CpuRates | None = None          # measured CPU rates (``exchanges.cpu.calibrate``); None: the wire only
+    tcp: str = "emulated"                # how TCP shares a link (``TCP_MODELS``)
 
     def __post_init__(self) -> None:
         if self.payload_bytes <= 0:
@@ -63,6 +85,8 @@ class PlanInputs:
             raise ConfigError(f"compute: must be at least 0 s, got {self.compute_s}")
         if self.period is not None and self.period < 1:
             raise ConfigError(f"period: must be at least 1, got {self.period}")
+        if self.tcp not in TCP_MODELS:
+            raise ConfigError(f"tcp: allowed values: {', '.join(TCP_MODELS)}; got {self.tcp!r}")
         if isinstance(self.cpu, Mapping):      # read back from a plan's JSON (``asdict``)
             object.__setattr__(self, "cpu", CpuRates(**self.cpu))
 
@@ -124,8 +148,9 @@ class Plan:
         return [c for c in self.candidates if c.exact or accept == "approximate"]
 
     def best(self, accept: str) -> Candidate:
-        """The fastest candidate ``accept`` allows; a ConfigError listing every excluded one
-        and its reason when there is none."""
+        """The candidate ``accept`` allows that the plan chooses (``choose_candidate``: the
+        fastest, unless ``ddp`` is within ``BASELINE_MARGIN`` of it); a ConfigError listing every
+        excluded one and its reason when there is none."""
         ranked = self.ranked(accept)
         if not ranked:
             inexact = sorted({c.strategy for c in self.candidates if not c.exact})
@@ -134,12 +159,24 @@ class Plan:
                 or "no strategy was offered"
             raise ConfigError(f"plan: no {accept} candidate can run on this job ({self.world_size} ranks on "
                               f"{self.cluster!r}); excluded: {reasons}")
-        return ranked[0]
+        return choose_candidate(ranked, lambda c: c.step_s, lambda c: c.strategy)
 
     def to_dict(self) -> dict[str, Any]:
         return {"cluster": self.cluster, "world_size": self.world_size, "inputs": asdict(self.inputs),
                 "candidates": [c.to_dict() for c in self.candidates],
                 "excluded": [asdict(e) for e in self.excluded]}
+
+
+T = TypeVar("T")
+
+
+def choose_candidate(ranked: Sequence[T], step_s: Callable[[T], float], strategy: Callable[[T], str]) -> T:
+    """The plan's choice among ``ranked`` (fastest predicted first): the first, unless the
+    fastest ``ddp`` among them is predicted within ``BASELINE_MARGIN`` of it: then that one."""
+    baseline = next((c for c in ranked if strategy(c) == BASELINE), None)
+    if baseline is not None and step_s(ranked[0]) > (1 - BASELINE_MARGIN) * step_s(baseline):
+        return baseline
+    return ranked[0]
 
 
 def _knobs(kwargs: Mapping[str, Any]) -> str:
@@ -212,20 +249,56 @@ def price(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanIn
                      network_binding=times.network_binding, cpu_s=times.cpu_s)
 
 
+def candidate_settings(profile: ClusterProfile, inputs: PlanInputs) -> list[tuple[str, dict[str, Any], str | None]]:
+    """Every offered strategy's settings (``settings_of``), each with why it cannot run on
+    ``profile`` (None: it can)."""
+    return [(name, kwargs, why_not(name, kwargs, profile)) for name in offered(inputs)
+            for kwargs in settings_of(spec_for(name), name, inputs.period)]
+
+
+def cpu_sharing(mode: str, profile: ClusterProfile, cores: int | None = None) -> float | None:
+    """``CpuRates.sharing`` for ``CPU_MODES`` ``mode`` on ``profile``: ranks per core of this
+    machine (``cores``, default its usable ones); None for ``none``."""
+    if mode not in CPU_MODES:
+        raise ConfigError(f"cpu: allowed values: {', '.join(CPU_MODES)}; got {mode!r}")
+    if mode == "none":
+        return None
+    import os
+
+    cores = cores or len(os.sched_getaffinity(0))
+    ranks = profile.world_size if mode == "emulated" else max(h.spec.ranks for h in profile.hosts)
+    return ranks / cores
+
+
+def measured_cpu(profile: ClusterProfile, candidates: Sequence[tuple[str, Mapping[str, Any]]], inputs: PlanInputs,
+                 sharing: float) -> CpuRates:
+    """This machine's CPU rates (``exchanges.cpu.calibrate``: measured on first use, then read
+    from its cache) for every operation ``candidates`` run, ``sharing`` ranks per core."""
+    work = sum((cpu_work(profile, name, kwargs, inputs) for name, kwargs in candidates), CpuWork())
+    return calibrate(work, sharing=sharing)
+
+
+def plan_cpu(profile: ClusterProfile, inputs: PlanInputs, sharing: float | None) -> PlanInputs:
+    """``inputs`` with the CPU rates of every candidate that can run (``measured_cpu``), or
+    unchanged when ``sharing`` is None."""
+    if sharing is None:
+        return inputs
+    runnable = [(name, kwargs) for name, kwargs, reason in candidate_settings(profile, inputs) if reason is None]
+    return replace(inputs, cpu=measured_cpu(profile, runnable, inputs, sharing))
+
+
 def make_plan(profile: ClusterProfile, inputs: PlanInputs) -> Plan:
     """Every offered strategy's candidates on ``profile``, priced and ranked (module doc)."""
-    model = CostModel(profile, alpha_s=inputs.alpha_s)
+    model = CostModel(profile, alpha_s=inputs.alpha_s, tcp=TCP_MODELS[inputs.tcp])
     order = {name: i for i, name in enumerate(n for spec in SPECS for n in spec.strategies)}
     candidates, excluded = [], []
-    for name in offered(inputs):
-        for kwargs in settings_of(spec_for(name), name, inputs.period):
-            reason = why_not(name, kwargs, profile)
-            if reason is None:
-                try:
-                    candidates.append(price(model, name, kwargs, inputs))
-                    continue
-                except (ConfigError, ValueError) as exc:    # a pattern this cluster cannot carry
-                    reason = str(exc)
-            excluded.append(Excluded(name, kwargs, reason))
+    for name, kwargs, reason in candidate_settings(profile, inputs):
+        if reason is None:
+            try:
+                candidates.append(price(model, name, kwargs, inputs))
+                continue
+            except (ConfigError, ValueError) as exc:    # a pattern this cluster cannot carry
+                reason = str(exc)
+        excluded.append(Excluded(name, kwargs, reason))
     candidates.sort(key=lambda c: (round(c.step_s, 9), order[c.strategy]))
     return Plan(profile.name, profile.world_size, inputs, candidates, excluded)

@@ -16,6 +16,7 @@ or SIGHUP stop the matrix after writing what finished.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -150,13 +151,15 @@ def stamp_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
-    """``report`` with every measured row priced again by the cost model as it is now, on this
-    machine's CPU rates: the measurements are kept, the model's fields replaced, and
-    ``meta.repriced`` says when and at which commit (a model fixed after a matrix ran is
-    checked against its measurements without running it again)."""
+    """``report`` with every measured row priced again by the cost model as it is now, at the
+    CPU rates the report holds (its run's, or its last reprice's; this machine's, measured,
+    for any it lacks, then kept in ``cpu_rates``): the measurements are kept, the model's
+    fields replaced, and ``meta.repriced`` says when and at which commit (a model fixed after
+    a matrix ran is checked against its measurements without running it again)."""
     from syncplane import algorithms
     from syncplane.bench.runner import price_row
     from syncplane.cluster.cost import EMULATED_TCP, CostModel
+    from syncplane.exchanges.cpu import CpuRates
 
     if profile.world_size != report["world_size"]:
         raise ConfigError(f"reprice: profile {profile.name!r} has {profile.world_size} ranks, its report "
@@ -167,6 +170,9 @@ def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
                "compression": report.get("compression", "none"), "exchange": report.get("exchange", "auto"),
                "density": report.get("density", 0.02), "bits": report.get("bits", 2)}
     cpu = emulator_cpu_rates(profile, measured, report["payload_bytes"], report.get("period"), options)
+    stored = report.get("cpu_rates")
+    if stored:           # the rates of the run (or of an earlier reprice); this machine's for what it lacks
+        cpu = CpuRates({**cpu.per_element, **stored["per_element"]}, stored["sharing"])
     model = CostModel(profile, tcp=EMULATED_TCP)
     periods = algorithms.periods(measured, report.get("period"))
     for row in rows:
@@ -175,7 +181,7 @@ def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
                       periods.get(row["strategy"], report.get("period")), options, cpu)
     meta = {**report.get("meta", {}), "repriced": {"at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                                    "commit": git_commit(Path(__file__).parent)}}
-    return {**report, "results": rows, "meta": meta}
+    return {**report, "results": rows, "meta": meta, "cpu_rates": dataclasses.asdict(cpu)}
 
 
 def failed_row(strategy: str, reason: str) -> dict[str, Any]:
@@ -301,10 +307,12 @@ PICK_TARGET, PREDICTION_TARGET = 0.10, 0.15
 
 def planner_check(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The planner against one profile's measurements, per class (``exact``: DDP's result;
-    ``approximate``: any): the plan's pick among the measured rows (the fastest *predicted*:
-    the rows' ``predicted_s`` is ``plan.price``'s), the fastest *measured*, how much slower the
+    ``approximate``: any): the plan's pick among the measured rows (``plan.choose_candidate``: the
+    fastest *predicted*, or DDP within its margin; the rows' ``predicted_s`` is
+    ``plan.price``'s), the fastest *measured*, how much slower the
     pick measured than that, and which rows' predictions miss by more than ``PREDICTION_TARGET``."""
     from syncplane.algorithms import spec_for, variant
+    from syncplane.algorithms.plan import choose_candidate
 
     rows = [r for r in report["results"] if r.get("status") == "ok" and r.get("predicted_s") is not None
             and r.get("sync_s_median")]
@@ -314,7 +322,8 @@ def planner_check(report: dict[str, Any]) -> list[dict[str, Any]]:
                    spec_for(variant(r["strategy"])[0]).exact]
         if not allowed:
             continue
-        pick = min(allowed, key=lambda r: r["predicted_s"])
+        pick = choose_candidate(sorted(allowed, key=lambda r: r["predicted_s"]), lambda r: r["predicted_s"],
+                      lambda r: r["strategy"])
         best = min(allowed, key=lambda r: r["sync_s_median"])
         slower = pick["sync_s_median"] / best["sync_s_median"] - 1
         out.append({"accept": accept, "pick": pick["strategy"], "predicted_s": pick["predicted_s"],

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from syncplane.algorithms.plan import ACCEPT, Candidate, Plan
+from syncplane.algorithms.plan import ACCEPT, BASELINE_MARGIN, Candidate, Plan
 from syncplane.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -51,17 +51,22 @@ def print_plan(plan: Plan, cluster_arg: str, top: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=140)
+    console = Console(width=150)
     inputs = plan.inputs
+    cpu = (f"the CPU work at this machine's rates, {inputs.cpu.sharing:.2g} ranks per core" if inputs.cpu is not None
+           else "no CPU work (--cpu none)")
+    print(f"priced with TCP {'as measured on the emulator' if inputs.tcp == 'emulated' else 'ideal (the α-β formula)'}"
+          f" and {cpu}")
     for accept in ACCEPT:
         rows = [c for c in plan.candidates if c.exact == (accept == "exact")][:top]
         what = "same result as DDP" if accept == "exact" else "gossip, local SGD, compression"
         table = Table(title=f"{accept} ({what}): {plan.cluster}, {plan.world_size} ranks, "
                             f"{inputs.payload_bytes / 2**20:.1f} MB, compute {inputs.compute_s * 1000:.0f} ms/step")
-        for col in ("#", "strategy and settings", "period", "sync s", "overlap", "hidden s", "step s", "vs best"):
+        for col in ("#", "strategy and settings", "period", "sync s", "of it CPU s", "overlap", "hidden s", "step s",
+                    "vs best"):
             table.add_column(col, justify="left" if col in ("strategy and settings", "overlap") else "right")
         for i, c in enumerate(rows):
-            table.add_row(str(i + 1), c.label, str(c.period), f"{c.sync_s:.3f}", c.overlap or "-",
+            table.add_row(str(i + 1), c.label, str(c.period), f"{c.sync_s:.3f}", f"{c.cpu_s:.3f}", c.overlap or "-",
                           f"{c.hidden_s:.3f}", f"{c.step_s:.3f}", f"{c.step_s / rows[0].step_s:.2f}x")
         console.print(table)
     for e in plan.excluded:
@@ -72,7 +77,11 @@ def print_plan(plan: Plan, cluster_arg: str, top: int | None = None) -> None:
         except ConfigError as exc:
             print(f"{accept}: {exc}")
             continue
-        print(f"best {accept}: {best.label} — predicted {best.step_s:.3f} s/step\n  "
+        fastest = plan.ranked(accept)[0]
+        kept = "" if best is fastest else (f" (kept: {fastest.label} is predicted only "
+                                           f"{(1 - fastest.step_s / best.step_s) * 100:.0f} % faster, within the "
+                                           f"{BASELINE_MARGIN * 100:.0f} % the baseline keeps)")
+        print(f"best {accept}: {best.label} — predicted {best.step_s:.3f} s/step{kept}\n  "
               f"{command_for(best, cluster_arg, plan.world_size)}")
 
 

@@ -25,6 +25,7 @@ step each host's NICs sent, NIC by NIC: how a host's traffic spread over them) a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -44,7 +45,7 @@ from syncplane.cluster.emulator import switch_namespace, uplink_drops
 from syncplane.comm.codecs import check_sparse_options
 from syncplane.config import ConfigError, parse_list
 from syncplane.exchanges import normalize
-from syncplane.exchanges.cpu import CpuRates, CpuWork, calibrate
+from syncplane.exchanges.cpu import CpuRates
 
 
 def parse_payload(value: str) -> int:
@@ -120,14 +121,16 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
         measured = json.loads((out_dir / "results.json").read_text())["results"]
     options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
                "density": density, "bits": bits}
-    rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period,
-                       cpu=emulator_cpu_rates(profile, strategies, payload_bytes, period, options), **options)
+    cpu = emulator_cpu_rates(profile, strategies, payload_bytes, period, options)
+    rows = report_rows(profile, strategies, payload_bytes, measured, compute_ms=compute_ms, period=period, cpu=cpu,
+                       **options)
     return {"cluster": profile.name, "world_size": profile.world_size, "payload_bytes": payload_bytes,
             "ranks_per_host": [h.spec.ranks for h in profile.hosts],
             "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
             "pair_streams": pair_streams, "compute_speeds": profile.compute_speeds(),
             "compression": compression, **({"density": density, "bits": bits} if compression == "sparse" else {}),
             "exchange": exchange, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "cpu_rates": dataclasses.asdict(cpu),      # what its predictions used (a reprice keeps them)
             "results": rows}
 
 
@@ -136,10 +139,11 @@ def emulator_cpu_rates(profile: ClusterProfile, strategies: list[str], payload_b
     """CPU rates for the strategies' work on the emulator: measured on this machine
     (``calibrate``, cached), every rank of ``profile`` sharing this machine's cores."""
     inputs = plan.PlanInputs(payload_bytes, period=period)
-    variants = [algorithms.variant(name) for name in strategies]
-    work = sum((plan.cpu_work(profile, base, {**options, **settings}, inputs) for base, settings in variants
-                if base not in algorithms.PLANNED), CpuWork())
-    return calibrate(work, sharing=profile.world_size / len(os.sched_getaffinity(0)))
+    runs = [(base, {**options, **settings}) for base, settings in map(algorithms.variant, strategies)
+            if base not in algorithms.PLANNED]
+    sharing = plan.cpu_sharing("emulated", profile)
+    assert sharing is not None
+    return plan.measured_cpu(profile, runs, inputs, sharing)
 
 
 def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: int, measured: dict[str, Any], *,

@@ -76,6 +76,10 @@ class FlowArray:
     #: s mod k, as ``comm.StreamRunner`` binds its groups): S streams get S/⌈S/k⌉ NICs'
     #: worth of a host's capacity (one stream: one NIC), not min(flows, k)
     pinned: bool = False
+    #: the flows are one tick of a pipeline of chunks (FlexReduce's wavefront), each send its
+    #: own op: they spread over a host's NICs (min(flows, k)) and pay no ``LinkTcp`` per-flow
+    #: loss (measured, ``EMULATED_TCP``'s note)
+    chunked: bool = False
 
     def __post_init__(self) -> None:
         if self.copies is None:
@@ -109,13 +113,16 @@ def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
             np.ones(len(phase), dtype=np.int64))
 
 
-def per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0) -> FlowArray:
+def per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0,
+                   chunked: bool = False) -> FlowArray:
     """The flows of ``columns`` (``columns_of`` of phases that run at once) as one flow per
     (src, dst) of ``width`` ranks, bytes summed (times ``scale``): what goes between two
-    ranks at once shares their connection, so it counts as one flow on every link."""
+    ranks at once shares their connection, so it counts as one flow on every link
+    (``chunked``: ``FlowArray.chunked``)."""
     src, dst, nbytes = (np.concatenate([c[i] for c in columns]) for i in range(3))
     pairs, where = np.unique(src * width + dst, return_inverse=True)
-    return FlowArray(pairs // width, pairs % width, np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale)
+    return FlowArray(pairs // width, pairs % width, np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale,
+                     chunked=chunked)
 
 
 @dataclass(frozen=True)
@@ -285,10 +292,11 @@ class CostModel:
     def batch_phase_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                           num_phases: int, copies: np.ndarray | None = None,
                           alpha_s: float | None = None, pinned: np.ndarray | None = None,
-                          tcp: LinkTcp | None = None) -> np.ndarray:
+                          tcp: LinkTcp | None = None, chunked: np.ndarray | None = None) -> np.ndarray:
         """The time of each of ``num_phases`` phases whose flows are given as columns
         (flow i belongs to phase ``phase[i]``; ``copies[i]`` identical flows, default 1;
-        ``pinned[i]`` > 0: they are that many streams pinned to NICs, ``FlowArray.pinned``).
+        ``pinned[i]`` > 0: they are that many streams pinned to NICs, ``FlowArray.pinned``;
+        ``chunked[i]``: a pipeline's chunk, ``FlowArray.chunked``).
 
         The formula of the module docstring, vectorized: per (phase, link) the bytes and
         flows are summed (in flow order, as the per-flow loop did), each link's time is its
@@ -300,9 +308,10 @@ class CostModel:
         tcp = self.tcp if tcp is None else tcp
         copies = np.ones(len(src), dtype=np.int64) if copies is None else copies
         pinned = np.zeros(len(src), dtype=np.int64) if pinned is None else pinned
+        chunked = np.zeros(len(src), dtype=bool) if chunked is None else chunked
         keep = (src != dst) & (nbytes > 0)
-        phase, src, dst, nbytes, copies, pinned = (phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep],
-                                                   pinned[keep])
+        phase, src, dst, nbytes, copies, pinned, chunked = (
+            phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep], pinned[keep], chunked[keep])
         flow, link, share_of_bytes = self._entries(src, dst)
         num_links = self._num_links
         key = phase[flow] * num_links + link
@@ -316,17 +325,19 @@ class CostModel:
         count = np.bincount(slot, weights=copies[flow], minlength=size)
         streams = np.zeros(size, dtype=np.int64)
         np.maximum.at(streams, slot, pinned[flow])
+        chunks = np.zeros(size, dtype=bool)
+        np.logical_or.at(chunks, slot, chunked[flow])
         used = np.flatnonzero(count > 0)
         keys = used if direct else uniq[used]
         links, owner = keys % num_links, keys // num_links
-        load, count, streams = load[used], count[used], streams[used]
+        load, count, streams, chunks = load[used], count[used], streams[used], chunks[used]
         nics = self._nics[links]
-        unpinned = 1 if tcp.one_nic_unpinned else np.minimum(nics, count)
+        unpinned = np.where(chunks | (not tcp.one_nic_unpinned), np.minimum(nics, count), 1)
         spread = np.where(streams > 0, streams / np.maximum(np.ceil(streams / nics), 1), unpinned)
         capacity = self._capacity[links] * np.where(self._is_nic[links], spread, 1)
-        if tcp != IDEAL:       # the flows per NIC they are spread over share it
-            capacity = capacity * np.where(self._is_shaped[links], tcp.factor(count / np.where(
-                self._is_nic[links], spread, 1), self._capacity[links]), 1.0)
+        if tcp != IDEAL:       # the flows per NIC they are spread over share it; a pipeline's chunks lose nothing
+            flows = np.where(chunks, 1.0, count / np.where(self._is_nic[links], spread, 1))
+            capacity = capacity * np.where(self._is_shaped[links], tcp.factor(flows, self._capacity[links]), 1.0)
         share = count / (count + self._background[links])
         busiest = np.zeros(num_phases)
         np.maximum.at(busiest, owner, load / (capacity * share))
@@ -359,8 +370,10 @@ class CostModel:
         src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
         pinned = np.concatenate([c[3] if isinstance(p, FlowArray) and p.pinned else np.zeros_like(c[3])
                                  for p, c in zip(distinct, columns)])
+        chunked = np.concatenate([np.full(len(c[0]), isinstance(p, FlowArray) and p.chunked)
+                                  for p, c in zip(distinct, columns)])
         times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned,
-                                       tcp).tolist()
+                                       tcp, chunked).tolist()
         return [times[i] for i in which]
 
     def phase_time(self, flows: Phase | Sequence[Flow], alpha_s: float | None = None) -> float:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from syncplane.algorithms.plan import ACCEPT, PlanInputs, check_accept, make_plan, offered
+from syncplane.algorithms.plan import ACCEPT, PlanInputs, check_accept, make_plan, offered, plan_cpu
 from syncplane.cluster.profile import ClusterProfile, load_profile, parse_profile
 from syncplane.config import ConfigError, parse_dataclass
 
@@ -121,19 +121,21 @@ Broadcast = Callable[[Any], Any]
 
 
 def decide(settings: AutoSettings, profile: ClusterProfile, payload_bytes: int, compute_s: float,
-           broadcast: Broadcast) -> dict[str, Any]:
-    """The decision, identical on every rank: rank 0's inputs (its profile, payload and
-    measured compute) agreed through ``broadcast``, then the plan from those. Returns
+           broadcast: Broadcast, cpu_sharing: float | None = None, rank: int = 0) -> dict[str, Any]:
+    """The decision, identical on every rank: rank 0's inputs (its profile, payload, measured
+    compute and, with ``cpu_sharing`` ranks per core, this machine's CPU rates for the
+    candidates' work: ``plan.plan_cpu``) agreed through ``broadcast``, then the plan from those. Returns
     ``strategy_details.auto``: ``choice`` (strategy and kwargs), ``runner_up``, the
     predictions of every candidate, what was excluded and why, and the inputs."""
-    agreed = broadcast({"profile": profile.to_dict(), "inputs": asdict(PlanInputs(
-        payload_bytes, compute_s, settings.period, strategies=settings.strategy_list))})
+    mine = PlanInputs(payload_bytes, compute_s, settings.period, strategies=settings.strategy_list)
+    if rank == 0:            # the others' measurements would be discarded: rank 0's are agreed
+        mine = plan_cpu(profile, mine, cpu_sharing)
+    agreed = broadcast({"profile": profile.to_dict(), "inputs": asdict(mine)})
     inputs = agreed["inputs"]
     plan = make_plan(parse_profile(agreed["profile"]),
                      PlanInputs(**{**inputs, "strategies": tuple(inputs["strategies"]) if inputs["strategies"] else None}))
-    ranked = plan.ranked(settings.accept)
-    choice = plan.best(settings.accept)
-    runner_up = ranked[1] if len(ranked) > 1 else None
+    choice = plan.best(settings.accept)     # the fastest, or DDP within the plan's margin of it
+    runner_up = next((c for c in plan.ranked(settings.accept) if c is not choice), None)
     log.info("strategy=auto (accept=%s): %s, predicted %.3f s/step; runner-up %s", settings.accept, choice.label,
              choice.step_s, f"{runner_up.label}, {runner_up.step_s:.3f} s/step" if runner_up else "none")
     return {"accept": settings.accept, "classes": list(ACCEPT),
@@ -164,14 +166,15 @@ def torch_broadcast() -> Broadcast:
 
 
 def choose_strategy(kwargs: Mapping[str, Any], profile: ClusterProfile | None, module: Any, data: Any,
-                    broadcast: Broadcast) -> dict[str, Any]:
-    """What a worker calls for ``strategy=auto``: the inputs measured here, the decision agreed."""
+                    broadcast: Broadcast, cpu_sharing: float | None = None, rank: int = 0) -> dict[str, Any]:
+    """What a worker calls for ``strategy=auto``: the inputs measured here, the decision agreed
+    (``cpu_sharing``: ranks per core of the CPU work, None on GPUs; see ``decide``)."""
     settings = parse_dataclass(AutoSettings, kwargs, "strategy.kwargs")
     network = network_of(settings, profile)
     payload = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     compute_s = settings.compute_ms / 1000 if settings.compute_ms is not None else \
         time_steps(module, data, settings.time_steps)
-    return decide(settings, network, payload, compute_s, broadcast)
+    return decide(settings, network, payload, compute_s, broadcast, cpu_sharing, rank)
 
 
 def replanner(kwargs: Mapping[str, Any], profile: ClusterProfile | None, auto: dict[str, Any],

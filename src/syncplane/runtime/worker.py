@@ -104,7 +104,11 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     auto, replanner = None, None
     if spec.strategy.name == autopilot.AUTO:   # decided here, identically on every rank, then run as if named
         broadcast = autopilot.torch_broadcast()
-        auto = autopilot.choose_strategy(spec.strategy.kwargs, spec.cluster, module, data, broadcast)
+        # the plan prices the ranks' CPU work where it runs on CPUs: the ranks on this machine share its cores
+        sharing = (world_size if spec.cluster else local_world_size) / len(os.sched_getaffinity(0)) \
+            if spec.trainer.accelerator == "cpu" else None
+        auto = autopilot.choose_strategy(spec.strategy.kwargs, spec.cluster, module, data, broadcast, sharing,
+                                         job.rank)
         replanner = autopilot.replanner(spec.strategy.kwargs, spec.cluster, auto, broadcast, job.rank)
         chosen = StrategySpec(auto["choice"]["strategy"], dict(auto["choice"]["kwargs"]))
         registry.validate(chosen.name, chosen.kwargs, job)

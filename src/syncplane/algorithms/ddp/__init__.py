@@ -17,6 +17,10 @@ from syncplane.cluster.cost import Phase, bucket_streams, ring_allreduce
 from syncplane.comm import DEFAULT_BUCKET_BYTES
 from syncplane.cluster.profile import ClusterProfile
 
+#: the strategy everything is measured against (and the plan keeps unless another is
+#: clearly faster: ``plan.BASELINE_MARGIN``)
+BASELINE = "ddp"
+
 
 def ddp_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
     """One ring all-reduce of the payload per step, in the bench's buckets (``DDPStep``: one
@@ -31,9 +35,9 @@ def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DDPStep:
 
 SPEC = AlgorithmSpec(
     family="ddp",
-    strategies={"ddp": "Lightning's DDPStrategy: gradient all-reduce every step (the baseline)"},
+    strategies={BASELINE: "Lightning's DDPStrategy: gradient all-reduce every step (the baseline)"},
     bench_step=_step,
     cost=ddp_cost,
-    overlap={"ddp": "backward"},   # generous to DDP: all of its buckets from the backward's start
-    exact=("ddp",),
+    overlap={BASELINE: "backward"},   # generous to DDP: all of its buckets from the backward's start
+    exact=(BASELINE,),
 )

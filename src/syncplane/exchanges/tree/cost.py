@@ -60,6 +60,6 @@ def flexreduce_phases(tree: FlexTree, payload_bytes: float, chunk_bytes: int = D
     for tick in range(chunks + len(phases) - 1):
         active = tuple(tick - k for k in range(chunks) if 0 <= tick - k < len(phases))
         if active not in made:
-            made[active] = per_connection([columns[p] for p in active], tree.world_size, 1.0 / chunks)
+            made[active] = per_connection([columns[p] for p in active], tree.world_size, 1.0 / chunks, chunked=True)
         ticks.append(made[active])
     return ticks

@@ -53,5 +53,6 @@ def cost(profile: ClusterProfile, payload_bytes: float, streams: int = 1) -> lis
     for phase in phases:
         if id(phase) not in made:
             src, dst, nbytes, copies = columns_of(phase)
-            made[id(phase)] = FlowArray(src, dst, nbytes, copies * streams, pinned=True)
+            made[id(phase)] = FlowArray(src, dst, nbytes, copies * streams, pinned=True,
+                                        chunked=isinstance(phase, FlowArray) and phase.chunked)
     return [made[id(phase)] for phase in phases]
