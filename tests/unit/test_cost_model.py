@@ -98,8 +98,19 @@ def test_hierarchical_atc_on_two_racks_sends_one_payload_per_rack_over_the_uplin
     _, bound = strategy_time(model, "h_atc", M)
     nic, uplink = 400e6 / 8, 100e6 / 8
     in_rack = (2 * (3 / 4) + 1 / 4) * M / nic   # reduce-scatter + all-gather + own shard, per NIC
-    assert in_rack < M / uplink                  # pipelined: the uplink is the bottleneck
+    assert in_rack < M / uplink                  # beside the in-rack phases: the uplink is the bottleneck
     assert bound == pytest.approx(M / uplink, rel=1e-6)
+
+
+def test_hierarchical_atc_in_one_rack_is_the_all_to_all_then_the_ring_per_bucket():
+    """One rack of L ranks (``homogeneous8``, one rank per host): per 4 MB bucket the
+    reduce-scatter sends B/L to each of L − 1 peers at once, then gloo's ring all-gathers in
+    L − 1 steps of B/L; nothing crosses a rack."""
+    model = CostModel(load_profile("homogeneous8"), alpha_s=0.0)
+    nic, ranks, bucket = 400e6 / 8, 8, 4 * 2**20
+    _, bound = strategy_time(model, "h_atc", M)
+    per_bucket = (ranks - 1) * bucket / ranks / nic + (ranks - 1) * bucket / ranks / nic
+    assert bound == pytest.approx(M / bucket * per_bucket, rel=1e-6)
 
 
 @pytest.mark.parametrize("shift, flows", [(1, 1), (2, 2), (4, 4)])

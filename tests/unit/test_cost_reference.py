@@ -19,7 +19,9 @@ with ``hierarchy: none`` (``pattern="none"``), since on a profile with racks the
 mixes racks as ``h_atc``/``h_awc`` do, whose own rows are checked as they are.
 ``h_atc``/``h_awc``'s rows on ``multi_nic`` were re-recorded when their step's flows between
 two ranks became one flow (2026-11-27): on two NICs per host the flows spread over the NICs
-by count, so one α less (2.2 ms of 6.1 s).
+by count, so one α less (2.2 ms of 6.1 s). All their rows were re-recorded when their step
+became the strategies' own schedule per 4 MB bucket (2026-11-27: the in-rack all-to-all, then
+gloo's ring all-gather, the exchange between racks spread beside them), not one overlapped phase.
 """
 
 from __future__ import annotations
