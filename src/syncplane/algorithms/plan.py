@@ -23,6 +23,7 @@ same ranking (ties broken by the catalogue's order).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
@@ -263,8 +264,6 @@ def cpu_sharing(mode: str, profile: ClusterProfile, cores: int | None = None) ->
         raise ConfigError(f"cpu: allowed values: {', '.join(CPU_MODES)}; got {mode!r}")
     if mode == "none":
         return None
-    import os
-
     cores = cores or len(os.sched_getaffinity(0))
     ranks = profile.world_size if mode == "emulated" else max(h.spec.ranks for h in profile.hosts)
     return ranks / cores

@@ -322,8 +322,8 @@ def planner_check(report: dict[str, Any]) -> list[dict[str, Any]]:
                    spec_for(variant(r["strategy"])[0]).exact]
         if not allowed:
             continue
-        pick = choose_candidate(sorted(allowed, key=lambda r: r["predicted_s"]), lambda r: r["predicted_s"],
-                      lambda r: r["strategy"])
+        ranked = sorted(allowed, key=lambda r: r["predicted_s"])
+        pick = choose_candidate(ranked, lambda r: r["predicted_s"], lambda r: r["strategy"])
         best = min(allowed, key=lambda r: r["sync_s_median"])
         slower = pick["sync_s_median"] / best["sync_s_median"] - 1
         out.append({"accept": accept, "pick": pick["strategy"], "predicted_s": pick["predicted_s"],
