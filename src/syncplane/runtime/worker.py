@@ -92,7 +92,8 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     configure_logging(job.rank if replica is None else replica)
     local_world_size = job.local_world_size or world_size
     # an emulated cluster runs every rank on this one machine
-    torch.set_num_threads(threads_per_rank(spec, world_size if spec.cluster else local_world_size))
+    ranks_here = world_size if spec.cluster else local_world_size
+    torch.set_num_threads(threads_per_rank(spec, ranks_here))
     # Same seed on every rank: identical initial weights (broadcast anyway) and a shared
     # shuffle; the DistributedSampler gives each rank its own shard.
     seed_everything(spec.seed, workers=True, verbose=False)
@@ -105,8 +106,7 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     if spec.strategy.name == autopilot.AUTO:   # decided here, identically on every rank, then run as if named
         broadcast = autopilot.torch_broadcast()
         # the plan prices the ranks' CPU work where it runs on CPUs: the ranks on this machine share its cores
-        sharing = (world_size if spec.cluster else local_world_size) / len(os.sched_getaffinity(0)) \
-            if spec.trainer.accelerator == "cpu" else None
+        sharing = ranks_here / len(os.sched_getaffinity(0)) if spec.trainer.accelerator == "cpu" else None
         auto = autopilot.choose_strategy(spec.strategy.kwargs, spec.cluster, module, data, broadcast, sharing,
                                          job.rank)
         replanner = autopilot.replanner(spec.strategy.kwargs, spec.cluster, auto, broadcast, job.rank)

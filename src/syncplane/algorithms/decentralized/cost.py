@@ -42,14 +42,15 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
     bucket = payload_bytes / buckets
     scatter = [(a, b, bucket / len(m)) for m in machines for a in m for b in m if a != b]
     ring = [(m[i], m[(i + 1) % len(m)], bucket / len(m)) for m in machines if len(m) > 1 for i in range(len(m))]
-    gather = [list(ring) for _ in range(shards - 1)] if ring else []
+    ring_steps = shards - 1 if ring else 0
     steps = []
     for t in range(schedule.period):
         # bucket i's exchange runs while bucket i − 1 is gathered and bucket i + 1 scattered:
         # spread over the bucket's 1 + (L − 1) phases, on links of its own where racks differ
-        spread = 1 + len(gather)
-        exchange = [(m[s % len(m)], machines[k][s % len(machines[k])], bucket / shards / spread)
+        exchange = [(m[s % len(m)], machines[k][s % len(machines[k])], bucket / shards / (1 + ring_steps))
                     for mi, m in enumerate(machines) for s in range(shards) for k in schedule.plan(t, mi).dst_weights]
-        one = [per_connection([columns_of(phase + exchange)], profile.world_size) for phase in [scatter, *gather]]
-        steps.append(one * buckets)
+        scattered = per_connection([columns_of(scatter + exchange)], profile.world_size)
+        gathered = per_connection([columns_of(ring + exchange)], profile.world_size) if ring_steps else None
+        # one object per repeated phase: the cost model evaluates consecutive repeats once
+        steps.append([scattered, *[gathered] * ring_steps] * buckets)
     return steps
