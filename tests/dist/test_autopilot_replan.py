@@ -78,10 +78,10 @@ def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     switches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
     switch = replan.SWITCHERS["diloco"]
 
-    def recorded(strategy: Any, kwargs: Any) -> None:
+    def recorded(strategy: Any, name: str, kwargs: Any) -> None:
         before = [p.detach().clone() for p in strategy.lightning_module.parameters()] + \
             _tensors(strategy.engine.outer.state_dict())
-        switch(strategy, kwargs)
+        switch(strategy, name, kwargs)
         after = [p.detach().clone() for p in strategy.lightning_module.parameters()] + \
             _tensors(strategy.engine.outer.state_dict())
         switches.append((before, after))

@@ -1,5 +1,5 @@
-"""``python train.py strategy=auto``: the job picks a strategy by the plan, runs it as if named,
-and its summary says what it chose and why (issue 36)."""
+"""``python train.py strategy=auto``: the job picks a strategy by the plan, runs it as if named
+(re-planning as it trains), and its summary says what it chose and why."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def test_auto_trains_digits_and_explains_its_choice(tmp_path: Path) -> None:
         {"name": "r0", "hosts": [{"name": "a", "nic_mbit": 100}, {"name": "b", "nic_mbit": 100}]}]}))
     run = tmp_path / "run"
     result = subprocess.run([sys.executable, "train.py", "strategy=auto", f"strategy.kwargs.cluster={network}",
-                             "trainer.devices=2", "trainer.max_epochs=1", f"hydra.run.dir={run}"],
+                             "trainer.devices=2", "trainer.max_epochs=1", "strategy.kwargs.replan_every_s=0.2",
+                             f"hydra.run.dir={run}"],
                             cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -39,5 +40,9 @@ def test_auto_trains_digits_and_explains_its_choice(tmp_path: Path) -> None:
     assert auto["inputs"]["cpu"]["sharing"] == 2 / len(os.sched_getaffinity(0)) and auto["inputs"]["tcp"] == "emulated"
     assert auto["inputs"]["cpu"]["per_element"]["add"] > 0
     assert summary["steps"] > 0 and summary["metrics"]["val_acc"] > 0.3
+    # re-planned on a re-probe (loopback) while it trained: an exact choice may switch among the exact hooks
+    assert auto["replan"]["refused"] is None and auto["replan"]["strategies"] == ["ddp", "flexreduce", "torch_fp16"]
+    assert auto["replan"]["checks"] > 0
+    assert all(r["best"]["strategy"] in {"ddp", "flexreduce"} for r in auto["replans"])
     log = (run / "logs" / "rank0.log").read_text()
     assert f"strategy=auto (accept=exact): {auto['choice']['label']}, predicted" in log and "runner-up" in log

@@ -43,9 +43,55 @@ def test_candidates_that_change_a_fixed_setting_are_not_offered() -> None:
 
 def test_what_cannot_switch_says_why() -> None:
     assert not_switchable("diloco", {"shards": 1}) is None
-    assert "flexreduce cannot be switched while it trains (only diloco's shards/exchange/compression" in \
-        not_switchable("flexreduce", {})
+    assert not_switchable("flexreduce", {}) is None and not_switchable("ddp", {}) is None
+    assert "canary cannot be switched while it trains (only between ddp, flexreduce, torch_fp16 at a step " \
+        "boundary, and diloco's shards/exchange/compression at a round boundary)" in not_switchable("canary", {})
+    assert "torch_powersgd cannot be switched" in not_switchable("torch_powersgd", {})
     assert "replica=node" in not_switchable("diloco", {"replica": "node", "shards": 1})
+
+
+def hooked(strategy: str, step_s: float, exact: bool = True) -> Candidate:
+    return Candidate(**{**cand(step_s).__dict__, "strategy": strategy, "kwargs": {}, "exact": exact, "period": 1})
+
+
+@pytest.mark.parametrize("accept,best", [("exact", "flexreduce"), ("approximate", "torch_fp16")])
+def test_ddp_switches_to_another_hook_of_its_class_never_to_another_strategy(accept: str, best: str) -> None:
+    candidates = [cand(0.1, **MESH), hooked("torch_powersgd", 0.2, False), hooked("torch_fp16", 0.3, False),
+                  hooked("flexreduce", 0.5), hooked("ddp", 1.0)]
+    decision = choose_switch(candidates, "ddp", {}, accept)
+    assert decision["switch"] and decision["best"]["strategy"] == best
+    assert decision["current"] == {"label": "ddp", "strategy": "ddp", "kwargs": {}, "step_s": 1.0, "sync_s": 1.0}
+    # the running one is fastest of what it can reach: it stays
+    assert not choose_switch(candidates[:2] + [hooked("ddp", 0.3), hooked("flexreduce", 0.5)], "ddp", {})["switch"]
+    # and DiLoCo never reaches the hooks
+    assert choose_switch([hooked("ddp", 0.01), cand(1.0, **MESH)], "diloco", {"sync_every": 10, **MESH})["best"][
+        "strategy"] == "diloco"
+
+
+def test_a_hooked_choice_runs_as_a_strategy_that_can_switch_and_others_as_named() -> None:
+    from syncplane.strategies.switching import SwitchableDDP
+
+    built = Fake("ddp", {}).replanner.build(None, None)
+    assert isinstance(built, SwitchableDDP) and (built.current, built.settings) == ("ddp", {})
+    assert Fake().replanner.build(None, None) is None              # diloco: built as named, switched in place
+    assert Fake("canary", {}).replanner.build(None, None) is None   # refused: built as named
+    with pytest.raises(ValueError, match="only topology, chunk_mb"):
+        SwitchableDDP("flexreduce", {"bucket_cap_mb": 5})
+    with pytest.raises(ValueError, match="torch_powersgd cannot run as a switchable DDP hook"):
+        SwitchableDDP("torch_powersgd")
+
+
+def test_a_resume_switches_to_the_checkpoints_strategy_or_refuses_one_it_cannot_reach() -> None:
+    switched: list[tuple[str, dict]] = []
+    fake = Fake("ddp", {})
+    fake.replanner._trainer_strategy = SimpleNamespace(switch_to=lambda name, kw: switched.append((name, kw)))
+    state = {**fake.replanner.state_dict(), "strategy": "flexreduce", "kwargs": {}}
+    fake.replanner.load_state_dict(state)
+    assert switched == [("flexreduce", {})] and fake.replanner.strategy == "flexreduce"
+    for ran in ({"strategy": "diloco", "kwargs": {"sync_every": 10, **MESH}},
+                {"strategy": "ddp", "kwargs": {"bucket_cap_mb": 5}}):
+        with pytest.raises(ValueError, match=f"the checkpoint ran {ran['strategy']} .* this job chose flexreduce"):
+            fake.replanner.load_state_dict({**state, **ran})
 
 
 def test_a_reprobed_profile_keeps_the_declared_compute_speeds() -> None:
@@ -66,7 +112,7 @@ class Fake:
 
     def __init__(self, strategy: str = "diloco", kwargs: dict | None = None) -> None:
         self.now, self.probes = 0.0, 0
-        self.auto = {"choice": {"strategy": strategy, "kwargs": kwargs or {"sync_every": 10, **MESH}},
+        self.auto = {"choice": {"strategy": strategy, "kwargs": {"sync_every": 10, **MESH} if kwargs is None else kwargs},
                      "inputs": {}}
         self.replanner = Replanner(self.auto, 30.0, self.probe, lambda obj: obj, 0, clock=lambda: self.now)
         self.replanner.replan = self.replan   # the re-probe and decision are the dist test's
@@ -97,10 +143,10 @@ def test_probes_at_round_boundaries_once_the_time_has_passed() -> None:
 
 
 def test_a_strategy_that_cannot_switch_never_probes_and_says_so() -> None:
-    fake = Fake("flexreduce", {})
+    fake = Fake("canary", {})
     fake.step(1, 1000.0)
     assert fake.probes == 0
-    assert "flexreduce cannot be switched" in fake.auto["replan"]["refused"]
+    assert "canary cannot be switched" in fake.auto["replan"]["refused"]
     assert fake.auto["replans"] == []
 
 

@@ -11,14 +11,23 @@ switches at the same step, and the switch is logged and recorded in
 ``strategy_details.auto.replans``.
 
 What can be switched, and why only that: a switch must leave the parameters and the
-optimizer state the same on every rank. Today that is DiLoCo's exchange settings
-(``SWITCHABLE``: ``shards``, ``exchange``, ``compression``) at a round boundary, on one rank per
-replica, without streaming: there every replica holds θ_g after the outer step, and the
-outer optimizer's state does not depend on how Δ travels, so it is carried over as is (the
-sparse codec's error-feedback residuals are not: a switch starts them from zero). A switch
-to another strategy (DDP -> FlexReduce, DiLoCo -> DDP) would swap the Lightning strategy
-object mid-fit; it is not offered, and a job whose chosen strategy has nothing to switch
-says so at start-up (log and ``strategy_details.auto.replan``) and keeps its choice.
+optimizer state the same on every rank.
+
+- **Between ``ddp``, ``flexreduce`` and ``torch_fp16``** (``HOOKED``), at any step boundary:
+  they are one torch DDP with another comm hook, none keeps state across steps, and each leaves
+  the same gradient on every rank. A job that chose one of them and re-plans runs
+  ``syncplane.strategies.switching.SwitchableDDP``, which swaps the hook. Its candidates are
+  those of its accuracy class (``accept``: ``exact`` leaves ``torch_fp16`` out).
+- **DiLoCo's exchange settings** (``SWITCHABLE``: ``shards``, ``exchange``, ``compression``) at
+  a round boundary, on one rank per replica, without streaming: there every replica holds θ_g
+  after the outer step, and the outer optimizer's state does not depend on how Δ travels, so it
+  is carried over as is (the sparse codec's error-feedback residuals are not: a switch starts
+  them from zero).
+
+A switch between those two groups, or to any other strategy (DiLoCo -> DDP: each replica's
+inner optimizer state differs; ``torch_powersgd``: its error feedback), is not offered; a job
+whose chosen strategy has nothing to switch says so at start-up (log and
+``strategy_details.auto.replan``) and keeps its choice.
 """
 
 from __future__ import annotations
@@ -36,11 +45,14 @@ from lightning.pytorch.callbacks import Callback
 from syncplane.algorithms.plan import Candidate, PlanInputs, make_plan
 from syncplane.cluster.probe import Topology, from_profile, measure_flow_caps, measure_pairs
 from syncplane.cluster.profile import ClusterProfile, parse_profile
+from syncplane.strategies.switching import MEMBERS, SwitchableDDP
 
 log = logging.getLogger(__name__)
 
 #: strategy -> the ``strategy.kwargs`` a replan may change while it trains (module doc)
-SWITCHABLE: dict[str, tuple[str, ...]] = {"diloco": ("shards", "exchange", "compression")}
+SWITCHABLE: dict[str, tuple[str, ...]] = {"diloco": ("shards", "exchange", "compression"), **MEMBERS}
+#: the strategies a re-plan may switch between (module doc)
+HOOKED: tuple[str, ...] = tuple(MEMBERS)
 #: a candidate replaces the current one when its predicted step is at least this many times faster
 FASTER = 1.2
 #: bytes each pair exchanges in a re-probe (short: it runs inside the training)
@@ -51,11 +63,16 @@ REPROBE_STREAMS = 4
 Probe = Callable[[], ClusterProfile]
 
 
+def reachable(strategy: str) -> tuple[str, ...]:
+    """The strategies a job running ``strategy`` may switch to (itself included)."""
+    return HOOKED if strategy in HOOKED else (strategy,)
+
+
 def not_switchable(strategy: str, kwargs: Mapping[str, Any]) -> str | None:
     """Why a job running ``strategy`` with ``kwargs`` cannot re-plan (None: it can)."""
     if strategy not in SWITCHABLE:
-        offered = ", ".join(f"{name}'s {'/'.join(keys)}" for name, keys in SWITCHABLE.items())
-        return f"{strategy} cannot be switched while it trains (only {offered}, at a round boundary)"
+        return (f"{strategy} cannot be switched while it trains (only between {', '.join(HOOKED)} at a step "
+                f"boundary, and diloco's {'/'.join(SWITCHABLE['diloco'])} at a round boundary)")
     if strategy == "diloco" and kwargs.get("replica", "rank") != "rank":
         return "diloco with replica=node holds its outer state sharded over a node; only replica=rank switches"
     return None
@@ -66,22 +83,27 @@ def fixed_part(strategy: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in SWITCHABLE.get(strategy, ())}
 
 
-def choose_switch(candidates: list[Candidate], strategy: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Pure: the current candidate and the fastest one it may switch to, both as priced in
-    ``candidates`` (one plan, fastest first); ``switch`` is True when the latter is at least
-    ``FASTER`` times faster. The current one must be among ``candidates``."""
-    same = [c for c in candidates if c.strategy == strategy and fixed_part(strategy, c.kwargs) ==
-            fixed_part(strategy, kwargs)]
-    current = next((c for c in same if c.kwargs == dict(kwargs)), None)
+def choose_switch(candidates: list[Candidate], strategy: str, kwargs: Mapping[str, Any],
+                  accept: str = "approximate") -> dict[str, Any]:
+    """Pure: the current candidate and the fastest one it may switch to (``reachable``, with
+    the same fixed settings, of ``accept``'s class), both as priced in ``candidates`` (one
+    plan, fastest first); ``switch`` is True when the latter is at least ``FASTER`` times
+    faster. The current one must be among ``candidates``."""
+    fixed = fixed_part(strategy, kwargs)
+    same = [c for c in candidates if c.strategy in reachable(strategy) and fixed_part(c.strategy, c.kwargs) == fixed
+            and (c.exact or accept != "exact")]
+    current = next((c for c in candidates if c.strategy == strategy and c.kwargs == dict(kwargs)), None)
     if current is None:
         raise ValueError(f"the running {strategy} {dict(kwargs)} is not among the plan's candidates")
-    best = same[0]
-    return {"switch": best.step_s * FASTER <= current.step_s and best.kwargs != current.kwargs,
+    best = same[0] if same else current
+    moves = (best.strategy, best.kwargs) != (current.strategy, current.kwargs)
+    return {"switch": moves and best.step_s * FASTER <= current.step_s,
             "current": _priced(current), "best": _priced(best)}
 
 
 def _priced(c: Candidate) -> dict[str, Any]:
-    return {"label": c.label, "kwargs": dict(c.kwargs), "step_s": c.step_s, "sync_s": c.sync_s}
+    return {"label": c.label, "strategy": c.strategy, "kwargs": dict(c.kwargs), "step_s": c.step_s,
+            "sync_s": c.sync_s}
 
 
 class Reprobe:
@@ -121,7 +143,7 @@ def keep_speeds(probed: ClusterProfile, declared: ClusterProfile) -> ClusterProf
     return parse_profile(data)
 
 
-def switch_diloco(strategy: Any, kwargs: Mapping[str, Any]) -> None:
+def switch_diloco(strategy: Any, name: str, kwargs: Mapping[str, Any]) -> None:
     """Collective, at a round boundary: DiLoCo's exchange rebuilt with ``kwargs``'s
     ``SWITCHABLE`` settings, its outer optimizer's state carried over (module doc)."""
     from syncplane.algorithms.diloco.config import DiLoCoConfig
@@ -135,7 +157,15 @@ def switch_diloco(strategy: Any, kwargs: Mapping[str, Any]) -> None:
     strategy.engine.outer.load_state_dict(outer)
 
 
-SWITCHERS: dict[str, Callable[[Any, Mapping[str, Any]], None]] = {"diloco": switch_diloco}
+def switch_hook(strategy: Any, name: str, kwargs: Mapping[str, Any]) -> None:
+    """Collective (FlexReduce's groups, the first time): ``SwitchableDDP``'s buckets run
+    ``name``'s hook from the next step on."""
+    strategy.switch_to(name, kwargs)
+
+
+#: running strategy -> its switch (trainer's strategy, the new strategy's name, its kwargs)
+SWITCHERS: dict[str, Callable[[Any, str, Mapping[str, Any]], None]] = {
+    "diloco": switch_diloco, **{name: switch_hook for name in HOOKED}}
 
 
 class Replanner(Callback):
@@ -153,6 +183,7 @@ class Replanner(Callback):
         self.kwargs: dict[str, Any] = dict(auto["choice"]["kwargs"])
         self.refused = not_switchable(self.strategy, self.kwargs)
         auto["replan"] = {"every_s": every_s, "faster": FASTER, "refused": self.refused, "checks": 0,
+                          "strategies": list(reachable(self.strategy)) if self.refused is None else [],
                           "switchable": list(SWITCHABLE.get(self.strategy, ())) if self.refused is None else []}
         auto["replans"] = []
         if self.refused is not None:
@@ -164,9 +195,9 @@ class Replanner(Callback):
         self._trainer_strategy = trainer.strategy     # what a resume switches (``load_state_dict``)
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resume needs: the running settings, the record of checks and switches, and
-        the seconds since the last plan (the clock itself does not survive a restart)."""
-        return {"kwargs": dict(self.kwargs), "checks": self.auto["replan"]["checks"],
+        """What a resume needs: the running strategy and settings, the record of checks and
+        switches, and the seconds since the last plan (the clock itself does not survive a restart)."""
+        return {"strategy": self.strategy, "kwargs": dict(self.kwargs), "checks": self.auto["replan"]["checks"],
                 # plain JSON types, so that the checkpoint loads with weights_only=True
                 "replans": json.loads(json.dumps(self.auto["replans"], default=float)),
                 "since_s": self.clock() - self._last, "seen": self._seen}
@@ -177,18 +208,33 @@ class Replanner(Callback):
         optimizer, residuals) is loaded: a checkpoint written after a switch therefore rebuilds
         the exchange with the switched settings here (a collective: every rank restores), so
         that state lands in the exchange it was written by, instead of silently going back."""
-        kwargs = dict(state_dict["kwargs"])
-        if kwargs != self.kwargs:
-            if fixed_part(self.strategy, kwargs) != fixed_part(self.strategy, self.kwargs):
-                raise ValueError(f"strategy=auto: the checkpoint ran {self.strategy} {kwargs}, this job chose "
-                                 f"{self.kwargs}: only {list(SWITCHABLE.get(self.strategy, ()))} may differ")
-            SWITCHERS[self.strategy](self._trainer_strategy, kwargs)
-            log.info("strategy=auto: resumed with the settings of the last re-plan: %s", kwargs)
-            self.kwargs = kwargs
+        strategy, kwargs = str(state_dict.get("strategy", self.strategy)), dict(state_dict["kwargs"])
+        if (strategy, kwargs) != (self.strategy, self.kwargs):
+            if self.refused is not None or strategy not in reachable(self.strategy) or \
+                    fixed_part(strategy, kwargs) != fixed_part(self.strategy, self.kwargs):
+                raise ValueError(f"strategy=auto: the checkpoint ran {strategy} {kwargs}, this job chose "
+                                 f"{self.strategy} {self.kwargs}: a resume may differ only in what a re-plan "
+                                 f"switches ({self.refused or self._switches()}); resume with "
+                                 f"strategy={strategy} and those settings, or start anew")
+            SWITCHERS[self.strategy](self._trainer_strategy, strategy, kwargs)
+            log.info("strategy=auto: resumed with the choice of the last re-plan: %s %s", strategy, kwargs)
+            self.strategy, self.kwargs = strategy, kwargs
         self.auto["replan"]["checks"] = int(state_dict["checks"])
         self.auto["replans"][:] = list(state_dict["replans"])
         self._last = self.clock() - float(state_dict["since_s"])
         self._seen = int(state_dict["seen"])
+
+    def build(self, cluster_environment: Any, job: Any) -> Any:
+        """The Lightning strategy to run the choice with, when a re-plan may switch it to
+        another strategy (``SwitchableDDP``, starting with the choice); None: build the
+        choice as named (``syncplane.strategies.registry.build``)."""
+        if self.refused is not None or self.strategy not in HOOKED:
+            return None
+        return SwitchableDDP(self.strategy, self.kwargs, job=job, cluster_environment=cluster_environment)
+
+    def _switches(self) -> str:
+        return (f"strategies {', '.join(reachable(self.strategy))}, settings "
+                f"{', '.join(SWITCHABLE.get(self.strategy, ())) or 'none'}")
 
     @property
     def period(self) -> int:
@@ -212,8 +258,9 @@ class Replanner(Callback):
         decision = self.broadcast(self.decide(profile, step) if self.rank == 0 else None)
         self.auto["replan"]["checks"] += 1
         if decision["switch"]:
-            SWITCHERS[self.strategy](strategy, decision["best"]["kwargs"])
-            self.kwargs = dict(decision["best"]["kwargs"])
+            best = decision["best"]
+            SWITCHERS[self.strategy](strategy, best["strategy"], best["kwargs"])
+            self.strategy, self.kwargs = best["strategy"], dict(best["kwargs"])
             decision["seconds"] = time.perf_counter() - start
             self.auto["replans"].append(decision)
             log.info("strategy=auto: re-planned at step %d on %s: %s (predicted %.3f s/step) -> %s (%.3f s/step)",
@@ -222,9 +269,12 @@ class Replanner(Callback):
         return decision
 
     def decide(self, profile: ClusterProfile, step: int) -> dict[str, Any]:
-        """Rank 0's decision on ``profile``: the agreed start-up inputs, the running strategy's
-        candidates only, priced by the plan."""
-        inputs = {**self.auto["inputs"], "strategies": (self.strategy,)}
+        """Rank 0's decision on ``profile``: the agreed start-up inputs, the candidates the
+        running strategy can reach only, priced by the plan."""
+        allowed = self.auto["inputs"].get("strategies")     # the job's own list, if it named one
+        inputs = {**self.auto["inputs"], "strategies": tuple(s for s in reachable(self.strategy)
+                                                             if not allowed or s in allowed)}
         inputs.pop("cluster"), inputs.pop("world_size")
         plan = make_plan(profile, PlanInputs(**inputs))
-        return {"step": step, "cluster": profile.name, **choose_switch(plan.candidates, self.strategy, self.kwargs)}
+        return {"step": step, "cluster": profile.name,
+                **choose_switch(plan.candidates, self.strategy, self.kwargs, self.auto.get("accept", "approximate"))}

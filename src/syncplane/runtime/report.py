@@ -41,11 +41,11 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from syncplane.comm import CommMeter, PhaseProfile, mean_and_distance, ring_allreduce_bytes
+from syncplane.algorithms.ddp.hook import metered_allreduce
+from syncplane.comm import CommMeter, PhaseProfile, mean_and_distance
 from syncplane.comm.process_groups import control_group
 from syncplane.runtime.slowdown import ComputeReport, skipped
 
@@ -57,23 +57,7 @@ def attach_ddp_meter(model: DistributedDataParallel) -> CommMeter:
     ourselves. Each bucket counts as in flight from launch to completion.
     """
     meter = CommMeter()
-    group = dist.group.WORLD
-    n = dist.get_world_size()
-
-    # Unannotated on purpose: DDP compares the hook's annotations with the real classes,
-    # and this module's postponed (string) annotations would fail that check.
-    def timed_allreduce(state, bucket):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        payload = bucket.buffer().numel() * bucket.buffer().element_size()
-        future = default_hooks.allreduce_hook(group, bucket)
-
-        def done(fut):  # type: ignore[no-untyped-def]
-            meter.record(start, time.perf_counter(), ring_allreduce_bytes(payload, n))
-            return fut.value()
-
-        return future.then(done)
-
-    model.register_comm_hook(state=None, hook=timed_allreduce)
+    model.register_comm_hook(state=None, hook=metered_allreduce(meter))
     return meter
 
 

@@ -113,7 +113,9 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
         chosen = StrategySpec(auto["choice"]["strategy"], dict(auto["choice"]["kwargs"]))
         registry.validate(chosen.name, chosen.kwargs, job)
         spec = dataclasses.replace(spec, strategy=chosen)
-    strategy = registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment(), job=job)
+    # a choice that a re-plan may switch to another strategy runs as a strategy that can switch
+    strategy = (replanner.build(TorchElasticEnvironment(), job) if replanner is not None else None) or \
+        registry.build(spec.strategy.name, spec.strategy.kwargs, TorchElasticEnvironment(), job=job)
     if auto is not None:
         if not isinstance(getattr(strategy, "details", None), dict):
             strategy.details = {}    # Lightning's own DDP keeps none
