@@ -50,7 +50,10 @@ def section(reports: list[dict[str, Any]]) -> str:
             f"within ±{MODEL_ERROR_TARGET * 100:.0f} %; {len(missing)} of {len(cells)} cells miss one "
             "(the *misses* column). *model error*: the cost model's prediction over the measurement, minus 1 "
             "(negative: the model is optimistic); *uplink drops/step*: packets the rack uplinks' shapers "
-            "dropped per step (`tc -s`; `-` where a profile has no uplinks).", ""]
+            "dropped per step (`tc -s`; `-` where a profile has no uplinks); *CPU busy*: the share of this "
+            "machine's cores busy over the timed steps (`/proc/stat`: the ranks and the emulated network's "
+            "packet work share them; `-` in runs from before it was measured). A miss names what was measured beside "
+            "it: the CPU at 90 % busy or more, uplink drops.", ""]
     planner = ["", "### The planner against these measurements", "",
                "What `syncplane plan` would pick among the measured rows (the fastest predicted of each class) "
                "against the fastest measured:", "", planner_table(reports)]

@@ -279,3 +279,34 @@ def test_reprice_prices_the_cpu_work_at_the_rates_the_report_keeps() -> None:
     assert priced["slow"]["cpu_rates"]["per_element"]["add"] == 1e-6 and priced["slow"]["cpu_rates"]["sharing"] == 4.0
     mine = matrix.reprice(report, profile)           # none kept: this machine's, then kept
     assert mine["cpu_rates"]["per_element"]["add"] > 0
+
+
+def test_the_machines_cpu_shares_come_from_proc_stat_ticks():
+    from syncplane.bench.worker import machine_cpu_shares, machine_cpu_ticks
+
+    before = machine_cpu_ticks("cpu  100 0 50 800 10 0 40 0 0 0\ncpu0 1 2 3\n")
+    after = machine_cpu_ticks("cpu  160 10 70 810 10 0 90 0 0 0\ncpu0 1 2 3\n")
+    # 150 ticks passed: 70 user (with nice), 70 kernel (20 system + 50 softirq), 10 idle
+    assert machine_cpu_shares(before, after) == pytest.approx({"busy": 140 / 150, "user": 70 / 150,
+                                                               "kernel": 70 / 150})
+    assert machine_cpu_shares(before, before)["busy"] == 0.0
+    live = machine_cpu_ticks()                               # this machine's, read for real
+    assert set(live) == {"user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"}
+    assert live["idle"] > 0
+
+
+@pytest.mark.parametrize("busy, drops, error, cause", [
+    (0.97, None, 0.0, "bound ratio < 0.8 (CPU 97 % busy: ranks 3.2 core-s/step, kernel 41 %)"),
+    (0.97, 12.0, 0.3, "bound ratio < 0.8; model error beyond ±10 % (CPU 97 % busy: ranks 3.2 core-s/step, "
+                      "kernel 41 %; 12 uplink drops/step)"),
+    (0.50, 12.0, 0.0, "bound ratio < 0.8 (12 uplink drops/step)"),
+    (0.50, 0.0, 0.0, "bound ratio < 0.8"),
+])
+def test_a_miss_names_what_was_measured_beside_it(busy, drops, error, cause):
+    row = {"status": "ok", "bound_ratio": 0.5, "model_error": error, "rank_cpu_s": 3.2, "uplink_drops": drops,
+           "machine_cpu": {"busy": busy, "user": busy - 0.41, "kernel": 0.41, "cores": 2}}
+    assert matrix.misses(row) == cause
+    assert matrix.misses({**row, "bound_ratio": 0.9, "model_error": 0.0}) == ""    # no miss: nothing to explain
+    text = markdown_table({"cluster": "x", "world_size": 2, "payload_bytes": 2**20,
+                           "results": [{**row, "strategy": "canary", "sync_s_median": 1.0}]})
+    assert f" {busy * 100:.0f} % | {cause} |" in text

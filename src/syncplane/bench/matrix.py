@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: The issue-34 targets a row is held against (its *misses* column names the ones it misses).
 BOUND_TARGET, MODEL_ERROR_TARGET = 0.8, 0.10
+#: a share of the machine's cores this busy over a row's timed steps names the CPU as a cause
+CPU_SATURATED = 0.9
 
 #: The report fields that must match for a new run's rows to join an existing profile JSON.
 SETTINGS_KEYS = ("payload_bytes", "compute_ms", "world_size")
@@ -288,6 +290,21 @@ def scoreboard_chart(report: dict[str, Any]) -> Any:
     return fig
 
 
+def measured_cause(row: dict[str, Any]) -> str:
+    """What was measured beside a row that misses a target ('' when nothing): the machine's
+    cores saturated (the bound prices the wire with free CPU, and the model prices the CPU
+    work at rates measured alone, shared by rank count), packets dropped at the rack uplinks
+    (TCP backs off and resends, which neither prices)."""
+    causes = []
+    cpu = row.get("machine_cpu")
+    if cpu and cpu["busy"] >= CPU_SATURATED:
+        causes.append(f"CPU {cpu['busy'] * 100:.0f} % busy: ranks {row['rank_cpu_s']:.1f} core-s/step, "
+                      f"kernel {cpu['kernel'] * 100:.0f} %")
+    if row.get("uplink_drops"):
+        causes.append(f"{row['uplink_drops']:.0f} uplink drops/step")
+    return "; ".join(causes)
+
+
 def misses(row: dict[str, Any]) -> str:
     """Which of the scoreboard's targets ``row`` misses, in words ('' when none)."""
     if row.get("status") != "ok":
@@ -297,7 +314,8 @@ def misses(row: dict[str, Any]) -> str:
         missed.append(f"bound ratio < {BOUND_TARGET:g}")
     if row.get("model_error") is not None and abs(row["model_error"]) > MODEL_ERROR_TARGET:
         missed.append(f"model error beyond ±{MODEL_ERROR_TARGET * 100:.0f} %")
-    return "; ".join(missed)
+    cause = measured_cause(row) if missed else ""
+    return "; ".join(missed) + (f" ({cause})" if cause else "")
 
 
 #: ``syncplane plan``'s targets against the bench: its pick within this of the best measured of
@@ -388,8 +406,8 @@ def markdown_table(report: dict[str, Any]) -> str:
              + (f", compute {report['compute_ms']:g} ms" if report.get("compute_ms") else "") + ")", "",
              f"{meta.get('created', '?')}, commit `{meta.get('commit') or '?'}`: `{meta.get('command', '?')}`", "",
              "| strategy | sync s | vs DDP | bound ratio | net bound ratio | model error | NIC MB/rank "
-             "| uplink drops/step | misses |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| uplink drops/step | CPU busy | misses |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in report["results"]:
         nic = r.get("nic_bytes_per_rank")
         lines.append(" | ".join([
@@ -397,6 +415,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             _fmt(r.get("bound_ratio"), ".2f"), _fmt(r.get("network_bound_ratio"), ".2f"),
             _fmt(r["model_error"] * 100 if r.get("model_error") is not None else None, "+.0f", " %"),
             _fmt(nic / 2**20 if nic is not None else None, ".1f"), _fmt(r.get("uplink_drops"), ".0f"),
+            _fmt(r["machine_cpu"]["busy"] * 100 if r.get("machine_cpu") else None, ".0f", " %"),
             misses(r)]) + " |")
     check = planner_lines(report)
     if check:

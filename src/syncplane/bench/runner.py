@@ -18,7 +18,10 @@ bound and prediction are then the exposed part, bound − hidden compute, at lea
 on this machine, ``syncplane.exchanges.cpu``, every rank sharing its cores) and
 ``model_error_wire`` (the error of the wire's price alone, without that part),
 ``switch_drops`` (packets each shaped switch port dropped per step, from ``tc -s``) and
-``uplink_drops`` (their rack uplinks' sum; None without uplinks), ``nic_bytes_by_host`` (bytes per
+``uplink_drops`` (their rack uplinks' sum; None without uplinks), ``rank_cpu_s`` (CPU seconds
+per step of every rank's process together) and ``machine_cpu`` (the shares of the machine's
+``cores`` that were ``busy``, in ``user`` code and in the ``kernel``, over the timed steps:
+on the emulator the ranks and the network's packet work share them), ``nic_bytes_by_host`` (bytes per
 step each host's NICs sent, NIC by NIC: how a host's traffic spread over them) and, in the report,
 ``ranks_per_host``.
 """
@@ -178,6 +181,9 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             if "switch_drops" in m:
                 row["switch_drops"] = m["switch_drops"]
                 row["uplink_drops"] = uplink_drops(m["switch_drops"])
+            if "cpu_s" in m:     # the CPU the timed steps took: every rank's own, and the whole machine's
+                row["rank_cpu_s"] = sum(m["cpu_s"])
+                row["machine_cpu"] = {**m["machine_cpu"], "cores": m["cores"]}
             if m.get("profile"):
                 row["profile"] = m["profile"]
         price_row(row, model, name, payload_bytes, compute_ms, periods.get(name, period), options, cpu)

@@ -6,7 +6,9 @@ given size. A step is: barrier, emulated compute (a timed wait: on a GPU cluster
 compute does not load the CPU that drives gloo), the sync. A strategy that overlaps its
 sync with part of the step (its spec's ``overlap``) launches it, computes that part, then waits; its
 sync time is what was left exposed: the step's wall time minus the compute. The sync
-time of a step is the slowest rank's. Rank 0 writes ``results.json`` beside the spec.
+time of a step is the slowest rank's. Rank 0 writes ``results.json`` beside the spec, with
+each rank's CPU seconds per step and what the whole machine's cores did meanwhile
+(``machine_cpu_shares``: on the emulator every rank and the network's kernel work share them).
 """
 
 from __future__ import annotations
@@ -55,6 +57,32 @@ def timed_step(sync: Any, payload: torch.Tensor, step: int, meter: CommMeter, wi
     return exposed
 
 
+#: /proc/stat's columns (after "cpu"), in clock ticks of all cores together
+PROC_STAT = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu_ticks(stat: str | None = None) -> dict[str, int]:
+    """The machine's CPU time so far by kind (``PROC_STAT``), all cores together, from
+    ``/proc/stat`` (or ``stat``, its text)."""
+    text = Path("/proc/stat").read_text() if stat is None else stat
+    fields = text.splitlines()[0].split()[1:len(PROC_STAT) + 1]
+    return dict(zip(PROC_STAT, map(int, fields)))
+
+
+def machine_cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """What the machine's cores did between two ``machine_cpu_ticks``, as shares of their
+    whole capacity: ``busy`` (all but idle and I/O wait), of it ``user`` (with nice: the ranks'
+    own code) and ``kernel`` (system, irq and softirq: syscalls and the emulated network's
+    packet work, wherever the kernel accounts it)."""
+    delta = {k: after[k] - before[k] for k in PROC_STAT}
+    total = sum(delta.values())
+    if total <= 0:
+        return {"busy": 0.0, "user": 0.0, "kernel": 0.0}
+    user = (delta["user"] + delta["nice"]) / total
+    kernel = (delta["system"] + delta["irq"] + delta["softirq"]) / total
+    return {"busy": 1 - (delta["idle"] + delta["iowait"]) / total, "user": user, "kernel": kernel}
+
+
 def _drops(spec: dict[str, Any], rank: int) -> dict[str, int] | None:
     """The switch ports' drop counters now (rank 0, when the spec names the namespace);
     None when they cannot be read: a diagnostic, not worth failing the bench for."""
@@ -100,6 +128,7 @@ def main(spec_path: str) -> None:
             phases.reset()      # the timed steps only
         times = []
         tx_before, drops_before = _nic_tx_bytes(), _drops(spec, rank)
+        ticks_before, cpu_before = machine_cpu_ticks(), time.process_time()
         for step in range(steps):
             dist.barrier()
             exposed = timed_step(sync, payload, warmup + step, meter, family.overlap.get(base), compute_s)
@@ -110,9 +139,11 @@ def main(spec_path: str) -> None:
         if finish is not None:
             finish()
         dist.barrier()
+        # this rank's CPU (every thread of its process) and the whole machine's, over the timed steps
+        cpu_s, shares = time.process_time() - cpu_before, machine_cpu_shares(ticks_before, machine_cpu_ticks())
         tx_after = _nic_tx_bytes()
         by_nic = {nic: (n - tx_before.get(nic, 0)) / steps for nic, n in tx_after.items()}
-        tx = torch.tensor([float(sum(by_nic.values())) * steps, float(meter.bytes_sent)], dtype=torch.float64)
+        tx = torch.tensor([float(sum(by_nic.values())) * steps, float(meter.bytes_sent), cpu_s], dtype=torch.float64)
         per_rank = [torch.zeros_like(tx) for _ in range(world)]
         dist.all_gather(per_rank, tx)
         nics: list[Any] = [None] * world
@@ -120,7 +151,9 @@ def main(spec_path: str) -> None:
         if period > 1:
             times = [sum(times[i:i + period]) / period for i in range(0, len(times) - period + 1, period)]
         results[name] = {"step_s": times, "comm_bytes": [float(t[1]) / steps for t in per_rank],
-                         "nic_tx_bytes": [float(t[0]) / steps for t in per_rank], "nic_tx_by_nic": nics}
+                         "nic_tx_bytes": [float(t[0]) / steps for t in per_rank], "nic_tx_by_nic": nics,
+                         "cpu_s": [float(t[2]) / steps for t in per_rank], "machine_cpu": shares,
+                         "cores": len(os.sched_getaffinity(0))}
         drops_after = _drops(spec, rank)
         if drops_before is not None and drops_after is not None:
             results[name]["switch_drops"] = {dev: (n - drops_before.get(dev, 0)) / steps
