@@ -304,9 +304,19 @@ def test_the_machines_cpu_shares_come_from_proc_stat_ticks():
 ])
 def test_a_miss_names_what_was_measured_beside_it(busy, drops, error, cause):
     row = {"status": "ok", "bound_ratio": 0.5, "model_error": error, "rank_cpu_s": 3.2, "uplink_drops": drops,
-           "machine_cpu": {"busy": busy, "user": busy - 0.41, "kernel": 0.41, "cores": 2}}
+           "machine_cpu": {"busy": busy, "user": busy - 0.41, "kernel": 0.41, "cores": 2},
+           "sync_s_median": 4.0, "bound_s": 2.0}     # 2 s above the bound, 1.6 s of the ranks' CPU per core
     assert matrix.misses(row) == cause
     assert matrix.misses({**row, "bound_ratio": 0.9, "model_error": 0.0}) == ""    # no miss: nothing to explain
     text = markdown_table({"cluster": "x", "world_size": 2, "payload_bytes": 2**20,
                            "results": [{**row, "strategy": "canary", "sync_s_median": 1.0}]})
     assert f" {busy * 100:.0f} % | {cause} |" in text
+
+
+def test_ranks_cpu_that_fills_the_gap_to_the_bound_is_named_when_the_cores_are_not_saturated():
+    row = {"status": "ok", "bound_ratio": 0.67, "model_error": 0.0, "rank_cpu_s": 1.6, "uplink_drops": None,
+           "machine_cpu": {"busy": 0.82, "user": 0.66, "kernel": 0.15, "cores": 2},
+           "sync_s_median": 1.726, "bound_s": 1.16}
+    assert matrix.misses(row) == ("bound ratio < 0.8 (ranks' CPU 1.6 core-s/step, 0.80 s on 2 cores: more than "
+                                  "the 0.57 s above the bound)")
+    assert matrix.misses({**row, "rank_cpu_s": 1.0}) == "bound ratio < 0.8"     # 0.50 s: not enough to say

@@ -292,14 +292,20 @@ def scoreboard_chart(report: dict[str, Any]) -> Any:
 
 def measured_cause(row: dict[str, Any]) -> str:
     """What was measured beside a row that misses a target ('' when nothing): the machine's
-    cores saturated (the bound prices the wire with free CPU, and the model prices the CPU
-    work at rates measured alone, shared by rank count), packets dropped at the rack uplinks
-    (TCP backs off and resends, which neither prices)."""
+    cores saturated, or the ranks' own CPU work long enough to fill the gap between the
+    measurement and the bound (the bound prices the wire with free CPU; the model prices the
+    CPU work at rates measured alone, shared by rank count); packets dropped at the rack
+    uplinks (TCP backs off and resends, which neither prices)."""
     causes = []
-    cpu = row.get("machine_cpu")
+    cpu, ranks_s = row.get("machine_cpu"), row.get("rank_cpu_s")
     if cpu and cpu["busy"] >= CPU_SATURATED:
-        causes.append(f"CPU {cpu['busy'] * 100:.0f} % busy: ranks {row['rank_cpu_s']:.1f} core-s/step, "
+        causes.append(f"CPU {cpu['busy'] * 100:.0f} % busy: ranks {ranks_s:.1f} core-s/step, "
                       f"kernel {cpu['kernel'] * 100:.0f} %")
+    elif cpu and row.get("bound_s") is not None and row.get("sync_s_median") is not None:
+        floor, gap = ranks_s / cpu["cores"], row["sync_s_median"] - row["bound_s"]
+        if 0 < gap <= floor and row["bound_ratio"] < BOUND_TARGET:
+            causes.append(f"ranks' CPU {ranks_s:.1f} core-s/step, {floor:.2f} s on {cpu['cores']} cores: "
+                          f"more than the {gap:.2f} s above the bound")
     if row.get("uplink_drops"):
         causes.append(f"{row['uplink_drops']:.0f} uplink drops/step")
     return "; ".join(causes)
