@@ -44,5 +44,7 @@ def test_auto_trains_digits_and_explains_its_choice(tmp_path: Path) -> None:
     assert auto["replan"]["refused"] is None and auto["replan"]["strategies"] == ["ddp", "flexreduce", "torch_fp16"]
     assert auto["replan"]["checks"] > 0
     assert all(r["best"]["strategy"] in {"ddp", "flexreduce"} for r in auto["replans"])
+    switches = "".join(f", {r['best']['label']} from step {r['step']}" for r in auto["replans"])
+    assert f"chose {auto['choice']['label']}{switches}" in result.stdout     # the run's table says what ran
     log = (run / "logs" / "rank0.log").read_text()
     assert f"strategy=auto (accept=exact): {auto['choice']['label']}, predicted" in log and "runner-up" in log

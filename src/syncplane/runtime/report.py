@@ -298,6 +298,14 @@ def _mfu(trainer: pl.Trainer, flops_per_s: float | None) -> float | None:
     return None if not peak else flops_per_s / (peak * trainer.world_size)
 
 
+def auto_line(auto: dict[str, Any]) -> str:
+    """What ``strategy=auto`` ran, in a line: its choice, then each re-planned switch."""
+    line = f"chose {auto['choice']['label']}"
+    for replan in auto.get("replans", []):
+        line += f", {replan['best']['label']} from step {replan['step']}"
+    return line
+
+
 def print_summary(summary: dict[str, Any], path: Path) -> None:
     """A rich table of the run's headline numbers, then where the full record is."""
     from rich.console import Console
@@ -309,7 +317,9 @@ def print_summary(summary: dict[str, Any], path: Path) -> None:
     table = Table(title=f"syncplane run: {summary['strategy']} on {summary['recipe']}", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
+    auto = (summary.get("strategy_details") or {}).get("auto")
     rows = [
+        *([("strategy=auto", auto_line(auto))] if auto else []),
         ("world size", str(summary["world_size"])),
         ("optimizer steps", str(summary["steps"])),
         ("val accuracy", fmt(summary["metrics"]["val_acc"], ".4f")),
