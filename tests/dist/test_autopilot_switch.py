@@ -1,5 +1,5 @@
 """``strategy=auto`` switches to another strategy while it trains, on real gloo ranks: DDP's
-all-reduce to FlexReduce's.
+all-reduce to FlexReduce's (exact class), and to torch's fp16 all-reduce (approximate class).
 
 Four ranks start with the choice ``ddp`` (accept ``exact``), as ``SwitchableDDP``. At each step
 boundary they re-probe for real (loopback, as two hosts of two ranks), then each rank puts its
@@ -113,3 +113,44 @@ def test_every_rank_switches_from_ddp_to_flexreduce_alike_and_keeps_ddps_model(t
         # the resume (after epoch 0, past the switch) keeps FlexReduce: bit-identical
         assert resumed["replans"] == whole["replans"]
         assert all(torch.equal(a, b) for a, b in zip(whole["params"], resumed["params"]))
+
+
+def _fp16_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
+    """Two ranks, ``accept=approximate``, starting with ``ddp`` on one host pair whose re-probe
+    finds 100 Mbit NICs: fp16's all-reduce (half the bytes) is then the fastest of the hooks."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    from syncplane.comm.process_groups import control_group
+    from syncplane.runtime import replan
+    from syncplane.runtime.autopilot import torch_broadcast
+    from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+
+    pair = parse_profile({"name": "pair", "racks": [{"name": "r0", "hosts": [
+        {"name": f"h{i}", "nic_mbit": 1000} for i in range(2)]}]})
+    reprobe = replan.Reprobe(pair, control_group)
+
+    def probe() -> Any:
+        data = reprobe().to_dict()
+        for host in data["racks"][0]["hosts"]:
+            host["nic_mbit"] = 100.0 * random.uniform(0.9, 1.1)
+        return parse_profile(data)
+
+    auto = {"accept": "approximate", "choice": {"strategy": "ddp", "kwargs": {}},
+            "inputs": {"cluster": "pair", "world_size": world,
+                       **asdict(PlanInputs(PAYLOAD, 0.0, strategies=("ddp", "flexreduce", "torch_fp16")))}}
+    replanner = replan.Replanner(auto, 1e-9, probe, torch_broadcast(), rank)
+    strategy = replanner.build(TorchElasticEnvironment(), None)
+    torch.manual_seed(7)
+    model = TinyRegressor()
+    trainer_for(strategy, tmp_dir, max_steps=4, limit_val_batches=0, callbacks=[replanner]).fit(model, RegressionData())
+    return {"replans": [(r["step"], r["best"]["strategy"]) for r in auto["replans"]], "running": strategy.current,
+            "sent": strategy.comm_meter.bytes_sent, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_an_approximate_job_switches_from_ddp_to_fp16s_all_reduce_and_keeps_one_model(tmp_path) -> None:
+    first, second = run_distributed(_fp16_rank, 2, str(tmp_path))
+    assert first["replans"] == second["replans"] == [(1, "torch_fp16")]
+    assert first["running"] == second["running"] == "torch_fp16"
+    # the bytes a ring sends of the model's 49 gradients: one step in fp32 under DDP, then three in fp16
+    assert first["sent"] == second["sent"] == 49 * 4 + 3 * 49 * 2
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"])), "one model on every rank"
