@@ -40,8 +40,8 @@ def test_auto_trains_digits_and_explains_its_choice(tmp_path: Path) -> None:
     assert auto["inputs"]["cpu"]["sharing"] == 2 / len(os.sched_getaffinity(0)) and auto["inputs"]["tcp"] == "emulated"
     assert auto["inputs"]["cpu"]["per_element"]["add"] > 0
     assert summary["steps"] > 0 and summary["metrics"]["val_acc"] > 0.3
-    # re-planned on a re-probe (loopback) while it trained: an exact choice may switch among the exact hooks
-    assert auto["replan"]["refused"] is None and auto["replan"]["strategies"] == ["ddp", "flexreduce", "torch_fp16"]
+    # re-planned on a re-probe (loopback) while it trained: an exact choice may switch to the other exact hook
+    assert auto["replan"]["refused"] is None and auto["replan"]["strategies"] == ["ddp", "flexreduce"]   # exact only
     assert auto["replan"]["checks"] > 0
     assert all(r["best"]["strategy"] in {"ddp", "flexreduce"} for r in auto["replans"])
     switches = "".join(f", {r['best']['label']} from step {r['step']}" for r in auto["replans"])

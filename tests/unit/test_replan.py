@@ -162,3 +162,12 @@ def test_a_checkpoints_exchange_settings_are_checked_on_resume_and_old_ones_pass
     with pytest.raises(ValueError, match=r"ran shards=4 .*this run has shards=1.*strategy.kwargs.shards=4 "
                                          r"strategy.kwargs.exchange=mesh strategy.kwargs.compression=none"):
         check_exchange_resumed({"exchange_ran": ran}, {**ran, "shards": 1})
+
+
+@pytest.mark.parametrize("accept,listed,offered", [
+    ("exact", None, ("ddp", "flexreduce")), ("approximate", None, ("ddp", "flexreduce", "torch_fp16")),
+    ("approximate", ("ddp", "torch_fp16"), ("ddp", "torch_fp16"))])
+def test_a_replan_prices_what_the_job_may_switch_to_of_its_list_and_class(accept, listed, offered) -> None:
+    fake = Fake("ddp", {})
+    fake.replanner.auto.update(accept=accept, inputs={"strategies": listed})
+    assert fake.replanner._offered() == offered

@@ -183,7 +183,7 @@ class Replanner(Callback):
         self.kwargs: dict[str, Any] = dict(auto["choice"]["kwargs"])
         self.refused = not_switchable(self.strategy, self.kwargs)
         auto["replan"] = {"every_s": every_s, "faster": FASTER, "refused": self.refused, "checks": 0,
-                          "strategies": list(reachable(self.strategy)) if self.refused is None else [],
+                          "strategies": list(self._offered()) if self.refused is None else [],
                           "switchable": list(SWITCHABLE.get(self.strategy, ())) if self.refused is None else []}
         auto["replans"] = []
         if self.refused is not None:
@@ -232,6 +232,16 @@ class Replanner(Callback):
             return None
         return SwitchableDDP(self.strategy, self.kwargs, job=job, cluster_environment=cluster_environment)
 
+    def _offered(self) -> tuple[str, ...]:
+        """The strategies a re-plan prices: those the running one can reach, of the job's own
+        list if it named one, and of its accuracy class (``exact``: DDP's result only)."""
+        from syncplane.algorithms import spec_for
+
+        allowed = self.auto.get("inputs", {}).get("strategies")
+        exact_only = self.auto.get("accept") == "exact"
+        return tuple(s for s in reachable(self.strategy) if (not allowed or s in allowed)
+                     and (not exact_only or s == self.strategy or s in spec_for(s).exact))
+
     def _switches(self) -> str:
         return (f"strategies {', '.join(reachable(self.strategy))}, settings "
                 f"{', '.join(SWITCHABLE.get(self.strategy, ())) or 'none'}")
@@ -271,9 +281,7 @@ class Replanner(Callback):
     def decide(self, profile: ClusterProfile, step: int) -> dict[str, Any]:
         """Rank 0's decision on ``profile``: the agreed start-up inputs, the candidates the
         running strategy can reach only, priced by the plan."""
-        allowed = self.auto["inputs"].get("strategies")     # the job's own list, if it named one
-        inputs = {**self.auto["inputs"], "strategies": tuple(s for s in reachable(self.strategy)
-                                                             if not allowed or s in allowed)}
+        inputs = {**self.auto["inputs"], "strategies": self._offered()}
         inputs.pop("cluster"), inputs.pop("world_size")
         plan = make_plan(profile, PlanInputs(**inputs))
         return {"step": step, "cluster": profile.name,
