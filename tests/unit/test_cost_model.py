@@ -230,6 +230,17 @@ def test_emulated_goodput_follows_the_link_rate_between_measured_points():
     assert model.phase_time([(0, 4, 50e6)]) == pytest.approx(50e6 / (100 * MBIT * 0.86))
 
 
+def test_the_per_flow_loss_stops_growing_at_six_flows_on_a_link():
+    import numpy as np
+
+    from syncplane.cluster.cost import EMULATED_TCP, MBIT
+
+    rate = np.array([100 * MBIT])
+    share = {n: float(EMULATED_TCP.factor(np.array([float(n)]), rate)[0]) for n in (1, 2, 4, 6, 7, 16)}
+    assert share[2] == pytest.approx(0.86 / 1.06) and share[4] == pytest.approx(0.86 / 1.18)   # as measured
+    assert share[6] == share[7] == share[16] == pytest.approx(0.86 / 1.30)
+
+
 def test_hierarchical_gossip_sends_the_bytes_between_two_ranks_as_one_flow():
     from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps
 
