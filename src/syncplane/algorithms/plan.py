@@ -67,6 +67,11 @@ def check_accept(value: Any, key: str = "strategy.kwargs.accept") -> str:
     return str(value)
 
 
+def accepts(accept: str, exact: bool) -> bool:
+    """Whether ``accept``'s class takes a candidate that is ``exact`` (DDP's result) or not."""
+    return exact or accept == "approximate"
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """Everything a plan depends on (written to ``strategy_details.auto.inputs``)."""
@@ -146,7 +151,7 @@ class Plan:
     def ranked(self, accept: str) -> list[Candidate]:
         """The candidates ``accept`` allows (``exact``: DDP's result only; ``approximate``: any)."""
         check_accept(accept, "accept")
-        return [c for c in self.candidates if c.exact or accept == "approximate"]
+        return [c for c in self.candidates if accepts(accept, c.exact)]
 
     def best(self, accept: str) -> Candidate:
         """The candidate ``accept`` allows that the plan chooses (``choose_candidate``: the

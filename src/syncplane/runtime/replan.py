@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from lightning.pytorch.callbacks import Callback
 
-from syncplane.algorithms.plan import Candidate, PlanInputs, make_plan
+from syncplane.algorithms.plan import Candidate, PlanInputs, accepts, make_plan
 from syncplane.cluster.probe import Topology, from_profile, measure_flow_caps, measure_pairs
 from syncplane.cluster.profile import ClusterProfile, parse_profile
 from syncplane.strategies.switching import MEMBERS, SwitchableDDP
@@ -91,7 +91,7 @@ def choose_switch(candidates: list[Candidate], strategy: str, kwargs: Mapping[st
     faster. The current one must be among ``candidates``."""
     fixed = fixed_part(strategy, kwargs)
     same = [c for c in candidates if c.strategy in reachable(strategy) and fixed_part(c.strategy, c.kwargs) == fixed
-            and (c.exact or accept != "exact")]
+            and accepts(accept, c.exact)]
     current = next((c for c in candidates if c.strategy == strategy and c.kwargs == dict(kwargs)), None)
     if current is None:
         raise ValueError(f"the running {strategy} {dict(kwargs)} is not among the plan's candidates")
@@ -238,9 +238,9 @@ class Replanner(Callback):
         from syncplane.algorithms import spec_for
 
         allowed = self.auto.get("inputs", {}).get("strategies")
-        exact_only = self.auto.get("accept") == "exact"
+        accept = self.auto.get("accept", "approximate")
         return tuple(s for s in reachable(self.strategy) if (not allowed or s in allowed)
-                     and (not exact_only or s == self.strategy or s in spec_for(s).exact))
+                     and accepts(accept, s in spec_for(s).exact))
 
     def _switches(self) -> str:
         return (f"strategies {', '.join(reachable(self.strategy))}, settings "
