@@ -33,20 +33,15 @@ def pair_profile(per_flow_mbit: float | None) -> Any:
 def changed_link_probe(probed: list[float]) -> Any:
     """The real collective re-probe (loopback), then the changed link: each rank's own fresh
     noise on the NIC rates (appended to ``probed``) and every flow capped at 50 Mbit."""
-    from syncplane.comm.process_groups import control_group
-    from syncplane.runtime import replan
+    from tests.helpers.reprobe import changed_reprobe
 
-    reprobe = replan.Reprobe(pair_profile(per_flow_mbit=None), control_group)
     noise = random.Random()           # fresh, different on every rank
 
-    def probe() -> Any:
-        data = reprobe().to_dict()
-        for host in data["racks"][0]["hosts"]:
-            host["nic_mbit"] *= noise.uniform(0.7, 1.3)
-            host["per_flow_mbit"] = 50.0
-            probed.append(host["nic_mbit"])
-        return parse_profile(data)
-    return probe
+    def capped(host: dict[str, Any]) -> None:
+        host["nic_mbit"] *= noise.uniform(0.7, 1.3)
+        host["per_flow_mbit"] = 50.0
+        probed.append(host["nic_mbit"])
+    return changed_reprobe(pair_profile(per_flow_mbit=None), capped)
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:

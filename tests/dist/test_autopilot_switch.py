@@ -32,18 +32,13 @@ def two_hosts() -> Any:
 
 def slow_host_probe() -> Any:
     """The real collective re-probe, then each rank's own noise and h1's NIC at 100 Mbit."""
-    from syncplane.comm.process_groups import control_group
-    from syncplane.runtime import replan
+    from tests.helpers.reprobe import changed_reprobe
 
-    reprobe = replan.Reprobe(two_hosts(), control_group)
     noise = random.Random()
 
-    def probe() -> Any:
-        data = reprobe().to_dict()
-        for host in data["racks"][0]["hosts"]:
-            host["nic_mbit"] = (100.0 if host["name"] == "h1" else 1000.0) * noise.uniform(0.9, 1.1)
-        return parse_profile(data)
-    return probe
+    def slow_h1(host: dict[str, Any]) -> None:
+        host["nic_mbit"] = (100.0 if host["name"] == "h1" else 1000.0) * noise.uniform(0.9, 1.1)
+    return changed_reprobe(two_hosts(), slow_h1)
 
 
 def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
@@ -120,20 +115,14 @@ def _fp16_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     finds 100 Mbit NICs: fp16's all-reduce (half the bytes) is then the fastest of the hooks."""
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
-    from syncplane.comm.process_groups import control_group
     from syncplane.runtime import replan
     from syncplane.runtime.autopilot import torch_broadcast
     from tests.helpers.models import RegressionData, TinyRegressor, trainer_for
+    from tests.helpers.reprobe import changed_reprobe
 
     pair = parse_profile({"name": "pair", "racks": [{"name": "r0", "hosts": [
         {"name": f"h{i}", "nic_mbit": 1000} for i in range(2)]}]})
-    reprobe = replan.Reprobe(pair, control_group)
-
-    def probe() -> Any:
-        data = reprobe().to_dict()
-        for host in data["racks"][0]["hosts"]:
-            host["nic_mbit"] = 100.0 * random.uniform(0.9, 1.1)
-        return parse_profile(data)
+    probe = changed_reprobe(pair, lambda host: host.update(nic_mbit=100.0 * random.uniform(0.9, 1.1)))
 
     auto = {"accept": "approximate", "choice": {"strategy": "ddp", "kwargs": {}},
             "inputs": {"cluster": "pair", "world_size": world,
