@@ -49,7 +49,8 @@ def test_the_matrix_command_writes_one_json_and_table_per_profile_and_resumes(tm
             assert row["uplink_drops"] >= 0 and set(row["switch_drops"]) >= {"upl0r", "upl0c", "upl1r", "upl1c"}
             # the CPU the timed steps took: the ranks' own, and the machine's cores (shares of them)
             assert row["rank_cpu_s"] > 0 and row["machine_cpu"]["cores"] >= 1
-            assert 0 < row["machine_cpu"]["busy"] <= 1 and row["machine_cpu"]["user"] + row["machine_cpu"]["kernel"] \
+            # (a one-step window of a tiny payload may be shorter than one clock tick of /proc/stat: 0)
+            assert 0 <= row["machine_cpu"]["busy"] <= 1 and row["machine_cpu"]["user"] + row["machine_cpu"]["kernel"] \
                 <= row["machine_cpu"]["busy"] + 1e-9
         table = [line for line in (out / "matrix_racks.md").read_text().splitlines() if line.startswith("|")]
         assert len(table) == 4 and len({line.count("|") for line in table}) == 1
