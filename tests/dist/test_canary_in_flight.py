@@ -15,7 +15,7 @@ import torch
 
 from tests.dist.test_canary_nested import _profile
 from tests.helpers.distributed import run_distributed
-from tests.helpers.models import colayer_grads
+from tests.helpers.models import assert_fp32_mean, colayer_grads
 
 SIZES = [1031, 16, 3000, 517, 2048]     # five colayers: every lane takes several, in turn
 STEPS = 3
@@ -93,9 +93,9 @@ def test_colayers_in_flight_give_the_serial_bits_and_the_dense_mean(tmp_path, la
     for step in range(STEPS):
         grads = colayer_grads(world, test_seed, SIZES, step)
         for c in range(len(SIZES)):
-            dense = torch.stack([grads[r][c].double() for r in range(world)]).mean(0)
+            inputs = [grads[r][c] for r in range(world)]
             for rank in range(world):
                 for in_flight in IN_FLIGHT:
                     got = results[rank]["none", in_flight][0][step][c]
-                    torch.testing.assert_close(got.double(), dense, rtol=1e-6, atol=1e-6)
+                    assert_fp32_mean(got, inputs, (rank, in_flight, step, c))
                     assert torch.equal(got, results[0]["none", 1][0][step][c])

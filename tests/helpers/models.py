@@ -73,3 +73,18 @@ def colayer_grads(world: int, seed: int, sizes: list[int], step: int = 0) -> lis
             colayers.append(x)
         out.append(colayers)
     return out
+
+
+def assert_fp32_mean(got: torch.Tensor, inputs: list[torch.Tensor], msg: object = None) -> None:
+    """``got`` is the mean of the fp32 ``inputs`` summed in fp32 in some order: within the
+    summation's rounding bound of the float64 mean, n·eps·mean|x| per element (twice the
+    worst case), not a fixed tolerance, which heavy-tailed inputs that cancel can exceed
+    without any bug. A missing or doubled input is off by |x|/n, far outside the bound."""
+    stacked = torch.stack([x.double() for x in inputs])
+    dense = stacked.mean(0)
+    bound = len(inputs) * torch.finfo(torch.float32).eps * stacked.abs().mean(0) + 1e-12
+    err = (got.double() - dense).abs()
+    worst = int(torch.argmax(err / bound))
+    assert bool((err <= bound).all()), (f"{msg}: " if msg is not None else "") + (
+        f"element {worst}: {float(got.flatten()[worst])} against the mean {float(dense.flatten()[worst])}, "
+        f"off by {float(err.flatten()[worst]):.3g} > the fp32 bound {float(bound.flatten()[worst]):.3g}")
