@@ -4,6 +4,7 @@ counters read from ``tc -s`` text. The real run is tests/cluster/test_bench_matr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -119,10 +120,19 @@ def test_a_failed_strategy_gets_a_row_and_the_rest_of_the_profile_still_runs(tmp
     assert rows["awc"]["status"] == rows["canary"]["status"] == rows["ddp"]["status"] == "ok"
     # the next invocation retries only the failed cell
     fake.fail.clear()
-    run_matrix(settings(tmp_path, ["atc", "awc", "canary"]))
+    retry = dataclasses.replace(settings(tmp_path, ["atc", "awc", "canary"]), command="syncplane bench --matrix (retry)")
+    run_matrix(retry)
     assert fake.calls[-1] == ["ddp", "atc"]
     report = json.loads((tmp_path / "fake_racks.json").read_text())
     assert all(r["status"] == "ok" for r in report["results"])
+    # both runs are said, in order, in the JSON and in the table's heading
+    assert [run["command"] for run in report["meta"]["runs"]] == ["syncplane bench --matrix (test)",
+                                                                 "syncplane bench --matrix (retry)"]
+    heading = (tmp_path / "fake_racks.md").read_text().splitlines()[2]
+    assert heading.startswith("Runs: ") and heading.index("(test)") < heading.index("(retry)")
+    # a file from before the runs were kept: its one run, from its meta
+    legacy = {"created": "2026-01-01T10:00:00", "commit": "abc1234", "command": "syncplane bench --matrix"}
+    assert matrix.run_history(legacy) == [legacy] and matrix.run_history({}) == []
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt(), JobStopped("stopped by SIGTERM; the ranks were ended")])
@@ -293,6 +303,21 @@ def test_the_machines_cpu_shares_come_from_proc_stat_ticks():
     live = machine_cpu_ticks()                               # this machine's, read for real
     assert set(live) == {"user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"}
     assert live["idle"] > 0
+
+
+@pytest.mark.parametrize("warmup, sync_warmup, steps, period", [(1, 0, 3, 10), (0, 1, 3, 10), (2, 0, 5, 3),
+                                                                   (1, 0, 5, 1), (0, 0, 3, 10), (12, 0, 20, 10)])
+def test_a_periodic_syncs_warmup_runs_a_whole_round_and_the_timed_steps_whole_rounds(warmup, sync_warmup, steps, period):
+    from syncplane.bench.worker import step_counts
+
+    untimed, timed = step_counts(warmup, sync_warmup, steps, period)
+    rounds = [s for s in range(untimed + timed) if (s + 1) % period == 0]   # where DiLoCo's rounds fall
+    assert untimed % period == 0 and timed % period == 0 and timed >= steps
+    assert len([s for s in rounds if s >= untimed]) == timed // period      # the timed steps: whole rounds
+    if max(warmup, sync_warmup) > 0:                  # a warm-up asked for: the first round is in it
+        assert rounds[0] < untimed
+    else:
+        assert untimed == 0
 
 
 @pytest.mark.parametrize("busy, drops, error, cause", [

@@ -243,8 +243,8 @@ def _write_profile(path: Path, profile: ClusterProfile, settings: MatrixSettings
               "cluster": profile.name, "world_size": profile.world_size, "payload_bytes": settings.payload_bytes,
               "compute_ms": settings.compute_ms, "steps": report.get("steps", settings.steps),
               "results": merge_rows(existing, rows, ["ddp", *settings.strategies])}
-    merged["meta"] = {"created": created, "commit": git_commit(Path(__file__).parent),
-                      "command": settings.command}
+    run = {"created": created, "commit": git_commit(Path(__file__).parent), "command": settings.command}
+    merged["meta"] = {**run, "runs": [*run_history((existing or {}).get("meta", {})), run]}
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=2) + "\n")
     path.with_suffix(".md").write_text(markdown_table(merged))
@@ -405,12 +405,23 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 
 
+def run_history(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs that wrote a profile's file, oldest first (``meta.runs``; a file from before
+    it was kept: its one run, from ``meta`` itself)."""
+    if "runs" in meta:
+        return list(meta["runs"])
+    return [{k: meta.get(k) for k in ("created", "commit", "command")}] if meta.get("command") else []
+
+
 def markdown_table(report: dict[str, Any]) -> str:
-    """One profile's scoreboard: a heading with how it was made, then a row per strategy."""
+    """One profile's scoreboard: a heading with how it was made (every run, where a resumed
+    or partly re-run matrix wrote it), then a row per strategy."""
     meta = report.get("meta", {})
+    made = [f"{run.get('created', '?')}, commit `{run.get('commit') or '?'}`: `{run.get('command', '?')}`"
+            for run in run_history(meta) or [meta]]
     lines = [f"### `{report['cluster']}` ({report['world_size']} ranks, {report['payload_bytes'] / 2**20:.1f} MB"
              + (f", compute {report['compute_ms']:g} ms" if report.get("compute_ms") else "") + ")", "",
-             f"{meta.get('created', '?')}, commit `{meta.get('commit') or '?'}`: `{meta.get('command', '?')}`", "",
+             *(made if len(made) == 1 else [f"Runs: {'; '.join(made)}"]), "",
              "| strategy | sync s | vs DDP | bound ratio | net bound ratio | model error | NIC MB/rank "
              "| uplink drops/step | CPU busy | misses |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -57,6 +57,16 @@ def timed_step(sync: Any, payload: torch.Tensor, step: int, meter: CommMeter, wi
     return exposed
 
 
+def step_counts(warmup: int, sync_warmup: int, steps: int, period: int) -> tuple[int, int]:
+    """Untimed and timed steps for a sync with rounds of ``period`` steps: both in whole
+    periods (a schedule's may exceed ``--steps``), so that a warm-up of one step or more
+    runs a whole round -- a periodic sync's first round pays its one-off costs (the first
+    touch of its buffers, the optimizer's state, the exchange's first use), which the timed
+    rounds must not -- and the timed steps start on a round's boundary."""
+    warmup = max(warmup, sync_warmup)
+    return -(-warmup // period) * period, -(-steps // period) * period
+
+
 #: /proc/stat's columns (after "cpu"), in clock ticks of all cores together
 PROC_STAT = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
@@ -117,10 +127,9 @@ def main(spec_path: str) -> None:
         family = algorithms.spec_for(base)
         sync = family.bench_step(base, {**spec, **settings, "period": spec["periods"].get(name, 1)}, job)   # its H
         period = getattr(sync, "period", 1)   # periodic syncs are amortized over their rounds
-        steps = -(-spec["steps"] // period) * period      # whole periods (a schedule's may exceed --steps)
+        warmup, steps = step_counts(spec["warmup"], getattr(sync, "warmup", 0), spec["steps"], period)
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         meter = CommMeter()
-        warmup = max(spec["warmup"], getattr(sync, "warmup", 0))
         for step in range(warmup):
             sync(payload, step, CommMeter())
         phases = getattr(sync, "profile", None) if spec.get("profile") else None
