@@ -41,6 +41,13 @@ def spec_for(name: str) -> AlgorithmSpec:
         raise KeyError(f"{name!r} {state}; implemented: {', '.join(_BY_NAME)}") from None
 
 
+def is_exact(label: str) -> bool:
+    """Whether the strategy of ``label`` (``NAME`` or a ``variant``) gives DDP's result: its
+    family's ``AlgorithmSpec.exact`` names it (the plan's exact class)."""
+    name = variant(label)[0]
+    return name in spec_for(name).exact
+
+
 def variant(label: str) -> tuple[str, dict[str, Any]]:
     """A bench or simulate row's strategy and settings: ``NAME`` or ``NAME[key=value,...]``
     (``diloco[replica=node,shards=2]``), the values as numbers where they read as one. The

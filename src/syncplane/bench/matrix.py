@@ -335,15 +335,14 @@ def planner_check(report: dict[str, Any]) -> list[dict[str, Any]]:
     fastest *predicted*, or DDP within its margin; the rows' ``predicted_s`` is
     ``plan.price``'s), the fastest *measured*, how much slower the
     pick measured than that, and which rows' predictions miss by more than ``PREDICTION_TARGET``."""
-    from syncplane.algorithms import spec_for, variant
+    from syncplane.algorithms import is_exact
     from syncplane.algorithms.plan import accepts, choose_candidate
 
     rows = [r for r in report["results"] if r.get("status") == "ok" and r.get("predicted_s") is not None
             and r.get("sync_s_median")]
     out = []
     for accept in ("exact", "approximate"):
-        allowed = [r for r in rows if accepts(accept, variant(r["strategy"])[0] in
-                                              spec_for(variant(r["strategy"])[0]).exact)]
+        allowed = [r for r in rows if accepts(accept, is_exact(r["strategy"]))]
         if not allowed:
             continue
         ranked = sorted(allowed, key=lambda r: r["predicted_s"])

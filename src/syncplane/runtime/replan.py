@@ -235,12 +235,12 @@ class Replanner(Callback):
     def _offered(self) -> tuple[str, ...]:
         """The strategies a re-plan prices: those the running one can reach, of the job's own
         list if it named one, and of its accuracy class (``exact``: DDP's result only)."""
-        from syncplane.algorithms import spec_for
+        from syncplane.algorithms import is_exact
 
         allowed = self.auto.get("inputs", {}).get("strategies")
         accept = self.auto.get("accept", "approximate")
         return tuple(s for s in reachable(self.strategy) if (not allowed or s in allowed)
-                     and accepts(accept, s in spec_for(s).exact))
+                     and accepts(accept, is_exact(s)))
 
     def _switches(self) -> str:
         return (f"strategies {', '.join(reachable(self.strategy))}, settings "
