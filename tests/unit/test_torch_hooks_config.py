@@ -50,14 +50,40 @@ def test_powersgd_is_priced_as_three_chained_all_reduces_uncompressed_then_p_the
 
 def test_the_hooks_cpu_is_every_element_through_a_step_timed_on_this_machine() -> None:
     from syncplane.algorithms.torch_hooks import hook_cpu
-    from syncplane.algorithms.torch_hooks.timing import hook_op, seconds_per_element
+    from syncplane.algorithms.torch_hooks.timing import TIMED_MAX_ELEMENTS, hook_op, seconds_per_element
 
     work = hook_cpu("torch_powersgd", load_profile("local"), 4.0 * 5000, CostOptions())
-    op = hook_op("torch_powersgd", 1)
+    op = hook_op("torch_powersgd", 1, 5000)
     assert work.elements == {op: 5000} and set(work.timers) == {op}
+    # a payload past the timed size is timed at it, and its op says so
+    big = hook_cpu("torch_fp16", load_profile("local"), 4.0 * 3 * TIMED_MAX_ELEMENTS, CostOptions())
+    assert big.elements == {hook_op("torch_fp16", 1, TIMED_MAX_ELEMENTS): 3 * TIMED_MAX_ELEMENTS}
+    assert hook_op("torch_fp16", 1, 10) != hook_op("torch_fp16", 1, 20) != hook_op("torch_powersgd", 1, 20)
     # the real step, in a child process with its own one-rank group: a time, not a stub
     seconds = seconds_per_element("torch_powersgd", 1, 2560 * 16 + 10)
     assert 0 < seconds < 1e-3
+
+
+def test_a_hook_is_timed_on_the_payload_it_prices_capped(monkeypatch) -> None:
+    from syncplane.algorithms.torch_hooks import hook_cpu, timing
+    from syncplane.exchanges.cpu import calibrate
+
+    sizes: list[int] = []
+    monkeypatch.setattr(timing, "seconds_per_element", lambda name, rank, numel: sizes.append(numel) or 1e-9)
+    for elements in (5000, 2 * timing.TIMED_MAX_ELEMENTS):
+        calibrate(hook_cpu("torch_powersgd", load_profile("local"), 4.0 * elements, CostOptions()), cache=None,
+                  numel=4096)
+    assert sizes == [5000, timing.TIMED_MAX_ELEMENTS]
+
+
+def test_the_bench_times_warm_hook_steps_only() -> None:
+    """DDP rebuilds its buckets after step one; PowerSGD compresses from ``start_powerSGD_iter``
+    and its first compressed step allocates its state: neither is timed."""
+    from syncplane.algorithms.torch_hooks import TorchHookStep
+
+    assert TorchHookStep("torch_fp16", {}).warmup == 2
+    powersgd = TorchHookStep("torch_powersgd", {})
+    assert powersgd.warmup == powersgd.config.start_powerSGD_iter + 1
 
 
 def test_fp16_rides_ddps_buckets_over_the_nics_as_ddp_does() -> None:

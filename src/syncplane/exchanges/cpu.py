@@ -167,7 +167,9 @@ def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sha
     """``CpuRates`` for ``add``, the codecs ``work`` names and its timed ops, on this machine:
     read from ``cache`` (a JSON file, one entry per ``machine_key``) where measured before,
     else measured now (about a second per codec or timer) and written back. ``cache=None`` measures
-    without keeping."""
+    without keeping. Codecs are measured on ``numel`` elements; a timed op on the elements
+    ``work`` passes through it (``numel`` where none: a routine's cost per element may depend
+    on its size, so its op's name should carry the size it stands for)."""
     codecs = list(work.codecs.values())
     wanted = {ADD, *(op for c in codecs if not isinstance(c, Fp32) for op in (encode_op(c), decode_op(c))),
               *work.timers}
@@ -182,7 +184,7 @@ def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sha
     timed = [op for op in work.timers if op not in mine]
     if ADD not in mine or todo or timed:
         measured = measure(todo, numel)
-        measured.update({op: work.timers[op](numel) for op in timed})
+        measured.update({op: work.timers[op](int(work.elements[op]) or numel) for op in timed})
         log.info("cpu rates: measured %s", ", ".join(f"{op} {s * 1e9:.2f} ns/elem" for op, s in measured.items()))
         mine.update(measured)
         if cache is not None:

@@ -16,7 +16,7 @@ from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
-from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer
+from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements
 from syncplane.cluster.cost import Phase, bucket_streams, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm import DEFAULT_BUCKET_BYTES
@@ -43,10 +43,12 @@ def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options:
 
 def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
     """Every element of the payload through torch's DDP step with the hook (``timing``: the
-    reducer's copies and the hook's own work, timed as the bench runs them)."""
+    reducer's copies and the hook's own work, timed as the bench runs them, on the payload's
+    own size)."""
     rank = HookConfig(name=name).matrix_approximation_rank
-    op = hook_op(name, rank)
-    return CpuWork(Counter({op: max(1, int(payload_bytes // 4))}), timers={op: hook_timer(name, rank)})
+    elements = max(1, int(payload_bytes // 4))
+    op = hook_op(name, rank, timed_elements(elements))
+    return CpuWork(Counter({op: elements}), timers={op: hook_timer(name, rank)})
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> TorchHookStep:

@@ -57,7 +57,10 @@ class TorchHookStep:
 
     def __init__(self, name: str, options: Mapping[str, Any]) -> None:
         self.config = HookConfig(name=name, matrix_approximation_rank=int(options.get("powersgd_rank") or 1))
-        self.warmup = self.config.start_powerSGD_iter if name == "torch_powersgd" else 0
+        # untimed steps: torch's DDP rebuilds its buckets after its first step, and PowerSGD's
+        # first compressed step allocates its error feedback and its P and Q (a cold step,
+        # 1.5-3x a warm one on this payload); the timed steps are warm ones
+        self.warmup = (self.config.start_powerSGD_iter if name == "torch_powersgd" else 1) + 1
         self._model: DistributedDataParallel | None = None
         self._numel = -1
         # one long-lived thread (not one per step: the soak counts threads)
