@@ -11,15 +11,15 @@ alone. The child's gloo listens on loopback only.
 
 What is timed is the step's **CPU seconds** (every thread of the process), on the payload's
 own size up to ``TIMED_MAX_ELEMENTS``: once a payload spans several of DDP's buckets, the
-reducer works on one bucket while the backward fills the next, on two threads. Measured on
-the ResNet-50 payload (25.5 M elements, four buckets): 0.19 s of wall time but 0.225 s of
-CPU, against 6.5 ns per element (0.165 s) on one bucket of 1 M elements, where the old
-timing ran. Ranks that share cores (the emulator) pay the CPU seconds; the wall time priced
-them 30-40 % short. A rank with cores of its own may run the step up to that overlap faster.
+reducer works on one bucket while the backward fills the next, on two threads, and costs
+more per element than on one bucket. Ranks that share cores (the emulator) pay the CPU
+seconds, not the wall time; a rank with cores of its own may run the step somewhat faster
+than priced. Measurements: ``docs/benchmarks.md``, "torch's hooks priced by their CPU seconds".
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -51,7 +51,11 @@ def hook_op(name: str, rank: int, elements: int) -> str:
 
 def hook_timer(name: str, rank: int) -> Timer:
     """Times ``name``'s step on the elements it is given, capped by ``timed_elements``."""
-    return lambda numel: seconds_per_element(name, rank, timed_elements(numel))
+    return functools.partial(_time_capped, name, rank)
+
+
+def _time_capped(name: str, rank: int, numel: int) -> float:
+    return seconds_per_element(name, rank, timed_elements(numel))
 
 
 def seconds_per_element(name: str, rank: int, numel: int) -> float:
