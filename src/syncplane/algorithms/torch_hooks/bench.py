@@ -58,8 +58,8 @@ class TorchHookStep:
     def __init__(self, name: str, options: Mapping[str, Any]) -> None:
         self.config = HookConfig(name=name, matrix_approximation_rank=int(options.get("powersgd_rank") or 1))
         # untimed steps: torch's DDP rebuilds its buckets after its first step, and PowerSGD's
-        # first compressed step allocates its error feedback and its P and Q (a cold step,
-        # 1.5-3x a warm one on this payload); the timed steps are warm ones
+        # first compressed step allocates its error feedback and its P and Q; the timed steps
+        # are warm ones
         self.warmup = (self.config.start_powerSGD_iter if name == "torch_powersgd" else 1) + 1
         self._model: DistributedDataParallel | None = None
         self._numel = -1

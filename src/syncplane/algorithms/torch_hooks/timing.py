@@ -40,7 +40,7 @@ TIMED_MAX_ELEMENTS = 4 * DEFAULT_BUCKET_BYTES // 4
 
 def timed_elements(elements: int) -> int:
     """The size a payload of ``elements`` has its hook's step timed on."""
-    return max(1, min(int(elements), TIMED_MAX_ELEMENTS))
+    return min(elements, TIMED_MAX_ELEMENTS)
 
 
 def hook_op(name: str, rank: int, elements: int) -> str:
