@@ -5,7 +5,8 @@ initializes ``torch.distributed`` (gloo, TCP rendezvous on 127.0.0.1) with torch
 environment variables set (so Lightning's ``TorchElasticEnvironment`` works inside),
 calls ``fn(rank, world_size, *args)`` in each and returns the results in rank order.
 The first rank to raise has its exception re-raised here with the remote traceback;
-a rank that neither returns nor fails within ``timeout`` is named in a TimeoutError.
+a rank that neither returns nor fails within ``timeout`` is named in a TimeoutError, and one
+that dies (before it returns, or on its way out after) with its exit code, never a hang.
 ``fn`` must be importable (a module-level function), its arguments and result picklable.
 
 The ranks are forks of a fork server that has imported torch, Lightning and ``syncplane.comm``
@@ -22,8 +23,8 @@ from __future__ import annotations
 import datetime
 import io
 import multiprocessing as mp
+import multiprocessing.connection
 import os
-import queue
 import time
 import traceback
 from collections.abc import Callable
@@ -41,63 +42,80 @@ PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "syncplane.comm", 
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-           results: Any, pg_timeout_s: float, environ: dict[str, str], cwd: str) -> None:
+           out: Any, pg_timeout_s: float, environ: dict[str, str], cwd: str) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable(all_threads=True)    # a native crash prints every thread's Python stack
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        # Serialized to bytes here: a tensor put on a Queue as-is travels as a shared-memory
-        # handle that dies with this process, before the parent has read it.
+        # Serialized to bytes here: a tensor pickled as-is travels as a shared-memory handle
+        # that dies with this process, before the parent has read it.
         buffer = io.BytesIO()
         torch.save(fn(rank, world_size, *args), buffer)
-        results.put((rank, "ok", buffer.getvalue()))
+        outcome = ("ok", buffer.getvalue())
     except BaseException as exc:  # report everything, including KeyboardInterrupt
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        outcome = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    # Sent whole before the teardown starts (a pipe write returns once the parent has it all):
+    # a rank that then dies on its way out cannot leave the parent half a message.
+    try:
+        out.send(outcome)
+    except BrokenPipeError:     # the parent has given up (another rank failed first): nobody to tell
+        pass
+    out.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
                     pg_timeout_s: float = 60.0) -> list[Any]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    results = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     port = free_port()
     here = (dict(os.environ), os.getcwd())
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results, pg_timeout_s, *here),
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, pipes[r][1], pg_timeout_s, *here),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    outcomes: dict[int, tuple[str, Any]] = {}
+    for _, writer in pipes:     # the ranks hold the only writers: a rank that dies is an EOF here
+        writer.close()
+    waiting = {pipes[r][0]: r for r in range(world_size)}
+    outcomes: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(outcomes) < world_size:
+        while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(outcomes))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
-            try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes
-                        and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RemoteError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                continue
-            outcomes[rank] = (status, value)
-            if status == "error":
-                raise RemoteError(f"rank {rank} raised {value}")
+                raise TimeoutError(f"ranks {sorted(waiting.values())} did not finish within {timeout:.0f} s")
+            for reader in mp.connection.wait(list(waiting), timeout=min(remaining, 1.0)):
+                rank = waiting.pop(reader)
+                try:
+                    status, value = reader.recv()
+                except (EOFError, OSError):
+                    procs[rank].join(timeout=10)
+                    raise RemoteError(f"rank {rank} died with exit code {procs[rank].exitcode} before it "
+                                      "returned") from None
+                if status == "error":
+                    raise RemoteError(f"rank {rank} raised {value}")
+                outcomes[rank] = value
+        for rank, p in enumerate(procs):
+            p.join(timeout=10)
+            if p.exitcode not in (None, 0):
+                raise RemoteError(f"rank {rank} returned, then died on its way out with exit code {p.exitcode}")
     finally:
+        for reader, _ in pipes:
+            reader.close()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -105,7 +123,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 p.join()
     import torch
 
-    return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
+    return [torch.load(io.BytesIO(outcomes[r]), weights_only=False) for r in range(world_size)]
 
 
 def straggle_after_peers_started(key: str, late: bool, timeout_s: float) -> None:
