@@ -95,3 +95,25 @@ def test_fp16_rides_ddps_buckets_over_the_nics_as_ddp_does() -> None:
     fp16 = strategy_time(model, "torch_fp16", payload, CostOptions())[0]
     assert fp16 == pytest.approx(strategy_time(model, "ddp", payload / 2, CostOptions())[0])
     assert fp16 < model.time(ring_allreduce(profile.world_size, payload / 2))      # one stream: one NIC
+
+
+def test_a_rows_powersgd_rank_reaches_the_bench_step_the_wire_and_the_cpu_price() -> None:
+    """``torch_powersgd[matrix_approximation_rank=4]`` is run and priced at rank 4, not at torch's 1."""
+    from syncplane.algorithms.plan import PlanInputs, cost_options
+    from syncplane.algorithms.torch_hooks import TorchHookStep, hook_cpu
+    from syncplane.algorithms.torch_hooks.timing import hook_op
+
+    settings = {"matrix_approximation_rank": 4, "min_compression_rate": 1.5, "steps": 5}   # with the bench's spec
+    step = TorchHookStep("torch_powersgd", settings)
+    assert (step.config.matrix_approximation_rank, step.config.min_compression_rate) == (4, 1.5)
+    assert TorchHookStep("torch_fp16", settings).config == HookConfig(name="torch_fp16")
+    options = cost_options("torch_powersgd", settings, PlanInputs(4.0 * 2560 * 2560))
+    assert options.rank == 4 and cost_options("torch_powersgd", {}, PlanInputs(1.0)).rank == 1
+
+    profile, payload = load_profile("homogeneous8"), 4.0 * 2560 * 100     # one 2560 x 100 matrix
+    sent = {rank: sum(b for step in spec_for("torch_powersgd").cost("torch_powersgd", profile, payload,
+                                                                     CostOptions(rank=rank))
+                      for phase in step for _, _, b in phase) for rank in (1, 4)}
+    assert sent[4] == pytest.approx(4 * sent[1])
+    work = hook_cpu("torch_powersgd", profile, payload, options)
+    assert set(work.elements) == {hook_op("torch_powersgd", 4, 2560 * 100)}

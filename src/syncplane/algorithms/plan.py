@@ -224,14 +224,15 @@ def why_not(name: str, kwargs: Mapping[str, Any], profile: ClusterProfile) -> st
 
 def cost_options(name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> CostOptions:
     """The cost model's options for one candidate: its period (the settings', else the one
-    given, else its default), streams, exchange and codec."""
+    given, else its default), streams, exchange, codec and PowerSGD's rank."""
     family = spec_for(name)
     period = 1
     if family.periodic:
         period = int(kwargs.get(family.period_key or "", inputs.period or family.default_period[name]))
     return CostOptions(period, family.streams(kwargs), family.pattern(kwargs), str(kwargs.get("compression", "none")),
                        float(kwargs.get("density", CostOptions.density)), int(kwargs.get("bits", CostOptions.bits)),
-                       str(kwargs.get("replica", CostOptions.replica)), family.parts(kwargs, inputs.payload_bytes))
+                       str(kwargs.get("replica", CostOptions.replica)), family.parts(kwargs, inputs.payload_bytes),
+                       int(kwargs.get("matrix_approximation_rank", CostOptions.rank)))
 
 
 def cpu_work(profile: ClusterProfile, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> CpuWork:

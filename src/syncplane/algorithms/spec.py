@@ -47,6 +47,7 @@ class CostOptions:
     bits: int = 2
     replica: str = "rank"   # DiLoCo's replica: rank | node | auto (``diloco.layout``)
     parts: int = 1   # parts of a round whose CPU work overlaps the previous part's wire (``AlgorithmSpec.parts``)
+    rank: int = 1    # PowerSGD's matrix_approximation_rank
 
 
 #: (strategy name, cluster, payload bytes, options) -> the phases of every step of one period

@@ -27,12 +27,13 @@ def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options:
     """fp16: one ring all-reduce of half the bytes, in DDP's buckets spread over the NICs as
     ``ddp``'s are (``bucket_streams``); PowerSGD: three ring all-reduces, one after the other
     as torch's hook chains them -- the tensors it does not compress (vectors, small
-    matrices), then P (r·rows per matrix of ``payload_shapes``), then Q (r·cols)."""
+    matrices), then P (r·rows per matrix of ``payload_shapes``), then Q (r·cols), r being
+    ``options.rank``."""
     n = profile.world_size
     if name == "torch_fp16":
         buckets = math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES)
         return [ring_allreduce(n, payload_bytes / 2, bucket_streams(buckets, profile.max_nics))]
-    config = HookConfig(name=name)
+    config = HookConfig(name=name, matrix_approximation_rank=options.rank)
     shapes = payload_shapes(max(1, int(payload_bytes // 4)))
     compressed = [s for s in shapes if config.compressed_elements(s) < math.prod(s)]
     rest = sum(math.prod(s) for s in shapes if s not in compressed)
@@ -44,8 +45,8 @@ def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options:
 def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
     """Every element of the payload through torch's DDP step with the hook (``timing``: the
     reducer's copies and the hook's own work, timed as the bench runs them, on the payload's
-    own size)."""
-    rank = HookConfig(name=name).matrix_approximation_rank
+    own size; PowerSGD at ``options.rank``)."""
+    rank = options.rank
     elements = max(1, int(payload_bytes // 4))
     op = hook_op(name, rank, timed_elements(elements))
     return CpuWork(Counter({op: elements}), timers={op: hook_timer(name, rank)})

@@ -56,7 +56,7 @@ class TorchHookStep:
     bench overlaps it with the emulated backward as it does DDP's."""
 
     def __init__(self, name: str, options: Mapping[str, Any]) -> None:
-        self.config = HookConfig(name=name, matrix_approximation_rank=int(options.get("powersgd_rank") or 1))
+        self.config = HookConfig.of(name, options)
         # untimed steps: torch's DDP rebuilds its buckets after its first step, and PowerSGD's
         # first compressed step allocates its error feedback and its P and Q; the timed steps
         # are warm ones

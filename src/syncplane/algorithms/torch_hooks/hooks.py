@@ -7,8 +7,8 @@ uncompressed; error feedback and warm start as torch does them)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -77,6 +77,15 @@ class HookConfig:
                               f"error feedback and warm start), got {self.start_powerSGD_iter!r}")
         if not self.min_compression_rate >= 1:
             raise ConfigError(f"min_compression_rate: expected >= 1, got {self.min_compression_rate!r}")
+
+    @classmethod
+    def of(cls, name: str, settings: Mapping[str, Any]) -> HookConfig:
+        """``name``'s settings from a bench or plan row's (``torch_powersgd[matrix_approximation_rank=4]``:
+        the strategy's own keys; the rest, such as the bench's spec, are not the hook's)."""
+        if name != "torch_powersgd":
+            return cls(name=name)
+        keys = [f.name for f in fields(cls) if f.name != "name"]
+        return cls(name=name, **{key: settings[key] for key in keys if key in settings})
 
     def hook(self) -> tuple[Any, Callable[..., Any]]:
         """(state, hook) for ``DistributedDataParallel.register_comm_hook`` (the default

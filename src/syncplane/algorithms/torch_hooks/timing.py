@@ -76,7 +76,7 @@ def time_step(name: str, rank: int, numel: int, repeats: int = 5) -> float:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        step = TorchHookStep(name, {"powersgd_rank": rank})
+        step = TorchHookStep(name, {"matrix_approximation_rank": rank})
         payload = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         for i in range(step.warmup):
             step(payload, i, CommMeter())
