@@ -5,7 +5,9 @@
 ``syncplane bench`` times Canary as it runs in training (always the gradient sketch); on a
 2-core machine emulating 9 hosts that measures the codec's CPU as much as the network.
 This script separates the two, in one run on the same cluster: gloo's ``all_reduce`` (the
-ring DDP runs, over the relays), the cube exchange (``syncplane.exchanges.CubeExchange``) with exact fp32 (the topology's gain
+ring DDP runs, in rank order, over the relays), the same ring over the same ranks renumbered
+so that ring neighbours are one address digit apart (``direct_ranks``: no hop is relayed), the
+cube exchange (``syncplane.exchanges.CubeExchange``) with exact fp32 (the topology's gain
 alone) and with the gradient sketch (what Canary sends). Time = median over repeats of
 the slowest rank; the cost model's bound of each pattern is printed beside it.
 """
@@ -19,6 +21,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,21 @@ import torch.distributed as dist
 from bench_comm import timed   # same directory: the shared timing loop of the comm benchmarks
 
 
+
+
+def direct_ranks(profile: Any) -> list[int]:
+    """Every rank, host by host in ``BCubeSpec.direct_ring``'s order (no ring hop relayed)."""
+    hosts = [profile.hosts[h] for h in profile.bcube.direct_ring()]
+    return [r for h in hosts for r in range(h.first_rank, h.first_rank + h.spec.ranks)]
+
+
+def _direct_ring(job: Any) -> Any:
+    """A gloo group of every rank, renumbered in ``direct_ranks``' order."""
+    from torch.distributed import distributed_c10d
+
+    ranks = direct_ranks(job.profile)
+    store = dist.PrefixStore("direct_ring", distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, ranks.index(dist.get_rank()), len(ranks), datetime.timedelta(seconds=900))
 
 
 def _rank(result_path: str, payload_bytes: int, repeats: int) -> None:
@@ -45,6 +63,8 @@ def _rank(result_path: str, payload_bytes: int, repeats: int) -> None:
     payload = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
     parts = list(payload.split(colayer))
     times = {"gloo_ring": timed(lambda: [dist.all_reduce(p) for p in parts], repeats)}
+    direct = _direct_ring(job)
+    times["gloo_ring_direct"] = timed(lambda: [direct.allreduce([p]).wait() for p in parts], repeats)
     for name, codec in (("cube_fp32", None), ("cube_sketch", GradientSketch())):
         cube = StreamRunner(CubeExchange(*shape), codec=codec, interfaces=job.interfaces)
         times[name] = timed(lambda: [cube.allreduce_mean_(p, offset=i * colayer, total=numel)
@@ -86,16 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         times = json.loads(result.read_text())
     model = CostModel(profile)
     ratio = sketch_ratio(25 * 2**20 // 4, profile.world_size * profile.bcube.beta)
+    ranks = direct_ranks(profile)
+    direct = [[(ranks[src], ranks[dst], b) for src, dst, b in phase]
+              for phase in ring_allreduce(profile.world_size, payload)]
     bounds = {"gloo_ring": model.bound(ring_allreduce(profile.world_size, payload)),
+              "gloo_ring_direct": model.bound(direct),
               "cube_fp32": model.bound(cube_cost(profile, payload)),
               "cube_sketch": model.bound(cube_cost(profile, payload * ratio))}
     network = allreduce_network_bound(profile, payload).seconds
     rows = [{"pattern": k, "seconds": v, "bound_s": bounds[k], "bound_ratio": bounds[k] / v,
              "network_bound_ratio": network / v, "vs_ring": times["gloo_ring"] / v} for k, v in times.items()]
     print(f"{profile.name}, {payload / 2**20:.1f} MB, network bound {network:.3f} s")
-    print(f"{'pattern':<12} {'s':>8} {'bound s':>8} {'ratio':>6} {'net ratio':>9} {'vs ring':>8}")
+    print(f"{'pattern':<16} {'s':>8} {'bound s':>8} {'ratio':>6} {'net ratio':>9} {'vs ring':>8}")
     for r in rows:
-        print(f"{r['pattern']:<12} {r['seconds']:8.3f} {r['bound_s']:8.3f} {r['bound_ratio']:6.2f} "
+        print(f"{r['pattern']:<16} {r['seconds']:8.3f} {r['bound_s']:8.3f} {r['bound_ratio']:6.2f} "
               f"{r['network_bound_ratio']:9.2f} {r['vs_ring']:7.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": profile.name, "payload_bytes": payload,

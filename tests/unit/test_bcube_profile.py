@@ -122,3 +122,13 @@ def test_canary_picks_the_cube_exchange_only_on_bcube_and_needs_one_rank_per_hos
     with pytest.raises(ConfigError, match=r"cluster.racks\[0\].hosts\[2\].ranks: the cube exchange on "
                                           r"BCube\(2, 2\) runs one rank per host, host 'w2' has 2"):
         cube_shape(parse_profile(data))
+
+
+@pytest.mark.parametrize("alpha, beta", [(3, 2), (2, 3), (4, 2), (3, 3), (5, 1)])
+def test_the_direct_ring_visits_every_host_once_and_never_takes_a_relay(alpha: int, beta: int) -> None:
+    cube = parse_profile(cube_data(alpha, beta)).bcube
+    ring = cube.direct_ring()
+    assert sorted(ring) == list(range(alpha ** beta))
+    for a, b in zip(ring, ring[1:] + ring[:1]):              # the closing hop too
+        assert sum(x != y for x, y in zip(cube.digits(a), cube.digits(b))) == 1
+        assert all(len(cube.route(a, b, level)) == 1 for level in range(beta))

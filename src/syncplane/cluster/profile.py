@@ -111,6 +111,17 @@ class BCubeSpec:
         del digits[level]
         return sum(d * self.alpha ** i for i, d in enumerate(digits))
 
+    def direct_ring(self) -> list[int]:
+        """Every host, in a cyclic order whose neighbours differ in one address digit (the
+        modular α-ary Gray code): a ring in this order has no relayed hop. A ring in host
+        order has some, and on the emulator it runs at half its bound (docs/benchmarks.md,
+        "BCube: a ring in rank order runs at half speed through its relays")."""
+        order = []
+        for i in range(self.alpha ** self.beta):
+            d = self.digits(i) + [0]
+            order.append(sum(((d[k] - d[k + 1]) % self.alpha) * self.alpha ** k for k in range(self.beta)))
+        return order
+
     def route(self, src: int, dst: int, level: int) -> list[tuple[int, int, int]]:
         """The hops ``(from host, to host, NIC level)`` a packet from ``src`` to ``dst``'s
         NIC ``level`` address takes: every other differing digit is fixed first (highest
