@@ -152,8 +152,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
-    from syncplane.algorithms import PLANNED, describe_periods, periods, spec_for, strategy_times, variant
-    from syncplane.algorithms.plan import TCP_MODELS, PlanInputs, cost_options
+    from syncplane.algorithms import PLANNED, describe_periods, periods, spec_for, variant
+    from syncplane.algorithms.plan import TCP_MODELS, PlanInputs, settled_times
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -183,7 +183,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         family = spec_for(base)
         kwargs = {"shards": args.streams, "pair_streams": args.streams, "exchange": args.exchange, **settings,
                   **({family.period_key: used[name]} if family.periodic and family.period_key else {})}
-        rows[name] = strategy_times(model, base, payload, cost_options(base, kwargs, PlanInputs(payload)))
+        rows[name] = settled_times(model, base, kwargs, PlanInputs(payload))
     ddp = rows.get("ddp")
 
     def net_ratio(value: Any) -> float | None:

@@ -59,3 +59,6 @@ def test_every_strategy_syncs_on_random_uneven_profiles(tmp_path, test_seed):
         ddp = report["results"][0]
         n = profile.world_size
         assert ddp["bytes_sent_per_rank"] == pytest.approx(2 * (n - 1) / n * 2**20, rel=0.01)   # ring: 2(n−1)/n · M
+        # the row keeps what DS-Sync's trial settled on (the count its price assumes)
+        ds_sync = next(r for r in report["results"] if r["strategy"] == "ds_sync")
+        assert "stream(s) per direction" in ds_sync["described"], (index, ds_sync)

@@ -240,11 +240,19 @@ def cpu_work(profile: ClusterProfile, name: str, kwargs: Mapping[str, Any], inpu
     return spec_for(name).cpu(name, profile, inputs.payload_bytes, cost_options(name, kwargs, inputs))
 
 
+def settled_times(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> StrategyTimes:
+    """``strategy_times`` of the settings ``name`` runs with on ``model``'s cluster: those a
+    run-time trial settles on (``AlgorithmSpec.trial``, judged by these prices), else ``kwargs``."""
+    def times(settings: Mapping[str, Any]) -> StrategyTimes:
+        return strategy_times(model, name, inputs.payload_bytes, cost_options(name, settings, inputs), inputs.cpu)
+    return times(spec_for(name).trial(kwargs, lambda settings: times(settings).predicted_s))
+
+
 def price(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> Candidate:
     """One candidate priced on ``model``'s cluster (module doc), its CPU work at ``inputs.cpu``."""
     family = spec_for(name)
     options = cost_options(name, kwargs, inputs)
-    times: StrategyTimes = strategy_times(model, name, inputs.payload_bytes, options, inputs.cpu)
+    times = settled_times(model, name, kwargs, inputs)
     window = family.overlap.get(name)
     speeds = model.profile.compute_speeds()
     compute = inputs.compute_s * max(speeds) / min(speeds)   # the slowest rank's (module doc)

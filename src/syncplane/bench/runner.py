@@ -22,8 +22,9 @@ on this machine, ``syncplane.exchanges.cpu``, every rank sharing its cores) and
 per step of every rank's process together) and ``machine_cpu`` (the shares of the machine's
 ``cores`` that were ``busy``, in ``user`` code and in the ``kernel``, over the timed steps:
 on the emulator the ranks and the network's packet work share them), ``nic_bytes_by_host`` (bytes per
-step each host's NICs sent, NIC by NIC: how a host's traffic spread over them) and, in the report,
-``ranks_per_host``.
+step each host's NICs sent, NIC by NIC: how a host's traffic spread over them), ``described``
+(what the step settled on, in its own words: DS-Sync's pair streams and the trial's timings) and,
+in the report, ``ranks_per_host``.
 """
 
 from __future__ import annotations
@@ -186,6 +187,8 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
                 row["machine_cpu"] = {**m["machine_cpu"], "cores": m["cores"]}
             if m.get("profile"):
                 row["profile"] = m["profile"]
+            if m.get("described"):
+                row["described"] = m["described"]
         price_row(row, model, name, payload_bytes, compute_ms, periods.get(name, period), options, cpu)
         rows.append(row)
     ddp = next((r for r in rows if r["strategy"] == "ddp" and "sync_s_median" in r), None)

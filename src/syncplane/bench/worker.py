@@ -172,6 +172,8 @@ def main(spec_path: str) -> None:
             dist.all_gather_object(profiles, phases.as_dict())
             results[name]["profile"] = profiles
         described = sync.describe() if hasattr(sync, "describe") else None
+        if described is not None:      # what the step settled on (DS-Sync's pair streams): kept in the row
+            results[name]["described"] = described
         del sync, finish
         destroy_subgroups()      # its groups' threads would slow the strategies timed after it
         if rank == 0:

@@ -443,13 +443,15 @@ def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float) -> 
 
 
 def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float,
-                                pair_streams: int = 1) -> list[Phase]:
+                                pair_streams: int = 1, nic_streams: int = 1) -> list[Phase]:
     """Disjoint groups, each running a ring all-reduce at the same time (DS-Sync's step).
 
     Every ring link of a group of n carries 2(n−1)/n of the payload; spreading that evenly
     over max 2(n−1) phases keeps the bound exact (concurrent groups add up on shared links)
     and charges the latency of the longest ring. A pair's link carries ``pair_streams``
-    flows, each with its share of the bytes (``GroupSet``'s pair swap).
+    flows, each with its share of the bytes (``GroupSet``'s pair swap). ``nic_streams`` > 1:
+    a group of more than two runs that many rings pinned to NICs round-robin, as DDP's
+    buckets do (``bucket_streams``); the pairs' streams are pinned alike.
     """
     rings = [sorted(g) for g in groups if len(g) > 1]
     if not rings:
@@ -457,7 +459,12 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
     phases = max(2 * (len(g) - 1) for g in rings)
     step = []
     for g in rings:
-        flows = pair_streams if len(g) == 2 else 1
+        flows = pair_streams if len(g) == 2 else nic_streams
         per_flow = 2 * (len(g) - 1) / len(g) * payload_bytes / phases / flows
-        step += [(g[i], g[(i + 1) % len(g)], per_flow) for i in range(len(g)) for _ in range(flows)]
-    return [list(step) for _ in range(phases)]
+        step += [(g[i], g[(i + 1) % len(g)], per_flow, flows) for i in range(len(g))]
+    if nic_streams > 1:
+        src, dst, nbytes, copies = (np.array(column) for column in zip(*step))
+        return [FlowArray(src.astype(np.int64), dst.astype(np.int64), nbytes.astype(np.float64),
+                          copies.astype(np.int64), pinned=True) for _ in range(phases)]
+    flat = [(s, d, b) for s, d, b, copies in step for _ in range(copies)]
+    return [list(flat) for _ in range(phases)]

@@ -9,12 +9,12 @@ swaps over, chosen by a trial), ``runtime.py`` (the runtime for a detected topol
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from syncplane.algorithms.ds_sync.bench import DSSyncStep
 from syncplane.algorithms.ds_sync.cost import CLIQUE, ds_sync_steps
-from syncplane.algorithms.ds_sync.pair_streams import MAX_PAIR_STREAMS, connections
+from syncplane.algorithms.ds_sync.pair_streams import MAX_PAIR_STREAMS, check_pair_streams, choose_pair_streams, connections
 from syncplane.algorithms.spec import AlgorithmSpec
 from syncplane.cluster.probe import from_profile
 from syncplane.cluster.profile import load_profile
@@ -38,9 +38,19 @@ def _pattern(options: Mapping[str, Any]) -> str:
 
 
 def _streams(options: Mapping[str, Any]) -> int:
-    """A pair's connections: one under ``max_staleness``, else ``pair_streams``'s ("auto" may
-    pick the most streams: the bound is the best choice's)."""
+    """A pair's connections: one under ``max_staleness``, else ``pair_streams``'s (``auto``:
+    the most; ``_trial`` prices what its trial settles on)."""
     return 1 if _pattern(options) == CLIQUE else connections(options.get("pair_streams", "auto"))
+
+
+def _trial(options: Mapping[str, Any], price: Callable[[Mapping[str, Any]], float]) -> Mapping[str, Any]:
+    """``pair_streams: auto`` settles on one stream or ``MAX_PAIR_STREAMS`` by the trial's own
+    rule (``choose_pair_streams``) applied to the two prices: on a link of its own one stream
+    is the faster, next to foreign traffic several take a larger share."""
+    if _pattern(options) == CLIQUE or check_pair_streams(options.get("pair_streams", "auto")) != "auto":
+        return options
+    one, many = ({**options, "pair_streams": n} for n in (1, MAX_PAIR_STREAMS))
+    return many if choose_pair_streams([price(one)], [price(many)], MAX_PAIR_STREAMS) > 1 else one
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DSSyncStep:
@@ -55,5 +65,6 @@ SPEC = AlgorithmSpec(
     streams=_streams,
     pattern=_pattern,
     check_job=_check_job,
+    trial=_trial,
     variants={"ds_sync": tuple({"pair_streams": s} for s in (1, 2, MAX_PAIR_STREAMS))},
 )
