@@ -339,3 +339,39 @@ def _check_overhead(rank, world):
 
 def test_valid_dynamic_plans_pass_the_check():
     assert all(run_distributed(_check_overhead, 3))
+
+
+# ------------------------------------------------------------------ one connection per direction
+
+def _one_way(rank, world, seed):
+    """Rank 0 swaps through ``exchange_tensors``; every other rank posts raw messages on the
+    groups the direction names (to rank 0: downward; from it: upward), so the swap completes
+    only if ``exchange_tensors`` routed rank 0's messages the same way."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from syncplane.comm import context
+    from syncplane.comm.p2p import exchange_tensors
+
+    context.set_one_way_links()
+    up, down = context.state().one_way
+    mine = rank_tensor(seed, rank, (1000,))
+    if rank == 0:
+        received = [torch.empty_like(mine) for _ in range(1, world)]
+        handle = exchange_tensors([(peer, mine) for peer in range(1, world)], list(zip(range(1, world), received)),
+                                  None, lambda: torch.stack(received), timeout_s=20, what="one-way swap")
+        return handle.wait()
+    theirs = torch.empty_like(mine)
+    works = [dist.isend(mine, 0, group=down), dist.irecv(theirs, 0, group=up)]
+    for work in works:
+        work.wait(datetime.timedelta(seconds=20))
+    return theirs
+
+
+def test_a_swap_travels_on_one_connection_per_direction(test_seed):
+    world = 3
+    results = run_distributed(_one_way, world, test_seed, timeout=60)
+    for peer in range(1, world):
+        assert torch.equal(results[0][peer - 1], rank_tensor(test_seed, peer, (1000,)))
+        assert torch.equal(results[peer], rank_tensor(test_seed, 0, (1000,)))

@@ -45,7 +45,8 @@ from syncplane.comm.neighbor import (
     neighbor_allreduce_tensors,
 )
 from syncplane.comm.p2p import Handle
-from syncplane.comm.streams import Round, StreamExchange, StreamRunner, directed, shard_bounds
+from syncplane.comm.context import directed
+from syncplane.comm.streams import Round, StreamExchange, StreamRunner, shard_bounds
 from syncplane.comm.window import (
     get_current_created_window_names,
     get_win_version,

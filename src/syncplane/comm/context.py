@@ -17,6 +17,7 @@ import networkx as nx
 import torch.distributed as dist
 
 from syncplane.comm import topology
+from syncplane.comm.group_cache import cached_group
 from syncplane.launch import Launch
 
 Group = dist.ProcessGroup | None
@@ -90,6 +91,9 @@ class _State:
     topology: nx.DiGraph | None = None
     machines: MachineLayout | None = None
     weighted: bool = True     # static ops use the graph's weights (False: BlueFog's uniform default)
+    #: (upward, downward): the groups a message to a higher / lower group rank travels on
+    #: (``set_one_way_links``); None: the group's own connections, both ways
+    one_way: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
 
 #: Keyed by the group object itself (None: the default group). An ``id()`` key could be
@@ -232,6 +236,33 @@ def machine_layout() -> MachineLayout:
         layout = state().machines
     assert layout is not None
     return layout
+
+
+def directed(up: dist.ProcessGroup, down: dist.ProcessGroup, src: int, dst: int) -> dist.ProcessGroup:
+    """The group of an (up, down) pair that carries a message from ``src`` to ``dst``: ``up`` the
+    ranks, else ``down``. Sender and receiver both call it with the same (src, dst), so they
+    meet on one group, and each TCP connection carries data one way only. Why: gloo sends a
+    message only once the receiver has said it posted the receive, and that notice travels on
+    the same connection as the data going the other way; on a shaped link it would wait
+    behind a queue of that data."""
+    return up if src < dst else down
+
+
+def set_one_way_links(group: Group = None) -> None:
+    """Carry the point-to-point messages of ``group`` (``p2p.exchange_tensors``) on two groups
+    of its members, one per direction (``directed``), as the stream runner's patterns travel.
+    Where a link caps each flow, a pair swapping on one connection ran at 0.78 of the cap
+    (``docs/benchmarks.md``). A collective over ``group`` the first time (cached groups,
+    ``group_cache``); call it on every member."""
+    members = None if group is None else dist.get_process_group_ranks(group)
+    state(group).one_way = (cached_group("one-way-up", members), cached_group("one-way-down", members))
+
+
+def one_way_link(group: Group, src: int, dst: int) -> Group:
+    """The group a message from group rank ``src`` to ``dst`` travels on: upward or downward
+    (``set_one_way_links``), else ``group`` itself."""
+    links = state(group).one_way
+    return group if links is None else directed(*links, src, dst)
 
 
 def reset() -> None:

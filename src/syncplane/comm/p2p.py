@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from syncplane.comm.context import Group
+from syncplane.comm.context import Group, one_way_link
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.meter import CommMeter
 
@@ -167,13 +167,22 @@ def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[
     """Send each ``(group rank, contiguous tensor)`` of ``sends`` and receive into each buffer of
     ``recvs``, all launched at once; ``finish()`` runs in ``wait()``. The general form of
     ``exchange``, for callers that send different tensors to different peers (the
-    hierarchical operation on machines of different sizes)."""
+    hierarchical operation on machines of different sizes). Each message travels on the
+    group of its direction where ``context.set_one_way_links`` set them."""
     start = time.perf_counter() if start is None else start
-    ops = [dist.P2POp(dist.isend, tensor, group=group, group_peer=peer) for peer, tensor in sends]
-    ops += [dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer) for peer, buffer in recvs]
-    labels = [("sending to", peer) for peer, _ in sends] + [("receiving from", peer) for peer, _ in recvs]
+    me = dist.get_rank(group)
+    batches: dict[Group, list[tuple[dist.P2POp, tuple[str, int]]]] = {}   # one batch per group
+    for peer, tensor in sends:
+        link = one_way_link(group, me, peer)
+        batches.setdefault(link, []).append((dist.P2POp(dist.isend, tensor, group=link, group_peer=peer),
+                                             ("sending to", peer)))
+    for peer, buffer in recvs:
+        link = one_way_link(group, peer, me)
+        batches.setdefault(link, []).append((dist.P2POp(dist.irecv, buffer, group=link, group_peer=peer),
+                                             ("receiving from", peer)))
+    labels = [label for batch in batches.values() for _, label in batch]
     try:
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = [work for batch in batches.values() for work in dist.batch_isend_irecv([op for op, _ in batch])]
     except RuntimeError as exc:   # a peer's connection is already gone (it crashed or exited)
         peers = ", ".join(f"{kind} rank {peer}" for kind, peer in labels)
         raise TopologyError(f"rank {dist.get_rank()}: {what} could not start ({peers}): "

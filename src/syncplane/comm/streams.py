@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
+from syncplane.comm.context import directed
 from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.p2p import wait_works
 
@@ -55,16 +56,6 @@ def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
-
-
-def directed(up: dist.ProcessGroup, down: dist.ProcessGroup, src: int, dst: int) -> dist.ProcessGroup:
-    """The group of a stream's pair that carries a message from ``src`` to ``dst``: ``up`` the
-    ranks, else ``down``. Sender and receiver both call it with the same (src, dst), so they
-    meet on one group, and each TCP connection carries data one way only. Why: gloo sends a
-    message only once the receiver has said it posted the receive, and that notice travels on
-    the same connection as the data going the other way; on a shaped link it would wait
-    behind a queue of that data."""
-    return up if src < dst else down
 
 
 @dataclass

@@ -17,7 +17,8 @@ from syncplane.comm import CommMeter
 
 class NeighborAveragingStep:
     """ATC/AWC's per-step exchange: the strategies' own ``NeighborAverager`` on buckets of the
-    payload, all launched, then all waited for. ``options["schedule"]``: ``one_peer``
+    payload, all launched, then all waited for (``options["one_way_links"]``, default on: a
+    connection per direction). ``options["schedule"]``: ``one_peer``
     (default) or ``static`` (``options["topology"]``, default ExponentialTwoGraph). Buckets:
     the strategies' default. Hierarchical: machines are the racks of the launched profile
     (``options["machines"]="rack"``, the default) or the hosts (``"host"``). Steps of the
@@ -27,6 +28,7 @@ class NeighborAveragingStep:
     def __init__(self, options: Mapping[str, Any], job: JobContext, hierarchical: bool = False) -> None:
         self.hierarchical = hierarchical
         self.bucket_mb = float(options.get("bucket_mb", NEIGHBOR_BUCKET_BYTES / 2**20))
+        self.one_way_links = bool(options.get("one_way_links", True))
         self.machines = machines_for(job, options.get("machines", "rack"))[1] if hierarchical else None
         participants = len(self.machines) if self.machines is not None else dist.get_world_size()
         graph = build_graph(options.get("topology", "ExponentialTwoGraph"), participants)
@@ -40,7 +42,8 @@ class NeighborAveragingStep:
             bucket_bytes = int(self.bucket_mb * 2**20)
             per_bucket = bucket_bytes // payload.element_size()
             self.averager = NeighborAverager(payload.split(per_bucket), self.schedule, hierarchical=self.hierarchical,
-                                             machines=self.machines, bucket_bytes=bucket_bytes)
+                                             machines=self.machines, bucket_bytes=bucket_bytes,
+                                             one_way_links=self.one_way_links)
             self.payload_ptr = payload.data_ptr()
         self.averager.meter = meter
         self.averager.launch(step)

@@ -56,19 +56,24 @@ class NeighborAverager:
             many of its messages behind (0: wait for every neighbour, the exact exchange).
         late_after_s: with ``max_staleness``, how long a step waits for a neighbour's message
             before the neighbour counts as late.
+        one_way_links: on gloo, send each direction of a pair's traffic on a connection of its
+            own (``comm.context.set_one_way_links``: two process groups, a collective), so no
+            connection carries a swap both ways (slow where a link caps each flow).
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], schedule: Schedule, *, hierarchical: bool = False,
                  local_size: int | None = None, machines: Sequence[Sequence[int]] | None = None,
                  bucket_bytes: int = NEIGHBOR_BUCKET_BYTES,
                  meter: CommMeter | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_staleness: int = 0, late_after_s: float = 0.05) -> None:
+                 max_staleness: int = 0, late_after_s: float = 0.05, one_way_links: bool = True) -> None:
         if max_staleness and hierarchical:
             raise ValueError("max_staleness: late-peer mixing is for flat neighbour averaging (atc, awc); "
                              "the hierarchical exchange reduces inside each machine with collectives")
         self.schedule, self.hierarchical = schedule, hierarchical
         self.meter, self.timeout_s = meter, timeout_s
         self.rank = dist.get_rank()
+        if one_way_links and dist.get_backend() == "gloo":
+            context.set_one_way_links()
         if hierarchical:
             context.set_machine_topology(local_size=local_size, machines=machines)
             self.layout = context.machine_layout()

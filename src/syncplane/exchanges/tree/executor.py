@@ -14,7 +14,7 @@ same pass. Partial sums accumulate in float32 inside the kernel (bf16 in, bf16 o
 All messages of a level are in flight together (``batch``-style ``isend``/``irecv`` on
 two process groups of FlexReduce's own, created once up front: a message from rank x to y
 goes on the first when x < y, else on the second -- one connection per direction, see
-``syncplane.comm.streams.directed``). Beyond the paper, a bucket
+``syncplane.comm.context.directed``). Beyond the paper, a bucket
 is cut into chunks of ``chunk_bytes`` and the 2L phases (reduce-scatter levels up, all-
 gather levels down) run as a wavefront: at tick s chunk k runs phase s − k, so while
 chunk k crosses the slow root link, chunk k+1 is being reduced inside its hosts and
@@ -49,7 +49,7 @@ from syncplane.exchanges.tree.tree import FlexTree
 from syncplane.comm.group_cache import cached_group
 from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.p2p import DEFAULT_TIMEOUT_S, Handle
-from syncplane.comm.streams import directed
+from syncplane.comm.context import directed
 from syncplane.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class FlexReduce:
                     deadline: float | None = None, keep: list[object] | None = None,
                     profile: PhaseProfile | None = None) -> int:
         """The mean of every flat tensor in place, tensor s travelling on ``groups[s]`` (its own
-        connections: the (up, down) pair of ``syncplane.comm.streams.directed``); returns the
+        connections: the (up, down) pair of ``syncplane.comm.context.directed``); returns the
         bytes this rank sent.
 
         Each stream runs its own wavefront on its own thread (one stream: on the caller's),
