@@ -18,7 +18,7 @@ from syncplane.comm import CommMeter
 class NeighborAveragingStep:
     """ATC/AWC's per-step exchange: the strategies' own ``NeighborAverager`` on buckets of the
     payload, all launched, then all waited for (``options["one_way_links"]``, default on: a
-    connection per direction). ``options["schedule"]``: ``one_peer``
+    connection per direction; ``0`` turns it off). ``options["schedule"]``: ``one_peer``
     (default) or ``static`` (``options["topology"]``, default ExponentialTwoGraph). Buckets:
     the strategies' default. Hierarchical: machines are the racks of the launched profile
     (``options["machines"]="rack"``, the default) or the hosts (``"host"``). Steps of the

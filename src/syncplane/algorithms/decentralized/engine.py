@@ -58,7 +58,8 @@ class NeighborAverager:
             before the neighbour counts as late.
         one_way_links: on gloo, send each direction of a pair's traffic on a connection of its
             own (``comm.context.set_one_way_links``: two process groups, a collective), so no
-            connection carries a swap both ways (slow where a link caps each flow).
+            connection carries a swap both ways (slow where a link caps each flow). It is set
+            for the default group of the process: False does not undo an earlier averager's.
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], schedule: Schedule, *, hierarchical: bool = False,
