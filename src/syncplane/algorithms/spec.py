@@ -10,14 +10,16 @@ it through ``syncplane.algorithms``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from syncplane.cluster.cost import Phase
+from syncplane.cluster.cost import Phase, bucket_streams
 from syncplane.cluster.profile import ClusterProfile
+from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES
 from syncplane.comm.meter import CommMeter
 from syncplane.exchanges.cpu import CpuWork
 from syncplane.job import JobContext
@@ -64,6 +66,13 @@ StepFactory = Callable[[str, Mapping[str, Any], JobContext], SyncStep]
 #: ValueError naming the key: the settings whose validity depends on the ranks, checked before launch.
 JobCheck = Callable[[str, Mapping[str, Any], JobContext], None]
 
+
+
+def payload_bucket_streams(profile: ClusterProfile, payload_bytes: float) -> int:
+    """The pinned streams the payload's DDP-sized buckets (``DEFAULT_BUCKET_BYTES``, one
+    asynchronous all-reduce each) make on the profile's NICs (``cluster.cost.bucket_streams``):
+    how DDP, torch's hooks and DS-Sync's groups spread over a host's NICs."""
+    return bucket_streams(math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES), profile.max_nics)
 
 @dataclass(frozen=True)
 class AlgorithmSpec:

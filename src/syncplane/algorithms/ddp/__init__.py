@@ -6,15 +6,13 @@ package declares what the bench times for it (a bucketed ring all-reduce) and it
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.ddp.bench import DDPStep
 from syncplane.job import JobContext
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
-from syncplane.cluster.cost import Phase, bucket_streams, ring_allreduce
-from syncplane.comm import DEFAULT_BUCKET_BYTES
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams
+from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
 
 #: the strategy everything is measured against (and the plan keeps unless another is
@@ -25,8 +23,7 @@ BASELINE = "ddp"
 def ddp_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
     """One ring all-reduce of the payload per step, in the bench's buckets (``DDPStep``: one
     asynchronous all-reduce per 25 MB), priced as ``bucket_streams`` pinned rings."""
-    buckets = math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES)
-    return [ring_allreduce(profile.world_size, payload_bytes, bucket_streams(buckets, profile.max_nics))]
+    return [ring_allreduce(profile.world_size, payload_bytes, payload_bucket_streams(profile, payload_bytes))]
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DDPStep:

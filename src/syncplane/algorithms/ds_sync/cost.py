@@ -6,14 +6,11 @@ where the ring sends 2(|g|−1)/|g|."""
 
 from __future__ import annotations
 
-import math
-
 from syncplane.algorithms.ds_sync.pattern import build_pattern
-from syncplane.algorithms.spec import CostOptions
-from syncplane.cluster.cost import Phase, bucket_streams, concurrent_group_allreduces, neighbor_exchange
+from syncplane.algorithms.spec import CostOptions, payload_bucket_streams
+from syncplane.cluster.cost import Phase, concurrent_group_allreduces, neighbor_exchange
 from syncplane.cluster.probe import from_profile
 from syncplane.cluster.profile import ClusterProfile
-from syncplane.comm import DEFAULT_BUCKET_BYTES
 
 #: The cost pattern of ``max_staleness`` > 0 (``SPEC.pattern``): the groups swap as cliques.
 CLIQUE = "clique"
@@ -28,6 +25,6 @@ def ds_sync_steps(name: str, profile: ClusterProfile, payload_bytes: float,
     if options.pattern == CLIQUE:
         return [neighbor_exchange({r: [p for p in g if p != r] for g in groups if len(g) > 1 for r in g},
                                   payload_bytes) for groups in pattern.iterations]
-    nic_streams = bucket_streams(math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES), profile.max_nics)
+    nic_streams = payload_bucket_streams(profile, payload_bytes)
     return [concurrent_group_allreduces(groups, payload_bytes, options.streams, nic_streams)
             for groups in pattern.iterations]

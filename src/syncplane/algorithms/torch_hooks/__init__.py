@@ -13,13 +13,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.job import JobContext
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
 from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements
-from syncplane.cluster.cost import Phase, bucket_streams, ring_allreduce
+from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
-from syncplane.comm import DEFAULT_BUCKET_BYTES
 from syncplane.exchanges.cpu import CpuWork
 
 
@@ -31,8 +30,7 @@ def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options:
     ``options.rank``."""
     n = profile.world_size
     if name == "torch_fp16":
-        buckets = math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES)
-        return [ring_allreduce(n, payload_bytes / 2, bucket_streams(buckets, profile.max_nics))]
+        return [ring_allreduce(n, payload_bytes / 2, payload_bucket_streams(profile, payload_bytes))]
     config = HookConfig(name=name, matrix_approximation_rank=options.rank)
     shapes = payload_shapes(max(1, int(payload_bytes // 4)))
     compressed = [s for s in shapes if config.compressed_elements(s) < math.prod(s)]
