@@ -288,10 +288,28 @@ def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
     assert "the emulated cluster 'multi_nic' is still up" in result.stdout.strip().splitlines()[-1]   # said at the end
     # both NICs of both hosts carried the job's traffic: the launcher gives gloo eth0,eth1 and
     # a process group spreads its collectives over its devices (DDP's all-reduce every step;
-    # point-to-point exchanges with one tag, as ATC's, stay on one NIC per group)
+    # point-to-point messages by their tags, test_point_to_point_exchanges_take_a_hosts_nics_in_turn)
     print(f"tx bytes per NIC: {sent}")
     for host in ("n0", "n1"):
         assert sent[host, "eth1"] > 0.1 * sent[host, "eth0"] > 0, sent
+
+
+def test_point_to_point_exchanges_take_a_hosts_nics_in_turn(tmp_path):
+    """gloo sends a tag's messages on device tag mod k: the gossip's buckets and a pair's
+    pieces carry consecutive tags, so both NICs carry them (with one tag, one NIC did)."""
+    from syncplane.bench.runner import run_bench
+
+    two_nics = parse_profile({"name": "test_two_nics", "racks": [{"name": "r0", "hosts": [
+        {"name": "p0", "nic_mbit": 400, "nics": 2}, {"name": "p1", "nic_mbit": 400, "nics": 2}]}]})
+    try:   # 8 MB: two 4 MB gossip buckets (tags 0, 1); DS-Sync's one pair swaps in two pieces
+        report = run_bench(two_nics, ["atc", "ds_sync[pair_streams=2]"], 8 * 2**20, steps=2, warmup=1,
+                           out_dir=tmp_path)
+    finally:
+        emulator.down()
+    for row in report["results"]:
+        assert row["status"] == "ok", row
+        for host, nics in row["nic_bytes_by_host"].items():
+            assert min(nics.values()) > 0.3 * sum(nics.values()), (row["strategy"], host, nics)
 
 
 def test_profile_and_world_size_mismatch_fails_before_launch(tmp_path):

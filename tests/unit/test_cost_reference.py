@@ -25,6 +25,9 @@ gloo's ring all-gather, the exchange between racks spread beside them), not one 
 ``ds_sync``'s ResNet-50 rows on ``multi_nic`` were re-recorded when its groups of more than two
 became DDP's pinned bucket streams (2026-11-28: it sends DDP's buckets, one all-reduce each, so
 gloo spreads them over the NICs as DDP's; measured 6.74 s a step where DDP took 6.71).
+``atc``/``awc``'s rows on ``multi_nic`` (and its scaled copy) were re-recorded when their
+buckets got a tag each, which gloo maps to a host's NICs in turn (2026-11-28): the flat
+gossip's buckets are priced as pinned streams over both NICs, no longer one NIC's flow.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from syncplane import algorithms, cli
+from syncplane.algorithms.decentralized.bench import NeighborAveragingStep
 from syncplane.algorithms.diloco.exchange import delta_codec
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.node import node_cost
@@ -88,6 +89,10 @@ def test_bench_and_simulate_take_a_strategy_with_its_settings(tmp_path):
     assert parse_strategies("ddp, diloco[replica=node,shards=2],diloco") == \
         ["ddp", "diloco[replica=node,shards=2]", "diloco"]
     assert algorithms.variant("diloco[replica=node,shards=2]") == ("diloco", {"replica": "node", "shards": 2})
+    assert algorithms.variant("atc[one_way_links=False,bucket_mb=0.5]") == \
+        ("atc", {"one_way_links": False, "bucket_mb": 0.5})
+    with pytest.raises(ConfigError, match="one_way_links: expected true or false"):    # never read as on
+        NeighborAveragingStep({"one_way_links": "off"}, job=None)
     for bad, message in (("dilocco[replica=node]", "unknown dilocco"), ("diloco,diloco", "twice"),
                          ("diloco[replica]", "not key=value")):
         with pytest.raises(ConfigError, match=message):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from syncplane.cluster import load_profile
-from syncplane.algorithms import CostOptions, strategy_time
+from syncplane.algorithms import CostOptions, spec_for, strategy_time
 from syncplane.algorithms.plan import TCP_MODELS
 from syncplane.cluster.cost import MBIT, CostModel, concurrent_group_allreduces
 
@@ -122,18 +122,29 @@ def test_pair_streams_auto_is_priced_as_what_its_trial_keeps():
         assert auto.sync_s == pytest.approx(prices[kept]) and auto.kwargs == {"pair_streams": "auto"}
     # a fixed count, and the late-peer cliques (one connection), are priced as given
     family = plan.spec_for("ds_sync")
-    assert family.trial({"pair_streams": 2}, lambda settings: 0.0) == {"pair_streams": 2}
-    assert family.trial({"max_staleness": 2}, lambda settings: 0.0) == {"max_staleness": 2}
+    assert family.trial({"pair_streams": 2}, lambda settings: [0.0]) == {"pair_streams": 2}
+    assert family.trial({"max_staleness": 2}, lambda settings: [0.0]) == {"max_staleness": 2}
 
 
-@pytest.mark.parametrize("cluster", ["multi_nic", "bcube_3_2"])
-def test_one_group_of_every_rank_is_priced_as_ddp_on_several_nics(cluster):
-    """One group of all the ranks sends DDP's buckets, one all-reduce each, which gloo hands to
-    the NICs in turn as it does DDP's: the same pinned streams, so DDP's price (measured on
-    ``multi_nic`` at the ResNet-50 payload: 6.74 s against DDP's 6.71)."""
-    model = CostModel(load_profile(cluster), tcp=TCP_MODELS["emulated"])
-    payload = 97.49 * 2**20
-    assert strategy_time(model, "ds_sync", payload) == pytest.approx(strategy_time(model, "ddp", payload))
-    # one bucket is one op on one NIC: the same as an unpinned ring
-    one_bucket = 8 * 2**20
-    assert strategy_time(model, "ds_sync", one_bucket) == pytest.approx(strategy_time(model, "ddp", one_bucket))
+def test_the_priced_trial_judges_the_steps_with_a_pair_as_the_trial_times_them():
+    """The run-time trial times the pair swaps only, step by step; a period's mean would dilute
+    a pair's gain with the steps that have no pair (here 1.12× over the period, 1.6× per pair)."""
+    from syncplane.algorithms.ds_sync.pair_streams import MAX_PAIR_STREAMS
+
+    def price(settings):
+        return [1.0, 1.0, 1.0, 1.0, 1.6 if settings["pair_streams"] == 1 else 1.0]
+    family = spec_for("ds_sync")
+    assert family.trial({"pair_streams": "auto"}, price)["pair_streams"] == MAX_PAIR_STREAMS
+    assert family.trial({"pair_streams": "auto"}, lambda settings: [1.0, 1.0])["pair_streams"] == 1   # no pair
+
+
+def test_a_pairs_pieces_take_a_hosts_nics_in_turn():
+    """A pair's pieces carry a tag each, which gloo maps to a host's NICs in turn: one stream
+    per direction is priced as DDP's pinned streams beside the rings of a larger group."""
+    model = CostModel(load_profile("multi_nic"), tcp=TCP_MODELS["emulated"])
+    for group in ([0, 2], [0, 1, 2, 3]):
+        spread = model.time(concurrent_group_allreduces([group], M, nic_streams=2))
+        assert spread < 0.7 * model.time(concurrent_group_allreduces([group], M))
+    pair = [[0, 2]]
+    assert model.time(concurrent_group_allreduces(pair, M, pair_streams=4, nic_streams=2)) == \
+        pytest.approx(model.time(concurrent_group_allreduces(pair, M, pair_streams=4)))   # 4 streams: 2 per NIC

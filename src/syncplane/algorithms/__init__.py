@@ -50,13 +50,16 @@ def is_exact(label: str) -> bool:
 
 def variant(label: str) -> tuple[str, dict[str, Any]]:
     """A bench or simulate row's strategy and settings: ``NAME`` or ``NAME[key=value,...]``
-    (``diloco[replica=node,shards=2]``), the values as numbers where they read as one. The
-    keys are the strategy's ``strategy.kwargs``, the names the bench's options use too."""
+    (``diloco[replica=node,shards=2]``), the values as numbers where they read as one, and
+    ``true``/``false`` (any case) as booleans. The keys are the strategy's ``strategy.kwargs``,
+    the names the bench's options use too."""
     name, pairs = parse_variant(label)
-    return name, {key: _number(value) for key, value in pairs}
+    return name, {key: _scalar(value) for key, value in pairs}
 
 
-def _number(text: str) -> int | float | str:
+def _scalar(text: str) -> bool | int | float | str:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for kind in (int, float):
         try:
             return kind(text)
@@ -121,6 +124,12 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
     return StrategyTimes(overlapped(sum(model.time(p) for p in steps) / len(steps), cpu_s, options.parts),
                          sum(model.bound(p) for p in steps) / len(steps), network.seconds * rounds, network.binding,
                          cpu_s)
+
+
+def step_prices(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()) -> list[float]:
+    """The wire's seconds of each step of one period of ``name``'s pattern on ``model``'s
+    cluster (what ``AlgorithmSpec.trial`` judges by; ``strategy_times`` is their mean)."""
+    return [model.time(phases) for phases in spec_for(name).cost(name, model.profile, payload_bytes, options)]
 
 
 def periods(names: list[str], period: int | None = None) -> dict[str, int]:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
-from syncplane.algorithms import SPECS, StrategyTimes, spec_for, strategy_names, strategy_times
+from syncplane.algorithms import SPECS, StrategyTimes, spec_for, step_prices, strategy_names, strategy_times
 from syncplane.algorithms.ddp import BASELINE
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, compute_split
 from syncplane.cluster.cost import DEFAULT_ALPHA_S, EMULATED_TCP, IDEAL, CostModel, LinkTcp
@@ -243,9 +243,10 @@ def cpu_work(profile: ClusterProfile, name: str, kwargs: Mapping[str, Any], inpu
 def settled_times(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> StrategyTimes:
     """``strategy_times`` of the settings ``name`` runs with on ``model``'s cluster: those a
     run-time trial settles on (``AlgorithmSpec.trial``, judged by these prices), else ``kwargs``."""
-    def times(settings: Mapping[str, Any]) -> StrategyTimes:
-        return strategy_times(model, name, inputs.payload_bytes, cost_options(name, settings, inputs), inputs.cpu)
-    return times(spec_for(name).trial(kwargs, lambda settings: times(settings).predicted_s))
+    def steps(settings: Mapping[str, Any]) -> list[float]:
+        return step_prices(model, name, inputs.payload_bytes, cost_options(name, settings, inputs))
+    settled = spec_for(name).trial(kwargs, steps)
+    return strategy_times(model, name, inputs.payload_bytes, cost_options(name, settled, inputs), inputs.cpu)
 
 
 def price(model: CostModel, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> Candidate:

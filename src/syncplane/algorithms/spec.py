@@ -105,9 +105,10 @@ class AlgorithmSpec:
         parts: (bench options, payload bytes) -> how many parts a round goes in, one part's
             CPU work running while the previous one is on the wire (Canary's colayers in
             flight); 1: the CPU work and the wire add up.
-        trial: (bench options, a price of settings in seconds) -> the settings a run-time
-            trial settles on, by the trial's own rule applied to the prices (DS-Sync's
-            ``pair_streams: auto``); the prediction prices those. Default: the options as given.
+        trial: (bench options, a price of settings: the wire's seconds of each step of one
+            period of the pattern) -> the settings a run-time trial settles on, by the trial's
+            own rule applied to the prices of the steps it times (DS-Sync's ``pair_streams:
+            auto``); the prediction prices those. Default: the options as given.
     """
 
     family: str
@@ -126,7 +127,7 @@ class AlgorithmSpec:
     period_key: str | None = None
     cpu: CpuPattern = lambda name, profile, payload_bytes, options: CpuWork()
     parts: Callable[[Mapping[str, Any], float], int] = lambda options, payload_bytes: 1
-    trial: Callable[[Mapping[str, Any], Callable[[Mapping[str, Any]], float]], Mapping[str, Any]] = \
+    trial: Callable[[Mapping[str, Any], Callable[[Mapping[str, Any]], list[float]]], Mapping[str, Any]] = \
         lambda options, price: options
 
 

@@ -74,8 +74,9 @@ class FlowArray:
     copies: np.ndarray | None = None          # None: one flow per row
     #: the copies are streams pinned round-robin to their host's NICs (stream s on NIC
     #: s mod k, as ``comm.StreamRunner`` binds its groups): S streams get S/⌈S/k⌉ NICs'
-    #: worth of a host's capacity (one stream: one NIC), not min(flows, k)
-    pinned: bool = False
+    #: worth of a host's capacity (one stream: one NIC), not min(flows, k); a bool array:
+    #: per row
+    pinned: bool | np.ndarray = False
     #: the flows are one tick of a pipeline of chunks (FlexReduce's wavefront), each send its
     #: own op: they spread over a host's NICs (min(flows, k)) and pay no ``LinkTcp`` per-flow
     #: loss (measured, ``EMULATED_TCP``'s note)
@@ -379,7 +380,7 @@ class CostModel:
         columns = [columns_of(p) for p in distinct]
         owner = np.repeat(np.arange(len(distinct), dtype=np.int64), [len(c[0]) for c in columns])
         src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
-        pinned = np.concatenate([c[3] if isinstance(p, FlowArray) and p.pinned else np.zeros_like(c[3])
+        pinned = np.concatenate([np.where(p.pinned, c[3], 0) if isinstance(p, FlowArray) else np.zeros_like(c[3])
                                  for p, c in zip(distinct, columns)])
         chunked = np.concatenate([np.full(len(c[0]), isinstance(p, FlowArray) and p.chunked)
                                   for p, c in zip(distinct, columns)])
@@ -437,9 +438,16 @@ def ring_allreduce(world_size: int, payload_bytes: float, streams: int = 1) -> l
     return [list(step) for _ in range(2 * (world_size - 1))]
 
 
-def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float) -> list[Phase]:
-    """One phase: every rank sends the whole payload to each of its destinations."""
-    return [[(src, dst, payload_bytes) for src, dsts in sends.items() for dst in dsts]]
+def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float, streams: int = 1) -> list[Phase]:
+    """One phase: every rank sends the whole payload to each of its destinations; ``streams``
+    > 1: as that many streams of payload/streams pinned to NICs round-robin
+    (``FlowArray.pinned``: buckets whose tags take a host's NICs in turn)."""
+    flows = [(src, dst) for src, dsts in sends.items() for dst in dsts]
+    if streams <= 1 or not flows:
+        return [[(src, dst, payload_bytes) for src, dst in flows]]
+    src, dst = (np.array(column, dtype=np.int64) for column in zip(*flows))
+    return [FlowArray(src, dst, np.full(len(flows), payload_bytes / streams),
+                      np.full(len(flows), streams, dtype=np.int64), pinned=True)]
 
 
 def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float,
@@ -448,10 +456,11 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
 
     Every ring link of a group of n carries 2(n−1)/n of the payload; spreading that evenly
     over max 2(n−1) phases keeps the bound exact (concurrent groups add up on shared links)
-    and charges the latency of the longest ring. A pair's link carries ``pair_streams``
-    flows, each with its share of the bytes (``GroupSet``'s pair swap). ``nic_streams`` > 1:
-    a group of more than two runs that many rings pinned to NICs round-robin, as DDP's
-    buckets do (``bucket_streams``); the pairs' streams are pinned alike.
+    and charges the latency of the longest ring. ``nic_streams`` > 1: a group of more than
+    two runs that many rings pinned to NICs round-robin, as DDP's buckets do
+    (``bucket_streams``). A pair swaps its buckets in ``pair_streams`` pieces each
+    (``GroupSet``'s pair swap), every piece with a tag of its own, which gloo maps to a
+    host's NICs in turn: priced as max(``pair_streams``, ``nic_streams``) pinned streams.
     """
     rings = [sorted(g) for g in groups if len(g) > 1]
     if not rings:
@@ -459,12 +468,11 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
     phases = max(2 * (len(g) - 1) for g in rings)
     step = []
     for g in rings:
-        flows = pair_streams if len(g) == 2 else nic_streams
+        flows = nic_streams if len(g) > 2 else max(pair_streams, nic_streams)
         per_flow = 2 * (len(g) - 1) / len(g) * payload_bytes / phases / flows
         step += [(g[i], g[(i + 1) % len(g)], per_flow, flows) for i in range(len(g))]
-    if nic_streams > 1:
+    if any(copies > 1 for *_, copies in step):
         src, dst, nbytes, copies = (np.array(column) for column in zip(*step))
         return [FlowArray(src.astype(np.int64), dst.astype(np.int64), nbytes.astype(np.float64),
-                          copies.astype(np.int64), pinned=True) for _ in range(phases)]
-    flat = [(s, d, b) for s, d, b, copies in step for _ in range(copies)]
-    return [list(flat) for _ in range(phases)]
+                          copies.astype(np.int64), pinned=copies > 1) for _ in range(phases)]
+    return [[(s, d, b) for s, d, b, _ in step] for _ in range(phases)]

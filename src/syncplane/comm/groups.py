@@ -112,7 +112,9 @@ class GroupSet:
         stays busy in both directions the whole time. Each direction has its own TCP
         connections (process groups): bulk data both ways on one connection queues its
         ACKs behind the other direction's data on a shaped link. Every bucket is cut into
-        ``pair_streams`` pieces, piece s on stream s. ``a + b == b + a`` in floating point:
+        ``pair_streams`` pieces, piece s on stream s; each piece of the swap has a tag of its own
+        (its index: under gloo, NIC index mod k of a host with k, so a swap spreads over a
+        host's NICs whatever its stream count). ``a + b == b + a`` in floating point:
         both ranks end bit-identical, whatever the number of streams.
         """
         low = self.rank == pair[0]
@@ -129,7 +131,9 @@ class GroupSet:
                              send_pgs, recv_pgs)
                 for mine, theirs, send_pg, recv_pg in pieces:
                     if mine.numel():
-                        works += [dist.isend(mine, peer, group=send_pg), dist.irecv(theirs, peer, group=recv_pg)]
+                        tag = len(works) // 2
+                        works += [dist.isend(mine, peer, group=send_pg, tag=tag),
+                                  dist.irecv(theirs, peer, group=recv_pg, tag=tag)]
             for work in works:
                 work.wait()
             for bucket, other in zip(buckets, received):

@@ -138,7 +138,7 @@ def hierarchical_neighbor_allreduce_tensors(
             [flat, flat.new_zeros(shard_numel * shards - flat.numel())])
         rows = padded.view(shards, shard_numel)
         owned = rows.clone() if intra is None else _reduce_to_owners(rows, intra, local, size, timeout_s)
-        handle = _exchange_shards(owned, sends, recvs, self_w, timeout_s, meter)
+        handle = _exchange_shards(owned, sends, recvs, self_w, timeout_s, meter, tag=index)
         if in_flight is not None:
             gather(*in_flight)
         in_flight = (index, handle)
@@ -149,11 +149,12 @@ def hierarchical_neighbor_allreduce_tensors(
 
 def _exchange_shards(owned: torch.Tensor, sends: list[tuple[int, float, dict[int, list[int]]]],
                      recvs: list[tuple[int, float, dict[int, list[int]]]], self_weight: float,
-                     timeout_s: float, meter: CommMeter | None) -> Handle:
+                     timeout_s: float, meter: CommMeter | None, tag: int = 0) -> Handle:
     """Send this rank's averaged shards (rows of ``owned``) to their owners on the destination
     machines, receive the same shards from the source machines' owners, and combine them
     with the machine weights: one message per peer rank (a rank owning several shards sends
-    a peer all the ones it owns there at once)."""
+    a peer all the ones it owns there at once), with ``tag`` (the tensor's index: consecutive
+    tensors' exchanges, in flight together, take a host's NICs in turn under gloo)."""
     rows, shard_numel = owned.shape
     everything = list(range(rows))
 
@@ -182,7 +183,7 @@ def _exchange_shards(owned: torch.Tensor, sends: list[tuple[int, float, dict[int
         return kernels.weighted_combine(owned, buffers, weights, self_weight)
 
     return exchange_tensors(outgoing, incoming, None, finish, timeout_s=timeout_s,
-                            what="hierarchical_neighbor_allreduce", meter=meter)
+                            what="hierarchical_neighbor_allreduce", meter=meter, tag=tag)
 
 
 def _reduce_to_owners(rows: torch.Tensor, group: dist.ProcessGroup, local: int, size: int,

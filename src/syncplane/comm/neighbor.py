@@ -131,7 +131,7 @@ def neighbor_allreduce_nonblocking(
     tensor: torch.Tensor, self_weight: float | None = None, src_weights: Weights | None = None,
     dst_weights: Destinations | None = None, *, enable_topo_check: bool | None = None, group: Group = None,
     timeout_s: float = DEFAULT_TIMEOUT_S, meter: CommMeter | None = None, out: torch.Tensor | None = None,
-    recv_buffers: Sequence[torch.Tensor] | None = None,
+    recv_buffers: Sequence[torch.Tensor] | None = None, tag: int = 0,
 ) -> Handle:
     """Launch a neighbour all-reduce; ``.wait()`` returns the combined tensor.
 
@@ -139,7 +139,8 @@ def neighbor_allreduce_nonblocking(
     static topology was validated by ``set_topology``). With it off, a plan mismatch
     still ends in ``TopologyError`` after ``timeout_s``, never in a hang. ``out`` may be
     ``tensor`` itself (combined in place); ``recv_buffers`` are reused receive buffers, one
-    per source in ``src_weights`` order.
+    per source in ``src_weights`` order. ``tag`` (``p2p.exchange_tensors``): which of a
+    host's NICs the messages take under gloo; concurrent calls spread by consecutive tags.
     """
     if not tensor.is_floating_point():
         raise TypeError(f"neighbor_allreduce averages floating-point tensors, got dtype {tensor.dtype}")
@@ -156,7 +157,7 @@ def neighbor_allreduce_nonblocking(
         return kernels.weighted_combine(tensor, received, weights, self_w, out=target)
 
     return exchange(tensor, dst, sources, group, combine, timeout_s=timeout_s, what="neighbor_allreduce",
-                    meter=meter, recv_buffers=recv_buffers)
+                    meter=meter, recv_buffers=recv_buffers, tag=tag)
 
 
 def neighbor_allreduce(tensor: torch.Tensor, self_weight: float | None = None, src_weights: Weights | None = None,
@@ -174,17 +175,17 @@ def neighbor_allreduce_tensors(
     """Tensor fusion: neighbour-all-reduce ``tensors`` *in place* as a few flat buckets.
 
     Buckets hold at most ``bucket_bytes`` of payload (what one rank contributes, not
-    payload × degree). All buckets are launched before the first wait; wait on every
-    returned handle (each writes its bucket back into the tensors). The plan is checked
-    once for all buckets.
+    payload × degree). All buckets are launched before the first wait, bucket i with tag i
+    (spread over a host's NICs); wait on every returned handle (each writes its bucket back
+    into the tensors). The plan is checked once for all buckets.
     """
     self_w, src, dst, dynamic = resolve_plan(self_weight, src_weights, dst_weights, group)
     check_if_enabled(enable_topo_check, dynamic, dst, src, group)
     handles = []
-    for bucket in make_buckets(tensors, bucket_bytes):
+    for index, bucket in enumerate(make_buckets(tensors, bucket_bytes)):
         flat = bucket.pack()
         inner = neighbor_allreduce_nonblocking(flat, self_w, src, dst, enable_topo_check=False, group=group,
-                                               timeout_s=timeout_s, meter=meter, out=flat)
+                                               timeout_s=timeout_s, meter=meter, out=flat, tag=index)
         handles.append(_then_unpack(inner, bucket))
     return handles
 

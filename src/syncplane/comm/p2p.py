@@ -138,13 +138,15 @@ def completed(result: torch.Tensor) -> Handle:
 
 def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[int], group: Group,
              finish: Callable[[list[torch.Tensor]], torch.Tensor], *, timeout_s: float, what: str,
-             meter: CommMeter | None = None, recv_buffers: Sequence[torch.Tensor] | None = None) -> Handle:
+             meter: CommMeter | None = None, recv_buffers: Sequence[torch.Tensor] | None = None,
+             tag: int = 0) -> Handle:
     """Send ``tensor × sends[k]`` to each group rank k, receive one tensor from each of ``recvs``.
 
     ``finish(received)`` runs in ``wait()``; ranks are ranks *in the group*. Scaled
     copies are made once per distinct scale (a plain list of destinations sends
     ``tensor`` itself, no copy). ``recv_buffers`` (one per source, like ``tensor``) lets a
     caller that exchanges every step reuse its buffers instead of faulting in fresh pages.
+    ``tag``: as ``exchange_tensors``'s.
     """
     start = time.perf_counter()
     tensor = tensor.contiguous()
@@ -158,27 +160,30 @@ def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[i
         raise ValueError(f"{len(recv_buffers)} receive buffers for {len(recvs)} sources")
     received = list(recv_buffers) if recv_buffers is not None else [torch.empty_like(tensor) for _ in recvs]
     return exchange_tensors(outgoing, list(zip(recvs, received)), group, lambda: finish(received),
-                            timeout_s=timeout_s, what=what, meter=meter, start=start)
+                            timeout_s=timeout_s, what=what, meter=meter, start=start, tag=tag)
 
 
 def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                      group: Group, finish: Callable[[], torch.Tensor], *, timeout_s: float, what: str,
-                     meter: CommMeter | None = None, start: float | None = None) -> Handle:
+                     meter: CommMeter | None = None, start: float | None = None, tag: int = 0) -> Handle:
     """Send each ``(group rank, contiguous tensor)`` of ``sends`` and receive into each buffer of
     ``recvs``, all launched at once; ``finish()`` runs in ``wait()``. The general form of
     ``exchange``, for callers that send different tensors to different peers (the
     hierarchical operation on machines of different sizes). Each message travels on the
-    group of its direction where ``context.set_one_way_links`` set them."""
+    group of its direction where ``context.set_one_way_links`` set them, with ``tag`` (the
+    same on both ends): under gloo a group on several NICs sends tag t's messages on NIC
+    t mod k (``GLOO_SOCKET_IFNAME``'s order), so callers spread concurrent exchanges over a
+    host's NICs by giving them consecutive tags; NCCL ignores it."""
     start = time.perf_counter() if start is None else start
     me = dist.get_rank(group)
     batches: dict[Group, list[tuple[dist.P2POp, tuple[str, int]]]] = {}   # one batch per group
     for peer, tensor in sends:
         link = one_way_link(group, me, peer)
-        batches.setdefault(link, []).append((dist.P2POp(dist.isend, tensor, group=link, group_peer=peer),
+        batches.setdefault(link, []).append((dist.P2POp(dist.isend, tensor, group=link, tag=tag, group_peer=peer),
                                              ("sending to", peer)))
     for peer, buffer in recvs:
         link = one_way_link(group, peer, me)
-        batches.setdefault(link, []).append((dist.P2POp(dist.irecv, buffer, group=link, group_peer=peer),
+        batches.setdefault(link, []).append((dist.P2POp(dist.irecv, buffer, group=link, tag=tag, group_peer=peer),
                                              ("receiving from", peer)))
     labels = [label for batch in batches.values() for _, label in batch]
     try:

@@ -13,12 +13,13 @@ from syncplane.algorithms.decentralized.machines import machines_for
 from syncplane.job import JobContext
 from syncplane.algorithms.decentralized.schedule import build_graph, build_schedule
 from syncplane.comm import CommMeter
+from syncplane.config import ConfigError
 
 
 class NeighborAveragingStep:
     """ATC/AWC's per-step exchange: the strategies' own ``NeighborAverager`` on buckets of the
     payload, all launched, then all waited for (``options["one_way_links"]``, default on: a
-    connection per direction; ``0`` turns it off). ``options["schedule"]``: ``one_peer``
+    connection per direction; ``false`` or ``0`` turns it off). ``options["schedule"]``: ``one_peer``
     (default) or ``static`` (``options["topology"]``, default ExponentialTwoGraph). Buckets:
     the strategies' default. Hierarchical: machines are the racks of the launched profile
     (``options["machines"]="rack"``, the default) or the hosts (``"host"``). Steps of the
@@ -28,7 +29,9 @@ class NeighborAveragingStep:
     def __init__(self, options: Mapping[str, Any], job: JobContext, hierarchical: bool = False) -> None:
         self.hierarchical = hierarchical
         self.bucket_mb = float(options.get("bucket_mb", NEIGHBOR_BUCKET_BYTES / 2**20))
-        self.one_way_links = bool(options.get("one_way_links", True))
+        self.one_way_links = options.get("one_way_links", True)
+        if self.one_way_links not in (True, False):     # 0 and 1 compare equal to them
+            raise ConfigError(f"one_way_links: expected true or false (or 1, 0), got {self.one_way_links!r}")
         self.machines = machines_for(job, options.get("machines", "rack"))[1] if hierarchical else None
         participants = len(self.machines) if self.machines is not None else dist.get_world_size()
         graph = build_graph(options.get("topology", "ExponentialTwoGraph"), participants)

@@ -135,7 +135,8 @@ class NeighborAverager:
             handles = [neighbor_allreduce_nonblocking(
                 flat, plan.self_weight, plan.src_weights, plan.dst_weights, enable_topo_check=False,
                 timeout_s=self.timeout_s, meter=self.meter, out=flat,
-                recv_buffers=[self._receive_buffer(index, k, flat) for k in range(len(plan.src_weights))])
+                recv_buffers=[self._receive_buffer(index, k, flat) for k in range(len(plan.src_weights))],
+                tag=index)      # bucket i on a host's NIC i mod k (gloo)
                 for index, flat in enumerate(flats)]
         self._pending = dict(enumerate(handles))
 

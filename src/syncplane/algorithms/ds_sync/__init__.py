@@ -43,14 +43,18 @@ def _streams(options: Mapping[str, Any]) -> int:
     return 1 if _pattern(options) == CLIQUE else connections(options.get("pair_streams", "auto"))
 
 
-def _trial(options: Mapping[str, Any], price: Callable[[Mapping[str, Any]], float]) -> Mapping[str, Any]:
+def _trial(options: Mapping[str, Any], price: Callable[[Mapping[str, Any]], list[float]]) -> Mapping[str, Any]:
     """``pair_streams: auto`` settles on one stream or ``MAX_PAIR_STREAMS`` by the trial's own
-    rule (``choose_pair_streams``) applied to the two prices: on a link of its own one stream
-    is the faster, next to foreign traffic several take a larger share."""
+    rule (``choose_pair_streams``: the median of matched speed-ups) applied to the prices of
+    the steps it times, those with a pair -- the steps whose price the stream count changes:
+    on a link of its own one stream is the faster, next to foreign traffic several take a
+    larger share."""
     if _pattern(options) == CLIQUE or check_pair_streams(options.get("pair_streams", "auto")) != "auto":
         return options
     one, many = ({**options, "pair_streams": n} for n in (1, MAX_PAIR_STREAMS))
-    return many if choose_pair_streams([price(one)], [price(many)], MAX_PAIR_STREAMS) > 1 else one
+    timed = [(a, b) for a, b in zip(price(one), price(many)) if a != b]
+    kept = choose_pair_streams([a for a, _ in timed], [b for _, b in timed], MAX_PAIR_STREAMS)
+    return many if kept > 1 else one
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DSSyncStep:
