@@ -130,6 +130,7 @@ def test_a_failed_strategy_gets_a_row_and_the_rest_of_the_profile_still_runs(tmp
                                                                  "syncplane bench --matrix (retry)"]
     heading = (tmp_path / "fake_racks.md").read_text().splitlines()[2]
     assert heading.startswith("Runs: ") and heading.index("(test)") < heading.index("(retry)")
+    assert heading.count(f", {matrix.machine()}: ") == 2 and " cores, torch CPU " in matrix.machine()   # which machine
     # a file from before the runs were kept: its one run, from its meta
     legacy = {"created": "2026-01-01T10:00:00", "commit": "abc1234", "command": "syncplane bench --matrix"}
     assert matrix.run_history(legacy) == [legacy] and matrix.run_history({}) == []
@@ -289,6 +290,10 @@ def test_reprice_prices_the_cpu_work_at_the_rates_the_report_keeps() -> None:
     assert priced["slow"]["cpu_rates"]["per_element"]["add"] == 1e-6 and priced["slow"]["cpu_rates"]["sharing"] == 4.0
     mine = matrix.reprice(report, profile)           # none kept: this machine's, then kept
     assert mine["cpu_rates"]["per_element"]["add"] > 0
+    # rows of two machines in one file: each priced at the rates of the machine that ran it
+    both = {**fast, "results": [{**row, "cpu_rates": slow["cpu_rates"]}, {**row, "strategy": "diloco"}]}
+    mixed = [r["predicted_cpu_s"] for r in matrix.reprice(both, profile)["results"]]
+    assert mixed == pytest.approx([cpu["slow"], cpu["fast"]])
 
 
 def test_the_machines_cpu_shares_come_from_proc_stat_ticks():
@@ -345,3 +350,12 @@ def test_ranks_cpu_that_fills_the_gap_to_the_bound_is_named_when_the_cores_are_n
     assert matrix.misses(row) == ("bound ratio < 0.8 (ranks' CPU 1.6 core-s/step, 0.80 s on 2 cores: more than "
                                   "the 0.57 s above the bound)")
     assert matrix.misses({**row, "rank_cpu_s": 1.0}) == "bound ratio < 0.8"     # 0.50 s: not enough to say
+
+
+def test_bytes_left_by_one_nic_of_several_are_named():
+    row = {"status": "ok", "bound_ratio": 0.63, "model_error": 0.0,
+           "nic_bytes_by_host": {"n0": {"eth0": 77e6, "eth1": 400.0}, "n1": {"eth0": 76e6, "eth1": 300.0}}}
+    assert matrix.misses(row) == "bound ratio < 0.8 (one NIC of 2 sent 100 % of a host's bytes)"
+    spread = {"n0": {"eth0": 40e6, "eth1": 37e6}, "n1": {"eth0": 39e6, "eth1": 38e6}}
+    assert matrix.misses({**row, "nic_bytes_by_host": spread}) == "bound ratio < 0.8"
+    assert matrix.misses({**row, "nic_bytes_by_host": {"a": {"eth0": 1e6}}}) == "bound ratio < 0.8"   # one NIC each

@@ -20,6 +20,8 @@ import dataclasses
 import io
 import json
 import logging
+import os
+import platform
 import re
 import shlex
 import subprocess
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 BOUND_TARGET, MODEL_ERROR_TARGET = 0.8, 0.10
 #: a share of the machine's cores this busy over a row's timed steps names the CPU as a cause
 CPU_SATURATED = 0.9
+#: a share of a host's bytes this large on its busiest NIC (hosts with several) names one NIC as a cause
+ONE_NIC = 0.9
 
 #: The report fields that must match for a new run's rows to join an existing profile JSON.
 SETTINGS_KEYS = ("payload_bytes", "compute_ms", "world_size")
@@ -140,24 +144,39 @@ def _partial_rows(profile: ClusterProfile, order: list[str], settings: MatrixSet
     results = run_dir / "results.json"
     measured = json.loads(results.read_text())["results"] if results.exists() else {}
     finished = [s for s in order if s in measured]
-    return report_rows(profile, finished, settings.payload_bytes, measured, compute_ms=settings.compute_ms,
-                       cpu=emulator_cpu_rates(profile, finished, settings.payload_bytes, None, {}))
+    cpu = emulator_cpu_rates(profile, finished, settings.payload_bytes, None, {})
+    return stamp_run(report_rows(profile, finished, settings.payload_bytes, measured, compute_ms=settings.compute_ms,
+                                 cpu=cpu), dataclasses.asdict(cpu))
 
 
-def stamp_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mark the rows of one run with its time and its ``ddp`` sync (what their *vs DDP* is
-    against): a resumed profile's file holds rows of several runs."""
+def stamp_run(rows: list[dict[str, Any]], cpu_rates: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Mark the rows of one run with its time, its ``ddp`` sync (what their *vs DDP* is
+    against) and the CPU rates they were priced at (measured on the machine that ran them):
+    a resumed profile's file holds rows of several runs, perhaps of several machines."""
     ddp = next((r.get("sync_s_median") for r in rows if r["strategy"] == "ddp"), None)
     measured = time.strftime("%Y-%m-%dT%H:%M:%S")
-    return [{**r, "measured": measured, "ddp_sync_s": ddp} for r in rows]
+    return [{**r, "measured": measured, "ddp_sync_s": ddp, **({"cpu_rates": cpu_rates} if cpu_rates else {})}
+            for r in rows]
+
+
+def machine() -> str:
+    """This machine in a few words (CPU model, cores, torch's CPU instruction set): rows of
+    CPU-bound strategies measured on two machines differ by more than their runs' spread."""
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    return f"{model or platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, " \
+           f"torch CPU {torch.backends.cpu.get_cpu_capability()}"
 
 
 def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
     """``report`` with every measured row priced again by the cost model as it is now, at the
-    CPU rates the report holds (its run's, or its last reprice's; this machine's, measured,
-    for any it lacks, then kept in ``cpu_rates``): the measurements are kept, the model's
-    fields replaced, and ``meta.repriced`` says when and at which commit (a model fixed after
-    a matrix ran is checked against its measurements without running it again)."""
+    CPU rates of the machine that measured it (the row's ``cpu_rates``; a row from before they
+    were kept: the report's, its last run's or last reprice's; this machine's, measured, for
+    any op they lack, then kept in the report's ``cpu_rates``): the measurements are kept,
+    the model's fields replaced, and ``meta.repriced`` says when and at which commit (a model
+    fixed after a matrix ran is checked against its measurements without running it again)."""
     from syncplane import algorithms
     from syncplane.bench.runner import price_row
     from syncplane.cluster.cost import EMULATED_TCP, CostModel
@@ -171,16 +190,20 @@ def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
     options = {"shards": report.get("shards", 1), "pair_streams": report.get("pair_streams", "auto"),
                "compression": report.get("compression", "none"), "exchange": report.get("exchange", "auto"),
                "density": report.get("density", 0.02), "bits": report.get("bits", 2)}
-    cpu = emulator_cpu_rates(profile, measured, report["payload_bytes"], report.get("period"), options)
-    stored = report.get("cpu_rates")
-    if stored:           # the rates of the run (or of an earlier reprice); this machine's for what it lacks
-        cpu = CpuRates({**cpu.per_element, **stored["per_element"]}, stored["sharing"])
+    here = emulator_cpu_rates(profile, measured, report["payload_bytes"], report.get("period"), options)
+
+    def rates(stored: dict[str, Any] | None) -> CpuRates:
+        """The stored rates (a run's, or an earlier reprice's); this machine's for what they lack."""
+        return CpuRates({**here.per_element, **stored["per_element"]}, stored["sharing"]) if stored else here
+
+    cpu = rates(report.get("cpu_rates"))
     model = CostModel(profile, tcp=EMULATED_TCP)
     periods = algorithms.periods(measured, report.get("period"))
     for row in rows:
         if row.get("status") == "ok":
             price_row(row, model, row["strategy"], report["payload_bytes"], report.get("compute_ms", 0.0),
-                      periods.get(row["strategy"], report.get("period")), options, cpu)
+                      periods.get(row["strategy"], report.get("period")), options,
+                      rates(row["cpu_rates"]) if row.get("cpu_rates") else cpu)
     meta = {**report.get("meta", {}), "repriced": {"at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                                    "commit": git_commit(Path(__file__).parent)}}
     return {**report, "results": rows, "meta": meta, "cpu_rates": dataclasses.asdict(cpu)}
@@ -208,9 +231,10 @@ def run_profile(profile: ClusterProfile, settings: MatrixSettings, progress: Any
         try:
             report = run_bench(profile, order, settings.payload_bytes, steps=settings.steps, warmup=settings.warmup,
                                compute_ms=settings.compute_ms, out_dir=run_dir, echo_to=echo)
-            rows, pending = merge_rows({"results": rows}, stamp_run(report["results"]), order), []
+            rows, pending = merge_rows({"results": rows}, stamp_run(report["results"], report.get("cpu_rates")),
+                                       order), []
         except (RuntimeError, EmulationError, KeyboardInterrupt) as exc:    # LaunchError is a RuntimeError
-            finished = stamp_run(_partial_rows(profile, order, settings, run_dir))
+            finished = _partial_rows(profile, order, settings, run_dir)
             rows = merge_rows({"results": rows}, finished, order)
             done = {r["strategy"] for r in finished}
             if isinstance(exc, (KeyboardInterrupt, JobStopped)):     # told to stop: keep what finished, stop
@@ -243,7 +267,8 @@ def _write_profile(path: Path, profile: ClusterProfile, settings: MatrixSettings
               "cluster": profile.name, "world_size": profile.world_size, "payload_bytes": settings.payload_bytes,
               "compute_ms": settings.compute_ms, "steps": report.get("steps", settings.steps),
               "results": merge_rows(existing, rows, ["ddp", *settings.strategies])}
-    run = {"created": created, "commit": git_commit(Path(__file__).parent), "command": settings.command}
+    run = {"created": created, "commit": git_commit(Path(__file__).parent), "machine": machine(),
+           "command": settings.command}
     merged["meta"] = {**run, "runs": [*run_history((existing or {}).get("meta", {})), run]}
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=2) + "\n")
@@ -295,7 +320,8 @@ def measured_cause(row: dict[str, Any]) -> str:
     cores saturated, or the ranks' own CPU work long enough to fill the gap between the
     measurement and the bound (the bound prices the wire with free CPU; the model prices the
     CPU work at rates measured alone, shared by rank count); packets dropped at the rack
-    uplinks (TCP backs off and resends, which neither prices)."""
+    uplinks (TCP backs off and resends, which neither prices); on hosts with several NICs,
+    the bytes left by one of them (the bound spreads them over all)."""
     causes = []
     cpu, ranks_s = row.get("machine_cpu"), row.get("rank_cpu_s")
     if cpu and cpu["busy"] >= CPU_SATURATED:
@@ -308,6 +334,11 @@ def measured_cause(row: dict[str, Any]) -> str:
                           f"more than the {gap:.2f} s above the bound")
     if row.get("uplink_drops"):
         causes.append(f"{row['uplink_drops']:.0f} uplink drops/step")
+    several = [nics for nics in (row.get("nic_bytes_by_host") or {}).values() if len(nics) > 1 and sum(nics.values())]
+    if several:
+        busiest = sum(max(nics.values()) / sum(nics.values()) for nics in several) / len(several)
+        if busiest >= ONE_NIC:
+            causes.append(f"one NIC of {max(len(n) for n in several)} sent {busiest * 100:.0f} % of a host's bytes")
     return "; ".join(causes)
 
 
@@ -416,7 +447,8 @@ def markdown_table(report: dict[str, Any]) -> str:
     """One profile's scoreboard: a heading with how it was made (every run, where a resumed
     or partly re-run matrix wrote it), then a row per strategy."""
     meta = report.get("meta", {})
-    made = [f"{run.get('created', '?')}, commit `{run.get('commit') or '?'}`: `{run.get('command', '?')}`"
+    made = [f"{run.get('created', '?')}, commit `{run.get('commit') or '?'}`"
+            + (f", {run['machine']}" if run.get("machine") else "") + f": `{run.get('command', '?')}`"
             for run in run_history(meta) or [meta]]
     lines = [f"### `{report['cluster']}` ({report['world_size']} ranks, {report['payload_bytes'] / 2**20:.1f} MB"
              + (f", compute {report['compute_ms']:g} ms" if report.get("compute_ms") else "") + ")", "",
