@@ -86,3 +86,14 @@ def test_scaled_profile_keeps_the_template_shape():
     big = scaled(load_profile("two_racks"), racks=16, hosts_per_rack=64)
     assert big.world_size == 1024 and len(big.racks) == 16
     assert big.racks[3].uplink_mbit == 100 and big.hosts[-1].spec.nic_mbit == 400
+
+
+def test_gloo_lists_the_fewest_nics_a_host_has_on_every_rank():
+    """gloo pairs its devices across ranks by position: a host's second NIC serves gloo only
+    where every host has one (``uneven_uplinks``: one host of seven has two)."""
+    from syncplane.cluster.emulator import rank_env
+
+    for name, listed in (("multi_nic", "eth0,eth1"), ("uneven_uplinks", "eth0"), ("two_racks", "eth0")):
+        profile = load_profile(name)
+        assert {rank_env(profile, r)["GLOO_SOCKET_IFNAME"] for r in range(profile.world_size)} == {listed}
+        assert profile.gloo_nics == listed.count("eth") <= profile.max_nics

@@ -70,9 +70,9 @@ JobCheck = Callable[[str, Mapping[str, Any], JobContext], None]
 
 def payload_bucket_streams(profile: ClusterProfile, payload_bytes: float) -> int:
     """The pinned streams the payload's DDP-sized buckets (``DEFAULT_BUCKET_BYTES``, one
-    asynchronous all-reduce each) make on the profile's NICs (``cluster.cost.bucket_streams``):
-    how DDP, torch's hooks and DS-Sync's groups spread over a host's NICs."""
-    return bucket_streams(math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES), profile.max_nics)
+    asynchronous all-reduce each) make on the NICs gloo lists (``cluster.cost.bucket_streams``,
+    ``gloo_nics``): how DDP, torch's hooks and DS-Sync's groups spread over a host's NICs."""
+    return bucket_streams(math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES), profile.gloo_nics)
 
 @dataclass(frozen=True)
 class AlgorithmSpec:

@@ -424,8 +424,7 @@ def rank_env(profile: ClusterProfile, rank: int) -> dict[str, str]:
     number: the fewest NICs any host has. (Groups bound to one particular NIC are built
     explicitly by the strategies that stripe traffic over NICs.)
     """
-    shared = min(h.spec.nics for h in profile.hosts)
-    return {"GLOO_SOCKET_IFNAME": ",".join(f"eth{k}" for k in range(shared)), "TP_SOCKET_IFNAME": "eth0"}
+    return {"GLOO_SOCKET_IFNAME": ",".join(f"eth{k}" for k in range(profile.gloo_nics)), "TP_SOCKET_IFNAME": "eth0"}
 
 
 def master_addr(profile: ClusterProfile) -> str:

@@ -226,6 +226,12 @@ class ClusterProfile:
         """The most NICs a host has: the streams of a transport that opens one per NIC."""
         return max(h.spec.nics for h in self.hosts)
 
+    @property
+    def gloo_nics(self) -> int:
+        """The NICs every rank lists for gloo: the fewest a host has (gloo pairs its devices
+        across ranks by position), over which a process group hands out its ops and tags."""
+        return min(h.spec.nics for h in self.hosts)
+
     def to_dict(self) -> dict[str, Any]:
         """The YAML mapping ``parse_profile`` reads back (unset optional fields left out)."""
         def plain(spec: object) -> dict[str, Any]:

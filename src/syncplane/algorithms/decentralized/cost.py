@@ -14,11 +14,11 @@ from syncplane.cluster.profile import ClusterProfile
 def one_peer_steps(profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
     """ATC/AWC's dynamic one-peer exponential schedule: step t, rank r sends to r + 2^t. The
     buckets (``NEIGHBOR_BUCKET_BYTES``), all in flight at once, take a host's NICs in turn
-    (bucket i's tag is i, on gloo's device i mod k, k the fewest NICs a host has): priced as
+    (bucket i's tag is i, on gloo's device i mod k, k = ``gloo_nics``): priced as
     min(buckets, k) pinned streams -- an odd count's busier NIC carries one bucket more than
     priced (13 of 25 at the ResNet-50 payload)."""
     schedule = OnePeerSchedule(profile.world_size)
-    streams = min(math.ceil(payload_bytes / NEIGHBOR_BUCKET_BYTES), min(h.spec.nics for h in profile.hosts))
+    streams = min(math.ceil(payload_bytes / NEIGHBOR_BUCKET_BYTES), profile.gloo_nics)
     return [neighbor_exchange({r: list(schedule.plan(t, r).dst_weights) for r in range(profile.world_size)},
                               payload_bytes, streams) for t in range(schedule.period)]
 
