@@ -294,16 +294,18 @@ def test_train_on_an_emulated_multi_nic_cluster(tmp_path):
         assert sent[host, "eth1"] > 0.1 * sent[host, "eth0"] > 0, sent
 
 
-def test_point_to_point_exchanges_take_a_hosts_nics_in_turn(tmp_path):
-    """gloo sends a tag's messages on device tag mod k: the gossip's buckets and a pair's
-    pieces carry consecutive tags, so both NICs carry them (with one tag, one NIC did)."""
+@pytest.mark.parametrize("ranks, strategies", [(1, ["atc", "ds_sync[pair_streams=2]"]), (2, ["h_atc"])])
+def test_point_to_point_exchanges_take_a_hosts_nics_in_turn(ranks, strategies, tmp_path):
+    """gloo sends a tag's messages on device tag mod k: the gossip's buckets, a pair's pieces
+    and the messages of H-ATC's reduce-scatter inside a machine (here the two hosts of one
+    rack) carry different tags, so both NICs carry them (with one tag, one NIC did)."""
     from syncplane.bench.runner import run_bench
 
     two_nics = parse_profile({"name": "test_two_nics", "racks": [{"name": "r0", "hosts": [
-        {"name": "p0", "nic_mbit": 400, "nics": 2}, {"name": "p1", "nic_mbit": 400, "nics": 2}]}]})
+        {"name": "p0", "nic_mbit": 400, "nics": 2, "ranks": ranks},
+        {"name": "p1", "nic_mbit": 400, "nics": 2, "ranks": ranks}]}]})
     try:   # 8 MB: two 4 MB gossip buckets (tags 0, 1); DS-Sync's one pair swaps in two pieces
-        report = run_bench(two_nics, ["atc", "ds_sync[pair_streams=2]"], 8 * 2**20, steps=2, warmup=1,
-                           out_dir=tmp_path)
+        report = run_bench(two_nics, strategies, 8 * 2**20, steps=2, warmup=1, out_dir=tmp_path)
     finally:
         emulator.down()
     for row in report["results"]:

@@ -249,3 +249,19 @@ def test_hierarchical_gossip_sends_the_bytes_between_two_ranks_as_one_flow():
             for phase in step:
                 pairs = [(s, d) for s, d, _ in phase]
                 assert len(pairs) == len(set(pairs)), name
+
+
+def test_connections_given_as_streams_spread_over_the_nics_gloo_lists():
+    """H-ATC's reduce-scatter tags each message by its pair, so a host's connections take its
+    NICs in turn: as two pinned streams each, half the time of one NIC on ``multi_nic``."""
+    from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps
+    from syncplane.cluster.cost import EMULATED_TCP, columns_of, per_connection
+
+    model = CostModel(load_profile("multi_nic"), tcp=EMULATED_TCP)
+    across = [columns_of([(0, 2, M), (1, 3, M), (0, 3, M), (1, 2, M)])]
+    one, two = (model.phase_time(per_connection(across, 4, streams=s)) for s in (1, 2))
+    assert two == pytest.approx(one / 2, rel=0.05)
+    scattered = hierarchical_one_peer_steps(load_profile("multi_nic"), 4 * M, CostOptions())[0][0]
+    assert scattered.pinned and set(scattered.copies.tolist()) == {2}
+    flat = hierarchical_one_peer_steps(load_profile("two_racks"), 4 * M, CostOptions())[0][0]
+    assert not flat.pinned             # one NIC a host: one flow a connection, as before

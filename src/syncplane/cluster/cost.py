@@ -115,15 +115,20 @@ def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 def per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0,
-                   chunked: bool = False) -> FlowArray:
+                   chunked: bool = False, streams: int = 1) -> FlowArray:
     """The flows of ``columns`` (``columns_of`` of phases that run at once) as one flow per
     (src, dst) of ``width`` ranks, bytes summed (times ``scale``): what goes between two
     ranks at once shares their connection, so it counts as one flow on every link
-    (``chunked``: ``FlowArray.chunked``)."""
+    (``chunked``: ``FlowArray.chunked``). ``streams`` > 1: each as that many pinned streams
+    of its bytes/streams (``FlowArray.pinned``): a host's connections spread over its NICs,
+    as messages whose tags take them in turn do."""
     src, dst, nbytes = (np.concatenate([c[i] for c in columns]) for i in range(3))
     pairs, where = np.unique(src * width + dst, return_inverse=True)
-    return FlowArray(pairs // width, pairs % width, np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale,
-                     chunked=chunked)
+    total = np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale
+    if streams > 1:
+        return FlowArray(pairs // width, pairs % width, total / streams,
+                         np.full(len(pairs), streams, dtype=np.int64), pinned=True, chunked=chunked)
+    return FlowArray(pairs // width, pairs % width, total, chunked=chunked)
 
 
 @dataclass(frozen=True)

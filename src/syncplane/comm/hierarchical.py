@@ -193,13 +193,14 @@ def _reduce_to_owners(rows: torch.Tensor, group: dist.ProcessGroup, local: int, 
 
     Each NIC sends and receives (L−1)/L of the payload once on equal machines -- the
     reduce-scatter bound. (gloo's own ``reduce_scatter_tensor`` moves an all-reduce's worth
-    of bytes and needs equal shares.)
+    of bytes and needs equal shares.) The message from member i to member j has tag i + j:
+    a member's messages take a host's NICs in turn under gloo.
     """
     peers = [j for j in range(size) if j != local]
     mine = rows[local::size].contiguous()
     received = [torch.empty_like(mine) for _ in peers]
     exchange_tensors([(j, rows[j::size].contiguous()) for j in peers], list(zip(peers, received)), group,
-                     lambda: mine, timeout_s=timeout_s,
+                     lambda: mine, timeout_s=timeout_s, tag=lambda src, dst: src + dst,
                      what="hierarchical reduce-scatter (peers are machine-local ranks)").wait()
     return kernels.weighted_combine(mine, received, [1.0 / size] * len(received), 1.0 / size)
 

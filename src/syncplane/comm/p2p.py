@@ -165,26 +165,32 @@ def exchange(tensor: torch.Tensor, sends: Mapping[int, float], recvs: Sequence[i
 
 def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                      group: Group, finish: Callable[[], torch.Tensor], *, timeout_s: float, what: str,
-                     meter: CommMeter | None = None, start: float | None = None, tag: int = 0) -> Handle:
+                     meter: CommMeter | None = None, start: float | None = None,
+                     tag: int | Callable[[int, int], int] = 0) -> Handle:
     """Send each ``(group rank, contiguous tensor)`` of ``sends`` and receive into each buffer of
     ``recvs``, all launched at once; ``finish()`` runs in ``wait()``. The general form of
     ``exchange``, for callers that send different tensors to different peers (the
     hierarchical operation on machines of different sizes). Each message travels on the
     group of its direction where ``context.set_one_way_links`` set them, with ``tag`` (the
-    same on both ends): under gloo a group on several NICs sends tag t's messages on NIC
-    t mod k (``GLOO_SOCKET_IFNAME``'s order), so callers spread concurrent exchanges over a
-    host's NICs by giving them consecutive tags; NCCL ignores it."""
+    same on both ends; or a function of the sender's and receiver's group ranks, the tag of
+    each message): under gloo a group on several NICs sends tag t's messages on NIC t mod k
+    (``GLOO_SOCKET_IFNAME``'s order), so callers spread concurrent messages over a host's
+    NICs by giving them consecutive tags; NCCL ignores it."""
     start = time.perf_counter() if start is None else start
     me = dist.get_rank(group)
+
+    def tag_of(src: int, dst: int) -> int:
+        return tag(src, dst) if callable(tag) else tag
+
     batches: dict[Group, list[tuple[dist.P2POp, tuple[str, int]]]] = {}   # one batch per group
     for peer, tensor in sends:
         link = one_way_link(group, me, peer)
-        batches.setdefault(link, []).append((dist.P2POp(dist.isend, tensor, group=link, tag=tag, group_peer=peer),
-                                             ("sending to", peer)))
+        op = dist.P2POp(dist.isend, tensor, group=link, tag=tag_of(me, peer), group_peer=peer)
+        batches.setdefault(link, []).append((op, ("sending to", peer)))
     for peer, buffer in recvs:
         link = one_way_link(group, peer, me)
-        batches.setdefault(link, []).append((dist.P2POp(dist.irecv, buffer, group=link, tag=tag, group_peer=peer),
-                                             ("receiving from", peer)))
+        op = dist.P2POp(dist.irecv, buffer, group=link, tag=tag_of(peer, me), group_peer=peer)
+        batches.setdefault(link, []).append((op, ("receiving from", peer)))
     labels = [label for batch in batches.values() for _, label in batch]
     try:
         works = [work for batch in batches.values() for work in dist.batch_isend_irecv([op for op, _ in batch])]

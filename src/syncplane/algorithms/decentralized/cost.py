@@ -32,7 +32,8 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
                                 options: CostOptions) -> list[list[Phase]]:
     """H-ATC/H-AWC with racks as machines, as ``hierarchical_neighbor_allreduce_tensors`` runs
     it on the strategies' 4 MB buckets. Per bucket: the reduce-scatter inside every rack (each
-    member sends every other the rows it owns: an all-to-all of B/L per pair, waited for),
+    member sends every other the rows it owns: an all-to-all of B/L per pair, waited for; each
+    message tagged by its pair, so a host's spread over its ``gloo_nics``),
     then the all-gather inside the rack (gloo's ring: L − 1 steps of B/L), while the exchange
     between racks runs asynchronously beside them (each owner sends its shards to the owners
     of the same shards on the neighbour rack: one-peer schedule over racks), spread evenly
@@ -54,7 +55,7 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
         # spread over the bucket's 1 + (L − 1) phases, on links of its own where racks differ
         exchange = [(m[s % len(m)], machines[k][s % len(machines[k])], bucket / shards / (1 + ring_steps))
                     for mi, m in enumerate(machines) for s in range(shards) for k in schedule.plan(t, mi).dst_weights]
-        scattered = per_connection([columns_of(scatter + exchange)], profile.world_size)
+        scattered = per_connection([columns_of(scatter + exchange)], profile.world_size, streams=profile.gloo_nics)
         gathered = per_connection([columns_of(ring + exchange)], profile.world_size) if ring_steps else None
         # one object per repeated phase: the cost model evaluates consecutive repeats once
         steps.append([scattered, *[gathered] * ring_steps] * buckets)
