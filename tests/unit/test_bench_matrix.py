@@ -359,3 +359,5 @@ def test_bytes_left_by_one_nic_of_several_are_named():
     spread = {"n0": {"eth0": 40e6, "eth1": 37e6}, "n1": {"eth0": 39e6, "eth1": 38e6}}
     assert matrix.misses({**row, "nic_bytes_by_host": spread}) == "bound ratio < 0.8"
     assert matrix.misses({**row, "nic_bytes_by_host": {"a": {"eth0": 1e6}}}) == "bound ratio < 0.8"   # one NIC each
+    uneven = {**row["nic_bytes_by_host"], "n2": {"eth0": 70e6}}     # a host of one NIC: gloo lists one on every rank
+    assert matrix.misses({**row, "nic_bytes_by_host": uneven}) == "bound ratio < 0.8"

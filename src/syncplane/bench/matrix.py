@@ -320,8 +320,8 @@ def measured_cause(row: dict[str, Any]) -> str:
     cores saturated, or the ranks' own CPU work long enough to fill the gap between the
     measurement and the bound (the bound prices the wire with free CPU; the model prices the
     CPU work at rates measured alone, shared by rank count); packets dropped at the rack
-    uplinks (TCP backs off and resends, which neither prices); on hosts with several NICs,
-    the bytes left by one of them (the bound spreads them over all)."""
+    uplinks (TCP backs off and resends, which neither prices); where every host has several
+    NICs (else gloo lists one), the bytes left by one of them (the bound spreads them over all)."""
     causes = []
     cpu, ranks_s = row.get("machine_cpu"), row.get("rank_cpu_s")
     if cpu and cpu["busy"] >= CPU_SATURATED:
@@ -334,8 +334,9 @@ def measured_cause(row: dict[str, Any]) -> str:
                           f"more than the {gap:.2f} s above the bound")
     if row.get("uplink_drops"):
         causes.append(f"{row['uplink_drops']:.0f} uplink drops/step")
-    several = [nics for nics in (row.get("nic_bytes_by_host") or {}).values() if len(nics) > 1 and sum(nics.values())]
-    if several:
+    by_host = (row.get("nic_bytes_by_host") or {}).values()
+    several = [nics for nics in by_host if len(nics) > 1 and sum(nics.values())]
+    if several and all(len(nics) > 1 for nics in by_host):
         busiest = sum(max(nics.values()) / sum(nics.values()) for nics in several) / len(several)
         if busiest >= ONE_NIC:
             causes.append(f"one NIC of {max(len(n) for n in several)} sent {busiest * 100:.0f} % of a host's bytes")
