@@ -114,6 +114,15 @@ def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
             np.ones(len(phase), dtype=np.int64))
 
 
+def pinned_streams(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | float, streams: int,
+                   chunked: bool = False) -> FlowArray:
+    """Each flow ``src[i] -> dst[i]`` of ``nbytes`` as ``streams`` streams of nbytes/streams
+    pinned to NICs round-robin (``FlowArray.pinned``)."""
+    src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    return FlowArray(src, dst, np.broadcast_to(np.asarray(nbytes, dtype=np.float64) / streams, src.shape).copy(),
+                     np.full(len(src), streams, dtype=np.int64), pinned=True, chunked=chunked)
+
+
 def per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0,
                    chunked: bool = False, streams: int = 1) -> FlowArray:
     """The flows of ``columns`` (``columns_of`` of phases that run at once) as one flow per
@@ -126,8 +135,7 @@ def per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: flo
     pairs, where = np.unique(src * width + dst, return_inverse=True)
     total = np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale
     if streams > 1:
-        return FlowArray(pairs // width, pairs % width, total / streams,
-                         np.full(len(pairs), streams, dtype=np.int64), pinned=True, chunked=chunked)
+        return pinned_streams(pairs // width, pairs % width, total, streams, chunked=chunked)
     return FlowArray(pairs // width, pairs % width, total, chunked=chunked)
 
 
@@ -436,9 +444,7 @@ def ring_allreduce(world_size: int, payload_bytes: float, streams: int = 1) -> l
     chunk = payload_bytes / world_size
     if streams > 1:
         ranks = np.arange(world_size, dtype=np.int64)
-        return [FlowArray(ranks, (ranks + 1) % world_size, np.full(world_size, chunk / streams),
-                          np.full(world_size, streams, dtype=np.int64), pinned=True)
-                for _ in range(2 * (world_size - 1))]
+        return [pinned_streams(ranks, (ranks + 1) % world_size, chunk, streams) for _ in range(2 * (world_size - 1))]
     step = [(r, (r + 1) % world_size, chunk) for r in range(world_size)]
     return [list(step) for _ in range(2 * (world_size - 1))]
 
@@ -450,9 +456,8 @@ def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float, str
     flows = [(src, dst) for src, dsts in sends.items() for dst in dsts]
     if streams <= 1 or not flows:
         return [[(src, dst, payload_bytes) for src, dst in flows]]
-    src, dst = (np.array(column, dtype=np.int64) for column in zip(*flows))
-    return [FlowArray(src, dst, np.full(len(flows), payload_bytes / streams),
-                      np.full(len(flows), streams, dtype=np.int64), pinned=True)]
+    src, dst = zip(*flows)
+    return [pinned_streams(np.array(src), np.array(dst), payload_bytes, streams)]
 
 
 def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: float,
