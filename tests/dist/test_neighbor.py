@@ -313,15 +313,21 @@ def test_mismatch_without_check_ends_in_an_error_not_a_hang():
 
 
 def _mismatched_raising(rank, world, timeout_s):
-    start = time.monotonic()
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
     try:
         kind, message, _ = _mismatched(rank, world, False, timeout_s)
     finally:
-        # every rank -- also one that has failed already -- stays alive past the others'
-        # timeout, so each failure the test sees is the timeout path: a peer that has
-        # exited makes a send fail differently ("connection closed by peer"), and which of
-        # the two a rank hits first would depend on the machine's load
-        time.sleep(max(0.0, 2 * timeout_s - (time.monotonic() - start)))
+        # every rank -- also one that has failed already -- stays alive until every rank has
+        # ended its attempt (a key each in the job's store, which outlives a failed group), so
+        # each failure the test sees is the timeout path: a peer that has exited makes a send
+        # fail differently ("connection closed by peer"). A fixed stay was not enough: under
+        # load a rank started its attempt after another's stay had ended.
+        store = distributed_c10d._get_default_store()
+        store.set(f"attempted/{rank}", "1")
+        store.wait([f"attempted/{r}" for r in range(world)], datetime.timedelta(seconds=45))
     if kind != "ok":
         raise RuntimeError(message)
     return kind

@@ -42,3 +42,46 @@ def test_the_bench_destroys_a_strategys_groups_and_their_threads_before_the_next
         # theirs are gone (a few threads gloo keeps per process may stay: seen 3 of 21)
         assert after - before <= (with_groups - before) / 4, (before, with_groups, after)
         assert total == [sum(range(world))] * 3
+
+
+def _data_groups_share_devices(rank: int, world: int, count: int):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from syncplane.comm.process_groups import SHARED_GLOO, is_gloo, new_group
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    start = threads()
+    own = [dist.new_group(list(range(world))) for _ in range(count)]
+    after_own = threads()
+    shared = [new_group(range(world)) for _ in range(count)]
+    after_shared = threads()
+    peer = 1 - rank
+    sums = []
+    for tag, group in enumerate(shared):    # point-to-point and collectives on every shared group
+        mine, theirs = torch.randn(1000, generator=torch.Generator().manual_seed(10 * rank + tag)), torch.empty(1000)
+        works = [dist.isend(mine, peer, group=group, tag=tag), dist.irecv(theirs, peer, group=group, tag=tag)]
+        for work in works:
+            work.wait()
+        total = mine.clone()
+        dist.all_reduce(total, group=group)
+        sums.append(torch.equal(total, mine + theirs) or torch.equal(total, theirs + mine))
+    del own
+    return (after_own - start, after_shared - after_own, sums, dist.get_backend(shared[0]) == SHARED_GLOO,
+            is_gloo(shared[0]))
+
+
+def test_data_groups_reuse_the_default_groups_gloo_devices():
+    """``new_group`` under gloo opens connections of its own but no device of its own: each gloo
+    device is an I/O thread that wakes up when idle (DS-Sync makes hundreds of groups)."""
+    world, count = 2, 8
+    for own_threads, shared_threads, sums, shared_backend, gloo in run_distributed(_data_groups_share_devices,
+                                                                                   world, count):
+        assert shared_backend and gloo
+        assert all(sums)
+        # torch's groups: gloo's worker threads plus an I/O thread per device; ours: the workers only
+        assert shared_threads <= own_threads - count, (own_threads, shared_threads)

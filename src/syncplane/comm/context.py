@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from syncplane.comm import topology
 from syncplane.comm.group_cache import cached_group
+from syncplane.comm.process_groups import new_group
 from syncplane.launch import Launch
 
 Group = dist.ProcessGroup | None
@@ -225,7 +226,7 @@ def set_machine_topology(graph: nx.DiGraph | None = None, local_size: int | None
     if previous is not None and previous.machines == layout:
         groups = previous.groups        # groups are per layout; reuse them
     else:
-        groups = [dist.new_group(ranks) if len(ranks) > 1 else None for ranks in layout]
+        groups = [new_group(ranks) if len(ranks) > 1 else None for ranks in layout]
     state().machines = MachineLayout(machines=layout, graph=graph, groups=groups)
 
 

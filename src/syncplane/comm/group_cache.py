@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from syncplane.comm.process_groups import new_group
+
 #: Keyed by the default group object itself: an ``id()`` could be reused by a later group.
 _groups: dict[tuple[object, str, tuple[int, ...]], dist.ProcessGroup] = {}
 
@@ -27,7 +29,7 @@ def cached_group(purpose: str, ranks: Sequence[int] | None = None) -> dist.Proce
     key = (dist.group.WORLD, purpose, members)
     group = _groups.get(key)
     if group is None:
-        group = _groups[key] = dist.new_group(list(members))
+        group = _groups[key] = new_group(members)
     return group
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from syncplane.comm.buckets import Bucket
 from syncplane.comm.collectives import allreduce_mean_
 from syncplane.comm.meter import CommMeter
+from syncplane.comm.process_groups import new_group
 
 Group = tuple[int, ...]
 
@@ -50,13 +51,13 @@ class GroupSet:
         self._pair_links: dict[Group, tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]] = {}
         for g in wanted:
             if len(g) == 2:       # one connection per direction and stream (_pair_average_)
-                upward = [dist.new_group(list(g)) for _ in range(max_pair_streams)]
-                downward = [dist.new_group(list(g)) for _ in range(max_pair_streams)]
+                upward = [new_group(g) for _ in range(max_pair_streams)]
+                downward = [new_group(g) for _ in range(max_pair_streams)]
                 self._groups[g] = upward[0] if me in g else None
                 if me in g:
                     self._pair_links[g] = (upward, downward)
             else:
-                pg = dist.new_group(list(g))
+                pg = new_group(g)
                 self._groups[g] = pg if me in g else None
         self.rank = me
         self.max_pair_streams = max_pair_streams

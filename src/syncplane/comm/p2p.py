@@ -19,6 +19,7 @@ import torch.distributed as dist
 from syncplane.comm.context import Group, one_way_link
 from syncplane.comm.errors import TopologyError
 from syncplane.comm.meter import CommMeter
+from syncplane.comm.process_groups import is_gloo
 
 #: How long a neighbour operation may wait for its peers before raising TopologyError.
 DEFAULT_TIMEOUT_S = 60.0
@@ -116,7 +117,7 @@ def collective_dtype(tensor: torch.Tensor, what: str, group: Group = None) -> to
     it with "Invalid scalar type" and can leave the process group unusable; every rank
     calls with the same dtype, so every rank raises at once.
     """
-    if dist.get_backend(group) != "gloo" or tensor.dtype in GLOO_COLLECTIVE_DTYPES:
+    if not is_gloo(group) or tensor.dtype in GLOO_COLLECTIVE_DTYPES:
         return tensor.dtype
     if tensor.dtype in GLOO_CARRIERS:
         return GLOO_CARRIERS[tensor.dtype]

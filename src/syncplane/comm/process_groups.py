@@ -15,13 +15,15 @@ Two kinds of traffic cross the ranks:
   traffic (``tests/helpers/traffic.py``) to prove nothing control-like rides it.
 
 Strategies never choose a backend: they call ``control_group()`` for control and pass
-nothing (the default group) for model data.
+nothing (the default group) for model data; subgroups for model data come from ``new_group``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """
     global _owner
     if group is not None and group is not dist.group.WORLD:
-        if dist.get_backend(group) == "gloo":
+        if is_gloo(group):
             return group
         raise ValueError(f"no control group for a {dist.get_backend(group)} subgroup of ranks "
                          f"{dist.get_process_group_ranks(group)}: control collectives run over all ranks")
@@ -55,6 +57,47 @@ def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
                   dist.get_world_size(), dist.get_backend())
         _owner = (world, control)
     return _owner[1]
+
+
+#: The backend name of gloo subgroups that share the default group's gloo devices (``new_group``).
+SHARED_GLOO = "syncplane_gloo"
+
+
+def is_gloo(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (default: the default group) runs on gloo, its own devices or shared ones."""
+    return dist.get_backend(group) in ("gloo", SHARED_GLOO)
+
+
+def new_group(ranks: Sequence[int] | None = None) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` for model data (a collective: every rank, in the same order).
+
+    Under a gloo default group the new group is gloo too, and it reaches its peers through the
+    default group's gloo devices (one per NIC of ``GLOO_SOCKET_IFNAME``) rather than new ones.
+    It still opens connections of its own, so its traffic is still a flow of its own. Why: each
+    gloo device runs an I/O thread that wakes up even when idle, and torch gives every group
+    new devices. DS-Sync makes a group per pair, stream and direction; with 9 ranks on 2
+    cores their wake-ups kept the cores busy (``docs/design-notes.md``). Under another default
+    backend (NCCL) this is ``dist.new_group``.
+    """
+    members = None if ranks is None else list(ranks)
+    if dist.get_backend() != "gloo":
+        return dist.new_group(members)
+    if not hasattr(dist.Backend, SHARED_GLOO.upper()):
+        dist.Backend.register_backend(SHARED_GLOO, _shared_gloo, extended_api=True, devices=["cpu", "cuda"])
+    return dist.new_group(members, backend=SHARED_GLOO)
+
+
+def _shared_gloo(opts: object, backend_options: object | None) -> dist.ProcessGroupGloo:
+    """torch's gloo backend factory, with the default group's devices (``new_group``)."""
+    world = dist.group.WORLD
+    assert world is not None
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = world._get_backend(torch.device("cpu")).options._devices
+    options._timeout = opts.timeout                                     # type: ignore[attr-defined]
+    backend = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)   # type: ignore[attr-defined]
+    backend.options.global_ranks_in_group = opts.global_ranks_in_group  # type: ignore[attr-defined]
+    backend.options.group_name = opts.group_id                          # type: ignore[attr-defined]
+    return backend
 
 
 def reset() -> None:
