@@ -83,5 +83,6 @@ def test_data_groups_reuse_the_default_groups_gloo_devices():
                                                                                    world, count):
         assert shared_backend and gloo
         assert all(sums)
-        # torch's groups: gloo's worker threads plus an I/O thread per device; ours: the workers only
-        assert shared_threads <= own_threads - count, (own_threads, shared_threads)
+        # torch's groups: gloo's worker threads plus an I/O thread per device; ours: the workers
+        # only (seen: 2 threads a group against 3; half a thread a group of slack for the count)
+        assert shared_threads <= own_threads - count / 2, (own_threads, shared_threads)
