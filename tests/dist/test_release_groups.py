@@ -56,7 +56,7 @@ def _data_groups_share_devices(rank: int, world: int, count: int):
         return len(os.listdir("/proc/self/task"))
 
     start = threads()
-    own = [dist.new_group(list(range(world))) for _ in range(count)]
+    own = [dist.new_group(list(range(world))) for _ in range(count)]   # torch's own, for the thread count
     after_own = threads()
     shared = [new_group(range(world)) for _ in range(count)]
     after_shared = threads()
@@ -70,7 +70,6 @@ def _data_groups_share_devices(rank: int, world: int, count: int):
         total = mine.clone()
         dist.all_reduce(total, group=group)
         sums.append(torch.equal(total, mine + theirs) or torch.equal(total, theirs + mine))
-    del own
     return (after_own - start, after_shared - after_own, sums, dist.get_backend(shared[0]) == SHARED_GLOO,
             is_gloo(shared[0]))
 
