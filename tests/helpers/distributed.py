@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from syncplane.runtime import forkserver
 from syncplane.runtime.launcher import free_port
 
 
@@ -37,8 +38,9 @@ class RemoteError(RuntimeError):
     """An exception raised on one of the ranks."""
 
 
-#: What every rank imports anyway, imported once by the fork server.
-PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "syncplane.comm", "tests.helpers.distributed"]
+#: What every rank imports anyway, imported once by the fork server (the one the launcher's
+#: ranks are forked from as well: ``syncplane.runtime.forkserver``).
+PRELOAD = [*forkserver.PRELOAD, "syncplane.comm", "tests.helpers.distributed"]
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],

@@ -56,6 +56,9 @@ ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:syncplane: .+|(?:[A-Za-z_][\w.]*
 #: What ``train.py`` writes on stderr when the job fails (its ``main``).
 LAUNCHER_ERROR = re.compile(r"^syncplane: (?:training failed|invalid configuration|cannot run on the emulated "
                             r"cluster|rendezvous)[^\n]*", re.M)
+#: A rank's log (its stdout): ``logs/rank<N>.log``.
+RANK_LOG = re.compile(r"/rank(\d+)\.log$")
+
 #: The launcher's own log records (restarts of elastic replicas), as Hydra's job logging writes them.
 LAUNCHER_RECORD = re.compile(r"\[syncplane\.runtime\.launcher\]\[\w+\] - (.*)")
 
@@ -231,7 +234,9 @@ class Observation:
 def job_processes(job_file: Path) -> dict[int, int | None]:
     """pid -> rank of every process whose command line names this job's file (its ranks;
     with ``ip netns exec`` the wrapper execs the rank, one process). The rank is the elastic
-    replica, else ``RANK``, read from the process's environment (None where unreadable)."""
+    replica, else ``RANK``, read from the process's environment; a rank forked by the
+    launcher (whose environment the kernel does not show) is read from the log its stdout
+    writes, ``rank<N>.log``. None where neither is readable."""
     marker = str(job_file).encode()
     found: dict[int, int | None] = {}
     for entry in Path("/proc").iterdir():
@@ -244,7 +249,13 @@ def job_processes(job_file: Path) -> dict[int, int | None]:
         except OSError:
             continue
         rank = env.get(REPLICA_ENV.encode(), env.get(b"RANK"))
-        found[int(entry.name)] = int(rank) if rank is not None and rank.isdigit() else None
+        if rank is None or not rank.isdigit():
+            try:
+                log = RANK_LOG.search(os.readlink(entry / "fd" / "1"))
+            except OSError:
+                log = None
+            rank = log.group(1).encode() if log else None
+        found[int(entry.name)] = int(rank) if rank is not None else None
     return found
 
 

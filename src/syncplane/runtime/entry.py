@@ -24,7 +24,7 @@ from syncplane import launch as launch_env
 from syncplane.job import JobContext
 from syncplane.config import ConfigError
 from syncplane.runtime.launcher import cluster_session, die_with_parent, launch, launch_on_cluster, local_ranks
-from syncplane.runtime import external, rendezvous
+from syncplane.runtime import external, forkserver, rendezvous
 from syncplane.runtime.settings import JobSpec, parse_job
 from syncplane.runtime.lighthouse import lighthouse_process
 from syncplane.runtime.worker import JOB_FILE
@@ -57,6 +57,7 @@ def launch_job(container: dict[str, Any], run_dir: Path, job_name: str = "train"
     wait, and return the summary. What ``train.py`` does per job, and ``syncplane compare``
     per run (``echo_to`` receives rank 0's output instead of stdout)."""
     spec = parse_job(container, run_dir=str(run_dir), job_name=job_name)
+    forkserver.warm_up()
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / JOB_FILE
     job_file.write_text(yaml.safe_dump({"config": container, "run_dir": str(run_dir), "job_name": job_name},

@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol
 
 from syncplane.launch import CLUSTER_ENV
 from syncplane.job import RESTART_ENV
+from syncplane.runtime import forkserver
 from syncplane.runtime.heartbeat import LOST_PEER_EXIT
 from syncplane.net import free_port
 
@@ -42,6 +43,17 @@ log = logging.getLogger(__name__)
 
 #: Elastic jobs: how long the other replicas get to finish once one has finished.
 _ELASTIC_FINISH_GRACE_S = 120.0
+
+
+class _Rank(Protocol):
+    """A started rank: a ``subprocess.Popen``, or a ``forkserver.ForkedRank``."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    @property
+    def returncode(self) -> int | None: ...
 
 
 class LaunchError(RuntimeError):
@@ -104,6 +116,7 @@ def launch_on_cluster(command: Sequence[str], profile: "ClusterProfile", log_dir
     """Launch every rank in its host of the emulated cluster, rendezvousing on rank 0's NIC."""
     from syncplane.cluster import emulator
 
+    forkserver.warm_up(kwargs.get("env"))  # type: ignore[arg-type]   # its imports overlap the cluster's bring-up
     with cluster_session(profile, log_dir) as ranks:
         launch(command, ranks, log_dir, master_addr=emulator.master_addr(profile),
                master_port=29500, **kwargs)  # type: ignore[arg-type]
@@ -114,6 +127,27 @@ def _tee(stream: IO[bytes], log_file: IO[bytes], echo: IO[str]) -> None:
         log_file.write(line)
         log_file.flush()
         echo.write(line.decode(errors="replace"))
+        echo.flush()
+
+
+def _follow(path: Path, stop: threading.Event, echo: IO[str]) -> None:
+    """Echo the lines a forked rank writes to its log, until ``stop`` and the end of the file."""
+    pending = b""
+    with open(path, "rb") as log_file:
+        while True:
+            chunk = log_file.readline()
+            if chunk:
+                pending += chunk
+                if pending.endswith(b"\n"):
+                    echo.write(pending.decode(errors="replace"))
+                    echo.flush()
+                    pending = b""
+                continue
+            if stop.is_set():
+                break
+            stop.wait(0.05)
+    if pending:
+        echo.write(pending.decode(errors="replace"))
         echo.flush()
 
 
@@ -138,6 +172,7 @@ def launch(
     max_restarts: int | None = None,
     restart_delay_s: float = 0.0,
     echo_to: IO[str] | None = None,
+    fork_server: bool | None = None,
 ) -> None:
     """Run ``command`` once per rank and wait; raise LaunchError if any rank fails.
 
@@ -152,18 +187,24 @@ def launch(
     ``restart_delay_s``: how long a failed rank stays down before its restart -- a crash loop
     does not spin, and its peers have time to notice the loss and go on without it, rather
     than racing a replica that comes straight back.
+
+    ``fork_server``: start each ``python -m`` rank as a fork of a server that has imported
+    torch and Lightning once (``syncplane.runtime.forkserver``); by default yes, unless
+    ``SYNCPLANE_FORK_SERVER=0`` is in ``env``. Other commands start as fresh processes.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     world_size = len(ranks)
     base_env = dict(os.environ if env is None else env)
     base_env[PARENT_ENV] = str(os.getpid())
     port = master_port or free_port(master_addr)
-    procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]] = []
+    procs: list[tuple[RankSpec, _Rank, Path]] = []
     threads: list[threading.Thread] = []
+    stop_following = threading.Event()
+    use_fork_server = forkserver.enabled(base_env) if fork_server is None else fork_server
     logs: list[IO[bytes]] = []
     with signals_stop_the_job():
         try:
-            def start(spec: RankSpec, restart: int) -> tuple[RankSpec, subprocess.Popen[bytes], Path]:
+            def start(spec: RankSpec, restart: int) -> tuple[RankSpec, _Rank, Path]:
                 rank_env = dict(base_env)
                 rank_env.update(
                     RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(world_size),
@@ -177,14 +218,22 @@ def launch(
                 log_file = open(log_path, "ab" if restart else "wb")
                 logs.append(log_file)
                 echo = echo_rank0 and spec.rank == 0 and restart == 0
-                proc = subprocess.Popen(
-                    [*spec.prefix, *command], env=rank_env, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE if echo else log_file, stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: we can end it and its children
-                )
+                fork = forkserver.forkable(command, spec.prefix) if use_fork_server else None
+                proc: _Rank
+                if fork is not None:   # it writes its log itself; rank 0's is followed for the echo
+                    module, args, namespace = fork
+                    proc = forkserver.start(module, args, env=rank_env, log_path=log_path, namespace=namespace)
+                    echo_from: tuple[Callable[..., None], tuple[object, ...]] = (_follow, (log_path, stop_following))
+                else:
+                    proc = popen = subprocess.Popen(
+                        [*spec.prefix, *command], env=rank_env, stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE if echo else log_file, stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group: we can end it and its children
+                    )
+                    echo_from = (_tee, (popen.stdout, log_file))
                 if echo:
-                    assert proc.stdout is not None
-                    t = threading.Thread(target=_tee, args=(proc.stdout, log_file, echo_to or sys.stdout), daemon=True)
+                    reader, sources = echo_from
+                    t = threading.Thread(target=reader, args=(*sources, echo_to or sys.stdout), daemon=True)
                     t.start()
                     threads.append(t)
                 return spec, proc, log_path
@@ -197,13 +246,14 @@ def launch(
                               restart_delay_s=restart_delay_s)
         finally:
             _terminate([p for _, p, _ in procs])
+            stop_following.set()
             for t in threads:
                 t.join(timeout=5)
             for log_file in logs:
                 log_file.close()
 
 
-def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, grace_s: float,
+def _wait_all(procs: list[tuple[RankSpec, _Rank, Path]], *, grace_s: float,
               timeout_s: float | None) -> None:
     start = time.monotonic()
     failure: tuple[RankSpec, int, Path] | None = None
@@ -240,8 +290,8 @@ def _wait_all(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]], *, gr
         )
 
 
-def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
-                  start: Callable[[RankSpec, int], tuple[RankSpec, subprocess.Popen[bytes], Path]], *,
+def _wait_elastic(procs: list[tuple[RankSpec, _Rank, Path]],
+                  start: Callable[[RankSpec, int], tuple[RankSpec, _Rank, Path]], *,
                   max_restarts: int, timeout_s: float | None, finish_grace_s: float = _ELASTIC_FINISH_GRACE_S,
                   restart_delay_s: float = 0.0) -> None:
     """Wait for independent replicas: restart a failed one (up to ``max_restarts`` times,
@@ -298,19 +348,23 @@ def _wait_elastic(procs: list[tuple[RankSpec, subprocess.Popen[bytes], Path]],
                           f"--- last lines of rank {rank} ---\n{_tail(lost_log)}")
 
 
-def _terminate(procs: list[subprocess.Popen[bytes]], wait_s: float = 5.0,
+def _terminate(procs: Sequence[_Rank], wait_s: float = 5.0,
                signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL)) -> None:
     """Send ``signals`` in turn (by default SIGTERM, then SIGKILL) to every still-running
     rank's process group, ``wait_s`` apart, until none is left."""
     alive = [p for p in procs if p.poll() is None]
     for sig in signals:
         for p in alive:
-            try:
-                os.killpg(p.pid, sig)
-                if sig == signal.SIGTERM:
-                    os.killpg(p.pid, signal.SIGCONT)   # a stopped rank acts on SIGTERM only once resumed
-            except (ProcessLookupError, PermissionError):
-                pass
+            for kill in (os.killpg, os.kill):  # a rank just forked may not lead its process group yet
+                try:
+                    kill(p.pid, sig)
+                    if sig == signal.SIGTERM:
+                        kill(p.pid, signal.SIGCONT)   # a stopped rank acts on SIGTERM only once resumed
+                    break
+                except ProcessLookupError:
+                    continue
+                except PermissionError:
+                    break
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and any(p.poll() is None for p in alive):
             time.sleep(0.05)
