@@ -120,6 +120,18 @@ def _run_rank(module: str, args: list[str], env: dict[str, str], cwd: str, log_p
     # ps and /proc/PID/cmdline show the rank's command, not the server's
     setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
     os.setsid()                          # its own session and process group, as the launcher's Popen gives
+    # The server hands each child the launcher's end of the pipe whose closing ends the
+    # server; a rank holding it would keep the server, and so itself, alive after the launcher
+    # died. Without it, a killed launcher ends the server, and the parent-death signal the rank.
+    from multiprocessing import forkserver as mp_forkserver
+
+    alive = mp_forkserver._forkserver._forkserver_alive_fd   # type: ignore[attr-defined]
+    if alive is not None:
+        os.close(alive)
+        mp_forkserver._forkserver._forkserver_alive_fd = None   # type: ignore[attr-defined]
+    from syncplane.runtime.launcher import die_with_parent
+
+    die_with_parent(env)
     if namespace is not None:
         enter_namespace(namespace)
     os.environ.clear()

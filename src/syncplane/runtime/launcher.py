@@ -5,7 +5,9 @@ Why our own launcher: Lightning's ``ddp`` launcher re-executes ``sys.argv`` for 
 rank 0's state. Here the Hydra job (one per multirun job) starts N workers with
 torchrun's environment variables, so Lightning sees externally created processes
 (``TorchElasticEnvironment``) and never relaunches. The same mechanism will run ranks
-inside network namespaces (the cluster emulator) by prefixing their command.
+inside network namespaces (the cluster emulator) by prefixing their command. A ``python -m``
+rank is forked from a server that has imported torch and Lightning once
+(``syncplane.runtime.forkserver``), not started as a fresh interpreter.
 
 Failure policy: the first rank that exits non-zero is named, the others get
 ``grace_s`` seconds to exit on their own (a broken collective usually ends them), then
