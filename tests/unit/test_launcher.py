@@ -10,7 +10,8 @@ import time
 import pytest
 
 from syncplane.runtime.heartbeat import LOST_PEER_EXIT
-from syncplane.runtime.launcher import PARENT_ENV, LaunchError, launch, local_ranks
+from syncplane.runtime.launcher import LaunchError, launch, local_ranks
+from syncplane.runtime.lifetime import PARENT_ENV
 
 PRINT_ENV = "import os; print('rank', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'])"
 
@@ -41,7 +42,7 @@ def test_timeout_names_the_stuck_ranks(tmp_path):
 def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    script = "from syncplane.runtime.launcher import die_with_parent; die_with_parent(); print('still here')"
+    script = "from syncplane.runtime.lifetime import die_with_parent; die_with_parent(); print('still here')"
     orphan = subprocess.run([sys.executable, "-c", script], env={**os.environ, PARENT_ENV: str(gone.pid)},
                             capture_output=True, text=True, timeout=60)
     assert orphan.returncode == 1 and "still here" not in orphan.stdout

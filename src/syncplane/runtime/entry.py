@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from syncplane import launch as launch_env
 from syncplane.job import JobContext
 from syncplane.config import ConfigError
-from syncplane.runtime.launcher import cluster_session, die_with_parent, launch, launch_on_cluster, local_ranks
+from syncplane.runtime.launcher import cluster_session, launch, launch_on_cluster, local_ranks
+from syncplane.runtime.lifetime import die_with_parent
 from syncplane.runtime import external, forkserver, rendezvous
 from syncplane.runtime.settings import JobSpec, parse_job
 from syncplane.runtime.lighthouse import lighthouse_process

@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from syncplane.runtime.lifetime import die_with_parent
+
 #: Imported once by the server: what every rank imports anyway.
 PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "syncplane.strategies", "syncplane.runtime.worker",
            "syncplane.bench.worker"]
@@ -129,8 +131,6 @@ def _run_rank(module: str, args: list[str], env: dict[str, str], cwd: str, log_p
     if alive is not None:
         os.close(alive)
         mp_forkserver._forkserver._forkserver_alive_fd = None   # type: ignore[attr-defined]
-    from syncplane.runtime.launcher import die_with_parent
-
     die_with_parent(env)
     if namespace is not None:
         enter_namespace(namespace)

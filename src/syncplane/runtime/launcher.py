@@ -13,13 +13,12 @@ Failure policy: the first rank that exits non-zero is named, the others get
 ``grace_s`` seconds to exit on their own (a broken collective usually ends them), then
 SIGTERM, then SIGKILL -- the launcher never waits forever. Nothing is orphaned: SIGTERM or
 SIGHUP to the launcher ends its ranks the same way before it exits, and a rank whose launcher
-dies without that chance (SIGKILL) is killed by the kernel (``die_with_parent``).
+dies without that chance (SIGKILL) is killed by the kernel (``lifetime.die_with_parent``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -35,6 +34,7 @@ from typing import IO, TYPE_CHECKING, Protocol
 from syncplane.launch import CLUSTER_ENV
 from syncplane.job import RESTART_ENV
 from syncplane.runtime import forkserver
+from syncplane.runtime.lifetime import PARENT_ENV
 from syncplane.runtime.heartbeat import LOST_PEER_EXIT
 from syncplane.net import free_port
 
@@ -375,10 +375,6 @@ def _terminate(procs: Sequence[_Rank], wait_s: float = 5.0,
             return
 
 
-#: The launcher's pid, given to every rank it starts (``die_with_parent``).
-PARENT_ENV = "SYNCPLANE_LAUNCHER_PID"
-
-_PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
 #: How long the other ranks get to exit once one has left because a peer was lost. A rank
 #: leaves on the heartbeat's verdict only after saying why and after every live rank has read
@@ -405,26 +401,3 @@ def signals_stop_the_job() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def die_with_parent(env: Mapping[str, str] | None = None) -> None:
-    """Have the kernel SIGKILL this process when the process that started it dies (Linux's
-    parent-death signal), so a launcher or torchrun agent killed outright leaves no rank
-    behind. If the launcher that started us (``PARENT_ENV``) is already gone, exit now: it
-    died before the signal was armed, so the signal would never come. A no-op where prctl is
-    missing (not Linux)."""
-    env = os.environ if env is None else env
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    launcher = env.get(PARENT_ENV)
-    if launcher is not None:
-        try:
-            os.kill(int(launcher), 0)
-        except ProcessLookupError:
-            os._exit(1)
-        except PermissionError:
-            pass   # alive, owned by another user

@@ -23,7 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from syncplane.algorithms.diloco import ft as elastic
-from syncplane.runtime.launcher import PARENT_ENV, LaunchError, die_with_parent
+from syncplane.runtime.launcher import LaunchError
+from syncplane.runtime.lifetime import PARENT_ENV, die_with_parent
 
 #: How long the service may take to start (an interpreter importing torchft and torch).
 START_TIMEOUT_S = 60.0

@@ -21,7 +21,7 @@ from syncplane.comm.basics import release_groups
 from syncplane.config import ConfigError
 from syncplane.job import JobContext
 from syncplane.runtime import autopilot, rendezvous
-from syncplane.runtime.launcher import die_with_parent
+from syncplane.runtime.lifetime import die_with_parent
 from syncplane.runtime.settings import JobSpec, StrategySpec, parse_job
 
 JOB_FILE = "job.yaml"
