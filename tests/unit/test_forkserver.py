@@ -79,3 +79,9 @@ def test_a_forked_rank_joins_its_hosts_network_namespace(tmp_path):
         assert seen["nics"] == ["eth7", "eth8", "lo"]     # its own /sys, as ip netns exec mounts it
     finally:
         subprocess.run(["ip", "netns", "delete", name], check=True)
+
+
+def test_a_namespace_that_cannot_be_joined_is_named_in_the_ranks_log(tmp_path):
+    spec = RankSpec(rank=0, local_rank=0, local_world_size=1, prefix=("ip", "netns", "exec", "sp-forktest-missing"))
+    with pytest.raises(LaunchError, match=r"(?s)rank 0 failed \(exit code 1\).*/run/netns/sp-forktest-missing"):
+        launch([*RANK, "report", str(tmp_path)], [spec], tmp_path / "logs", echo_rank0=False)

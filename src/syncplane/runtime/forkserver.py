@@ -109,7 +109,7 @@ def start(module: str, args: Sequence[str], *, env: Mapping[str, str], log_path:
     its whole environment, this process's working directory, and stdout and stderr appended
     to ``log_path``."""
     process = _context().Process(target=_run_rank, name=f"{module} rank", args=(
-        module, list(args), dict(env), os.getcwd(), str(log_path), namespace))
+        module, list(args), dict(env), os.getcwd(), str(log_path.absolute()), namespace))
     process.start()
     return ForkedRank(process)
 
@@ -131,14 +131,7 @@ def _run_rank(module: str, args: list[str], env: dict[str, str], cwd: str, log_p
     if alive is not None:
         os.close(alive)
         mp_forkserver._forkserver._forkserver_alive_fd = None   # type: ignore[attr-defined]
-    die_with_parent(env)
-    if namespace is not None:
-        enter_namespace(namespace)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [cwd, *extra, *(p for p in sys.path[1:] if p not in extra and p != cwd)]
+    # from here on, whatever goes wrong is in the rank's log
     log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null_fd = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((null_fd, 0), (log_fd, 1), (log_fd, 2)):
@@ -147,6 +140,14 @@ def _run_rank(module: str, args: list[str], env: dict[str, str], cwd: str, log_p
     os.close(null_fd)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)    # as PYTHONUNBUFFERED=1
+    die_with_parent(env)
+    if namespace is not None:
+        enter_namespace(namespace)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [cwd, *extra, *(p for p in sys.path[1:] if p not in extra and p != cwd)]
     _reseed_numpy()
     sys.argv = [module, *args]
     # The server imported the module already; running it as __main__ again is what we want.
