@@ -7,13 +7,14 @@ graph. Fresh random tensors every run (the seed is drawn per test and printed on
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers.distributed import RemoteError, run_distributed
+from tests.helpers.distributed import run_distributed
 
 TOL = {"float32": dict(rtol=1e-6, atol=1e-6), "float16": dict(rtol=1e-2, atol=1e-2),
        "bfloat16": dict(rtol=1e-2, atol=2e-2)}
@@ -306,31 +307,34 @@ def test_mismatched_plan_raises_on_every_rank_naming_the_ranks():
 
 def test_mismatch_without_check_ends_in_an_error_not_a_hang():
     start = time.monotonic()
-    with pytest.raises((RemoteError, TimeoutError)) as info:
-        run_distributed(_mismatched_raising, 4, 3.0, timeout=60)
+    outcomes = run_distributed(_mismatched_staying, 4, 3.0, timeout=60)
     assert time.monotonic() - start < 60
-    assert "did not complete within 3 s" in str(info.value)
+    errors = [message for kind, message, _ in outcomes if kind == "TopologyError"]
+    # rank 1 waits for rank 2, which never sends: it fails on every run. Whichever rank's 3-s
+    # timeout fires first names that timeout; gloo may then end the other's pending message on
+    # the 0-1 pair ("connection closed by peer"), so that rank's error may be the closure, or
+    # rank 0's send may even have completed (gloo buffers it) -- each is an error, not a hang.
+    assert 1 <= len(errors) <= 2
+    assert any("did not complete within 3 s" in message for message in errors), errors
+    for message in errors:
+        assert "neighbor" in message and re.search(r"(sending to|receiving from) rank [12]", message), message
+    assert [kind for kind, _, _ in outcomes[2:]] == ["ok", "ok"]
 
 
-def _mismatched_raising(rank, world, timeout_s):
+def _mismatched_staying(rank, world, timeout_s):
     import datetime
 
     from torch.distributed import distributed_c10d
 
     try:
-        kind, message, _ = _mismatched(rank, world, False, timeout_s)
+        return _mismatched(rank, world, False, timeout_s)
     finally:
         # every rank -- also one that has failed already -- stays alive until every rank has
-        # ended its attempt (a key each in the job's store, which outlives a failed group), so
-        # each failure the test sees is the timeout path: a peer that has exited makes a send
-        # fail differently ("connection closed by peer"). A fixed stay was not enough: under
-        # load a rank started its attempt after another's stay had ended.
+        # ended its attempt (a key each in the job's store, which outlives a failed group): a
+        # peer that had exited would fail the others' messages for a reason of its own.
         store = distributed_c10d._get_default_store()
         store.set(f"attempted/{rank}", "1")
         store.wait([f"attempted/{r}" for r in range(world)], datetime.timedelta(seconds=45))
-    if kind != "ok":
-        raise RuntimeError(message)
-    return kind
 
 
 def _check_overhead(rank, world):
