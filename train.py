@@ -21,6 +21,12 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from syncplane.runtime import external, forkserver
+
+    if external.detect() is None:
+        # this process launches the ranks: its fork server imports torch and Lightning while
+        # this one imports them to validate the job, instead of after it
+        forkserver.warm_up()
     from syncplane.cluster.emulator import EmulationError, say_if_left_up
     from syncplane.config import ConfigError
     from syncplane.runtime.launcher import LaunchError

@@ -58,11 +58,10 @@ def test_a_forked_rank_that_outlives_the_timeout_is_ended(tmp_path):
 
 
 def test_only_python_dash_m_commands_are_forked():
-    assert forkserver.forkable([*RANK, "x"], ()) == ("tests.helpers.forked_rank", ["x"], None)
-    assert forkserver.forkable([*RANK, "x"], ("ip", "netns", "exec", "h1")) == ("tests.helpers.forked_rank", ["x"], "h1")
-    assert forkserver.forkable([sys.executable, "-c", "pass"], ()) is None
-    assert forkserver.forkable(["/other/python", "-m", "m"], ()) is None
-    assert forkserver.forkable([*RANK, "x"], ("nice", "-n", "5")) is None
+    assert forkserver.forkable([*RANK, "x"]) == ("tests.helpers.forked_rank", ["x"])
+    assert forkserver.forkable([sys.executable, "-c", "pass"]) is None
+    assert forkserver.forkable(["/other/python", "-m", "m"]) is None
+    assert forkserver.forkable(["nice", "-n", "5", *RANK]) is None
     assert not forkserver.enabled({forkserver.ENV: "0"}) and forkserver.enabled({})
 
 
@@ -72,7 +71,7 @@ def test_a_forked_rank_joins_its_hosts_network_namespace(tmp_path):
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "add", "eth7", "type", "veth", "peer", "name", "eth8"], check=True)
-        spec = RankSpec(rank=0, local_rank=0, local_world_size=1, prefix=("ip", "netns", "exec", name))
+        spec = RankSpec(rank=0, local_rank=0, local_world_size=1, namespace=name)
         launch([*RANK, "report", str(tmp_path)], [spec], tmp_path / "logs", echo_rank0=False)
         seen, = reports(tmp_path, 1)
         assert seen["netns"] == os.stat(f"/run/netns/{name}").st_ino != os.stat("/proc/self/ns/net").st_ino
@@ -82,6 +81,18 @@ def test_a_forked_rank_joins_its_hosts_network_namespace(tmp_path):
 
 
 def test_a_namespace_that_cannot_be_joined_is_named_in_the_ranks_log(tmp_path):
-    spec = RankSpec(rank=0, local_rank=0, local_world_size=1, prefix=("ip", "netns", "exec", "sp-forktest-missing"))
+    spec = RankSpec(rank=0, local_rank=0, local_world_size=1, namespace="sp-forktest-missing")
     with pytest.raises(LaunchError, match=r"(?s)rank 0 failed \(exit code 1\).*/run/netns/sp-forktest-missing"):
         launch([*RANK, "report", str(tmp_path)], [spec], tmp_path / "logs", echo_rank0=False)
+
+
+def test_a_rank_the_server_cannot_fork_starts_as_a_fresh_process_with_a_warning(tmp_path, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise EOFError("the server is gone")
+
+    monkeypatch.setattr(forkserver, "start", broken)
+    launch([*RANK, "report", str(tmp_path)], local_ranks(2), tmp_path / "logs", echo_rank0=False)
+    seen = reports(tmp_path, 2)
+    assert [s["cmdline"].split("\0")[:3] for s in seen] == [RANK] * 2   # an interpreter of its own
+    assert (tmp_path / "logs" / "rank1.log").read_text() == "rank 1 says hello\n"
+    assert "could not start rank0 (EOFError: the server is gone); starting it as a fresh process" in caplog.text

@@ -412,9 +412,19 @@ def uplink_drops(drops: dict[str, int]) -> int | None:
 # --------------------------------------------------------------------------- ranks
 
 
+def netns_exec(namespace: str | None) -> list[str]:
+    """Command prefix that runs a process inside ``namespace`` (none: on this host)."""
+    return ["ip", "netns", "exec", namespace] if namespace else []
+
+
+def rank_namespace(profile: ClusterProfile, rank: int) -> str:
+    """The network namespace of ``rank``'s host."""
+    return host_namespace(profile.host_of_rank(rank))
+
+
 def rank_prefix(profile: ClusterProfile, rank: int) -> list[str]:
     """Command prefix that runs a process inside ``rank``'s host."""
-    return ["ip", "netns", "exec", host_namespace(profile.host_of_rank(rank))]
+    return netns_exec(rank_namespace(profile, rank))
 
 
 def rank_env(profile: ClusterProfile, rank: int) -> dict[str, str]:

@@ -245,14 +245,13 @@ def horovod_job(python: Path, profile: Any, world_size: int, log_dir: Path) -> I
 
     with ExitStack() as stack:
         if profile is None:
-            hosts = [("localhost", "127.0.0.1", "lo", [], list(range(world_size)))]
+            hosts = [("localhost", "127.0.0.1", "lo", None, list(range(world_size)))]
         else:
             stack.enter_context(emulator.in_use(profile))
             stack.enter_context(emulator.background_flows(profile, log_dir))
             stack.enter_context(_hostname_resolves_to_nic(profile))
-            hosts = [(h.name, h.address(0), "eth0", ["ip", "netns", "exec", emulator.host_namespace(h)], list(h.ranks))
-                     for h in profile.hosts]
-        server = subprocess.Popen([*hosts[0][3], str(python), "-c", HOROVOD_RENDEZVOUS,
+            hosts = [(h.name, h.address(0), "eth0", emulator.host_namespace(h), list(h.ranks)) for h in profile.hosts]
+        server = subprocess.Popen([*emulator.netns_exec(hosts[0][3]), str(python), "-c", HOROVOD_RENDEZVOUS,
                                    ",".join(f"{name}:{len(r)}" for name, _, _, _, r in hosts), str(world_size)],
                                   stdout=subprocess.PIPE, text=True)
         stack.callback(server.kill)
@@ -261,7 +260,7 @@ def horovod_job(python: Path, profile: Any, world_size: int, log_dir: Path) -> I
         if not port:
             raise RuntimeError("Horovod's rendezvous server did not start")
         ranks = []
-        for index, (name, _, iface, prefix, host_ranks) in enumerate(hosts):
+        for index, (name, _, iface, namespace, host_ranks) in enumerate(hosts):
             for local, rank in enumerate(host_ranks):
                 env = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": hosts[0][1], "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
                        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": iface,
@@ -271,5 +270,5 @@ def horovod_job(python: Path, profile: Any, world_size: int, log_dir: Path) -> I
                        "HOROVOD_GLOO_TIMEOUT_SECONDS": "300",
                        "HOROVOD_LOG_LEVEL": os.environ.get("HOROVOD_LOG_LEVEL", "warning")}
                 ranks.append(RankSpec(rank=rank, local_rank=local, local_world_size=len(host_ranks), node_rank=index,
-                                      prefix=prefix, env=env))
+                                      namespace=namespace, env=env))
         yield ranks

@@ -47,9 +47,13 @@ class ExternalLaunch:
 
 def detect() -> ExternalLaunch | None:
     """This process's place in an external launch, or None when ``train.py`` runs alone."""
+    env = os.environ
+    if not {"TORCHELASTIC_RUN_ID", "SLURM_NTASKS"} & env.keys():
+        # neither launcher's mark (the variables Lightning's checks below read): answered without
+        # importing Lightning, so that a launcher knows it is one before its first slow import
+        return None
     from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
-    env = os.environ
     if TorchElasticEnvironment.detect():
         run_id = env.get("TORCHELASTIC_RUN_ID")
         return ExternalLaunch("torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),

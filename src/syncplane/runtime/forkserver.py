@@ -9,8 +9,8 @@ launcher, so ``bench --matrix`` and Hydra multirun pay the import once for every
 A forked rank is still a process of its own (own pid, session, memory, sockets), started the
 way ``python -m MODULE ARGS`` would start it: its own environment, working directory,
 ``sys.argv``, stdout and stderr in its log, and inside its host's network namespace when the
-command was prefixed with ``ip netns exec NAME`` (the same namespaces, ``/sys`` and
-``/etc/netns`` files that ``ip`` sets up). What it cannot take from its environment is what an
+launcher names one (the same namespaces, ``/sys`` and ``/etc/netns`` files that
+``ip netns exec`` sets up). What it cannot take from its environment is what an
 interpreter reads once when it imports a library (``OMP_NUM_THREADS`` for libgomp's default,
 ``TORCH_CPP_LOG_LEVEL``): those come from the launcher's environment. A job that needs them per
 rank, or a command that is not ``python -m``, is started as a fresh process
@@ -27,6 +27,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import runpy
+import signal
 import sys
 import threading
 import warnings
@@ -57,18 +58,12 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
     return sys.platform == "linux" and env.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def forkable(command: Sequence[str], prefix: Sequence[str]) -> tuple[str, list[str], str | None] | None:
-    """``(module, args, namespace)`` when ``[*prefix, *command]`` is ``[ip netns exec NAME]
-    <this python> -m MODULE ARGS``, which a fork of this interpreter's server can run; else None."""
+def forkable(command: Sequence[str]) -> tuple[str, list[str]] | None:
+    """``(module, args)`` when ``command`` is ``<this python> -m MODULE ARGS``, which a fork of
+    this interpreter's server can run; else None."""
     if len(command) < 3 or command[0] != sys.executable or command[1] != "-m":
         return None
-    if not prefix:
-        namespace = None
-    elif len(prefix) == 4 and list(prefix[:3]) == ["ip", "netns", "exec"]:
-        namespace = prefix[3]
-    else:
-        return None
-    return command[2], list(command[3:]), namespace
+    return command[2], list(command[3:])
 
 
 class ForkedRank:
@@ -88,14 +83,38 @@ class ForkedRank:
 
 
 def _context() -> Any:
+    global _stop_registered
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    if not _stop_registered:
+        atexit.register(_stop_server)
+        _stop_registered = True
     return ctx
+
+
+_stop_registered = False
+
+
+def _stop_server() -> None:
+    """At exit, end this process's server at once. Left to itself, a server still importing
+    its preload (a launcher that failed validation seconds after its warm-up) would finish
+    those imports, on CPUs the next job needs, before it noticed its launcher was gone."""
+    from multiprocessing import forkserver as mp_forkserver
+
+    server = mp_forkserver._forkserver   # type: ignore[attr-defined]
+    if server._forkserver_pid is None:
+        return
+    try:
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()   # closes the pipe, reaps the server, removes its socket
 
 
 def warm_up(env: Mapping[str, str] | None = None) -> None:
     """Start the server now, if ranks will be forked, so that its imports overlap the
-    launcher's own work (bringing an emulated cluster up) rather than follow it."""
+    launcher's own work (validating the job, bringing an emulated cluster up) rather than
+    follow it. It returns at once; the first ``start`` waits for the imports."""
     if enabled(env):
         _context()
         from multiprocessing import forkserver as mp_forkserver

@@ -69,13 +69,14 @@ class JobStopped(LaunchError):
 
 @dataclass
 class RankSpec:
-    """How to start one rank: its torchrun-style identity and an optional command prefix."""
+    """How to start one rank: its torchrun-style identity, and the network namespace it runs in
+    (an emulated host's; None: this machine's)."""
 
     rank: int
     local_rank: int
     local_world_size: int
     node_rank: int = 0
-    prefix: Sequence[str] = ()              # e.g. ("ip", "netns", "exec", "host3")
+    namespace: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -92,7 +93,7 @@ def cluster_ranks(profile: "ClusterProfile") -> list[RankSpec]:
     for host in profile.hosts:
         for local, rank in enumerate(host.ranks):
             specs.append(RankSpec(rank=rank, local_rank=local, local_world_size=host.spec.ranks,
-                                  node_rank=host.index, prefix=emulator.rank_prefix(profile, rank),
+                                  node_rank=host.index, namespace=emulator.rank_namespace(profile, rank),
                                   env=emulator.rank_env(profile, rank)))
     return specs
 
@@ -151,6 +152,18 @@ def _follow(path: Path, stop: threading.Event, echo: IO[str]) -> None:
     if pending:
         echo.write(pending.decode(errors="replace"))
         echo.flush()
+
+
+def _fork(module: str, args: list[str], *, env: Mapping[str, str], log_path: Path,
+          namespace: str | None) -> _Rank | None:
+    """The rank forked from the server; None, with a warning, when the server cannot fork it
+    (it died, or failed to import its preload): the rank then starts as a fresh process."""
+    try:
+        return forkserver.start(module, args, env=env, log_path=log_path, namespace=namespace)
+    except (OSError, EOFError) as exc:
+        log.warning("the fork server could not start %s (%s: %s); starting it as a fresh process",
+                    log_path.stem, type(exc).__name__, exc)
+        return None
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -220,15 +233,16 @@ def launch(
                 log_file = open(log_path, "ab" if restart else "wb")
                 logs.append(log_file)
                 echo = echo_rank0 and spec.rank == 0 and restart == 0
-                fork = forkserver.forkable(command, spec.prefix) if use_fork_server else None
-                proc: _Rank
+                fork = forkserver.forkable(command) if use_fork_server else None
+                proc: _Rank | None = None
                 if fork is not None:   # it writes its log itself; rank 0's is followed for the echo
-                    module, args, namespace = fork
-                    proc = forkserver.start(module, args, env=rank_env, log_path=log_path, namespace=namespace)
+                    proc = _fork(*fork, env=rank_env, log_path=log_path, namespace=spec.namespace)
                     echo_from: tuple[Callable[..., None], tuple[object, ...]] = (_follow, (log_path, stop_following))
-                else:
+                if proc is None:
+                    from syncplane.cluster.emulator import netns_exec
+
                     proc = popen = subprocess.Popen(
-                        [*spec.prefix, *command], env=rank_env, stdin=subprocess.DEVNULL,
+                        [*netns_exec(spec.namespace), *command], env=rank_env, stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE if echo else log_file, stderr=subprocess.STDOUT,
                         start_new_session=True,  # its own process group: we can end it and its children
                     )
