@@ -1,1 +1,12 @@
-from syncplane.cli import main; import sys; sys.exit(main())
+import sys
+
+if sys.argv[1:2] in (["bench"], ["compare"], ["soak"]):
+    # these commands launch ranks: the fork server imports torch and Lightning while this
+    # process imports what it needs to read the command (train.py does the same)
+    from syncplane.runtime import forkserver
+
+    forkserver.warm_up()
+
+from syncplane.cli import main  # noqa: E402
+
+sys.exit(main())
