@@ -36,7 +36,7 @@ bench-kernels: setup
 # ResNet-50 payload, each profile one emulated run with ddp beside (root; hours on 2 cores).
 # Resumable: run it again after an interruption and only the missing cells run.
 # SCOREBOARD_ARGS narrows it, e.g. SCOREBOARD_ARGS="--clusters two_racks --strategies ddp,atc".
-SCOREBOARD_DIR ?= docs/scoreboard
+SCOREBOARD_DIR ?= docs/matrix
 SCOREBOARD_PAYLOAD ?= resnet50
 scoreboard: setup
 	$(PYTHON) -m syncplane bench --matrix --payload-mb $(SCOREBOARD_PAYLOAD) --out $(SCOREBOARD_DIR) $(SCOREBOARD_ARGS)
