@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import multiprocessing as mp
 import os
 import runpy
@@ -82,17 +83,13 @@ class ForkedRank:
         return self.poll()
 
 
+@functools.cache
 def _context() -> Any:
-    global _stop_registered
+    """The fork-server context, set up once per process (with its server's end at exit)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    if not _stop_registered:
-        atexit.register(_stop_server)
-        _stop_registered = True
+    atexit.register(_stop_server)
     return ctx
-
-
-_stop_registered = False
 
 
 def _stop_server() -> None:

@@ -234,11 +234,12 @@ def launch(
                 logs.append(log_file)
                 echo = echo_rank0 and spec.rank == 0 and restart == 0
                 fork = forkserver.forkable(command) if use_fork_server else None
-                proc: _Rank | None = None
-                if fork is not None:   # it writes its log itself; rank 0's is followed for the echo
-                    proc = _fork(*fork, env=rank_env, log_path=log_path, namespace=spec.namespace)
-                    echo_from: tuple[Callable[..., None], tuple[object, ...]] = (_follow, (log_path, stop_following))
-                if proc is None:
+                proc = None if fork is None else _fork(*fork, env=rank_env, log_path=log_path,
+                                                       namespace=spec.namespace)
+                echo_from: tuple[Callable[..., None], tuple[object, ...]]
+                if proc is not None:   # it writes its log itself; rank 0's is followed for the echo
+                    echo_from = (_follow, (log_path, stop_following))
+                else:
                     from syncplane.cluster.emulator import netns_exec
 
                     proc = popen = subprocess.Popen(
