@@ -63,5 +63,10 @@ def accept_cluster_files() -> None:
 
 
 if __name__ == "__main__":
-    accept_cluster_files()
-    main()
+    from syncplane.runtime.lifetime import skip_collection_at_exit
+
+    try:
+        accept_cluster_files()
+        main()
+    finally:
+        skip_collection_at_exit()

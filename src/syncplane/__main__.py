@@ -8,5 +8,10 @@ if sys.argv[1:2] in (["bench"], ["compare"], ["soak"]):
     forkserver.warm_up()
 
 from syncplane.cli import main  # noqa: E402
+from syncplane.runtime.lifetime import skip_collection_at_exit  # noqa: E402
 
-sys.exit(main())
+try:
+    code = main()
+finally:
+    skip_collection_at_exit()
+sys.exit(code)

@@ -29,6 +29,7 @@ from syncplane import net
 from syncplane import algorithms
 from syncplane.bench.syncs import compute_split
 from syncplane.cluster.emulator import EmulationError, switch_drops
+from syncplane.runtime.lifetime import skip_collection_at_exit
 from syncplane.job import JobContext
 from syncplane.comm import CommMeter
 from syncplane.comm.basics import destroy_subgroups, release_groups
@@ -184,5 +185,8 @@ def main(spec_path: str) -> None:
     release_groups()
 
 
-if __name__ == "__main__":
-    main(sys.argv[1])
+if __name__ == "__main__":   # a rank started as a fresh process (a fork of the server exits at once)
+    try:
+        main(sys.argv[1])
+    finally:
+        skip_collection_at_exit()

@@ -21,7 +21,7 @@ from syncplane.comm.basics import release_groups
 from syncplane.config import ConfigError
 from syncplane.job import JobContext
 from syncplane.runtime import autopilot, rendezvous
-from syncplane.runtime.lifetime import die_with_parent
+from syncplane.runtime.lifetime import die_with_parent, skip_collection_at_exit
 from syncplane.runtime.settings import JobSpec, StrategySpec, parse_job
 
 JOB_FILE = "job.yaml"
@@ -203,5 +203,9 @@ def close_process_group() -> None:
     release_groups()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":   # a rank started as a fresh process (a fork of the server exits at once)
+    try:
+        code = main()
+    finally:
+        skip_collection_at_exit()
+    sys.exit(code)
