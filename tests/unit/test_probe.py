@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from syncplane.cluster import load_profile
+from syncplane.cluster import load_profile, parse_profile
 from syncplane.cluster.probe import (
     Topology,
     cluster_racks,
@@ -86,6 +86,25 @@ def test_uniform_bandwidth_is_one_rack_and_hosts_come_from_host_ids():
 def test_cluster_racks_on_host_matrix():
     hb = np.array([[0, 9, 1, 1], [9, 0, 1, 1], [1, 1, 0, 9], [1, 1, 9, 0]], dtype=float)
     assert cluster_racks(hb) == [[0, 1], [2, 3]]
+    assert cluster_racks(np.where(hb == 9, 50e6, 25e6)) == [[0, 1], [2, 3]]   # a gap of exactly 2x counts
+
+
+@pytest.mark.parametrize("slow_nic_mbit,uplink_mbit,racks", [
+    (100, 50, [[0, 1], [2, 3]]),     # the slow rack's hosts reach each other 2x faster than the other rack
+    (100, 25, [[0, 1], [2, 3]]),
+    (100, 100, [[0, 1, 2, 3]]),      # uplink as fast as their NICs: the NICs cap everything, no boundary
+])
+def test_a_rack_of_slow_nics_behind_a_slower_uplink_is_a_rack(slow_nic_mbit, uplink_mbit, racks):
+    """Hosts with no fast link (their NICs are slower than the other rack's links) still form a
+    rack of their own when they reach each other ``MIN_GAP_RATIO`` faster than anyone else; in
+    one rack, slow NICs cap a host's links to its rack-mates and to the rest alike."""
+    profile = parse_profile({"name": "slow_rack", "racks": [
+        {"name": "fast", "uplink_mbit": uplink_mbit, "hosts": [{"name": f"f{i}", "nic_mbit": 400} for i in range(2)]},
+        {"name": "slow", "uplink_mbit": uplink_mbit,
+         "hosts": [{"name": f"s{i}", "nic_mbit": slow_nic_mbit} for i in range(2)]}]})
+    topo = from_profile(profile)
+    host_bw = np.array([[topo.bandwidth[a[0], b[0]] if a != b else np.inf for b in topo.hosts] for a in topo.hosts])
+    assert cluster_racks(host_bw) == racks
 
 
 @pytest.mark.parametrize("name,racks,slow", [

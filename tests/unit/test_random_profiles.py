@@ -94,7 +94,7 @@ def test_topology_aware_algorithms_are_valid_on_random_profiles(data):
     for key, pattern in zip(candidates.keys, candidates.patterns):
         for groups in pattern.iterations:
             assert sorted(r for g in groups for r in g) == list(range(world)), (key, groups)
-        assert _connected(world, [g for groups in pattern.iterations for g in groups]), (data, key)
+        assert _connected(world, {g for groups in pattern.iterations for g in groups}), (data, key)
     # H-ATC/H-AWC: racks and hosts as machines partition the ranks, whatever their sizes; in
     # every step each rack sends exactly one payload to each rack it mixes with
     racks = rack_machines(profile)

@@ -341,6 +341,11 @@ def exclusive_rounds(pairs: Sequence[tuple[int, int]], part: Mapping[int, int]) 
     return rounds
 
 
+def _a_rack_gap(ratio: float) -> bool:
+    """Does bandwidth drop by ``MIN_GAP_RATIO`` (exactly 2× counts, despite rounding)?"""
+    return ratio >= MIN_GAP_RATIO * (1 - 1e-9)
+
+
 def rack_threshold(values: Sequence[float]) -> float | None:
     """The bandwidth separating fast (in-rack) from slow links, or None when the links are
     one class. The split maximises the between-class variance of log bandwidth (Otsu): unlike
@@ -355,7 +360,7 @@ def rack_threshold(values: Sequence[float]) -> float | None:
         score = len(low) * len(high) * (high.mean() - low.mean()) ** 2
         if score > best:
             best, split = score, k
-    if np.exp(logs[split:].mean() - logs[:split].mean()) < MIN_GAP_RATIO:
+    if not _a_rack_gap(float(np.exp(logs[split:].mean() - logs[:split].mean()))):
         return None
     return float(np.exp((logs[split - 1] + logs[split]) / 2))
 
@@ -389,8 +394,8 @@ def cluster_racks(host_bw: np.ndarray, belongs: Belongs | None = None) -> list[l
     racks = [c for c in clusters if len(c) > 1]
     if not racks:
         return [list(range(h))]
-    own: list[list[int]] = []
-    for lone in (c[0] for c in clusters if len(c) == 1):
+    own = _racks_of_lone_hosts(host_bw, racks, [c[0] for c in clusters if len(c) == 1])
+    for lone in (c[0] for c in clusters if len(c) == 1 and not any(c[0] in r for r in own)):
         verdicts = [belongs(lone, list(rack)) for rack in racks] if belongs is not None else []
         options = [r for r, v in enumerate(verdicts) if v] if verdicts and None not in verdicts \
             else list(range(len(racks)))
@@ -400,6 +405,24 @@ def cluster_racks(host_bw: np.ndarray, belongs: Belongs | None = None) -> list[l
         best = max(options, key=lambda r: statistics.median(float(host_bw[lone, j]) for j in racks[r]))
         racks[best].append(lone)
     return sorted(sorted(r) for r in racks + own)
+
+
+def _racks_of_lone_hosts(host_bw: np.ndarray, racks: list[list[int]], lone: list[int]) -> list[list[int]]:
+    """The hosts with no fast link that form a rack of their own: a rack behind a slow uplink
+    whose hosts' NICs are slower than the fast links elsewhere, but faster than that uplink.
+    Hosts with slow NICs inside one rack reach each other no faster than they reach the rest
+    of it (their NICs cap both); these reach each other ``MIN_GAP_RATIO`` faster than any host
+    of the racks found."""
+    if len(lone) < 2:
+        return []
+    found = []
+    for group in cluster_racks(host_bw[np.ix_(lone, lone)]):
+        members = [lone[i] for i in group]
+        inside = min(float(host_bw[a, b]) for a in members for b in members if a != b) if len(members) > 1 else 0.0
+        outside = max(float(host_bw[a, b]) for a in members for rack in racks for b in rack)
+        if _a_rack_gap(inside / outside):
+            found.append(sorted(members))
+    return found
 
 
 def hosts_of(host_ids: Sequence[int]) -> list[list[int]]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,10 +46,12 @@ class PatternError(ValueError):
 
 def check_partition(groups: Iterable[Sequence[int]], world_size: int, where: str = "groups") -> None:
     """Raise PatternError unless ``groups`` cover ranks 0..world_size-1 exactly once each."""
+    members = list(chain.from_iterable(groups))
+    if sorted(members) == list(range(world_size)):
+        return
     seen: dict[int, int] = {}
-    for g in groups:
-        for r in g:
-            seen[r] = seen.get(r, 0) + 1
+    for r in members:
+        seen[r] = seen.get(r, 0) + 1
     missing = sorted(set(range(world_size)) - set(seen))
     duplicated = sorted(r for r, c in seen.items() if c > 1)
     outside = sorted(r for r in seen if not 0 <= r < world_size)
@@ -92,26 +95,33 @@ class GroupPattern:
         return w
 
     def period_product(self) -> np.ndarray:
-        """Π_k W_k. Each W_k averages the rows of a group, so it is applied as that average
-        (O(n²) per iteration) instead of a dense n×n product (O(n³): seconds at 1,024 ranks)."""
+        """``P = W_{T−1}⋯W_0``, each ``W_k`` applied as the row averages of its groups (O(n²) per
+        iteration, not the O(n³) of a dense product)."""
         p = np.eye(self.world_size)
         for groups in self.iterations:
-            for g in groups:
-                if len(g) > 1:
-                    p[list(g), :] = p[list(g), :].mean(axis=0)
+            p = _average_rows(p, groups)
         return p
 
     @cached_property
     def lambda2(self) -> float:
-        """``‖P − 11ᵀ/n‖₂`` of the period product: < 1 iff one period mixes all ranks."""
+        """``‖P − 11ᵀ/n‖₂`` of the period product ``P = W_{T−1}⋯W_0``: < 1 iff one period
+        mixes all ranks."""
         n = self.world_size
         if n == 1:
             return 0.0
         # P − 11ᵀ/n repeats a row for every rank of a last-iteration group and a column for
         # every rank of a first-iteration group: A = E_r C E_cᵀ with E the group indicators,
         # so ‖A‖₂ = ‖D_r^½ C D_c^½‖₂ (D: group sizes) -- a groups × groups SVD, not n × n.
+        # C's columns are P's for one rank c of each first-iteration group g: W_0 e_c = 1_g/|g|,
+        # then each later W_k averages the rows of its groups (O(n) per column per iteration,
+        # not the O(n²) of the whole product).
         rows, cols = self.iterations[-1], self.iterations[0]
-        reduced = (self.period_product()[np.ix_([g[0] for g in rows], [g[0] for g in cols])] - 1.0 / n)
+        columns = np.zeros((n, len(cols)))
+        for j, g in enumerate(cols):
+            columns[list(g), j] = 1.0 / len(g)
+        for groups in self.iterations[1:]:
+            columns = _average_rows(columns, groups)
+        reduced = columns[[g[0] for g in rows]] - 1.0 / n
         reduced *= np.sqrt([len(g) for g in rows])[:, None] * np.sqrt([len(g) for g in cols])[None, :]
         return float(np.linalg.norm(reduced, 2))
 
@@ -120,6 +130,18 @@ class GroupPattern:
             parts = _components(self.world_size, self.communicating_groups())
             raise PatternError(f"the group pattern never mixes all ranks (λ₂ of the period product = "
                                f"{self.lambda2:.6f} ≥ 1): ranks stay in separate components {parts}")
+
+
+def _average_rows(x: np.ndarray, groups: Sequence[Group]) -> np.ndarray:
+    """``W x`` for the averaging matrix ``W`` of ``groups`` (a partition of x's rows): every
+    row replaced by its group's mean, in a few whole-array operations rather than one per
+    group."""
+    sizes = np.array([len(g) for g in groups], dtype=np.intp)
+    order = np.fromiter(chain.from_iterable(groups), dtype=np.intp, count=len(x))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    out = np.empty_like(x)
+    out[order] = np.repeat(np.add.reduceat(x[order], starts, axis=0) / sizes[:, None], sizes, axis=0)
+    return out
 
 
 def _components(n: int, groups: Iterable[Group]) -> list[list[int]]:
