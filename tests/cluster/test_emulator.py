@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from syncplane.cluster import emulator, parse_profile
+from syncplane.config import ConfigError
+from syncplane.experiments.comparison import compose_job
+from syncplane.runtime import entry
 from tests.helpers.emulation import requires_emulation
 
 pytestmark = requires_emulation
@@ -314,12 +317,12 @@ def test_point_to_point_exchanges_take_a_hosts_nics_in_turn(ranks, strategies, t
             assert min(nics.values()) > 0.3 * sum(nics.values()), (row["strategy"], host, nics)
 
 
-def test_profile_and_world_size_mismatch_fails_before_launch(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", "cluster=two_racks", "trainer.devices=2",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "trainer.devices: 2 processes, but cluster profile 'two_racks' has 8 ranks" in result.stderr
-    assert emulator.namespaces() == []
+def test_profile_and_world_size_mismatch_fails_before_launch(tmp_path, monkeypatch):
+    """In-process, through the launcher's own check (``train.py`` turns the error into exit 2)."""
+    monkeypatch.setattr(entry, "launch_on_cluster", lambda *a, **k: pytest.fail("the job was launched"))
+    with pytest.raises(ConfigError, match=r"trainer.devices: 2 processes, but cluster profile 'two_racks' has 8 ranks"):
+        entry.launch_job(compose_job(["cluster=two_racks", "trainer.devices=2"], "the job"), tmp_path)
+    assert emulator.namespaces() == [] and not (tmp_path / "logs").exists()
 
 
 def test_background_flows_run_during_the_job_and_take_the_uplink(tmp_path):

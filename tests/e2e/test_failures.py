@@ -120,9 +120,3 @@ def test_sigkill_to_the_launcher_ends_every_rank(run_dir):
         if job.poll() is None:
             job.kill()
     assert _job_processes(run_dir) == []
-
-
-def test_netdown_is_refused_outside_an_emulated_cluster(tmp_path):
-    result = train("strategy=ddp", "fault={kind:netdown,rank:1,step:2}", f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 2
-    assert "fault.kind=netdown takes the rank's host NICs down: only on an emulated cluster" in result.stderr

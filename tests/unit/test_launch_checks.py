@@ -1,8 +1,8 @@
 """Every setting a job can give is checked in the launching process: one bad value per key of
 every strategy config (``configs/strategy/*.yaml``) and of the job itself (``seed``,
-``fault.*``, ``trainer.*``) stops ``launch_job`` with a ConfigError naming the key before any
-rank is started (``train.py`` turns that into exit 2; ``tests/e2e/test_train.py`` runs three
-of them end to end)."""
+``fault.*``, ``trainer.*``, a recipe's data) stops ``launch_job`` with a ConfigError naming the
+key before any rank is started (``train.py`` turns that into exit 2; ``tests/e2e/test_train.py``
+and ``tests/e2e/test_recipes.py`` run a few of them end to end: a launcher costs ~15 s here)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from syncplane.config import ConfigError
+from syncplane.experiments.comparison import compose_job
 from syncplane.runtime import entry
 from syncplane.runtime.settings import TrainerSettings
 
@@ -144,6 +145,24 @@ def test_late_peer_averaging_with_several_pair_streams_is_refused_naming_both_ke
                                                      "pair_streams": 2}}
     message = refused(cfg, tmp_path)
     assert "max_staleness" in message and "pair_streams" in message
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["recipe=resnet50_imagenet", "recipe.data_root=/nonexistent/imagenet"],
+     "recipe.data_root: '/nonexistent/imagenet' is not a directory; expected <data_root>/train/<class>/"),
+    (["recipe=bert_large", "recipe.vocab_file=/nonexistent/vocab.txt", "recipe.data_files=[{corpus}]"],
+     "recipe.vocab_file: '/nonexistent/vocab.txt' does not exist"),
+    (["recipe=bert_large"], "recipe.data_files: required"),
+    (["recipe=fashion_mnist", "recipe.data_dir=/nonexistent/fm"], "recipe.data_dir: '/nonexistent/fm' does not exist"),
+    (["recipe=tiny_lm", "recipe.corpus_root=/nonexistent/src"], "recipe.corpus_root: '/nonexistent/src' is not a"),
+])
+def test_a_recipe_without_its_data_is_refused_before_launch(overrides, message, tmp_path, no_launch):
+    """The job ``python train.py OVERRIDES`` composes (``tests/e2e/test_recipes.py`` runs the
+    first end to end)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f():\n    return 1\n")
+    cfg = compose_job([o.format(corpus=corpus) for o in overrides], "the job")
+    assert message in refused(cfg, tmp_path / "run")
 
 
 def test_the_ranks_another_launcher_started_are_the_world_checked(tmp_path):
