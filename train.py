@@ -65,8 +65,6 @@ def accept_cluster_files() -> None:
 if __name__ == "__main__":
     from syncplane.runtime.lifetime import skip_collection_at_exit
 
-    try:
-        accept_cluster_files()
-        main()
-    finally:
-        skip_collection_at_exit()
+    skip_collection_at_exit()
+    accept_cluster_files()
+    main()

@@ -1,5 +1,8 @@
 import sys
 
+from syncplane.runtime.lifetime import skip_collection_at_exit
+
+skip_collection_at_exit()
 if sys.argv[1:2] in (["bench"], ["compare"], ["soak"]):
     # these commands launch ranks: the fork server imports torch and Lightning while this
     # process imports what it needs to read the command (train.py does the same)
@@ -8,10 +11,5 @@ if sys.argv[1:2] in (["bench"], ["compare"], ["soak"]):
     forkserver.warm_up()
 
 from syncplane.cli import main  # noqa: E402
-from syncplane.runtime.lifetime import skip_collection_at_exit  # noqa: E402
 
-try:
-    code = main()
-finally:
-    skip_collection_at_exit()
-sys.exit(code)
+sys.exit(main())

@@ -185,8 +185,6 @@ def main(spec_path: str) -> None:
     release_groups()
 
 
-if __name__ == "__main__":   # a rank started as a fresh process (a fork of the server exits at once)
-    try:
-        main(sys.argv[1])
-    finally:
-        skip_collection_at_exit()
+if __name__ == "__main__":
+    skip_collection_at_exit()   # a fresh process's exit (a fork of the server leaves with os._exit)
+    main(sys.argv[1])

@@ -394,8 +394,10 @@ def cluster_racks(host_bw: np.ndarray, belongs: Belongs | None = None) -> list[l
     racks = [c for c in clusters if len(c) > 1]
     if not racks:
         return [list(range(h))]
-    own = _racks_of_lone_hosts(host_bw, racks, [c[0] for c in clusters if len(c) == 1])
-    for lone in (c[0] for c in clusters if len(c) == 1 and not any(c[0] in r for r in own)):
+    lone_hosts = [c[0] for c in clusters if len(c) == 1]
+    own = _racks_of_lone_hosts(host_bw, racks, lone_hosts)
+    placed = {host for rack in own for host in rack}
+    for lone in (host for host in lone_hosts if host not in placed):
         verdicts = [belongs(lone, list(rack)) for rack in racks] if belongs is not None else []
         options = [r for r, v in enumerate(verdicts) if v] if verdicts and None not in verdicts \
             else list(range(len(racks)))
@@ -418,7 +420,9 @@ def _racks_of_lone_hosts(host_bw: np.ndarray, racks: list[list[int]], lone: list
     found = []
     for group in cluster_racks(host_bw[np.ix_(lone, lone)]):
         members = [lone[i] for i in group]
-        inside = min(float(host_bw[a, b]) for a in members for b in members if a != b) if len(members) > 1 else 0.0
+        if len(members) < 2:
+            continue
+        inside = min(float(host_bw[a, b]) for a in members for b in members if a != b)
         outside = max(float(host_bw[a, b]) for a in members for rack in racks for b in rack)
         if _a_rack_gap(inside / outside):
             found.append(sorted(members))

@@ -3,6 +3,7 @@ outright (SIGKILL) and cannot end it itself."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import os
@@ -39,8 +40,9 @@ def die_with_parent(env: Mapping[str, str] | None = None) -> None:
 
 
 def skip_collection_at_exit() -> None:
-    """Freeze every live object, so that the interpreter's last garbage collection on its way
-    out passes over them. With torch and Lightning loaded that collection takes seconds, after
-    the process's work is done (docs/design-notes.md has the measurement). Nothing else of the
-    exit changes: atexit handlers run, and files and logs are flushed and closed."""
-    gc.freeze()
+    """Call at a process's start: once its atexit handlers have run (this one, registered
+    first, runs last), every live object is frozen, so that the interpreter's last garbage
+    collection passes over them. With torch and Lightning loaded that collection takes
+    seconds, after the process's work is done (docs/design-notes.md has the measurement).
+    Nothing else of the exit changes: files and logs are still flushed and closed."""
+    atexit.register(gc.freeze)

@@ -203,9 +203,6 @@ def close_process_group() -> None:
     release_groups()
 
 
-if __name__ == "__main__":   # a rank started as a fresh process (a fork of the server exits at once)
-    try:
-        code = main()
-    finally:
-        skip_collection_at_exit()
-    sys.exit(code)
+if __name__ == "__main__":
+    skip_collection_at_exit()   # a fresh process's exit (a fork of the server leaves with os._exit)
+    sys.exit(main())

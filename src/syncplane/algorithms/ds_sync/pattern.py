@@ -97,10 +97,13 @@ class GroupPattern:
     def period_product(self) -> np.ndarray:
         """``P = W_{T−1}⋯W_0``, each ``W_k`` applied as the row averages of its groups (O(n²) per
         iteration, not the O(n³) of a dense product)."""
-        p = np.eye(self.world_size)
+        return self._applied_to(np.eye(self.world_size))
+
+    def _applied_to(self, x: np.ndarray) -> np.ndarray:
+        """``P x``: every iteration's row averages, in order."""
         for groups in self.iterations:
-            p = _average_rows(p, groups)
-        return p
+            x = _average_rows(x, groups)
+        return x
 
     @cached_property
     def lambda2(self) -> float:
@@ -112,16 +115,12 @@ class GroupPattern:
         # P − 11ᵀ/n repeats a row for every rank of a last-iteration group and a column for
         # every rank of a first-iteration group: A = E_r C E_cᵀ with E the group indicators,
         # so ‖A‖₂ = ‖D_r^½ C D_c^½‖₂ (D: group sizes) -- a groups × groups SVD, not n × n.
-        # C's columns are P's for one rank c of each first-iteration group g: W_0 e_c = 1_g/|g|,
-        # then each later W_k averages the rows of its groups (O(n) per column per iteration,
-        # not the O(n²) of the whole product).
+        # C needs P's columns only for one rank of each first-iteration group: P applied to
+        # those unit vectors (O(n) per column per iteration, not the O(n²) of the whole product).
         rows, cols = self.iterations[-1], self.iterations[0]
-        columns = np.zeros((n, len(cols)))
-        for j, g in enumerate(cols):
-            columns[list(g), j] = 1.0 / len(g)
-        for groups in self.iterations[1:]:
-            columns = _average_rows(columns, groups)
-        reduced = columns[[g[0] for g in rows]] - 1.0 / n
+        units = np.zeros((n, len(cols)))
+        units[[g[0] for g in cols], np.arange(len(cols))] = 1.0
+        reduced = self._applied_to(units)[[g[0] for g in rows]] - 1.0 / n
         reduced *= np.sqrt([len(g) for g in rows])[:, None] * np.sqrt([len(g) for g in cols])[None, :]
         return float(np.linalg.norm(reduced, 2))
 
