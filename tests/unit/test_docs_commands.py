@@ -169,9 +169,17 @@ def test_documented_command_is_valid(where, command, tmp_path):
         assert result.returncode == 0, f"{where}: {command}: {result.stderr}"
     else:   # python -m MODULE ... / python scripts/X.py ... / torchrun|srun ... -m MODULE ...
         program = tokens[tokens.index("-m"):tokens.index("-m") + 2] if "-m" in tokens else tokens[1:2]
-        result = subprocess.run([sys.executable, *program, "--help"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=120)
-        assert result.returncode == 0, f"{where}: {command}: {result.stderr[-2000:]}"
+        returncode, stderr = help_of(tuple(program))
+        assert returncode == 0, f"{where}: {command}: {stderr[-2000:]}"
+
+
+@functools.cache
+def help_of(program: tuple[str, ...]) -> tuple[int, str]:
+    """``python PROGRAM --help``'s exit status and stderr, run once per program (a script named
+    by several pages, or a module under both ``python -m`` and ``torchrun -m``: seconds each)."""
+    result = subprocess.run([sys.executable, *program, "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    return result.returncode, result.stderr
 
 
 def _yaml_keys(node: object) -> set[str]:

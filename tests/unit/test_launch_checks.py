@@ -121,6 +121,12 @@ def test_a_bad_strategy_value_is_refused_before_launch_naming_its_key(name, key,
     assert key in refused(cfg, tmp_path)
 
 
+def test_an_unknown_strategy_key_is_refused_before_launch_listing_the_allowed_ones(tmp_path, no_launch):
+    cfg = copy.deepcopy(GOOD)
+    cfg["strategy"] = {"name": "ddp", "kwargs": {**(STRATEGY_CONFIGS["ddp"].get("kwargs") or {}), "bucket_capp": 1}}
+    assert "strategy.kwargs: unknown key(s) bucket_capp; allowed keys:" in refused(cfg, tmp_path)
+
+
 @pytest.mark.parametrize("path,value,key", BAD_JOB_VALUES, ids=lambda v: str(v)[:30])
 def test_a_bad_job_value_is_refused_before_launch_naming_its_key(path, value, key, tmp_path, no_launch):
     cfg = copy.deepcopy(GOOD)
