@@ -139,10 +139,9 @@ def test_fashion_mnist_trains_from_idx_files(tmp_path):
     trains. One launch either way: the reader is the same (``tests/unit/test_recipes.py``
     checks it on plain and gzipped files)."""
     real = DEBIAN_FASHION.is_dir()
-    data = [] if real else [f"recipe.data_dir={make_fashion_idx(tmp_path / 'fashion')}", "recipe.batch_size=16"]
-    limits = ["recipe.train_limit=4096", "recipe.val_limit=1000"] if real else []
-    summary = run_ok(tmp_path / "run", "recipe=fashion_mnist", "recipe.size=tiny", *data, *limits,
-                     "trainer.max_epochs=2")
+    data = (["recipe.train_limit=4096", "recipe.val_limit=1000"] if real
+            else [f"recipe.data_dir={make_fashion_idx(tmp_path / 'fashion')}", "recipe.batch_size=16"])
+    summary = run_ok(tmp_path / "run", "recipe=fashion_mnist", "recipe.size=tiny", *data, "trainer.max_epochs=2")
     assert summary["recipe"] == "fashion_mnist" and summary["metrics"]["val_acc"] is not None
     assert summary["throughput"]["model_flops_per_s"] > 0 and summary["throughput"]["mfu"] is None
     if real:
