@@ -46,6 +46,16 @@ def test_calibration_measures_add_and_each_codec_then_reads_the_cache(tmp_path, 
     assert again.sharing == 3.0
 
 
+def test_another_processor_under_the_same_host_name_is_measured_again(tmp_path, monkeypatch):
+    """Two VMs from one image share a host name; their rates must not be shared."""
+    cache = tmp_path / "rates.json"
+    calibrate(cpu.coded(INT8, 1, 1), cache=cache, numel=1024)
+    monkeypatch.setattr(cpu, "cpu_model", lambda: "Another CPU")
+    calibrate(cpu.coded(INT8, 1, 1), cache=cache, numel=1024)
+    keys = list(json.loads(cache.read_text()))
+    assert len(keys) == 2 and cpu.machine_key() in keys and "|Another CPU|" in cpu.machine_key()
+
+
 def test_a_broken_cache_is_measured_again(tmp_path):
     cache = tmp_path / "rates.json"
     cache.write_text("not json")

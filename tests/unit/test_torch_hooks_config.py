@@ -48,19 +48,21 @@ def test_powersgd_is_priced_as_three_chained_all_reduces_uncompressed_then_p_the
     assert per_allreduce == pytest.approx([scale * 300, scale * 2560, scale * 100])
 
 
-def test_the_hooks_cpu_is_every_element_through_a_step_timed_on_this_machine() -> None:
+def test_the_hooks_cpu_is_every_element_through_a_step_timed_on_this_machine_in_a_group_of_the_jobs_size() -> None:
     from syncplane.algorithms.torch_hooks import hook_cpu
-    from syncplane.algorithms.torch_hooks.timing import TIMED_MAX_ELEMENTS, hook_op, seconds_per_element
+    from syncplane.algorithms.torch_hooks.timing import TIMED_MAX_ELEMENTS, TIMED_MAX_RANKS, hook_op, \
+        seconds_per_element
 
     work = hook_cpu("torch_powersgd", load_profile("local"), 4.0 * 5000, CostOptions())
-    op = hook_op("torch_powersgd", 1, 5000)
+    op = hook_op("torch_powersgd", 1, 5000, ranks=4)            # local: 4 ranks
     assert work.elements == {op: 5000} and set(work.timers) == {op}
-    # a payload past the timed size is timed at it, and its op says so
-    big = hook_cpu("torch_fp16", load_profile("local"), 4.0 * 3 * TIMED_MAX_ELEMENTS, CostOptions())
-    assert big.elements == {hook_op("torch_fp16", 1, TIMED_MAX_ELEMENTS): 3 * TIMED_MAX_ELEMENTS}
-    assert hook_op("torch_fp16", 1, 10) != hook_op("torch_fp16", 1, 20) != hook_op("torch_powersgd", 1, 20)
-    # the real step, in a child process with its own one-rank group: a time, not a stub
-    seconds = seconds_per_element("torch_powersgd", 1, 2560 * 16 + 10)
+    # a payload past the timed size is timed at it, a job past the timed group in it, and the op says so
+    big = hook_cpu("torch_fp16", load_profile("uneven_hosts"), 4.0 * 3 * TIMED_MAX_ELEMENTS, CostOptions())
+    assert big.elements == {hook_op("torch_fp16", 1, TIMED_MAX_ELEMENTS, TIMED_MAX_RANKS): 3 * TIMED_MAX_ELEMENTS}
+    assert len({hook_op("torch_fp16", 1, 10), hook_op("torch_fp16", 1, 20), hook_op("torch_powersgd", 1, 20),
+                hook_op("torch_powersgd", 1, 20, ranks=2)}) == 4
+    # the real step, in two child processes of one gloo group: a time, not a stub
+    seconds = seconds_per_element("torch_powersgd", 1, 2560 * 16 + 10, ranks=2)
     assert 0 < seconds < 1e-3
 
 
@@ -69,7 +71,8 @@ def test_a_hook_is_timed_on_the_payload_it_prices_capped(monkeypatch) -> None:
     from syncplane.exchanges.cpu import calibrate
 
     sizes: list[int] = []
-    monkeypatch.setattr(timing, "seconds_per_element", lambda name, rank, numel: sizes.append(numel) or 1e-9)
+    monkeypatch.setattr(timing, "seconds_per_element",
+                        lambda name, rank, numel, ranks: sizes.append(numel) or 1e-9)
     for elements in (5000, 2 * timing.TIMED_MAX_ELEMENTS):
         calibrate(hook_cpu("torch_powersgd", load_profile("local"), 4.0 * elements, CostOptions()), cache=None,
                   numel=4096)
@@ -116,4 +119,4 @@ def test_a_rows_powersgd_rank_reaches_the_bench_step_the_wire_and_the_cpu_price(
                       for phase in step for _, _, b in phase) for rank in (1, 4)}
     assert sent[4] == pytest.approx(4 * sent[1])
     work = hook_cpu("torch_powersgd", profile, payload, options)
-    assert set(work.elements) == {hook_op("torch_powersgd", 4, 2560 * 100)}
+    assert set(work.elements) == {hook_op("torch_powersgd", 4, 2560 * 100, ranks=8)}

@@ -21,7 +21,6 @@ import io
 import json
 import logging
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -164,10 +163,9 @@ def machine() -> str:
     CPU-bound strategies measured on two machines differ by more than their runs' spread."""
     import torch
 
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
-    return f"{model or platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, " \
-           f"torch CPU {torch.backends.cpu.get_cpu_capability()}"
+    from syncplane.exchanges.cpu import cpu_model
+
+    return f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores, torch CPU {torch.backends.cpu.get_cpu_capability()}"
 
 
 def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:

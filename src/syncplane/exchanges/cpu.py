@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import time
 from collections import Counter
@@ -153,13 +154,23 @@ def measure(codecs: Iterable[Codec], numel: int = CALIBRATION_ELEMENTS, repeats:
         torch.set_num_threads(threads)
 
 
+def cpu_model() -> str:
+    """This machine's processor as the kernel names it (``/proc/cpuinfo``), else Python's guess."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = (line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")) if cpuinfo.exists() else iter(())
+    return next(names, None) or platform.processor() or platform.machine()
+
+
 def machine_key() -> str:
-    """What a cached rate belongs to: this host, its processor, the torch build and the build of
-    our kernels (named after a hash of their sources: an edited codec is measured again)."""
+    """What a cached rate belongs to: this host, its processor and core count, the torch build
+    and the build of our kernels (named after a hash of their sources: an edited codec is
+    measured again). The processor by name: two machines with one host name (a VM's image)
+    once shared a cache whose rates differed by 1.5x."""
     from syncplane import ext
 
-    return (f"{platform.node()}|{platform.machine()}|{platform.processor()}|torch {torch.__version__}"
-            f"|{ext.load_cpu().__name__}")
+    return (f"{platform.node()}|{platform.machine()}|{cpu_model()}|{len(os.sched_getaffinity(0))} cores"
+            f"|torch {torch.__version__}|{ext.load_cpu().__name__}")
 
 
 def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sharing: float = 1.0,

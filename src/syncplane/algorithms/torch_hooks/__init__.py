@@ -16,7 +16,7 @@ from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
-from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements
+from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements, timed_ranks
 from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.exchanges.cpu import CpuWork
@@ -43,11 +43,11 @@ def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options:
 def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
     """Every element of the payload through torch's DDP step with the hook (``timing``: the
     reducer's copies and the hook's own work, timed as the bench runs them, on the payload's
-    own size; PowerSGD at ``options.rank``)."""
-    rank = options.rank
+    own size, in a group of the profile's size; PowerSGD at ``options.rank``)."""
+    rank, ranks = options.rank, timed_ranks(profile.world_size)
     elements = max(1, int(payload_bytes // 4))
-    op = hook_op(name, rank, timed_elements(elements))
-    return CpuWork(Counter({op: elements}), timers={op: hook_timer(name, rank)})
+    op = hook_op(name, rank, timed_elements(elements), ranks)
+    return CpuWork(Counter({op: elements}), timers={op: hook_timer(name, rank, ranks)})
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> TorchHookStep:

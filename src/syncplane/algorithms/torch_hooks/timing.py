@@ -5,16 +5,20 @@ torch's reducer and hook do more than send: the payload's backward through DDP, 
 into and out of its buckets, and the hook's own work -- PowerSGD's error feedback, its two
 matmuls and the orthogonalization; fp16's casts. On the emulator (every rank on this
 machine's cores) that work, not the wire, is most of PowerSGD's step. It is timed here as
-the bench runs it (``TorchHookStep``), by one rank in a group of one (its all-reduces move
-nothing), in a child process so that the caller's own process group, if it has one, is left
-alone. The child's gloo listens on loopback only.
+the bench runs it (``TorchHookStep``), **in a gloo group of the job's size** (up to
+``TIMED_MAX_RANKS``), each rank a child process on loopback, so that a rank pays what it pays
+in the job: its all-reduces' own CPU (a ring's hops, gloo's threads waking) and the cores
+and memory shared with the other ranks. A rank timed alone in a group of one costs 1.3-1.7x
+less per element than the same rank in an 8-rank bench (``docs/benchmarks.md``, "torch's
+hooks timed in a group of the job's size"). The children rendezvous through a file, and
+their gloo listens on loopback only.
 
-What is timed is the step's **CPU seconds** (every thread of the process), on the payload's
-own size up to ``TIMED_MAX_ELEMENTS``: once a payload spans several of DDP's buckets, the
-reducer works on one bucket while the backward fills the next, on two threads, and costs
-more per element than on one bucket. Ranks that share cores (the emulator) pay the CPU
-seconds, not the wall time; a rank with cores of its own may run the step somewhat faster
-than priced. Measurements: ``docs/benchmarks.md``, "torch's hooks priced by their CPU seconds".
+What is timed is the step's **CPU seconds** (every thread of the process), the median of a
+few warm steps on each rank, averaged over the ranks, on the payload's own size up to
+``TIMED_MAX_ELEMENTS``: once a payload spans several of DDP's buckets, the reducer works on
+one bucket while the backward fills the next, on two threads, and costs more per element
+than on one bucket. Ranks that share cores (the emulator) pay the CPU seconds, not the wall
+time; a rank with cores of its own may run the step somewhat faster than priced.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,6 +46,9 @@ TIMEOUT_S = 300
 #: the most elements a hook's step is timed on: four of DDP's buckets (past one bucket the
 #: per-element cost settles; a BERT-large payload would take minutes and gigabytes to time)
 TIMED_MAX_ELEMENTS = 4 * DEFAULT_BUCKET_BYTES // 4
+#: the largest group a hook's step is timed in: past a few ranks a rank's share of a ring's
+#: work per step no longer grows, while the timing's processes and memory do
+TIMED_MAX_RANKS = 8
 
 
 def timed_elements(elements: int) -> int:
@@ -46,61 +56,88 @@ def timed_elements(elements: int) -> int:
     return min(elements, TIMED_MAX_ELEMENTS)
 
 
-def hook_op(name: str, rank: int, elements: int) -> str:
+def timed_ranks(world_size: int) -> int:
+    """The size of the group a job of ``world_size`` ranks has its hook's step timed in."""
+    return max(1, min(world_size, TIMED_MAX_RANKS))
+
+
+def hook_op(name: str, rank: int, elements: int, ranks: int = 1) -> str:
     """The CPU op that stands for one element through ``name``'s DDP step (PowerSGD: at
-    ``rank``) timed on ``elements`` (``timed_elements``): its rate depends on the size."""
-    return f"hook:{name}" + (f"(rank={rank})" if name == "torch_powersgd" else "") + f"@{elements}"
+    ``rank``) timed on ``elements`` (``timed_elements``) in a group of ``ranks``
+    (``timed_ranks``): its rate depends on both."""
+    return f"hook:{name}" + (f"(rank={rank})" if name == "torch_powersgd" else "") + f"@{elements}x{ranks}"
 
 
-def hook_timer(name: str, rank: int) -> Timer:
-    """Times ``name``'s step on the elements it is given, capped by ``timed_elements``."""
-    return functools.partial(_time_capped, name, rank)
+def hook_timer(name: str, rank: int, ranks: int = 1) -> Timer:
+    """Times ``name``'s step on the elements it is given, capped by ``timed_elements``, in a
+    group of ``ranks``."""
+    return functools.partial(_time_capped, name, rank, ranks)
 
 
-def _time_capped(name: str, rank: int, numel: int) -> float:
-    return seconds_per_element(name, rank, timed_elements(numel))
+def _time_capped(name: str, rank: int, ranks: int, numel: int) -> float:
+    return seconds_per_element(name, rank, timed_elements(numel), ranks)
 
 
-def seconds_per_element(name: str, rank: int, numel: int) -> float:
-    """``name``'s CPU seconds per element of a step on ``numel`` elements, timed in a child process.
+def seconds_per_element(name: str, rank: int, numel: int, ranks: int = 1) -> float:
+    """``name``'s CPU seconds per element of a step on ``numel`` elements, timed by ``ranks``
+    child processes in one gloo group (``time_step``), averaged over them.
 
-    A child killed by a signal is timed once more: one aborted in gloo's teardown under load
-    ("Resource deadlock avoided", seen once in a full suite run) measured nothing wrong."""
+    A group with a child killed by a signal is timed once more: one aborted in gloo's
+    teardown under load ("Resource deadlock avoided", seen once in a full suite run) measured
+    nothing wrong."""
     child = f"from {__name__} import main; main()"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
     for attempt in range(2):
-        result = subprocess.run([sys.executable, "-c", child, name, str(rank), str(numel)], capture_output=True,
-                                text=True, timeout=TIMEOUT_S, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
-        if result.returncode >= 0 or attempt:
+        with tempfile.TemporaryDirectory(prefix="syncplane-hook-timing-") as rendezvous:
+            store = str(Path(rendezvous) / "store")
+            children = [subprocess.Popen([sys.executable, "-c", child, name, str(rank), str(numel), str(ranks),
+                                          str(r), store], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, env=env) for r in range(ranks)]
+            try:
+                outputs = [c.communicate(timeout=TIMEOUT_S) for c in children]
+            finally:
+                for c in children:          # a timed-out or failed group leaves no child behind
+                    if c.poll() is None:
+                        c.kill()
+                        c.wait()
+        codes = [c.returncode for c in children]
+        if all(code >= 0 for code in codes) or attempt:
             break
-        log.warning("timing %s: the child died by signal %d; timing it again", hook_op(name, rank, numel),
-                    -result.returncode)
-    if result.returncode != 0:
-        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"timing {hook_op(name, rank, numel)} failed (exit {result.returncode}): {tail}")
-    return float(result.stdout.split()[-1])
+        log.warning("timing %s: a child died by signal %d; timing it again", hook_op(name, rank, numel, ranks),
+                    -min(codes))
+    failed = [(code, err) for code, (_, err) in zip(codes, outputs) if code != 0]
+    if failed:
+        code, err = failed[0]
+        tail = "\n".join(err.strip().splitlines()[-5:])
+        raise RuntimeError(f"timing {hook_op(name, rank, numel, ranks)} failed (exit {code}): {tail}")
+    return statistics.fmean(float(out.split()[-1]) for out, _ in outputs)
 
 
-def time_step(name: str, rank: int, numel: int, repeats: int = 5) -> float:
-    """The least CPU time (``time.process_time``: every thread of this process) of ``repeats``
-    warm steps of ``TorchHookStep`` (after its ``warmup``), per element; in a one-rank gloo group
-    made here (the calling process must have none)."""
+def time_step(name: str, rank: int, numel: int, ranks: int, group_rank: int, store: str, repeats: int = 5) -> float:
+    """The median CPU time (``time.process_time``: every thread of this process) of
+    ``repeats`` warm steps of ``TorchHookStep`` (after its ``warmup``), per element, as rank
+    ``group_rank`` of a gloo group of ``ranks`` made here (through a ``FileStore`` at
+    ``store``; the calling process must have none). The
+    median, not the least: every step of a job pays its own CPU, and the least of a few steps
+    is what few of them see."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=group_rank, world_size=ranks)
     try:
         step = TorchHookStep(name, {"matrix_approximation_rank": rank})
-        payload = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        payload = torch.randn(numel, generator=torch.Generator().manual_seed(group_rank))
         for i in range(step.warmup):
             step(payload, i, CommMeter())
-        best = float("inf")
+        seconds = []
         for i in range(repeats):
             start = time.process_time()
             step(payload, step.warmup + i, CommMeter())
-            best = min(best, time.process_time() - start)
-        return best / numel
+            seconds.append(time.process_time() - start)
+        return statistics.median(seconds) / numel
     finally:
         dist.destroy_process_group()
 
 
 def main() -> None:
-    """``NAME RANK NUMEL`` -> prints ``time_step``'s seconds per element."""
-    print(time_step(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    """``NAME RANK NUMEL RANKS GROUP_RANK STORE`` -> prints ``time_step``'s seconds per element."""
+    name, rank, numel, ranks, group_rank, store = sys.argv[1:7]
+    print(time_step(name, int(rank), int(numel), int(ranks), int(group_rank), store))
