@@ -57,8 +57,11 @@ def test_the_hooks_cpu_is_every_element_through_a_step_timed_on_this_machine_in_
     op = hook_op("torch_powersgd", 1, 5000, ranks=4)            # local: 4 ranks
     assert work.elements == {op: 5000} and set(work.timers) == {op}
     # a payload past the timed size is timed at it, a job past the timed group in it, and the op says so
-    big = hook_cpu("torch_fp16", load_profile("uneven_hosts"), 4.0 * 3 * TIMED_MAX_ELEMENTS, CostOptions())
-    assert big.elements == {hook_op("torch_fp16", 1, TIMED_MAX_ELEMENTS, TIMED_MAX_RANKS): 3 * TIMED_MAX_ELEMENTS}
+    big = hook_cpu("torch_powersgd", load_profile("uneven_hosts"), 4.0 * 3 * TIMED_MAX_ELEMENTS, CostOptions())
+    assert big.elements == {hook_op("torch_powersgd", 1, TIMED_MAX_ELEMENTS, TIMED_MAX_RANKS): 3 * TIMED_MAX_ELEMENTS}
+    # fp16 moves half the payload: timed alone, its copies are the wire's
+    fp16 = hook_cpu("torch_fp16", load_profile("uneven_hosts"), 4.0 * 5000, CostOptions())
+    assert fp16.elements == {hook_op("torch_fp16", 1, 5000, ranks=1): 5000}
     assert len({hook_op("torch_fp16", 1, 10), hook_op("torch_fp16", 1, 20), hook_op("torch_powersgd", 1, 20),
                 hook_op("torch_powersgd", 1, 20, ranks=2)}) == 4
     # the real step, in two child processes of one gloo group: a time, not a stub

@@ -43,8 +43,8 @@ def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options:
 def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
     """Every element of the payload through torch's DDP step with the hook (``timing``: the
     reducer's copies and the hook's own work, timed as the bench runs them, on the payload's
-    own size, in a group of the profile's size; PowerSGD at ``options.rank``)."""
-    rank, ranks = options.rank, timed_ranks(profile.world_size)
+    own size, PowerSGD's in a group of the profile's size (``timed_ranks``), at ``options.rank``)."""
+    rank, ranks = options.rank, timed_ranks(name, profile.world_size)
     elements = max(1, int(payload_bytes // 4))
     op = hook_op(name, rank, timed_elements(elements), ranks)
     return CpuWork(Counter({op: elements}), timers={op: hook_timer(name, rank, ranks)})

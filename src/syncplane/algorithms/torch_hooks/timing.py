@@ -5,13 +5,13 @@ torch's reducer and hook do more than send: the payload's backward through DDP, 
 into and out of its buckets, and the hook's own work -- PowerSGD's error feedback, its two
 matmuls and the orthogonalization; fp16's casts. On the emulator (every rank on this
 machine's cores) that work, not the wire, is most of PowerSGD's step. It is timed here as
-the bench runs it (``TorchHookStep``), **in a gloo group of the job's size** (up to
-``TIMED_MAX_RANKS``), each rank a child process on loopback, so that a rank pays what it pays
-in the job: its all-reduces' own CPU (a ring's hops, gloo's threads waking) and the cores
-and memory shared with the other ranks. A rank timed alone in a group of one costs 1.3-1.7x
-less per element than the same rank in an 8-rank bench (``docs/benchmarks.md``, "torch's
-hooks timed in a group of the job's size"). The children rendezvous through a file, and
-their gloo listens on loopback only.
+the bench runs it (``TorchHookStep``). PowerSGD's is timed **in a gloo group of the job's
+size** (up to ``TIMED_MAX_RANKS``), each rank a child process on loopback, so that a rank pays
+what it pays in the job: its all-reduces' own CPU and whatever grows with the group (a rank
+timed alone in a group of one costs 1.3-1.7x less per element than the same rank in an
+8-rank bench: ``docs/benchmarks.md``, "torch's hooks timed in a group of the job's size").
+fp16's is timed alone (``timed_ranks``). The children rendezvous through a file, and their
+gloo listens on loopback only.
 
 What is timed is the step's **CPU seconds** (every thread of the process), the median of a
 few warm steps on each rank, averaged over the ranks, on the payload's own size up to
@@ -56,9 +56,12 @@ def timed_elements(elements: int) -> int:
     return min(elements, TIMED_MAX_ELEMENTS)
 
 
-def timed_ranks(world_size: int) -> int:
-    """The size of the group a job of ``world_size`` ranks has its hook's step timed in."""
-    return max(1, min(world_size, TIMED_MAX_RANKS))
+def timed_ranks(name: str, world_size: int) -> int:
+    """The size of the group a job of ``world_size`` ranks has ``name``'s step timed in: its
+    own size (up to ``TIMED_MAX_RANKS``) for PowerSGD, whose all-reduces move almost nothing;
+    one for fp16, whose step moves half the payload: in a group its copies through loopback
+    would be priced on top of the wire's price of the same bytes, which they overlap."""
+    return max(1, min(world_size, TIMED_MAX_RANKS)) if name == "torch_powersgd" else 1
 
 
 def hook_op(name: str, rank: int, elements: int, ranks: int = 1) -> str:
