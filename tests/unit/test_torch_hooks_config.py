@@ -123,3 +123,14 @@ def test_a_rows_powersgd_rank_reaches_the_bench_step_the_wire_and_the_cpu_price(
     assert sent[4] == pytest.approx(4 * sent[1])
     work = hook_cpu("torch_powersgd", profile, payload, options)
     assert set(work.elements) == {hook_op("torch_powersgd", 4, 2560 * 100, ranks=8)}
+
+
+def test_a_hooks_cpu_runs_beside_the_wire_bucket_by_bucket() -> None:
+    """DDP hands bucket k to the hook while it works on bucket k+1: a round in as many parts
+    as buckets, priced as the longer stage plus one part of the shorter."""
+    from syncplane.algorithms import overlapped
+    from syncplane.algorithms.torch_hooks import SPEC
+    from syncplane.comm import DEFAULT_BUCKET_BYTES
+
+    assert SPEC.parts({}, 100.0) == 1 and SPEC.parts({}, 3.5 * DEFAULT_BUCKET_BYTES) == 4
+    assert overlapped(8.0, 2.0, 4) == pytest.approx(8.5) and overlapped(8.0, 2.0, 1) == 10.0

@@ -14,6 +14,7 @@ from typing import Any
 
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams
+from syncplane.comm import DEFAULT_BUCKET_BYTES
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
 from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements, timed_ranks
@@ -50,6 +51,12 @@ def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: 
     return CpuWork(Counter({op: elements}), timers={op: hook_timer(name, rank, ranks)})
 
 
+def hook_parts(options: Mapping[str, Any], payload_bytes: float) -> int:
+    """DDP's buckets: the reducer hands bucket k to the hook's all-reduce and goes on with
+    bucket k+1's copies and the hook's work on it, so the step's CPU runs beside the wire."""
+    return max(1, math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES))
+
+
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> TorchHookStep:
     return TorchHookStep(name, options)
 
@@ -62,6 +69,7 @@ SPEC = AlgorithmSpec(
     cost=hook_cost,
     cpu=hook_cpu,
     overlap={name: "backward" for name in HOOK_NAMES},   # DDP's reducer: buckets during the backward
+    parts=hook_parts,
 )
 
 __all__ = ["HOOK_NAMES", "SPEC", "HookConfig", "TorchHookStep", "hook_cost", "hook_cpu", "payload_shapes"]
