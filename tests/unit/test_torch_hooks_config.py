@@ -4,6 +4,8 @@ bytes for fp16 and PowerSGD's r·(rows + cols) per matrix."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from syncplane.algorithms import CostOptions, spec_for
@@ -67,6 +69,19 @@ def test_the_hooks_cpu_is_every_element_through_a_step_timed_on_this_machine_in_
     # the real step, in two child processes of one gloo group: a time, not a stub
     seconds = seconds_per_element("torch_powersgd", 1, 2560 * 16 + 10, ranks=2)
     assert 0 < seconds < 1e-3
+
+
+def test_a_timing_group_that_fails_says_why_and_leaves_no_child(monkeypatch) -> None:
+    """Every child fails at once here (no such hook); a child that fails alone stops the others
+    the same way, instead of leaving them waiting for it in gloo."""
+    from syncplane.algorithms.torch_hooks import timing
+
+    spawned: list = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: spawned.append(popen(*a, **k)) or spawned[-1])
+    with pytest.raises(RuntimeError, match=r"(?s)timing hook:torch_nope@64x2 failed \(child 0, exit 1\): .*torch_nope"):
+        timing.seconds_per_element("torch_nope", 1, 64, ranks=2)
+    assert len(spawned) == 2 and all(c.returncode is not None for c in spawned)
 
 
 def test_a_hook_is_timed_on_the_payload_it_prices_capped(monkeypatch) -> None:

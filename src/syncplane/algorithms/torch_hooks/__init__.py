@@ -14,12 +14,12 @@ from typing import Any
 
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams
-from syncplane.comm import DEFAULT_BUCKET_BYTES
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
 from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements, timed_ranks
 from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
+from syncplane.comm import DEFAULT_BUCKET_BYTES
 from syncplane.exchanges.cpu import CpuWork
 
 

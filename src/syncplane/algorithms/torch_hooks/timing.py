@@ -88,41 +88,67 @@ def seconds_per_element(name: str, rank: int, numel: int, ranks: int = 1) -> flo
     A group with a child killed by a signal is timed once more: one aborted in gloo's
     teardown under load ("Resource deadlock avoided", seen once in a full suite run) measured
     nothing wrong."""
-    child = f"from {__name__} import main; main()"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    for attempt in range(2):
-        with tempfile.TemporaryDirectory(prefix="syncplane-hook-timing-") as rendezvous:
-            store = str(Path(rendezvous) / "store")
-            children = [subprocess.Popen([sys.executable, "-c", child, name, str(rank), str(numel), str(ranks),
-                                          str(r), store], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, env=env) for r in range(ranks)]
-            try:
-                outputs = [c.communicate(timeout=TIMEOUT_S) for c in children]
-            finally:
-                for c in children:          # a timed-out or failed group leaves no child behind
-                    if c.poll() is None:
-                        c.kill()
-                        c.wait()
+    try:
+        return _time_group(name, rank, numel, ranks)
+    except _ChildKilled as exc:
+        log.warning("%s; timing it again", exc)
+    try:
+        return _time_group(name, rank, numel, ranks)
+    except _ChildKilled as exc:
+        raise RuntimeError(str(exc)) from None
+
+
+class _ChildKilled(RuntimeError):
+    """A timing child died by a signal."""
+
+
+def _time_group(name: str, rank: int, numel: int, ranks: int) -> float:
+    """One timing of ``seconds_per_element``: the group's children are watched together, so a
+    child that fails stops the others at once (they would wait for it in gloo) and its error
+    is raised; none outlives the call."""
+    op, env = hook_op(name, rank, numel, ranks), {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    with tempfile.TemporaryDirectory(prefix="syncplane-hook-timing-") as folder:
+        logs = [(Path(folder) / f"{r}.out", Path(folder) / f"{r}.err") for r in range(ranks)]
+        children: list[subprocess.Popen[bytes]] = []
+        stopped: set[int] = set()           # the children stopped here, not failed by themselves
+        try:
+            for r, (out, err) in enumerate(logs):
+                with out.open("w") as stdout, err.open("w") as stderr:
+                    children.append(subprocess.Popen(
+                        [sys.executable, "-c", f"from {__name__} import main; main()", name, str(rank), str(numel),
+                         str(ranks), str(r), str(Path(folder) / "store")], stdout=stdout, stderr=stderr, env=env))
+            deadline = time.monotonic() + TIMEOUT_S
+            while any(c.poll() is None for c in children):
+                if any(c.returncode not in (None, 0) for c in children) or time.monotonic() > deadline:
+                    break
+                try:
+                    next(c for c in children if c.returncode is None).wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            for i, c in enumerate(children):
+                if c.poll() is None:
+                    stopped.add(i)
+                    c.kill()
+                    c.wait()
         codes = [c.returncode for c in children]
-        if all(code >= 0 for code in codes) or attempt:
-            break
-        log.warning("timing %s: a child died by signal %d; timing it again", hook_op(name, rank, numel, ranks),
-                    -min(codes))
-    failed = [(code, err) for code, (_, err) in zip(codes, outputs) if code != 0]
-    if failed:
-        code, err = failed[0]
-        tail = "\n".join(err.strip().splitlines()[-5:])
-        raise RuntimeError(f"timing {hook_op(name, rank, numel, ranks)} failed (exit {code}): {tail}")
-    return statistics.fmean(float(out.split()[-1]) for out, _ in outputs)
+        if all(code == 0 for code in codes):
+            return statistics.fmean(float(out.read_text().split()[-1]) for out, _ in logs)
+        first = next((i for i, code in enumerate(codes) if code != 0 and i not in stopped), None)
+        if first is None:
+            raise RuntimeError(f"timing {op} took longer than {TIMEOUT_S} s")
+        tail = "\n".join(logs[first][1].read_text().strip().splitlines()[-5:])
+        if codes[first] < 0:
+            raise _ChildKilled(f"timing {op}: child {first} died by signal {-codes[first]}: {tail}")
+        raise RuntimeError(f"timing {op} failed (child {first}, exit {codes[first]}): {tail}")
 
 
 def time_step(name: str, rank: int, numel: int, ranks: int, group_rank: int, store: str, repeats: int = 5) -> float:
     """The median CPU time (``time.process_time``: every thread of this process) of
     ``repeats`` warm steps of ``TorchHookStep`` (after its ``warmup``), per element, as rank
     ``group_rank`` of a gloo group of ``ranks`` made here (through a ``FileStore`` at
-    ``store``; the calling process must have none). The
-    median, not the least: every step of a job pays its own CPU, and the least of a few steps
-    is what few of them see."""
+    ``store``; the calling process must have none). The median, not the least: every step
+    of a job pays its own CPU, and the least of a few steps is what few of them see."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=group_rank, world_size=ranks)
     try:
