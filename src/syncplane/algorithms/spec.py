@@ -68,11 +68,16 @@ JobCheck = Callable[[str, Mapping[str, Any], JobContext], None]
 
 
 
+def payload_buckets(payload_bytes: float) -> int:
+    """How many of DDP's buckets (``DEFAULT_BUCKET_BYTES``) the payload fills, at least one."""
+    return max(1, math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES))
+
+
 def payload_bucket_streams(profile: ClusterProfile, payload_bytes: float) -> int:
-    """The pinned streams the payload's DDP-sized buckets (``DEFAULT_BUCKET_BYTES``, one
+    """The pinned streams the payload's DDP-sized buckets (``payload_buckets``, one
     asynchronous all-reduce each) make on the NICs gloo lists (``cluster.cost.bucket_streams``,
     ``gloo_nics``): how DDP, torch's hooks and DS-Sync's groups spread over a host's NICs."""
-    return bucket_streams(math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES), profile.gloo_nics)
+    return bucket_streams(payload_buckets(payload_bytes), profile.gloo_nics)
 
 @dataclass(frozen=True)
 class AlgorithmSpec:

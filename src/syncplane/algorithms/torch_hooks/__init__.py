@@ -13,13 +13,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.job import JobContext
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams, payload_buckets
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
 from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements, timed_ranks
 from syncplane.cluster.cost import Phase, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
-from syncplane.comm import DEFAULT_BUCKET_BYTES
 from syncplane.exchanges.cpu import CpuWork
 
 
@@ -54,7 +53,7 @@ def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: 
 def hook_parts(options: Mapping[str, Any], payload_bytes: float) -> int:
     """DDP's buckets: the reducer hands bucket k to the hook's all-reduce and goes on with
     bucket k+1's copies and the hook's work on it, so the step's CPU runs beside the wire."""
-    return max(1, math.ceil(payload_bytes / DEFAULT_BUCKET_BYTES))
+    return payload_buckets(payload_bytes)
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> TorchHookStep:
