@@ -103,3 +103,40 @@ def _bad_input(rank: int, world: int):
 def test_bad_input_is_refused_before_any_communication():
     messages = run_distributed(_bad_input, 2)
     assert all("expected a contiguous 1-D float32 CPU tensor, got torch.float64" in m for m in messages)
+
+
+def _kept_buffers_rounds(rank: int, world: int, sizes: list[int]):
+    """Each pattern's rounds on one runner (its buffers kept between rounds) beside the same
+    rounds each on a runner of its own (every buffer fresh), on fresh inputs every round."""
+    from syncplane.comm import StreamRunner
+    from syncplane.exchanges import GatherExchange, MeshExchange, NestedExchange
+
+    patterns = {"mesh": lambda: MeshExchange(2), "gather": lambda: GatherExchange(2),
+                "nested": lambda: NestedExchange([2, world // 2], streams=2)}
+    out = {}
+    for name, pattern in patterns.items():
+        kept = StreamRunner(pattern(), timeout_s=60)
+        for r, numel in enumerate(sizes):
+            flat = _inputs(world, numel, 100 + r)[rank].clone()
+            fresh_runner, fresh = StreamRunner(pattern(), timeout_s=60), flat.clone()
+            assert kept.allreduce_mean_(flat) and fresh_runner.allreduce_mean_(fresh)
+            fresh_runner.close()
+            out[name, r] = (flat, fresh)
+        kept.close()
+    return out
+
+
+def test_buffers_kept_between_rounds_change_no_bit_of_any_round():
+    """The patterns keep their receive, sum and output buffers between rounds (``Round.kept``):
+    round after round on fresh inputs (a smaller buffer in the front of a larger one), each
+    mean equals a fresh runner's bit for bit, and the dense mean within fp32 rounding (the
+    nested pattern sums in its own order)."""
+    world, sizes = 4, [1031, 1031, 517, 1031]
+    results = run_distributed(_kept_buffers_rounds, world, sizes, timeout=120)
+    for r, numel in enumerate(sizes):
+        want = _dense_mean(_inputs(world, numel, 100 + r))
+        for rank_result in results:
+            for name in ("mesh", "gather", "nested"):
+                kept, fresh = rank_result[name, r]
+                assert torch.equal(kept, fresh), f"{name}, round {r}: kept buffers changed the mean"
+                torch.testing.assert_close(kept, want, msg=f"{name}, round {r}: not the mean")

@@ -154,7 +154,7 @@ class DigitExchange:
         bounds = self.pieces(flat.numel(), n)
         partial: list[dict[int, torch.Tensor]] = [{p: flat[lo:hi] for p, (lo, hi) in enumerate(s)} for s in bounds]
         encoded: list[dict[int, torch.Tensor]] = [{} for _ in bounds]        # owner bytes, forwarded as they are
-        out = torch.empty_like(flat)
+        out = round.kept("out", flat.numel(), flat.dtype)
         keep, sent, sends = round.keep, 0, []
 
         def size(t: int, p: int) -> int:
@@ -163,7 +163,7 @@ class DigitExchange:
 
         for k, row in enumerate(self.steps(me)):
             posted: list[tuple[CubeStep, dict[int, torch.Tensor], list[dist.Work]]] = []
-            for step in row:
+            for i, step in enumerate(row):
                 index = step.level if self.group_by == "level" else step.stream
                 wire = self._wire(step, codec)
                 buffers: dict[int, torch.Tensor] = {}
@@ -177,15 +177,16 @@ class DigitExchange:
                         ef = local_ef if k == 0 else relay_ef
                         parts = [ef.compress(partial[step.stream][p], offset + bounds[step.stream][p][0])
                                  for p in ps]
-                    data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-                    if data.numel():
+                    nbytes = sum(part.numel() for part in parts)
+                    if nbytes:
+                        data = torch.cat(parts, out=round.kept(("send", k, i, peer), nbytes))
                         sends.append(round.link(index, me, peer).send([data], peer, _TAG_BASE + k))
                         keep.append(data)
                         sent += data.numel()
                 for peer, ps in step.recvs.items():
                     nbytes = sum(wire.nbytes(size(step.stream, p)) for p in ps)
                     if nbytes:
-                        buffers[peer] = torch.empty(nbytes, dtype=torch.uint8)
+                        buffers[peer] = round.kept(("recv", k, i, peer), nbytes)
                         works.append(round.link(index, peer, me).recv([buffers[peer]], peer, _TAG_BASE + k))
                 keep.extend(buffers.values())
                 posted.append((step, buffers, works))
@@ -211,7 +212,8 @@ class DigitExchange:
                     for v in range(self.radices[step.level]):     # in digit order, own value in its place
                         value = (partial[t][p] if v == mine
                                  else wire.extract(decoded[sources[v]][j], size(t, p)))
-                        acc = value.clone() if acc is None else acc.add_(value)
+                        acc = (round.kept(("sum", k, t, p), value.numel(), value.dtype).copy_(value) if acc is None
+                               else acc.add_(value))
                     assert acc is not None
                     summed[p] = acc
                 partial[t] = summed

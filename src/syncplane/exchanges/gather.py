@@ -99,7 +99,7 @@ class GatherExchange:
         flat, codec, offset, me, n = round.flat, round.codec, round.offset, round.rank, round.size
         (feedback,) = round.feedback
         keep, steps = round.keep, self.routes(n)
-        out = torch.zeros_like(flat)
+        out = round.kept("out", flat.numel(), flat.dtype).zero_()
         sent = 0
         bounds = [(s, lo, hi) for s, (lo, hi) in enumerate(shard_bounds(flat.numel(), self.shards)) if hi > lo]
         have: dict[int, dict[int, torch.Tensor]] = {}       # stream -> rank -> its piece
@@ -107,7 +107,7 @@ class GatherExchange:
         posting = time.perf_counter()
         for s, lo, hi in bounds:
             cut = self._cut(lo, hi, offset)
-            mine = torch.zeros(self._nbytes(codec, lo, cut, hi), dtype=torch.uint8)
+            mine = round.kept(("mine", s), self._nbytes(codec, lo, cut, hi)).zero_()
             if cut > lo:
                 encoded = feedback.compress(flat[lo:cut], offset + lo)
                 mine[:encoded.numel()] = encoded
@@ -122,7 +122,7 @@ class GatherExchange:
                 if m.dst != me:
                     continue
                 for s, _, _ in bounds:
-                    buffer = torch.empty(len(m.carries) * size[s], dtype=torch.uint8)
+                    buffer = round.kept(("recv", t, s, m.src), len(m.carries) * size[s])
                     work = round.link(s, m.src, me).recv([buffer], m.src, m.tag(t, n))
                     recvs.setdefault((t, s), []).append((work, buffer, m.carries))
                     keep.extend([buffer, work])
@@ -136,7 +136,8 @@ class GatherExchange:
                 for m in step:
                     if m.src == me:
                         parts = [have[s][r] for r in m.carries]
-                        block = torch.cat(parts) if len(parts) > 1 else parts[0]
+                        block = (torch.cat(parts, out=round.kept(("send", t, s, m.dst), sum(p.numel() for p in parts)))
+                                 if len(parts) > 1 else parts[0])
                         sends.append(round.link(s, me, m.dst).send([block], m.dst, m.tag(t, n)))
                         keep.extend([block, sends[-1]])
                         sent += block.numel()

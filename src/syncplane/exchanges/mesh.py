@@ -87,7 +87,7 @@ class MeshExchange:
         local_ef, owner_ef = round.feedback
         segments = self.segments(flat.numel(), round.size)
         me, n = round.rank, round.size
-        out = torch.empty_like(flat)
+        out = round.kept("out", flat.numel(), flat.dtype)
         sent = 0
 
         # Everything is posted up front: the scatter sends (segment j of every stream to
@@ -113,12 +113,12 @@ class MeshExchange:
                     sends.append(round.link(s, me, owner).send([data], owner, _TAG_SCATTER))
                     keep.append(data)
                     sent += data.numel()
-                    gathered[s, owner] = torch.empty(codec.nbytes(hi - lo), dtype=torch.uint8)
+                    gathered[s, owner] = round.kept(("gather", s, owner), codec.nbytes(hi - lo))
                     gather_recvs.append(round.link(s, owner, me).recv([gathered[s, owner]], owner, _TAG_GATHER))
             lo, hi = segments[s][me]
             for src in range(n):
                 if src != me and hi > lo:
-                    scattered[s, src] = torch.empty(codec.nbytes(hi - lo), dtype=torch.uint8)
+                    scattered[s, src] = round.kept(("scatter", s, src), codec.nbytes(hi - lo))
                     scatter_recvs[s].append(round.link(s, src, me).recv([scattered[s, src]], src, _TAG_SCATTER))
         keep.extend(sends + gather_recvs + [w for ws in scatter_recvs for w in ws])
         if round.profile is not None:
@@ -133,7 +133,7 @@ class MeshExchange:
                 round.wait(scatter_recvs[s])
             with round.phase("sum"):
                 parts = [own[s] if r == me else scattered[s, r] for r in range(n)]
-                acc = codec.extract(parts[0], hi - lo).clone()
+                acc = round.kept(("sum", s), hi - lo, flat.dtype).copy_(codec.extract(parts[0], hi - lo))
                 for part in parts[1:]:
                     acc += codec.extract(part, hi - lo)
                 acc /= n
