@@ -17,6 +17,7 @@ from syncplane.cli import main as cli_main
 from syncplane.cluster import parse_profile
 from syncplane.cluster.emulator import parse_root_drops, uplink_drops
 from syncplane.config import ConfigError
+from syncplane.exchanges.cpu import ADD
 from syncplane.runtime.launcher import JobStopped, LaunchError
 from tests.helpers.scripts import load_script
 
@@ -283,13 +284,13 @@ def test_reprice_prices_the_cpu_work_at_the_rates_the_report_keeps() -> None:
     profile = load_profile("two_racks")
     row = {"strategy": "diloco", "status": "ok", "sync_s_median": 0.1}
     report = {"cluster": "two_racks", "world_size": 8, "payload_bytes": 2**20, "results": [row]}
-    slow, fast = ({**report, "cpu_rates": {"per_element": {"add": add}, "sharing": 4.0}} for add in (1e-6, 1e-9))
+    slow, fast = ({**report, "cpu_rates": {"per_element": {ADD: add}, "sharing": 4.0}} for add in (1e-6, 1e-9))
     priced = {name: matrix.reprice(r, profile) for name, r in (("slow", slow), ("fast", fast))}
     cpu = {name: r["results"][0]["predicted_cpu_s"] for name, r in priced.items()}
     assert cpu["slow"] == pytest.approx(1000 * cpu["fast"]) and cpu["fast"] > 0
-    assert priced["slow"]["cpu_rates"]["per_element"]["add"] == 1e-6 and priced["slow"]["cpu_rates"]["sharing"] == 4.0
+    assert priced["slow"]["cpu_rates"]["per_element"][ADD] == 1e-6 and priced["slow"]["cpu_rates"]["sharing"] == 4.0
     mine = matrix.reprice(report, profile)           # none kept: this machine's, then kept
-    assert mine["cpu_rates"]["per_element"]["add"] > 0
+    assert mine["cpu_rates"]["per_element"][ADD] > 0
     # rows of two machines in one file: each priced at the rates of the machine that ran it
     both = {**fast, "results": [{**row, "cpu_rates": slow["cpu_rates"]}, {**row, "strategy": "diloco"}]}
     mixed = [r["predicted_cpu_s"] for r in matrix.reprice(both, profile)["results"]]
