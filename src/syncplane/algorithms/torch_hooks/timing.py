@@ -85,9 +85,8 @@ def seconds_per_element(name: str, rank: int, numel: int, ranks: int = 1) -> flo
     """``name``'s CPU seconds per element of a step on ``numel`` elements, timed by ``ranks``
     child processes in one gloo group (``time_step``), averaged over them.
 
-    A group with a child killed by a signal is timed once more: one aborted in gloo's
-    teardown under load ("Resource deadlock avoided", seen once in a full suite run) measured
-    nothing wrong."""
+    A group with a child killed by a signal is timed once more (children aborted in gloo's
+    teardown under load before they left without one, ``main``)."""
     try:
         return _time_group(name, rank, numel, ranks)
     except _ChildKilled as exc:
@@ -147,26 +146,31 @@ def time_step(name: str, rank: int, numel: int, ranks: int, group_rank: int, sto
     """The median CPU time (``time.process_time``: every thread of this process) of
     ``repeats`` warm steps of ``TorchHookStep`` (after its ``warmup``), per element, as rank
     ``group_rank`` of a gloo group of ``ranks`` made here (through a ``FileStore`` at
-    ``store``; the calling process must have none). The median, not the least: every step
-    of a job pays its own CPU, and the least of a few steps is what few of them see."""
+    ``store``; the calling process must have none), once every rank has passed a barrier.
+    The median, not the least: every step of a job pays its own CPU, and the least of a few
+    steps is what few of them see. The group is left up: the process leaves (``main``)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=group_rank, world_size=ranks)
-    try:
-        step = TorchHookStep(name, {"matrix_approximation_rank": rank})
-        payload = torch.randn(numel, generator=torch.Generator().manual_seed(group_rank))
-        for i in range(step.warmup):
-            step(payload, i, CommMeter())
-        seconds = []
-        for i in range(repeats):
-            start = time.process_time()
-            step(payload, step.warmup + i, CommMeter())
-            seconds.append(time.process_time() - start)
-        return statistics.median(seconds) / numel
-    finally:
-        dist.destroy_process_group()
+    step = TorchHookStep(name, {"matrix_approximation_rank": rank})
+    payload = torch.randn(numel, generator=torch.Generator().manual_seed(group_rank))
+    for i in range(step.warmup):
+        step(payload, i, CommMeter())
+    seconds = []
+    for i in range(repeats):
+        start = time.process_time()
+        step(payload, step.warmup + i, CommMeter())
+        seconds.append(time.process_time() - start)
+    dist.barrier()          # every rank's steps are over: nothing of this rank is still awaited
+    return statistics.median(seconds) / numel
 
 
 def main() -> None:
-    """``NAME RANK NUMEL RANKS GROUP_RANK STORE`` -> prints ``time_step``'s seconds per element."""
+    """``NAME RANK NUMEL RANKS GROUP_RANK STORE`` -> prints ``time_step``'s seconds per element,
+    then leaves at once (``os._exit``), its gloo group never torn down: under load a child's
+    teardown aborted ("Resource deadlock avoided": the last reference to the group dropped
+    on one of the group's own threads, which cannot join itself), twice in a row in one
+    suite run beside another."""
     name, rank, numel, ranks, group_rank, store = sys.argv[1:7]
-    print(time_step(name, int(rank), int(numel), int(ranks), int(group_rank), store))
+    print(time_step(name, int(rank), int(numel), int(ranks), int(group_rank), store), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
