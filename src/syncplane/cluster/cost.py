@@ -23,9 +23,15 @@ On a BCube profile every NIC is its own link (NIC ℓ of a host plugs into its l
 switch) and there are no uplinks. A flow between hosts one address digit apart crosses
 the sender's and receiver's NICs of that level; any other flow is relayed, hop by hop
 along the profile's BCube route, and loads every relay's NIC in and out. Which route a
-flow takes depends on the NIC its destination address belongs to; a flow of the model
-names no NIC, so it is spread evenly over the β routes (what a gloo job listing all β
-NICs does: its collectives rotate over them).
+flow takes depends on the NIC its destination address belongs to. A gloo connection is
+opened by the higher rank to the address of the lower rank's NIC, so bytes sent up the
+ranks go to the connecting side's *source* address: the NIC its route to that address
+leaves by, which is another level's whenever the route starts with a relay (measured on
+``bcube_3_2``: a one-stream mesh sent 22.9, 13.7 and 4.6 MB per step out of the three
+racks' NIC 0, as this rule says, not 13.7 each). Pinned streams (``FlowArray.pinned``) use
+NIC ``s mod β``; other flows are spread evenly over the β NICs (a gloo job listing all β
+NICs: its collectives rotate over them), or, where the ``LinkTcp`` puts a host's unpinned
+flows on one NIC, ride NIC 0 (one gloo group bound to the first NIC).
 
 The model is evaluated with numpy, all phases of a pattern in one batch: every flow
 becomes up to four (phase, link) entries, the per-link loads and flow counts are
@@ -266,31 +272,46 @@ class CostModel:
         self._nics = np.ones(self._num_links, dtype=np.int64)       # one NIC per link
         self._is_nic = np.arange(self._num_links) < self._lo
         self._is_shaped = np.arange(self._num_links) < self._lo
-        ptr, links_of, shares = [0], [], []
-        for a in range(n_hosts):
-            for b in range(n_hosts):
-                entries: dict[int, float] = {}
-                for level in range(beta) if a != b else ():
-                    for u, v, lvl in cube.route(a, b, level):
-                        for link in (u * beta + lvl, self._nic_in + v * beta + lvl):
-                            entries[link] = entries.get(link, 0.0) + 1.0 / beta
-                links_of += list(entries)
-                shares += list(entries.values())
-                ptr.append(len(links_of))
+        ptr, links_of = [0], []
+        for nic in range(beta):
+            for a in range(n_hosts):
+                for b in range(n_hosts):
+                    if a != b:
+                        # the higher host connected: bytes down go to the lower one's NIC ``nic``,
+                        # bytes up to the address the connection left from (module docstring)
+                        level = nic if a > b else cube.route(b, a, nic)[0][2]
+                        links_of += [link for u, v, lvl in cube.route(a, b, level)
+                                     for link in (u * beta + lvl, self._nic_in + v * beta + lvl)]
+                    ptr.append(len(links_of))
         self._routes = (np.array(ptr, dtype=np.int64), np.array(links_of, dtype=np.int64),
-                        np.array(shares, dtype=np.float64))
+                        np.ones(len(links_of), dtype=np.float64))
         self._count_background()
 
-    def _entries(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _nic_shares(self, pinned: np.ndarray, one_nic: np.ndarray) -> np.ndarray:
+        """Each flow's share of its bytes per NIC level on BCube (flows x β): ``pinned`` S > 0
+        streams round-robin from NIC 0; any other flow on NIC 0 where ``one_nic``, else spread
+        evenly."""
+        beta = self.profile.bcube.beta if self.profile.bcube is not None else 1
+        nic = np.arange(beta)
+        streams = np.maximum(pinned, 1)[:, None]
+        pinned_share = (streams // beta + (nic[None, :] < streams % beta)) / streams
+        unpinned = np.where(one_nic[:, None], (nic == 0) * 1.0, 1.0 / beta)
+        return np.where((pinned > 0)[:, None], pinned_share, unpinned)
+
+    def _entries(self, src: np.ndarray, dst: np.ndarray, pinned: np.ndarray | None = None,
+                 one_nic: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(flow index, link, share of the flow's bytes on it) for every link every flow
-        crosses, grouped by link kind (so the entries of one link keep the flows' order)."""
+        crosses, grouped by link kind (so the entries of one link keep the flows' order);
+        ``pinned`` and ``one_nic`` (default: none) pick a flow's NICs on BCube (``_nic_shares``)."""
         n = self.profile.world_size
         if len(src) and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= n):
             bad = next(int(r) for r in np.concatenate([src, dst]) if not 0 <= r < n)
             raise IndexError(f"rank {bad} is outside profile {self.profile.name!r} ({n} ranks)")
         hs, hd = self._host_of_rank[src], self._host_of_rank[dst]
         if self._routes is not None:
-            return self._bcube_entries(hs, hd)
+            pinned = np.zeros(len(src), dtype=np.int64) if pinned is None else pinned
+            one_nic = np.zeros(len(src), dtype=bool) if one_nic is None else one_nic
+            return self._bcube_entries(hs, hd, self._nic_shares(pinned, one_nic))
         local = hs == hd
         remote = np.flatnonzero(~local)
         cross = remote[self._rack_of_host[hs[remote]] != self._rack_of_host[hd[remote]]]
@@ -301,18 +322,24 @@ class CostModel:
                                self._up_in + self._rack_of_host[hd[cross]], self._lo + hs[inside]])
         return flow, link, np.ones(len(flow))
 
-    def _bcube_entries(self, hs: np.ndarray, hd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``_entries`` on BCube: each remote flow's precomputed route entries, loopback inside a host."""
+    def _bcube_entries(self, hs: np.ndarray, hd: np.ndarray, nic_shares: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_entries`` on BCube: each remote flow's precomputed route entries for every NIC it
+        uses (``nic_shares``, flows x β), a link on several of them entered once with their
+        summed share; loopback inside a host."""
         assert self._routes is not None
-        ptr, links, shares = self._routes
-        pair = hs * len(self.profile.hosts) + hd
+        ptr, links, _ = self._routes
+        n_hosts, n_links = len(self.profile.hosts), self._num_links
+        flows, nics = np.nonzero(nic_shares * (hs != hd)[:, None])
+        pair = (nics * n_hosts + hs[flows]) * n_hosts + hd[flows]
         start, length = ptr[pair], ptr[pair + 1] - ptr[pair]
-        flow = np.repeat(np.arange(len(hs), dtype=np.int64), length)
-        within = np.arange(len(flow), dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
-        index = np.repeat(start, length) + within
+        within = np.arange(length.sum(), dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
+        key = np.repeat(flows, length) * n_links + links[np.repeat(start, length) + within]
+        merged, where = np.unique(key, return_inverse=True)      # sorted by flow, then link
+        share = np.bincount(where, weights=np.repeat(nic_shares[flows, nics], length), minlength=len(merged))
         inside = np.flatnonzero(hs == hd)
-        return (np.concatenate([flow, inside]), np.concatenate([links[index], self._lo + hs[inside]]),
-                np.concatenate([shares[index], np.ones(len(inside))]))
+        return (np.concatenate([merged // n_links, inside]), np.concatenate([merged % n_links, self._lo + hs[inside]]),
+                np.concatenate([share, np.ones(len(inside))]))
 
     def batch_phase_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                           num_phases: int, copies: np.ndarray | None = None,
@@ -337,7 +364,8 @@ class CostModel:
         keep = (src != dst) & (nbytes > 0)
         phase, src, dst, nbytes, copies, pinned, chunked = (
             phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep], pinned[keep], chunked[keep])
-        flow, link, share_of_bytes = self._entries(src, dst)
+        # a pipeline's chunks spread over a host's NICs; other unpinned flows share one (``LinkTcp``)
+        flow, link, share_of_bytes = self._entries(src, dst, pinned, ~chunked & tcp.one_nic_unpinned)
         num_links = self._num_links
         key = phase[flow] * num_links + link
         direct = num_phases * num_links <= 1 << 22      # few slots: index them directly, else sort
