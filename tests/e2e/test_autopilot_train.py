@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from syncplane.algorithms.plan import BASELINE_MARGIN
+from syncplane.exchanges.cpu import ADD
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +39,7 @@ def test_auto_trains_digits_and_explains_its_choice(tmp_path: Path) -> None:
     assert auto["inputs"]["payload_bytes"] > 0 and auto["inputs"]["compute_s"] > 0   # timed real steps
     # the candidates' CPU work priced at this machine's rates, the job's two ranks sharing its cores
     assert auto["inputs"]["cpu"]["sharing"] == 2 / len(os.sched_getaffinity(0)) and auto["inputs"]["tcp"] == "emulated"
-    assert auto["inputs"]["cpu"]["per_element"]["add"] > 0
+    assert auto["inputs"]["cpu"]["per_element"][ADD] > 0
     assert summary["steps"] > 0 and summary["metrics"]["val_acc"] > 0.3
     # re-planned on a re-probe (loopback) while it trained: an exact choice may switch to the other exact hook
     assert auto["replan"]["refused"] is None and auto["replan"]["strategies"] == ["ddp", "flexreduce"]   # exact only

@@ -47,12 +47,16 @@ REPLICAS, PLACEMENT = (3, []) if UNSUPPORTED else (4, ["cluster=wan_two_sites"])
 
 @pytest.mark.slow
 def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> None:
+    """The survivors go on without the killed replica, then it comes back and heals. It comes
+    back after the round it broke has ended everywhere: a survivor may wait out the whole
+    ``round_timeout_s`` (5 s), so a restart sooner (it was 4 s) could rejoin a quorum of all
+    four before one of three formed (seen in 4 of 13 runs, 2026-11-29)."""
     replicas, placement = REPLICAS, PLACEMENT
     try:
         result = train("strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.sync_every=3",
                        "strategy.kwargs.outer_kwargs={lr:1.0,momentum:0.0}", "strategy.kwargs.round_timeout_s=5",
                        "strategy.kwargs.heartbeat_timeout_s=3", f"trainer.devices={replicas}", "trainer.max_epochs=10",
-                       "trainer.check_val_every_n_epoch=5", "trainer.max_restarts=1", "trainer.restart_delay_s=4",
+                       "trainer.check_val_every_n_epoch=5", "trainer.max_restarts=1", "trainer.restart_delay_s=8",
                        "+fault.kind=kill", "+fault.rank=2", "+fault.step=7", "seed=5", *placement,
                        f"hydra.run.dir={tmp_path}", timeout=400)
     finally:
@@ -60,8 +64,8 @@ def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> Non
             emulator.down()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the launcher's log record, through train.py's (Hydra's) logging: on the terminal and in the job's train.log
-    assert "[syncplane.runtime.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1 in 4 s" in result.stdout
-    assert "rank 2 failed (signal 9); restart 1 of 1 in 4 s" in (tmp_path / "train.log").read_text()
+    assert "[syncplane.runtime.launcher][WARNING] - rank 2 failed (signal 9); restart 1 of 1 in 8 s" in result.stdout
+    assert "rank 2 failed (signal 9); restart 1 of 1 in 8 s" in (tmp_path / "train.log").read_text()
     events = _events(tmp_path)
     sizes = {(e["replica"], e["replicas"]) for e in events if e["event"] == "membership"}
     assert {(0, replicas), (0, replicas - 1), (1, replicas - 1)} <= sizes     # started as all, went on without 2

@@ -172,7 +172,7 @@ def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
     """``report`` with every measured row priced again by the cost model as it is now, at the
     CPU rates of the machine that measured it (the row's ``cpu_rates``; a row from before they
     were kept: the report's, its last run's or last reprice's; this machine's, measured, for
-    any op they lack, then kept in the report's ``cpu_rates``): the measurements are kept,
+    any op they lack, then kept in the row's and the report's ``cpu_rates``): the measurements are kept,
     the model's fields replaced, and ``meta.repriced`` says when and at which commit (a model
     fixed after a matrix ran is checked against its measurements without running it again)."""
     from syncplane import algorithms
@@ -199,9 +199,11 @@ def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
     periods = algorithms.periods(measured, report.get("period"))
     for row in rows:
         if row.get("status") == "ok":
+            used = rates(row["cpu_rates"]) if row.get("cpu_rates") else cpu
             price_row(row, model, row["strategy"], report["payload_bytes"], report.get("compute_ms", 0.0),
-                      periods.get(row["strategy"], report.get("period")), options,
-                      rates(row["cpu_rates"]) if row.get("cpu_rates") else cpu)
+                      periods.get(row["strategy"], report.get("period")), options, used)
+            # every rate it was priced at, kept: a later reprice elsewhere fills in no op of another machine
+            row["cpu_rates"] = dataclasses.asdict(used)
     meta = {**report.get("meta", {}), "repriced": {"at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                                    "commit": git_commit(Path(__file__).parent)}}
     return {**report, "results": rows, "meta": meta, "cpu_rates": dataclasses.asdict(cpu)}

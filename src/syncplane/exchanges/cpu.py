@@ -12,7 +12,7 @@ rank passes through each operation in one round, on the round's critical path --
 for one machine.
 
 Operations: ``ADD`` (``a += b`` of fp32, the unit of a sum, a copy or an optimizer pass)
-and, per codec (``codec_key``), ``encode:<codec>`` (``compress``) and ``decode:<codec>``
+and, per codec (``codec_key``), ``encode:<codec>@<elements>`` (``compress``) and ``decode:<codec>@<elements>``
 (``extract``; the sparse codec's ``decode_add`` into a dense buffer, per dense element).
 An exact fp32 codec costs no encode or decode. ``CpuRates.sharing`` is how many ranks run
 their CPU work at once per core: on the emulator every rank shares this machine's cores
@@ -44,7 +44,11 @@ log = logging.getLogger(__name__)
 ADD_ELEMENTS = 1 << 24
 ADD = f"add@{ADD_ELEMENTS}"
 DEFAULT_CACHE = Path.home() / ".cache" / "syncplane" / "cpu_rates.json"
-CALIBRATION_ELEMENTS = 1 << 20          # 4 MiB of fp32: a codec's encode and decode, a few ms per op
+#: a codec's encode and decode are timed on 32 MiB of fp32, past the L3 with their output and
+#: the dense buffer beside: Canary's sketch decoded 4x slower on 8 Mi elements than on 1 Mi
+#: (2.27 against 0.56 ns per element, 2026-11-29), where a payload's pieces are. Their ops'
+#: names carry the size too.
+CALIBRATION_ELEMENTS = 1 << 23
 
 
 def codec_key(codec: Codec) -> str:
@@ -54,11 +58,11 @@ def codec_key(codec: Codec) -> str:
 
 
 def encode_op(codec: Codec) -> str:
-    return f"encode:{codec_key(codec)}"
+    return f"encode:{codec_key(codec)}@{CALIBRATION_ELEMENTS}"
 
 
 def decode_op(codec: Codec) -> str:
-    return f"decode:{codec_key(codec)}"
+    return f"decode:{codec_key(codec)}@{CALIBRATION_ELEMENTS}"
 
 
 #: times an operation that is not a codec's on ``numel`` elements; returns seconds per element
