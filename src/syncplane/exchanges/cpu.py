@@ -138,17 +138,20 @@ def _min_seconds(run: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure(codecs: Iterable[Codec], numel: int = CALIBRATION_ELEMENTS, repeats: int = 5) -> dict[str, float]:
-    """Seconds per element of ``add`` (on ``ADD_ELEMENTS``) and of each lossy codec's encode
-    and decode (on ``numel``), on one thread (a bench worker's and a training rank's setting),
-    on Gaussian values."""
+def measure(codecs: Iterable[Codec], numel: int = CALIBRATION_ELEMENTS, repeats: int = 5,
+            add: bool = True) -> dict[str, float]:
+    """Seconds per element of ``ADD`` (on ``ADD_ELEMENTS``, unless ``add`` is False) and of
+    each lossy codec's encode and decode (on ``numel``), on one thread (a bench worker's and a
+    training rank's setting), on Gaussian values."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         generator = torch.Generator().manual_seed(0)
-        big, big_acc = torch.randn(ADD_ELEMENTS, generator=generator), torch.zeros(ADD_ELEMENTS)
-        rates = {ADD: _min_seconds(lambda: big_acc.add_(big), repeats) / ADD_ELEMENTS}
-        del big, big_acc
+        rates: dict[str, float] = {}
+        if add:
+            big, big_acc = torch.randn(ADD_ELEMENTS, generator=generator), torch.zeros(ADD_ELEMENTS)
+            rates[ADD] = _min_seconds(lambda: big_acc.add_(big), repeats) / ADD_ELEMENTS
+            del big, big_acc
         x = torch.randn(numel, generator=generator)
         acc = torch.zeros(numel)
         for codec in codecs:
@@ -207,7 +210,7 @@ def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sha
     todo = [c for c in codecs if not isinstance(c, Fp32) and encode_op(c) not in mine]
     timed = [op for op in work.timers if op not in mine]
     if ADD not in mine or todo or timed:
-        measured = measure(todo, numel)
+        measured = measure(todo, numel, add=ADD not in mine)
         measured.update({op: work.timers[op](int(work.elements[op]) or numel) for op in timed})
         log.info("cpu rates: measured %s", ", ".join(f"{op} {s * 1e9:.2f} ns/elem" for op, s in measured.items()))
         mine.update(measured)
