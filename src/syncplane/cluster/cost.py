@@ -214,7 +214,8 @@ class CostModel:
         hosts, racks = self.profile.hosts, self.profile.racks
         n_hosts, n_racks = len(hosts), len(racks)
         self._host_of_rank = np.repeat(np.arange(n_hosts, dtype=np.int64), [h.spec.ranks for h in hosts])
-        self._routes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        #: BCube: per (NIC, source host, destination host), where its links start in the second array
+        self._routes: tuple[np.ndarray, np.ndarray] | None = None
         if self.profile.bcube is not None:
             self._init_bcube()
             return
@@ -283,15 +284,15 @@ class CostModel:
                         links_of += [link for u, v, lvl in cube.route(a, b, level)
                                      for link in (u * beta + lvl, self._nic_in + v * beta + lvl)]
                     ptr.append(len(links_of))
-        self._routes = (np.array(ptr, dtype=np.int64), np.array(links_of, dtype=np.int64),
-                        np.ones(len(links_of), dtype=np.float64))
+        self._routes = (np.array(ptr, dtype=np.int64), np.array(links_of, dtype=np.int64))
         self._count_background()
 
     def _nic_shares(self, pinned: np.ndarray, one_nic: np.ndarray) -> np.ndarray:
         """Each flow's share of its bytes per NIC level on BCube (flows x β): ``pinned`` S > 0
         streams round-robin from NIC 0; any other flow on NIC 0 where ``one_nic``, else spread
         evenly."""
-        beta = self.profile.bcube.beta if self.profile.bcube is not None else 1
+        assert self.profile.bcube is not None
+        beta = self.profile.bcube.beta
         nic = np.arange(beta)
         streams = np.maximum(pinned, 1)[:, None]
         pinned_share = (streams // beta + (nic[None, :] < streams % beta)) / streams
@@ -328,7 +329,7 @@ class CostModel:
         uses (``nic_shares``, flows x β), a link on several of them entered once with their
         summed share; loopback inside a host."""
         assert self._routes is not None
-        ptr, links, _ = self._routes
+        ptr, links = self._routes
         n_hosts, n_links = len(self.profile.hosts), self._num_links
         flows, nics = np.nonzero(nic_shares * (hs != hd)[:, None])
         pair = (nics * n_hosts + hs[flows]) * n_hosts + hd[flows]
