@@ -6,7 +6,8 @@ one or more candidates: its defaults, or the settings its ``AlgorithmSpec.varian
 its period (DiLoCo's H: its default, or the one given). Each is priced by the α-β cost model
 exactly as the bench's prediction prices it (``strategy_times``; how TCP shares a link as
 measured on the emulator unless ``PlanInputs.tcp`` says ``ideal``; the CPU work at
-``PlanInputs.cpu``'s rates, ``plan_cpu``, where given), then the part of the step's compute
+``PlanInputs.cpu``'s rates, ``plan_cpu``, where given, and a host's loopback at the rate
+they hold for it, ``with_loopback``), then the part of the step's compute
 it runs behind (its spec's ``overlap`` window, ``compute_split``) is taken off: predicted
 step = compute + exposed sync.
 The compute is the slowest rank's: ``compute`` is a step on the fastest host, and, as in the
@@ -30,6 +31,7 @@ from typing import Any, TypeVar
 
 from syncplane.algorithms import SPECS, StrategyTimes, spec_for, step_prices, strategy_names, strategy_times
 from syncplane.algorithms.ddp import BASELINE
+from syncplane.algorithms.ddp.timing import loopback_work
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, compute_split
 from syncplane.cluster.cost import DEFAULT_ALPHA_S, EMULATED_TCP, IDEAL, CostModel, LinkTcp
 from syncplane.cluster.profile import ClusterProfile
@@ -287,9 +289,20 @@ def cpu_sharing(mode: str, profile: ClusterProfile, cores: int | None = None) ->
 def measured_cpu(profile: ClusterProfile, candidates: Sequence[tuple[str, Mapping[str, Any]]], inputs: PlanInputs,
                  sharing: float) -> CpuRates:
     """This machine's CPU rates (``exchanges.cpu.calibrate``: measured on first use, then read
-    from its cache) for every operation ``candidates`` run, ``sharing`` ranks per core."""
+    from its cache) for every operation ``candidates`` run, ``sharing`` ranks per core, and,
+    where a host has several ranks, its loopback's (``ddp.timing``)."""
     work = sum((cpu_work(profile, name, kwargs, inputs) for name, kwargs in candidates), CpuWork())
+    ranks_per_host = max(h.spec.ranks for h in profile.hosts)
+    if ranks_per_host > 1:
+        work += loopback_work(ranks_per_host)
     return calibrate(work, sharing=sharing)
+
+
+def with_loopback(model: CostModel, cpu: CpuRates | None) -> CostModel:
+    """``model`` with its hosts' loopback at the rate ``cpu`` holds for it (measured on the
+    machine whose rates they are: ``measured_cpu``), else as it is."""
+    rate = cpu.loopback_bytes_per_s(max(h.spec.ranks for h in model.profile.hosts)) if cpu is not None else None
+    return replace(model, loopback_bytes_per_s=rate) if rate and rate != model.loopback_bytes_per_s else model
 
 
 def plan_cpu(profile: ClusterProfile, inputs: PlanInputs, sharing: float | None) -> PlanInputs:
@@ -303,7 +316,7 @@ def plan_cpu(profile: ClusterProfile, inputs: PlanInputs, sharing: float | None)
 
 def make_plan(profile: ClusterProfile, inputs: PlanInputs) -> Plan:
     """Every offered strategy's candidates on ``profile``, priced and ranked (module doc)."""
-    model = CostModel(profile, alpha_s=inputs.alpha_s, tcp=TCP_MODELS[inputs.tcp])
+    model = with_loopback(CostModel(profile, alpha_s=inputs.alpha_s, tcp=TCP_MODELS[inputs.tcp]), inputs.cpu)
     order = {name: i for i, name in enumerate(n for spec in SPECS for n in spec.strategies)}
     candidates, excluded = [], []
     for name, kwargs, reason in candidate_settings(profile, inputs):

@@ -210,7 +210,7 @@ def price_row(row: dict[str, Any], model: CostModel, name: str, payload_bytes: i
     if base in algorithms.PLANNED:
         return
     inputs = plan.PlanInputs(payload_bytes, compute_ms / 1000, period, cpu=cpu)
-    priced = plan.price(model, base, {**options, **settings}, inputs)
+    priced = plan.price(plan.with_loopback(model, cpu), base, {**options, **settings}, inputs)
     hidden = priced.hidden_s
     row["predicted_s"], row["bound_s"] = priced.exposed_s, max(0.0, priced.bound_s - hidden)
     row["predicted_cpu_s"] = priced.cpu_s

@@ -17,6 +17,11 @@ and, per codec (``codec_key``), ``encode:<codec>@<elements>`` (``compress``) and
 An exact fp32 codec costs no encode or decode. ``CpuRates.sharing`` is how many ranks run
 their CPU work at once per core: on the emulator every rank shares this machine's cores
 (world size over cores), on a real cluster a rank has its own (1).
+
+One rate is no CPU work but a capacity, kept here because it is measured and cached the same
+way: ``loopback_op`` -- seconds per fp32 element through a host's loopback, all of its ranks'
+flows together, while that many ranks all-reduce on it (``CpuRates.loopback_bytes_per_s``:
+what the cost model's loopback links carry on this machine).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES
 from syncplane.comm.codecs import Codec, Fp32
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,23 @@ DEFAULT_CACHE = Path.home() / ".cache" / "syncplane" / "cpu_rates.json"
 #: (2.27 against 0.56 ns per element, 2026-11-29), where a payload's pieces are. Their ops'
 #: names carry the size too.
 CALIBRATION_ELEMENTS = 1 << 23
+
+
+#: the loopback is timed on this many fp32 elements per rank: four of DDP's buckets, past the
+#: L3 as a payload is
+LOOPBACK_ELEMENTS = 4 * DEFAULT_BUCKET_BYTES // 4
+#: the largest group a host's loopback is timed with
+LOOPBACK_MAX_RANKS = 8
+
+
+def loopback_op(ranks: int) -> str:
+    """The op whose rate is a host's loopback, timed with ``ranks`` ranks on it (module doc)."""
+    return f"loopback@{LOOPBACK_ELEMENTS}x{ranks}"
+
+
+def loopback_ranks(ranks_per_host: int) -> int:
+    """The group a host of ``ranks_per_host`` ranks has its loopback timed with."""
+    return max(2, min(ranks_per_host, LOOPBACK_MAX_RANKS))
 
 
 def codec_key(codec: Codec) -> str:
@@ -125,6 +148,12 @@ class CpuRates:
 
     def shared(self, sharing: float) -> CpuRates:
         return CpuRates(dict(self.per_element), sharing)
+
+    def loopback_bytes_per_s(self, ranks_per_host: int) -> float | None:
+        """A host's loopback capacity with ``ranks_per_host`` ranks on it (``loopback_op``), or
+        None where it was not measured."""
+        seconds = self.per_element.get(loopback_op(loopback_ranks(ranks_per_host)))
+        return 4.0 / seconds if seconds else None
 
 
 def _min_seconds(run: Callable[[], object], repeats: int) -> float:
