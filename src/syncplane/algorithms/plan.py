@@ -282,7 +282,7 @@ def cpu_sharing(mode: str, profile: ClusterProfile, cores: int | None = None) ->
     if mode == "none":
         return None
     cores = cores or len(os.sched_getaffinity(0))
-    ranks = profile.world_size if mode == "emulated" else max(h.spec.ranks for h in profile.hosts)
+    ranks = profile.world_size if mode == "emulated" else profile.max_ranks_per_host
     return ranks / cores
 
 
@@ -292,16 +292,15 @@ def measured_cpu(profile: ClusterProfile, candidates: Sequence[tuple[str, Mappin
     from its cache) for every operation ``candidates`` run, ``sharing`` ranks per core, and,
     where a host has several ranks, its loopback's (``ddp.timing``)."""
     work = sum((cpu_work(profile, name, kwargs, inputs) for name, kwargs in candidates), CpuWork())
-    ranks_per_host = max(h.spec.ranks for h in profile.hosts)
-    if ranks_per_host > 1:
-        work += loopback_work(ranks_per_host)
+    if profile.max_ranks_per_host > 1:
+        work += loopback_work(profile.max_ranks_per_host)
     return calibrate(work, sharing=sharing)
 
 
 def with_loopback(model: CostModel, cpu: CpuRates | None) -> CostModel:
     """``model`` with its hosts' loopback at the rate ``cpu`` holds for it (measured on the
     machine whose rates they are: ``measured_cpu``), else as it is."""
-    rate = cpu.loopback_bytes_per_s(max(h.spec.ranks for h in model.profile.hosts)) if cpu is not None else None
+    rate = cpu.loopback_bytes_per_s(model.profile.max_ranks_per_host) if cpu is not None else None
     return replace(model, loopback_bytes_per_s=rate) if rate and rate != model.loopback_bytes_per_s else model
 
 

@@ -222,6 +222,11 @@ class ClusterProfile:
         return sum(h.spec.ranks for h in self.hosts)
 
     @property
+    def max_ranks_per_host(self) -> int:
+        """The ranks of the largest host."""
+        return max(h.spec.ranks for h in self.hosts)
+
+    @property
     def max_nics(self) -> int:
         """The most NICs a host has: the streams of a transport that opens one per NIC."""
         return max(h.spec.nics for h in self.hosts)

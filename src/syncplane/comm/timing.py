@@ -4,7 +4,7 @@ rates for torch's DDP hooks and for a host's loopback are measured with
 
 ``time_in_group`` starts ``ranks`` children, each running a module's ``main`` with the given
 arguments and ``RANKS GROUP_RANK STORE`` after them; each joins one gloo group through a
-``FileStore`` (``join_group``), times its routine, and reports one number (``report``). The
+``FileStore`` (``join_child_group``), times its routine, and reports one number (``report``). The
 children are watched together, so a child that fails stops the others at once (they would
 wait for it in gloo), and none outlives the call. Their gloo listens on loopback only.
 """
@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -84,17 +85,16 @@ def _run_group(module: str, args: Sequence[str], ranks: int, what: str) -> list[
         raise RuntimeError(f"timing {what} failed (child {first}, exit {codes[first]}): {tail}")
 
 
-def child_args(count: int) -> tuple[list[str], int, int, str]:
-    """In a child: its ``count`` own arguments, then the group's size, its rank and the store."""
+def join_child_group(count: int) -> tuple[list[str], int]:
+    """In a child: its ``count`` own arguments and its rank, once it has joined the group's
+    gloo process group (one thread: a bench worker's and a training rank's setting)."""
     argv = sys.argv[1:]
     if len(argv) != count + 3:
         raise SystemExit(f"expected {count} arguments and RANKS GROUP_RANK STORE, got {argv}")
-    return argv[:count], int(argv[count]), int(argv[count + 1]), argv[count + 2]
-
-
-def join_group(ranks: int, group_rank: int, store: str) -> None:
-    """In a child: join the group's gloo process group (the process must have none)."""
+    ranks, group_rank, store = int(argv[count]), int(argv[count + 1]), argv[count + 2]
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=group_rank, world_size=ranks)
+    return argv[:count], group_rank
 
 
 def report(value: float) -> None:

@@ -4,15 +4,14 @@ cost model's loopback links carry (``syncplane.exchanges.cpu.loopback_op``).
 Loopback is memory-to-memory copying by the kernel, so its rate is this machine's and depends
 on how many ranks share it (two 2-core EPYCs: 2.5 and about 4 GB/s with 4 ranks,
 ``docs/benchmarks.md``). It is timed with ``DDPStep`` itself -- the bench's bucketed ring
-all-reduce, its sums and its average -- in a gloo group of ``ranks`` child processes on loopback (``comm.timing``): the median over
-a few warm steps of the slowest rank's wall time (a step's sync time, as ``syncplane bench``
-reads it), per element the ring puts on the host's loopback (each rank sends 2(n-1)/n of the
-payload: 2(n-1) payloads in all).
+all-reduce, its sums and its average -- in a gloo group of ``ranks`` child processes on
+loopback (``comm.timing``): the median over a few warm steps of the slowest rank's wall time
+(a step's sync time, as ``syncplane bench`` reads it), per element the ring puts on the
+host's loopback (each rank sends 2(n-1)/n of the payload: 2(n-1) payloads in all).
 """
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 
@@ -21,18 +20,15 @@ import torch.distributed as dist
 
 from syncplane.algorithms.ddp.bench import DDPStep
 from syncplane.comm import CommMeter
-from syncplane.comm.timing import child_args, join_group, report, time_in_group
+from syncplane.comm.timing import join_child_group, report, time_in_group
 from syncplane.exchanges.cpu import LOOPBACK_ELEMENTS, CpuWork, loopback_op, loopback_ranks
 
 
 def loopback_work(ranks_per_host: int) -> CpuWork:
     """The loopback's rate as an op to calibrate (no CPU work: it prices nothing itself)."""
     ranks = loopback_ranks(ranks_per_host)
-    return CpuWork(timers={loopback_op(ranks): functools.partial(_timer, ranks)})
-
-
-def _timer(ranks: int, numel: int) -> float:
-    return seconds_per_element(ranks)
+    # timed on its own size (``LOOPBACK_ELEMENTS``, what the op's name says), not the one given
+    return CpuWork(timers={loopback_op(ranks): lambda _numel: seconds_per_element(ranks)})
 
 
 def seconds_per_element(ranks: int, numel: int = LOOPBACK_ELEMENTS) -> float:
@@ -61,7 +57,5 @@ def time_step(numel: int, group_rank: int, repeats: int = 5) -> float:
 
 def main() -> None:
     """``NUMEL`` and the group's (``comm.timing``) -> reports ``time_step``'s seconds."""
-    (numel,), ranks, group_rank, store = child_args(1)
-    torch.set_num_threads(1)
-    join_group(ranks, group_rank, store)
+    (numel,), group_rank = join_child_group(1)
     report(time_step(int(numel), group_rank))

@@ -30,7 +30,7 @@ import torch
 
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep
 from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter
-from syncplane.comm.timing import child_args, join_group, report, time_in_group
+from syncplane.comm.timing import join_child_group, report, time_in_group
 from syncplane.exchanges.cpu import Timer
 
 #: the most elements a hook's step is timed on: four of DDP's buckets (past one bucket the
@@ -99,7 +99,5 @@ def time_step(name: str, rank: int, numel: int, group_rank: int, repeats: int = 
 def main() -> None:
     """``NAME RANK NUMEL`` and the group's (``comm.timing``) -> reports ``time_step``'s
     seconds per element."""
-    (name, rank, numel), ranks, group_rank, store = child_args(3)
-    torch.set_num_threads(1)
-    join_group(ranks, group_rank, store)
+    (name, rank, numel), group_rank = join_child_group(3)
     report(time_step(name, int(rank), int(numel), group_rank))
