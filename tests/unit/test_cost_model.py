@@ -44,6 +44,39 @@ def test_background_flow_halves_the_uplink_share():
     assert contended == pytest.approx(2 * quiet)
 
 
+def _with_background(flow: dict, uplink_cap: float | None = None) -> object:
+    """two_racks_contended's layout (a0..a3 | b0..b3, 100 Mbit uplinks) with one background ``flow``."""
+    racks = [{"name": r, "uplink_mbit": 100, "per_flow_mbit": uplink_cap,
+              "hosts": [{"name": f"{h}{i}", "nic_mbit": 400} for i in range(4)]} for r, h in (("r0", "a"), ("r1", "b"))]
+    return parse_profile({"name": "t", "racks": racks, "background": [flow]})
+
+
+def test_a_phase_that_crosses_a_greedy_flows_queue_waits_behind_it():
+    """A greedy flow a3 -> b3 queues at r0's uplink out, the first of its slowest links: a phase
+    with a flow through that queue pays ``queue_s`` once (however many of its flows cross it);
+    one that only shares the flow's other links, or its reverse path, does not. A paced flow
+    below the uplink's rate, or one a per-flow cap paces (each flow queued apart), queues
+    nothing; the bound never prices a queue."""
+    from syncplane.cluster.cost import EMULATED_TCP, LinkTcp
+
+    tcp = LinkTcp(queue_s=0.05)
+    model = CostModel(_with_background({"src": "a3", "dst": "b3"}), alpha_s=0.0, tcp=tcp)
+    tiny = 1.0       # one byte: the phase is its latency (a background flow's share doubles nothing visible)
+    base = {name: CostModel(load_profile("two_racks"), alpha_s=0.0, tcp=tcp).phase_time(flows)
+            for name, flows in (("across", [(0, 4, tiny)]), ("back", [(4, 0, tiny)]))}
+    assert model.phase_time([(0, 4, tiny)]) == pytest.approx(base["across"] + 0.05, abs=1e-5)       # a0 -> b0: r0's uplink
+    assert model.phase_time([(0, 4, tiny), (1, 5, tiny)]) == pytest.approx(base["across"] + 0.05, abs=1e-5)
+    assert model.phase_time([(4, 0, tiny)]) == pytest.approx(base["back"], abs=1e-5)                # b0 -> a0
+    assert model.phase_time([(3, 0, tiny), (4, 7, tiny)]) < 0.05         # a3's NIC, r1's uplink in, b3's NIC
+    assert model.time([[(0, 4, tiny)]] * 3) == pytest.approx(3 * (base["across"] + 0.05), abs=1e-5)
+    assert model.bound([[(0, 4, tiny)]]) == pytest.approx(base["across"], abs=1e-5)
+    paced = {"src": "a3", "dst": "b3", "mbit": 50}
+    for quiet in (CostModel(_with_background(paced), alpha_s=0.0, tcp=tcp),
+                  CostModel(_with_background({"src": "a3", "dst": "b3"}, uplink_cap=50), alpha_s=0.0, tcp=tcp)):
+        assert quiet.phase_time([(0, 4, tiny)]) < 0.05
+    assert EMULATED_TCP.queue_s > 0 and LinkTcp().queue_s == 0
+
+
 def test_per_flow_cap_limits_a_single_stream():
     model = CostModel(load_profile("wan_two_sites"), alpha_s=0.0)
     one_flow = neighbor_exchange({0: [2]}, M)                          # site a -> site b, one TCP stream

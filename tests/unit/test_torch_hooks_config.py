@@ -1,6 +1,7 @@
 """torch hook peers' settings and traffic model: bad settings named before any process
 starts; the bench payload's shapes cover it exactly; the cost pattern sends half of DDP's
-bytes for fp16 and PowerSGD's r·(rows + cols) per matrix."""
+bytes for fp16 and PowerSGD's r·(rows + cols) per matrix, in the chain of all-reduces the
+real hook runs on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -48,6 +49,51 @@ def test_powersgd_is_priced_as_three_chained_all_reduces_uncompressed_then_p_the
     per_allreduce = [sum(b for phase in step[k * ring:(k + 1) * ring] for _, _, b in phase) for k in range(3)]
     scale = 2 * (n - 1) / n * n * 4        # a ring all-reduce of e elements moves scale * e bytes in all
     assert per_allreduce == pytest.approx([scale * 300, scale * 2560, scale * 100])
+
+
+def _hooked_all_reduces(rank: int, world: int, numel: int, steps: int) -> list[list[int]]:
+    """The elements of every all-reduce torch's PowerSGD hook (as the bench runs it) starts
+    in each of ``steps`` steps, in order."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from syncplane.algorithms.torch_hooks import TorchHookStep
+    from syncplane.comm import CommMeter
+
+    calls: list[int] = []
+    real = powerSGD_hook.dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    powerSGD_hook.dist.all_reduce = counted
+    step, payload, seen = TorchHookStep("torch_powersgd", {}), torch.ones(numel), []
+    for k in range(step.warmup + steps):
+        calls.clear()
+        step(payload.clone(), k, CommMeter())
+        seen.append(list(calls))
+    dist.barrier()
+    return seen[step.warmup:]
+
+
+def test_powersgd_is_priced_as_the_chain_the_real_hook_runs_bucket_by_bucket() -> None:
+    """Per bucket of torch's reducer, warm, the hook all-reduces the uncompressed tensors, P
+    and Q: the priced chain has one ring per all-reduce that sends anything (gloo returns at
+    once from an empty one), of its elements, in the same order."""
+    from syncplane.algorithms.torch_hooks import reducer_buckets
+    from tests.helpers.distributed import run_distributed
+
+    numel = 2 * 2560 * 2560 + 2560 * 700 + 300        # 2.3 of DDP's buckets: two of them
+    assert len(reducer_buckets(payload_shapes(numel))) == 2
+    calls = run_distributed(_hooked_all_reduces, 2, numel, 2)[0]
+    assert calls[0] == calls[1] and len(calls[0]) == 6
+    profile = load_profile("homogeneous8")
+    n, ring = profile.world_size, 2 * (profile.world_size - 1)
+    (step,) = spec_for("torch_powersgd").cost("torch_powersgd", profile, 4.0 * numel, CostOptions())
+    priced = [sum(b for phase in step[k:k + ring] for _, _, b in phase) / (2 * (n - 1) * 4) for k in range(0, len(step), ring)]
+    assert priced == pytest.approx([e for e in calls[0] if e])
 
 
 def test_the_hooks_cpu_is_every_element_through_a_step_timed_on_this_machine_in_a_group_of_the_jobs_size() -> None:
@@ -138,6 +184,30 @@ def test_a_rows_powersgd_rank_reaches_the_bench_step_the_wire_and_the_cpu_price(
     assert sent[4] == pytest.approx(4 * sent[1])
     work = hook_cpu("torch_powersgd", profile, payload, options)
     assert set(work.elements) == {hook_op("torch_powersgd", 4, 2560 * 100, ranks=8)}
+
+
+def test_powersgds_chain_adds_to_its_cpu_work_without_alpha_but_with_a_queue() -> None:
+    """With CPU rates, PowerSGD costs its CPU work plus its chain's wire priced without α
+    (measured: the ranks sharing the cores hide it) but with the queue behind a greedy flow,
+    once per phase of the chain; fp16 is priced as before. Without rates the wire keeps α."""
+    from syncplane.algorithms import strategy_times
+    from syncplane.algorithms.torch_hooks import hook_cpu
+    from syncplane.cluster.cost import EMULATED_TCP, CostModel
+    from syncplane.exchanges.cpu import CpuRates
+
+    payload = 4.0 * 25_557_032
+    (chain,) = spec_for("torch_powersgd").cost("torch_powersgd", load_profile("two_racks"), payload, CostOptions())
+    times = {}
+    for name in ("two_racks", "two_racks_contended"):
+        profile = load_profile(name)
+        model = CostModel(profile, tcp=EMULATED_TCP)
+        rates = CpuRates({op: 1e-8 for op in hook_cpu("torch_powersgd", profile, payload, CostOptions()).elements})
+        times[name] = strategy_times(model, "torch_powersgd", payload, CostOptions(parts=3), rates)
+        assert times[name].predicted_s == pytest.approx(times[name].cpu_s + model.time(chain, alpha_s=0.0))
+        assert strategy_times(model, "torch_powersgd", payload).predicted_s == pytest.approx(model.time(chain))
+    assert len(chain) == 7 * 14 and times["two_racks"].predicted_s - times["two_racks"].cpu_s < 0.02
+    extra = times["two_racks_contended"].predicted_s - times["two_racks"].predicted_s
+    assert extra == pytest.approx(len(chain) * EMULATED_TCP.queue_s, rel=0.05)
 
 
 def test_a_hooks_cpu_runs_beside_the_wire_bucket_by_bucket() -> None:

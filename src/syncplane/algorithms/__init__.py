@@ -111,7 +111,8 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
     pattern (so periodic algorithms are amortized, their network bound too: it counts the
     steps whose flows leave a host, not those on loopback only); with ``cpu`` rates, the
     prediction adds the family's CPU work per round, overlapped with the wire where the round
-    goes in several parts (``overlapped``; the bounds stay the wire's)."""
+    goes in several parts (``overlapped``; the bounds stay the wire's); where the CPU work
+    hides the per-message latency (``AlgorithmSpec.alpha_hidden``), the wire without α adds to it."""
     family = spec_for(name)
     steps = family.cost(name, model.profile, payload_bytes, options)
     if not steps:
@@ -121,7 +122,9 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
     rounds = sum(1 for step in steps if model.crosses_hosts(step)) / len(steps)
     exchanges = sum(1 for step in steps if step) / len(steps)
     cpu_s = cpu.seconds(family.cpu(name, model.profile, payload_bytes, options)) * exchanges if cpu is not None else 0.0
-    return StrategyTimes(overlapped(sum(model.time(p) for p in steps) / len(steps), cpu_s, options.parts),
+    hidden = cpu is not None and name in family.alpha_hidden
+    wire_s = sum(model.time(p, 0.0 if hidden else None) for p in steps) / len(steps)
+    return StrategyTimes(overlapped(wire_s, cpu_s, 1 if hidden else options.parts),
                          sum(model.bound(p) for p in steps) / len(steps), network.seconds * rounds, network.binding,
                          cpu_s)
 

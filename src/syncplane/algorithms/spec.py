@@ -110,6 +110,10 @@ class AlgorithmSpec:
         parts: (bench options, payload bytes) -> how many parts a round goes in, one part's
             CPU work running while the previous one is on the wire (Canary's colayers in
             flight); 1: the CPU work and the wire add up.
+        alpha_hidden: the names whose step is a chain of small collectives between CPU work
+            that the other ranks sharing the machine's cores fill: their wire is priced without
+            the per-message latency α (its bytes, and the queue behind a background flow, add to
+            the CPU work; measured: torch's PowerSGD, ``torch_hooks``).
         trial: (bench options, a price of settings: the wire's seconds of each step of one
             period of the pattern) -> the settings a run-time trial settles on, by the trial's
             own rule applied to the prices of the steps it times (DS-Sync's ``pair_streams:
@@ -132,6 +136,7 @@ class AlgorithmSpec:
     period_key: str | None = None
     cpu: CpuPattern = lambda name, profile, payload_bytes, options: CpuWork()
     parts: Callable[[Mapping[str, Any], float], int] = lambda options, payload_bytes: 1
+    alpha_hidden: tuple[str, ...] = ()
     trial: Callable[[Mapping[str, Any], Callable[[Mapping[str, Any]], list[float]]], Mapping[str, Any]] = \
         lambda options, price: options
 

@@ -8,7 +8,8 @@ rank, bytes) that must all finish before the next phase starts. A phase costs
 where a flow crosses its source host's NIC (egress), the destination host's NIC
 (ingress) and, between racks, both racks' uplinks; flows inside one host use loopback.
 A link carrying g greedy background flows next to f of ours gives ours f/(f+g) of its
-capacity (TCP fair share); one flow uses one NIC, f flows use at most min(f, k) of a
+capacity (TCP fair share), and where such a flow holds a standing queue (the link that sets
+its rate) a phase crossing it waits ``LinkTcp.queue_s`` behind that queue; one flow uses one NIC, f flows use at most min(f, k) of a
 host's k NICs (gloo binds one collective to one NIC: striping needs several groups), and
 flows of S streams pinned to NICs round-robin (``FlowArray.pinned``) use S/⌈S/k⌉. With α = 0
 this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
@@ -166,6 +167,9 @@ class LinkTcp:
     goodput_by_mbit: tuple[tuple[float, float], ...] = ()
     #: flows on one link beyond this many add no further loss (None: each one does)
     loss_flows: int | None = None
+    #: seconds a phase waits behind a greedy background flow's standing queue, where one of
+    #: its flows crosses the link that sets that flow's rate (``CostModel``'s ``queued`` links)
+    queue_s: float = 0.0
 
     def factor(self, flows: np.ndarray, capacity: np.ndarray | None = None) -> np.ndarray:
         """The share of a link's rate (``capacity``, bytes/s) that ``flows`` concurrent flows get together."""
@@ -196,9 +200,15 @@ IDEAL = LinkTcp()
 #: +88 % on the uneven-rack profiles at 8 MB; with the cap the 8 MB matrix's predictions within
 #: 15 % went from 114 to 119 of 165, the ResNet-50 matrix's from 85 to 88 of 125, and on
 #: ``uneven_three_racks`` at ResNet-50, measured after the cap was chosen, Canary's from +65 to +14 %.
+#: The queue behind a greedy flow (2026-11-29, ``two_racks_contended``: its flow a3 -> b3 fills r0's
+#: 100 Mbit uplink): DDP's all-reduce of 4 KB over the 8 ranks (14 ring phases, every one crossing
+#: that uplink once) took 97 ms a step (median of 30; p90 108) against 24 ms on ``two_racks``, 5.2 ms
+#: more per phase; a 1-byte TCP ping-pong a0 -> b0 took 3.3 ms against 0.19. Unmodelled, it priced
+#: torch's PowerSGD there at 1.045 s against 1.66-1.89 measured: its step is a chain of small
+#: all-reduces, one after the other.
 EMULATED_TCP = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=True,
                        goodput_by_mbit=((100.0, 0.86), (200.0, 0.957), (400.0, 0.963), (1000.0, 0.969)),
-                       loss_flows=6)
+                       loss_flows=6, queue_s=5.2e-3)
 
 
 @dataclass
@@ -245,14 +255,36 @@ class CostModel:
         self._count_background()
 
     def _count_background(self) -> None:
-        """Greedy background flows per link (paced ones count as greedy: an upper bound on their share)."""
+        """Greedy background flows per link (paced ones count as greedy: an upper bound on their
+        share), and the links where one holds a standing queue (``queued``): the slowest link on
+        its path, the first of them where several tie, unless a per-flow cap below that rate or a
+        pace below it (``FlowSpec.mbit``) sets the flow's rate instead -- a per-flow cap queues
+        each flow apart (the emulator's ``htb`` classes)."""
         firsts = [(self.profile.host(f.src).first_rank, self.profile.host(f.dst).first_rank)
                   for f in self.profile.background]
         self._background = np.zeros(self._num_links, dtype=np.int64)
-        if firsts:
-            src, dst = (np.array(c, dtype=np.int64) for c in zip(*firsts))
-            _, links, _ = self._entries(src, dst)
-            np.add.at(self._background, links, 1)
+        self._queued = np.zeros(self._num_links, dtype=bool)
+        if not firsts:
+            return
+        src, dst = (np.array(c, dtype=np.int64) for c in zip(*firsts))
+        flows, links, _ = self._entries(src, dst)
+        np.add.at(self._background, links, 1)
+        for i, spec in enumerate(self.profile.background):
+            path = links[flows == i]
+            if self._routes is None:      # entries come by kind; the path goes NIC, uplink out, uplink in, NIC
+                path = path[np.argsort(self._path_order(path), kind="stable")]
+            path = path[self._is_shaped[path]]
+            if not len(path):
+                continue
+            rate = self._capacity[path].min()
+            if self._per_flow[path].min() < rate or (spec.mbit is not None and spec.mbit * MBIT < rate):
+                continue
+            self._queued[path[np.flatnonzero(self._capacity[path] == rate)[0]]] = True
+
+    def _path_order(self, links: np.ndarray) -> np.ndarray:
+        """Where each link (not BCube's) comes on a flow's path: NIC out, uplink out, uplink in, NIC in."""
+        return np.select([links < self._nic_in, links < self._up_out, links < self._up_in],
+                         [0, 3, 1], default=2)
 
     def _init_bcube(self) -> None:
         """BCube links: [NIC out per (host, level) | NIC in per (host, level) | loopback per
@@ -395,6 +427,8 @@ class CostModel:
             flows = np.where(chunks, 1.0, count / np.where(self._is_nic[links], spread, 1))
             capacity = capacity * np.where(self._is_shaped[links], tcp.factor(flows, self._capacity[links]), 1.0)
         share = count / (count + self._background[links])
+        queued = np.zeros(num_phases, dtype=bool)
+        queued[owner[self._queued[links]]] = True
         busiest = np.zeros(num_phases)
         np.maximum.at(busiest, owner, load / (capacity * share))
         flow_cap = np.full(len(src), np.inf)
@@ -403,7 +437,7 @@ class CostModel:
         np.maximum.at(slowest, phase, nbytes / flow_cap)
         active = np.zeros(num_phases, dtype=bool)
         active[owner] = True
-        return np.where(active, alpha + np.maximum(busiest, slowest), 0.0)
+        return np.where(active, alpha + tcp.queue_s * queued + np.maximum(busiest, slowest), 0.0)
 
     def phase_times(self, phases: Sequence[Phase], alpha_s: float | None = None,
                     tcp: LinkTcp | None = None) -> list[float]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams, payload_buckets
-from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes
+from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes, reducer_buckets
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
 from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements, timed_ranks
 from syncplane.cluster.cost import Phase, ring_allreduce
@@ -24,20 +24,25 @@ from syncplane.exchanges.cpu import CpuWork
 
 def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
     """fp16: one ring all-reduce of half the bytes, in DDP's buckets spread over the NICs as
-    ``ddp``'s are (``bucket_streams``); PowerSGD: three ring all-reduces, one after the other
-    as torch's hook chains them -- the tensors it does not compress (vectors, small
-    matrices), then P (r·rows per matrix of ``payload_shapes``), then Q (r·cols), r being
-    ``options.rank``."""
+    ``ddp``'s are (``bucket_streams``); PowerSGD: per bucket of the reducer
+    (``reducer_buckets``, one after the other: ``SerializedState``), three ring all-reduces
+    chained as torch's hook chains them -- the tensors it does not compress (vectors, small
+    matrices), then P (r·rows per compressed matrix of ``payload_shapes``), then Q (r·cols),
+    r being ``options.rank`` -- an empty one sends nothing (measured: gloo returns at once)."""
     n = profile.world_size
     if name == "torch_fp16":
         return [ring_allreduce(n, payload_bytes / 2, payload_bucket_streams(profile, payload_bytes))]
     config = HookConfig(name=name, matrix_approximation_rank=options.rank)
-    shapes = payload_shapes(max(1, int(payload_bytes // 4)))
-    compressed = [s for s in shapes if config.compressed_elements(s) < math.prod(s)]
-    rest = sum(math.prod(s) for s in shapes if s not in compressed)
-    p = sum(s[0] * config.matrix_approximation_rank for s in compressed)
-    q = sum(config.compressed_elements(s) for s in compressed) - p
-    return [ring_allreduce(n, 4 * rest) + ring_allreduce(n, 4 * p) + ring_allreduce(n, 4 * q)]
+    phases: list[Phase] = []
+    for bucket in reducer_buckets(payload_shapes(max(1, int(payload_bytes // 4)))):
+        compressed = [s for s in bucket if config.compressed_elements(s) < math.prod(s)]
+        rest = sum(math.prod(s) for s in bucket) - sum(math.prod(s) for s in compressed)
+        p = sum(s[0] * min(options.rank, *s) for s in compressed)
+        q = sum(config.compressed_elements(s) for s in compressed) - p
+        for elements in (rest, p, q):
+            if elements:
+                phases += ring_allreduce(n, 4 * elements)
+    return [phases]
 
 
 def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
@@ -69,6 +74,10 @@ SPEC = AlgorithmSpec(
     cpu=hook_cpu,
     overlap={name: "backward" for name in HOOK_NAMES},   # DDP's reducer: buckets during the backward
     parts=hook_parts,
+    # measured (``cluster.cost.EMULATED_TCP``'s queue): on quiet profiles PowerSGD's step costs
+    # its CPU work, its chain's latencies hidden; behind a queue, that plus the queue's delays
+    alpha_hidden=("torch_powersgd",),
 )
 
-__all__ = ["HOOK_NAMES", "SPEC", "HookConfig", "TorchHookStep", "hook_cost", "hook_cpu", "payload_shapes"]
+__all__ = ["HOOK_NAMES", "SPEC", "HookConfig", "TorchHookStep", "hook_cost", "hook_cpu", "payload_shapes",
+           "reducer_buckets"]
