@@ -153,15 +153,24 @@ def test_the_bench_times_warm_hook_steps_only() -> None:
     assert powersgd.warmup == powersgd.config.start_powerSGD_iter + 1
 
 
-def test_fp16_rides_ddps_buckets_over_the_nics_as_ddp_does() -> None:
+def test_fp16_rides_the_reducers_buckets_over_the_nics_as_ddp_does() -> None:
+    """Four full buckets go two and two over two NICs, as ``ddp``'s do; the ResNet-50 payload
+    fills three of the reducer's (``reducer_buckets``), not ``ddp``'s four: one NIC carries two."""
     from syncplane.algorithms import strategy_time
+    from syncplane.algorithms.torch_hooks import SPEC, reducer_buckets
     from syncplane.cluster.cost import CostModel, ring_allreduce
 
     profile = load_profile("multi_nic")                  # two NICs per host
-    model, payload = CostModel(profile), 97.49 * 2**20      # four 25 MB buckets: two streams
-    fp16 = strategy_time(model, "torch_fp16", payload, CostOptions())[0]
-    assert fp16 == pytest.approx(strategy_time(model, "ddp", payload / 2, CostOptions())[0])
-    assert fp16 < model.time(ring_allreduce(profile.world_size, payload / 2))      # one stream: one NIC
+    model, n = CostModel(profile), profile.world_size
+    four = 4 * 4.0 * 2560 * 2560                         # four 2560 x 2560 matrices: four full buckets
+    assert len(reducer_buckets(payload_shapes(int(four // 4)))) == 4
+    fp16 = strategy_time(model, "torch_fp16", four, CostOptions())[0]
+    assert fp16 == pytest.approx(strategy_time(model, "ddp", four / 2, CostOptions())[0])
+    assert fp16 < model.time(ring_allreduce(n, four / 2))      # one stream: one NIC
+    resnet50 = 4.0 * 25_557_032
+    assert SPEC.parts({}, resnet50) == len(reducer_buckets(payload_shapes(25_557_032))) == 3
+    assert strategy_time(model, "torch_fp16", resnet50, CostOptions())[0] == pytest.approx(
+        model.time(ring_allreduce(n, resnet50 / 2, 3)))
 
 
 def test_a_rows_powersgd_rank_reaches_the_bench_step_the_wire_and_the_cpu_price() -> None:
@@ -217,5 +226,5 @@ def test_a_hooks_cpu_runs_beside_the_wire_bucket_by_bucket() -> None:
     from syncplane.algorithms.torch_hooks import SPEC
     from syncplane.comm import DEFAULT_BUCKET_BYTES
 
-    assert SPEC.parts({}, 100.0) == 1 and SPEC.parts({}, 3.5 * DEFAULT_BUCKET_BYTES) == 4
+    assert SPEC.parts({}, 100.0) == 1 and SPEC.parts({}, 4.5 * DEFAULT_BUCKET_BYTES) == 4
     assert overlapped(8.0, 2.0, 4) == pytest.approx(8.5) and overlapped(8.0, 2.0, 1) == 10.0

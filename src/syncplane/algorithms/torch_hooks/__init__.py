@@ -13,28 +13,35 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.job import JobContext
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, payload_bucket_streams, payload_buckets
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.algorithms.torch_hooks.bench import TorchHookStep, payload_shapes, reducer_buckets
 from syncplane.algorithms.torch_hooks.hooks import HOOK_NAMES, HookConfig
 from syncplane.algorithms.torch_hooks.timing import hook_op, hook_timer, timed_elements, timed_ranks
-from syncplane.cluster.cost import Phase, ring_allreduce
+from syncplane.cluster.cost import Phase, bucket_streams, ring_allreduce
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.exchanges.cpu import CpuWork
 
 
+def _buckets(payload_bytes: float) -> list[list[tuple[int, ...]]]:
+    """The reducer's buckets of the bench's payload (``payload_shapes``) of that many bytes."""
+    return reducer_buckets(payload_shapes(max(1, int(payload_bytes // 4))))
+
+
 def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> list[list[Phase]]:
-    """fp16: one ring all-reduce of half the bytes, in DDP's buckets spread over the NICs as
-    ``ddp``'s are (``bucket_streams``); PowerSGD: per bucket of the reducer
+    """fp16: one ring all-reduce of half the bytes, in the reducer's buckets
+    (``reducer_buckets``) spread over the NICs as ``ddp``'s are (``bucket_streams``: the
+    ResNet-50 payload's three, not the bench's ``ddp``'s four, so on two NICs one carries two of
+    a step's three all-reduces, not two of four); PowerSGD: per bucket of the reducer
     (``reducer_buckets``, one after the other: ``SerializedState``), three ring all-reduces
     chained as torch's hook chains them -- the tensors it does not compress (vectors, small
     matrices), then P (r·rows per compressed matrix of ``payload_shapes``), then Q (r·cols),
     r being ``options.rank`` -- an empty one sends nothing (measured: gloo returns at once)."""
-    n = profile.world_size
+    n, buckets = profile.world_size, _buckets(payload_bytes)
     if name == "torch_fp16":
-        return [ring_allreduce(n, payload_bytes / 2, payload_bucket_streams(profile, payload_bytes))]
+        return [ring_allreduce(n, payload_bytes / 2, bucket_streams(len(buckets), profile.gloo_nics))]
     config = HookConfig(name=name, matrix_approximation_rank=options.rank)
     phases: list[Phase] = []
-    for bucket in reducer_buckets(payload_shapes(max(1, int(payload_bytes // 4)))):
+    for bucket in buckets:
         compressed = [s for s in bucket if config.compressed_elements(s) < math.prod(s)]
         rest = sum(math.prod(s) for s in bucket) - sum(math.prod(s) for s in compressed)
         p = sum(s[0] * min(options.rank, *s) for s in compressed)
@@ -56,9 +63,9 @@ def hook_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: 
 
 
 def hook_parts(options: Mapping[str, Any], payload_bytes: float) -> int:
-    """DDP's buckets: the reducer hands bucket k to the hook's all-reduce and goes on with
+    """The reducer's buckets: it hands bucket k to the hook's all-reduce and goes on with
     bucket k+1's copies and the hook's work on it, so the step's CPU runs beside the wire."""
-    return payload_buckets(payload_bytes)
+    return len(_buckets(payload_bytes))
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> TorchHookStep:
