@@ -162,6 +162,21 @@ def test_a_resumed_profile_says_its_rows_come_from_several_runs():
     assert "Rows from 2 runs" in text
 
 
+def test_the_heading_names_only_the_runs_that_still_hold_a_row():
+    """A profile measured again in full: its heading names that run alone and says the earlier
+    ones hold no row; the JSON keeps the whole history."""
+    runs = [{"created": f"2026-01-0{d}T10:00:00", "commit": f"c{d}", "command": f"run {d}"} for d in (1, 2, 3)]
+    rows = [{"strategy": s, "status": "ok", "measured": runs[2]["created"]} for s in ("ddp", "atc")]
+    report = {"cluster": "x", "world_size": 2, "payload_bytes": 2**20, "results": rows,
+              "meta": {**runs[2], "runs": runs}}
+    heading = markdown_table(report).splitlines()[2]
+    assert "`run 3`" in heading and "`run 1`" not in heading and "`run 2`" not in heading
+    assert "2 earlier run(s) hold no row now" in heading
+    rows[1]["measured"] = runs[0]["created"]
+    heading = markdown_table(report).splitlines()[2]
+    assert heading.startswith("Runs: ") and "`run 1`" in heading and "`run 3`" in heading and "`run 2`" not in heading
+
+
 def test_an_output_of_another_payload_is_refused_before_anything_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(matrix, "run_bench", FakeBench())
     run_matrix(settings(tmp_path, ["atc"]))

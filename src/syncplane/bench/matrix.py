@@ -445,12 +445,19 @@ def run_history(meta: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def markdown_table(report: dict[str, Any]) -> str:
-    """One profile's scoreboard: a heading with how it was made (every run, where a resumed
-    or partly re-run matrix wrote it), then a row per strategy."""
+    """One profile's scoreboard: a heading with how it was made (every run that still holds a
+    row, where a resumed or partly re-run matrix wrote it; the JSON's ``meta.runs`` keeps them
+    all), then a row per strategy."""
     meta = report.get("meta", {})
+    history = run_history(meta) or [meta]
+    measured = {r["measured"] for r in report["results"] if r.get("measured")}
+    shown = [run for run in history if run.get("created") in measured] or history
     made = [f"{run.get('created', '?')}, commit `{run.get('commit') or '?'}`"
             + (f", {run['machine']}" if run.get("machine") else "") + f": `{run.get('command', '?')}`"
-            for run in run_history(meta) or [meta]]
+            for run in shown]
+    if len(shown) < len(history):
+        made[-1] += (f" ({len(history) - len(shown)} earlier run(s) hold no row now: every row of theirs was "
+                     "measured again; the JSON's meta.runs lists them)")
     lines = [f"### `{report['cluster']}` ({report['world_size']} ranks, {report['payload_bytes'] / 2**20:.1f} MB"
              + (f", compute {report['compute_ms']:g} ms" if report.get("compute_ms") else "") + ")", "",
              *(made if len(made) == 1 else [f"Runs: {'; '.join(made)}"]), "",
