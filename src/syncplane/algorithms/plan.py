@@ -52,7 +52,8 @@ BASELINE_MARGIN = 0.10
 
 #: ``PlanInputs.tcp``: how TCP flows share a shaped link. ``emulated``: as measured on our
 #: emulator (``cluster.cost.EMULATED_TCP``: goodput by link rate, the loss of concurrent flows,
-#: gloo's one NIC per op), what the bench's predictions use; ``ideal``: the plain α-β formula.
+#: gloo's one NIC per op, the wait behind a greedy flow's queue), what the bench's predictions
+#: use; ``ideal``: the plain α-β formula.
 TCP_MODELS: dict[str, LinkTcp] = {"emulated": EMULATED_TCP, "ideal": IDEAL}
 
 #: ``syncplane plan --cpu``: whose cores the ranks' CPU work (codecs, torch's hooks, sums)
