@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from syncplane.cluster import load_profile, parse_profile
+from syncplane.cluster.profile import ClusterProfile
 from syncplane.algorithms import strategy_time
 from syncplane.algorithms.spec import CostOptions
 from syncplane.cluster.cost import MBIT, CostModel, neighbor_exchange, ring_allreduce
@@ -44,7 +45,7 @@ def test_background_flow_halves_the_uplink_share():
     assert contended == pytest.approx(2 * quiet)
 
 
-def _with_background(flow: dict, uplink_cap: float | None = None) -> object:
+def _with_background(flow: dict, uplink_cap: float | None = None) -> ClusterProfile:
     """two_racks_contended's layout (a0..a3 | b0..b3, 100 Mbit uplinks) with one background ``flow``."""
     racks = [{"name": r, "uplink_mbit": 100, "per_flow_mbit": uplink_cap,
               "hosts": [{"name": f"{h}{i}", "nic_mbit": 400} for i in range(4)]} for r, h in (("r0", "a"), ("r1", "b"))]

@@ -9,9 +9,10 @@ where a flow crosses its source host's NIC (egress), the destination host's NIC
 (ingress) and, between racks, both racks' uplinks; flows inside one host use loopback.
 A link carrying g greedy background flows next to f of ours gives ours f/(f+g) of its
 capacity (TCP fair share), and where such a flow holds a standing queue (the link that sets
-its rate) a phase crossing it waits ``LinkTcp.queue_s`` behind that queue; one flow uses one NIC, f flows use at most min(f, k) of a
-host's k NICs (gloo binds one collective to one NIC: striping needs several groups), and
-flows of S streams pinned to NICs round-robin (``FlowArray.pinned``) use S/⌈S/k⌉. With α = 0
+its rate) a phase crossing it waits ``LinkTcp.queue_s`` behind that queue; one flow uses one
+NIC, f flows use at most min(f, k) of a host's k NICs (gloo binds one collective to one NIC:
+striping needs several groups), and flows of S streams pinned to NICs round-robin
+(``FlowArray.pinned``) use S/⌈S/k⌉. With α = 0
 this is the bandwidth lower bound (``bound_s``); with the α measured on the emulator it
 is the prediction ``syncplane simulate`` prints. The bench's prediction also prices how
 TCP shares a shaped link (``LinkTcp``, measured on the emulator: k concurrent flows of ours
@@ -204,8 +205,8 @@ IDEAL = LinkTcp()
 #: 100 Mbit uplink): DDP's all-reduce of 4 KB over the 8 ranks (14 ring phases, every one crossing
 #: that uplink once) took 97 ms a step (median of 30; p90 108) against 24 ms on ``two_racks``, 5.2 ms
 #: more per phase; a 1-byte TCP ping-pong a0 -> b0 took 3.3 ms against 0.19. Unmodelled, it priced
-#: torch's PowerSGD there at 1.045 s against 1.66-1.89 measured: its step is a chain of small
-#: all-reduces, one after the other.
+#: torch's PowerSGD there at 1.045 s against 1.41-1.89 measured in three runs: its step is a chain
+#: of small all-reduces, one after the other.
 EMULATED_TCP = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=True,
                        goodput_by_mbit=((100.0, 0.86), (200.0, 0.957), (400.0, 0.963), (1000.0, 0.969)),
                        loss_flows=6, queue_s=5.2e-3)
@@ -257,7 +258,7 @@ class CostModel:
     def _count_background(self) -> None:
         """Greedy background flows per link (paced ones count as greedy: an upper bound on their
         share), and the links where one holds a standing queue (``queued``): the slowest link on
-        its path, the first of them where several tie, unless a per-flow cap below that rate or a
+        its path, the first of them where several tie (on BCube: the lowest-numbered), unless a per-flow cap below that rate or a
         pace below it (``FlowSpec.mbit``) sets the flow's rate instead -- a per-flow cap queues
         each flow apart (the emulator's ``htb`` classes)."""
         firsts = [(self.profile.host(f.src).first_rank, self.profile.host(f.dst).first_rank)
