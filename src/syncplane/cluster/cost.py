@@ -274,9 +274,6 @@ class CostModel:
             path = links[flows == i]
             if self._routes is None:      # entries come by kind; the path goes NIC, uplink out, uplink in, NIC
                 path = path[np.argsort(self._path_order(path), kind="stable")]
-            path = path[self._is_shaped[path]]
-            if not len(path):
-                continue
             rate = self._capacity[path].min()
             if self._per_flow[path].min() < rate or (spec.mbit is not None and spec.mbit * MBIT < rate):
                 continue

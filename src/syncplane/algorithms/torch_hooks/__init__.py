@@ -44,8 +44,8 @@ def hook_cost(name: str, profile: ClusterProfile, payload_bytes: float, options:
     for bucket in buckets:
         compressed = [s for s in bucket if config.compressed_elements(s) < math.prod(s)]
         rest = sum(math.prod(s) for s in bucket) - sum(math.prod(s) for s in compressed)
-        p = sum(s[0] * min(options.rank, *s) for s in compressed)
-        q = sum(config.compressed_elements(s) for s in compressed) - p
+        factors = [config.factors(s) for s in compressed]
+        p, q = sum(f[0] for f in factors), sum(f[1] for f in factors)
         for elements in (rest, p, q):
             if elements:
                 phases += ring_allreduce(n, 4 * elements)

@@ -5,7 +5,6 @@ reducer and hook, not a re-implementation."""
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -40,19 +39,15 @@ def payload_shapes(numel: int) -> list[tuple[int, ...]]:
 
 
 def reducer_buckets(shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-    """The buckets torch's reducer hooks, warm (after it rebuilds them in the order the
-    backward produced the gradients: ``_Payload``'s in reverse): parameters join a bucket
-    until it holds at least ``DEFAULT_BUCKET_BYTES`` (counted on the bench's payload: 97.5 MB
-    goes in three buckets, not four, the first with the vector and two matrices)."""
-    buckets: list[list[tuple[int, ...]]] = [[]]
-    size = 0
-    for shape in reversed(shapes):
-        if size >= DEFAULT_BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(shape)
-        size += 4 * math.prod(shape)
-    return buckets
+    """The buckets torch's reducer hooks, warm: DDP's own assignment
+    (``dist._compute_bucket_assignment_by_size``, what its reducer calls when it rebuilds its
+    buckets) of the gradients in the order the backward produced them (``_Payload``'s in
+    reverse), sized on meta tensors, with the bench's cap. A bucket closes once it holds the
+    cap, so 97.5 MB goes in three, not four, the first with the vector and two matrices."""
+    produced = list(reversed(shapes))
+    assignment, _ = dist._compute_bucket_assignment_by_size(
+        [torch.empty(s, device="meta") for s in produced], [DEFAULT_BUCKET_BYTES])
+    return [[produced[i] for i in bucket] for bucket in assignment]
 
 
 class _Payload(torch.nn.Module):

@@ -6,6 +6,7 @@ uncompressed; error feedback and warm start as torch does them)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -110,19 +111,20 @@ class HookConfig:
             return numel, 4
         return sum(self.compressed_elements(shape) for shape in shapes), 4
 
+    def factors(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """PowerSGD's P and Q elements for a matrix gradient of ``shape`` (rows × the rest),
+        at rank r = min(matrix_approximation_rank, rows, cols)."""
+        rows = shape[0]
+        cols = math.prod(shape) // rows
+        r = min(self.matrix_approximation_rank, rows, cols)
+        return rows * r, cols * r
+
     def compressed_elements(self, shape: tuple[int, ...]) -> int:
         """Elements one rank all-reduces for a gradient of ``shape`` (after the warm-up)."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        if self.name == "torch_fp16":
+        numel = math.prod(shape)
+        if self.name == "torch_fp16" or len(shape) < 2:
             return numel
-        if len(shape) < 2:
-            return numel
-        rows = shape[0]
-        cols = numel // rows
-        r = min(self.matrix_approximation_rank, rows, cols)
-        compressed = (rows + cols) * r
+        compressed = sum(self.factors(shape))
         return compressed if numel >= self.min_compression_rate * compressed else numel
 
 
