@@ -234,8 +234,9 @@ def check_bench_args(args: argparse.Namespace) -> Any:
         for key, value in (("--cluster", args.cluster), ("--json", args.json)):
             if value is None:
                 raise ConfigError(f"bench: {key} is required (or run every profile with --matrix)")
-        if args.clusters or args.out:
-            raise ConfigError("bench: --clusters and --out belong to --matrix (one cluster: --cluster, --json)")
+        if args.clusters or args.out or args.repeat != 1:
+            raise ConfigError("bench: --clusters, --out and --repeat belong to --matrix (one cluster: --cluster, "
+                              "--json)")
         return None
     if args.cluster and args.clusters:
         raise ConfigError("bench --matrix: give --clusters (a list) or --cluster (one), not both")
@@ -252,9 +253,11 @@ def check_bench_args(args: argparse.Namespace) -> Any:
         raise ConfigError("bench --matrix: --clusters is empty")
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
+    if args.repeat < 1:
+        raise ConfigError(f"bench --matrix: --repeat must be at least 1, got {args.repeat}")
     return MatrixSettings(profiles=[load_profile(n) for n in names], strategies=parse_strategies(args.strategies or "all"),
                           payload_bytes=parse_payload(args.payload_mb), out_dir=Path(args.out or "bench-matrix"),
-                          steps=args.steps, warmup=args.warmup, compute_ms=args.compute_ms)
+                          steps=args.steps, warmup=args.warmup, compute_ms=args.compute_ms, repeat=args.repeat)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -460,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "OUT/<profile>.{json,md,png} and resumes: cells already in OUT are skipped")
     bench.add_argument("--clusters", help="--matrix: comma-separated profile names or YAML paths")
     bench.add_argument("--out", help="--matrix: the folder of the per-profile reports (default bench-matrix)")
+    bench.add_argument("--repeat", type=int, default=1,
+                       help="--matrix: run each profile this many times, one run after another, and keep each "
+                            "cell's median run, with the range of its runs (default 1)")
     bench.set_defaults(func=cmd_bench)
 
     compare = sub.add_parser("compare", help="train one recipe with several strategies and peers (horovod, "

@@ -63,17 +63,20 @@ class FakeBench:
     ``stop``: Ctrl-C, or the launcher's JobStopped on SIGTERM)."""
 
     def __init__(self, fail: set[str] = frozenset(), interrupt: str | None = None,
-                 stop: BaseException = KeyboardInterrupt()) -> None:
+                 stop: BaseException = KeyboardInterrupt(), slower: tuple[float, ...] = (1.0,),
+                 interrupt_call: int = 0) -> None:
         self.fail, self.interrupt, self.stop, self.calls = set(fail), interrupt, stop, []
+        self.slower, self.interrupt_call = slower, interrupt_call   # per call: its times' factor; when to stop
 
     def __call__(self, profile, order, payload_bytes, *, out_dir: Path, echo_to, **kwargs):
         self.calls.append(list(order))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "results.json").unlink(missing_ok=True)
-        seconds = {"ddp": 0.4, "atc": 0.2, "awc": 0.8, "canary": 0.1}
+        factor = self.slower[(len(self.calls) - 1) % len(self.slower)]
+        seconds = {name: s * factor for name, s in {"ddp": 0.4, "atc": 0.2, "awc": 0.8, "canary": 0.1}.items()}
         done = []
         for name in order:
-            if name == self.interrupt:
+            if name == self.interrupt and len(self.calls) > self.interrupt_call:
                 raise self.stop
             if name in self.fail:
                 raise LaunchError(f"rank 1 failed (exit code 1) while running {name}")
@@ -155,6 +158,43 @@ def test_an_interrupted_matrix_keeps_what_finished_and_resumes_the_rest(stop, tm
     assert len(fake.calls) == 1
 
 
+def test_repeat_keeps_each_cells_median_run_with_the_range_of_its_runs(tmp_path, monkeypatch):
+    fake = FakeBench(slower=(1.0, 1.5, 0.8))
+    monkeypatch.setattr(matrix, "run_bench", fake)
+    with Progress(disable=True) as progress:
+        task = progress.add_task("", total=6)
+        report = matrix.run_profile(PROFILE, dataclasses.replace(settings(tmp_path, ["atc", "awc"]), repeat=3),
+                                    progress, task)
+        assert progress.tasks[0].completed == 6                 # each run's cells advance the bar
+    assert fake.calls == [["ddp", "atc", "awc"]] * 3
+    rows = {r["strategy"]: r for r in report["results"]}
+    assert rows["atc"]["sync_s_median"] == pytest.approx(0.2)            # the median run: the first
+    assert rows["atc"]["repeats"] == pytest.approx([0.2, 0.3, 0.16])     # every run's, in run order
+    assert rows["atc"]["ddp_sync_s"] == pytest.approx(0.4)               # against its own run's ddp
+    assert rows["atc"]["model_error"] == pytest.approx(rows["atc"]["predicted_s"] / 0.2 - 1)
+    assert len({r["measured"] for r in report["results"]}) == 1
+    text = (tmp_path / "fake_racks.md").read_text()
+    assert "| `atc` | 0.200 (0.160–0.300) | 2.00× |" in text and "the median of 3 runs" in text
+    assert "Rows from" not in text                                      # one invocation, not a resumed matrix
+
+
+def test_a_repeated_cell_that_fails_in_some_runs_is_the_median_of_the_others():
+    ok = [{"strategy": "atc", "status": "ok", "sync_s_median": s, "measured": "t"} for s in (0.3, 0.1)]
+    failed = matrix.failed_row("atc", "rank 1 failed")
+    rows = matrix.median_rows([[ok[0]], [failed], [ok[1]]])
+    assert rows == [{**ok[1], "repeats": [0.3, 0.1]}]        # the lower middle of two
+    assert matrix.median_rows([[failed], [failed]]) == [failed]
+    assert matrix.median_rows([[ok[0]]]) == [ok[0]]          # one run: no repeats
+
+
+def test_a_stop_in_a_later_run_keeps_the_runs_so_far(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "run_bench", FakeBench(interrupt="awc", interrupt_call=1, slower=(1.0, 2.0)))
+    with pytest.raises(KeyboardInterrupt):
+        run_matrix(dataclasses.replace(settings(tmp_path, ["atc", "awc"]), repeat=3))
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "fake_racks.json").read_text())["results"]}
+    assert rows["atc"]["repeats"] == pytest.approx([0.2, 0.4]) and rows["awc"]["repeats"] == pytest.approx([0.8])
+
+
 def test_a_resumed_profile_says_its_rows_come_from_several_runs():
     rows = [{"strategy": "ddp", "status": "ok", "measured": "2026-01-01T10:00:00"},
             {"strategy": "atc", "status": "ok", "measured": "2026-01-01T09:00:00"}]
@@ -191,6 +231,8 @@ def test_an_output_of_another_payload_is_refused_before_anything_runs(tmp_path, 
     (["bench", "--matrix", "--strategies", "ddp,nope"], "--strategies: unknown nope"),
     (["bench", "--matrix", "--period", "3"], "not with --period"),
     (["bench", "--strategies", "ddp"], "--cluster is required"),
+    (["bench", "--matrix", "--repeat", "0"], "--repeat must be at least 1, got 0"),
+    (["bench", "--cluster", "local", "--json", "x.json", "--repeat", "3"], "--repeat belong to --matrix"),
 ])
 def test_bad_matrix_arguments_fail_before_launch_naming_the_key(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(matrix, "run_bench", None)              # would fail loudly if reached
@@ -263,7 +305,16 @@ def test_the_table_says_what_the_planner_would_have_picked_per_class_and_how_it_
     table = matrix.planner_table([{"cluster": "fake", **report}])
     assert "| fake | exact | `flexreduce` (0.900) | `ddp` (1.000) | 1.200 | **no** (+20 %) |" in table
     assert "within 10 % of the best measured of its class in 1 of 2 cells" in table
-    assert "2 of 4 measured rows are predicted within ±15 %" in table     # flexreduce and diloco miss
+    assert "2 of 4 measured rows are predicted within ±15 %." in table     # flexreduce and diloco miss
+    # a row of several runs whose range holds its prediction says so, in the planner and in its misses
+    report["results"][2] = {**row("diloco", 0.2, 0.1), "repeats": [0.2, 0.09, 0.25]}
+    approximate = matrix.planner_check(report)[1]
+    assert approximate["inside_runs"] == {"diloco"} and "`diloco` -50 % (inside its runs)" in matrix.planner_lines(report)[1]
+    assert "2 of 4 measured rows are predicted within ±15 %, and 1 more inside the range of their runs." in \
+        matrix.planner_table([{"cluster": "fake", **report}])
+    assert matrix.misses(report["results"][2]).endswith("(3 runs spread 80 %, the prediction inside them)")
+    narrow = {**report["results"][2], "repeats": [0.2, 0.19, 0.21]}
+    assert not matrix.within_runs(narrow) and matrix.misses(narrow).endswith("(3 runs spread 10 %)")
 
 
 def test_reprice_keeps_the_measurements_and_prices_them_again_with_the_model_as_it_is(tmp_path, monkeypatch):

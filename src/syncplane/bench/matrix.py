@@ -6,6 +6,12 @@ it writes ``OUT/<profile>.json`` (the bench report, plus ``meta``: date, commit,
 ``OUT/<profile>.md`` (the table) and ``OUT/<profile>.png`` (``scoreboard_chart``: vs DDP,
 bound ratio, model error).
 
+``repeat`` runs a profile's cells that many times, one run after another: each row is then the
+run whose sync time is the median of its runs' (its other fields -- *vs DDP*, model error, CPU
+busy -- that run's own), with every run's time beside it (``repeats``; the table shows their
+range). This machine is a shared VM: the same cell measured minutes apart differs by more than
+a run's steps do (``docs/benchmarks.md``), so one run is one draw.
+
 Resumable: a cell (profile × strategy) whose row is already in ``OUT/<profile>.json`` with
 status ``ok`` is skipped; the rest of that profile runs again, with ``ddp`` beside. The
 worker writes its results after each strategy, so an interrupted or failed run keeps the
@@ -60,6 +66,7 @@ class MatrixSettings:
     steps: int = 5
     warmup: int = 1
     compute_ms: float = 0.0
+    repeat: int = 1
     command: str = field(default_factory=lambda: shlex.join(["syncplane", *sys.argv[1:]]))
 
 
@@ -217,14 +224,62 @@ def failed_row(strategy: str, reason: str) -> dict[str, Any]:
 
 
 def run_profile(profile: ClusterProfile, settings: MatrixSettings, progress: Any, task: Any) -> dict[str, Any]:
-    """Run the profile's pending cells (``ddp`` first, beside them) and write its files;
-    a failing strategy gets a ``failed`` row and the run goes on with the ones after it."""
+    """Run the profile's pending cells ``settings.repeat`` times (``ddp`` first, beside them),
+    keep each cell's median run (``median_rows``) and write its files; a failing strategy gets
+    a ``failed`` row and the run goes on with the ones after it. Stopped (Ctrl-C, SIGTERM): the
+    runs so far are kept, then the stop goes on."""
     path = profile_report_path(settings.out_dir, profile)
     existing = load_existing(path, profile, settings.payload_bytes, settings.compute_ms)
     pending = pending_cells(existing, settings.strategies)
+    report: dict[str, Any] = dict(existing or {})
+    runs: list[list[dict[str, Any]]] = []
+    for _ in range(settings.repeat):
+        try:
+            report, rows = _run_once(profile, settings, pending, report, progress, task)
+        except _Stopped as stopped:
+            runs.append(stopped.rows)
+            _write_profile(path, profile, settings, existing, report, median_rows(runs))
+            raise stopped.cause from None
+        runs.append(rows)
+    return _write_profile(path, profile, settings, existing, report, median_rows(runs))
+
+
+class _Stopped(Exception):
+    """A run told to stop, with the rows it finished."""
+
+    def __init__(self, cause: BaseException, rows: list[dict[str, Any]]) -> None:
+        super().__init__(str(cause))
+        self.cause, self.rows = cause, rows
+
+
+def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per strategy from the rows of several runs of a profile: of its ``ok`` rows, the
+    one whose sync time is their median (the lower of the two middle ones for an even count),
+    with every run's time in ``repeats``, in run order, where there were several; a strategy
+    with none ``ok``: its last row (the failure). All rows say one time (``measured``): the
+    runs were one matrix invocation."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for rows in runs:
+        for row in rows:
+            by_name.setdefault(row["strategy"], []).append(row)
+    out = []
+    for rows in by_name.values():
+        ok = [r for r in rows if r.get("status") == "ok"]
+        if not ok:
+            out.append(rows[-1])
+            continue
+        middle = sorted(ok, key=lambda r: r["sync_s_median"])[(len(ok) - 1) // 2]
+        out.append({**middle, **({"repeats": [r["sync_s_median"] for r in ok]} if len(runs) > 1 else {})})
+    last = next((r["measured"] for rows in reversed(runs) for r in rows if r.get("measured")), None)
+    return [{**r, "measured": last} if last and r.get("measured") else r for r in out]
+
+
+def _run_once(profile: ClusterProfile, settings: MatrixSettings, pending: list[str], report: dict[str, Any],
+              progress: Any, task: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One run of ``pending`` (the bench report and its rows); a strategy that fails is run no
+    more in it, and is a ``failed`` row (``ddp`` failing fails them all)."""
     run_dir = settings.out_dir / ".runs" / profile.name
     rows: list[dict[str, Any]] = []
-    report: dict[str, Any] = dict(existing or {})
     echo = CellProgress(progress, task, profile.name, set(pending))
     while pending:
         order = ["ddp", *[s for s in pending if s != "ddp"]]
@@ -238,8 +293,7 @@ def run_profile(profile: ClusterProfile, settings: MatrixSettings, progress: Any
             rows = merge_rows({"results": rows}, finished, order)
             done = {r["strategy"] for r in finished}
             if isinstance(exc, (KeyboardInterrupt, JobStopped)):     # told to stop: keep what finished, stop
-                _write_profile(path, profile, settings, existing, report, rows)
-                raise
+                raise _Stopped(exc, rows) from None
             failed = next((s for s in order if s not in done), None)
             if failed is None:           # every strategy finished; what failed came after them
                 rows, pending = merge_rows({"results": rows}, finished, order), []
@@ -256,7 +310,7 @@ def run_profile(profile: ClusterProfile, settings: MatrixSettings, progress: Any
                 progress.advance(task, len(echo.cells))
                 echo.cells.clear()
                 pending = []
-    return _write_profile(path, profile, settings, existing, report, rows)
+    return report, rows
 
 
 def _write_profile(path: Path, profile: ClusterProfile, settings: MatrixSettings, existing: dict[str, Any] | None,
@@ -321,8 +375,14 @@ def measured_cause(row: dict[str, Any]) -> str:
     measurement and the bound (the bound prices the wire with free CPU; the model prices the
     CPU work at rates measured alone, shared by rank count); packets dropped at the rack
     uplinks (TCP backs off and resends, which neither prices); where every host has several
-    NICs (else gloo lists one), the bytes left by one of them (the bound spreads them over all)."""
+    NICs (else gloo lists one), the bytes left by one of them (the bound spreads them over all);
+    where the row is the median of several runs, how far they spread, and whether the prediction
+    lies inside them (``within_runs``)."""
     causes = []
+    repeats = row.get("repeats") or ()
+    if len(repeats) > 1 and row.get("sync_s_median"):
+        causes.append(f"{len(repeats)} runs spread {(max(repeats) - min(repeats)) / row['sync_s_median'] * 100:.0f} %"
+                      + (", the prediction inside them" if within_runs(row) else ""))
     cpu, ranks_s = row.get("machine_cpu"), row.get("rank_cpu_s")
     if cpu and cpu["busy"] >= CPU_SATURATED:
         causes.append(f"CPU {cpu['busy'] * 100:.0f} % busy: ranks {ranks_s:.1f} core-s/step, "
@@ -341,6 +401,13 @@ def measured_cause(row: dict[str, Any]) -> str:
         if busiest >= ONE_NIC:
             causes.append(f"one NIC of {max(len(n) for n in several)} sent {busiest * 100:.0f} % of a host's bytes")
     return "; ".join(causes)
+
+
+def within_runs(row: dict[str, Any]) -> bool:
+    """Whether the row's prediction lies between the fastest and the slowest of its runs (a row
+    of several, ``repeats``): a miss the machine's own spread covers."""
+    repeats, predicted = row.get("repeats") or (), row.get("predicted_s")
+    return len(repeats) > 1 and predicted is not None and min(repeats) <= predicted <= max(repeats)
 
 
 def misses(row: dict[str, Any]) -> str:
@@ -366,7 +433,8 @@ def planner_check(report: dict[str, Any]) -> list[dict[str, Any]]:
     ``approximate``: any): the plan's pick among the measured rows (``plan.choose_candidate``: the
     fastest *predicted*, or DDP within its margin; the rows' ``predicted_s`` is
     ``plan.price``'s), the fastest *measured*, how much slower the
-    pick measured than that, and which rows' predictions miss by more than ``PREDICTION_TARGET``."""
+    pick measured than that, which rows' predictions miss by more than ``PREDICTION_TARGET``, and
+    which lie inside their runs' range (``within_runs``)."""
     from syncplane.algorithms import is_exact
     from syncplane.algorithms.plan import accepts, choose_candidate
 
@@ -386,13 +454,16 @@ def planner_check(report: dict[str, Any]) -> list[dict[str, Any]]:
                     "best_measured_s": best["sync_s_median"], "pick_slower": slower,
                     "pick_ok": slower <= PICK_TARGET,
                     "prediction_misses": {r["strategy"]: r["model_error"] for r in allowed
-                                          if abs(r["model_error"]) > PREDICTION_TARGET}})
+                                          if abs(r["model_error"]) > PREDICTION_TARGET},
+                    "inside_runs": {r["strategy"] for r in allowed if within_runs(r)}})
     return out
 
 
 def _misses_text(check: dict[str, Any]) -> str:
-    """A ``planner_check`` class's predictions beyond the target, as "`name` +NN %" items."""
-    return ", ".join(f"`{name}` {err * 100:+.0f} %" for name, err in check["prediction_misses"].items())
+    """A ``planner_check`` class's predictions beyond the target, as "`name` +NN %" items (and
+    "(inside its runs)" where its runs' range holds the prediction)."""
+    return ", ".join(f"`{name}` {err * 100:+.0f} %" + (" (inside its runs)" if name in check["inside_runs"] else "")
+                     for name, err in check["prediction_misses"].items())
 
 
 def planner_lines(report: dict[str, Any]) -> list[str]:
@@ -426,14 +497,23 @@ def planner_table(reports: list[dict[str, Any]]) -> str:
         lines.append(f"| {name} | {c['accept']} | `{c['pick']}` ({c['predicted_s']:.3f}) | `{c['best']}` "
                      f"({c['best_measured_s']:.3f}) | {c['pick_measured_s']:.3f} | {ok} | {misses_} |")
     good = sum(c["pick_ok"] for _, c in checks)
+    inside = {(name, strategy) for name, c in checks for strategy in c["inside_runs"]} & missed
     lines += ["", f"The pick is within {PICK_TARGET * 100:.0f} % of the best measured of its class in {good} of "
                   f"{len(checks)} cells; {rows - len(missed)} of {rows} measured rows are predicted within "
-                  f"±{PREDICTION_TARGET * 100:.0f} %."]
+                  f"±{PREDICTION_TARGET * 100:.0f} %"
+                  + (f", and {len(inside)} more inside the range of their runs." if inside else ".")]
     return "\n".join(lines) + "\n"
 
 
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
+
+
+def _sync_cell(row: dict[str, Any]) -> str:
+    """A row's sync time, with the range of its runs where it is the median of several."""
+    repeats = row.get("repeats") or ()
+    cell = _fmt(row.get("sync_s_median"), ".3f")
+    return cell + (f" ({min(repeats):.3f}–{max(repeats):.3f})" if len(repeats) > 1 else "")
 
 
 def run_history(meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -467,7 +547,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     for r in report["results"]:
         nic = r.get("nic_bytes_per_rank")
         lines.append(" | ".join([
-            f"| `{r['strategy']}`", _fmt(r.get("sync_s_median"), ".3f"), _fmt(r.get("speedup_vs_ddp"), ".2f", "×"),
+            f"| `{r['strategy']}`", _sync_cell(r), _fmt(r.get("speedup_vs_ddp"), ".2f", "×"),
             _fmt(r.get("bound_ratio"), ".2f"), _fmt(r.get("network_bound_ratio"), ".2f"),
             _fmt(r["model_error"] * 100 if r.get("model_error") is not None else None, "+.0f", " %"),
             _fmt(nic / 2**20 if nic is not None else None, ".1f"), _fmt(r.get("uplink_drops"), ".0f"),
@@ -476,6 +556,10 @@ def markdown_table(report: dict[str, Any]) -> str:
     check = planner_lines(report)
     if check:
         lines += ["", *check]
+    repeated = sorted({len(r["repeats"]) for r in report["results"] if len(r.get("repeats") or ()) > 1})
+    if repeated:
+        lines += ["", f"*sync s* with a range: the median of {' or '.join(map(str, repeated))} runs of the profile, "
+                      "one after another (min–max); the row's other fields are its median run's."]
     runs = sorted({r["measured"] for r in report["results"] if r.get("measured")})
     if len(runs) > 1:
         lines += ["", f"Rows from {len(runs)} runs ({', '.join(runs)}; a resumed matrix): each row's *vs DDP* is "
@@ -491,7 +575,7 @@ def run_matrix(settings: MatrixSettings) -> dict[str, dict[str, Any]]:
 
     plan = [(p, pending_cells(load_existing(profile_report_path(settings.out_dir, p), p, settings.payload_bytes,
                                             settings.compute_ms), settings.strategies)) for p in settings.profiles]
-    total = sum(len(cells) for _, cells in plan)
+    total = sum(len(cells) for _, cells in plan) * settings.repeat
     reports = {}
     with Progress(TextColumn("[bold]bench matrix[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()) as progress:
