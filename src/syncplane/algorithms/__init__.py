@@ -123,8 +123,11 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
     exchanges = sum(1 for step in steps if step) / len(steps)
     cpu_s = cpu.seconds(family.cpu(name, model.profile, payload_bytes, options)) * exchanges if cpu is not None else 0.0
     hidden = cpu is not None and name in family.alpha_hidden
+    # a pattern on loopback only moves its bytes by the kernel's copies, on the cores that run
+    # the ranks: where every core runs one (sharing ≥ 1), its CPU work cannot run beside them
+    copies = rounds == 0 and cpu is not None and cpu.sharing >= 1
     wire_s = sum(model.time(p, 0.0 if hidden else None) for p in steps) / len(steps)
-    return StrategyTimes(overlapped(wire_s, cpu_s, 1 if hidden else options.parts),
+    return StrategyTimes(overlapped(wire_s, cpu_s, 1 if hidden or copies else options.parts),
                          sum(model.bound(p) for p in steps) / len(steps), network.seconds * rounds, network.binding,
                          cpu_s)
 
