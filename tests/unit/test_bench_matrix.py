@@ -363,6 +363,29 @@ def test_reprice_prices_the_cpu_work_at_the_rates_the_report_keeps() -> None:
     assert mixed == pytest.approx([cpu["slow"], cpu["fast"]])
 
 
+def test_what_the_model_prices_above_the_bound_adds_up_and_names_a_bound_miss() -> None:
+    """The prediction over the bound, split into the per-phase latency, TCP's sharing of the
+    links and the CPU work: the terms sum to the gap, the latency is α per phase, and a row
+    below the bound's target names them, largest first."""
+    from syncplane.cluster import load_profile
+    from syncplane.cluster.cost import DEFAULT_ALPHA_S
+
+    profile = load_profile("two_racks")
+    rows = [{"strategy": name, "status": "ok", "sync_s_median": 10.0} for name in ("ddp", "diloco")]
+    report = {"cluster": "two_racks", "world_size": 8, "payload_bytes": 25 * 2**20, "results": rows,
+              "cpu_rates": {"per_element": {ADD: 1e-8}, "sharing": 4.0}}
+    ddp, diloco = matrix.reprice(report, profile)["results"]
+    for row in (ddp, diloco):
+        above = row["priced_above_bound"]
+        assert sum(above.values()) == pytest.approx(row["predicted_s"] - row["bound_s"])
+        assert above["tcp_s"] > 0 and above["latency_s"] > 0
+    assert ddp["priced_above_bound"]["latency_s"] == pytest.approx(2 * 7 * DEFAULT_ALPHA_S)   # a ring of 8: 14 phases
+    assert ddp["priced_above_bound"]["cpu_s"] == pytest.approx(0.0) and diloco["priced_above_bound"]["cpu_s"] > 0
+    tcp = ddp["priced_above_bound"]["tcp_s"]
+    assert matrix.misses({**ddp, "bound_ratio": 0.5}).endswith(f"(priced above the bound: TCP sharing {tcp:.3g} s)")
+    assert "priced above" not in matrix.misses({**ddp, "bound_ratio": 0.9, "model_error": 0.5})
+
+
 def test_the_machines_cpu_shares_come_from_proc_stat_ticks():
     from syncplane.bench.worker import machine_cpu_shares, machine_cpu_ticks
 

@@ -377,7 +377,9 @@ def measured_cause(row: dict[str, Any]) -> str:
     uplinks (TCP backs off and resends, which neither prices); where every host has several
     NICs (else gloo lists one), the bytes left by one of them (the bound spreads them over all);
     where the row is the median of several runs, how far they spread, and whether the prediction
-    lies inside them (``within_runs``)."""
+    lies inside them (``within_runs``); below the bound's target, what the model prices above
+    the bound (``runner.above_bound``: TCP's sharing of the links, the latency, the CPU work),
+    each term of at least 1 % of the measurement."""
     causes = []
     repeats = row.get("repeats") or ()
     if len(repeats) > 1 and row.get("sync_s_median"):
@@ -394,6 +396,13 @@ def measured_cause(row: dict[str, Any]) -> str:
                           f"more than the {gap:.2f} s above the bound")
     if row.get("uplink_drops"):
         causes.append(f"{row['uplink_drops']:.0f} uplink drops/step")
+    above = row.get("priced_above_bound")
+    if above and row.get("bound_ratio") is not None and row["bound_ratio"] < BOUND_TARGET:
+        terms = sorted(((s, label) for label, s in (("TCP sharing", above["tcp_s"]), ("latency", above["latency_s"]),
+                                                    ("CPU", above["cpu_s"])) if s >= 0.01 * row["sync_s_median"]),
+                       reverse=True)
+        if terms:
+            causes.append("priced above the bound: " + ", ".join(f"{label} {s:.3g} s" for s, label in terms))
     by_host = (row.get("nic_bytes_by_host") or {}).values()
     several = [nics for nics in by_host if len(nics) > 1 and sum(nics.values())]
     if several and all(len(nics) > 1 for nics in by_host):
