@@ -376,15 +376,10 @@ def measured_cause(row: dict[str, Any]) -> str:
     CPU work at rates measured alone, shared by rank count); packets dropped at the rack
     uplinks (TCP backs off and resends, which neither prices); where every host has several
     NICs (else gloo lists one), the bytes left by one of them (the bound spreads them over all);
-    where the row is the median of several runs, how far they spread, and whether the prediction
-    lies inside them (``within_runs``); below the bound's target, what the model prices above
-    the bound (``runner.above_bound``: TCP's sharing of the links, the latency, the CPU work),
-    each term of at least 1 % of the measurement."""
+    below the bound's target, what the model prices above the bound (``runner.above_bound``:
+    TCP's sharing of the links, the latency, the CPU work), each term of at least 1 % of the
+    measurement."""
     causes = []
-    repeats = row.get("repeats") or ()
-    if len(repeats) > 1 and row.get("sync_s_median"):
-        causes.append(f"{len(repeats)} runs spread {(max(repeats) - min(repeats)) / row['sync_s_median'] * 100:.0f} %"
-                      + (", the prediction inside them" if within_runs(row) else ""))
     cpu, ranks_s = row.get("machine_cpu"), row.get("rank_cpu_s")
     if cpu and cpu["busy"] >= CPU_SATURATED:
         causes.append(f"CPU {cpu['busy'] * 100:.0f} % busy: ranks {ranks_s:.1f} core-s/step, "
@@ -412,6 +407,17 @@ def measured_cause(row: dict[str, Any]) -> str:
     return "; ".join(causes)
 
 
+def run_spread(row: dict[str, Any]) -> str:
+    """Where the row is the median of several runs: how far they spread, and whether the
+    prediction lies inside them (``within_runs``: then the spread is the miss's cause; a narrow
+    spread says the miss is no run's accident). '' for a row of one run."""
+    repeats = row.get("repeats") or ()
+    if len(repeats) < 2 or not row.get("sync_s_median"):
+        return ""
+    return (f"{len(repeats)} runs spread {(max(repeats) - min(repeats)) / row['sync_s_median'] * 100:.0f} %"
+            + (", the prediction inside them" if within_runs(row) else ""))
+
+
 def within_runs(row: dict[str, Any]) -> bool:
     """Whether the row's prediction lies between the fastest and the slowest of its runs (a row
     of several, ``repeats``): a miss the machine's own spread covers."""
@@ -428,7 +434,7 @@ def misses(row: dict[str, Any]) -> str:
         missed.append(f"bound ratio < {BOUND_TARGET:g}")
     if row.get("model_error") is not None and abs(row["model_error"]) > MODEL_ERROR_TARGET:
         missed.append(f"model error beyond ±{MODEL_ERROR_TARGET * 100:.0f} %")
-    cause = measured_cause(row) if missed else ""
+    cause = "; ".join(c for c in (run_spread(row), measured_cause(row)) if c) if missed else ""
     return "; ".join(missed) + (f" ({cause})" if cause else "")
 
 
