@@ -234,7 +234,8 @@ def above_bound(model: CostModel, name: str, kwargs: dict[str, Any], inputs: pla
     """Where the model puts ``priced``'s sync above its bound, in seconds per step: the
     per-phase latency (``latency_s``), TCP's sharing of the links -- one flow's goodput, the
     loss of flows together, a greedy flow's queue (``tcp_s``) -- and the CPU work, net of what
-    runs beside the wire (``cpu_s``): the prediction again without each, in that order."""
+    runs beside the wire (``cpu_s``): the prediction again without each, in that order, before
+    any compute hides part of it (they sum to ``priced.sync_s - priced.bound_s``)."""
     no_latency = plan.price(dataclasses.replace(model, alpha_s=0.0), name, kwargs, inputs).sync_s
     ideal = plan.price(dataclasses.replace(model, alpha_s=0.0, tcp=IDEAL), name, kwargs, inputs).sync_s
     return {"latency_s": priced.sync_s - no_latency, "tcp_s": no_latency - ideal, "cpu_s": ideal - priced.bound_s}
