@@ -9,8 +9,7 @@ bound ratio, model error).
 ``repeat`` runs a profile's cells that many times, one run after another: each row is then the
 run whose sync time is the median of its runs' (its other fields -- *vs DDP*, model error, CPU
 busy -- that run's own), with every run's time beside it (``repeats``; the table shows their
-range). This machine is a shared VM: the same cell measured minutes apart differs by more than
-a run's steps do (``docs/benchmarks.md``), so one run is one draw.
+range): on a shared machine one run is one draw (``docs/benchmarks.md``).
 
 Resumable: a cell (profile × strategy) whose row is already in ``OUT/<profile>.json`` with
 status ``ok`` is skipped; the rest of that profile runs again, with ``ddp`` beside. The
@@ -393,9 +392,9 @@ def measured_cause(row: dict[str, Any]) -> str:
         causes.append(f"{row['uplink_drops']:.0f} uplink drops/step")
     above = row.get("priced_above_bound")
     if above and row.get("bound_ratio") is not None and row["bound_ratio"] < BOUND_TARGET:
-        terms = sorted(((s, label) for label, s in (("TCP sharing", above["tcp_s"]), ("latency", above["latency_s"]),
-                                                    ("CPU", above["cpu_s"])) if s >= 0.01 * row["sync_s_median"]),
-                       reverse=True)
+        terms = sorted(((above[key], label) for key, label in (("tcp_s", "TCP sharing"), ("latency_s", "latency"),
+                                                               ("cpu_s", "CPU"))
+                        if above[key] >= 0.01 * row["sync_s_median"]), reverse=True)
         if terms:
             causes.append("priced above the bound: " + ", ".join(f"{label} {s:.3g} s" for s, label in terms))
     by_host = (row.get("nic_bytes_by_host") or {}).values()
@@ -423,6 +422,12 @@ def within_runs(row: dict[str, Any]) -> bool:
     of several, ``repeats``): a miss the machine's own spread covers."""
     repeats, predicted = row.get("repeats") or (), row.get("predicted_s")
     return len(repeats) > 1 and predicted is not None and min(repeats) <= predicted <= max(repeats)
+
+
+def explained(row: dict[str, Any]) -> bool:
+    """Whether a measured row's miss has a cause in its *misses* text: something measured beside
+    it (``measured_cause``), or its runs' range holding the prediction (``within_runs``)."""
+    return bool(measured_cause(row)) or within_runs(row)
 
 
 def misses(row: dict[str, Any]) -> str:
