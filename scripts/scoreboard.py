@@ -62,7 +62,9 @@ def section(reports: list[dict[str, Any]]) -> str:
             "below the bound's target, what the model "
             "prices above the bound (TCP's sharing of the links, the per-phase latency, the CPU work, each measured "
             f"on its own: `docs/design-notes.md`). {len(missing) - len(uncaused)} of the {len(missing)} misses name "
-            "one.", ""]
+            "one. Where the model is pessimistic on a row that meets the bound's target, the miss also says how much "
+            "it prices above the bound against what was measured above it, and in which terms: where its excess "
+            "sits, not a cause.", ""]
     planner = ["", "### The planner against these measurements", "",
                "What `syncplane plan` would pick among the measured rows (the fastest predicted of each class) "
                "against the fastest measured:", "", planner_table(reports)]

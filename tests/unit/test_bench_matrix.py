@@ -191,8 +191,11 @@ def test_a_stop_in_a_later_run_keeps_the_runs_so_far(tmp_path, monkeypatch):
     monkeypatch.setattr(matrix, "run_bench", FakeBench(interrupt="awc", interrupt_call=1, slower=(1.0, 2.0)))
     with pytest.raises(KeyboardInterrupt):
         run_matrix(dataclasses.replace(settings(tmp_path, ["atc", "awc"]), repeat=3))
-    rows = {r["strategy"]: r for r in json.loads((tmp_path / "fake_racks.json").read_text())["results"]}
+    report = json.loads((tmp_path / "fake_racks.json").read_text())
+    rows = {r["strategy"]: r for r in report["results"]}
     assert rows["atc"]["repeats"] == pytest.approx([0.2, 0.4]) and rows["awc"]["repeats"] == pytest.approx([0.8])
+    assert report["meta"]["stopped"] == "stopped in run 2 of 3"              # the heading says how far it got
+    assert "(stopped in run 2 of 3)" in (tmp_path / "fake_racks.md").read_text().splitlines()[2]
 
 
 def test_a_resumed_profile_says_its_rows_come_from_several_runs():
@@ -383,7 +386,14 @@ def test_what_the_model_prices_above_the_bound_adds_up_and_names_a_bound_miss() 
     assert ddp["priced_above_bound"]["cpu_s"] == pytest.approx(0.0) and diloco["priced_above_bound"]["cpu_s"] > 0
     tcp = ddp["priced_above_bound"]["tcp_s"]
     assert matrix.misses({**ddp, "bound_ratio": 0.5}).endswith(f"(priced above the bound: TCP sharing {tcp:.3g} s)")
-    assert "priced above" not in matrix.misses({**ddp, "bound_ratio": 0.9, "model_error": 0.5})
+    assert "priced above" not in matrix.misses({**ddp, "bound_ratio": 0.9, "model_error": -0.5})
+    # a pessimistic model on a row that meets the bound: where its excess sits, not counted as a cause
+    pessimistic = {**ddp, "bound_ratio": 0.9, "sync_s_median": ddp["bound_s"] + 0.01,
+                   "model_error": ddp["predicted_s"] / (ddp["bound_s"] + 0.01) - 1}
+    gap = ddp["predicted_s"] - ddp["bound_s"]
+    assert f"priced {gap:.3g} s above the bound where 0.01 s was measured: TCP sharing {tcp:.3g} s" in \
+        matrix.misses(pessimistic)
+    assert not matrix.explained(pessimistic)
 
 
 def test_the_machines_cpu_shares_come_from_proc_stat_ticks():

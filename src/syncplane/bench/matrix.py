@@ -237,7 +237,8 @@ def run_profile(profile: ClusterProfile, settings: MatrixSettings, progress: Any
             report, rows = _run_once(profile, settings, pending, report, progress, task)
         except _Stopped as stopped:
             runs.append(stopped.rows)
-            _write_profile(path, profile, settings, existing, report, median_rows(runs))
+            _write_profile(path, profile, settings, existing, report, median_rows(runs),
+                           stopped=f"stopped in run {len(runs)} of {settings.repeat}")
             raise stopped.cause from None
         runs.append(rows)
     return _write_profile(path, profile, settings, existing, report, median_rows(runs))
@@ -313,15 +314,16 @@ def _run_once(profile: ClusterProfile, settings: MatrixSettings, pending: list[s
 
 
 def _write_profile(path: Path, profile: ClusterProfile, settings: MatrixSettings, existing: dict[str, Any] | None,
-                   report: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge ``rows`` into the profile's report and write its JSON, table and chart."""
+                   report: dict[str, Any], rows: list[dict[str, Any]], stopped: str = "") -> dict[str, Any]:
+    """Merge ``rows`` into the profile's report and write its JSON, table and chart; ``stopped``:
+    how far a stopped run got (kept in its ``meta``, said in the table's heading)."""
     created = time.strftime("%Y-%m-%dT%H:%M:%S")
     merged = {**(existing or {}), **{k: v for k, v in report.items() if k != "results"},
               "cluster": profile.name, "world_size": profile.world_size, "payload_bytes": settings.payload_bytes,
               "compute_ms": settings.compute_ms, "steps": report.get("steps", settings.steps),
               "results": merge_rows(existing, rows, ["ddp", *settings.strategies])}
     run = {"created": created, "commit": git_commit(Path(__file__).parent), "machine": machine(),
-           "command": settings.command}
+           "command": settings.command, **({"stopped": stopped} if stopped else {})}
     merged["meta"] = {**run, "runs": [*run_history((existing or {}).get("meta", {})), run]}
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=2) + "\n")
@@ -390,13 +392,9 @@ def measured_cause(row: dict[str, Any]) -> str:
                           f"more than the {gap:.2f} s above the bound")
     if row.get("uplink_drops"):
         causes.append(f"{row['uplink_drops']:.0f} uplink drops/step")
-    above = row.get("priced_above_bound")
-    if above and row.get("bound_ratio") is not None and row["bound_ratio"] < BOUND_TARGET:
-        terms = sorted(((above[key], label) for key, label in (("tcp_s", "TCP sharing"), ("latency_s", "latency"),
-                                                               ("cpu_s", "CPU"))
-                        if above[key] >= 0.01 * row["sync_s_median"]), reverse=True)
-        if terms:
-            causes.append("priced above the bound: " + ", ".join(f"{label} {s:.3g} s" for s, label in terms))
+    terms = _above_bound_terms(row)
+    if terms and row.get("bound_ratio") is not None and row["bound_ratio"] < BOUND_TARGET:
+        causes.append("priced above the bound: " + terms)
     by_host = (row.get("nic_bytes_by_host") or {}).values()
     several = [nics for nics in by_host if len(nics) > 1 and sum(nics.values())]
     if several and all(len(nics) > 1 for nics in by_host):
@@ -404,6 +402,30 @@ def measured_cause(row: dict[str, Any]) -> str:
         if busiest >= ONE_NIC:
             causes.append(f"one NIC of {max(len(n) for n in several)} sent {busiest * 100:.0f} % of a host's bytes")
     return "; ".join(causes)
+
+
+def _above_bound_terms(row: dict[str, Any]) -> str:
+    """The terms of ``runner.above_bound`` kept in the row, largest first, each of at least 1 %
+    of the measurement ('' when none)."""
+    above = row.get("priced_above_bound")
+    if not above or not row.get("sync_s_median"):
+        return ""
+    terms = sorted(((above[key], label) for key, label in (("tcp_s", "TCP sharing"), ("latency_s", "latency"),
+                                                           ("cpu_s", "CPU"))
+                    if above[key] >= 0.01 * row["sync_s_median"]), reverse=True)
+    return ", ".join(f"{label} {s:.3g} s" for s, label in terms)
+
+
+def overpriced(row: dict[str, Any]) -> str:
+    """Where the model is pessimistic beyond its target on a row that meets the bound's: how much
+    it prices above the bound against what was measured above it, and in which terms -- where
+    its excess sits, not a measured cause ('' otherwise)."""
+    if ((row.get("model_error") or 0.0) <= MODEL_ERROR_TARGET or row.get("bound_s") is None
+            or (row.get("bound_ratio") or 0.0) < BOUND_TARGET):      # a bound miss names its terms already
+        return ""
+    terms = _above_bound_terms(row)
+    return (f"priced {row['predicted_s'] - row['bound_s']:.3g} s above the bound where "
+            f"{row['sync_s_median'] - row['bound_s']:.3g} s was measured: {terms}") if terms else ""
 
 
 def run_spread(row: dict[str, Any]) -> str:
@@ -439,7 +461,7 @@ def misses(row: dict[str, Any]) -> str:
         missed.append(f"bound ratio < {BOUND_TARGET:g}")
     if row.get("model_error") is not None and abs(row["model_error"]) > MODEL_ERROR_TARGET:
         missed.append(f"model error beyond ±{MODEL_ERROR_TARGET * 100:.0f} %")
-    cause = "; ".join(c for c in (run_spread(row), measured_cause(row)) if c) if missed else ""
+    cause = "; ".join(c for c in (run_spread(row), measured_cause(row), overpriced(row)) if c) if missed else ""
     return "; ".join(missed) + (f" ({cause})" if cause else "")
 
 
@@ -554,7 +576,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     shown = [run for run in history if run.get("created") in measured] or history
     made = [f"{run.get('created', '?')}, commit `{run.get('commit') or '?'}`"
             + (f", {run['machine']}" if run.get("machine") else "") + f": `{run.get('command', '?')}`"
-            for run in shown]
+            + (f" ({run['stopped']})" if run.get("stopped") else "") for run in shown]
     if len(shown) < len(history):
         made[-1] += (f" ({len(history) - len(shown)} earlier run(s) hold no row now: every row of theirs was "
                      "measured again; the JSON's meta.runs lists them)")
