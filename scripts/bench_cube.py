@@ -106,11 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         times = json.loads(result.read_text())
     model = CostModel(profile)
     ratio = sketch_ratio(25 * 2**20 // 4, profile.world_size * profile.bcube.beta)
-    ranks = direct_ranks(profile)
-    direct = [[(ranks[src], ranks[dst], b) for src, dst, b in phase]
-              for phase in ring_allreduce(profile.world_size, payload)]
     bounds = {"gloo_ring": model.bound(ring_allreduce(profile.world_size, payload)),
-              "gloo_ring_direct": model.bound(direct),
+              "gloo_ring_direct": model.bound(ring_allreduce(profile.world_size, payload, ranks=direct_ranks(profile))),
               "cube_fp32": model.bound(cube_cost(profile, payload)),
               "cube_sketch": model.bound(cube_cost(profile, payload * ratio))}
     network = allreduce_network_bound(profile, payload).seconds

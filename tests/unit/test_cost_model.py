@@ -299,3 +299,39 @@ def test_connections_given_as_streams_spread_over_the_nics_gloo_lists():
     assert scattered.pinned and set(scattered.copies.tolist()) == {2}
     flat = hierarchical_one_peer_steps(load_profile("two_racks"), 4 * M, CostOptions())[0][0]
     assert not flat.pinned             # one NIC a host: one flow a connection, as before
+
+
+def test_a_link_counts_only_the_streams_of_a_flow_that_cross_it():
+    """``bcube_3_2``: every rank sends M to the next as two streams pinned to NIC 0 and NIC 1.
+    A relayed flow's streams take different routes, so a relay's NIC carries one stream of its
+    own flow and one of the relayed one: two TCP flows, not the four that counting each flow's
+    streams on every link it touches gave."""
+    from syncplane.cluster.cost import EMULATED_TCP, pinned_streams
+
+    ranks = np.arange(9)
+    phase = pinned_streams(ranks, (ranks + 1) % 9, M, 2)
+    model = CostModel(load_profile("bcube_3_2"), alpha_s=0.0, tcp=EMULATED_TCP)
+    two_flows = float(EMULATED_TCP.factor(np.array([2.0]), np.array([100 * MBIT]))[0])
+    assert model.time([phase]) == pytest.approx(model.bound([phase]) / two_flows)
+
+
+@pytest.mark.parametrize("profile_name", ["bcube_3_2", "multi_nic", "two_racks"])
+def test_a_collectives_ring_steps_pay_no_per_flow_loss(profile_name):
+    """DDP's ring (``ring_allreduce``: ``FlowArray.lockstep``) sends each step after the previous
+    one arrived. On ``bcube_3_2`` two of its flows share each relay's NIC, and it measured at
+    0.91 of its bound (2026-11-29) where the per-flow loss priced it 1.23x the bound: its steps
+    get one flow's goodput; the same flows sent at once (long flows) pay the loss there."""
+    from syncplane.algorithms.ddp import ddp_cost
+    from syncplane.cluster.cost import EMULATED_TCP, FlowArray
+
+    profile = load_profile(profile_name)
+    model = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP)
+    phases = ddp_cost("ddp", profile, 100 * 2**20, CostOptions())[0]
+    assert all(p.lockstep for p in phases)
+    one_flow = float(EMULATED_TCP.factor(np.array([1.0]), np.array([100 * MBIT]))[0])
+    assert model.time(phases) == pytest.approx(model.bound(phases) / one_flow)
+    at_once = model.time([FlowArray(p.src, p.dst, p.nbytes, p.copies, pinned=p.pinned) for p in phases])
+    if profile.bcube:
+        assert at_once == pytest.approx(model.time(phases) * 1.06)        # two flows on the busiest NICs
+    else:
+        assert at_once == pytest.approx(model.time(phases))                # one flow a link: no loss to lose

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -91,6 +91,11 @@ class FlowArray:
     #: own op: they spread over a host's NICs (min(flows, k)) and pay no ``LinkTcp`` per-flow
     #: loss (measured, ``EMULATED_TCP``'s note)
     chunked: bool = False
+    #: the flows are one step of a collective that goes step by step, each step's send after
+    #: the previous step's arrival (a ring's reduce-scatter and all-gather in gloo): they pay no
+    #: ``LinkTcp`` per-flow loss, as a pipeline's chunks (measured, ``EMULATED_TCP``'s note),
+    #: but keep their NICs
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         if self.copies is None:
@@ -207,6 +212,9 @@ IDEAL = LinkTcp()
 #: more per phase; a 1-byte TCP ping-pong a0 -> b0 took 3.3 ms against 0.19. Unmodelled, it priced
 #: torch's PowerSGD there at 1.045 s against 1.41-1.89 measured in three runs: its step is a chain
 #: of small all-reduces, one after the other.
+#: A ring's steps (``FlowArray.lockstep``) pay no per-flow loss (2026-11-29, ``bcube_3_2``, ResNet-50):
+#: DDP's ring, two of its flows on each relay's NIC, ran at 0.91 of its bound where the loss of two
+#: flows priced 1.23x (the old count, four, 1.37x); DS-Sync's groups of three and fp16's ring alike.
 EMULATED_TCP = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=True,
                        goodput_by_mbit=((100.0, 0.86), (200.0, 0.957), (400.0, 0.963), (1000.0, 0.969)),
                        loss_flows=6, queue_s=5.2e-3)
@@ -377,11 +385,13 @@ class CostModel:
     def batch_phase_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                           num_phases: int, copies: np.ndarray | None = None,
                           alpha_s: float | None = None, pinned: np.ndarray | None = None,
-                          tcp: LinkTcp | None = None, chunked: np.ndarray | None = None) -> np.ndarray:
+                          tcp: LinkTcp | None = None, chunked: np.ndarray | None = None,
+                          lockstep: np.ndarray | None = None) -> np.ndarray:
         """The time of each of ``num_phases`` phases whose flows are given as columns
         (flow i belongs to phase ``phase[i]``; ``copies[i]`` identical flows, default 1;
         ``pinned[i]`` > 0: they are that many streams pinned to NICs, ``FlowArray.pinned``;
-        ``chunked[i]``: a pipeline's chunk, ``FlowArray.chunked``).
+        ``chunked[i]``: a pipeline's chunk, ``FlowArray.chunked``; ``lockstep[i]``: a step of a
+        collective, ``FlowArray.lockstep``).
 
         The formula of the module docstring, vectorized: per (phase, link) the bytes and
         flows are summed (in flow order, as the per-flow loop did), each link's time is its
@@ -394,9 +404,10 @@ class CostModel:
         copies = np.ones(len(src), dtype=np.int64) if copies is None else copies
         pinned = np.zeros(len(src), dtype=np.int64) if pinned is None else pinned
         chunked = np.zeros(len(src), dtype=bool) if chunked is None else chunked
+        lockstep = np.zeros(len(src), dtype=bool) if lockstep is None else lockstep
         keep = (src != dst) & (nbytes > 0)
-        phase, src, dst, nbytes, copies, pinned, chunked = (
-            phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep], pinned[keep], chunked[keep])
+        phase, src, dst, nbytes, copies, pinned, chunked, lockstep = (
+            phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep], pinned[keep], chunked[keep], lockstep[keep])
         # a pipeline's chunks spread over a host's NICs; other unpinned flows share one (``LinkTcp``)
         flow, link, share_of_bytes = self._entries(src, dst, pinned, ~chunked & tcp.one_nic_unpinned)
         num_links = self._num_links
@@ -409,22 +420,27 @@ class CostModel:
             size = len(uniq)
         load = np.bincount(slot, weights=(nbytes * copies)[flow] * share_of_bytes, minlength=size)
         count = np.bincount(slot, weights=copies[flow], minlength=size)
+        # the TCP flows on a link: a flow whose streams take several routes (BCube's NICs) puts
+        # only its share of them on each (elsewhere every share is 1 and this is ``count``)
+        on_link = np.bincount(slot, weights=copies[flow] * share_of_bytes, minlength=size)
         streams = np.zeros(size, dtype=np.int64)
         np.maximum.at(streams, slot, pinned[flow])
-        chunks = np.zeros(size, dtype=bool)
+        chunks, lossless = np.zeros(size, dtype=bool), np.zeros(size, dtype=bool)
         np.logical_or.at(chunks, slot, chunked[flow])
+        np.logical_or.at(lossless, slot, (chunked | lockstep)[flow])
         used = np.flatnonzero(count > 0)
         keys = used if direct else uniq[used]
         links, owner = keys % num_links, keys // num_links
-        load, count, streams, chunks = load[used], count[used], streams[used], chunks[used]
+        load, count, on_link, streams = load[used], count[used], on_link[used], streams[used]
+        chunks, lossless = chunks[used], lossless[used]
         nics = self._nics[links]
         unpinned = np.where(chunks | (not tcp.one_nic_unpinned), np.minimum(nics, count), 1)
         spread = np.where(streams > 0, streams / np.maximum(np.ceil(streams / nics), 1), unpinned)
         capacity = self._capacity[links] * np.where(self._is_nic[links], spread, 1)
-        if tcp != IDEAL:       # the flows per NIC they are spread over share it; a pipeline's chunks lose nothing
-            flows = np.where(chunks, 1.0, count / np.where(self._is_nic[links], spread, 1))
+        if tcp != IDEAL:       # the flows per NIC they are spread over share it; chunks and steps lose nothing
+            flows = np.where(lossless, 1.0, on_link / np.where(self._is_nic[links], spread, 1))
             capacity = capacity * np.where(self._is_shaped[links], tcp.factor(flows, self._capacity[links]), 1.0)
-        share = count / (count + self._background[links])
+        share = on_link / (on_link + self._background[links])
         queued = np.zeros(num_phases, dtype=bool)
         queued[owner[self._queued[links]]] = True
         busiest = np.zeros(num_phases)
@@ -458,10 +474,10 @@ class CostModel:
         src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
         pinned = np.concatenate([np.where(p.pinned, c[3], 0) if isinstance(p, FlowArray) else np.zeros_like(c[3])
                                  for p, c in zip(distinct, columns)])
-        chunked = np.concatenate([np.full(len(c[0]), isinstance(p, FlowArray) and p.chunked)
-                                  for p, c in zip(distinct, columns)])
+        chunked, lockstep = (np.concatenate([np.full(len(c[0]), isinstance(p, FlowArray) and getattr(p, flag))
+                                             for p, c in zip(distinct, columns)]) for flag in ("chunked", "lockstep"))
         times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned,
-                                       tcp, chunked).tolist()
+                                       tcp, chunked, lockstep).tolist()
         return [times[i] for i in which]
 
     def phase_time(self, flows: Phase | Sequence[Flow], alpha_s: float | None = None) -> float:
@@ -498,18 +514,21 @@ def bucket_streams(buckets: int, nics: int) -> int:
     return min(buckets, nics) if buckets % nics == 0 else buckets
 
 
-def ring_allreduce(world_size: int, payload_bytes: float, streams: int = 1) -> list[Phase]:
-    """Reduce-scatter then all-gather around the ring 0→1→…→n−1→0: 2(n−1) phases of M/n;
+def ring_allreduce(world_size: int, payload_bytes: float, streams: int = 1,
+                   ranks: Sequence[int] | None = None) -> list[Phase]:
+    """Reduce-scatter then all-gather around the ring 0→1→…→n−1→0 (or around ``ranks``, n of
+    them): 2(n−1) phases of M/n, one step of the collective each (``FlowArray.lockstep``);
     ``streams`` > 1: as that many concurrent rings of M/streams pinned to NICs round-robin
     (``FlowArray.pinned``)."""
-    if world_size < 2:
+    ring = np.arange(world_size, dtype=np.int64) if ranks is None else np.asarray(ranks, dtype=np.int64)
+    if len(ring) < 2:
         return []
-    chunk = payload_bytes / world_size
+    src, dst, chunk = ring, np.roll(ring, -1), payload_bytes / len(ring)
     if streams > 1:
-        ranks = np.arange(world_size, dtype=np.int64)
-        return [pinned_streams(ranks, (ranks + 1) % world_size, chunk, streams) for _ in range(2 * (world_size - 1))]
-    step = [(r, (r + 1) % world_size, chunk) for r in range(world_size)]
-    return [list(step) for _ in range(2 * (world_size - 1))]
+        step = replace(pinned_streams(src, dst, chunk, streams), lockstep=True)
+    else:
+        step = FlowArray(src, dst, np.full(len(ring), chunk), lockstep=True)
+    return [step] * (2 * (len(ring) - 1))      # one object: the cost model evaluates the repeats once
 
 
 def neighbor_exchange(sends: dict[int, Sequence[int]], payload_bytes: float, streams: int = 1) -> list[Phase]:
@@ -544,8 +563,8 @@ def concurrent_group_allreduces(groups: Sequence[Sequence[int]], payload_bytes: 
         flows = nic_streams if len(g) > 2 else max(pair_streams, nic_streams)
         per_flow = 2 * (len(g) - 1) / len(g) * payload_bytes / phases / flows
         step += [(g[i], g[(i + 1) % len(g)], per_flow, flows) for i in range(len(g))]
-    if any(copies > 1 for *_, copies in step):
-        src, dst, nbytes, copies = (np.array(column) for column in zip(*step))
-        return [FlowArray(src.astype(np.int64), dst.astype(np.int64), nbytes.astype(np.float64),
-                          copies.astype(np.int64), pinned=copies > 1) for _ in range(phases)]
-    return [[(s, d, b) for s, d, b, _ in step] for _ in range(phases)]
+    src, dst, nbytes, copies = (np.array(column) for column in zip(*step))
+    # groups of more than two run gloo's ring, step by step; a pair swaps its buckets at once
+    flows = FlowArray(src.astype(np.int64), dst.astype(np.int64), nbytes.astype(np.float64), copies.astype(np.int64),
+                      pinned=copies > 1, lockstep=all(len(g) > 2 for g in rings))
+    return [flows] * phases        # one object: the cost model evaluates the repeats once

@@ -30,7 +30,6 @@ def hierarchical_allreduce_steps(name: str, profile: ClusterProfile, payload_byt
     all-reduce, broadcast back inside the host (three phases)."""
     leaders = [h.first_rank for h in profile.hosts]
     reduce_in = [(r, h.first_rank, payload_bytes) for h in profile.hosts for r in h.ranks if r != h.first_rank]
-    ring = [[(leaders[s], leaders[d], b) for s, d, b in phase]
-            for phase in ring_allreduce(len(leaders), payload_bytes)]
+    ring = ring_allreduce(len(leaders), payload_bytes, ranks=leaders)
     broadcast = [(d, s, b) for s, d, b in reduce_in]
     return [[p for p in [reduce_in, *ring, broadcast] if p]]
