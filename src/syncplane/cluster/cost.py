@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -130,12 +130,13 @@ def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 def pinned_streams(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | float, streams: int,
-                   chunked: bool = False) -> FlowArray:
+                   chunked: bool = False, lockstep: bool = False) -> FlowArray:
     """Each flow ``src[i] -> dst[i]`` of ``nbytes`` as ``streams`` streams of nbytes/streams
-    pinned to NICs round-robin (``FlowArray.pinned``)."""
+    pinned to NICs round-robin (``FlowArray.pinned``; ``chunked``, ``lockstep``: theirs)."""
     src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
     return FlowArray(src, dst, np.broadcast_to(np.asarray(nbytes, dtype=np.float64) / streams, src.shape).copy(),
-                     np.full(len(src), streams, dtype=np.int64), pinned=True, chunked=chunked)
+                     np.full(len(src), streams, dtype=np.int64), pinned=True, chunked=chunked,
+                     lockstep=lockstep)
 
 
 def per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0,
@@ -525,7 +526,7 @@ def ring_allreduce(world_size: int, payload_bytes: float, streams: int = 1,
         return []
     src, dst, chunk = ring, np.roll(ring, -1), payload_bytes / len(ring)
     if streams > 1:
-        step = replace(pinned_streams(src, dst, chunk, streams), lockstep=True)
+        step = pinned_streams(src, dst, chunk, streams, lockstep=True)
     else:
         step = FlowArray(src, dst, np.full(len(ring), chunk), lockstep=True)
     return [step] * (2 * (len(ring) - 1))      # one object: the cost model evaluates the repeats once
