@@ -108,3 +108,34 @@ def test_residuals_of_another_exchange_shape_are_not_loaded(caplog):
     other = _Residuals([4])
     CanaryEngine([100, 50], 4, other).load_state_dict(saved)
     assert other.loaded == [] and "residuals start from zero" in caplog.text
+
+
+class _CountingTransport:
+    """Averages nothing: records the slices the engine hands over."""
+
+    lanes, streams, exchange = 1, 1, None
+
+    def __init__(self) -> None:
+        self.slices: list[tuple[int, int]] = []
+
+    def allreduce_mean_(self, flat, meter=None, *, offset=0, total=None):  # type: ignore[no-untyped-def]
+        self.slices.append((offset, flat.numel()))
+        return True
+
+
+def test_the_bench_cuts_its_payload_into_colayers_of_bucket_cap_mb(monkeypatch):
+    """The bench's row runs the colayer size it names (the cost model prices that size)."""
+    import torch
+
+    from syncplane.algorithms.canary import bench
+    from syncplane.comm import CommMeter
+
+    transport = _CountingTransport()
+    monkeypatch.setattr(bench, "make_transport", lambda config, job: transport)
+    monkeypatch.setattr(bench.dist, "get_world_size", lambda: 2)
+    step = bench.CanaryStep({"bucket_cap_mb": 1}, job=None)  # type: ignore[arg-type]
+    step(torch.zeros(3 * 2**18 + 5), 0, CommMeter())
+    per = 2**18                                             # 1 MiB of fp32
+    assert transport.slices == [(0, per), (per, per), (2 * per, per), (3 * per, 5)]
+    default = bench.CanaryStep({}, job=None)  # type: ignore[arg-type]
+    assert default.config.bucket_bytes == CanaryConfig().bucket_bytes == 25 * 2**20

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncplane.comm import ErrorFeedback, Fp32, Int8Blockwise, make_codec, shard_bounds
+from syncplane.comm import (ChunkedTopK, ErrorFeedback, Fp32, GradientSketch, Int8Blockwise, make_codec,
+                            shard_bounds)
+from syncplane.comm.codecs import Undo
 
 
 def _tensors(n: int = 5000, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -85,6 +87,61 @@ def test_error_feedback_slices_and_restore(test_seed):
     feedback.compress(torch.randn(10, generator=g), offset=10)
     feedback.restore(saved, 10)
     assert torch.equal(feedback.residual[10:], torch.zeros(10)) and torch.equal(feedback.residual[:10], kept)
+
+
+CODECS = [Fp32(), Int8Blockwise(64), GradientSketch(), ChunkedTopK(density=0.05, bits=4, chunk=512)]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: type(c).__name__)
+def test_extract_into_a_buffer_gives_the_same_bits(codec, test_seed):
+    """``extract(out=)`` writes into the caller's buffer what ``extract`` returns, whatever the
+    buffer held before, and refuses a buffer of the wrong size or type."""
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(test_seed))
+    data = codec.compress(x)
+    out = torch.full((3000,), float("nan"))
+    assert codec.extract(data, 3000, out=out) is out
+    assert torch.equal(out, codec.extract(data, 3000))
+    for bad in (torch.empty(2999), torch.empty(3000, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="out must be a contiguous 1-D float32 tensor of 3000 values"):
+            codec.extract(data, 3000, out=bad)
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.9])
+@pytest.mark.parametrize("codec", CODECS[1:], ids=lambda c: type(c).__name__)
+def test_error_feedback_in_place_is_its_definition_bit_for_bit(codec, beta, test_seed):
+    """``e <- (β·e + x) - extract(compress(β·e + x))``, computed out of place here, equals the
+    in-place update over several rounds and slices."""
+    g = torch.Generator().manual_seed(test_seed)
+    feedback, e = ErrorFeedback(codec, 4000, beta), torch.zeros(4000)
+    for offset, n in [(0, 4000), (1000, 2000), (0, 4000), (3000, 1000)]:
+        x = torch.randn(n, generator=g)
+        wanted = (e[offset:offset + n] if beta == 1.0 else e[offset:offset + n] * beta) + x
+        expected = codec.compress(wanted)
+        e[offset:offset + n] = wanted - codec.extract(expected, n)
+        assert torch.equal(feedback.compress(x, offset), expected)
+        assert torch.equal(feedback.residual, e)
+
+
+def test_undo_puts_back_exactly_what_a_round_overwrote(test_seed):
+    """An ``Undo`` saves each slice just before a compression overwrites it (overlaps too) and
+    restores them all; a compression it did not record stays."""
+    g = torch.Generator().manual_seed(test_seed)
+    a, b = ErrorFeedback(Int8Blockwise(8), 100), ErrorFeedback(Int8Blockwise(8), 100)
+    for f in (a, b):
+        f.compress(torch.randn(100, generator=g))
+    before_a, before_b = a.residual.clone(), b.residual.clone()
+    undo = Undo()
+    ra, rb = undo.recording(a), undo.recording(b)
+    ra.compress(torch.randn(40, generator=g), offset=10)
+    ra.compress(torch.randn(40, generator=g), offset=30)       # overlaps the first slice
+    rb.compress(torch.randn(20, generator=g), offset=80)
+    assert not torch.equal(a.residual, before_a) and not torch.equal(b.residual, before_b)
+    undo.restore()
+    assert torch.equal(a.residual, before_a) and torch.equal(b.residual, before_b)
+    a.compress(torch.randn(10, generator=g))
+    kept = a.residual.clone()
+    undo.restore()                                             # nothing recorded since
+    assert torch.equal(a.residual, kept)
 
 
 def test_bad_codec_inputs_name_the_value():

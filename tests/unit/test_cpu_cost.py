@@ -65,11 +65,11 @@ def test_a_broken_cache_is_measured_again(tmp_path):
 
 def test_seconds_is_elements_times_rates_times_sharing_and_names_a_missing_rate():
     work = cpu.feedback_encoded(INT8, 100) + CpuWork.adds(50)
-    assert work.elements == {encode_op(INT8): 100, decode_op(INT8): 100, ADD: 250}
+    assert work.elements == {encode_op(INT8): 100, decode_op(INT8): 100, ADD: 350}
     rates = CpuRates({encode_op(INT8): 3.0, decode_op(INT8): 2.0, ADD: 1.0})
-    assert rates.seconds(work) == pytest.approx(300 + 200 + 250)
-    assert rates.shared(4).seconds(work) == pytest.approx(4 * 750)
-    assert rates.shared(0.5).seconds(work) == pytest.approx(750)        # a core per rank at most
+    assert rates.seconds(work) == pytest.approx(300 + 200 + 350)
+    assert rates.shared(4).seconds(work) == pytest.approx(4 * 850)
+    assert rates.shared(0.5).seconds(work) == pytest.approx(850)        # a core per rank at most
     with pytest.raises(KeyError, match="encode:ChunkedTopK"):
         rates.seconds(cpu.coded(SPARSE, 1, 1))
 
@@ -79,7 +79,7 @@ def test_exchange_work_follows_what_each_exchange_runs():
     # the nested exchange on hosts of 2 in 2 racks, the in-host level exact: only the rack
     # level's half of the held values and the owned mean are encoded; every piece decoded at the end
     nested = digit.nested_cpu_work([2, 2], m, SPARSE, exact_levels=[0]).elements
-    assert nested == {encode_op(SPARSE): 500, decode_op(SPARSE): 1750, ADD: 3750}
+    assert nested == {encode_op(SPARSE): 500, decode_op(SPARSE): 1750, ADD: 4250}
     assert digit.cube_cpu_work(3, 2, m, SPARSE).elements == digit.nested_cpu_work([3, 3], m, SPARSE).elements
     # the gather decodes all n pieces, each a pass over the buffer
     assert gather.cpu_work(4, m, SPARSE).elements[decode_op(SPARSE)] == 1000 + 4 * 1000

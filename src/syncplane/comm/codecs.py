@@ -3,7 +3,8 @@
 A codec is a small value (hashable, comparable, no state): ``compress(x)`` returns a
 ``uint8`` tensor whose length ``nbytes(x.numel())`` depends only on the element count
 (so a receiver can allocate before anything arrives), and ``extract(data, numel)``
-returns the fp32 values it stands for. Lossy codecs are paired with
+returns the fp32 values it stands for (``out=``: written into a buffer of ``numel`` values
+the caller keeps, so a hot path neither allocates nor copies again). Lossy codecs are paired with
 ``ErrorFeedback``, which keeps what was lost and adds it to the next message so that
 nothing is dropped for good (the sum over rounds of what was sent tracks the sum of
 what should have been sent).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -52,9 +54,10 @@ class Fp32:
         _check_fp32(x)
         return x.contiguous().view(torch.uint8)
 
-    def extract(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+    def extract(self, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_bytes(data, self.nbytes(numel))
-        return data.view(torch.float32)
+        values = data.view(torch.float32)
+        return values if out is None else _into(out, values)
 
 
 @dataclass(frozen=True)
@@ -95,15 +98,16 @@ class Int8Blockwise:
         out[nb * FP32_BYTES:].view(torch.int8).copy_(q.view(-1)[:n])
         return out
 
-    def extract(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+    def extract(self, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_bytes(data, self.nbytes(numel))
         nb = self.blocks(numel)
         if numel == 0:
-            return torch.empty(0, dtype=torch.float32, device=data.device)
+            return torch.empty(0, dtype=torch.float32, device=data.device) if out is None else out
         scales = data[: nb * FP32_BYTES].view(torch.float32)
         q = torch.zeros(nb * self.block, dtype=torch.float32, device=data.device)
         q[:numel] = data[nb * FP32_BYTES:].view(torch.int8).to(torch.float32)
-        return (q.view(nb, self.block) * scales[:, None]).view(-1)[:numel]
+        values = (q.view(nb, self.block) * scales[:, None]).view(-1)[:numel]
+        return values if out is None else _into(out, values)
 
 
 @dataclass(frozen=True)
@@ -147,9 +151,11 @@ class GradientSketch:
         flat = x.reshape(-1).contiguous()
         return kernels.sketch_encode(flat, self.exact_count(flat.numel()), self.sample, self.quantile_weight)
 
-    def extract(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+    def extract(self, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_bytes(data, self.nbytes(numel))
-        return kernels.sketch_decode(data.contiguous(), self.exact_count(numel), numel)
+        if out is not None:
+            _check_out(out, numel)
+        return kernels.sketch_decode(data.contiguous(), self.exact_count(numel), numel, out)
 
 
 @dataclass(frozen=True)
@@ -185,9 +191,12 @@ class ChunkedTopK:
         _check_fp32(x)
         return kernels.sparse_encode(x.reshape(-1).contiguous(), self.k, self.chunk, self.bits)
 
-    def extract(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+    def extract(self, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_bytes(data, self.nbytes(numel))
-        out = torch.zeros(numel, dtype=torch.float32, device=data.device)
+        if out is None:
+            out = torch.zeros(numel, dtype=torch.float32, device=data.device)
+        else:
+            _check_out(out, numel).zero_()
         return self.decode_add([data], out)
 
     def decode_add(self, payloads: list[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -247,11 +256,14 @@ class ErrorFeedback:
         if offset < 0 or end > self.residual.numel():
             raise ValueError(f"slice [{offset}, {end}) is outside the error-feedback buffer of "
                              f"{self.residual.numel()} values")
+        # in place: the slice becomes β·e + x, is encoded, and keeps what the encoding lost
+        # (the same fp32 operations as out of place, without two temporaries and a copy)
         residual = self.residual[offset:end]
-        kept = residual if self.beta == 1.0 else residual * self.beta
-        wanted = kept + x.reshape(-1).to(residual.device)
-        data = self.codec.compress(wanted)
-        residual.copy_(wanted - self.codec.extract(data, wanted.numel()))
+        if self.beta != 1.0:
+            residual.mul_(self.beta)
+        residual.add_(x.reshape(-1).to(residual.device))
+        data = self.codec.compress(residual)
+        residual.sub_(self.codec.extract(data, residual.numel()))
         return data
 
     def snapshot(self, offset: int = 0, numel: int | None = None) -> torch.Tensor:
@@ -276,6 +288,46 @@ class ErrorFeedback:
         self.residual.copy_(residual)
 
 
+class Feedback(Protocol):
+    """What an exchange compresses through: an ``ErrorFeedback``, or one an ``Undo`` records."""
+
+    def compress(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor: ...
+
+
+class Undo:
+    """What a round's compressions changed in error feedback, to put back if the round is
+    discarded: each compression saves the slice it is about to overwrite, so a round copies
+    the residuals it touches and no others (not every slot's whole span up front).
+
+    ``recording(feedback)`` is ``feedback`` with its compressions recorded here."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[ErrorFeedback, int, torch.Tensor]] = []
+
+    def recording(self, feedback: ErrorFeedback) -> _Recorded:
+        return _Recorded(feedback, self)
+
+    def save(self, feedback: ErrorFeedback, offset: int, numel: int) -> None:
+        self._saved.append((feedback, offset, feedback.snapshot(offset, numel)))
+
+    def restore(self) -> None:
+        """Every slice as it was before the round (latest first, so overlaps end at the oldest)."""
+        for feedback, offset, saved in reversed(self._saved):
+            feedback.restore(saved, offset)
+        self._saved.clear()
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    feedback: ErrorFeedback
+    undo: Undo
+
+    def compress(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        if not isinstance(self.feedback.codec, Fp32):
+            self.undo.save(self.feedback, offset, x.numel())
+        return self.feedback.compress(x, offset)
+
+
 def _check_fp32(x: torch.Tensor) -> None:
     if x.dtype != torch.float32:
         raise TypeError(f"codecs take float32 tensors, got {x.dtype}")
@@ -284,3 +336,14 @@ def _check_fp32(x: torch.Tensor) -> None:
 def _check_bytes(data: torch.Tensor, expected: int) -> None:
     if data.dtype != torch.uint8 or data.numel() != expected:
         raise ValueError(f"expected {expected} bytes (uint8), got {data.numel()} of {data.dtype}")
+
+
+def _check_out(out: torch.Tensor, numel: int) -> torch.Tensor:
+    if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != numel or not out.is_contiguous():
+        raise ValueError(f"extract: out must be a contiguous 1-D float32 tensor of {numel} values, got "
+                         f"{out.dtype} shape {tuple(out.shape)}")
+    return out
+
+
+def _into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return _check_out(out, values.numel()).copy_(values)

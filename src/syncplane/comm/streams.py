@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
+from syncplane.comm.codecs import Codec, ErrorFeedback, Feedback, Fp32, Undo
 from syncplane.comm.context import directed
 from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.p2p import wait_works
@@ -67,7 +67,7 @@ class Round:
     flat: torch.Tensor
     offset: int                  # where ``flat`` starts in the logical buffer (error feedback positions)
     codec: Codec
-    feedback: tuple[ErrorFeedback, ...]
+    feedback: tuple[Feedback, ...]
     rank: int
     size: int
     groups: list[tuple[dist.ProcessGroup, dist.ProcessGroup]]
@@ -220,9 +220,9 @@ class StreamRunner:
         total = flat.numel() if total is None else total
         if offset < 0 or offset + flat.numel() > total:
             raise ValueError(f"slice [{offset}, {offset + flat.numel()}) is outside a buffer of {total} values")
-        feedback = self._error_feedback(total)
-        # only the slice this round touches: a round that fails puts it back
-        saved = [f.snapshot(offset, flat.numel()) for f in feedback] if not isinstance(self.codec, Fp32) else None
+        # the residuals this round overwrites are saved as it goes: a round that fails puts them back
+        undo = Undo()
+        feedback = tuple(undo.recording(f) for f in self._error_feedback(total))
         round_ = Round(flat, offset, self.codec, feedback, self.rank, self.size, list(self._groups),
                        time.monotonic() + self.timeout_s, self.profile, self._inflight, self._workspace)
         start = time.perf_counter()
@@ -244,9 +244,7 @@ class StreamRunner:
                 flat.copy_(out)
             self._inflight.clear()
             return True
-        if saved is not None:
-            for f, s in zip(feedback, saved):
-                f.restore(s, offset)
+        undo.restore()
         self.failures += 1
         self._rebuild()
         self._inflight.clear()

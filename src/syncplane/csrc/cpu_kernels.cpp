@@ -22,6 +22,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "sparse_layout.h"
 
 namespace {
@@ -168,6 +172,16 @@ namespace sketch {
 
 constexpr int kBuckets = 256;
 constexpr int64_t kHeader = kBuckets * 4;
+
+// llrint under the default rounding mode (to nearest, ties to even), inlined: glibc's
+// llrint is a call through the PLT, and the encode loop paid it for every value.
+inline int64_t round_to_int64(double v) {
+#if defined(__SSE2__)
+  return _mm_cvtsd_si64(_mm_set_sd(v));
+#else
+  return std::llrint(v);
+#endif
+}
 
 inline uint32_t abs_key(float v) {
   uint32_t bits;
@@ -378,7 +392,7 @@ void sketch_encode(const at::Tensor& x, int64_t k, int64_t sample, double quanti
         skip = next == exact.end() ? e : *next;
         continue;
       }
-      sum[code] += std::llrint(static_cast<double>(v) * to_fixed);
+      sum[code] += round_to_int64(static_cast<double>(v) * to_fixed);
       ++count[code];
     }
   });

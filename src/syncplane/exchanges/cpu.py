@@ -122,11 +122,12 @@ def coded(codec: Codec, encoded: float = 0.0, decoded: float = 0.0) -> CpuWork:
 
 
 def feedback_encoded(codec: Codec, elements: float) -> CpuWork:
-    """``ErrorFeedback.compress`` of ``elements``: add the residual, encode, decode what was
-    sent and keep the difference (two adds, one encode, one decode)."""
+    """``ErrorFeedback.compress`` of ``elements`` in a runner's round: the residuals saved (the
+    round's ``Undo``), the residual added, encoded, what was sent decoded and subtracted (three
+    adds, one encode, one decode)."""
     if isinstance(codec, Fp32):
         return CpuWork()
-    return coded(codec, elements, elements) + CpuWork.adds(2 * elements)
+    return coded(codec, elements, elements) + CpuWork.adds(3 * elements)
 
 
 @dataclass(frozen=True)
@@ -250,9 +251,7 @@ def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sha
     return CpuRates({op: mine[op] for op in sorted(wanted)}, sharing)
 
 
-
-def runner_work(codec: Codec, feedback_slots: int, elements: float) -> CpuWork:
-    """What ``StreamRunner.allreduce_mean_`` adds around an exchange: a copy of each
-    error-feedback slot's residuals (to undo a discarded round) and the copy of the result."""
-    snapshots = 0 if isinstance(codec, Fp32) else feedback_slots
-    return CpuWork.adds((snapshots + 1) * elements)
+def runner_work(elements: float) -> CpuWork:
+    """What ``StreamRunner.allreduce_mean_`` adds around an exchange: the copy of the result
+    (the residuals it saves to undo a discarded round are the exchange's: ``feedback_encoded``)."""
+    return CpuWork.adds(elements)

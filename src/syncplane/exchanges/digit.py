@@ -208,13 +208,18 @@ class DigitExchange:
                            for peer in step.recvs}
                 summed: dict[int, torch.Tensor] = {}
                 for j, p in enumerate(kept):
-                    acc: torch.Tensor | None = None
-                    for v in range(self.radices[step.level]):     # in digit order, own value in its place
-                        value = (partial[t][p] if v == mine
-                                 else wire.extract(decoded[sources[v]][j], size(t, p)))
-                        acc = (round.kept(("sum", k, t, p), value.numel(), value.dtype).copy_(value) if acc is None
-                               else acc.add_(value))
-                    assert acc is not None
+                    # in digit order, own value in its place; the first term is decoded (or
+                    # copied) straight into the sum, later ones into a scratch buffer (fp32: a view)
+                    acc = round.kept(("sum", k, t, p), size(t, p), flat.dtype)
+                    scratch = None if isinstance(wire, Fp32) else round.kept(("decoded", t), size(t, p), flat.dtype)
+                    for v in range(self.radices[step.level]):
+                        if v == mine:
+                            value = partial[t][p]
+                            acc = acc.copy_(value) if v == 0 else acc.add_(value)
+                        elif v == 0:
+                            wire.extract(decoded[sources[v]][j], size(t, p), out=acc)
+                        else:
+                            acc.add_(wire.extract(decoded[sources[v]][j], size(t, p), out=scratch))
                     summed[p] = acc
                 partial[t] = summed
                 if k == levels - 1:                               # this rank owns piece ``me``: encode the mean
@@ -226,7 +231,7 @@ class DigitExchange:
         for t, s in enumerate(bounds):
             for p, (lo, hi) in enumerate(s):
                 if hi > lo:
-                    out[lo:hi] = codec.extract(encoded[t][p], hi - lo)
+                    codec.extract(encoded[t][p], hi - lo, out=out[lo:hi])
         return out, sent
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from syncplane.cluster.cost import FlowArray, Phase
-from syncplane.comm.codecs import Codec
+from syncplane.comm.codecs import Codec, Fp32
 from syncplane.exchanges.cpu import CpuWork, coded, feedback_encoded
 from syncplane.comm.streams import Round, shard_bounds
 
@@ -133,12 +133,14 @@ class MeshExchange:
                 round.wait(scatter_recvs[s])
             with round.phase("sum"):
                 parts = [own[s] if r == me else scattered[s, r] for r in range(n)]
-                acc = round.kept(("sum", s), hi - lo, flat.dtype).copy_(codec.extract(parts[0], hi - lo))
+                acc = codec.extract(parts[0], hi - lo, out=round.kept(("sum", s), hi - lo, flat.dtype))
+                # later terms decoded into a scratch buffer (exact fp32: added as they arrived)
+                decoded = None if isinstance(codec, Fp32) else round.kept(("decoded", s), hi - lo, flat.dtype)
                 for part in parts[1:]:
-                    acc += codec.extract(part, hi - lo)
+                    acc += codec.extract(part, hi - lo, out=decoded)
                 acc /= n
                 data = owner_ef.compress(acc, offset + lo)
-                out[lo:hi] = codec.extract(data, hi - lo)
+                codec.extract(data, hi - lo, out=out[lo:hi])
             keep.append(data)
             for dst in range(n):
                 if dst != me:
@@ -150,7 +152,7 @@ class MeshExchange:
             round.wait(gather_recvs + sends)
         for (s, owner), data in gathered.items():
             lo, hi = segments[s][owner]
-            out[lo:hi] = codec.extract(data, hi - lo)
+            codec.extract(data, hi - lo, out=out[lo:hi])
         return out, sent
 
 

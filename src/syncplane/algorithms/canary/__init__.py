@@ -25,7 +25,7 @@ from syncplane.algorithms.canary.engine import BackwardPipeline, CanaryEngine, E
 from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
-from syncplane.exchanges import DigitExchange, JobShape, MeshExchange, choose, digit, mesh
+from syncplane.exchanges import JobShape, choose, digit, mesh
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.exchanges.cpu import CpuWork, runner_work
 
@@ -65,8 +65,8 @@ def canary_streams(options: Mapping[str, Any]) -> int:
 def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
     """One step's CPU work for the exchange ``canary_cost`` prices: sketching, decoding and
     summing pieces (``syncplane.exchanges.cpu``; the colayers' work adds up to the payload's;
-    with colayers in flight it overlaps the wire, ``canary_parts``), and the runner's residual
-    snapshots and copy."""
+    with colayers in flight it overlaps the wire, ``canary_parts``), and the runner's copy of
+    the result."""
     shape = JobShape.of_profile(profile)
     chosen = choose(options.pattern, shape, allowed=EXCHANGES, exact=False, strict=False)
     codec, numel = CanaryConfig().codec(), max(1, int(payload_bytes // 4))
@@ -77,8 +77,7 @@ def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options
         work = digit.nested_cpu_work(shape.radices, numel, codec, exact)
     else:
         work = mesh.cpu_work(profile.world_size, numel, codec)
-    slots = DigitExchange.feedback_slots if chosen.name in ("cube", "nested") else MeshExchange.feedback_slots
-    return work + runner_work(codec, slots, numel)
+    return work + runner_work(numel)
 
 
 def canary_parts(options: Mapping[str, Any], payload_bytes: float) -> int:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.engine import CanaryEngine
 from syncplane.algorithms.canary.exchange import EXCHANGES, make_transport
-from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, shard_bounds
+from syncplane.comm import CommMeter, shard_bounds
 from syncplane.exchanges import CubeExchange, NestedExchange, offered
 from syncplane.job import JobContext
 
@@ -20,11 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class CanaryStep:
-    """Canary's exchange of the payload as DDP-sized colayers (25 MiB), every step, after
-    the backward (it does not overlap it), ``colayers_in_flight`` of them at once (the
-    training default, or ``options["colayers_in_flight"]``), always with the gradient sketch (the bench's
-    ``compression`` option is DiLoCo's). ``options["shards"]`` > 1 sets the gloo groups;
-    otherwise one per NIC the job names. ``options["exchange"]``: ``mesh``, ``nested``, ``cube``,
+    """Canary's exchange of the payload as colayers of ``bucket_cap_mb``, every step, after
+    the backward (it does not overlap it), ``colayers_in_flight`` of them at once (each the
+    training default, or ``options[...]``, as the cost model reads them), always with the
+    gradient sketch (the bench's ``compression`` option is DiLoCo's). ``options["shards"]`` > 1
+    sets the gloo groups; otherwise one per NIC the job names. ``options["exchange"]``: ``mesh``, ``nested``, ``cube``,
     or ``auto`` (what training would pick); a name Canary does not run counts as ``auto``."""
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
@@ -32,7 +32,8 @@ class CanaryStep:
         self.config = CanaryConfig(compression="sketch", nics=shards if shards > 1 else "auto",
                                    exchange=offered(options.get("exchange"), EXCHANGES),
                                    colayers_in_flight=int(options.get("colayers_in_flight")
-                                                          or CanaryConfig.colayers_in_flight))
+                                                          or CanaryConfig.colayers_in_flight),
+                                   bucket_cap_mb=float(options.get("bucket_cap_mb") or CanaryConfig.bucket_cap_mb))
         self.transport = make_transport(self.config, job)
         self.engine: CanaryEngine | None = None
 
@@ -49,7 +50,7 @@ class CanaryStep:
                 f"{self.transport.lanes} colayer(s) in flight")
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
-        per_colayer = DEFAULT_BUCKET_BYTES // payload.element_size()
+        per_colayer = self.config.bucket_bytes // payload.element_size()
         colayers = list(payload.split(per_colayer))
         if self.engine is None or self.engine.total != payload.numel():
             self.engine = CanaryEngine([c.numel() for c in colayers], dist.get_world_size(), self.transport)

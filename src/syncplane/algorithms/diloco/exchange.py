@@ -114,10 +114,10 @@ def exchange_cpu_work(profile: ClusterProfile, payload_bytes: float, exchange: s
     work = CpuWork.adds(OUTER_PASSES * numel)
     n = profile.world_size
     if chosen.name == "gather":
-        return work + gather.cpu_work(n, numel, codec) + runner_work(codec, GatherExchange.feedback_slots, numel)
+        return work + gather.cpu_work(n, numel, codec) + runner_work(numel)
     if chosen.name == "tree":
-        return work + runner_work(codec, TreeExchange.feedback_slots, numel)
-    return work + mesh.cpu_work(n, numel, codec) + runner_work(codec, MeshExchange.feedback_slots, numel)
+        return work + runner_work(numel)
+    return work + mesh.cpu_work(n, numel, codec) + runner_work(numel)
 
 
 def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",
