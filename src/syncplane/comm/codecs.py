@@ -249,13 +249,16 @@ class ErrorFeedback:
         self.beta = beta
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
-    def compress(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, offset: int = 0, undo: Undo | None = None) -> torch.Tensor:
+        """``undo``: where the slice is saved first (a runner's round)."""
         if isinstance(self.codec, Fp32):
             return self.codec.compress(x)   # exact: nothing to remember
         end = offset + x.numel()
         if offset < 0 or end > self.residual.numel():
             raise ValueError(f"slice [{offset}, {end}) is outside the error-feedback buffer of "
                              f"{self.residual.numel()} values")
+        if undo is not None:
+            undo.save(self, offset, x.numel())
         # in place: the slice becomes β·e + x, is encoded, and keeps what the encoding lost
         # (the same fp32 operations as out of place, without two temporaries and a copy)
         residual = self.residual[offset:end]
@@ -323,9 +326,7 @@ class _Recorded:
     undo: Undo
 
     def compress(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        if not isinstance(self.feedback.codec, Fp32):
-            self.undo.save(self.feedback, offset, x.numel())
-        return self.feedback.compress(x, offset)
+        return self.feedback.compress(x, offset, self.undo)
 
 
 def _check_fp32(x: torch.Tensor) -> None:

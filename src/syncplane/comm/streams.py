@@ -102,6 +102,13 @@ class Round:
             buffer = self.workspace[key] = torch.empty(numel, dtype=dtype)
         return buffer[:numel]
 
+    def decoded(self, codec: Codec, data: torch.Tensor, numel: int, key: object) -> torch.Tensor:
+        """``data``'s values to add into a sum: exact fp32 as a view of its bytes, any other
+        codec decoded into the kept buffer ``key`` (no allocation per piece)."""
+        if isinstance(codec, Fp32):
+            return codec.extract(data, numel)
+        return codec.extract(data, numel, out=self.kept(key, numel, torch.float32))
+
     def working_copy(self) -> torch.Tensor:
         """``flat`` copied into a kept buffer: a pattern that reduces in place works on it, so
         that a failed round leaves ``flat`` as it was."""

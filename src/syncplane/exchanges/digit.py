@@ -209,17 +209,18 @@ class DigitExchange:
                 summed: dict[int, torch.Tensor] = {}
                 for j, p in enumerate(kept):
                     # in digit order, own value in its place; the first term is decoded (or
-                    # copied) straight into the sum, later ones into a scratch buffer (fp32: a view)
+                    # copied) straight into the sum
                     acc = round.kept(("sum", k, t, p), size(t, p), flat.dtype)
-                    scratch = None if isinstance(wire, Fp32) else round.kept(("decoded", t), size(t, p), flat.dtype)
                     for v in range(self.radices[step.level]):
                         if v == mine:
-                            value = partial[t][p]
-                            acc = acc.copy_(value) if v == 0 else acc.add_(value)
+                            if v == 0:
+                                acc.copy_(partial[t][p])
+                            else:
+                                acc.add_(partial[t][p])
                         elif v == 0:
                             wire.extract(decoded[sources[v]][j], size(t, p), out=acc)
                         else:
-                            acc.add_(wire.extract(decoded[sources[v]][j], size(t, p), out=scratch))
+                            acc.add_(round.decoded(wire, decoded[sources[v]][j], size(t, p), ("decoded", t)))
                     summed[p] = acc
                 partial[t] = summed
                 if k == levels - 1:                               # this rank owns piece ``me``: encode the mean

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from syncplane.cluster.cost import FlowArray, Phase
-from syncplane.comm.codecs import Codec, Fp32
+from syncplane.comm.codecs import Codec
 from syncplane.exchanges.cpu import CpuWork, coded, feedback_encoded
 from syncplane.comm.streams import Round, shard_bounds
 
@@ -134,10 +134,8 @@ class MeshExchange:
             with round.phase("sum"):
                 parts = [own[s] if r == me else scattered[s, r] for r in range(n)]
                 acc = codec.extract(parts[0], hi - lo, out=round.kept(("sum", s), hi - lo, flat.dtype))
-                # later terms decoded into a scratch buffer (exact fp32: added as they arrived)
-                decoded = None if isinstance(codec, Fp32) else round.kept(("decoded", s), hi - lo, flat.dtype)
                 for part in parts[1:]:
-                    acc += codec.extract(part, hi - lo, out=decoded)
+                    acc += round.decoded(codec, part, hi - lo, ("decoded", s))
                 acc /= n
                 data = owner_ef.compress(acc, offset + lo)
                 codec.extract(data, hi - lo, out=out[lo:hi])
