@@ -60,21 +60,22 @@ from syncplane.strategies.registry import register
 @register("canary")
 class CanaryStrategy(SyncplaneStrategy):
     """Args: those of ``CanaryConfig`` (compression, exact_fraction, quantile_weight, nics,
-    exchange, compress_in_host, colayers_in_flight, bucket_cap_mb, sync_timeout_s, staleness, proportion,
+    exchange, compress_in_host, colayers_in_flight, bucket_cap_mb, first_bucket_cap_mb, sync_timeout_s, staleness, proportion,
     warmup_steps, momentum_compensation), then ``SyncplaneStrategy``'s."""
 
     replicas_identical = True   # every rank applies the same decoded mean gradient (of the same step)
 
     def __init__(self, compression: str = "sketch", exact_fraction: float = 0.01, quantile_weight: float = 0.3,
                  nics: int | str = "auto", exchange: str = "auto", compress_in_host: bool = False,
-                 colayers_in_flight: int = 2, bucket_cap_mb: float = 25.0, sync_timeout_s: float = 600.0,
+                 colayers_in_flight: int = 2, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 4.0,
+                 sync_timeout_s: float = 600.0,
                  staleness: int = 0, proportion: float | None = None, warmup_steps: int = 100,
                  momentum_compensation: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = CanaryConfig(compression=compression, exact_fraction=exact_fraction,
                                    quantile_weight=quantile_weight, nics=nics, exchange=exchange,
                                    compress_in_host=compress_in_host, colayers_in_flight=colayers_in_flight,
-                                   bucket_cap_mb=bucket_cap_mb,
+                                   bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
                                    sync_timeout_s=sync_timeout_s, staleness=staleness, proportion=proportion,
                                    warmup_steps=warmup_steps, momentum_compensation=momentum_compensation)
         self._colayers: Colayers | None = None
@@ -92,7 +93,7 @@ class CanaryStrategy(SyncplaneStrategy):
     def setup_sync(self, job: JobContext) -> None:
         self._release()
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        colayers = self._colayers = Colayers(params, self.config.bucket_bytes)
+        colayers = self._colayers = Colayers(params, self.config.bucket_bytes, self.config.first_bucket_bytes)
         self._engine = CanaryEngine(colayers.sizes, self.world_size, make_transport(self.config, job))
         self.gei = make_gei(self.config, len(colayers), self.global_rank, self.world_size)
         self._started = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncplane.comm import CommMeter, make_buckets, ring_allreduce_bytes
+from syncplane.comm import CommMeter, flat_bucket_sizes, make_buckets, ring_allreduce_bytes
 
 
 def test_buckets_respect_cap_dtype_and_order():
@@ -15,6 +15,20 @@ def test_buckets_respect_cap_dtype_and_order():
     assert layout == [[10, 10], [30], [5], [1]]
     assert [b.buffer.dtype for b in buckets] == [torch.float32, torch.float32, torch.float16, torch.float32]
     assert sum(len(b.tensors) for b in buckets) == len(tensors)
+
+
+def test_a_first_cap_closes_the_first_bucket_only():
+    tensors = [torch.zeros(n) for n in (4, 4, 4, 10, 10)]
+    layout = [[t.numel() for t in b.tensors] for b in make_buckets(tensors, cap_bytes=80, first_cap_bytes=32)]
+    assert layout == [[4, 4], [4, 10], [10]]
+    assert [[t.numel() for t in b.tensors] for b in make_buckets(tensors, cap_bytes=80)] == [[4, 4, 4], [10, 10]]
+
+
+@pytest.mark.parametrize("numel, cap, first", [(1, 8, None), (57, 12, None), (57, 12, 5), (57, 12, 64), (40, 40, 4)])
+def test_flat_bucket_sizes_cut_as_make_buckets_cuts_single_values(numel, cap, first):
+    singles = [torch.zeros(1) for _ in range(numel)]
+    expected = [b.buffer.numel() for b in make_buckets(singles, cap_bytes=cap, first_cap_bytes=first)]
+    assert flat_bucket_sizes(numel, 4, cap, first) == expected and sum(expected) == numel
 
 
 def test_pack_unpack_round_trip_through_buckets():
@@ -51,6 +65,10 @@ def test_bad_bucket_inputs():
         make_buckets([torch.zeros(3, 8)[:, ::2]])
     with pytest.raises(ValueError, match="positive"):
         make_buckets([torch.zeros(3)], cap_bytes=0)
+    with pytest.raises(ValueError, match="first bucket cap must be positive"):
+        make_buckets([torch.zeros(3)], first_cap_bytes=0)
+    with pytest.raises(ValueError, match="first bucket cap must be positive"):
+        flat_bucket_sizes(3, 4, 8, -1)
 
 
 def test_meter_counts_overlap_once():

@@ -12,6 +12,7 @@ from syncplane.config import ConfigError
 @pytest.mark.parametrize("field, value", [("compression", "zip"), ("exact_fraction", 1.5),
                                           ("exact_fraction", -0.1), ("quantile_weight", 2.0),
                                           ("nics", 0), ("nics", "two"), ("bucket_cap_mb", 0.0),
+                                          ("first_bucket_cap_mb", 0.0),
                                           ("sync_timeout_s", -1.0), ("exchange", "tree")])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ConfigError, match=f"^{field}: "):
@@ -139,3 +140,24 @@ def test_the_bench_cuts_its_payload_into_colayers_of_bucket_cap_mb(monkeypatch):
     assert transport.slices == [(0, per), (per, per), (2 * per, per), (3 * per, 5)]
     default = bench.CanaryStep({}, job=None)  # type: ignore[arg-type]
     assert default.config.bucket_bytes == CanaryConfig().bucket_bytes == 25 * 2**20
+    assert default.config.first_bucket_bytes == CanaryConfig().first_bucket_bytes == 4 * 2**20
+    transport.slices.clear()                                # the first colayer smaller, as training cuts it
+    bench.CanaryStep({"bucket_cap_mb": 1, "first_bucket_cap_mb": 0.25}, job=None)(  # type: ignore[arg-type]
+        torch.zeros(2 * per + 7), 0, CommMeter())
+    quarter = per // 4
+    assert transport.slices == [(0, quarter), (quarter, per), (quarter + per, per - quarter + 7)]
+
+
+def test_the_first_colayer_holds_the_last_layers_up_to_its_own_cap():
+    """Training's colayers: backward order (the model's last parameters first), the first
+    closed at ``first_bucket_cap_mb``, never above ``bucket_cap_mb``."""
+    import torch
+
+    from syncplane.algorithms.canary.colayers import Colayers
+
+    params = [torch.zeros(n) for n in (300, 200, 100, 50, 50)]     # fp32: 4 bytes each
+    config = CanaryConfig(bucket_cap_mb=1600 / 2**20, first_bucket_cap_mb=400 / 2**20)
+    colayers = Colayers(params, config.bucket_bytes, config.first_bucket_bytes)
+    assert colayers.sizes == [100, 300, 300] and colayers.counts() == [2, 2, 1]
+    assert Colayers(params, config.bucket_bytes).sizes == [400, 300]
+    assert CanaryConfig(bucket_cap_mb=1, first_bucket_cap_mb=8).first_bucket_bytes == 2**20

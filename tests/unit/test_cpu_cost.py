@@ -122,11 +122,14 @@ def test_canary_colayers_in_flight_overlap_their_cpu_work_with_the_wire():
     inputs = PlanInputs(payload, cpu=rates)
     piped, serial = (strategy_times(model, "canary", payload, cost_options("canary", kwargs, inputs), rates)
                      for kwargs in ({}, {"colayers_in_flight": 1}))
-    assert cost_options("canary", {}, inputs).parts == 4 and cost_options("canary", {"colayers_in_flight": 1}, inputs).parts == 1
+    # what stands outside the pipeline is the first colayer's share (4 of 97.49 MiB by default)
+    assert cost_options("canary", {}, inputs).parts == pytest.approx(97.49 / 4)
+    assert cost_options("canary", {"first_bucket_cap_mb": 25}, inputs).parts == pytest.approx(97.49 / 25)
+    assert cost_options("canary", {"colayers_in_flight": 1}, inputs).parts == 1
     wire = serial.predicted_s - serial.cpu_s
     assert piped.cpu_s == serial.cpu_s > 0
-    assert piped.predicted_s == pytest.approx(max(wire, piped.cpu_s) + min(wire, piped.cpu_s) / 4)
-    one = 20 * 2**20                                              # one colayer: nothing to overlap
+    assert piped.predicted_s == pytest.approx(max(wire, piped.cpu_s) + min(wire, piped.cpu_s) * 4 / 97.49)
+    one = 2 * 2**20                                               # one colayer: nothing to overlap
     assert cost_options("canary", {}, PlanInputs(one, cpu=rates)).parts == 1
 
 

@@ -38,7 +38,7 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
     "h_atc": _HIERARCHICAL, "h_awc": _HIERARCHICAL,
     "canary": {"compression": "fp4", "exact_fraction": 2, "quantile_weight": -1, "nics": 0,
                "exchange": "nested",   # 2 ranks on one host do not nest: known before launch
-               "bucket_cap_mb": 0, "sync_timeout_s": 0, "staleness": -1, "proportion": 2, "warmup_steps": -1,
+               "bucket_cap_mb": 0, "first_bucket_cap_mb": -1, "sync_timeout_s": 0, "staleness": -1, "proportion": 2, "warmup_steps": -1,
                "momentum_compensation": "x", "compress_in_host": "x", "colayers_in_flight": 0},
     "auto": {"accept": "exakt", "compute_ms": -1, "time_steps": 0, "cluster": "nope", "strategies": ["nope"],
              "period": 0, "replan_every_s": 0},

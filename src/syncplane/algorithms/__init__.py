@@ -161,10 +161,11 @@ def describe_periods(periods_used: dict[str, int], period: int | None = None) ->
     return "period " + ", ".join(f"{name} {p}" for name, p in periods_used.items()) + " (their defaults; --period sets one for all)"
 
 
-def overlapped(wire_s: float, cpu_s: float, parts: int = 1) -> float:
-    """A round's time when it goes in ``parts`` equal parts, each part's CPU work running
-    while the previous part is on the wire (a two-stage pipeline): the longer stage plus one
-    part of the shorter (filling it); with one part the two add up."""
+def overlapped(wire_s: float, cpu_s: float, parts: float = 1) -> float:
+    """A round's time when it goes in parts, each part's CPU work running while the previous
+    part is on the wire (a two-stage pipeline), ``parts`` the round over its first part (equal
+    parts: their count): the longer stage plus the first part's share of the shorter (filling
+    it); with one part the two add up."""
     if parts <= 1:
         return wire_s + cpu_s
     return max(wire_s, cpu_s) + min(wire_s, cpu_s) / parts

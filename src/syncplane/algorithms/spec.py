@@ -48,7 +48,7 @@ class CostOptions:
     density: float = 0.02
     bits: int = 2
     replica: str = "rank"   # DiLoCo's replica: rank | node | auto (``diloco.layout``)
-    parts: int = 1   # parts of a round whose CPU work overlaps the previous part's wire (``AlgorithmSpec.parts``)
+    parts: float = 1   # a round over its first part, whose CPU work alone stands outside the wire (``AlgorithmSpec.parts``)
     rank: int = 1    # PowerSGD's matrix_approximation_rank
 
 
@@ -107,9 +107,10 @@ class AlgorithmSpec:
         period_key: the ``strategy.kwargs`` key of a periodic algorithm's period (DiLoCo's H).
         cpu: the CPU work of one round beside the wire (absent: none modelled), priced with
             the rates ``syncplane.exchanges.cpu.calibrate`` measures on the machine.
-        parts: (bench options, payload bytes) -> how many parts a round goes in, one part's
-            CPU work running while the previous one is on the wire (Canary's colayers in
-            flight); 1: the CPU work and the wire add up.
+        parts: (bench options, payload bytes) -> a round's size over its first part's, where
+            it goes in parts, one part's CPU work running while the previous one is on the
+            wire (Canary's colayers in flight; equal parts: their count); 1: the CPU work and
+            the wire add up.
         alpha_hidden: the names whose step is a chain of small collectives between CPU work
             that the other ranks sharing the machine's cores fill: their wire is priced without
             the per-message latency α (its bytes, and the queue behind a background flow, add to
@@ -135,7 +136,7 @@ class AlgorithmSpec:
     variants: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
     period_key: str | None = None
     cpu: CpuPattern = lambda name, profile, payload_bytes, options: CpuWork()
-    parts: Callable[[Mapping[str, Any], float], int] = lambda options, payload_bytes: 1
+    parts: Callable[[Mapping[str, Any], float], float] = lambda options, payload_bytes: 1
     alpha_hidden: tuple[str, ...] = ()
     trial: Callable[[Mapping[str, Any], Callable[[Mapping[str, Any]], list[float]]], Mapping[str, Any]] = \
         lambda options, price: options

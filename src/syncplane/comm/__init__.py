@@ -17,7 +17,7 @@ plus flat buckets (tensor fusion), communication accounting and global collectiv
 
 from syncplane.comm import topology, window
 from syncplane.comm.consensus import push_sum_average
-from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
+from syncplane.comm.buckets import DEFAULT_BUCKET_BYTES, Bucket, flat_bucket_sizes, make_buckets
 from syncplane.comm.check import check_plan
 from syncplane.comm.codecs import ChunkedTopK, ErrorFeedback, Fp32, GradientSketch, Int8Blockwise, make_codec
 from syncplane.comm.collectives import allreduce_mean_, mean_and_distance
@@ -70,7 +70,8 @@ from syncplane.comm.window import (
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Bucket", "CommMeter", "Handle", "PhaseProfile", "TopologyError", "allreduce", "allreduce_mean_",
-    "allreduce_nonblocking", "broadcast", "broadcast_nonblocking", "check_plan", "hierarchical_neighbor_allreduce",
+    "allreduce_nonblocking", "broadcast", "broadcast_nonblocking", "check_plan", "flat_bucket_sizes",
+    "hierarchical_neighbor_allreduce",
     "hierarchical_neighbor_allreduce_tensors",
     "in_neighbor_ranks", "load_topology", "make_buckets", "mean_and_distance", "neighbor_allgather",
     "neighbor_allreduce", "neighbor_allreduce_nonblocking", "neighbor_allreduce_tensors", "out_neighbor_ranks",

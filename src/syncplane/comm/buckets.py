@@ -40,16 +40,18 @@ class Bucket:
         kernels.unpack(self.buffer if source is None else source, self.tensors, scale)
 
 
-def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKET_BYTES,
+                 first_cap_bytes: int | None = None) -> list[Bucket]:
     """Split ``tensors`` into buckets in their given order (deterministic on every rank).
 
-    A bucket closes when adding the next tensor would pass ``cap_bytes`` or when dtype or
-    device changes; a single tensor larger than the cap gets a bucket of its own.
+    A bucket closes when adding the next tensor would pass ``cap_bytes`` (the first bucket:
+    ``first_cap_bytes``, where given, as torch DDP's small first bucket lets the exchange
+    start early) or when dtype or device changes; a single tensor larger than the cap gets a
+    bucket of its own.
     Tensors may be in any memory format (``channels_last`` on a GPU): the kernels copy
     each one's memory in memory order (``kernels.is_dense``). Views with gaps are refused.
     """
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    check_caps(cap_bytes, first_cap_bytes)
     buckets: list[Bucket] = []
     current: list[torch.Tensor] = []
     current_bytes = 0
@@ -59,7 +61,8 @@ def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKE
                              "buckets need dense tensors (any memory format)")
         size = t.numel() * t.element_size()
         compatible = not current or (t.dtype == current[0].dtype and t.device == current[0].device)
-        if current and (not compatible or current_bytes + size > cap_bytes):
+        cap = cap_bytes if buckets or first_cap_bytes is None else first_cap_bytes
+        if current and (not compatible or current_bytes + size > cap):
             buckets.append(Bucket(current))
             current, current_bytes = [], 0
         current.append(t)
@@ -67,3 +70,24 @@ def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKE
     if current:
         buckets.append(Bucket(current))
     return buckets
+
+
+def check_caps(cap_bytes: int, first_cap_bytes: int | None) -> None:
+    for what, value in (("bucket cap", cap_bytes), ("first bucket cap", first_cap_bytes)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{what} must be positive, got {value} bytes")
+
+
+def flat_bucket_sizes(numel: int, element_size: int, cap_bytes: int, first_cap_bytes: int | None = None) -> list[int]:
+    """The elements of each bucket ``make_buckets`` would cut from one flat buffer of ``numel``
+    values if it were made of single values: ``first_cap_bytes`` first (where given), then
+    ``cap_bytes`` each, the rest last (the bench's payload stands in for a model this way)."""
+    check_caps(cap_bytes, first_cap_bytes)
+    sizes: list[int] = []
+    done = 0
+    while done < numel:
+        cap = cap_bytes if sizes or first_cap_bytes is None else first_cap_bytes
+        size = min(max(1, cap // element_size), numel - done)
+        sizes.append(size)
+        done += size
+    return sizes

@@ -12,11 +12,10 @@ Glue: ``strategies/canary.py``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.canary.bench import CanaryStep, sketch_ratio
+from syncplane.algorithms.canary.bench import CanaryStep, colayer_caps, sketch_ratio
 from syncplane.algorithms.canary.exchange import EXCHANGES, check_job, innermost_is_host
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.gei import GEI, check_bounds
@@ -80,13 +79,15 @@ def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options
     return work + runner_work(numel)
 
 
-def canary_parts(options: Mapping[str, Any], payload_bytes: float) -> int:
-    """Colayers of the payload when several are in flight (``colayers_in_flight``): colayer
-    k+1 is sketched while colayer k is on the wire; with one in flight, 1 (CPU and wire add up)."""
+def canary_parts(options: Mapping[str, Any], payload_bytes: float) -> float:
+    """The payload over its first colayer when several are in flight (``colayers_in_flight``):
+    colayer k+1 is sketched while colayer k is on the wire, so what stands outside the
+    pipeline is the first colayer's share; with one in flight, 1 (CPU and wire add up)."""
     if int(options.get("colayers_in_flight") or CanaryConfig.colayers_in_flight) < 2:
         return 1
-    bucket = float(options.get("bucket_cap_mb") or CanaryConfig.bucket_cap_mb) * 2**20
-    return max(1, math.ceil(payload_bytes / bucket))
+    caps = colayer_caps(options)
+    first = min(caps["bucket_cap_mb"], caps["first_bucket_cap_mb"]) * 2**20
+    return max(1.0, payload_bytes / first)
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> CanaryStep:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.engine import CanaryEngine
 from syncplane.algorithms.canary.exchange import EXCHANGES, make_transport
-from syncplane.comm import CommMeter, shard_bounds
+from syncplane.comm import CommMeter, flat_bucket_sizes, shard_bounds
 from syncplane.exchanges import CubeExchange, NestedExchange, offered
 from syncplane.job import JobContext
 
@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class CanaryStep:
-    """Canary's exchange of the payload as colayers of ``bucket_cap_mb``, every step, after
+    """Canary's exchange of the payload as colayers of ``bucket_cap_mb`` (the first of
+    ``first_bucket_cap_mb``, as training cuts a model's), every step, after
     the backward (it does not overlap it), ``colayers_in_flight`` of them at once (each the
     training default, or ``options[...]``, as the cost model reads them), always with the
     gradient sketch (the bench's ``compression`` option is DiLoCo's). ``options["shards"]`` > 1
@@ -33,7 +34,7 @@ class CanaryStep:
                                    exchange=offered(options.get("exchange"), EXCHANGES),
                                    colayers_in_flight=int(options.get("colayers_in_flight")
                                                           or CanaryConfig.colayers_in_flight),
-                                   bucket_cap_mb=float(options.get("bucket_cap_mb") or CanaryConfig.bucket_cap_mb))
+                                   **colayer_caps(options))
         self.transport = make_transport(self.config, job)
         self.engine: CanaryEngine | None = None
 
@@ -50,11 +51,18 @@ class CanaryStep:
                 f"{self.transport.lanes} colayer(s) in flight")
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
-        per_colayer = self.config.bucket_bytes // payload.element_size()
-        colayers = list(payload.split(per_colayer))
+        colayers = list(payload.split(flat_bucket_sizes(payload.numel(), payload.element_size(),
+                                                        self.config.bucket_bytes, self.config.first_bucket_bytes)))
         if self.engine is None or self.engine.total != payload.numel():
             self.engine = CanaryEngine([c.numel() for c in colayers], dist.get_world_size(), self.transport)
         self.engine.exchange_all_(colayers, meter)
+
+
+def colayer_caps(options: Mapping[str, Any]) -> dict[str, float]:
+    """The colayer sizes the bench's ``options`` name (``bucket_cap_mb``, ``first_bucket_cap_mb``),
+    the training defaults where absent."""
+    return {name: float(options.get(name) or getattr(CanaryConfig, name))
+            for name in ("bucket_cap_mb", "first_bucket_cap_mb")}
 
 
 def sketch_ratio(numel: int, pieces: int, config: CanaryConfig = CanaryConfig()) -> float:

@@ -42,6 +42,9 @@ class CanaryConfig:
             colayer k is on the wire; 1 = one after another. The result is the same bits
             either way (each colayer keeps its own residuals).
         bucket_cap_mb: colayer size: gradients grouped in backward order up to this many MiB.
+        first_bucket_cap_mb: the first colayer's size (the last layers' gradients, exchanged
+            first), smaller, as torch DDP's first bucket: the wire starts after a short
+            encode instead of a whole colayer's (measured in docs/benchmarks.md).
         sync_timeout_s: an exchange slower than this fails the step (on every rank).
         staleness: s, a step's aggregate is applied s steps later (a rank waits only for a
             straggler more than s steps behind); 0 = synchronous (``gei.py``).
@@ -64,6 +67,7 @@ class CanaryConfig:
     compress_in_host: bool = False
     colayers_in_flight: int = 2
     bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 4.0
     sync_timeout_s: float = 600.0
     staleness: int = 0
     proportion: float | None = None
@@ -88,8 +92,9 @@ class CanaryConfig:
         if isinstance(self.colayers_in_flight, bool) or not isinstance(self.colayers_in_flight, int) \
                 or self.colayers_in_flight < 1:
             raise ConfigError(f"colayers_in_flight: expected an integer >= 1, got {self.colayers_in_flight!r}")
-        if not self.bucket_cap_mb > 0:
-            raise ConfigError(f"bucket_cap_mb: must be positive, got {self.bucket_cap_mb}")
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if not self.sync_timeout_s > 0:
             raise ConfigError(f"sync_timeout_s: must be positive, got {self.sync_timeout_s}")
         check_bounds(self.staleness, self.proportion)
@@ -98,6 +103,11 @@ class CanaryConfig:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_cap_mb * 2**20)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        """The first colayer's cap (never above the others')."""
+        return min(self.bucket_bytes, int(self.first_bucket_cap_mb * 2**20))
 
     def codec(self) -> Codec:
         if self.compression == "sketch":
