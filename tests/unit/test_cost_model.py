@@ -12,6 +12,7 @@ from syncplane.cluster.profile import ClusterProfile
 from syncplane.algorithms import strategy_time
 from syncplane.algorithms.spec import CostOptions
 from syncplane.cluster.cost import MBIT, CostModel, neighbor_exchange, ring_allreduce
+from syncplane.exchanges import digit, mesh
 
 M = 8 * 2**20
 
@@ -31,6 +32,35 @@ def test_ring_allreduce_on_one_switch_is_bound_by_the_nic():
 def test_slow_nic_bounds_the_whole_ring():
     model = CostModel(load_profile("slow_nic"), alpha_s=0.0)
     assert model.bound(ring_allreduce(8, M)) == pytest.approx(2 * 7 / 8 * M / (100 * MBIT))
+
+
+def test_parts_in_flight_run_the_racks_hops_under_the_uplinks():
+    """Canary's nested exchange on two_racks, its colayers two in flight: one colayer's hop
+    inside the rack (the 400 Mbit NICs) runs while another's crosses the 100 Mbit uplink, so
+    the round takes the uplink's two phases back to back plus the first colayer's share of
+    the rest; one in flight, or one part: the phases add up."""
+    model = CostModel(load_profile("two_racks"), alpha_s=0.0)
+    phases = digit.nested_cost([4, 2], M)
+    inside, across = model.phase_times(phases)[:2]
+    assert inside == pytest.approx(3 * M / 4 / (400 * MBIT))       # to 3 rack peers, M/4 each
+    assert across == pytest.approx(4 * M / 8 / (100 * MBIT))       # 4 ranks' M/8 over one uplink
+    total = model.time(phases)
+    assert total == pytest.approx(2 * (inside + across))
+    assert model.pipelined(phases, 1, 0.1) == model.pipelined(phases, 2, 1.0) == pytest.approx(total)
+    assert model.pipelined(phases, 2, 0.1) == pytest.approx(2 * across + 0.1 * 2 * inside)
+    # the mesh on one switch: every phase on the same NICs, nothing to run beside
+    flat = CostModel(load_profile("homogeneous8"), alpha_s=0.0)
+    assert flat.pipelined(mesh.cost(8, M), 2, 0.1) == pytest.approx(flat.time(mesh.cost(8, M)))
+
+
+def test_parts_in_flight_each_get_a_capped_links_per_flow_rate():
+    """wan_two_sites caps each flow at 100 Mbit on a 1 Gbit site link: two colayers in flight
+    are twice the flows, each at the cap, so the sites' phases of both run at once."""
+    model = CostModel(load_profile("wan_two_sites"), alpha_s=0.0)
+    phases = digit.nested_cost([2, 2], M)
+    inside, across = model.phase_times(phases)[:2]
+    assert across == pytest.approx(M / 4 / (100 * MBIT))            # one flow to the other site, capped
+    assert model.pipelined(phases, 2, 0.0) == pytest.approx(inside + across) == pytest.approx(model.time(phases) / 2)
 
 
 def test_latency_adds_per_phase():

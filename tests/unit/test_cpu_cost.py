@@ -109,8 +109,9 @@ def test_the_cpu_term_is_added_to_the_price_of_the_strategies_that_pay_it():
 
 
 def test_canary_colayers_in_flight_overlap_their_cpu_work_with_the_wire():
-    """Four colayers of ResNet-50's payload in flight two at a time: the longer of the wire
-    and the CPU work plus a quarter of the shorter; one in flight (or one colayer): their sum."""
+    """ResNet-50's payload in colayers, two in flight: the longer of the wire (the rack's hops
+    under the uplink's, ``CostModel.pipelined``) and the CPU work, plus the first colayer's
+    share of the shorter; one in flight (or one colayer): their sum."""
     from syncplane.algorithms import overlapped
     from syncplane.algorithms.plan import cost_options
 
@@ -126,9 +127,13 @@ def test_canary_colayers_in_flight_overlap_their_cpu_work_with_the_wire():
     assert cost_options("canary", {}, inputs).parts == pytest.approx(97.49 / 4)
     assert cost_options("canary", {"first_bucket_cap_mb": 25}, inputs).parts == pytest.approx(97.49 / 25)
     assert cost_options("canary", {"colayers_in_flight": 1}, inputs).parts == 1
-    wire = serial.predicted_s - serial.cpu_s
+    assert cost_options("canary", {}, inputs).lanes == 2 and cost_options("canary", {"colayers_in_flight": 1}, inputs).lanes == 1
+    (phases,) = spec_for("canary").cost("canary", profile, payload, cost_options("canary", {}, inputs))
+    wire = model.pipelined(phases, 2, 4 / 97.49)
+    assert wire < serial.predicted_s - serial.cpu_s == pytest.approx(model.time(phases))
     assert piped.cpu_s == serial.cpu_s > 0
     assert piped.predicted_s == pytest.approx(max(wire, piped.cpu_s) + min(wire, piped.cpu_s) * 4 / 97.49)
+    assert piped.bound_s < serial.bound_s == pytest.approx(model.bound(phases))
     one = 2 * 2**20                                               # one colayer: nothing to overlap
     assert cost_options("canary", {}, PlanInputs(one, cpu=rates)).parts == 1
 

@@ -18,7 +18,7 @@ from typing import Any
 from syncplane.algorithms import canary, ddp, decentralized, diloco, ds_sync, flexreduce, peers, torch_hooks
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.bound import allreduce_network_bound
-from syncplane.cluster.cost import CostModel
+from syncplane.cluster.cost import IDEAL, CostModel
 from syncplane.config import parse_variant
 from syncplane.exchanges.cpu import CpuRates
 
@@ -91,7 +91,7 @@ class StrategyTimes:
     """One step's sync of a strategy on a cluster, in seconds (periodic ones amortized).
 
     ``predicted_s``: its pattern with the per-phase latency; ``bound_s``: its pattern's own
-    bandwidth bound; ``network_bound_s``: the network's lower bound for an all-reduce of the
+    bandwidth bound (with parts in flight, their phases side by side: ``CostModel.pipelined``); ``network_bound_s``: the network's lower bound for an all-reduce of the
     payload (``syncplane.cluster.bound``) once per step that communicates, whatever the
     pattern -- how fast the wire would let the step be; ``network_binding``: the cut or
     count that sets it; ``cpu_s``: the part of ``predicted_s`` that is CPU work (encoding,
@@ -126,10 +126,12 @@ def strategy_times(model: CostModel, name: str, payload_bytes: float, options: C
     # a pattern on loopback only moves its bytes by the kernel's copies, on the cores that run
     # the ranks: where every core runs one (sharing ≥ 1), its CPU work cannot run beside them
     copies = rounds == 0 and cpu is not None and cpu.sharing >= 1
-    wire_s = sum(model.time(p, 0.0 if hidden else None) for p in steps) / len(steps)
+    # parts in flight overlap their phases on different links (``CostModel.pipelined``)
+    share = 1.0 / max(1.0, options.parts)
+    wire_s = sum(model.pipelined(p, options.lanes, share, 0.0 if hidden else None) for p in steps) / len(steps)
+    bound_s = sum(model.pipelined(p, options.lanes, share, 0.0, IDEAL) for p in steps) / len(steps)
     return StrategyTimes(overlapped(wire_s, cpu_s, 1 if hidden or copies else options.parts),
-                         sum(model.bound(p) for p in steps) / len(steps), network.seconds * rounds, network.binding,
-                         cpu_s)
+                         bound_s, network.seconds * rounds, network.binding, cpu_s)
 
 
 def step_prices(model: CostModel, name: str, payload_bytes: float, options: CostOptions = CostOptions()) -> list[float]:

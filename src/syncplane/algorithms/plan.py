@@ -235,7 +235,7 @@ def cost_options(name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> Co
     return CostOptions(period, family.streams(kwargs), family.pattern(kwargs), str(kwargs.get("compression", "none")),
                        float(kwargs.get("density", CostOptions.density)), int(kwargs.get("bits", CostOptions.bits)),
                        str(kwargs.get("replica", CostOptions.replica)), family.parts(kwargs, inputs.payload_bytes),
-                       int(kwargs.get("matrix_approximation_rank", CostOptions.rank)))
+                       int(kwargs.get("matrix_approximation_rank", CostOptions.rank)), family.lanes(kwargs))
 
 
 def cpu_work(profile: ClusterProfile, name: str, kwargs: Mapping[str, Any], inputs: PlanInputs) -> CpuWork:

@@ -50,6 +50,7 @@ class CostOptions:
     replica: str = "rank"   # DiLoCo's replica: rank | node | auto (``diloco.layout``)
     parts: float = 1   # a round over its first part, whose CPU work alone stands outside the wire (``AlgorithmSpec.parts``)
     rank: int = 1    # PowerSGD's matrix_approximation_rank
+    lanes: int = 1   # parts of a round in flight at once, each through the pattern's phases (``AlgorithmSpec.lanes``)
 
 
 #: (strategy name, cluster, payload bytes, options) -> the phases of every step of one period
@@ -111,6 +112,10 @@ class AlgorithmSpec:
             it goes in parts, one part's CPU work running while the previous one is on the
             wire (Canary's colayers in flight; equal parts: their count); 1: the CPU work and
             the wire add up.
+        lanes: (bench options) -> the parts in flight at once, each on its own connections
+            through the pattern's phases (Canary's ``colayers_in_flight``): one part's hop on
+            one link runs beside another's on another (``CostModel.pipelined``); 1: the
+            phases add up.
         alpha_hidden: the names whose step is a chain of small collectives between CPU work
             that the other ranks sharing the machine's cores fill: their wire is priced without
             the per-message latency α (its bytes, and the queue behind a background flow, add to
@@ -137,6 +142,7 @@ class AlgorithmSpec:
     period_key: str | None = None
     cpu: CpuPattern = lambda name, profile, payload_bytes, options: CpuWork()
     parts: Callable[[Mapping[str, Any], float], float] = lambda options, payload_bytes: 1
+    lanes: Callable[[Mapping[str, Any]], int] = lambda options: 1
     alpha_hidden: tuple[str, ...] = ()
     trial: Callable[[Mapping[str, Any], Callable[[Mapping[str, Any]], list[float]]], Mapping[str, Any]] = \
         lambda options, price: options

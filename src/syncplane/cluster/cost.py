@@ -388,7 +388,19 @@ class CostModel:
                           alpha_s: float | None = None, pinned: np.ndarray | None = None,
                           tcp: LinkTcp | None = None, chunked: np.ndarray | None = None,
                           lockstep: np.ndarray | None = None) -> np.ndarray:
-        """The time of each of ``num_phases`` phases whose flows are given as columns
+        """The time of each of ``num_phases`` phases (``link_times``, without the links)."""
+        return self.link_times(phase, src, dst, nbytes, num_phases, copies, alpha_s, pinned, tcp, chunked,
+                               lockstep)[0]
+
+    def link_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                   num_phases: int, copies: np.ndarray | None = None,
+                   alpha_s: float | None = None, pinned: np.ndarray | None = None,
+                   tcp: LinkTcp | None = None, chunked: np.ndarray | None = None,
+                   lockstep: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(the time of each of ``num_phases`` phases; and per (phase, link) pair that carries
+        flows: the phase, the link, the seconds its load takes on it, the seconds its slowest
+        flow takes where the link caps each flow) for phases whose flows are given as columns
         (flow i belongs to phase ``phase[i]``; ``copies[i]`` identical flows, default 1;
         ``pinned[i]`` > 0: they are that many streams pinned to NICs, ``FlowArray.pinned``;
         ``chunked[i]``: a pipeline's chunk, ``FlowArray.chunked``; ``lockstep[i]``: a step of a
@@ -444,20 +456,50 @@ class CostModel:
         share = on_link / (on_link + self._background[links])
         queued = np.zeros(num_phases, dtype=bool)
         queued[owner[self._queued[links]]] = True
+        # a link's time in a phase: its load, or its slowest flow where the link caps each flow
+        load_s = load / (capacity * share)
+        slowest = np.zeros(size)
+        np.maximum.at(slowest, slot, nbytes[flow] / self._per_flow[link])
+        flow_s = slowest[used]
         busiest = np.zeros(num_phases)
-        np.maximum.at(busiest, owner, load / (capacity * share))
-        flow_cap = np.full(len(src), np.inf)
-        np.minimum.at(flow_cap, flow, self._per_flow[link])
-        slowest = np.zeros(num_phases)
-        np.maximum.at(slowest, phase, nbytes / flow_cap)
+        np.maximum.at(busiest, owner, np.maximum(load_s, flow_s))
         active = np.zeros(num_phases, dtype=bool)
         active[owner] = True
-        return np.where(active, alpha + tcp.queue_s * queued + np.maximum(busiest, slowest), 0.0)
+        return np.where(active, alpha + tcp.queue_s * queued + busiest, 0.0), owner, links, load_s, flow_s
 
     def phase_times(self, phases: Sequence[Phase], alpha_s: float | None = None,
                     tcp: LinkTcp | None = None) -> list[float]:
         """Each phase's time, all evaluated in one batch; a phase equal to the one before it
         (a ring's repeated steps) is evaluated once."""
+        times, which, _ = self._evaluate(phases, alpha_s, tcp)
+        return [float(times[i]) for i in which]
+
+    def pipelined(self, phases: Sequence[Phase], lanes: int, first_share: float, alpha_s: float | None = None,
+                  tcp: LinkTcp | None = None) -> float:
+        """A round cut in parts (Canary's colayers), ``lanes`` of them in flight, each part
+        through ``phases`` in order, ``first_share`` the first part's share of the round: one
+        part's phases run beside another's where they use other links (a rack's hop under the
+        uplink's), so the round takes its busiest link's phases back to back (at least the
+        phases over ``lanes``), plus the first part's share of the rest, which fills the
+        pipeline; on a link that caps each flow, the lanes' flows each get the cap. One lane or
+        one part: the phases add up (``time``)."""
+        times, which, (owner, links, load_s, flow_s) = self._evaluate(phases, alpha_s, tcp)
+        total = float(sum(times[i] for i in which))
+        if lanes < 2 or first_share >= 1 or not which:
+            return total
+        uses = np.bincount(np.asarray(which, dtype=np.int64), minlength=len(times))[owner]
+        # a link carries every part's load; where it caps each flow, the lanes' flows are as
+        # many flows at the cap at once
+        per_link = np.maximum(np.bincount(links, weights=load_s * uses, minlength=self._num_links),
+                              np.bincount(links, weights=flow_s * uses, minlength=self._num_links) / lanes)
+        steady = min(total, max(float(per_link.max(initial=0.0)), total / lanes))
+        return steady + first_share * (total - steady)
+
+    def _evaluate(self, phases: Sequence[Phase], alpha_s: float | None, tcp: LinkTcp | None
+                  ) -> tuple[np.ndarray, list[int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """``link_times`` of the distinct phases of ``phases`` (a phase equal to the one before
+        it counted once): their times, which one each phase is, and per (phase, link) pair the
+        phase, the link, its load's seconds and its slowest capped flow's."""
         distinct: list[Phase] = []
         which: list[int] = []
         for phase in phases:
@@ -469,7 +511,8 @@ class CostModel:
             distinct.append(phase)
             which.append(len(distinct) - 1)
         if not distinct:
-            return []
+            empty = np.zeros(0)
+            return empty, [], (empty.astype(np.int64), empty.astype(np.int64), empty, empty)
         columns = [columns_of(p) for p in distinct]
         owner = np.repeat(np.arange(len(distinct), dtype=np.int64), [len(c[0]) for c in columns])
         src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
@@ -477,9 +520,9 @@ class CostModel:
                                  for p, c in zip(distinct, columns)])
         chunked, lockstep = (np.concatenate([np.full(len(c[0]), isinstance(p, FlowArray) and getattr(p, flag))
                                              for p, c in zip(distinct, columns)]) for flag in ("chunked", "lockstep"))
-        times = self.batch_phase_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned,
-                                       tcp, chunked, lockstep).tolist()
-        return [times[i] for i in which]
+        times, *links = self.link_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned,
+                                        tcp, chunked, lockstep)
+        return times, which, (links[0], links[1], links[2], links[3])
 
     def phase_time(self, flows: Phase | Sequence[Flow], alpha_s: float | None = None) -> float:
         return self.phase_times([flows if isinstance(flows, (list, FlowArray)) else list(flows)], alpha_s)[0]

@@ -106,6 +106,7 @@ SPEC = AlgorithmSpec(
     variants={"canary": tuple({"exchange": e} for e in EXCHANGES)},
     cpu=canary_cpu,
     parts=canary_parts,
+    lanes=lambda options: int(options.get("colayers_in_flight") or CanaryConfig.colayers_in_flight),
 )
 
 __all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "canary_cpu", "sketch_ratio"]
