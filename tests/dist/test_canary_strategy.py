@@ -32,7 +32,9 @@ def _train(rank: int, world: int, tmp_dir: str, name: str, kwargs: dict, **train
 
 def _all(rank: int, world: int, tmp_dir: str):  # type: ignore[no-untyped-def]
     ddp = _train(rank, world, tmp_dir, "ddp", {})
-    exact = _train(rank, world, tmp_dir, "canary", {"compression": "none", "bucket_cap_mb": 0.01})
+    # a first colayer smaller than the rest, as by default: still DDP's result
+    exact = _train(rank, world, tmp_dir, "canary", {"compression": "none", "bucket_cap_mb": 0.01,
+                                                    "first_bucket_cap_mb": 0.001})
     sketch = _train(rank, world, tmp_dir, "canary", {"bucket_cap_mb": 0.01})
     ddp_acc = _train(rank, world, tmp_dir, "ddp", {}, accumulate_grad_batches=2)
     exact_acc = _train(rank, world, tmp_dir, "canary", {"compression": "none"}, accumulate_grad_batches=2)
@@ -42,13 +44,15 @@ def _all(rank: int, world: int, tmp_dir: str):  # type: ignore[no-untyped-def]
 
 def test_canary_trains_like_ddp_and_keeps_replicas_identical(tmp_path) -> None:
     results = run_distributed(_all, 2, str(tmp_path), timeout=400)
-    for (ddp, _), (exact, _), (sketch, state), (ddp_acc, _), (exact_acc, _), (stale, stale_state) in results:
+    for (ddp, _), (exact, exact_state), (sketch, state), (ddp_acc, _), (exact_acc, _), (stale, stale_state) in results:
         # staleness 2 after 1 synchronous step: 5 steps entered, step 0's aggregate applied at
         # step 0, steps 1-2's at 3-4 with the momentum compensated, replicas identical
         assert torch.equal(stale, results[0][5][0]) and not torch.equal(stale, sketch)
         assert stale_state["gei"][0] == 4 and stale_state["gei"][1] == 0 and stale_state["gei"][2] <= 2
         assert stale_state["momentum"] == (2, 0.9)
         torch.testing.assert_close(exact, ddp, rtol=1e-5, atol=1e-5)
+        first, *rest = exact_state["canary"]["sizes"]
+        assert first * 4 <= 0.001 * 2**20 < max(rest) * 4                # the first colayer cut at its own cap
         torch.testing.assert_close(exact_acc, ddp_acc, rtol=1e-5, atol=1e-5)
         assert not torch.equal(exact_acc, exact)                         # accumulation did change the run
         assert torch.equal(sketch, results[0][2][0])                     # replicas bit-identical
