@@ -196,7 +196,7 @@ inline uint32_t abs_key(float v) {
 // with the default blend most buckets are wider than a cell, so the walk is 0-1 steps).
 class Bucketizer {
  public:
-  static constexpr int kCells = 4096;
+  static constexpr int kCells = 16384;
 
   explicit Bucketizer(const float* bounds) : b_(bounds) {
     lo_ = bounds[0];
@@ -377,22 +377,29 @@ void sketch_encode(const at::Tensor& x, int64_t k, int64_t sample, double quanti
   const Bucketizer code_of(bounds);
   std::vector<std::array<int64_t, kBuckets>> sums(chunks), counts(chunks);
   for_chunks(n, chunks, [&](int64_t c, int64_t b, int64_t e) {
-    auto& sum = sums[c];
-    auto& count = counts[c];
-    sum.fill(0);
-    count.fill(0);
+    // locals, not the captured references: a store to a uint8_t may alias anything, so
+    // through references every pointer and the bucketizer were loaded again per value
+    const Bucketizer code_at = code_of;
+    const float* __restrict in = xp;
+    uint8_t* __restrict out_codes = codes;
+    int64_t* __restrict sum = sums[c].data();
+    int64_t* __restrict count = counts[c].data();
+    const double scale = to_fixed;
+    std::fill(sum, sum + kBuckets, 0);
+    std::fill(count, count + kBuckets, 0);
     auto next = std::lower_bound(exact.begin(), exact.end(), static_cast<int32_t>(b));
-    int64_t skip = next == exact.end() ? e : *next;
+    const auto last = exact.end();
+    int64_t skip = next == last ? e : *next;
     for (int64_t i = b; i < e; ++i) {
-      const float v = xp[i];
-      const int code = code_of(v);
-      codes[i] = static_cast<uint8_t>(code);
+      const float v = in[i];
+      const int code = code_at(v);
+      out_codes[i] = static_cast<uint8_t>(code);
       if (i == skip) {
         ++next;
-        skip = next == exact.end() ? e : *next;
+        skip = next == last ? e : *next;
         continue;
       }
-      sum[code] += round_to_int64(static_cast<double>(v) * to_fixed);
+      sum[code] += round_to_int64(static_cast<double>(v) * scale);
       ++count[code];
     }
   });
