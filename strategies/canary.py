@@ -60,8 +60,9 @@ from syncplane.strategies.registry import register
 @register("canary")
 class CanaryStrategy(SyncplaneStrategy):
     """Args: those of ``CanaryConfig`` (compression, exact_fraction, quantile_weight, nics,
-    exchange, compress_in_host, colayers_in_flight, bucket_cap_mb, first_bucket_cap_mb, sync_timeout_s, staleness, proportion,
-    warmup_steps, momentum_compensation), then ``SyncplaneStrategy``'s."""
+    exchange, compress_in_host, colayers_in_flight, bucket_cap_mb, first_bucket_cap_mb,
+    sync_timeout_s, staleness, proportion, warmup_steps, momentum_compensation), then
+    ``SyncplaneStrategy``'s."""
 
     replicas_identical = True   # every rank applies the same decoded mean gradient (of the same step)
 

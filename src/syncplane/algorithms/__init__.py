@@ -91,7 +91,8 @@ class StrategyTimes:
     """One step's sync of a strategy on a cluster, in seconds (periodic ones amortized).
 
     ``predicted_s``: its pattern with the per-phase latency; ``bound_s``: its pattern's own
-    bandwidth bound (with parts in flight, their phases side by side: ``CostModel.pipelined``); ``network_bound_s``: the network's lower bound for an all-reduce of the
+    bandwidth bound (with parts in flight, their phases side by side: ``CostModel.pipelined``);
+    ``network_bound_s``: the network's lower bound for an all-reduce of the
     payload (``syncplane.cluster.bound``) once per step that communicates, whatever the
     pattern -- how fast the wire would let the step be; ``network_binding``: the cut or
     count that sets it; ``cpu_s``: the part of ``predicted_s`` that is CPU work (encoding,

@@ -520,9 +520,9 @@ class CostModel:
                                  for p, c in zip(distinct, columns)])
         chunked, lockstep = (np.concatenate([np.full(len(c[0]), isinstance(p, FlowArray) and getattr(p, flag))
                                              for p, c in zip(distinct, columns)]) for flag in ("chunked", "lockstep"))
-        times, *links = self.link_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned,
-                                        tcp, chunked, lockstep)
-        return times, which, (links[0], links[1], links[2], links[3])
+        times, phase_of, links, load_s, flow_s = self.link_times(owner, src, dst, nbytes, len(distinct), copies,
+                                                                 alpha_s, pinned, tcp, chunked, lockstep)
+        return times, which, (phase_of, links, load_s, flow_s)
 
     def phase_time(self, flows: Phase | Sequence[Flow], alpha_s: float | None = None) -> float:
         return self.phase_times([flows if isinstance(flows, (list, FlowArray)) else list(flows)], alpha_s)[0]

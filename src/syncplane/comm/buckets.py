@@ -51,7 +51,7 @@ def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKE
     Tensors may be in any memory format (``channels_last`` on a GPU): the kernels copy
     each one's memory in memory order (``kernels.is_dense``). Views with gaps are refused.
     """
-    check_caps(cap_bytes, first_cap_bytes)
+    _check_caps(cap_bytes, first_cap_bytes)
     buckets: list[Bucket] = []
     current: list[torch.Tensor] = []
     current_bytes = 0
@@ -72,7 +72,7 @@ def make_buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = DEFAULT_BUCKE
     return buckets
 
 
-def check_caps(cap_bytes: int, first_cap_bytes: int | None) -> None:
+def _check_caps(cap_bytes: int, first_cap_bytes: int | None) -> None:
     for what, value in (("bucket cap", cap_bytes), ("first bucket cap", first_cap_bytes)):
         if value is not None and value <= 0:
             raise ValueError(f"{what} must be positive, got {value} bytes")
@@ -82,7 +82,7 @@ def flat_bucket_sizes(numel: int, element_size: int, cap_bytes: int, first_cap_b
     """The elements of each bucket ``make_buckets`` would cut from one flat buffer of ``numel``
     values if it were made of single values: ``first_cap_bytes`` first (where given), then
     ``cap_bytes`` each, the rest last (the bench's payload stands in for a model this way)."""
-    check_caps(cap_bytes, first_cap_bytes)
+    _check_caps(cap_bytes, first_cap_bytes)
     sizes: list[int] = []
     done = 0
     while done < numel:

@@ -1,6 +1,7 @@
 """Canary's colayers: the model's trainable parameters, in backward order, cut into buckets of
-``bucket_cap_mb`` (DDP's buckets, the first of ``first_bucket_cap_mb``); a colayer's gradients are packed into one flat buffer for
-the exchange and the decoded mean unpacked back into the gradients (compiled kernels)."""
+``bucket_cap_mb`` (DDP's buckets, the first of ``first_bucket_cap_mb``); a colayer's
+gradients are packed into one flat buffer for the exchange and the decoded mean unpacked back
+into the gradients (compiled kernels)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from syncplane.comm.board import StoreBoard
 class Colayers:
     """The colayers of ``params`` (trainable parameters, in the order the model lists them)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], bucket_bytes: int, first_bucket_bytes: int | None = None) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], bucket_bytes: int,
+                 first_bucket_bytes: int | None = None) -> None:
         self.params = list(params)
         self.buckets: list[Bucket] = make_buckets(list(reversed(self.params)), bucket_bytes, first_bucket_bytes)
         self._index = {id(p): i for i, c in enumerate(self.buckets) for p in c.tensors}
