@@ -102,12 +102,17 @@ class Round:
             buffer = self.workspace[key] = torch.empty(numel, dtype=dtype)
         return buffer[:numel]
 
-    def decoded(self, codec: Codec, data: torch.Tensor, numel: int, key: object) -> torch.Tensor:
-        """``data``'s values to add into a sum: exact fp32 as a view of its bytes, any other
-        codec decoded into the kept buffer ``key`` (no allocation per piece)."""
-        if isinstance(codec, Fp32):
-            return codec.extract(data, numel)
-        return codec.extract(data, numel, out=self.kept(key, numel, torch.float32))
+    def add_decoded(self, acc: torch.Tensor, first: bool, codec: Codec, data: torch.Tensor, key: object) -> None:
+        """Add ``data``'s values into the sum ``acc`` (``first``: they start it, decoded
+        straight into it); a later term exact fp32 is added as a view of its bytes, any other
+        codec's decoded into the kept buffer ``key`` first (no allocation per piece)."""
+        numel = acc.numel()
+        if first:
+            codec.extract(data, numel, out=acc)
+        elif isinstance(codec, Fp32):
+            acc.add_(codec.extract(data, numel))
+        else:
+            acc.add_(codec.extract(data, numel, out=self.kept(key, numel, torch.float32)))
 
     def working_copy(self) -> torch.Tensor:
         """``flat`` copied into a kept buffer: a pattern that reduces in place works on it, so

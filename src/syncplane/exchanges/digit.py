@@ -213,14 +213,9 @@ class DigitExchange:
                     acc = round.kept(("sum", k, t, p), size(t, p), flat.dtype)
                     for v in range(self.radices[step.level]):
                         if v == mine:
-                            if v == 0:
-                                acc.copy_(partial[t][p])
-                            else:
-                                acc.add_(partial[t][p])
-                        elif v == 0:
-                            wire.extract(decoded[sources[v]][j], size(t, p), out=acc)
+                            (acc.copy_ if v == 0 else acc.add_)(partial[t][p])
                         else:
-                            acc.add_(round.decoded(wire, decoded[sources[v]][j], size(t, p), ("decoded", t)))
+                            round.add_decoded(acc, v == 0, wire, decoded[sources[v]][j], ("decoded", t))
                     summed[p] = acc
                 partial[t] = summed
                 if k == levels - 1:                               # this rank owns piece ``me``: encode the mean

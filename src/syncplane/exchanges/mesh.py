@@ -133,9 +133,9 @@ class MeshExchange:
                 round.wait(scatter_recvs[s])
             with round.phase("sum"):
                 parts = [own[s] if r == me else scattered[s, r] for r in range(n)]
-                acc = codec.extract(parts[0], hi - lo, out=round.kept(("sum", s), hi - lo, flat.dtype))
-                for part in parts[1:]:
-                    acc += round.decoded(codec, part, hi - lo, ("decoded", s))
+                acc = round.kept(("sum", s), hi - lo, flat.dtype)
+                for r, part in enumerate(parts):
+                    round.add_decoded(acc, r == 0, codec, part, ("decoded", s))
                 acc /= n
                 data = owner_ef.compress(acc, offset + lo)
                 codec.extract(data, hi - lo, out=out[lo:hi])

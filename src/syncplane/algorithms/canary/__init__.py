@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.canary.bench import CanaryStep, colayer_caps, sketch_ratio
+from syncplane.algorithms.canary.bench import CanaryStep, colayer_config, sketch_ratio
 from syncplane.algorithms.canary.exchange import EXCHANGES, check_job, innermost_is_host
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.gei import GEI, check_bounds
@@ -83,11 +83,10 @@ def canary_parts(options: Mapping[str, Any], payload_bytes: float) -> float:
     """The payload over its first colayer when several are in flight (``colayers_in_flight``):
     colayer k+1 is sketched while colayer k is on the wire, so what stands outside the
     pipeline is the first colayer's share; with one in flight, 1 (CPU and wire add up)."""
-    if int(options.get("colayers_in_flight") or CanaryConfig.colayers_in_flight) < 2:
+    config = colayer_config(options)
+    if config.colayers_in_flight < 2:
         return 1
-    caps = colayer_caps(options)
-    first = min(caps["bucket_cap_mb"], caps["first_bucket_cap_mb"]) * 2**20
-    return max(1.0, payload_bytes / first)
+    return max(1.0, payload_bytes / config.first_bucket_bytes)
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> CanaryStep:
@@ -106,7 +105,7 @@ SPEC = AlgorithmSpec(
     variants={"canary": tuple({"exchange": e} for e in EXCHANGES)},
     cpu=canary_cpu,
     parts=canary_parts,
-    lanes=lambda options: int(options.get("colayers_in_flight") or CanaryConfig.colayers_in_flight),
+    lanes=lambda options: colayer_config(options).colayers_in_flight,
 )
 
 __all__ = ["SPEC", "BackwardPipeline", "CanaryConfig", "CanaryEngine", "CanaryStep", "ExchangeFailed", "GEI", "MomentumCompensation", "check_bounds", "compensated_momentum", "canary_cost", "canary_cpu", "sketch_ratio"]

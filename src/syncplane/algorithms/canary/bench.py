@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -30,11 +31,9 @@ class CanaryStep:
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         shards = int(options.get("shards") or 1)
-        self.config = CanaryConfig(compression="sketch", nics=shards if shards > 1 else "auto",
-                                   exchange=offered(options.get("exchange"), EXCHANGES),
-                                   colayers_in_flight=int(options.get("colayers_in_flight")
-                                                          or CanaryConfig.colayers_in_flight),
-                                   **colayer_caps(options))
+        self.config = dataclasses.replace(colayer_config(options), compression="sketch",
+                                          nics=shards if shards > 1 else "auto",
+                                          exchange=offered(options.get("exchange"), EXCHANGES))
         self.transport = make_transport(self.config, job)
         self.engine: CanaryEngine | None = None
 
@@ -58,11 +57,13 @@ class CanaryStep:
         self.engine.exchange_all_(colayers, meter)
 
 
-def colayer_caps(options: Mapping[str, Any]) -> dict[str, float]:
-    """The colayer sizes the bench's ``options`` name (``bucket_cap_mb``, ``first_bucket_cap_mb``),
-    the training defaults where absent."""
-    return {name: float(options.get(name) or getattr(CanaryConfig, name))
-            for name in ("bucket_cap_mb", "first_bucket_cap_mb")}
+def colayer_config(options: Mapping[str, Any]) -> CanaryConfig:
+    """The colayer settings the bench's ``options`` name (``colayers_in_flight``,
+    ``bucket_cap_mb``, ``first_bucket_cap_mb``; the training defaults where absent), as the
+    bench runs them and the cost model prices them."""
+    return CanaryConfig(colayers_in_flight=int(options.get("colayers_in_flight") or CanaryConfig.colayers_in_flight),
+                        **{name: float(options.get(name) or getattr(CanaryConfig, name))
+                           for name in ("bucket_cap_mb", "first_bucket_cap_mb")})
 
 
 def sketch_ratio(numel: int, pieces: int, config: CanaryConfig = CanaryConfig()) -> float:
