@@ -454,8 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="diloco with --compression sparse: fraction of each chunk sent, in (0, 1]")
     bench.add_argument("--bits", type=int, default=2, help="diloco with --compression sparse: bits per value, 2, 4 or 8")
     bench.add_argument("--profile", action="store_true",
-                       help="diloco: time each phase of the exchange (copies, sums, posts, waits per stream "
-                            "and level) on every rank; written to the JSON row's 'profile'")
+                       help="diloco, canary: time each phase of the exchange (copies, encodes, sums, waits "
+                            "per stream and level, the commit agreement) on every rank; written to the JSON "
+                            "row's 'profile' (canary: its colayers in flight add up, so phases exceed the step)")
     bench.add_argument("--wandb", action="store_true", help="also log offline W&B runs, grouped")
     bench.add_argument("--matrix", action="store_true",
                        help="every strategy (--strategies, default all) on every profile (--clusters, default "

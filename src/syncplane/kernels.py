@@ -2,7 +2,7 @@
 
 ``pack``/``unpack`` move many tensors into and out of one flat buffer (tensor fusion),
 ``weighted_combine`` computes ``out = a*x + sum_j w_j*y_j`` (the neighbour-averaging
-step) in one pass, ``sketch_encode``/``sketch_decode`` are Canary's gradient sketch (the
+step) in one pass, ``sketch_encode``/``sketch_decode``/``sketch_decode_add`` are Canary's gradient sketch (the
 ``GradientSketch`` codec's hot path; layout and rules in ``csrc/cpu_kernels.cpp``). Each dispatches on the tensor's device to the compiled CPU or CUDA
 module -- the only place CPU and GPU code paths differ. ``backend="torch"`` runs the
 reference instead; it exists for tests and benchmarks, never as a silent fallback.
@@ -212,6 +212,28 @@ def sketch_decode(
     module.sketch_decode(data, int(k), out)
     return out
 
+
+
+def sketch_decode_add(
+    data: torch.Tensor,
+    k: int,
+    out: torch.Tensor,
+    scale: float = 1.0,
+    backend: Backend = "ext",
+) -> torch.Tensor:
+    """``out += scale * sketch_decode(data, k, out.numel())`` for ``scale`` of 1 or -1 (a sum
+    of pieces; what error feedback keeps), bit for bit, in one pass on the CPU: no decoded
+    buffer to allocate, write and read again. On a GPU it decodes into a buffer, then adds."""
+    if scale not in (1.0, -1.0):
+        raise ValueError(f"sketch_decode_add: scale must be 1 or -1, got {scale}")
+    if backend == "torch":
+        _count("sketch_decode_add", "torch")
+        return sketch_decode_add_reference(data, k, out, scale)
+    if out.device.type != "cpu":
+        return out.add_(sketch_decode(data, k, out.numel(), backend=backend), alpha=scale)
+    _count("sketch_decode_add", "cpu_ext")
+    ext.load_cpu().sketch_decode_add(data, int(k), out, float(scale))
+    return out
 
 # ---------------------------------------------------------------- chunked top-k (sparse)
 #
@@ -457,6 +479,12 @@ def sketch_decode_reference(data: torch.Tensor, k: int, out: torch.Tensor) -> to
     out.copy_(codebook[data[h + 8 * k :].long()])
     out[indices] = values
     return out
+
+
+
+def sketch_decode_add_reference(data: torch.Tensor, k: int, out: torch.Tensor, scale: float) -> torch.Tensor:
+    """Pure-torch ``sketch_decode_add``."""
+    return out.add_(sketch_decode_reference(data, k, torch.empty_like(out)), alpha=scale)
 
 
 

@@ -140,3 +140,25 @@ def test_buffers_kept_between_rounds_change_no_bit_of_any_round():
                 kept, fresh = rank_result[name, r]
                 assert torch.equal(kept, fresh), f"{name}, round {r}: kept buffers changed the mean"
                 torch.testing.assert_close(kept, want, msg=f"{name}, round {r}: not the mean")
+
+
+FLAG_PATTERNS = [[], [0], [4], [2], [1, 3], [0, 1, 2, 3, 4]]     # the ranks that pass False
+
+
+def _agreements(rank: int, world: int, fanouts: list[int]):
+    import torch.distributed as dist
+
+    from syncplane.comm.streams import every_rank_ok
+
+    return {(fanout, i): every_rank_ok(dist.group.WORLD, rank, world, rank not in failing, fanout)
+            for fanout in fanouts for i, failing in enumerate(FLAG_PATTERNS)}
+
+
+def test_every_rank_ok_is_the_and_of_every_ranks_flag():
+    """The round's agreement on 5 ranks: one message delay (fanout 8), two (2) and three (1),
+    with any rank, several or none failing: every rank gets the AND of all flags."""
+    fanouts = [1, 2, 8]
+    results = run_distributed(_agreements, 5, fanouts, timeout=120)
+    for fanout in fanouts:
+        for i, failing in enumerate(FLAG_PATTERNS):
+            assert [r[fanout, i] for r in results] == [not failing] * 5, (fanout, failing)

@@ -7,7 +7,8 @@ import torch
 
 from syncplane.comm import (ChunkedTopK, ErrorFeedback, Fp32, GradientSketch, Int8Blockwise, make_codec,
                             shard_bounds)
-from syncplane.comm.codecs import Undo
+from syncplane.comm.codecs import Undo, add_extracted_
+from syncplane.comm.streams import kept
 
 
 def _tensors(n: int = 5000, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -106,6 +107,21 @@ def test_extract_into_a_buffer_gives_the_same_bits(codec, test_seed):
             codec.extract(data, 3000, out=bad)
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: type(c).__name__)
+def test_add_extracted_is_out_plus_scale_times_extract_bit_for_bit(codec, test_seed):
+    """``add_extracted_`` (the sketch's in one pass, the others through a scratch buffer or a
+    fresh one) equals ``out + scale * extract``, signed zeros included."""
+    g = torch.Generator().manual_seed(test_seed)
+    data = codec.compress(torch.randn(3000, generator=g))
+    start = torch.randn(3000, generator=g)
+    start[::5] = -0.0
+    for scale in (1.0, -1.0):
+        wanted = start + scale * codec.extract(data, 3000)
+        for scratch in (None, lambda: torch.full((3000,), float("nan"))):
+            got = add_extracted_(codec, data, start.clone(), scale, scratch=scratch)
+            assert torch.equal(got.view(torch.int32), wanted.view(torch.int32)), (scale, scratch)
+
+
 @pytest.mark.parametrize("beta", [1.0, 0.9])
 @pytest.mark.parametrize("codec", CODECS[1:], ids=lambda c: type(c).__name__)
 def test_error_feedback_in_place_is_its_definition_bit_for_bit(codec, beta, test_seed):
@@ -142,6 +158,28 @@ def test_undo_puts_back_exactly_what_a_round_overwrote(test_seed):
     kept = a.residual.clone()
     undo.restore()                                             # nothing recorded since
     assert torch.equal(a.residual, kept)
+
+
+def test_undo_into_kept_buffers_restores_each_round(test_seed):
+    """Rounds whose ``Undo`` saves into the same kept buffers (a runner's workspace, reused by
+    the next round) each put back exactly their own round's slices."""
+    g = torch.Generator().manual_seed(test_seed)
+    feedback, workspace = ErrorFeedback(GradientSketch(), 5000), {}
+
+    def scratch(i: int, numel: int) -> torch.Tensor:
+        return kept(workspace, ("undo", i), numel, torch.float32)
+
+    for offset, n in [(0, 5000), (1000, 2000), (0, 1500)]:
+        before = feedback.residual.clone()
+        undo = Undo(scratch)
+        recorded = undo.recording(feedback)
+        recorded.compress(torch.randn(n, generator=g), offset)
+        recorded.compress(torch.randn(n // 2, generator=g), offset + n // 4)     # overlaps the first
+        undo.restore()
+        assert torch.equal(feedback.residual, before)
+        feedback.compress(torch.randn(n, generator=g), offset)                  # the round that counts
+    assert {key for key in workspace} == {("undo", 0), ("undo", 1)}
+    assert workspace["undo", 0].numel() == 5000                                  # the largest, reused
 
 
 def test_bad_codec_inputs_name_the_value():

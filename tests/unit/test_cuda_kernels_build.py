@@ -43,3 +43,6 @@ def test_cuda_kernels_match_reference_on_gpu():
     assert torch.equal(on_gpu.cpu(), kernels.sketch_encode(x, k, 8192, 0.3, backend="torch"))
     assert torch.equal(kernels.sketch_decode(on_gpu, k, 70_001).cpu(),
                        kernels.sketch_decode(on_gpu.cpu(), k, 70_001, backend="torch"))
+    start = torch.randn(70_001, generator=g)
+    assert torch.equal(kernels.sketch_decode_add(on_gpu, k, start.cuda(), -1.0).cpu(),     # decoded, then added
+                       kernels.sketch_decode_add(on_gpu.cpu(), k, start.clone(), -1.0, backend="torch"))

@@ -50,7 +50,41 @@ def test_kernel_equals_reference_bit_for_bit(n, test_seed):
             k = codec.exact_count(n)
             decoded = kernels.sketch_decode(ext, k, n, backend="ext")
             assert torch.equal(decoded, kernels.sketch_decode(ext, k, n, backend="torch")), name
+            _check_decode_add(ext, k, decoded, g)
     assert kernels.call_counts[("sketch_encode", "cpu_ext")] > before   # the compiled path ran
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)      # torch.equal takes -0.0 for 0.0; the bits do not
+
+
+def _check_decode_add(data: torch.Tensor, k: int, decoded: torch.Tensor, g: torch.Generator) -> None:
+    """``sketch_decode_add`` (compiled and reference) is ``out + scale * decode`` bit for bit,
+    on a sum holding signed zeros, for both scales."""
+    n = decoded.numel()
+    start = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.1)
+    start[::7] = -0.0
+    for scale in (1.0, -1.0):
+        wanted = start + scale * decoded
+        for backend in ("ext", "torch"):
+            got = kernels.sketch_decode_add(data, k, start.clone(), scale, backend=backend)
+            assert torch.equal(_bits(got), _bits(wanted)), f"n={n}, scale {scale}, {backend}"
+
+
+def test_decode_add_refuses_what_it_cannot_add(test_seed):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(test_seed))
+    codec = GradientSketch()
+    data, k = codec.compress(x), codec.exact_count(1000)
+    with pytest.raises(ValueError, match="scale must be 1 or -1, got 0.5"):
+        kernels.sketch_decode_add(data, k, torch.zeros(1000), 0.5)
+    with pytest.raises(RuntimeError, match="bytes do not hold a sketch of 999 values"):
+        kernels.sketch_decode_add(data, k, torch.zeros(999))
+    bad = data.clone()
+    bad[1024 + 4 * k: 1024 + 4 * k + 4] = torch.tensor([1000], dtype=torch.int32).view(torch.uint8)
+    out = torch.zeros(1000)
+    with pytest.raises(RuntimeError, match="exact index 1000 is outside"):
+        kernels.sketch_decode_add(bad, k, out)
+    assert torch.equal(out, torch.zeros(1000))          # refused before anything was added
 
 
 def test_kernel_equals_reference_when_the_sampled_threshold_misses(test_seed):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -266,15 +267,17 @@ class ErrorFeedback:
             residual.mul_(self.beta)
         residual.add_(x.reshape(-1).to(residual.device))
         data = self.codec.compress(residual)
-        residual.sub_(self.codec.extract(data, residual.numel()))
+        add_extracted_(self.codec, data, residual, -1.0)
         return data
 
-    def snapshot(self, offset: int = 0, numel: int | None = None) -> torch.Tensor:
+    def snapshot(self, offset: int = 0, numel: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the residuals of ``[offset, offset + numel)`` (default: all): only the
         slice a round touches: a caller that exchanges a large buffer a slice at a time then
-        copies only that slice, not every residual in full for every slice."""
+        copies only that slice, not every residual in full for every slice. ``out``: a
+        buffer of that many fp32 values the caller keeps, copied into instead of a new one."""
         end = self.residual.numel() if numel is None else offset + numel
-        return self.residual[offset:end].clone()
+        piece = self.residual[offset:end]
+        return piece.clone() if out is None else _check_out(out, piece.numel()).copy_(piece)
 
     def restore(self, saved: torch.Tensor, offset: int = 0) -> None:
         self.residual[offset:offset + saved.numel()].copy_(saved)
@@ -302,16 +305,24 @@ class Undo:
     discarded: each compression saves the slice it is about to overwrite, so a round copies
     the residuals it touches and no others (not every slot's whole span up front).
 
-    ``recording(feedback)`` is ``feedback`` with its compressions recorded here."""
+    ``recording(feedback)`` is ``feedback`` with its compressions recorded here.
 
-    def __init__(self) -> None:
+    Args:
+        scratch: ``(i, numel) -> buffer`` of ``numel`` fp32 values for the round's i-th saved
+            slice, kept by the caller between rounds (a runner's workspace): a copy into a
+            fresh tensor every round paid its page faults. Default: fresh copies.
+    """
+
+    def __init__(self, scratch: Callable[[int, int], torch.Tensor] | None = None) -> None:
         self._saved: list[tuple[ErrorFeedback, int, torch.Tensor]] = []
+        self._scratch = scratch
 
     def recording(self, feedback: ErrorFeedback) -> _Recorded:
         return _Recorded(feedback, self)
 
     def save(self, feedback: ErrorFeedback, offset: int, numel: int) -> None:
-        self._saved.append((feedback, offset, feedback.snapshot(offset, numel)))
+        out = self._scratch(len(self._saved), numel) if self._scratch is not None else None
+        self._saved.append((feedback, offset, feedback.snapshot(offset, numel, out=out)))
 
     def restore(self) -> None:
         """Every slice as it was before the round (latest first, so overlaps end at the oldest)."""
@@ -327,6 +338,24 @@ class _Recorded:
 
     def compress(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         return self.feedback.compress(x, offset, self.undo)
+
+
+def add_extracted_(codec: Codec, data: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
+                   scratch: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    """``out += scale * codec.extract(data, out.numel())`` for ``scale`` 1 or -1 (a sum of
+    pieces; what error feedback keeps), bit for bit, without a decoded buffer where the codec
+    needs none: the sketch decodes into ``out`` in one pass (``kernels.sketch_decode_add``),
+    exact fp32 adds a view of its bytes. Any other codec decodes into ``scratch()`` first (a
+    buffer of ``out.numel()`` fp32 the caller keeps), or a fresh one."""
+    numel = out.numel()
+    if isinstance(codec, GradientSketch):
+        _check_bytes(data, codec.nbytes(numel))
+        return kernels.sketch_decode_add(data.contiguous(), codec.exact_count(numel), _check_out(out, numel), scale)
+    if isinstance(codec, Fp32):
+        values = codec.extract(data, numel)
+    else:
+        values = codec.extract(data, numel, out=scratch() if scratch is not None else None)
+    return out.add_(values, alpha=scale)
 
 
 def _check_fp32(x: torch.Tensor) -> None:

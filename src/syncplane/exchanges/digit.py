@@ -175,8 +175,9 @@ class DigitExchange:
                         parts = [wire.compress(partial[step.stream][p]) for p in ps]
                     else:
                         ef = local_ef if k == 0 else relay_ef
-                        parts = [ef.compress(partial[step.stream][p], offset + bounds[step.stream][p][0])
-                                 for p in ps]
+                        with round.phase(f"encode/L{step.level}"):
+                            parts = [ef.compress(partial[step.stream][p], offset + bounds[step.stream][p][0])
+                                     for p in ps]
                     nbytes = sum(part.numel() for part in parts)
                     if nbytes:
                         data = torch.cat(parts, out=round.kept(("send", k, i, peer), nbytes))
@@ -193,7 +194,8 @@ class DigitExchange:
             keep.extend(sends)
             for step, buffers, works in posted:
                 keep.extend(works)
-                round.wait(works)
+                with round.phase(f"wait/L{step.level}-{'ag' if step.gather else 'rs'}"):
+                    round.wait(works)
                 t = step.stream
                 if step.gather:
                     for peer, ps in step.recvs.items():
@@ -207,27 +209,31 @@ class DigitExchange:
                 decoded = {peer: list(_split(buffers.get(peer), [wire.nbytes(size(t, p)) for p in kept]))
                            for peer in step.recvs}
                 summed: dict[int, torch.Tensor] = {}
-                for j, p in enumerate(kept):
-                    # in digit order, own value in its place; the first term is decoded (or
-                    # copied) straight into the sum
-                    acc = round.kept(("sum", k, t, p), size(t, p), flat.dtype)
-                    for v in range(self.radices[step.level]):
-                        if v == mine:
-                            (acc.copy_ if v == 0 else acc.add_)(partial[t][p])
-                        else:
-                            round.add_decoded(acc, v == 0, wire, decoded[sources[v]][j], ("decoded", t))
-                    summed[p] = acc
+                with round.phase(f"sum/L{step.level}"):
+                    for j, p in enumerate(kept):
+                        # in digit order, own value in its place; the first term is decoded (or
+                        # copied) straight into the sum
+                        acc = round.kept(("sum", k, t, p), size(t, p), flat.dtype)
+                        for v in range(self.radices[step.level]):
+                            if v == mine:
+                                (acc.copy_ if v == 0 else acc.add_)(partial[t][p])
+                            else:
+                                round.add_decoded(acc, v == 0, wire, decoded[sources[v]][j], ("decoded", t))
+                        summed[p] = acc
                 partial[t] = summed
                 if k == levels - 1:                               # this rank owns piece ``me``: encode the mean
                     lo, hi = bounds[t][me]
                     mean = summed[me].div_(n)
-                    encoded[t][me] = owner_ef.compress(mean, offset + lo)
+                    with round.phase("encode/mean"):
+                        encoded[t][me] = owner_ef.compress(mean, offset + lo)
                     keep.append(encoded[t][me])
-        round.wait(sends)
-        for t, s in enumerate(bounds):
-            for p, (lo, hi) in enumerate(s):
-                if hi > lo:
-                    codec.extract(encoded[t][p], hi - lo, out=out[lo:hi])
+        with round.phase("wait/send"):
+            round.wait(sends)
+        with round.phase("decode/out"):
+            for t, s in enumerate(bounds):
+                for p, (lo, hi) in enumerate(s):
+                    if hi > lo:
+                        codec.extract(encoded[t][p], hi - lo, out=out[lo:hi])
         return out, sent
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from syncplane.algorithms.canary.config import CanaryConfig
 from syncplane.algorithms.canary.engine import CanaryEngine
 from syncplane.algorithms.canary.exchange import EXCHANGES, make_transport
-from syncplane.comm import CommMeter, flat_bucket_sizes, shard_bounds
+from syncplane.comm import CommMeter, PhaseProfile, flat_bucket_sizes, shard_bounds
 from syncplane.exchanges import CubeExchange, NestedExchange, offered
 from syncplane.job import JobContext
 
@@ -36,6 +36,11 @@ class CanaryStep:
                                           exchange=offered(options.get("exchange"), EXCHANGES))
         self.transport = make_transport(self.config, job)
         self.engine: CanaryEngine | None = None
+        # ``syncplane bench --profile``: each phase of every lane's rounds timed (lanes run at
+        # once, so the phases of a step add up to more than its wall time)
+        self.profile = PhaseProfile() if options.get("profile") else None
+        if self.profile is not None:
+            self.transport.profile = self.profile
 
     def describe(self) -> str:
         pattern = self.transport.exchange

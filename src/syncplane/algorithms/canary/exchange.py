@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from syncplane.algorithms.canary.config import CanaryConfig
-from syncplane.comm import CommMeter, StreamExchange, StreamRunner
+from syncplane.comm import CommMeter, PhaseProfile, StreamExchange, StreamRunner
 from syncplane.config import ConfigError
 from syncplane.exchanges import CubeExchange, JobShape, MeshExchange, NestedExchange, choose
 from syncplane.job import JobContext
@@ -96,6 +96,16 @@ class Lanes:
     @property
     def streams(self) -> int:
         return self.runners[0].streams
+
+    @property
+    def profile(self) -> PhaseProfile | None:
+        """Where every lane times its rounds' phases (``StreamRunner.profile``), if set."""
+        return self.runners[0].profile
+
+    @profile.setter
+    def profile(self, profile: PhaseProfile | None) -> None:
+        for runner in self.runners:
+            runner.profile = profile
 
     @property
     def failures(self) -> int:
