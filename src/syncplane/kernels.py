@@ -213,7 +213,6 @@ def sketch_decode(
     return out
 
 
-
 def sketch_decode_add(
     data: torch.Tensor,
     k: int,
@@ -481,11 +480,9 @@ def sketch_decode_reference(data: torch.Tensor, k: int, out: torch.Tensor) -> to
     return out
 
 
-
 def sketch_decode_add_reference(data: torch.Tensor, k: int, out: torch.Tensor, scale: float) -> torch.Tensor:
     """Pure-torch ``sketch_decode_add``."""
     return out.add_(sketch_decode_reference(data, k, torch.empty_like(out)), alpha=scale)
-
 
 
 def _pack_bits(items: torch.Tensor, width: int) -> torch.Tensor:

@@ -31,8 +31,8 @@ Encode and decode run in the compiled kernels (``kernels.sparse_encode``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
