@@ -148,7 +148,7 @@ FLAG_PATTERNS = [[], [0], [4], [2], [1, 3], [0, 1, 2, 3, 4]]     # the ranks tha
 def _agreements(rank: int, world: int, fanouts: list[int]):
     import torch.distributed as dist
 
-    from syncplane.comm.streams import every_rank_ok
+    from syncplane.comm.collectives import every_rank_ok
 
     return {(fanout, i): every_rank_ok(dist.group.WORLD, rank, world, rank not in failing, fanout)
             for fanout in fanouts for i, failing in enumerate(FLAG_PATTERNS)}

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from syncplane.comm.codecs import Codec, ErrorFeedback, Feedback, Fp32, Undo, add_extracted_
+from syncplane.comm.collectives import every_rank_ok
 from syncplane.comm.context import directed
 from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.p2p import wait_works
@@ -358,35 +359,6 @@ class StreamRunner:
         except RuntimeError as exc:
             raise RuntimeError(f"rank {self.rank}: the commit/discard agreement itself failed "
                                f"(a rank is gone?): {exc}") from exc
-
-
-#: ranks each rank tells per round of ``every_rank_ok``: up to 9 ranks agree in one message delay
-AGREE_FANOUT = 8
-
-
-def every_rank_ok(group: dist.ProcessGroup, rank: int, size: int, ok: bool, fanout: int = AGREE_FANOUT) -> bool:
-    """Collective over ``group`` (ranks 0..size-1): True only if every rank passed ``ok``.
-
-    A k-ary dissemination: in each round every rank sends what it knows so far to the
-    ``fanout`` ranks 1, 2, ... ``fanout`` spans ahead and hears from as many behind, the span
-    growing by ``fanout + 1`` a round, so ⌈log_{fanout+1} size⌉ message delays (one up to
-    ``fanout + 1`` ranks). Why not gloo's all-reduce of one flag: its ring takes 2(size - 1)
-    delays one after another, and each queues behind the round's bulk data on every NIC it
-    crosses (100 ms shaper queues on the emulator): 0.21 s a round of Canary's on
-    ``bcube_3_2``, 9 ranks (2026-11-30)."""
-    known, span, tag = bool(ok), 1, 0
-    while span < size:
-        targets = sorted({(rank + j * span) % size for j in range(1, fanout + 1)} - {rank})
-        sources = sorted({(rank - j * span) % size for j in range(1, fanout + 1)} - {rank})
-        mine = torch.tensor([int(known)], dtype=torch.int32)
-        heard = {source: torch.zeros(1, dtype=torch.int32) for source in sources}
-        works = [group.send([mine], target, tag) for target in targets]
-        works += [group.recv([heard[source]], source, tag) for source in sources]
-        for work in works:
-            work.wait()
-        known = known and all(bool(flag.item()) for flag in heard.values())
-        span, tag = span * (fanout + 1), tag + 1
-    return known
 
 
 def reserve_key(name: str) -> str:
