@@ -1,12 +1,14 @@
 """A rank for the fork-server tests: ``python -m tests.helpers.forked_rank MODE OUT_DIR``.
 
 ``report`` writes what the rank sees of itself (identity, environment, session, network
-namespace, NICs, an unseeded NumPy draw) to ``OUT_DIR/rank<R>.json``; ``exit3`` exits 3;
+namespace, NICs, an unseeded NumPy draw, the objects its garbage collector leaves alone and
+whether it still collects a cycle of its own) to ``OUT_DIR/rank<R>.json``; ``exit3`` exits 3;
 ``raise`` raises; ``sleep`` never ends on its own.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -19,7 +21,18 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     print(f"rank {rank} says hello", flush=True)
     if mode == "report":
+        import weakref
+
         import numpy as np
+
+        class Node:
+            pass
+
+        cycle = Node()
+        cycle.self = cycle        # type: ignore[attr-defined]
+        alive = weakref.ref(cycle)
+        del cycle
+        gc.collect()
 
         (out / f"rank{rank}.json").write_text(json.dumps({
             "argv": sys.argv[1:], "cwd": os.getcwd(), "name": __name__, "pid": os.getpid(),
@@ -27,6 +40,7 @@ def main() -> None:
             "marker": os.environ.get("FORKED_RANK_MARKER"), "netns": os.stat("/proc/self/ns/net").st_ino,
             "nics": sorted(os.listdir("/sys/class/net")), "numpy": float(np.random.random()),
             "stdin": sys.stdin.read(), "cmdline": Path("/proc/self/cmdline").read_text(),
+            "frozen": gc.get_freeze_count(), "cycle_collected": alive() is None,
         }))
     elif mode == "exit3":
         sys.exit(3)

@@ -108,6 +108,30 @@ def test_extract_into_a_buffer_gives_the_same_bits(codec, test_seed):
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: type(c).__name__)
+def test_compress_into_a_buffer_gives_the_same_bytes(codec, test_seed):
+    """``compress(out=)`` (an exchange's send buffer, a slice of a larger message) writes what
+    ``compress`` returns, whatever the buffer held, and refuses a buffer of the wrong size,
+    type or shape; ``ErrorFeedback`` passes it through and updates the same residuals."""
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(test_seed))
+    nbytes = codec.nbytes(3000)
+    message = torch.full((nbytes + 8,), 0xA5, dtype=torch.uint8)
+    place = message[4:4 + nbytes]
+    assert codec.compress(x, out=place).data_ptr() == place.data_ptr()
+    assert torch.equal(place, codec.compress(x))
+    assert torch.equal(message[:4], torch.full((4,), 0xA5, dtype=torch.uint8))
+    assert torch.equal(message[-4:], torch.full((4,), 0xA5, dtype=torch.uint8))
+    for bad in (torch.empty(nbytes - 1, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.int8),
+                torch.empty(2 * nbytes, dtype=torch.uint8)[::2]):
+        with pytest.raises(ValueError, match="out must be|bytes"):
+            codec.compress(x, out=bad)
+    fresh, into = ErrorFeedback(codec, 3000), ErrorFeedback(codec, 3000)
+    for _ in range(2):
+        expected = fresh.compress(x)
+        assert torch.equal(into.compress(x, out=place), expected)
+        assert torch.equal(into.residual, fresh.residual)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: type(c).__name__)
 def test_add_extracted_is_out_plus_scale_times_extract_bit_for_bit(codec, test_seed):
     """``add_extracted_`` (the sketch's in one pass, the others through a scratch buffer or a
     fresh one) equals ``out + scale * extract``, signed zeros included."""

@@ -3,8 +3,9 @@
 A codec is a small value (hashable, comparable, no state): ``compress(x)`` returns a
 ``uint8`` tensor whose length ``nbytes(x.numel())`` depends only on the element count
 (so a receiver can allocate before anything arrives), and ``extract(data, numel)``
-returns the fp32 values it stands for (``out=``: written into a buffer of ``numel`` values
-the caller keeps, so a hot path neither allocates nor copies again). Lossy codecs are paired with
+returns the fp32 values it stands for. Both take ``out=``, a buffer the caller keeps
+(``nbytes`` bytes, ``numel`` values) written into instead of a new tensor, so a hot path
+neither allocates nor copies again: an exchange encodes straight into its send buffer. Lossy codecs are paired with
 ``ErrorFeedback``, which keeps what was lost and adds it to the next message so that
 nothing is dropped for good (the sum over rounds of what was sent tracks the sum of
 what should have been sent).
@@ -51,8 +52,11 @@ class Fp32:
     def nbytes(self, numel: int) -> int:
         return numel * FP32_BYTES
 
-    def compress(self, x: torch.Tensor) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_fp32(x)
+        if out is not None:
+            _bytes_out(out, self.nbytes(x.numel()), x.device).view(torch.float32).copy_(x.reshape(-1))
+            return out
         return x.contiguous().view(torch.uint8)
 
     def extract(self, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,10 +87,10 @@ class Int8Blockwise:
     def nbytes(self, numel: int) -> int:
         return self.blocks(numel) * FP32_BYTES + numel
 
-    def compress(self, x: torch.Tensor) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_fp32(x)
         n, nb = x.numel(), self.blocks(x.numel())
-        out = torch.empty(self.nbytes(n), dtype=torch.uint8, device=x.device)
+        out = _bytes_out(out, self.nbytes(n), x.device)
         if n == 0:
             return out
         padded = torch.zeros(nb * self.block, dtype=torch.float32, device=x.device)
@@ -147,10 +151,11 @@ class GradientSketch:
     def nbytes(self, numel: int) -> int:
         return kernels.sketch_nbytes(numel, self.exact_count(numel))
 
-    def compress(self, x: torch.Tensor) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_fp32(x)
         flat = x.reshape(-1).contiguous()
-        return kernels.sketch_encode(flat, self.exact_count(flat.numel()), self.sample, self.quantile_weight)
+        return kernels.sketch_encode(flat, self.exact_count(flat.numel()), self.sample, self.quantile_weight,
+                                     _bytes_out(out, self.nbytes(flat.numel()), x.device))
 
     def extract(self, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_bytes(data, self.nbytes(numel))
@@ -188,9 +193,10 @@ class ChunkedTopK:
     def nbytes(self, numel: int) -> int:
         return self.layout(numel).nbytes
 
-    def compress(self, x: torch.Tensor) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_fp32(x)
-        return kernels.sparse_encode(x.reshape(-1).contiguous(), self.k, self.chunk, self.bits)
+        return kernels.sparse_encode(x.reshape(-1).contiguous(), self.k, self.chunk, self.bits,
+                                     _bytes_out(out, self.nbytes(x.numel()), x.device))
 
     def extract(self, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_bytes(data, self.nbytes(numel))
@@ -250,10 +256,12 @@ class ErrorFeedback:
         self.beta = beta
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
-    def compress(self, x: torch.Tensor, offset: int = 0, undo: Undo | None = None) -> torch.Tensor:
-        """``undo``: where the slice is saved first (a runner's round)."""
+    def compress(self, x: torch.Tensor, offset: int = 0, undo: Undo | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``undo``: where the slice is saved first (a runner's round); ``out``: the bytes are
+        written there (``Codec.compress``)."""
         if isinstance(self.codec, Fp32):
-            return self.codec.compress(x)   # exact: nothing to remember
+            return self.codec.compress(x, out)   # exact: nothing to remember
         end = offset + x.numel()
         if offset < 0 or end > self.residual.numel():
             raise ValueError(f"slice [{offset}, {end}) is outside the error-feedback buffer of "
@@ -266,7 +274,7 @@ class ErrorFeedback:
         if self.beta != 1.0:
             residual.mul_(self.beta)
         residual.add_(x.reshape(-1).to(residual.device))
-        data = self.codec.compress(residual)
+        data = self.codec.compress(residual, out)
         add_extracted_(self.codec, data, residual, -1.0)
         return data
 
@@ -297,7 +305,7 @@ class ErrorFeedback:
 class Feedback(Protocol):
     """What an exchange compresses through: an ``ErrorFeedback``, or one an ``Undo`` records."""
 
-    def compress(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor: ...
+    def compress(self, x: torch.Tensor, offset: int = 0, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class Undo:
@@ -336,8 +344,8 @@ class _Recorded:
     feedback: ErrorFeedback
     undo: Undo
 
-    def compress(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        return self.feedback.compress(x, offset, self.undo)
+    def compress(self, x: torch.Tensor, offset: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.feedback.compress(x, offset, self.undo, out)
 
 
 def add_extracted_(codec: Codec, data: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
@@ -363,9 +371,19 @@ def _check_fp32(x: torch.Tensor) -> None:
         raise TypeError(f"codecs take float32 tensors, got {x.dtype}")
 
 
-def _check_bytes(data: torch.Tensor, expected: int) -> None:
+def _check_bytes(data: torch.Tensor, expected: int) -> torch.Tensor:
     if data.dtype != torch.uint8 or data.numel() != expected:
         raise ValueError(f"expected {expected} bytes (uint8), got {data.numel()} of {data.dtype}")
+    return data
+
+
+def _bytes_out(out: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``compress``'s destination: the caller's ``out`` (checked), else a new buffer."""
+    if out is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"compress: out must be a contiguous 1-D uint8 tensor, got shape {tuple(out.shape)}")
+    return _check_bytes(out, nbytes)
 
 
 def _check_out(out: torch.Tensor, numel: int) -> torch.Tensor:

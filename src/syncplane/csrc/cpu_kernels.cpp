@@ -190,30 +190,45 @@ inline uint32_t abs_key(float v) {
 }
 
 // Number of the 255 sorted boundaries strictly below v (torch.bucketize, right=False).
-// A binary search costs 8 dependent loads per value; instead a table over kCells equal
-// cells of [b[0], b[254]] gives a guess and a walk corrects it in both directions, so
-// the answer is exact whatever the table's rounding (the table only decides the speed;
-// with the default blend most buckets are wider than a cell, so the walk is 0-1 steps).
+// A binary search costs 8 dependent loads per value; instead v's cell among kCells equal
+// cells of [b[0], b[254]] (clamped at both ends) is looked up in a table. The cell of a value
+// never decreases as the value grows (a rounded subtract and multiply are monotone), so in a
+// cell that holds no boundary's cell every value has the same answer, the table's: the
+// number of boundaries in cells below. Only in a cell that holds a boundary (or for every cell,
+// if the boundaries are not sorted or hold a NaN) a walk from the table's guess compares v
+// with the boundaries themselves, so the answer is exact whatever the rounding. A NaN (in cell
+// 0, which always holds b[0]) is above every boundary, as torch.bucketize has it.
 class Bucketizer {
  public:
   static constexpr int kCells = 16384;
+  static constexpr uint16_t kWalk = 0x100;   // the cell holds a boundary: compare
 
   explicit Bucketizer(const float* bounds) : b_(bounds) {
     lo_ = bounds[0];
     const float span = bounds[kBuckets - 2] - lo_;
     scale_ = span > 0.0f && std::isfinite(span) ? kCells / span : 0.0f;
-    int code = 0;
+    bool sorted = true;
+    for (int j = 0; j < kBuckets - 1; ++j) sorted = sorted && !std::isnan(b_[j]) && (j == 0 || b_[j - 1] <= b_[j]);
+    int below = 0;
     for (int c = 0; c < kCells; ++c) {
-      const float mid = lo_ + (static_cast<float>(c) + 0.5f) / (scale_ > 0.0f ? scale_ : 1.0f);
-      while (code < kBuckets - 1 && b_[code] < mid) ++code;
-      table_[c] = static_cast<uint8_t>(code);
+      while (below < kBuckets - 1 && cell(b_[below]) < c) ++below;
+      const bool holds = below < kBuckets - 1 && cell(b_[below]) == c;
+      table_[c] = static_cast<uint16_t>(below | (holds || !sorted ? kWalk : 0));
     }
   }
 
+  int cell(float v) const {
+    float t = (v - lo_) * scale_;
+    t = t > 0.0f ? t : 0.0f;                                        // and NaN -> 0
+    t = t < static_cast<float>(kCells - 1) ? t : static_cast<float>(kCells - 1);
+    return static_cast<int>(t);
+  }
+
   int operator()(float v) const {
-    const float t = (v - lo_) * scale_;
-    const int cell = t > 0.0f ? (t < kCells - 1 ? static_cast<int>(t) : kCells - 1) : 0;
-    int code = table_[cell];
+    const int entry = table_[cell(v)];
+    if (__builtin_expect((entry & kWalk) == 0, 1)) return entry;
+    if (std::isnan(v)) return kBuckets - 1;                         // torch.bucketize: NaN sorts last
+    int code = entry & (kWalk - 1);
     while (code > 0 && b_[code - 1] >= v) --code;
     while (code < kBuckets - 1 && b_[code] < v) ++code;
     return code;
@@ -222,7 +237,7 @@ class Bucketizer {
  private:
   const float* b_;
   float lo_ = 0.0f, scale_ = 0.0f;
-  uint8_t table_[kCells];
+  uint16_t table_[kCells];
 };
 
 // Bits of the fixed-point scale: every non-outlier |v| < 2^bound_exp, and a sum of n
@@ -248,47 +263,70 @@ inline int64_t chunks_for(int64_t n) {
 
 using Candidate = std::pair<uint32_t, int32_t>;  // (|x| key, index)
 
-// The first `need` candidates in the total order (key descending, index ascending).
-void take_first(std::vector<Candidate>& candidates, int64_t need, std::vector<int32_t>& picked) {
-  auto before = [](const Candidate& a, const Candidate& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  std::nth_element(candidates.begin(), candidates.begin() + (need - 1), candidates.end(), before);
-  for (int64_t j = 0; j < need; ++j) picked.push_back(candidates[j].second);
+// The total order of the exact values: key descending, index ascending.
+inline bool before(const Candidate& a, const Candidate& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// Every index whose key is at least `threshold`, in one parallel pass.
+// Every index whose key is at least `threshold`, ascending, in one parallel pass. About 2% of
+// the values qualify, so the pass tests four at once (SSE2) and looks at each only where one
+// of the four does: a branch per value was mispredicted on every chosen one.
 std::vector<Candidate> at_least(const float* x, int64_t n, uint32_t threshold) {
   const int64_t chunks = chunks_for(n);
   std::vector<std::vector<Candidate>> found(chunks);
   for_chunks(n, chunks, [&](int64_t c, int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
+    std::vector<Candidate>& mine = found[c];
+    auto one = [&](int64_t i) {
       const uint32_t key = abs_key(x[i]);
-      if (key >= threshold) found[c].push_back({key, static_cast<int32_t>(i)});
+      if (key >= threshold) mine.push_back({key, static_cast<int32_t>(i)});
+    };
+    int64_t i = b;
+#if defined(__SSE2__)
+    if (threshold > 0 && threshold <= 0x7fffffffu) {      // keys and threshold compare as int32
+      const __m128i magnitude = _mm_set1_epi32(0x7fffffff);
+      const __m128i below = _mm_set1_epi32(static_cast<int32_t>(threshold - 1));
+      for (; i + 4 <= e; i += 4) {
+        const __m128i keys = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)), magnitude);
+        if (_mm_movemask_epi8(_mm_cmpgt_epi32(keys, below)) != 0) {
+          for (int64_t j = i; j < i + 4; ++j) one(j);
+        }
+      }
     }
+#endif
+    for (; i < e; ++i) one(i);
   });
   std::vector<Candidate> all;
   for (auto& part : found) all.insert(all.end(), part.begin(), part.end());
   return all;
 }
 
+// Indices (ascending) of the first k of `candidates` (ascending, at least k of them) in the
+// total order: the k-th is found on a copy, then every candidate not after it is kept, in
+// the order it came (no sort of the k indices).
+std::vector<int32_t> first_k(const std::vector<Candidate>& candidates, int64_t k) {
+  std::vector<Candidate> order(candidates);
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
+  const Candidate last = order[k - 1];
+  std::vector<int32_t> picked;
+  picked.reserve(k);
+  for (const Candidate& c : candidates) {
+    if (!before(last, c)) picked.push_back(c.second);
+  }
+  return picked;
+}
+
 // Indices (ascending) of the k largest |x| (ties: lower index first). First guess: a
 // threshold from the strided sample with about 2k values above it, one pass collecting
-// them; only if that guess was too high, an exact radix select on the top 16 key bits.
+// them; only if that guess was too high, a threshold from a histogram of the top 16 key bits.
 std::vector<int32_t> top_k(const float* x, int64_t n, int64_t k, int64_t stride) {
-  std::vector<int32_t> picked;
-  if (k <= 0) return picked;
+  if (k <= 0) return {};
   std::vector<uint32_t> keys;
   for (int64_t i = 0; i < n; i += stride) keys.push_back(abs_key(x[i]));
   const int64_t m = static_cast<int64_t>(keys.size());
   const int64_t rank = std::min<int64_t>(m - 1, 2 * k * m / n + 8);
   std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<uint32_t>());
   std::vector<Candidate> candidates = at_least(x, n, keys[rank]);
-  if (static_cast<int64_t>(candidates.size()) >= k) {
-    take_first(candidates, k, picked);
-    std::sort(picked.begin(), picked.end());
-    return picked;
-  }
+  if (static_cast<int64_t>(candidates.size()) >= k) return first_k(candidates, k);
   const int64_t chunks = chunks_for(n);
   constexpr int kBins = 1 << 16;  // the top 16 bits of the key
   std::vector<std::vector<int64_t>> hist(chunks, std::vector<int64_t>(kBins, 0));
@@ -304,15 +342,7 @@ std::vector<int32_t> top_k(const float* x, int64_t n, int64_t k, int64_t stride)
     if (above + count >= k) break;
     above += count;
   }
-  candidates = at_least(x, n, static_cast<uint32_t>(bin) << 16);
-  std::vector<Candidate> boundary;
-  for (const auto& cand : candidates) {
-    if ((cand.first >> 16) > static_cast<uint32_t>(bin)) picked.push_back(cand.second);
-    else boundary.push_back(cand);
-  }
-  take_first(boundary, k - above, picked);
-  std::sort(picked.begin(), picked.end());
-  return picked;
+  return first_k(at_least(x, n, static_cast<uint32_t>(bin) << 16), k);
 }
 
 // Ascending, by an LSD radix sort on the order-preserving keys of the float bits (three
@@ -388,8 +418,10 @@ void sketch_encode(const at::Tensor& x, int64_t k, int64_t sample, double quanti
   // sample (strided, outliers excluded), sorted
   std::vector<float> s;
   s.reserve((n + stride - 1) / stride);
+  auto skip = exact.begin();                    // both ascending: one walk, no search per pick
   for (int64_t i = 0; i < n; i += stride) {
-    if (!std::binary_search(exact.begin(), exact.end(), static_cast<int32_t>(i))) s.push_back(xp[i]);
+    while (skip != exact.end() && *skip < i) ++skip;
+    if (skip == exact.end() || *skip != i) s.push_back(xp[i]);
   }
   sort_floats(s);
   float bounds[kBuckets - 1];

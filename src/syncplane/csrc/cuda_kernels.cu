@@ -195,6 +195,7 @@ __global__ void sketch_codes_kernel(const float* __restrict__ x, const bool* __r
     const float v = x[i];
     int pos = 0;
     for (int step = 128; step >= 1; step >>= 1) pos += (b[pos + step - 1] < v) ? step : 0;
+    if (isnan(v)) pos = kSketchBuckets - 1;      // torch.bucketize: NaN sorts last
     codes[i] = static_cast<uint8_t>(pos);
     if (!is_exact[i]) {
       // two's complement: adding the unsigned image of a negative int64 subtracts

@@ -187,8 +187,8 @@ def measure(codecs: Iterable[Codec], numel: int = CALIBRATION_ELEMENTS, repeats:
         for codec in codecs:
             if isinstance(codec, Fp32):
                 continue
-            data = codec.compress(x)
-            rates[encode_op(codec)] = _min_seconds(lambda: codec.compress(x), repeats) / numel
+            data = codec.compress(x)     # into a buffer kept between runs, as the exchanges encode
+            rates[encode_op(codec)] = _min_seconds(lambda: codec.compress(x, out=data), repeats) / numel
             decode_add = getattr(codec, "decode_add", None)     # what the gather runs: into a dense buffer
             if decode_add is not None:
                 decode: Callable[[], object] = lambda: decode_add([data], acc)

@@ -168,24 +168,27 @@ class DigitExchange:
                 wire = self._wire(step, codec)
                 buffers: dict[int, torch.Tensor] = {}
                 works: list[dist.Work] = []
+                t = step.stream
                 for peer, ps in step.sends.items():
+                    sizes = [wire.nbytes(size(t, p)) for p in ps]
+                    if not sum(sizes):
+                        continue
+                    data = round.kept(("send", k, i, peer), sum(sizes))
                     if step.gather:
-                        parts = [encoded[step.stream][p] for p in ps]
+                        torch.cat([encoded[t][p] for p in ps], out=data)
                     elif wire is _FP32:
-                        parts = [wire.compress(partial[step.stream][p]) for p in ps]
-                    else:
+                        for p, place in zip(ps, _split(data, sizes)):
+                            wire.compress(partial[t][p], out=place)
+                    else:      # each piece encoded straight into its place in the message
                         ef = local_ef if k == 0 else relay_ef
                         with round.phase(f"encode/L{step.level}"):
-                            parts = [ef.compress(partial[step.stream][p], offset + bounds[step.stream][p][0])
-                                     for p in ps]
-                    nbytes = sum(part.numel() for part in parts)
-                    if nbytes:
-                        data = torch.cat(parts, out=round.kept(("send", k, i, peer), nbytes))
-                        sends.append(round.link(index, me, peer).send([data], peer, _TAG_BASE + k))
-                        keep.append(data)
-                        sent += data.numel()
+                            for p, place in zip(ps, _split(data, sizes)):
+                                ef.compress(partial[t][p], offset + bounds[t][p][0], out=place)
+                    sends.append(round.link(index, me, peer).send([data], peer, _TAG_BASE + k))
+                    keep.append(data)
+                    sent += data.numel()
                 for peer, ps in step.recvs.items():
-                    nbytes = sum(wire.nbytes(size(step.stream, p)) for p in ps)
+                    nbytes = sum(wire.nbytes(size(t, p)) for p in ps)
                     if nbytes:
                         buffers[peer] = round.kept(("recv", k, i, peer), nbytes)
                         works.append(round.link(index, peer, me).recv([buffers[peer]], peer, _TAG_BASE + k))
@@ -225,7 +228,8 @@ class DigitExchange:
                     lo, hi = bounds[t][me]
                     mean = summed[me].div_(n)
                     with round.phase("encode/mean"):
-                        encoded[t][me] = owner_ef.compress(mean, offset + lo)
+                        encoded[t][me] = owner_ef.compress(mean, offset + lo,
+                                                           out=round.kept(("mean", t), codec.nbytes(hi - lo)))
                     keep.append(encoded[t][me])
         with round.phase("wait/send"):
             round.wait(sends)

@@ -109,8 +109,7 @@ class GatherExchange:
             cut = self._cut(lo, hi, offset)
             mine = round.kept(("mine", s), self._nbytes(codec, lo, cut, hi)).zero_()
             if cut > lo:
-                encoded = feedback.compress(flat[lo:cut], offset + lo)
-                mine[:encoded.numel()] = encoded
+                feedback.compress(flat[lo:cut], offset + lo, out=mine[:codec.nbytes(cut - lo)])
             if hi > cut:
                 mine[self._head(codec, lo, cut, hi):].view(torch.float32).copy_(flat[cut:hi])
             have[s], size[s] = {me: mine}, mine.numel()

@@ -106,7 +106,8 @@ class MeshExchange:
             for owner, (lo, hi) in enumerate(segments[s]):
                 if hi == lo:        # nothing to send (a codec may still have a header: skip it)
                     continue
-                data = local_ef.compress(flat[lo:hi], offset + lo)
+                data = local_ef.compress(flat[lo:hi], offset + lo,
+                                         out=round.kept(("local", s, owner), codec.nbytes(hi - lo)))
                 if owner == me:
                     own[s] = data
                 else:
@@ -137,7 +138,7 @@ class MeshExchange:
                 for r, part in enumerate(parts):
                     round.add_decoded(acc, r == 0, codec, part, ("decoded", s))
                 acc /= n
-                data = owner_ef.compress(acc, offset + lo)
+                data = owner_ef.compress(acc, offset + lo, out=round.kept(("mean", s), codec.nbytes(hi - lo)))
                 codec.extract(data, hi - lo, out=out[lo:hi])
             keep.append(data)
             for dst in range(n):
