@@ -136,9 +136,8 @@ def _run_rank(module: str, args: list[str], env: dict[str, str], cwd: str, log_p
     """In the forked child: become ``python -m module args`` and exit as it would."""
     # What the server imported is shared with it, page by page, until written. The cyclic
     # garbage collector writes into every object it visits: its full collections, during a
-    # rank's steps, copied those pages one by one (6 % of a 9-rank bench's machine in the
-    # kernel's copy-on-write, 3 % more in the collector itself, 2026-11-30). Frozen, the
-    # server's objects are never visited; what the rank allocates is collected as ever.
+    # rank's steps, copied those pages one by one (measured: docs/design-notes.md). Frozen,
+    # the server's objects are never visited; what the rank allocates is collected as ever.
     gc.freeze()
     import setproctitle
 
