@@ -154,6 +154,25 @@ def _agreements(rank: int, world: int, fanouts: list[int]):
             for fanout in fanouts for i, failing in enumerate(FLAG_PATTERNS)}
 
 
+def _posted_agreements(rank: int, world: int, fanouts: list[int]):
+    """Each agreement's receives posted first, then other traffic (an all-reduce on another
+    group, as a runner's exchange runs on its data groups), then the decision."""
+    import torch
+    import torch.distributed as dist
+
+    from syncplane.comm.collectives import post_every_rank_ok
+
+    other = dist.new_group(backend="gloo")
+    out = {}
+    for fanout in fanouts:
+        for i, failing in enumerate(FLAG_PATTERNS):
+            decide = post_every_rank_ok(dist.group.WORLD, rank, world, fanout)
+            values = torch.full((1000,), float(rank))
+            dist.all_reduce(values, group=other)
+            out[fanout, i] = (decide(rank not in failing), float(values[0]))
+    return out
+
+
 def test_every_rank_ok_is_the_and_of_every_ranks_flag():
     """The round's agreement on 5 ranks: one message delay (fanout 8), two (2) and three (1),
     with any rank, several or none failing: every rank gets the AND of all flags."""
@@ -162,3 +181,13 @@ def test_every_rank_ok_is_the_and_of_every_ranks_flag():
     for fanout in fanouts:
         for i, failing in enumerate(FLAG_PATTERNS):
             assert [r[fanout, i] for r in results] == [not failing] * 5, (fanout, failing)
+
+
+def test_agreement_posted_ahead_of_other_traffic_is_the_same_and():
+    """``post_every_rank_ok`` then traffic on another group then the decision, as a runner's
+    round runs it: every rank still gets the AND of all flags, and the traffic its sum."""
+    fanouts = [1, 8]
+    results = run_distributed(_posted_agreements, 5, fanouts, timeout=120)
+    for fanout in fanouts:
+        for i, failing in enumerate(FLAG_PATTERNS):
+            assert [r[fanout, i] for r in results] == [(not failing, 10.0)] * 5, (fanout, failing)

@@ -154,20 +154,43 @@ def every_rank_ok(group: dist.ProcessGroup, rank: int, size: int, ok: bool, fano
     ``fanout + 1`` ranks). Why not gloo's all-reduce of one flag: its ring takes 2(size - 1)
     delays one after another, and each queues behind the round's bulk data on every NIC it
     crosses (100 ms shaper queues on the emulator): 0.21 s a round of Canary's on
-    ``bcube_3_2``, 9 ranks (2026-11-30)."""
-    known, span, tag = bool(ok), 1, 0
+    ``bcube_3_2``, 9 ranks (2026-11-30). ``post_every_rank_ok`` posts the receives ahead."""
+    return post_every_rank_ok(group, rank, size, fanout)(ok)
+
+
+def post_every_rank_ok(group: dist.ProcessGroup, rank: int, size: int,
+                       fanout: int = AGREE_FANOUT) -> Callable[[bool], bool]:
+    """``every_rank_ok`` in two halves: this call posts every round's receives and returns the
+    decision, a call with this rank's ``ok`` (collective: every rank calls both, in the same
+    order). Posting them before the work being agreed on takes one message delay off the
+    agreement: gloo's TCP transport sends a message only once its receiver has posted the
+    receive and said so, and that notice would queue behind the work's bulk data too."""
+    spans: list[int] = []
+    span = 1
     while span < size:
-        targets = sorted({(rank + j * span) % size for j in range(1, fanout + 1)} - {rank})
+        spans.append(span)
+        span *= fanout + 1
+    heard: list[dict[int, torch.Tensor]] = []
+    recvs: list[list[dist.Work]] = []
+    for tag, span in enumerate(spans):
         sources = sorted({(rank - j * span) % size for j in range(1, fanout + 1)} - {rank})
-        mine = torch.tensor([int(known)], dtype=torch.int32)
-        heard = {source: torch.zeros(1, dtype=torch.int32) for source in sources}
-        works = [group.send([mine], target, tag) for target in targets]
-        works += [group.recv([heard[source]], source, tag) for source in sources]
-        for work in works:
+        heard.append({source: torch.zeros(1, dtype=torch.int32) for source in sources})
+        recvs.append([group.recv([heard[tag][source]], source, tag) for source in sources])
+
+    def decide(ok: bool) -> bool:
+        known, sends = bool(ok), []
+        for tag, span in enumerate(spans):
+            targets = sorted({(rank + j * span) % size for j in range(1, fanout + 1)} - {rank})
+            mine = torch.tensor([int(known)], dtype=torch.int32)
+            sends += [(mine, group.send([mine], target, tag)) for target in targets]
+            for work in recvs[tag]:
+                work.wait()
+            known = known and all(bool(flag.item()) for flag in heard[tag].values())
+        for _, work in sends:
             work.wait()
-        known = known and all(bool(flag.item()) for flag in heard.values())
-        span, tag = span * (fanout + 1), tag + 1
-    return known
+        return known
+
+    return decide
 
 
 def control_barrier(group: dist.ProcessGroup | None = None) -> None:

@@ -11,8 +11,9 @@ built once, up front, from the default group's store (``dist.ProcessGroupGloo(Pr
 rank, size, options)``: the documented way to give a gloo group its own device).
 
 Commit or discard: every rank reports whether its part succeeded (no timeout, no closed
-connection) on a separate control group (``every_rank_ok``: one message delay up to nine
-ranks) and the buffer is overwritten only if *all* did;
+connection) on a separate control group (``post_every_rank_ok``: its receives posted before
+the exchange, then one message delay up to nine ranks) and the buffer is overwritten only if
+*all* did;
 otherwise every rank keeps its input, undoes its error-feedback update, aborts the data
 groups (so peers still waiting fail fast instead of timing out) and rebuilds them. A failed
 round is skipped everywhere, never applied on some ranks only.
@@ -25,7 +26,7 @@ import math
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from syncplane.comm.codecs import Codec, ErrorFeedback, Feedback, Fp32, Undo, add_extracted_
-from syncplane.comm.collectives import every_rank_ok
+from syncplane.comm.collectives import post_every_rank_ok
 from syncplane.comm.context import directed
 from syncplane.comm.meter import CommMeter, PhaseProfile
 from syncplane.comm.p2p import wait_works
@@ -247,6 +248,7 @@ class StreamRunner:
                        time.monotonic() + self.timeout_s, self.profile, self._inflight, self._workspace)
         start = time.perf_counter()
         sent = 0
+        decide = self._post_agreement()      # its receives before the exchange's bulk data
         try:
             with round_.phase("exchange"):
                 out, sent = self.exchange.run(round_)
@@ -255,7 +257,7 @@ class StreamRunner:
             out, ok = None, False
             self.last_error = f"{type(exc).__name__}: {exc}"
         with round_.phase("agree"):
-            committed = self._agree(ok)
+            committed = self._agreed(decide, ok)
         if meter is not None:
             meter.record(start, time.perf_counter(), sent)
         if committed:
@@ -351,14 +353,23 @@ class StreamRunner:
                 self._feedback_numel = numel
             return self._feedback
 
-    def _agree(self, ok: bool) -> bool:
-        """Collective: True only if every rank's round succeeded."""
+    def _post_agreement(self) -> Callable[[bool], bool]:
+        """Collective: the commit/discard agreement's receives posted (``post_every_rank_ok``)."""
         assert self._control is not None
         try:
-            return every_rank_ok(self._control, self.rank, self.size, ok)
+            return post_every_rank_ok(self._control, self.rank, self.size)
         except RuntimeError as exc:
-            raise RuntimeError(f"rank {self.rank}: the commit/discard agreement itself failed "
-                               f"(a rank is gone?): {exc}") from exc
+            raise self._agreement_failed(exc) from exc
+
+    def _agreed(self, decide: Callable[[bool], bool], ok: bool) -> bool:
+        """Collective: True only if every rank's round succeeded."""
+        try:
+            return decide(ok)
+        except RuntimeError as exc:
+            raise self._agreement_failed(exc) from exc
+
+    def _agreement_failed(self, exc: RuntimeError) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank}: the commit/discard agreement itself failed (a rank is gone?): {exc}")
 
 
 def reserve_key(name: str) -> str:

@@ -161,13 +161,33 @@ class DigitExchange:
             lo, hi = bounds[t][p]
             return hi - lo
 
-        for k, row in enumerate(self.steps(me)):
-            posted: list[tuple[CubeStep, dict[int, torch.Tensor], list[dist.Work]]] = []
+        # every step's receives are posted up front: gloo's TCP transport sends a message only
+        # once its receiver has posted the receive and said so (a message back, queued behind
+        # the other direction's bulk data), so a receive posted when its step comes would idle
+        # the sender's link for that message delay at every step
+        schedule = self.steps(me)
+        posted_recvs: list[list[tuple[CubeStep, dict[int, torch.Tensor], list[dist.Work]]]] = []
+        for k, row in enumerate(schedule):
+            posted_row = []
             for i, step in enumerate(row):
                 index = step.level if self.group_by == "level" else step.stream
                 wire = self._wire(step, codec)
                 buffers: dict[int, torch.Tensor] = {}
                 works: list[dist.Work] = []
+                for peer, ps in step.recvs.items():
+                    nbytes = sum(wire.nbytes(size(step.stream, p)) for p in ps)
+                    if nbytes:
+                        buffers[peer] = round.kept(("recv", k, i, peer), nbytes)
+                        works.append(round.link(index, peer, me).recv([buffers[peer]], peer, _TAG_BASE + k))
+                keep.extend(buffers.values())
+                keep.extend(works)
+                posted_row.append((step, buffers, works))
+            posted_recvs.append(posted_row)
+
+        for k, row in enumerate(schedule):
+            for i, step in enumerate(row):
+                index = step.level if self.group_by == "level" else step.stream
+                wire = self._wire(step, codec)
                 t = step.stream
                 for peer, ps in step.sends.items():
                     sizes = [wire.nbytes(size(t, p)) for p in ps]
@@ -187,16 +207,8 @@ class DigitExchange:
                     sends.append(round.link(index, me, peer).send([data], peer, _TAG_BASE + k))
                     keep.append(data)
                     sent += data.numel()
-                for peer, ps in step.recvs.items():
-                    nbytes = sum(wire.nbytes(size(t, p)) for p in ps)
-                    if nbytes:
-                        buffers[peer] = round.kept(("recv", k, i, peer), nbytes)
-                        works.append(round.link(index, peer, me).recv([buffers[peer]], peer, _TAG_BASE + k))
-                keep.extend(buffers.values())
-                posted.append((step, buffers, works))
             keep.extend(sends)
-            for step, buffers, works in posted:
-                keep.extend(works)
+            for step, buffers, works in posted_recvs[k]:
                 with round.phase(f"wait/L{step.level}-{'ag' if step.gather else 'rs'}"):
                     round.wait(works)
                 t = step.stream

@@ -106,15 +106,10 @@ class GatherExchange:
         size: dict[int, int] = {}
         posting = time.perf_counter()
         for s, lo, hi in bounds:
-            cut = self._cut(lo, hi, offset)
-            mine = round.kept(("mine", s), self._nbytes(codec, lo, cut, hi)).zero_()
-            if cut > lo:
-                feedback.compress(flat[lo:cut], offset + lo, out=mine[:codec.nbytes(cut - lo)])
-            if hi > cut:
-                mine[self._head(codec, lo, cut, hi):].view(torch.float32).copy_(flat[cut:hi])
-            have[s], size[s] = {me: mine}, mine.numel()
-            keep.append(mine)
-        # every receive up front: (step, stream) -> [(work, buffer, ranks it carries)]
+            size[s] = self._nbytes(codec, lo, self._cut(lo, hi, offset), hi)
+        # every receive up front, before the encodes (gloo's TCP transport sends a message only
+        # once its receiver has posted the receive and said so): (step, stream) -> [(work,
+        # buffer, ranks it carries)]
         recvs: dict[tuple[int, int], list[tuple[dist.Work, torch.Tensor, tuple[int, ...]]]] = {}
         for t, step in enumerate(steps):
             for m in step:
@@ -127,6 +122,15 @@ class GatherExchange:
                     keep.extend([buffer, work])
         if round.profile is not None:
             round.profile.add("post", time.perf_counter() - posting)
+        for s, lo, hi in bounds:
+            cut = self._cut(lo, hi, offset)
+            mine = round.kept(("mine", s), size[s]).zero_()
+            if cut > lo:
+                feedback.compress(flat[lo:cut], offset + lo, out=mine[:codec.nbytes(cut - lo)])
+            if hi > cut:
+                mine[self._head(codec, lo, cut, hi):].view(torch.float32).copy_(flat[cut:hi])
+            have[s] = {me: mine}
+            keep.append(mine)
         sends: list[dist.Work] = []
         for t, step in enumerate(steps):
             for s, _, _ in bounds:

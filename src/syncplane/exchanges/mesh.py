@@ -90,9 +90,12 @@ class MeshExchange:
         out = round.kept("out", flat.numel(), flat.dtype)
         sent = 0
 
-        # Everything is posted up front: the scatter sends (segment j of every stream to
-        # rank j) and every receive. Each stream's gather starts as soon as that stream's
-        # scatter has arrived, so streams pipeline instead of waiting for the slowest one.
+        # Everything is posted up front: every receive first (gloo's TCP transport sends a
+        # message only once its receiver has posted the receive and said so: a receive posted
+        # after the encodes would hold the peers' sends back that long), then the scatter
+        # sends (segment j of every stream to rank j). Each stream's gather starts as soon as
+        # that stream's scatter has arrived, so streams pipeline instead of waiting for the
+        # slowest one.
         sends: list[dist.Work] = []
         scatter_recvs: list[list[dist.Work]] = [[] for _ in range(self.streams)]
         gather_recvs: list[dist.Work] = []
@@ -102,6 +105,17 @@ class MeshExchange:
         keep = round.keep
         keep.extend([scattered, gathered])
         posting = time.perf_counter()
+        for s in range(self.streams):
+            lo, hi = segments[s][me]
+            for peer in range(n):
+                if peer != me and hi > lo:
+                    scattered[s, peer] = round.kept(("scatter", s, peer), codec.nbytes(hi - lo))
+                    scatter_recvs[s].append(round.link(s, peer, me).recv([scattered[s, peer]], peer, _TAG_SCATTER))
+            for owner, (lo, hi) in enumerate(segments[s]):
+                if owner != me and hi > lo:
+                    gathered[s, owner] = round.kept(("gather", s, owner), codec.nbytes(hi - lo))
+                    gather_recvs.append(round.link(s, owner, me).recv([gathered[s, owner]], owner, _TAG_GATHER))
+        keep.extend(gather_recvs + [w for ws in scatter_recvs for w in ws])
         for s in range(self.streams):
             for owner, (lo, hi) in enumerate(segments[s]):
                 if hi == lo:        # nothing to send (a codec may still have a header: skip it)
@@ -114,14 +128,7 @@ class MeshExchange:
                     sends.append(round.link(s, me, owner).send([data], owner, _TAG_SCATTER))
                     keep.append(data)
                     sent += data.numel()
-                    gathered[s, owner] = round.kept(("gather", s, owner), codec.nbytes(hi - lo))
-                    gather_recvs.append(round.link(s, owner, me).recv([gathered[s, owner]], owner, _TAG_GATHER))
-            lo, hi = segments[s][me]
-            for src in range(n):
-                if src != me and hi > lo:
-                    scattered[s, src] = round.kept(("scatter", s, src), codec.nbytes(hi - lo))
-                    scatter_recvs[s].append(round.link(s, src, me).recv([scattered[s, src]], src, _TAG_SCATTER))
-        keep.extend(sends + gather_recvs + [w for ws in scatter_recvs for w in ws])
+        keep.extend(sends)
         if round.profile is not None:
             round.profile.add("post", time.perf_counter() - posting)
 
