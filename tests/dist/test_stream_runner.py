@@ -105,6 +105,35 @@ def test_bad_input_is_refused_before_any_communication():
     assert all("expected a contiguous 1-D float32 CPU tensor, got torch.float64" in m for m in messages)
 
 
+def _refused_then_committed(rank: int, world: int, seed: int):
+    from syncplane.comm import StreamRunner
+    from syncplane.exchanges import NestedExchange
+
+    runner = StreamRunner(NestedExchange([world], streams=4), timeout_s=30)
+    try:
+        try:
+            runner.allreduce_mean_(torch.ones(3))       # 4 streams of `world` pieces: more than 3 values
+        except ValueError as exc:
+            refused = str(exc)
+        x = _inputs(world, 1000, seed)[rank]
+        committed = runner.allreduce_mean_(x)           # the next round's agreement is its own
+        return refused, committed, x
+    finally:
+        runner.close()
+
+
+def test_a_pattern_refusing_its_input_raises_on_every_rank_and_the_next_round_commits(test_seed):
+    """The pattern's own ``ValueError`` inside a round: raised on every rank once they have
+    agreed to discard it, so the agreement's receives of that round are not left for the next
+    one (which then waited for a flag that never came)."""
+    world = 2
+    results = run_distributed(_refused_then_committed, world, test_seed, timeout=120)
+    want = _dense_mean(_inputs(world, 1000, test_seed))
+    for refused, committed, x in results:
+        assert "pieces" in refused and committed
+        torch.testing.assert_close(x, want)
+
+
 def _kept_buffers_rounds(rank: int, world: int, sizes: list[int]):
     """Each pattern's rounds on one runner (its buffers kept between rounds) beside the same
     rounds each on a runner of its own (every buffer fresh), on fresh inputs every round."""

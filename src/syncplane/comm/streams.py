@@ -249,13 +249,18 @@ class StreamRunner:
         start = time.perf_counter()
         sent = 0
         decide = self._post_agreement()      # its receives before the exchange's bulk data
+        refused: Exception | None = None
         try:
             with round_.phase("exchange"):
                 out, sent = self.exchange.run(round_)
             ok = True
-        except RuntimeError as exc:        # gloo: timeout, connection closed by a failed peer
+        except Exception as exc:
+            # gloo's RuntimeError (timeout, connection closed by a failed peer) discards the
+            # round; anything else (the pattern refusing its input) too, and is raised once
+            # every rank has agreed, so no receive this round posted is left for the next
             out, ok = None, False
             self.last_error = f"{type(exc).__name__}: {exc}"
+            refused = None if isinstance(exc, RuntimeError) else exc
         with round_.phase("agree"):
             committed = self._agreed(decide, ok)
         if meter is not None:
@@ -271,6 +276,8 @@ class StreamRunner:
         self._rebuild()
         self._inflight.clear()
         self._workspace = {}     # fresh buffers after a failed round: a late message may still land in the old
+        if refused is not None:
+            raise refused
         return False
 
     def share_residuals(self, owner: StreamRunner) -> None:
