@@ -25,8 +25,8 @@ import datetime
 import math
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
-from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -262,7 +262,7 @@ class StreamRunner:
             self.last_error = f"{type(exc).__name__}: {exc}"
             refused = None if isinstance(exc, RuntimeError) else exc
         with round_.phase("agree"):
-            committed = self._agreed(decide, ok)
+            committed = decide(ok)
         if meter is not None:
             meter.record(start, time.perf_counter(), sent)
         if committed:
@@ -361,22 +361,25 @@ class StreamRunner:
             return self._feedback
 
     def _post_agreement(self) -> Callable[[bool], bool]:
-        """Collective: the commit/discard agreement's receives posted (``post_every_rank_ok``)."""
+        """Collective: the commit/discard agreement's receives posted; returns the decision
+        (``post_every_rank_ok``): True only if every rank's round succeeded."""
         assert self._control is not None
-        try:
-            return post_every_rank_ok(self._control, self.rank, self.size)
-        except RuntimeError as exc:
-            raise self._agreement_failed(exc) from exc
+        with self._agreement_failures():
+            decide = post_every_rank_ok(self._control, self.rank, self.size)
 
-    def _agreed(self, decide: Callable[[bool], bool], ok: bool) -> bool:
-        """Collective: True only if every rank's round succeeded."""
-        try:
-            return decide(ok)
-        except RuntimeError as exc:
-            raise self._agreement_failed(exc) from exc
+        def agreed(ok: bool) -> bool:
+            with self._agreement_failures():
+                return decide(ok)
 
-    def _agreement_failed(self, exc: RuntimeError) -> RuntimeError:
-        return RuntimeError(f"rank {self.rank}: the commit/discard agreement itself failed (a rank is gone?): {exc}")
+        return agreed
+
+    @contextmanager
+    def _agreement_failures(self) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as exc:
+            raise RuntimeError(f"rank {self.rank}: the commit/discard agreement itself failed "
+                               f"(a rank is gone?): {exc}") from exc
 
 
 def reserve_key(name: str) -> str:

@@ -136,6 +136,10 @@ class DigitExchange:
         return sum(self._wire(step, codec).nbytes(hi - lo) for row in self.steps(rank) for step in row
                    for ps in step.sends.values() for lo, hi in (bounds[step.stream][p] for p in ps) if hi > lo)
 
+    def _group(self, step: CubeStep) -> int:
+        """The stream group a step's messages travel on (``group_by``)."""
+        return step.level if self.group_by == "level" else step.stream
+
     def _wire(self, step: CubeStep, codec: Codec) -> Codec:
         """What a step's messages are in: the owners' encoded means in the all-gather; in the
         reduce-scatter the codec, or raw fp32 on an exact level (ranks of one host, whose
@@ -170,8 +174,7 @@ class DigitExchange:
         for k, row in enumerate(schedule):
             posted_row = []
             for i, step in enumerate(row):
-                index = step.level if self.group_by == "level" else step.stream
-                wire = self._wire(step, codec)
+                index, wire = self._group(step), self._wire(step, codec)
                 buffers: dict[int, torch.Tensor] = {}
                 works: list[dist.Work] = []
                 for peer, ps in step.recvs.items():
@@ -186,8 +189,7 @@ class DigitExchange:
 
         for k, row in enumerate(schedule):
             for i, step in enumerate(row):
-                index = step.level if self.group_by == "level" else step.stream
-                wire = self._wire(step, codec)
+                index, wire = self._group(step), self._wire(step, codec)
                 t = step.stream
                 for peer, ps in step.sends.items():
                     sizes = [wire.nbytes(size(t, p)) for p in ps]
@@ -205,9 +207,8 @@ class DigitExchange:
                             for p, place in zip(ps, _split(data, sizes)):
                                 ef.compress(partial[t][p], offset + bounds[t][p][0], out=place)
                     sends.append(round.link(index, me, peer).send([data], peer, _TAG_BASE + k))
-                    keep.append(data)
+                    keep.extend([data, sends[-1]])
                     sent += data.numel()
-            keep.extend(sends)
             for step, buffers, works in posted_recvs[k]:
                 with round.phase(f"wait/L{step.level}-{'ag' if step.gather else 'rs'}"):
                     round.wait(works)
