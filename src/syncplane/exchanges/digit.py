@@ -170,7 +170,7 @@ class DigitExchange:
         # the other direction's bulk data), so a receive posted when its step comes would idle
         # the sender's link for that message delay at every step
         schedule = self.steps(me)
-        posted_recvs: list[list[tuple[CubeStep, dict[int, torch.Tensor], list[dist.Work]]]] = []
+        posted_recvs: list[list[tuple[CubeStep, Codec, dict[int, torch.Tensor], list[dist.Work]]]] = []
         for k, row in enumerate(schedule):
             posted_row = []
             for i, step in enumerate(row):
@@ -184,7 +184,7 @@ class DigitExchange:
                         works.append(round.link(index, peer, me).recv([buffers[peer]], peer, _TAG_BASE + k))
                 keep.extend(buffers.values())
                 keep.extend(works)
-                posted_row.append((step, buffers, works))
+                posted_row.append((step, wire, buffers, works))
             posted_recvs.append(posted_row)
 
         for k, row in enumerate(schedule):
@@ -209,16 +209,15 @@ class DigitExchange:
                     sends.append(round.link(index, me, peer).send([data], peer, _TAG_BASE + k))
                     keep.extend([data, sends[-1]])
                     sent += data.numel()
-            for step, buffers, works in posted_recvs[k]:
+            for step, wire, buffers, works in posted_recvs[k]:
                 with round.phase(f"wait/L{step.level}-{'ag' if step.gather else 'rs'}"):
                     round.wait(works)
                 t = step.stream
                 if step.gather:
                     for peer, ps in step.recvs.items():
-                        for p, data in zip(ps, _split(buffers.get(peer), [codec.nbytes(size(t, p)) for p in ps])):
+                        for p, data in zip(ps, _split(buffers.get(peer), [wire.nbytes(size(t, p)) for p in ps])):
                             encoded[t][p] = data
                     continue
-                wire = self._wire(step, codec)
                 mine = self.digit(me, step.level)
                 sources = {self.digit(peer, step.level): peer for peer in step.recvs}
                 kept = next(iter(step.recvs.values()))             # the same pieces from every peer
