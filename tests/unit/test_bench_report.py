@@ -98,22 +98,25 @@ def test_periodic_strategies_run_at_their_own_h_unless_period_is_given(tmp_path,
         spec = json.loads(open(command[-1]).read())
         specs.append(spec)
         hosts = len(profile.hosts)
-        results = {n: {"step_s": [1.0] * (spec["steps"] // spec["periods"].get(n, 1)), "comm_bytes": [1.0] * 8,
-                       "nic_tx_bytes": [1.0] * hosts} for n in spec["strategies"]}
+        rounds = {n: -(-spec["steps"] // spec["periods"].get(n, 1)) for n in spec["strategies"]}  # as step_counts
+        results = {n: {"step_s": [1.0] * rounds[n], "comm_bytes": [1.0] * 8, "nic_tx_bytes": [1.0] * hosts,
+                       "steps": rounds[n] * spec["periods"].get(n, 1)} for n in spec["strategies"]}
         (log_dir.parent / "results.json").write_text(json.dumps({"results": results}))
 
     monkeypatch.setattr(launcher, "launch_on_cluster", fake_launch)
     out = tmp_path / "r.json"
     report = main_bench("two_racks", "ddp,diloco,torch_periodic", "1", 5, 0, 0.0, str(out), None, False)
     assert specs[-1]["periods"] == report["periods"] == {"diloco": h, "torch_periodic": 4}
-    assert report["period"] is None and specs[-1]["steps"] == 20           # whole rounds of both: lcm(10, 4)
+    # the steps asked go to every strategy; each periodic one times whole rounds of its own (not of lcm(10, 4))
+    assert report["period"] is None and specs[-1]["steps"] == report["steps"] == 5
     rows = {r["strategy"]: r for r in report["results"]}
+    assert (rows["ddp"]["timed_steps"], rows["diloco"]["timed_steps"], rows["torch_periodic"]["timed_steps"]) == (5, h, 8)
     assert (rows["diloco"]["period"], rows["ddp"]["period"]) == (h, None)
     at_h = {r["strategy"]: r for r in report_rows(load_profile("two_racks"), ["diloco"], 2**20, {}, period=h)}
     assert rows["diloco"]["bound_s"] == pytest.approx(at_h["diloco"]["bound_s"])
     assert f"period diloco {h}, torch_periodic 4" in " ".join(capsys.readouterr().out.split())
     given = main_bench("two_racks", "ddp,diloco", "1", 5, 0, 0.0, str(out), None, False, period=3)
-    assert given["periods"] == {"diloco": 3} and given["period"] == 3 and specs[-1]["steps"] == 6
+    assert given["periods"] == {"diloco": 3} and given["period"] == 3 and specs[-1]["steps"] == 5
     assert "period 3 (--period)" in " ".join(capsys.readouterr().out.split())
 
 

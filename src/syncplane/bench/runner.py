@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -110,9 +109,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
     implemented = [s for s in strategies if algorithms.variant(s)[0] not in algorithms.PLANNED]
     measured: dict[str, Any] = {}
     used = algorithms.periods(strategies, period)
-    if implemented:
-        rounds = math.lcm(*used.values()) if used else 1
-        steps = -(-steps // rounds) * rounds          # whole averaging rounds of every periodic strategy
+    if implemented:     # each periodic strategy times whole rounds of its own (the worker's step_counts)
         spec = {"strategies": implemented, "payload_bytes": payload_bytes, "steps": steps, "warmup": warmup,
                 "compute_ms": compute_ms, "periods": used, "shards": shards, "compression": compression,
                 "pair_streams": pair_streams, "exchange": exchange, "profile": phase_profile,
@@ -179,6 +176,7 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             if m.get("nic_tx_by_nic"):     # where a host's bytes left: one counter per NIC, per step
                 row["nic_bytes_by_host"] = {h.name: m["nic_tx_by_nic"][h.first_rank] for h in profile.hosts}
             row["step_s"] = m["step_s"]
+            row["timed_steps"] = m.get("steps", len(m["step_s"]))     # a periodic strategy's: whole rounds
             if "switch_drops" in m:
                 row["switch_drops"] = m["switch_drops"]
                 row["uplink_drops"] = uplink_drops(m["switch_drops"])

@@ -160,7 +160,7 @@ def main(spec_path: str) -> None:
         dist.all_gather_object(nics, by_nic)
         if period > 1:
             times = [sum(times[i:i + period]) / period for i in range(0, len(times) - period + 1, period)]
-        results[name] = {"step_s": times, "comm_bytes": [float(t[1]) / steps for t in per_rank],
+        results[name] = {"step_s": times, "steps": steps, "comm_bytes": [float(t[1]) / steps for t in per_rank],
                          "nic_tx_bytes": [float(t[0]) / steps for t in per_rank], "nic_tx_by_nic": nics,
                          "cpu_s": [float(t[2]) / steps for t in per_rank], "machine_cpu": shares,
                          "cores": len(os.sched_getaffinity(0))}
