@@ -33,13 +33,14 @@ bench-kernels: setup
 	$(PYTHON) scripts/bench_kernels.py
 
 # The scoreboard (docs/benchmarks.md, top): every strategy on every shipped profile at the
-# ResNet-50 payload, each profile one emulated run with ddp beside (root; hours on 2 cores).
+# ResNet-50 payload, each profile one emulated run with ddp beside, 3 timed steps a strategy after
+# one untimed (root; about 2.5 hours on 2 cores, 2026-11-30).
 # Resumable: run it again after an interruption and only the missing cells run.
 # SCOREBOARD_ARGS narrows it, e.g. SCOREBOARD_ARGS="--clusters two_racks --strategies ddp,atc".
 SCOREBOARD_DIR ?= docs/matrix
 SCOREBOARD_PAYLOAD ?= resnet50
 scoreboard: setup
-	$(PYTHON) -m syncplane bench --matrix --payload-mb $(SCOREBOARD_PAYLOAD) --out $(SCOREBOARD_DIR) $(SCOREBOARD_ARGS)
+	$(PYTHON) -m syncplane bench --matrix --payload-mb $(SCOREBOARD_PAYLOAD) --steps 3 --warmup 1 --out $(SCOREBOARD_DIR) $(SCOREBOARD_ARGS)
 	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
 
 # The tables and charts again from the matrix's JSON, without running anything.
