@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "'ddp,diloco,diloco[replica=node]'")
     bench.add_argument("--payload-mb", default="resnet50", help="MB, or a preset: resnet50, bert_large")
     bench.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (a timed wait)")
-    bench.add_argument("--steps", type=int, default=5, help="timed steps per strategy (a periodic strategy's rounded up to whole rounds of its own)")
+    bench.add_argument("--steps", type=int, default=5,
+                       help="timed steps per strategy (a periodic strategy's rounded up to whole rounds of its own)")
     bench.add_argument("--warmup", type=int, default=1,
                        help="untimed steps first (a periodic strategy's in whole rounds: its first round is not timed)")
     bench.add_argument("--json", help="where to write the report (required without --matrix)")

@@ -90,6 +90,7 @@ def test_periodic_strategies_run_at_their_own_h_unless_period_is_given(tmp_path,
     from syncplane.runtime import launcher
     from syncplane.algorithms.diloco.config import DiLoCoConfig
     from syncplane.bench.runner import main_bench
+    from syncplane.bench.worker import step_counts
 
     h = DiLoCoConfig.sync_every
     specs = []
@@ -98,9 +99,9 @@ def test_periodic_strategies_run_at_their_own_h_unless_period_is_given(tmp_path,
         spec = json.loads(open(command[-1]).read())
         specs.append(spec)
         hosts = len(profile.hosts)
-        rounds = {n: -(-spec["steps"] // spec["periods"].get(n, 1)) for n in spec["strategies"]}  # as step_counts
-        results = {n: {"step_s": [1.0] * rounds[n], "comm_bytes": [1.0] * 8, "nic_tx_bytes": [1.0] * hosts,
-                       "steps": rounds[n] * spec["periods"].get(n, 1)} for n in spec["strategies"]}
+        timed = {n: step_counts(0, 0, spec["steps"], spec["periods"].get(n, 1))[1] for n in spec["strategies"]}
+        results = {n: {"step_s": [1.0] * (timed[n] // spec["periods"].get(n, 1)), "comm_bytes": [1.0] * 8,
+                       "nic_tx_bytes": [1.0] * hosts, "steps": timed[n]} for n in spec["strategies"]}
         (log_dir.parent / "results.json").write_text(json.dumps({"results": results}))
 
     monkeypatch.setattr(launcher, "launch_on_cluster", fake_launch)

@@ -176,7 +176,8 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
             if m.get("nic_tx_by_nic"):     # where a host's bytes left: one counter per NIC, per step
                 row["nic_bytes_by_host"] = {h.name: m["nic_tx_by_nic"][h.first_rank] for h in profile.hosts}
             row["step_s"] = m["step_s"]
-            row["timed_steps"] = m.get("steps", len(m["step_s"]))     # a periodic strategy's: whole rounds
+            if "steps" in m:      # a periodic strategy's: whole rounds of its own
+                row["timed_steps"] = m["steps"]
             if "switch_drops" in m:
                 row["switch_drops"] = m["switch_drops"]
                 row["uplink_drops"] = uplink_drops(m["switch_drops"])
