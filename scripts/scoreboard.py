@@ -64,7 +64,10 @@ def section(reports: list[dict[str, Any]]) -> str:
             f"on its own: `docs/design-notes.md`). {len(missing) - len(uncaused)} of the {len(missing)} misses name "
             "one. Where the model is pessimistic on a row that meets the bound's target, the miss also says how much "
             "it prices above the bound against what was measured above it, and in which terms: where its excess "
-            "sits, not a cause.", ""]
+            "sits, not a cause. Each heading names the emulated hosts' TCP congestion control (the profile's "
+            "`tcp_congestion`); a run from before the emulator set it ran under the machine's default, bbr on this "
+            "VM image; where bulk traffic crosses a slow link both ways the choice moves a step by 10–35 % "
+            "either way (`docs/benchmarks.md`, \"TCP: cubic, not the machine's bbr\").", ""]
     planner = ["", "### The planner against these measurements", "",
                "What `syncplane plan` would pick among the measured rows (the fastest predicted of each class) "
                "against the fastest measured:", "", planner_table(reports)]

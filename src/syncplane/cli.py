@@ -131,7 +131,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
             raise ConfigError("emulate up: name a profile (a shipped name or a YAML path)")
         profile = load_profile(args.profile)
         emulator.up(profile)
-        print(f"emulated cluster {profile.name!r} is up: {len(profile.hosts)} hosts, {profile.world_size} ranks")
+        print(f"emulated cluster {profile.name!r} is up: {len(profile.hosts)} hosts, {profile.world_size} ranks, "
+              f"TCP {profile.tcp_congestion}")
         for host in profile.hosts:
             nics = ", ".join(host.address(k) for k in range(host.spec.nics))
             print(f"  {host.name:>8}  rack {profile.racks[host.rack].name:<8} ranks {list(host.ranks)}  "

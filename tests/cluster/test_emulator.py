@@ -110,6 +110,24 @@ def test_up_builds_every_host_and_down_removes_everything(cluster):
     emulator.up(cluster)   # the fixture's teardown checks the final down
 
 
+def congestion_control(host: str) -> str:
+    return subprocess.run(["ip", "netns", "exec", emulator.host_namespace(host), "cat",
+                           "/proc/sys/net/ipv4/tcp_congestion_control"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_hosts_run_the_profiles_congestion_control_not_the_machines(cluster):
+    """cubic unless the profile names another (a namespace would start with this machine's
+    default: bbr on this VM image); the same profile under another one is built again."""
+    assert {congestion_control(h) for h in ("a0", "a1", "b0")} == {"cubic"}
+    assert emulator.status()["tcp_congestion"] == "cubic"
+    reno = parse_profile({**TWO_RACKS_SMALL, "tcp_congestion": "reno"})
+    assert emulator.is_up(cluster) and not emulator.is_up(reno)
+    emulator.up(reno)
+    assert {congestion_control(h) for h in ("a0", "a1", "b0")} == {"reno"}
+    assert emulator.status()["tcp_congestion"] == "reno" and emulator.is_up(reno)
+
+
 def test_down_cleans_up_after_a_crash_by_name_prefix():
     leftover = emulator.host_namespace("leftover")
     subprocess.run(["ip", "netns", "add", leftover], check=True)

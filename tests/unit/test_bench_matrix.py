@@ -134,10 +134,14 @@ def test_a_failed_strategy_gets_a_row_and_the_rest_of_the_profile_still_runs(tmp
                                                                  "syncplane bench --matrix (retry)"]
     heading = (tmp_path / "fake_racks.md").read_text().splitlines()[2]
     assert heading.startswith("Runs: ") and heading.index("(test)") < heading.index("(retry)")
-    assert heading.count(f", {matrix.machine()}: ") == 2 and " cores, torch CPU " in matrix.machine()   # which machine
-    # a file from before the runs were kept: its one run, from its meta
+    # which machine, and the emulated hosts' congestion control (the profile's)
+    assert heading.count(f", {matrix.machine()}, TCP cubic: ") == 2 and " cores, torch CPU " in matrix.machine()
+    assert report["meta"]["tcp"] == "cubic"
+    # a file from before the runs were kept: its one run, from its meta; from before the
+    # emulator set the congestion control: the machine's, which nobody recorded
     legacy = {"created": "2026-01-01T10:00:00", "commit": "abc1234", "command": "syncplane bench --matrix"}
     assert matrix.run_history(legacy) == [legacy] and matrix.run_history({}) == []
+    assert matrix.tcp_words(legacy) == "TCP: the machine's default (not recorded)"
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt(), JobStopped("stopped by SIGTERM; the ranks were ended")])

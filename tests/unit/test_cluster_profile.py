@@ -64,10 +64,23 @@ DELETE = object()
     ("background/0/dst", "zz", r"background\[0\].dst: unknown host 'zz'"),
     ("racks/0/hosts/1/ranks", 0, r"ranks: must be at least 1"),
     ("racks/0/speed", 1, r"cluster.racks\[0\]: unknown key\(s\) speed"),
+    ("tcp_congestion", "Cubic; rm", r"cluster.tcp_congestion: a Linux congestion control's name .*'Cubic; rm'"),
+    ("tcp_congestion", 3, r"cluster.tcp_congestion: .*got 3"),
+    ("tcp", "bbr", r"cluster: unknown key\(s\) tcp; allowed keys: .*tcp_congestion"),
 ])
 def test_bad_profiles_name_the_field(path, value, message):
     with pytest.raises(ConfigError, match=message):
         parse_profile(mutate(path, value))
+
+
+def test_hosts_run_cubic_unless_the_profile_names_another_congestion_control():
+    """cubic (Linux's default) whatever this machine's own default is; a profile that names
+    another keeps it through ``to_dict`` and ``scaled``, one that does not writes nothing."""
+    assert parse_profile(GOOD).tcp_congestion == "cubic" and "tcp_congestion" not in parse_profile(GOOD).to_dict()
+    assert {load_profile(n).tcp_congestion for n in shipped_profiles()} == {"cubic"}
+    bbr = parse_profile({**GOOD, "tcp_congestion": "bbr"})
+    assert bbr.tcp_congestion == "bbr" and parse_profile(bbr.to_dict()).tcp_congestion == "bbr"
+    assert scaled(bbr, racks=2, hosts_per_rack=2).tcp_congestion == "bbr"
 
 
 def test_world_size_must_match_devices():

@@ -323,7 +323,7 @@ def _write_profile(path: Path, profile: ClusterProfile, settings: MatrixSettings
               "compute_ms": settings.compute_ms, "steps": report.get("steps", settings.steps),
               "results": merge_rows(existing, rows, ["ddp", *settings.strategies])}
     run = {"created": created, "commit": git_commit(Path(__file__).parent), "machine": machine(),
-           "command": settings.command, **({"stopped": stopped} if stopped else {})}
+           "tcp": profile.tcp_congestion, "command": settings.command, **({"stopped": stopped} if stopped else {})}
     merged["meta"] = {**run, "runs": [*run_history((existing or {}).get("meta", {})), run]}
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=2) + "\n")
@@ -566,6 +566,12 @@ def run_history(meta: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: meta.get(k) for k in ("created", "commit", "command")}] if meta.get("command") else []
 
 
+def tcp_words(run: dict[str, Any]) -> str:
+    """The emulated hosts' TCP congestion control in a run's heading; a run from before the
+    emulator set it ran under the machine's own default, unrecorded (this VM image's: bbr)."""
+    return f"TCP {run['tcp']}" if run.get("tcp") else "TCP: the machine's default (not recorded)"
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     """One profile's scoreboard: a heading with how it was made (every run that still holds a
     row, where a resumed or partly re-run matrix wrote it; the JSON's ``meta.runs`` keeps them
@@ -575,7 +581,8 @@ def markdown_table(report: dict[str, Any]) -> str:
     measured = {r["measured"] for r in report["results"] if r.get("measured")}
     shown = [run for run in history if run.get("created") in measured] or history
     made = [f"{run.get('created', '?')}, commit `{run.get('commit') or '?'}`"
-            + (f", {run['machine']}" if run.get("machine") else "") + f": `{run.get('command', '?')}`"
+            + (f", {run['machine']}" if run.get("machine") else "") + f", {tcp_words(run)}"
+            + f": `{run.get('command', '?')}`"
             + (f" ({run['stopped']})" if run.get("stopped") else "") for run in shown]
     if len(shown) < len(history):
         made[-1] += (f" ({len(history) - len(shown)} earlier run(s) hold no row now: every row of theirs was "

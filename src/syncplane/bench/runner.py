@@ -130,7 +130,8 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
             "steps": steps, "compute_ms": compute_ms, "period": period, "periods": used, "shards": shards,
             "pair_streams": pair_streams, "compute_speeds": profile.compute_speeds(),
             "compression": compression, **({"density": density, "bits": bits} if compression == "sparse" else {}),
-            "exchange": exchange, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "exchange": exchange, "tcp_congestion": profile.tcp_congestion,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "cpu_rates": dataclasses.asdict(cpu),      # what its predictions used (a reprice keeps them)
             "results": rows}
 

@@ -216,6 +216,9 @@ IDEAL = LinkTcp()
 #: A ring's steps (``FlowArray.lockstep``) pay no per-flow loss (2026-11-29, ``bcube_3_2``, ResNet-50):
 #: DDP's ring, two of its flows on each relay's NIC, ran at 0.91 of its bound where the loss of two
 #: flows priced 1.23x (the old count, four, 1.37x); DS-Sync's groups of three and fp16's ring alike.
+#: Every value here was measured with the emulated hosts under bbr, the machine's default then. They
+#: run cubic now (the profile's ``tcp_congestion``), which moves two-way bulk traffic through a slow
+#: link by 10-35 % either way: to be measured again under it.
 EMULATED_TCP = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=True,
                        goodput_by_mbit=((100.0, 0.86), (200.0, 0.957), (400.0, 0.963), (1000.0, 0.969)),
                        loss_flows=6, queue_s=5.2e-3)

@@ -15,6 +15,14 @@ filtering off, since replies may take another relay) with a ``/32`` route to eac
 it cannot reach on-link, via the next relay host of the profile's BCube route. Each
 relayed hop leaves through the relay's shaped NIC, so relays pay for the traffic they carry.
 
+Every host namespace runs the profile's TCP congestion control (``tcp_congestion``, default
+cubic, Linux's own default), not the one it would inherit from this machine's root namespace:
+this VM image sets bbr. Where bulk traffic crosses a shaped link both ways the choice moves a
+step by 10–35 % either way (``docs/benchmarks.md``), so a measurement would otherwise depend on
+a setting of the machine that nobody recorded. A namespace may only pick an algorithm the kernel's allowed list holds
+(``net.ipv4.tcp_allowed_congestion_control``, global): the profile's is added to it if missing,
+the one change this module makes outside its namespaces.
+
 Shaping is ``tbf`` per direction, or ``htb`` with 4,096 per-flow classes selected by
 both TCP ports (mod 64 each, through ``u32`` hash tables) when ``per_flow_mbit`` caps
 each flow (a WAN path where one stream cannot fill the pipe). ``down`` deletes every namespace whose name
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,9 +49,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from syncplane.cluster.profile import ClusterProfile, Host
+from syncplane.cluster.profile import DEFAULT_TCP_CONGESTION, ClusterProfile, Host
+
+log = logging.getLogger(__name__)
 
 NS_PREFIX = "sp-"
+#: the root namespace's TCP settings (read and written by this process, which runs in it)
+SYSCTL_TCP = Path("/proc/sys/net/ipv4")
 #: Another prefix gives a cluster of its own (namespaces, state and lock), e.g. one per test
 #: run: ``down`` then removes only that prefix's namespaces and never a user's ``sp-`` cluster.
 PREFIX_ENV = "SYNCPLANE_EMULATOR_PREFIX"
@@ -217,10 +230,19 @@ def _down() -> list[str]:
 
 
 def status() -> dict[str, Any]:
-    """What is up: the profile recorded at ``up`` and the namespaces that exist now."""
+    """What is up: the profile recorded at ``up`` (its name, and its TCP congestion control)
+    and the namespaces that exist now."""
+    state = _state()
+    spec = state.get("spec")         # None: nothing up, or built before the spec was kept
+    return {"profile": state.get("profile"),
+            "tcp_congestion": spec.get("tcp_congestion", DEFAULT_TCP_CONGESTION) if spec is not None else None,
+            "namespaces": namespaces() if os.geteuid() == 0 else []}
+
+
+def _state() -> dict[str, Any]:
+    """What ``up`` recorded (``{}``: nothing)."""
     state_file = _state_file()
-    state = json.loads(state_file.read_text()) if state_file.exists() else None
-    return {"profile": state["profile"] if state else None, "namespaces": namespaces() if os.geteuid() == 0 else []}
+    return json.loads(state_file.read_text()) if state_file.exists() else {}
 
 
 def left_up() -> dict[str, Any] | None:
@@ -235,8 +257,7 @@ def left_up() -> dict[str, Any] | None:
         return None
     if not found:
         return None
-    state = _state_file()
-    profile = json.loads(state.read_text())["profile"] if state.exists() else None
+    profile = _state().get("profile")
     prefix = ns_prefix()
     remove = ("" if prefix == NS_PREFIX else f"{PREFIX_ENV}={prefix} ") + "syncplane emulate down"
     return {"profile": profile, "namespaces": len(found), "prefix": prefix, "remove_with": remove}
@@ -271,13 +292,31 @@ def up(profile: ClusterProfile) -> None:
 
 def _up(profile: ClusterProfile) -> None:
     _down()
+    allow_congestion(profile.tcp_congestion)
     try:
         _build(profile)
     except Exception:
         _down()
         raise
     RUN_DIR.mkdir(parents=True, exist_ok=True)
-    _state_file().write_text(json.dumps({"profile": profile.name, "hosts": [h.name for h in profile.hosts]}))
+    _state_file().write_text(json.dumps({"profile": profile.name, "hosts": [h.name for h in profile.hosts],
+                                         "spec": profile.to_dict()}))
+
+
+def allow_congestion(name: str, sysctl: Path = SYSCTL_TCP) -> None:
+    """Let a host namespace pick the congestion control ``name``: add it to the kernel's
+    allowed list if missing (the module docstring); an algorithm this kernel does not offer
+    is a clear error, before anything is built."""
+    available = (sysctl / "tcp_available_congestion_control").read_text().split()
+    if name not in available:
+        raise EmulationError(f"tcp_congestion: this kernel offers {', '.join(available)}, not {name!r} "
+                             f"(load its module, tcp_{name}, or name one of those in the profile)")
+    allowed_file = sysctl / "tcp_allowed_congestion_control"
+    allowed = allowed_file.read_text().split()
+    if name not in allowed:
+        allowed_file.write_text(" ".join([*allowed, name]) + "\n")
+        log.info("added %s to net.ipv4.tcp_allowed_congestion_control (was: %s) so the emulated hosts may run it",
+                 name, " ".join(allowed))
 
 
 def _build(profile: ClusterProfile) -> None:
@@ -304,14 +343,16 @@ def _build(profile: ClusterProfile) -> None:
             shape(switch, rack_end, rack.uplink_mbit, rack.per_flow_mbit)   # rack -> core
             shape(switch, core_end, rack.uplink_mbit, rack.per_flow_mbit)   # core -> rack
     for host in profile.hosts:
-        _add_host(host, switch, [f"rack{host.rack}"] * host.spec.nics)
+        _add_host(host, switch, [f"rack{host.rack}"] * host.spec.nics, profile.tcp_congestion)
 
 
-def _add_host(host: Host, switch: str, bridges: list[str]) -> str:
-    """The host's namespace with NIC k on ``bridges[k]``, both directions shaped."""
+def _add_host(host: Host, switch: str, bridges: list[str], congestion: str) -> str:
+    """The host's namespace with NIC k on ``bridges[k]``, both directions shaped, its TCP
+    under the ``congestion`` control."""
     ns = host_namespace(host)
     _run("ip", "netns", "add", ns)
     _ns(ns, "ip", "link", "set", "lo", "up")
+    _ns(ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={congestion}")
     if len(bridges) > 1:
         # Linux answers ARP for any of its addresses on every interface ("ARP flux"): with two
         # NICs on one switch, a peer learns one NIC's MAC for both addresses and all inbound
@@ -357,7 +398,8 @@ def _build_bcube(profile: ClusterProfile, switch: str) -> None:
             _ns(switch, "ip", "link", "add", f"b{level}s{k}", "type", "bridge")
             _ns(switch, "ip", "link", "set", f"b{level}s{k}", "up")
     for host in profile.hosts:
-        ns = _add_host(host, switch, [f"b{level}s{cube.switch(host.index, level)}" for level in range(cube.beta)])
+        ns = _add_host(host, switch, [f"b{level}s{cube.switch(host.index, level)}" for level in range(cube.beta)],
+                       profile.tcp_congestion)
         # a relay forwards; replies may come back through another relay than the request went
         _ns(ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
         for dev in ("all", "default", *(f"eth{k}" for k in range(cube.beta))):
@@ -372,9 +414,12 @@ def _build_bcube(profile: ClusterProfile, switch: str) -> None:
 
 
 def is_up(profile: ClusterProfile) -> bool:
+    """Whether ``profile`` as it is now is up: the same name is not enough, a profile edited
+    since (a rate, its congestion control) is built again."""
     current = status()
     wanted = {switch_namespace(), *(host_namespace(h) for h in profile.hosts)}
-    return current["profile"] == profile.name and wanted <= set(current["namespaces"])
+    same = _state().get("spec") == json.loads(json.dumps(profile.to_dict()))
+    return current["profile"] == profile.name and same and wanted <= set(current["namespaces"])
 
 
 def parse_root_drops(tc_stats: str) -> dict[str, int]:

@@ -16,6 +16,7 @@ hop fixing one digit (``bcube_route``), and the emulator makes the hosts forward
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ import yaml
 from syncplane.config import ConfigError, parse_dataclass
 
 PROFILE_DIR = Path(__file__).resolve().parents[3] / "configs" / "cluster"
+#: the hosts' TCP congestion control unless a profile names one: Linux's own default
+DEFAULT_TCP_CONGESTION = "cubic"
 
 
 def _positive_rates(spec: object, *fields: str) -> None:
@@ -166,6 +169,9 @@ class ClusterProfile:
     racks: list[RackSpec]
     background: list[FlowSpec] = field(default_factory=list)
     bcube: BCubeSpec | None = None
+    #: the hosts' TCP congestion control (``emulator``: every host namespace runs it, whatever
+    #: this machine's own default is); cubic is Linux's default
+    tcp_congestion: str = DEFAULT_TCP_CONGESTION
     hosts: list[Host] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -190,6 +196,9 @@ class ClusterProfile:
                 raise ConfigError(f"racks[{r}].uplink_mbit: required when there is more than one rack")
         if len(self.hosts) > 250:
             raise ConfigError(f"racks: at most 250 hosts can be emulated, got {len(self.hosts)}")
+        if not isinstance(self.tcp_congestion, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", self.tcp_congestion):
+            raise ConfigError(f"tcp_congestion: a Linux congestion control's name (cubic, bbr, reno, ...), "
+                              f"got {self.tcp_congestion!r}")
         hosts = {h.name for h in self.hosts}
         for i, flow in enumerate(self.background):
             for end in ("src", "dst"):
@@ -246,6 +255,8 @@ class ClusterProfile:
                 "background": [plain(f) for f in self.background]}
         if self.bcube is not None:
             data["bcube"] = asdict(self.bcube)
+        if self.tcp_congestion != DEFAULT_TCP_CONGESTION:
+            data["tcp_congestion"] = self.tcp_congestion
         return data
 
     def compute_speeds(self) -> list[float]:
@@ -279,9 +290,10 @@ def parse_profile(data: Mapping[str, Any], where: str = "cluster") -> ClusterPro
     background_raw = data.pop("background", None) or []
     name = data.pop("name", None)
     bcube_raw = data.pop("bcube", None)
+    tcp_congestion = data.pop("tcp_congestion", DEFAULT_TCP_CONGESTION)
     if data:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(data))}; allowed keys: background, bcube, name, "
-                          "racks")
+                          "racks, tcp_congestion")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}.name: expected a non-empty string, got {name!r}")
     if not isinstance(racks_raw, list) or not racks_raw:
@@ -289,7 +301,8 @@ def parse_profile(data: Mapping[str, Any], where: str = "cluster") -> ClusterPro
     racks = [parse_dataclass(RackSpec, rack, f"{where}.racks[{r}]") for r, rack in enumerate(racks_raw)]
     background = [parse_dataclass(FlowSpec, f, f"{where}.background[{i}]") for i, f in enumerate(background_raw)]
     bcube = parse_dataclass(BCubeSpec, bcube_raw, f"{where}.bcube") if bcube_raw is not None else None
-    profile = ClusterProfile(name=name, racks=racks, background=background, bcube=bcube)
+    profile = ClusterProfile(name=name, racks=racks, background=background, bcube=bcube,
+                             tcp_congestion=tcp_congestion)
     try:
         profile.validate()
     except ConfigError as exc:
@@ -331,4 +344,5 @@ def scaled(template: ClusterProfile, racks: int, hosts_per_rack: int) -> Cluster
                         for h in range(hosts_per_rack)])
         for r in range(racks)
     ]
-    return ClusterProfile(name=f"{template.name}_x{racks}x{hosts_per_rack}", racks=new_racks)
+    return ClusterProfile(name=f"{template.name}_x{racks}x{hosts_per_rack}", racks=new_racks,
+                          tcp_congestion=template.tcp_congestion)
