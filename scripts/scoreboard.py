@@ -66,8 +66,8 @@ def section(reports: list[dict[str, Any]]) -> str:
             "it prices above the bound against what was measured above it, and in which terms: where its excess "
             "sits, not a cause. Each heading names the emulated hosts' TCP congestion control (the profile's "
             "`tcp_congestion`); a run from before the emulator set it ran under the machine's default, bbr on this "
-            "VM image; where bulk traffic crosses a slow link both ways the choice moves a step by 10–35 % "
-            "either way (`docs/benchmarks.md`, \"TCP: cubic, not the machine's bbr\").", ""]
+            "VM image; where bulk traffic crosses a slow link both ways, or meets a greedy flow, the choice moves "
+            "a step by 10–40 % either way (`docs/benchmarks.md`, \"TCP: cubic, not the machine's bbr\").", ""]
     planner = ["", "### The planner against these measurements", "",
                "What `syncplane plan` would pick among the measured rows (the fastest predicted of each class) "
                "against the fastest measured:", "", planner_table(reports)]

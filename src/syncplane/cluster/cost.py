@@ -218,7 +218,7 @@ IDEAL = LinkTcp()
 #: flows priced 1.23x (the old count, four, 1.37x); DS-Sync's groups of three and fp16's ring alike.
 #: Every value here was measured with the emulated hosts under bbr, the machine's default then. They
 #: run cubic now (the profile's ``tcp_congestion``), which moves two-way bulk traffic through a slow
-#: link by 10-35 % either way: to be measured again under it.
+#: link, or bulk beside a greedy flow, by 10-40 % either way: to be measured again under it.
 EMULATED_TCP = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=True,
                        goodput_by_mbit=((100.0, 0.86), (200.0, 0.957), (400.0, 0.963), (1000.0, 0.969)),
                        loss_flows=6, queue_s=5.2e-3)
