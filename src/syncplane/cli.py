@@ -154,7 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from syncplane.bench.runner import parse_payload, parse_strategies
     from syncplane.cluster import load_profile
     from syncplane.algorithms import PLANNED, describe_periods, periods, spec_for, variant
-    from syncplane.algorithms.plan import TCP_MODELS, PlanInputs, settled_times
+    from syncplane.algorithms.plan import PlanInputs, link_tcp, settled_times
     from syncplane.cluster.cost import CostModel
     from syncplane.cluster.profile import scaled
 
@@ -164,11 +164,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     payload = parse_payload(args.payload_mb)
     if (args.period is not None and args.period < 1) or args.streams < 1:
         raise ConfigError(f"--period and --streams must be at least 1, got {args.period} and {args.streams}")
-    model = CostModel(profile, alpha_s=args.alpha_ms / 1000, tcp=TCP_MODELS[args.tcp])
+    model = CostModel(profile, alpha_s=args.alpha_ms / 1000, tcp=link_tcp(args.tcp, profile))
     names = parse_strategies(args.strategies)
     used = periods(names, args.period)
     title = ", ".join(part for part in (f"α-β model: {profile.name}", f"{profile.world_size} ranks",
-                                        f"{payload / 2**20:.1f} MB", f"α = {args.alpha_ms:g} ms", f"TCP {args.tcp}",
+                                        f"{payload / 2**20:.1f} MB", f"α = {args.alpha_ms:g} ms",
+                                        f"TCP {args.tcp} ({profile.tcp_congestion})",
                                         describe_periods(used, args.period), f"streams {args.streams}") if part)
     table = Table(title=title)
     for col in ("strategy", "predicted s", "bound s", "net bound s", "net ratio", "vs ddp"):
@@ -552,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the accuracy class the winner must be in (exit 2 if none can run)")
     plan.add_argument("--alpha-ms", type=float, default=DEFAULT_ALPHA_S * 1000, help="per-phase latency")
     plan.add_argument("--tcp", default="emulated", choices=["emulated", "ideal"],
-                      help="how TCP flows share a link: as measured on the emulator (default), or the plain α-β formula")
+                      help="how TCP flows share a link: as measured on the emulator under the profile's tcp_congestion "
+                           "(default), or the plain α-β formula")
     plan.add_argument("--cpu", choices=["emulated", "host", "none"],
                       help="the ranks' CPU work (codecs, torch's hooks), measured on this machine: every rank on its "
                            "cores (emulated; the default with --cluster), each host's ranks on cores like its own "
@@ -572,8 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")
     simulate.add_argument("--alpha-ms", type=float, default=DEFAULT_ALPHA_S * 1000, help="per-phase latency")
     simulate.add_argument("--tcp", default="emulated", choices=["emulated", "ideal"],
-                          help="how TCP flows share a link: as measured on the emulator (default, as plan and bench "
-                               "price), or the plain α-β formula")
+                          help="how TCP flows share a link: as measured on the emulator under the profile's "
+                               "tcp_congestion (default, as plan and bench price), or the plain α-β formula")
     simulate.add_argument("--period", type=int, default=None,
                           help="steps per round of the periodic algorithms (DiLoCo's H, torch_periodic's period); "
                                "their per-step cost is one round's divided by it. Default: each one's own "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,15 @@ pytestmark = requires_emulation
 log = logging.getLogger(__name__)
 
 
-def probe_on(name: str, tmp_path: Path) -> tuple[dict[str, Any], ClusterProfile, np.ndarray]:
-    """Probe the emulated cluster ``name``: (the topology found, the profile written, and the
-    ratio of that profile's pairwise bandwidth to the cluster's, per ordered pair)."""
+def probe_on(name: str, tmp_path: Path, tcp: str | None = None) -> tuple[dict[str, Any], ClusterProfile, np.ndarray]:
+    """Probe the emulated cluster ``name`` (its hosts under the congestion control ``tcp``, if
+    given): (the topology found, the profile written, and the ratio of that profile's pairwise
+    bandwidth to the cluster's, per ordered pair)."""
     from syncplane.runtime.launcher import launch_on_cluster
 
     truth = load_profile(name)
+    if tcp is not None:
+        truth = replace(truth, tcp_congestion=tcp)
     topo_json, written = tmp_path / "topology.json", tmp_path / "probed.yaml"
     try:
         launch_on_cluster([sys.executable, "-m", "syncplane.cluster.probe", "--mb", "2", "--refresh",
@@ -52,13 +56,16 @@ def probe_on(name: str, tmp_path: Path) -> tuple[dict[str, Any], ClusterProfile,
     return topo, probed, ratio
 
 
-@pytest.mark.parametrize("name", ["two_racks", "uneven_three_racks"])
-def test_the_probed_profile_finds_the_racks_and_reproduces_the_bandwidths(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name,tcp", [("two_racks", "reno"), ("uneven_three_racks", None)])
+def test_the_probed_profile_finds_the_racks_and_reproduces_the_bandwidths(name: str, tcp: str | None,
+                                                                            tmp_path: Path) -> None:
     """On ``uneven_three_racks`` host a2's 100 Mbit NIC and lone rack r2's 100 Mbit uplink look
     alike by pairwise rates: the concurrent test tells a2 into r0 and c0 into a rack of its own,
-    and a2's pairs out of r0, first timed beside a0's and a1's, are timed again by rack."""
-    topo, probed, ratio = probe_on(name, tmp_path)
+    and a2's pairs out of r0, first timed beside a0's and a1's, are timed again by rack. The
+    profile runs the hosts' congestion control (``two_racks``' hosts run reno here, not the default)."""
+    topo, probed, ratio = probe_on(name, tmp_path, tcp)
     truth = from_profile(load_profile(name))
+    assert probed.tcp_congestion == (tcp or load_profile(name).tcp_congestion)
     assert topo["racks"] == truth.racks and topo["hosts"] == truth.hosts
     assert not any(topo["host_caps"]) and not any(topo["rack_caps"])        # no per-flow cap anywhere
     assert np.all(np.abs(ratio - 1) <= 0.15), f"probed/declared bandwidth {ratio.min():.2f}..{ratio.max():.2f}"

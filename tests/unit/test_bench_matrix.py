@@ -349,6 +349,34 @@ def test_reprice_keeps_the_measurements_and_prices_them_again_with_the_model_as_
         matrix.reprice(report, load_profile("two_racks"))
 
 
+def test_reprice_prices_each_row_with_the_tcp_its_hosts_ran(monkeypatch) -> None:
+    """A row is priced with the TCP measured under the congestion control of the run that
+    measured it (``meta.runs``), whatever the profile says now; a run that does not say ran
+    the machine's default, bbr on the VM image of every committed report."""
+    from syncplane.cluster import cost, load_profile
+    from syncplane.cluster.cost import IDEAL, LinkTcp
+
+    asked = []
+
+    def fake(congestion: str) -> LinkTcp:
+        asked.append(congestion)
+        return {"bbr": LinkTcp(goodput=0.5), "cubic": IDEAL}[congestion]
+
+    monkeypatch.setattr(cost, "emulated_tcp", fake)
+    old = {"created": "2026-11-30T01:00:00", "command": "bench --matrix"}
+    new = {**old, "created": "2026-12-01T01:00:00", "tcp": "cubic"}
+    rows = [{"strategy": "ddp", "status": "ok", "sync_s_median": 1.0, "measured": run["created"]} for run in (old, new)]
+    report = {"cluster": "two_racks", "world_size": 8, "payload_bytes": 8 * 2**20, "results": rows,
+              "meta": {**new, "runs": [old, new]}, "tcp_congestion": "cubic",
+              "cpu_rates": {"per_element": {ADD: 1e-9}, "sharing": 4.0}}
+    under_bbr, under_cubic = matrix.reprice(report, load_profile("two_racks"))["results"]
+    assert sorted(asked) == ["bbr", "cubic"]
+    wire = under_cubic["predicted_s"] - under_cubic["priced_above_bound"]["latency_s"]
+    assert under_bbr["predicted_s"] - under_bbr["priced_above_bound"]["latency_s"] == pytest.approx(2 * wire)
+    assert [matrix.ran_under(report, r) for r in rows] == ["bbr", "cubic"] and matrix.ran_under(report) == "cubic"
+    assert matrix.ran_under({"results": []}) == "bbr"
+
+
 def test_reprice_prices_the_cpu_work_at_the_rates_the_report_keeps() -> None:
     """A report keeps the CPU rates its predictions used (``cpu_rates``); a reprice on another
     machine prices at those, not at its own, and keeps them."""

@@ -88,7 +88,7 @@ def test_a_phase_that_crosses_a_greedy_flows_queue_waits_behind_it():
     one that only shares the flow's other links, or its reverse path, does not. A paced flow
     below the uplink's rate, or one a per-flow cap paces (each flow queued apart), queues
     nothing; the bound never prices a queue."""
-    from syncplane.cluster.cost import EMULATED_TCP, LinkTcp
+    from syncplane.cluster.cost import EMULATED_TCP_BBR, LinkTcp
 
     tcp = LinkTcp(queue_s=0.05)
     model = CostModel(_with_background({"src": "a3", "dst": "b3"}), alpha_s=0.0, tcp=tcp)
@@ -105,7 +105,7 @@ def test_a_phase_that_crosses_a_greedy_flows_queue_waits_behind_it():
     for quiet in (CostModel(_with_background(paced), alpha_s=0.0, tcp=tcp),
                   CostModel(_with_background({"src": "a3", "dst": "b3"}, uplink_cap=50), alpha_s=0.0, tcp=tcp)):
         assert quiet.phase_time([(0, 4, tiny)]) < 0.05
-    assert EMULATED_TCP.queue_s > 0 and LinkTcp().queue_s == 0
+    assert EMULATED_TCP_BBR.queue_s > 0 and LinkTcp().queue_s == 0
 
 
 def test_per_flow_cap_limits_a_single_stream():
@@ -180,14 +180,14 @@ def test_hierarchical_atc_in_one_rack_is_the_all_to_all_then_the_ring_per_bucket
 @pytest.mark.parametrize("shift, flows", [(1, 1), (2, 2), (4, 4)])
 def test_flows_sharing_an_uplink_get_the_measured_share_of_it_and_the_bound_stays_ideal(shift, flows):
     """Rank r sends M to r + shift on two_racks: ``flows`` flows cross each uplink direction
-    (the uplink binds). The emulator's TCP (measured: 0.78, 1.70, 3.70 s at 8 MB) gets
+    (the uplink binds). The emulator's TCP under bbr (measured: 0.78, 1.70, 3.70 s at 8 MB) gets
     0.86 / (1 + 0.06 (k - 1)) of the rate; the bound and the default model keep the formula."""
-    from syncplane.cluster.cost import EMULATED_TCP, LinkTcp
+    from syncplane.cluster.cost import EMULATED_TCP_BBR, LinkTcp
 
     profile = load_profile("two_racks")
     phases = neighbor_exchange({r: [(r + shift) % 8] for r in range(8)}, M)
     ideal = flows * M / (100 * MBIT)
-    tcp = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP)
+    tcp = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP_BBR)
     assert tcp.time(phases) == pytest.approx(ideal * (1 + 0.06 * (flows - 1)) / 0.86)
     assert tcp.bound(phases) == pytest.approx(ideal) == CostModel(profile, alpha_s=0.0).time(phases)
     assert LinkTcp().factor(flows) == 1.0
@@ -197,10 +197,10 @@ def test_unpinned_flows_of_a_host_share_one_nic_in_the_prediction_and_both_in_th
     """multi_nic: both ranks of n0 send M to n1 at once. gloo puts both on one NIC (measured:
     eth0 carried 86 % of the bytes), so the prediction prices one NIC shared by two flows;
     the bound keeps the two NICs the pattern could use."""
-    from syncplane.cluster.cost import EMULATED_TCP
+    from syncplane.cluster.cost import EMULATED_TCP_BBR
 
     phase = [(0, 2, M), (1, 3, M)]
-    model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP)
+    model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP_BBR)
     assert model.bound([phase]) == pytest.approx(M / (100 * MBIT))
     assert model.time([phase]) == pytest.approx(2 * M / (100 * MBIT) * 1.06 / 0.86)
 
@@ -210,11 +210,11 @@ def test_a_pipelines_chunks_pay_no_per_flow_loss_and_spread_over_the_nics(flows)
     """FlexReduce's wavefront (``FlowArray.chunked``): the same flows as long ones pay the
     per-flow loss and, unpinned, share one NIC of ``multi_nic``'s two; as one tick of chunks,
     each its own op, they get the single flow's goodput and both NICs."""
-    from syncplane.cluster.cost import EMULATED_TCP, FlowArray
+    from syncplane.cluster.cost import EMULATED_TCP_BBR, FlowArray
 
     src, dst = np.arange(flows) % 2, 2 + np.arange(flows) % 2           # n0's ranks to n1's
     nbytes = np.full(flows, M / flows)
-    model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP)
+    model = CostModel(load_profile("multi_nic"), alpha_s=0.0, tcp=EMULATED_TCP_BBR)
     long = model.time([FlowArray(src, dst, nbytes)])
     chunks = model.time([FlowArray(src, dst, nbytes, chunked=True)])
     assert long == pytest.approx(M / (100 * MBIT) * (1 + 0.06 * (flows - 1)) / 0.86)
@@ -266,10 +266,10 @@ def test_ddp_four_buckets_use_both_nics_of_multi_nic_one_bucket_one():
     bucket) rides one NIC per step in the prediction. Each ring phase sends M/4 per rank;
     one flow per host direction crosses it."""
     from syncplane.algorithms.ddp import ddp_cost
-    from syncplane.cluster.cost import EMULATED_TCP
+    from syncplane.cluster.cost import EMULATED_TCP_BBR
 
     profile = load_profile("multi_nic")
-    model = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP)
+    model = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP_BBR)
     for payload, nics in ((100 * 2**20, 2), (8 * 2**20, 1)):
         phases = ddp_cost("ddp", profile, payload, CostOptions())[0]
         assert len(phases) == 6
@@ -279,17 +279,17 @@ def test_ddp_four_buckets_use_both_nics_of_multi_nic_one_bucket_one():
 def test_emulated_goodput_follows_the_link_rate_between_measured_points():
     import numpy as np
 
-    from syncplane.cluster.cost import EMULATED_TCP, IDEAL, MBIT
+    from syncplane.cluster.cost import EMULATED_TCP_BBR, IDEAL, MBIT
 
     one = np.array([1.0])
-    at = {mbit: float(EMULATED_TCP.factor(one, np.array([mbit * MBIT]))[0]) for mbit in (50, 100, 150, 400, 1000, 10000)}
+    at = {mbit: float(EMULATED_TCP_BBR.factor(one, np.array([mbit * MBIT]))[0]) for mbit in (50, 100, 150, 400, 1000, 10000)}
     assert at[50] == at[100] == pytest.approx(0.86)
     assert at[150] == pytest.approx((0.86 + 0.957) / 2)
     assert at[400] == pytest.approx(0.963) and at[1000] == at[10000] == pytest.approx(0.969)
-    assert float(EMULATED_TCP.factor(np.array([3.0]), np.array([400 * MBIT]))[0]) == pytest.approx(0.963 / 1.12)
+    assert float(EMULATED_TCP_BBR.factor(np.array([3.0]), np.array([400 * MBIT]))[0]) == pytest.approx(0.963 / 1.12)
     assert float(IDEAL.factor(one, np.array([400 * MBIT]))[0]) == 1.0
     # a flow on a 400 Mbit NIC is priced at that rate's goodput, one on a 100 Mbit uplink at its own
-    model = CostModel(load_profile("two_racks"), tcp=EMULATED_TCP, alpha_s=0.0)
+    model = CostModel(load_profile("two_racks"), tcp=EMULATED_TCP_BBR, alpha_s=0.0)
     assert model.phase_time([(0, 1, 50e6)]) == pytest.approx(50e6 / (400 * MBIT * 0.963))
     assert model.phase_time([(0, 4, 50e6)]) == pytest.approx(50e6 / (100 * MBIT * 0.86))
 
@@ -297,10 +297,10 @@ def test_emulated_goodput_follows_the_link_rate_between_measured_points():
 def test_the_per_flow_loss_stops_growing_at_six_flows_on_a_link():
     import numpy as np
 
-    from syncplane.cluster.cost import EMULATED_TCP, MBIT
+    from syncplane.cluster.cost import EMULATED_TCP_BBR, MBIT
 
     rate = np.array([100 * MBIT])
-    share = {n: float(EMULATED_TCP.factor(np.array([float(n)]), rate)[0]) for n in (1, 2, 4, 6, 7, 16)}
+    share = {n: float(EMULATED_TCP_BBR.factor(np.array([float(n)]), rate)[0]) for n in (1, 2, 4, 6, 7, 16)}
     assert share[2] == pytest.approx(0.86 / 1.06) and share[4] == pytest.approx(0.86 / 1.18)   # as measured
     assert share[6] == share[7] == share[16] == pytest.approx(0.86 / 1.30)
 
@@ -319,9 +319,9 @@ def test_connections_given_as_streams_spread_over_the_nics_gloo_lists():
     """H-ATC's reduce-scatter tags each message by its pair, so a host's connections take its
     NICs in turn: as two pinned streams each, half the time of one NIC on ``multi_nic``."""
     from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps
-    from syncplane.cluster.cost import EMULATED_TCP, columns_of, per_connection
+    from syncplane.cluster.cost import EMULATED_TCP_BBR, columns_of, per_connection
 
-    model = CostModel(load_profile("multi_nic"), tcp=EMULATED_TCP)
+    model = CostModel(load_profile("multi_nic"), tcp=EMULATED_TCP_BBR)
     across = [columns_of([(0, 2, M), (1, 3, M), (0, 3, M), (1, 2, M)])]
     one, two = (model.phase_time(per_connection(across, 4, streams=s)) for s in (1, 2))
     assert two == pytest.approx(one / 2, rel=0.05)
@@ -336,12 +336,12 @@ def test_a_link_counts_only_the_streams_of_a_flow_that_cross_it():
     A relayed flow's streams take different routes, so a relay's NIC carries one stream of its
     own flow and one of the relayed one: two TCP flows, not the four that counting each flow's
     streams on every link it touches gave."""
-    from syncplane.cluster.cost import EMULATED_TCP, pinned_streams
+    from syncplane.cluster.cost import EMULATED_TCP_BBR, pinned_streams
 
     ranks = np.arange(9)
     phase = pinned_streams(ranks, (ranks + 1) % 9, M, 2)
-    model = CostModel(load_profile("bcube_3_2"), alpha_s=0.0, tcp=EMULATED_TCP)
-    two_flows = float(EMULATED_TCP.factor(np.array([2.0]), np.array([100 * MBIT]))[0])
+    model = CostModel(load_profile("bcube_3_2"), alpha_s=0.0, tcp=EMULATED_TCP_BBR)
+    two_flows = float(EMULATED_TCP_BBR.factor(np.array([2.0]), np.array([100 * MBIT]))[0])
     assert model.time([phase]) == pytest.approx(model.bound([phase]) / two_flows)
 
 
@@ -352,16 +352,32 @@ def test_a_collectives_ring_steps_pay_no_per_flow_loss(profile_name):
     0.91 of its bound (2026-11-29) where the per-flow loss priced it 1.23x the bound: its steps
     get one flow's goodput; the same flows sent at once (long flows) pay the loss there."""
     from syncplane.algorithms.ddp import ddp_cost
-    from syncplane.cluster.cost import EMULATED_TCP, FlowArray
+    from syncplane.cluster.cost import EMULATED_TCP_BBR, FlowArray
 
     profile = load_profile(profile_name)
-    model = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP)
+    model = CostModel(profile, alpha_s=0.0, tcp=EMULATED_TCP_BBR)
     phases = ddp_cost("ddp", profile, 100 * 2**20, CostOptions())[0]
     assert all(p.lockstep for p in phases)
-    one_flow = float(EMULATED_TCP.factor(np.array([1.0]), np.array([100 * MBIT]))[0])
+    one_flow = float(EMULATED_TCP_BBR.factor(np.array([1.0]), np.array([100 * MBIT]))[0])
     assert model.time(phases) == pytest.approx(model.bound(phases) / one_flow)
     at_once = model.time([FlowArray(p.src, p.dst, p.nbytes, p.copies, pinned=p.pinned) for p in phases])
     if profile.bcube:
         assert at_once == pytest.approx(model.time(phases) * 1.06)        # two flows on the busiest NICs
     else:
         assert at_once == pytest.approx(model.time(phases))                # one flow a link: no loss to lose
+
+
+def test_the_emulators_tcp_is_the_one_measured_under_the_hosts_congestion_control():
+    """bbr's terms for hosts under bbr, cubic's for cubic and for an algorithm not measured
+    (reno: loss-based like cubic); the plan and simulate take them from the profile."""
+    from dataclasses import replace
+
+    from syncplane.algorithms.plan import link_tcp
+    from syncplane.cluster.cost import EMULATED_TCP, EMULATED_TCP_BBR, IDEAL, emulated_tcp
+
+    assert emulated_tcp("bbr") is EMULATED_TCP_BBR and EMULATED_TCP is not EMULATED_TCP_BBR
+    assert emulated_tcp("cubic") is EMULATED_TCP and emulated_tcp("reno") is EMULATED_TCP
+    profile = load_profile("two_racks")
+    assert link_tcp("emulated", profile) is EMULATED_TCP
+    assert link_tcp("emulated", replace(profile, tcp_congestion="bbr")) is EMULATED_TCP_BBR
+    assert link_tcp("ideal", replace(profile, tcp_congestion="bbr")) is IDEAL

@@ -6,8 +6,7 @@ import pytest
 
 from syncplane.cluster import load_profile
 from syncplane.algorithms import CostOptions, spec_for, strategy_time
-from syncplane.algorithms.plan import TCP_MODELS
-from syncplane.cluster.cost import MBIT, CostModel, concurrent_group_allreduces
+from syncplane.cluster.cost import EMULATED_TCP_BBR, MBIT, CostModel, concurrent_group_allreduces
 
 M = 100 * 2**20
 
@@ -108,14 +107,14 @@ def test_simulate_prices_a_max_staleness_row_as_the_clique(tmp_path):
 
 def test_pair_streams_auto_is_priced_as_what_its_trial_keeps():
     """``auto`` times one stream against ``MAX_PAIR_STREAMS`` and keeps the many only if they are
-    ``MIN_STREAM_GAIN`` faster: priced so, on measured TCP, a quiet uplink keeps one stream (more
-    flows lose more to drops) and one next to a greedy foreign flow keeps four (k/(k+1) of it)."""
+    ``MIN_STREAM_GAIN`` faster: priced so, on TCP as measured under bbr, a quiet uplink keeps one
+    stream (more flows lose more to drops; under cubic they lose nothing more, and one is kept too) and one next to a greedy foreign flow keeps four (k/(k+1) of it)."""
     from syncplane.algorithms import plan
     from syncplane.algorithms.ds_sync.pair_streams import MAX_PAIR_STREAMS
 
     inputs = plan.PlanInputs(M, compute_s=0.0)
     for cluster, kept in (("two_racks", 1), ("two_racks_contended", MAX_PAIR_STREAMS)):
-        model = CostModel(load_profile(cluster), tcp=TCP_MODELS["emulated"])
+        model = CostModel(load_profile(cluster), tcp=EMULATED_TCP_BBR)
         prices = {n: plan.price(model, "ds_sync", {"pair_streams": n}, inputs).sync_s for n in (1, MAX_PAIR_STREAMS)}
         assert prices[1] != pytest.approx(prices[MAX_PAIR_STREAMS])
         auto = plan.price(model, "ds_sync", {"pair_streams": "auto"}, inputs)
@@ -141,7 +140,7 @@ def test_the_priced_trial_judges_the_steps_with_a_pair_as_the_trial_times_them()
 def test_a_pairs_pieces_take_a_hosts_nics_in_turn():
     """A pair's pieces carry a tag each, which gloo maps to a host's NICs in turn: one stream
     per direction is priced as DDP's pinned streams beside the rings of a larger group."""
-    model = CostModel(load_profile("multi_nic"), tcp=TCP_MODELS["emulated"])
+    model = CostModel(load_profile("multi_nic"), tcp=EMULATED_TCP_BBR)
     for group in ([0, 2], [0, 1, 2, 3]):
         spread = model.time(concurrent_group_allreduces([group], M, nic_streams=2))
         assert spread < 0.7 * model.time(concurrent_group_allreduces([group], M))

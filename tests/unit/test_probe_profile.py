@@ -131,3 +131,38 @@ def test_per_flow_caps_are_written_and_read_back() -> None:
     assert all(h.spec.per_flow_mbit is None for h in profile.hosts)
     again = from_profile(profile).bandwidth
     assert again[0, 2] == pytest.approx(95 * mb) and again[0, 1] == pytest.approx(1000 * mb)
+
+
+@pytest.mark.parametrize("tcp", ["bbr", "reno", None])
+def test_the_hosts_congestion_control_is_written_and_read_back(tcp: str | None) -> None:
+    """A probed profile runs what the hosts ran (None, not known: the profile's default)."""
+    from syncplane.cluster.probe import Topology
+    from syncplane.cluster.profile import DEFAULT_TCP_CONGESTION
+
+    topo = from_profile(load_profile("two_racks"))
+    topo.tcp_congestion = tcp
+    assert Topology.from_dict(topo.to_dict()).tcp_congestion == tcp
+    profile = parse_profile(topo.to_profile().to_dict())
+    assert profile.tcp_congestion == (tcp or DEFAULT_TCP_CONGESTION)
+
+
+def test_the_congestion_control_is_read_from_the_kernel_or_unknown(tmp_path) -> None:
+    from syncplane.cluster.probe import congestion_control
+
+    written = tmp_path / "tcp_congestion_control"
+    written.write_text("bbr\n")
+    assert congestion_control(written) == "bbr"
+    assert congestion_control(tmp_path / "absent") is None
+
+
+def test_hosts_that_disagree_give_the_most_common_congestion_control_and_a_warning(caplog) -> None:
+    from syncplane.cluster.probe import agreed_congestion
+
+    # ranks 0-1 on host 0 (cubic), host 1 (bbr), hosts 2-3 (cubic), host 4 unknown
+    found, hosts = ["cubic", "cubic", "bbr", "cubic", "cubic", None], [0, 0, 1, 2, 3, 4]
+    assert agreed_congestion(found, hosts) == "cubic"
+    assert "hosts 1 run bbr" in caplog.text and "3 of 4 hosts" in caplog.text
+    assert agreed_congestion(["bbr", "cubic"], [1, 0]) == "cubic"     # a tie: the lowest host's
+    caplog.clear()
+    assert agreed_congestion(["reno"] * 3, [0, 1, 2]) == "reno" and not caplog.text
+    assert agreed_congestion([None, None], [0, 1]) is None

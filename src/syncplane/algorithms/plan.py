@@ -33,7 +33,7 @@ from syncplane.algorithms import SPECS, StrategyTimes, spec_for, step_prices, st
 from syncplane.algorithms.ddp import BASELINE
 from syncplane.algorithms.ddp.timing import loopback_work
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, compute_split
-from syncplane.cluster.cost import DEFAULT_ALPHA_S, EMULATED_TCP, IDEAL, CostModel, LinkTcp
+from syncplane.cluster.cost import DEFAULT_ALPHA_S, IDEAL, CostModel, LinkTcp, emulated_tcp
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.config import ConfigError
 from syncplane.exchanges.choose import NAMES, JobShape, choose
@@ -50,11 +50,16 @@ ACCEPT = ("exact", "approximate")
 #: profiles where it was predicted 1–3 % faster.
 BASELINE_MARGIN = 0.10
 
-#: ``PlanInputs.tcp``: how TCP flows share a shaped link. ``emulated``: as measured on our
-#: emulator (``cluster.cost.EMULATED_TCP``: goodput by link rate, the loss of concurrent flows,
-#: gloo's one NIC per op, the wait behind a greedy flow's queue), what the bench's predictions
-#: use; ``ideal``: the plain α-β formula.
-TCP_MODELS: dict[str, LinkTcp] = {"emulated": EMULATED_TCP, "ideal": IDEAL}
+#: ``PlanInputs.tcp``: how TCP flows share a shaped link, by the profile's congestion control.
+#: ``emulated``: as measured on our emulator under it (``cluster.cost.emulated_tcp``: goodput by
+#: link rate, the loss of concurrent flows, gloo's one NIC per op, the wait behind a greedy
+#: flow's queue), what the bench's predictions use; ``ideal``: the plain α-β formula.
+TCP_MODELS: dict[str, Callable[[str], LinkTcp]] = {"emulated": emulated_tcp, "ideal": lambda congestion: IDEAL}
+
+
+def link_tcp(tcp: str, profile: ClusterProfile) -> LinkTcp:
+    """The ``TCP_MODELS`` entry ``tcp`` for ``profile``'s hosts."""
+    return TCP_MODELS[tcp](profile.tcp_congestion)
 
 #: ``syncplane plan --cpu``: whose cores the ranks' CPU work (codecs, torch's hooks, sums)
 #: runs on. ``emulated``: every rank of the cluster on this machine (the emulator, the bench);
@@ -316,7 +321,7 @@ def plan_cpu(profile: ClusterProfile, inputs: PlanInputs, sharing: float | None)
 
 def make_plan(profile: ClusterProfile, inputs: PlanInputs) -> Plan:
     """Every offered strategy's candidates on ``profile``, priced and ranked (module doc)."""
-    model = with_loopback(CostModel(profile, alpha_s=inputs.alpha_s, tcp=TCP_MODELS[inputs.tcp]), inputs.cpu)
+    model = with_loopback(CostModel(profile, alpha_s=inputs.alpha_s, tcp=link_tcp(inputs.tcp, profile)), inputs.cpu)
     order = {name: i for i, name in enumerate(n for spec in SPECS for n in spec.strategies)}
     candidates, excluded = [], []
     for name, kwargs, reason in candidate_settings(profile, inputs):

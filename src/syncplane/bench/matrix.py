@@ -178,12 +178,13 @@ def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
     """``report`` with every measured row priced again by the cost model as it is now, at the
     CPU rates of the machine that measured it (the row's ``cpu_rates``; a row from before they
     were kept: the report's, its last run's or last reprice's; this machine's, measured, for
-    any op they lack, then kept in the row's and the report's ``cpu_rates``): the measurements are kept,
+    any op they lack, then kept in the row's and the report's ``cpu_rates``) and with the TCP
+    measured under the congestion control its hosts ran (``ran_under``): the measurements are kept,
     the model's fields replaced, and ``meta.repriced`` says when and at which commit (a model
     fixed after a matrix ran is checked against its measurements without running it again)."""
     from syncplane import algorithms
     from syncplane.bench.runner import price_row
-    from syncplane.cluster.cost import EMULATED_TCP, CostModel
+    from syncplane.cluster.cost import CostModel, emulated_tcp
     from syncplane.exchanges.cpu import CpuRates
 
     if profile.world_size != report["world_size"]:
@@ -201,11 +202,13 @@ def reprice(report: dict[str, Any], profile: ClusterProfile) -> dict[str, Any]:
         return CpuRates({**here.per_element, **stored["per_element"]}, stored["sharing"]) if stored else here
 
     cpu = rates(report.get("cpu_rates"))
-    model = CostModel(profile, tcp=EMULATED_TCP)
+    models: dict[str, CostModel] = {}       # by the congestion control each row ran under
     periods = algorithms.periods(measured, report.get("period"))
     for row in rows:
         if row.get("status") == "ok":
             used = rates(row["cpu_rates"]) if row.get("cpu_rates") else cpu
+            tcp = ran_under(report, row)
+            model = models.setdefault(tcp, CostModel(profile, tcp=emulated_tcp(tcp)))
             price_row(row, model, row["strategy"], report["payload_bytes"], report.get("compute_ms", 0.0),
                       periods.get(row["strategy"], report.get("period")), options, used)
             # every rate it was priced at, kept: a later reprice elsewhere fills in no op of another machine
@@ -564,6 +567,21 @@ def run_history(meta: dict[str, Any]) -> list[dict[str, Any]]:
     if "runs" in meta:
         return list(meta["runs"])
     return [{k: meta.get(k) for k in ("created", "commit", "command")}] if meta.get("command") else []
+
+
+#: The congestion control of a report from before the emulator recorded it: its hosts ran the
+#: machine's own default, which on the VM image every committed report ran on is bbr.
+UNRECORDED_TCP = "bbr"
+
+
+def ran_under(report: dict[str, Any], row: dict[str, Any] | None = None) -> str:
+    """The congestion control the emulated hosts ran when ``row`` was measured (its run's, in
+    ``meta.runs``; no row: the report's latest run's), ``UNRECORDED_TCP`` where the run does
+    not say: what a reprice prices the row with, whatever the profile's YAML says now."""
+    runs = {run.get("created"): run for run in run_history(report.get("meta", {}))}
+    if row is not None and row.get("measured") in runs:
+        return runs[row["measured"]].get("tcp") or UNRECORDED_TCP
+    return report.get("tcp_congestion") or report.get("meta", {}).get("tcp") or UNRECORDED_TCP
 
 
 def tcp_words(run: dict[str, Any]) -> str:

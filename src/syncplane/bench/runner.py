@@ -9,7 +9,7 @@ communicating step (``syncplane.cluster.bound``; ``network_binding`` names the c
 sets it), so ``network_bound_ratio`` is how near the wire's limit a strategy runs. Extra
 fields per row: ``status`` ("ok" or "not implemented"), ``predicted_s`` (the cost
 model with its per-phase latency and the emulator's measured TCP sharing of its shaped
-links, ``EMULATED_TCP``), ``nic_bytes_per_rank`` (from the namespaces'
+links, ``emulated_tcp`` of the profile's congestion control), ``nic_bytes_per_rank`` (from the namespaces'
 interface counters: the cross-check of ``bytes_sent_per_rank``), ``step_s`` (all steps),
 ``overlap`` (with ``compute_ms``: the part of the step the sync ran behind; its sync,
 bound and prediction are then the exposed part, bound − hidden compute, at least 0),
@@ -43,7 +43,7 @@ from syncplane.algorithms import plan
 from syncplane.algorithms.ds_sync.pair_streams import check_pair_streams
 from syncplane.bench.syncs import PRESETS_BYTES
 from syncplane.cluster import ClusterProfile, load_profile
-from syncplane.cluster.cost import EMULATED_TCP, IDEAL, CostModel
+from syncplane.cluster.cost import IDEAL, CostModel, emulated_tcp
 from syncplane.cluster.emulator import switch_namespace, uplink_drops
 from syncplane.comm.codecs import check_sparse_options
 from syncplane.config import ConfigError, parse_list
@@ -158,7 +158,7 @@ def report_rows(profile: ClusterProfile, strategies: list[str], payload_bytes: i
     (``period``: the periodic strategies' steps per round; None = each one's own default;
     ``cpu``: the CPU rates its prediction adds, ``emulator_cpu_rates``; None: the wire only)."""
     periods = algorithms.periods(strategies, period)
-    model = CostModel(profile, tcp=EMULATED_TCP)     # measured where it runs: on the emulator
+    model = CostModel(profile, tcp=emulated_tcp(profile.tcp_congestion))     # measured where it runs: on the emulator
     background_senders = {profile.host(f.src).index for f in profile.background}
     options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,
                "density": density, "bits": bits}

@@ -27,6 +27,10 @@ Two sources, one result (``Topology``):
   ``streams`` at once: a link on which several streams get at least twice one stream's rate
   caps each flow (``FlowCap``), which the profile writes as ``per_flow_mbit``.
 
+Each rank also reads its host's TCP congestion control (``congestion_control``): a profile
+written from a probe reproduces it (``tcp_congestion``), since the same links move bulk traffic
+both ways 10-40 % faster or slower under bbr than under cubic (``docs/design-notes.md``).
+
 A probe's result is cached per cluster (``~/.cache/syncplane/probe/<key>.json``).
 """
 
@@ -65,6 +69,8 @@ FLOW_CAP_RATIO = 2.0
 #: two concurrent exchanges that keep this much of their rates together (of 2) share no link
 #: (emulated uneven_three_racks, loaded: 1.85-2.01 apart, 1.10-1.59 sharing an uplink)
 NO_SHARED_LINK = 1.75
+#: Which congestion control a host's new TCP connections use (per network namespace; Linux).
+CONGESTION_FILE = Path("/proc/sys/net/ipv4/tcp_congestion_control")
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,8 @@ class Topology:
     source: str
     host_caps: list[FlowCap | None] = field(default_factory=list)
     rack_caps: list[FlowCap | None] = field(default_factory=list)
+    #: the hosts' TCP congestion control (``agreed_congestion``; None: not known)
+    tcp_congestion: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -142,7 +150,8 @@ class Topology:
         single host ``loopback_mbit``; each rack's ``uplink_mbit`` (several racks) the median
         rate of its ranks to other racks. Ranks are renumbered rack by rack, host by host, as
         profiles number them. A per-flow cap found on a NIC or an uplink becomes its
-        ``per_flow_mbit``, and the link's rate the faster of its pairwise and its several-stream rate."""
+        ``per_flow_mbit``, and the link's rate the faster of its pairwise and its several-stream rate.
+        The hosts' congestion control, where known, is the profile's ``tcp_congestion``."""
         from syncplane.cluster.profile import HostSpec, RackSpec
 
         nic, uplink = self.nic_estimate(), self.uplink_estimate()
@@ -167,7 +176,8 @@ class Topology:
             rate = max(uplink[k], cap.link) if cap and uplink[k] is not None else uplink[k]
             racks.append(RackSpec(name=f"r{k}", hosts=hosts, uplink_mbit=mbit(rate) if several and rate is not None
                                   else None, per_flow_mbit=mbit(cap.per_flow) if cap else None))
-        profile = ClusterProfile(name=name, racks=racks)
+        profile = ClusterProfile(name=name, racks=racks,
+                                 **({"tcp_congestion": self.tcp_congestion} if self.tcp_congestion else {}))
         profile.validate()
         return profile
 
@@ -175,7 +185,8 @@ class Topology:
         return {"racks": self.racks, "hosts": self.hosts, "bandwidth": self.bandwidth.tolist(),
                 "latency": self.latency.tolist(), "source": self.source,
                 "host_caps": [asdict(c) if c else None for c in self.host_caps],
-                "rack_caps": [asdict(c) if c else None for c in self.rack_caps]}
+                "rack_caps": [asdict(c) if c else None for c in self.rack_caps],
+                "tcp_congestion": self.tcp_congestion}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Topology:
@@ -184,7 +195,8 @@ class Topology:
 
         return cls(racks=data["racks"], hosts=data["hosts"], bandwidth=np.asarray(data["bandwidth"], dtype=float),
                    latency=np.asarray(data["latency"], dtype=float), source=data["source"],
-                   host_caps=caps("host_caps"), rack_caps=caps("rack_caps"))
+                   host_caps=caps("host_caps"), rack_caps=caps("rack_caps"),
+                   tcp_congestion=data.get("tcp_congestion"))
 
 
 # ----------------------------------------------------------------------------- from a profile
@@ -605,6 +617,31 @@ def measure_flow_caps(topo: Topology, nbytes: int, streams: int, group: Any = No
     return host_caps, rack_caps
 
 
+def congestion_control(path: Path = CONGESTION_FILE) -> str | None:
+    """This host's TCP congestion control, None where the kernel does not say (not Linux)."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def agreed_congestion(found: Sequence[str | None], host_ids: Sequence[int]) -> str | None:
+    """The congestion control of the hosts (``found``: each rank's; ``host_ids``: its host's),
+    one value as a profile holds it: where hosts differ, the most common (ties: the one of the
+    lowest host), with a warning naming the others; None when no host says."""
+    by_host = {host: name for host, name in sorted(zip(host_ids, found), key=lambda pair: pair[0]) if name}
+    if not by_host:
+        return None
+    names = list(by_host.values())
+    agreed = max(dict.fromkeys(names), key=names.count)
+    others = {host: name for host, name in by_host.items() if name != agreed}
+    if others:
+        log.warning("probe: the hosts' TCP congestion control differs; the profile says %s, as %d of %d hosts "
+                    "run; hosts %s run %s", agreed, names.count(agreed), len(names),
+                    ", ".join(map(str, others)), ", ".join(others.values()))
+    return agreed
+
+
 def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool = False,
           group: Any = None, job: JobContext | None = None, streams: int = 1) -> Topology:
     """Collective: measure (or load from the cache) this job's topology; same result on every
@@ -615,11 +652,12 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     n = dist.get_world_size()
     job = job if job is not None else JobContext.from_environment(rank=dist.get_rank(), world_size=n)
     host_id = int(job.node_rank) if job.node_rank is not None else dist.get_rank()
-    ids = [0] * n
-    dist.all_gather_object(ids, host_id, group=group)
+    found: list[Any] = [None] * n
+    dist.all_gather_object(found, (host_id, congestion_control()), group=group)
+    ids, tcp = [f[0] for f in found], [f[1] for f in found]
     cluster_file = job.cluster      # the emulated cluster's profile (its content, not its path)
     cluster = Path(cluster_file).read_text() if cluster_file and Path(cluster_file).exists() else ""
-    key = hashlib.sha1(json.dumps([n, ids, job.master_addr, nbytes, cluster, streams]).encode()).hexdigest()[:16]
+    key = hashlib.sha1(json.dumps([n, ids, job.master_addr, nbytes, cluster, streams, tcp]).encode()).hexdigest()[:16]
     path = cache_dir / f"{key}.json" if cache_dir is not None else None
     box: list[Any] = [None]
     if dist.get_rank() == 0 and path is not None and path.exists() and not refresh:
@@ -633,6 +671,7 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     bw, lat = measure_pairs(n, hosts, nbytes, group)
     host_bw = host_matrix(bw, hosts)
     topo = topology_from_measurements(bw, lat, ids, concurrent_test(host_bw, hosts, nbytes, group))
+    topo.tcp_congestion = agreed_congestion(tcp, ids)
     racks = rack_parts(hosts, topo.racks)
     if not same_groups(racks, close_parts(host_bw)):
         # a slow-NIC host joined a rack it was not close to: its pairs out of the rack were
@@ -670,8 +709,9 @@ def print_table(topo: Topology, slow_factor: float = 0.5, file: Any = None) -> N
 
     slow_ranks, slow_racks = topo.bottlenecks(slow_factor)
     nic, uplink = topo.nic_estimate(), topo.uplink_estimate()
+    tcp = f", TCP {topo.tcp_congestion}" if topo.tcp_congestion else ""
     table = Table(title=f"DS-Sync topology ({topo.source}): {len(topo.racks)} racks, {len(topo.hosts)} hosts, "
-                        f"{topo.world_size} ranks")
+                        f"{topo.world_size} ranks{tcp}")
     for col in ("rack", "host", "ranks", "NIC Mbit/s", "uplink Mbit/s", "bottleneck"):
         table.add_column(col, justify="left" if col in ("rack", "host", "ranks", "bottleneck") else "right")
 
