@@ -229,7 +229,7 @@ EMULATED_TCP_BBR = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=Tr
 #: (1.13, 1.13, 1.39): one flow a direction gets 0.886 (the 100-Mbit point, as under bbr: an
 #: uplink's flows run both ways), and two flows lose nothing more. At s = 4 each rank's send
 #: and receive share one connection (r <-> r + 4), which the 1.39 prices, not a 4th flow; a loss
-#: of 0.069 fitted through it fit the matrix worse (60 of 99 cubic cells within 10 %, 67 with
+#: of 0.069 fitted through it fit the matrix worse (60 of 99 cubic cells within 10 %, 66 with
 #: none). The queue behind a greedy flow: DDP's 4 KB all-reduce took 1.405 s a step on
 #: ``two_racks_contended`` against 0.020 on ``two_racks``, 99 ms more per phase: the greedy flow,
 #: loss-based too, keeps the uplink's 100 ms ``tbf`` queue full (under bbr, 5.2 ms).
