@@ -14,7 +14,8 @@ Three measurements, each the way the constant's note in ``cluster/cost.py`` desc
   30 steps each); the difference over the ring's 14 phases is the time a phase waits behind
   the greedy flow's standing queue.
 
-Prints a table per measurement and the ``LinkTcp`` they give; ``--json`` keeps every sample.
+Prints each term as measured (what ``cost.py``'s ``LinkTcp`` constants hold); ``--json`` keeps
+every sample.
 The cluster it leaves up is removed with ``syncplane emulate down``.
 """
 

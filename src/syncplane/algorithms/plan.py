@@ -61,6 +61,7 @@ def link_tcp(tcp: str, profile: ClusterProfile) -> LinkTcp:
     """The ``TCP_MODELS`` entry ``tcp`` for ``profile``'s hosts."""
     return TCP_MODELS[tcp](profile.tcp_congestion)
 
+
 #: ``syncplane plan --cpu``: whose cores the ranks' CPU work (codecs, torch's hooks, sums)
 #: runs on. ``emulated``: every rank of the cluster on this machine (the emulator, the bench);
 #: ``host``: each host's ranks on its own cores, as many as this machine has (a CPU cluster of
