@@ -90,11 +90,11 @@ class FlowArray:
     pinned: bool | np.ndarray = False
     #: the flows are one tick of a pipeline of chunks (FlexReduce's wavefront), each send its
     #: own op: they spread over a host's NICs (min(flows, k)) and pay no ``LinkTcp`` per-flow
-    #: loss (measured, ``EMULATED_TCP``'s note)
+    #: loss (measured, ``EMULATED_TCP_BBR``'s note)
     chunked: bool = False
     #: the flows are one step of a collective that goes step by step, each step's send after
     #: the previous step's arrival (a ring's reduce-scatter and all-gather in gloo): they pay no
-    #: ``LinkTcp`` per-flow loss, as a pipeline's chunks (measured, ``EMULATED_TCP``'s note),
+    #: ``LinkTcp`` per-flow loss, as a pipeline's chunks (measured, ``EMULATED_TCP_BBR``'s note),
     #: but keep their NICs
     lockstep: bool = False
 
