@@ -55,6 +55,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -97,11 +98,17 @@ class FlowArray:
     #: ``LinkTcp`` per-flow loss, as a pipeline's chunks (measured, ``EMULATED_TCP_BBR``'s note),
     #: but keep their NICs
     lockstep: bool = False
+    #: per row (None: none): the flows run beside the phase, asynchronously (H-ATC's exchange
+    #: between racks under the in-rack collectives): they load its links, but nothing waits for
+    #: them before the pattern's end, so a greedy flow's queue (``LinkTcp.queue_s``) holds the
+    #: pattern up once, not once per phase
+    beside: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.copies is None:
             object.__setattr__(self, "copies", np.ones(len(self.src), dtype=np.int64))
-        lengths = {name: len(getattr(self, name)) for name in ("src", "dst", "nbytes", "copies")}
+        columns = ("src", "dst", "nbytes", "copies", *(("beside",) if self.beside is not None else ()))
+        lengths = {name: len(getattr(self, name)) for name in columns}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"FlowArray: columns of different lengths {lengths}")
 
@@ -131,29 +138,36 @@ def columns_of(phase: Phase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 def pinned_streams(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | float, streams: int,
-                   chunked: bool = False, lockstep: bool = False) -> FlowArray:
+                   chunked: bool = False, lockstep: bool = False, beside: np.ndarray | None = None) -> FlowArray:
     """Each flow ``src[i] -> dst[i]`` of ``nbytes`` as ``streams`` streams of nbytes/streams
-    pinned to NICs round-robin (``FlowArray.pinned``; ``chunked``, ``lockstep``: theirs)."""
+    pinned to NICs round-robin (``FlowArray.pinned``; ``chunked``, ``lockstep``, ``beside``: theirs)."""
     src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
     return FlowArray(src, dst, np.broadcast_to(np.asarray(nbytes, dtype=np.float64) / streams, src.shape).copy(),
                      np.full(len(src), streams, dtype=np.int64), pinned=True, chunked=chunked,
-                     lockstep=lockstep)
+                     lockstep=lockstep, beside=beside)
 
 
 def per_connection(columns: list[tuple[np.ndarray, ...]], width: int, scale: float = 1.0,
-                   chunked: bool = False, streams: int = 1) -> FlowArray:
+                   chunked: bool = False, streams: int = 1,
+                   beside: list[tuple[np.ndarray, ...]] = ()) -> FlowArray:
     """The flows of ``columns`` (``columns_of`` of phases that run at once) as one flow per
     (src, dst) of ``width`` ranks, bytes summed (times ``scale``): what goes between two
     ranks at once shares their connection, so it counts as one flow on every link
     (``chunked``: ``FlowArray.chunked``). ``streams`` > 1: each as that many pinned streams
     of its bytes/streams (``FlowArray.pinned``): a host's connections spread over its NICs,
-    as messages whose tags take them in turn do."""
-    src, dst, nbytes = (np.concatenate([c[i] for c in columns]) for i in range(3))
+    as messages whose tags take them in turn do. ``beside``: flows that run beside those
+    (``FlowArray.beside``); a connection that also carries one of ``columns`` is waited for."""
+    both = [*columns, *beside]
+    src, dst, nbytes = (np.concatenate([c[i] for c in both]) for i in range(3))
     pairs, where = np.unique(src * width + dst, return_inverse=True)
     total = np.bincount(where, weights=nbytes, minlength=len(pairs)) * scale
+    aside = None
+    if beside:
+        waited = sum(len(c[0]) for c in columns)
+        aside = np.bincount(where[:waited], minlength=len(pairs)) == 0
     if streams > 1:
-        return pinned_streams(pairs // width, pairs % width, total, streams, chunked=chunked)
-    return FlowArray(pairs // width, pairs % width, total, chunked=chunked)
+        return pinned_streams(pairs // width, pairs % width, total, streams, chunked=chunked, beside=aside)
+    return FlowArray(pairs // width, pairs % width, total, chunked=chunked, beside=aside)
 
 
 @dataclass(frozen=True)
@@ -244,6 +258,22 @@ def emulated_tcp(congestion: str) -> LinkTcp:
     """``LinkTcp`` as measured on the emulator with its hosts under ``congestion``; one not
     measured (reno, ...) gets cubic's, the loss-based default."""
     return EMULATED_TCP_BY_CONGESTION.get(congestion, EMULATED_TCP)
+
+
+class LinkTimes(NamedTuple):
+    """``CostModel.link_times``: per phase, and per (phase, link) pair that carries flows."""
+
+    #: each phase's seconds
+    times: np.ndarray
+    #: per (phase, link) pair: the phase, the link, the seconds its load takes on it, the
+    #: seconds its slowest flow takes where the link caps each flow
+    phase: np.ndarray
+    links: np.ndarray
+    load_s: np.ndarray
+    flow_s: np.ndarray
+    #: per phase: a greedy flow's queue that only flows beside it wait behind (``FlowArray.beside``),
+    #: paid once by a pattern, after the last such phase
+    late_s: np.ndarray
 
 
 @dataclass
@@ -415,27 +445,26 @@ class CostModel:
                           lockstep: np.ndarray | None = None) -> np.ndarray:
         """The time of each of ``num_phases`` phases (``link_times``, without the links)."""
         return self.link_times(phase, src, dst, nbytes, num_phases, copies, alpha_s, pinned, tcp, chunked,
-                               lockstep)[0]
+                               lockstep).times
 
     def link_times(self, phase: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                    num_phases: int, copies: np.ndarray | None = None,
                    alpha_s: float | None = None, pinned: np.ndarray | None = None,
                    tcp: LinkTcp | None = None, chunked: np.ndarray | None = None,
-                   lockstep: np.ndarray | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(the time of each of ``num_phases`` phases; and per (phase, link) pair that carries
-        flows: the phase, the link, the seconds its load takes on it, the seconds its slowest
-        flow takes where the link caps each flow) for phases whose flows are given as columns
-        (flow i belongs to phase ``phase[i]``; ``copies[i]`` identical flows, default 1;
-        ``pinned[i]`` > 0: they are that many streams pinned to NICs, ``FlowArray.pinned``;
-        ``chunked[i]``: a pipeline's chunk, ``FlowArray.chunked``; ``lockstep[i]``: a step of a
-        collective, ``FlowArray.lockstep``).
+                   lockstep: np.ndarray | None = None, beside: np.ndarray | None = None) -> LinkTimes:
+        """``LinkTimes`` of phases whose flows are given as columns (flow i belongs to phase
+        ``phase[i]``; ``copies[i]`` identical flows, default 1; ``pinned[i]`` > 0: they are
+        that many streams pinned to NICs, ``FlowArray.pinned``; ``chunked[i]``: a pipeline's
+        chunk, ``FlowArray.chunked``; ``lockstep[i]``: a step of a collective,
+        ``FlowArray.lockstep``; ``beside[i]``: run beside the phase, ``FlowArray.beside``).
 
         The formula of the module docstring, vectorized: per (phase, link) the bytes and
         flows are summed (in flow order, as the per-flow loop did), each link's time is its
         load over its share of capacity, and a phase takes α plus the larger of its busiest
         link and its slowest per-flow-capped flow; a phase with nothing to send takes 0.
-        ``tcp`` (default the model's): how the flows share a shaped link (``LinkTcp``).
+        ``tcp`` (default the model's): how the flows share a shaped link (``LinkTcp``); a
+        greedy flow's queue holds up a phase whose waited-for flows cross it, and a pattern
+        once where only flows beside its phases do (``LinkTimes.late_s``).
         """
         alpha = self.alpha_s if alpha_s is None else alpha_s
         tcp = self.tcp if tcp is None else tcp
@@ -443,9 +472,11 @@ class CostModel:
         pinned = np.zeros(len(src), dtype=np.int64) if pinned is None else pinned
         chunked = np.zeros(len(src), dtype=bool) if chunked is None else chunked
         lockstep = np.zeros(len(src), dtype=bool) if lockstep is None else lockstep
+        beside = np.zeros(len(src), dtype=bool) if beside is None else beside
         keep = (src != dst) & (nbytes > 0)
-        phase, src, dst, nbytes, copies, pinned, chunked, lockstep = (
-            phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep], pinned[keep], chunked[keep], lockstep[keep])
+        phase, src, dst, nbytes, copies, pinned, chunked, lockstep, beside = (
+            phase[keep], src[keep], dst[keep], nbytes[keep], copies[keep], pinned[keep], chunked[keep], lockstep[keep],
+            beside[keep])
         # a pipeline's chunks spread over a host's NICs; other unpinned flows share one (``LinkTcp``)
         flow, link, share_of_bytes = self._entries(src, dst, pinned, ~chunked & tcp.one_nic_unpinned)
         num_links = self._num_links
@@ -463,14 +494,15 @@ class CostModel:
         on_link = np.bincount(slot, weights=copies[flow] * share_of_bytes, minlength=size)
         streams = np.zeros(size, dtype=np.int64)
         np.maximum.at(streams, slot, pinned[flow])
-        chunks, lossless = np.zeros(size, dtype=bool), np.zeros(size, dtype=bool)
+        chunks, lossless, waited = (np.zeros(size, dtype=bool) for _ in range(3))
         np.logical_or.at(chunks, slot, chunked[flow])
         np.logical_or.at(lossless, slot, (chunked | lockstep)[flow])
+        np.logical_or.at(waited, slot, ~beside[flow])
         used = np.flatnonzero(count > 0)
         keys = used if direct else uniq[used]
         links, owner = keys % num_links, keys // num_links
         load, count, on_link, streams = load[used], count[used], on_link[used], streams[used]
-        chunks, lossless = chunks[used], lossless[used]
+        chunks, lossless, waited = chunks[used], lossless[used], waited[used]
         nics = self._nics[links]
         unpinned = np.where(chunks | (not tcp.one_nic_unpinned), np.minimum(nics, count), 1)
         spread = np.where(streams > 0, streams / np.maximum(np.ceil(streams / nics), 1), unpinned)
@@ -479,8 +511,9 @@ class CostModel:
             flows = np.where(lossless, 1.0, on_link / np.where(self._is_nic[links], spread, 1))
             capacity = capacity * np.where(self._is_shaped[links], tcp.factor(flows, self._capacity[links]), 1.0)
         share = on_link / (on_link + self._background[links])
-        queued = np.zeros(num_phases, dtype=bool)
-        queued[owner[self._queued[links]]] = True
+        queued, late = np.zeros(num_phases, dtype=bool), np.zeros(num_phases, dtype=bool)
+        queued[owner[self._queued[links] & waited]] = True
+        late[owner[self._queued[links] & ~waited]] = True
         # a link's time in a phase: its load, or its slowest flow where the link caps each flow
         load_s = load / (capacity * share)
         slowest = np.zeros(size)
@@ -490,14 +523,20 @@ class CostModel:
         np.maximum.at(busiest, owner, np.maximum(load_s, flow_s))
         active = np.zeros(num_phases, dtype=bool)
         active[owner] = True
-        return np.where(active, alpha + tcp.queue_s * queued + busiest, 0.0), owner, links, load_s, flow_s
+        return LinkTimes(np.where(active, alpha + tcp.queue_s * queued + busiest, 0.0), owner, links, load_s, flow_s,
+                         tcp.queue_s * (late & ~queued))
 
     def phase_times(self, phases: Sequence[Phase], alpha_s: float | None = None,
                     tcp: LinkTcp | None = None) -> list[float]:
         """Each phase's time, all evaluated in one batch; a phase equal to the one before it
-        (a ring's repeated steps) is evaluated once."""
-        times, which, _ = self._evaluate(phases, alpha_s, tcp)
-        return [float(times[i]) for i in which]
+        (a ring's repeated steps) is evaluated once. The last phase whose flows beside it wait
+        behind a greedy flow's queue pays that queue (``LinkTimes.late_s``)."""
+        got, which = self._evaluate(phases, alpha_s, tcp)
+        times = [float(got.times[i]) for i in which]
+        late = [k for k, i in enumerate(which) if got.late_s[i] > 0]
+        if late:
+            times[late[-1]] += float(got.late_s[which[late[-1]]])
+        return times
 
     def pipelined(self, phases: Sequence[Phase], lanes: int, first_share: float, alpha_s: float | None = None,
                   tcp: LinkTcp | None = None) -> float:
@@ -507,24 +546,25 @@ class CostModel:
         uplink's), so the round takes its busiest link's phases back to back (at least the
         phases over ``lanes``), plus the first part's share of the rest, which fills the
         pipeline; on a link that caps each flow, the lanes' flows each get the cap. One lane or
-        one part: the phases add up (``time``)."""
-        times, which, (owner, links, load_s, flow_s) = self._evaluate(phases, alpha_s, tcp)
-        total = float(sum(times[i] for i in which))
+        one part: the phases add up (``time``). A greedy flow's queue that only flows beside
+        the phases wait behind (``LinkTimes.late_s``) holds the round up once, at its end."""
+        got, which = self._evaluate(phases, alpha_s, tcp)
+        late = float(got.late_s[which].max(initial=0.0))
+        total = float(sum(got.times[i] for i in which))
         if lanes < 2 or first_share >= 1 or not which:
-            return total
-        uses = np.bincount(np.asarray(which, dtype=np.int64), minlength=len(times))[owner]
+            return total + late
+        uses = np.bincount(np.asarray(which, dtype=np.int64), minlength=len(got.times))[got.phase]
         # a link carries every part's load; where it caps each flow, the lanes' flows are as
         # many flows at the cap at once
-        per_link = np.maximum(np.bincount(links, weights=load_s * uses, minlength=self._num_links),
-                              np.bincount(links, weights=flow_s * uses, minlength=self._num_links) / lanes)
+        per_link = np.maximum(np.bincount(got.links, weights=got.load_s * uses, minlength=self._num_links),
+                              np.bincount(got.links, weights=got.flow_s * uses, minlength=self._num_links) / lanes)
         steady = min(total, max(float(per_link.max(initial=0.0)), total / lanes))
-        return steady + first_share * (total - steady)
+        return steady + first_share * (total - steady) + late
 
     def _evaluate(self, phases: Sequence[Phase], alpha_s: float | None, tcp: LinkTcp | None
-                  ) -> tuple[np.ndarray, list[int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+                  ) -> tuple[LinkTimes, list[int]]:
         """``link_times`` of the distinct phases of ``phases`` (a phase equal to the one before
-        it counted once): their times, which one each phase is, and per (phase, link) pair the
-        phase, the link, its load's seconds and its slowest capped flow's."""
+        it counted once), and which of them each phase is."""
         distinct: list[Phase] = []
         which: list[int] = []
         for phase in phases:
@@ -536,8 +576,8 @@ class CostModel:
             distinct.append(phase)
             which.append(len(distinct) - 1)
         if not distinct:
-            empty = np.zeros(0)
-            return empty, [], (empty.astype(np.int64), empty.astype(np.int64), empty, empty)
+            empty, none = np.zeros(0), np.zeros(0, dtype=np.int64)
+            return LinkTimes(empty, none, none, empty, empty, empty), []
         columns = [columns_of(p) for p in distinct]
         owner = np.repeat(np.arange(len(distinct), dtype=np.int64), [len(c[0]) for c in columns])
         src, dst, nbytes, copies = (np.concatenate([c[i] for c in columns]) for i in range(4))
@@ -545,9 +585,10 @@ class CostModel:
                                  for p, c in zip(distinct, columns)])
         chunked, lockstep = (np.concatenate([np.full(len(c[0]), isinstance(p, FlowArray) and getattr(p, flag))
                                              for p, c in zip(distinct, columns)]) for flag in ("chunked", "lockstep"))
-        times, phase_of, links, load_s, flow_s = self.link_times(owner, src, dst, nbytes, len(distinct), copies,
-                                                                 alpha_s, pinned, tcp, chunked, lockstep)
-        return times, which, (phase_of, links, load_s, flow_s)
+        beside = np.concatenate([p.beside if isinstance(p, FlowArray) and p.beside is not None
+                                 else np.zeros(len(c[0]), dtype=bool) for p, c in zip(distinct, columns)])
+        return self.link_times(owner, src, dst, nbytes, len(distinct), copies, alpha_s, pinned, tcp, chunked,
+                               lockstep, beside), which
 
     def phase_time(self, flows: Phase | Sequence[Flow], alpha_s: float | None = None) -> float:
         return self.phase_times([flows if isinstance(flows, (list, FlowArray)) else list(flows)], alpha_s)[0]

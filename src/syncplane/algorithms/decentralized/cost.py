@@ -37,7 +37,7 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
     then the all-gather inside the rack (gloo's ring: L − 1 steps of B/L), while the exchange
     between racks runs asynchronously beside them (each owner sends its shards to the owners
     of the same shards on the neighbour rack: one-peer schedule over racks), spread evenly
-    over those L phases; in each phase the bytes between two ranks are one flow. The payload is cut into L_max shards
+    over those L phases and waited for only at the step's end (``FlowArray.beside``); in each phase the bytes between two ranks are one flow. The payload is cut into L_max shards
     (the largest rack's size); shard s of a rack of L ranks is owned by its local rank s mod
     L. Priced as one overlapped phase per step (2026-11-26), it was 21–52 % optimistic on the
     one-rack profiles of the 8 MB matrix, where the step is the all-to-all and the ring alone."""
@@ -55,8 +55,10 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
         # spread over the bucket's 1 + (L − 1) phases, on links of its own where racks differ
         exchange = [(m[s % len(m)], machines[k][s % len(machines[k])], bucket / shards / (1 + ring_steps))
                     for mi, m in enumerate(machines) for s in range(shards) for k in schedule.plan(t, mi).dst_weights]
-        scattered = per_connection([columns_of(scatter + exchange)], profile.world_size, streams=profile.gloo_nics)
-        gathered = per_connection([columns_of(ring + exchange)], profile.world_size) if ring_steps else None
+        aside = [columns_of(exchange)] if exchange else []
+        scattered = per_connection([columns_of(scatter)], profile.world_size,
+                                   streams=profile.gloo_nics, beside=aside)
+        gathered = per_connection([columns_of(ring)], profile.world_size, beside=aside) if ring_steps else None
         # one object per repeated phase: the cost model evaluates consecutive repeats once
         steps.append([scattered, *[gathered] * ring_steps] * buckets)
     return steps
