@@ -112,7 +112,8 @@ def sharing_worker(out: Path, repeats: int) -> None:
         for i in range(repeats + 1):            # the first is a warm-up (connections, slow start)
             dist.barrier()
             start = time.perf_counter()
-            requests = [dist.isend(send, (rank + s) % world), dist.irecv(recv, (rank - s) % world)]
+            # the receive first, as every exchange of ours posts it (``p2p.exchange_tensors``)
+            requests = [dist.irecv(recv, (rank - s) % world), dist.isend(send, (rank + s) % world)]
             for request in requests:
                 request.wait()
             slowest[0] = time.perf_counter() - start

@@ -17,7 +17,7 @@ this is the bandwidth lower bound (``bound_s``); with the α measured on the emu
 is the prediction ``syncplane simulate`` prints. The bench's prediction also prices how
 TCP shares a shaped link (``LinkTcp``, measured on the emulator under the hosts' congestion
 control, ``emulated_tcp``: under bbr k concurrent flows of ours got 0.86 / (1 + 0.06 (k − 1))
-of a 100 Mbit uplink's rate, under cubic 0.886 whatever k; a host's flows that are not pinned
+of a 100 Mbit uplink's rate, under cubic 0.913 / (1 + 0.019 (k − 1)); a host's flows that are not pinned
 streams share one NIC), which the plain formula misses: ATC's exponential graph puts up to four
 flows on an uplink (the formula was 21–31 % optimistic there under bbr), and its sends on
 ``multi_nic`` ride one of the two NICs (44 %).
@@ -237,18 +237,20 @@ EMULATED_TCP_BBR = LinkTcp(goodput=0.86, per_flow_loss=0.06, one_nic_unpinned=Tr
                            goodput_by_mbit=((100.0, 0.86), (200.0, 0.957), (400.0, 0.963), (1000.0, 0.969)),
                            loss_flows=6, queue_s=5.2e-3)
 #: The same terms measured again with the hosts under cubic, Linux's default and the profiles'
-#: (2026-12-01, ``scripts/calibrate_tcp.py``, docs/calibration/tcp_cubic.json). Goodput by rate: 0.958,
-#: 0.959, 0.961, 0.972 at 100, 200, 400, 1000 Mbit. Sharing on ``two_racks``' uplinks, 8 MB from
-#: rank r to r + s (median of 6): s = 1, 2, 4 took 0.76, 1.51, 3.73 s against 0.67, 1.34, 2.68
-#: (1.13, 1.13, 1.39): one flow a direction gets 0.886 (the 100-Mbit point, as under bbr: an
-#: uplink's flows run both ways), and two flows lose nothing more. At s = 4 each rank's send
-#: and receive share one connection (r <-> r + 4), which the 1.39 prices, not a 4th flow; a loss
-#: of 0.069 fitted through it fit the matrix worse (60 of 99 cubic cells within 10 %, 66 with
-#: none). The queue behind a greedy flow: DDP's 4 KB all-reduce took 1.405 s a step on
-#: ``two_racks_contended`` against 0.020 on ``two_racks``, 99 ms more per phase: the greedy flow,
-#: loss-based too, keeps the uplink's 100 ms ``tbf`` queue full (under bbr, 5.2 ms).
-EMULATED_TCP = LinkTcp(goodput=0.886, per_flow_loss=0.0, one_nic_unpinned=True,
-                       goodput_by_mbit=((100.0, 0.886), (200.0, 0.959), (400.0, 0.961), (1000.0, 0.972)),
+#: (``scripts/calibrate_tcp.py``, docs/calibration/tcp_cubic.json), after every exchange of ours
+#: came to post its receives before its sends (2026-12-01, ``p2p.exchange_tensors``: two ranks
+#: that both post their send to each other first swap one way after the other under gloo).
+#: Goodput by rate: 0.957, 0.959, 0.967, 0.987 at 100, 200, 400, 1000 Mbit. Sharing on
+#: ``two_racks``' uplinks, 8 MB from rank r to r + s, receive posted first (median of 6): s = 1,
+#: 2, 4 took 0.735, 1.565, 3.061 s against 0.671, 1.342, 2.684 (1.10, 1.17, 1.14; an earlier run
+#: that day 1.07, 1.07, 1.10): one flow a direction gets 0.913, each further one loses 0.019.
+#: Posted send first, the same run had given 1.13, 1.13, 1.39: at s = 4 each rank sends to and
+#: receives from one peer, and the swap went one way after the other. The queue behind a greedy
+#: flow: DDP's 4 KB all-reduce took 1.404 s a step on ``two_racks_contended`` against 0.020 on
+#: ``two_racks``, 99 ms more per phase: the greedy flow, loss-based too, keeps the uplink's 100 ms
+#: ``tbf`` queue full (under bbr, 5.2 ms).
+EMULATED_TCP = LinkTcp(goodput=0.913, per_flow_loss=0.019, one_nic_unpinned=True,
+                       goodput_by_mbit=((100.0, 0.913), (200.0, 0.959), (400.0, 0.967), (1000.0, 0.987)),
                        loss_flows=6, queue_s=0.099)
 #: The emulator's TCP by the hosts' congestion control (a profile's ``tcp_congestion``).
 EMULATED_TCP_BY_CONGESTION: dict[str, LinkTcp] = {"cubic": EMULATED_TCP, "bbr": EMULATED_TCP_BBR}

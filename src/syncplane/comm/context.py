@@ -245,7 +245,8 @@ def directed(up: dist.ProcessGroup, down: dist.ProcessGroup, src: int, dst: int)
     meet on one group, and each TCP connection carries data one way only. Why: gloo sends a
     message only once the receiver has said it posted the receive, and that notice travels on
     the same connection as the data going the other way; on a shaped link it would wait
-    behind a queue of that data."""
+    behind a queue of that data. It still leaves by the host's link, behind what the host
+    queued there: the exchanges also post their receives first (``p2p.exchange_tensors``)."""
     return up if src < dst else down
 
 

@@ -133,8 +133,8 @@ class GroupSet:
                 for mine, theirs, send_pg, recv_pg in pieces:
                     if mine.numel():
                         tag = len(works) // 2
-                        works += [dist.isend(mine, peer, group=send_pg, tag=tag),
-                                  dist.irecv(theirs, peer, group=recv_pg, tag=tag)]
+                        works += [dist.irecv(theirs, peer, group=recv_pg, tag=tag),
+                                  dist.isend(mine, peer, group=send_pg, tag=tag)]
             for work in works:
                 work.wait()
             for bucket, other in zip(buckets, received):

@@ -176,7 +176,10 @@ def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[
     same on both ends; or a function of the sender's and receiver's group ranks, the tag of
     each message): under gloo a group on several NICs sends tag t's messages on NIC t mod k
     (``GLOO_SOCKET_IFNAME``'s order), so callers spread concurrent messages over a host's
-    NICs by giving them consecutive tags; NCCL ignores it."""
+    NICs by giving them consecutive tags; NCCL ignores it. The receives are posted before the
+    sends: under gloo, two ranks that both post their send to each other first swap on their
+    connection one direction after the other, in twice the time (``docs/design-notes.md``,
+    "Receives before sends")."""
     start = time.perf_counter() if start is None else start
     me = dist.get_rank(group)
 
@@ -184,14 +187,14 @@ def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[
         return tag(src, dst) if callable(tag) else tag
 
     batches: dict[Group, list[tuple[dist.P2POp, tuple[str, int]]]] = {}   # one batch per group
-    for peer, tensor in sends:
-        link = one_way_link(group, me, peer)
-        op = dist.P2POp(dist.isend, tensor, group=link, tag=tag_of(me, peer), group_peer=peer)
-        batches.setdefault(link, []).append((op, ("sending to", peer)))
     for peer, buffer in recvs:
         link = one_way_link(group, peer, me)
         op = dist.P2POp(dist.irecv, buffer, group=link, tag=tag_of(peer, me), group_peer=peer)
         batches.setdefault(link, []).append((op, ("receiving from", peer)))
+    for peer, tensor in sends:
+        link = one_way_link(group, me, peer)
+        op = dist.P2POp(dist.isend, tensor, group=link, tag=tag_of(me, peer), group_peer=peer)
+        batches.setdefault(link, []).append((op, ("sending to", peer)))
     labels = [label for batch in batches.values() for _, label in batch]
     try:
         works = [work for batch in batches.values() for work in dist.batch_isend_irecv([op for op, _ in batch])]

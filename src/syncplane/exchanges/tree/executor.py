@@ -322,17 +322,17 @@ class FlexReduce:
         nbytes = 0
         size = chunk.element_size()
         if gather:   # owners send finished pieces back to the holders, straight into place
-            for m in sched.recvs:
-                works.append(("sending to", m.peer, send(m.peer, chunk[m.lo:m.hi])))
-                nbytes += (m.hi - m.lo) * size
             for m in sched.sends:
                 works.append(("receiving from", m.peer, recv(m.peer, chunk[m.lo:m.hi])))
+            for m in sched.recvs:
+                works.append(("sending to", m.peer, send(m.peer, chunk[m.lo:m.hi])))
+                nbytes += (m.hi - m.lo) * size
         else:
+            for m in sched.recvs:
+                works.append(("receiving from", m.peer, recv(m.peer, scratch[m.slot:m.slot + m.hi - m.lo])))
             for m in sched.sends:
                 works.append(("sending to", m.peer, send(m.peer, chunk[m.lo:m.hi])))
                 nbytes += (m.hi - m.lo) * size
-            for m in sched.recvs:
-                works.append(("receiving from", m.peer, recv(m.peer, scratch[m.slot:m.slot + m.hi - m.lo])))
         scale = 1.0 / self.world if level == self.tree.num_levels - 1 else 1.0
 
         def finish() -> torch.Tensor:
