@@ -6,8 +6,9 @@ Three measurements, each the way the constant's note in ``cluster/cost.py`` desc
 
 - **goodput by rate**: DDP's 8 MiB all-reduce between two one-rank hosts on one switch, at each
   NIC rate of ``--rates``; the goodput is the α-β bound over the median step;
-- **sharing**: on ``two_racks`` every rank sends 8 MiB to rank + s (gloo isend/irecv) for
-  s = 1, 2, 4, which puts s flows on each uplink direction; measured over the formula's
+- **sharing**: on ``two_racks`` every rank sends 8 MiB to rank + s (gloo isend/irecv, the
+  receive posted first, as the exchanges do) for s = 1, 2, 4, which puts s flows on each uplink
+  direction; measured over the formula's
   ``s · M / uplink`` gives 1 / factor, from which the one-flow goodput and the per-flow loss
   (least squares over s = 2, 4 of ``ratio(s) / ratio(1) - 1 = loss · (s - 1)``) follow;
 - **queue**: DDP's 4 KiB all-reduce on ``two_racks_contended`` against ``two_racks`` (median of
