@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger("posting_order")
 
 MIB = 2**20
 
@@ -102,7 +99,6 @@ def main() -> None:
     if args.worker:
         worker(args.worker, (a, b), nbytes, args.repeats)
         return
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     from syncplane.cluster import load_profile
     from syncplane.cluster.cost import MBIT
     from syncplane.runtime.launcher import launch_on_cluster

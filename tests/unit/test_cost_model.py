@@ -131,7 +131,8 @@ def test_flows_beside_the_phases_wait_behind_a_greedy_flows_queue_once():
     assert model.bound(steps) == pytest.approx(sum(times) - 0.05)
     waited = per_connection([inside, across], 8, beside=[columns_of([(0, 4, M)])])
     assert not waited.beside.any()
-    assert model.phase_times([waited] * 2) == pytest.approx([t + 0.05 for t in model.phase_times([waited] * 2, tcp=LinkTcp())])
+    plain = model.phase_times([waited] * 2, tcp=LinkTcp())
+    assert model.phase_times([waited] * 2) == pytest.approx([t + 0.05 for t in plain])      # every phase waits
 
 
 def test_h_atc_on_a_contended_profile_waits_once_behind_the_greedy_flow():
@@ -139,7 +140,7 @@ def test_h_atc_on_a_contended_profile_waits_once_behind_the_greedy_flow():
     queued uplink, beside its in-rack phases: one queue a step (measured: h_atc and h_awc ran
     within 0.3 s of the model without the queue, 11.5 and 12.0 s a step, where 96 queues priced 21.5 s)."""
     from syncplane.algorithms.decentralized.cost import hierarchical_one_peer_steps
-    from syncplane.cluster.cost import EMULATED_TCP, LinkTcp
+    from syncplane.cluster.cost import EMULATED_TCP
 
     profile = load_profile("two_racks_contended")
     quiet = CostModel(profile, tcp=dataclasses.replace(EMULATED_TCP, queue_s=0.0))
@@ -147,7 +148,7 @@ def test_h_atc_on_a_contended_profile_waits_once_behind_the_greedy_flow():
     for step in hierarchical_one_peer_steps(profile, 97.5e6, CostOptions()):
         assert len(step) > 10
         assert model.time(step) - quiet.time(step) == pytest.approx(EMULATED_TCP.queue_s)
-        assert model.bound(step) == quiet.bound(step) and LinkTcp().queue_s == 0
+        assert model.bound(step) == quiet.bound(step)
 
 
 def test_per_flow_cap_limits_a_single_stream():

@@ -37,9 +37,10 @@ def hierarchical_one_peer_steps(profile: ClusterProfile, payload_bytes: float,
     then the all-gather inside the rack (gloo's ring: L − 1 steps of B/L), while the exchange
     between racks runs asynchronously beside them (each owner sends its shards to the owners
     of the same shards on the neighbour rack: one-peer schedule over racks), spread evenly
-    over those L phases and waited for only at the step's end (``FlowArray.beside``); in each phase the bytes between two ranks are one flow. The payload is cut into L_max shards
-    (the largest rack's size); shard s of a rack of L ranks is owned by its local rank s mod
-    L. Priced as one overlapped phase per step (2026-11-26), it was 21–52 % optimistic on the
+    over those L phases and waited for only at the step's end (``FlowArray.beside``); in each
+    phase the bytes between two ranks are one flow. The payload is cut into L_max shards (the
+    largest rack's size); shard s of a rack of L ranks is owned by its local rank s mod L.
+    Priced as one overlapped phase per step (2026-11-26), it was 21–52 % optimistic on the
     one-rack profiles of the 8 MB matrix, where the step is the all-to-all and the ring alone."""
     machines = rack_machines(profile)
     shards = max(len(m) for m in machines)
