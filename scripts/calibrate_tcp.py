@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,24 +104,18 @@ def sharing_worker(out: Path, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from syncplane.comm.timing import slowest_times
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     send, recv = torch.ones(8 * MIB // 4), torch.empty(8 * MIB // 4)
-    slowest = torch.zeros(1, dtype=torch.float64)
-    samples: dict[int, list[float]] = {}
-    for s in SHIFTS:
-        samples[s] = []
-        for i in range(repeats + 1):            # the first is a warm-up (connections, slow start)
-            dist.barrier()
-            start = time.perf_counter()
-            # the receive first, as every exchange of ours posts it (``p2p.exchange_tensors``)
-            requests = [dist.irecv(recv, (rank - s) % world), dist.isend(send, (rank + s) % world)]
-            for request in requests:
-                request.wait()
-            slowest[0] = time.perf_counter() - start
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            if i:
-                samples[s].append(float(slowest[0]))
+
+    def shift(s: int) -> None:
+        # the receive first, as every exchange of ours posts it (``p2p.exchange_tensors``)
+        for request in [dist.irecv(recv, (rank - s) % world), dist.isend(send, (rank + s) % world)]:
+            request.wait()
+
+    samples = {s: slowest_times(partial(shift, s), repeats) for s in SHIFTS}
     if rank == 0:
         out.write_text(json.dumps(samples))
     dist.destroy_process_group()

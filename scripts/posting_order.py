@@ -57,9 +57,10 @@ def worker(out: Path, pair: tuple[int, int], nbytes: int, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from syncplane.comm.timing import slowest_times
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    slowest = torch.zeros(1, dtype=torch.float64)
     samples: dict[str, list[float]] = {}
     for name, messages in cases(*pair, world).items():
         mine = [m for m in messages if rank in m[:2]]
@@ -67,19 +68,16 @@ def worker(out: Path, pair: tuple[int, int], nbytes: int, repeats: int) -> None:
         first = next((f for src, _, _, f in mine if src == rank), "s")
         sends = [(dst, torch.ones(int(share * nbytes) // 4)) for src, dst, share, _ in mine if src == rank]
         recvs = [(src, torch.empty(int(share * nbytes) // 4)) for src, dst, share, _ in mine if dst == rank]
-        samples[name] = []
-        for i in range(repeats + 1):            # the first is a warm-up (connections, slow start)
-            dist.barrier()
-            start = time.perf_counter()
+
+        def post(sends: list[tuple[int, torch.Tensor]] = sends, recvs: list[tuple[int, torch.Tensor]] = recvs,
+                 first: str = first) -> None:
             posted_sends = [dist.isend(t, peer) for peer, t in sends] if first == "s" else []
             posted_recvs = [dist.irecv(t, peer) for peer, t in recvs]
             posted_sends += [dist.isend(t, peer) for peer, t in sends] if first == "r" else []
             for work in posted_sends + posted_recvs:
                 work.wait()
-            slowest[0] = time.perf_counter() - start
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            if i:
-                samples[name].append(float(slowest[0]))
+
+        samples[name] = slowest_times(post, repeats)
     if rank == 0:
         out.write_text(json.dumps(samples))
     dist.destroy_process_group()

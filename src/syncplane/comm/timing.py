@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -107,3 +107,20 @@ def report(value: float) -> None:
     print(value, flush=True)
     sys.stderr.flush()
     os._exit(0)
+
+
+def slowest_times(run: Callable[[], None], repeats: int, warmup: int = 1) -> list[float]:
+    """Collective over the default group: ``run()`` ``warmup + repeats`` times, each from a
+    barrier, and the slowest rank's wall time of each of the last ``repeats`` (the first ones
+    open connections and leave slow start)."""
+    slowest = torch.zeros(1, dtype=torch.float64)
+    times = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        slowest[0] = time.perf_counter() - start
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(slowest[0]))
+    return times
