@@ -1,7 +1,7 @@
 """Canary's nested exchange on real gloo processes, chosen because the job's cluster profile
 groups its ranks in hosts and racks of equal size: with the exact codec every rank ends with
 the float64 dense mean of fresh random inputs (to fp32 rounding), the same bits for one and
-two streams; with the gradient sketch every rank holds exactly what the definition gives --
+two streams; with the gradient sketch (and int8) every rank holds exactly what the definition gives --
 each level's pieces encoded, decoded and summed in digit order (raw fp32 between ranks of
 one host unless ``compress_in_host``), the owner's mean encoded once -- computed here in one
 process from the same inputs; the bytes sent are what the
@@ -40,7 +40,7 @@ def _run(rank: int, world: int, profile_path: str, seed: int):
 
     out = {}
     for compression, nics, in_host in (("none", 1, False), ("none", 2, False), ("sketch", 1, False),
-                                       ("sketch", 2, False), ("sketch", 1, True)):
+                                       ("sketch", 2, False), ("sketch", 1, True), ("int8", 1, False)):
         transport = make_transport(CanaryConfig(compression=compression, nics=nics, compress_in_host=in_host,
                                                 sync_timeout_s=60), JobContext.from_environment())
         nested = transport.exchange
@@ -56,13 +56,15 @@ def _run(rank: int, world: int, profile_path: str, seed: int):
     return out
 
 
-def _reference(inputs: list[torch.Tensor], radices: list[int], streams: int, exact: list[int]) -> torch.Tensor:
-    """The nested exchange with the sketch, by its definition, all ranks in one process:
+def _reference(inputs: list[torch.Tensor], radices: list[int], streams: int, exact: list[int],
+               compression: str) -> torch.Tensor:
+    """The nested exchange with a lossy codec, by its definition, all ranks in one process:
     the reduce-scatter of an ``exact`` level sends raw fp32."""
-    from syncplane.comm import GradientSketch, shard_bounds
+    from syncplane.algorithms.canary import CanaryConfig
+    from syncplane.comm import shard_bounds
     from syncplane.exchanges.digit import _mixed_digit, nested_schedule
 
-    codec = GradientSketch()
+    codec = CanaryConfig(compression=compression).codec()
     n = len(inputs)
 
     def round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -110,10 +112,13 @@ def test_nested_exchange_is_the_dense_mean_and_the_sketch_its_definition(tmp_pat
     in_host_level = [0] if ranks > 1 else []          # what ranks of one host send each other is exact
     for nics, in_host in ((1, False), (2, False), (1, True)):
         exact = [] if in_host else in_host_level
-        references = [_reference([grads[r][c] for r in range(world)], expected_radices, nics, exact)
-                      for c in range(len(SIZES))]
+        # int8's pieces (1031 values: 1/n of them is no multiple of 4) sit in a message off a
+        # 4-byte boundary, where its fp32 scales once failed to be read
+        lossy = ("sketch", "int8") if nics == 1 and not in_host else ("sketch",)
+        references = {codec: [_reference([grads[r][c] for r in range(world)], expected_radices, nics, exact, codec)
+                              for c in range(len(SIZES))] for codec in lossy}
         for rank in range(world):
-            for compression in ("none", "sketch"):
+            for compression in ("none", *lossy):
                 if compression == "none" and in_host:
                     continue
                 mine, sent, predicted, radices, exact_levels = results[rank][(compression, nics, in_host)]
@@ -125,7 +130,7 @@ def test_nested_exchange_is_the_dense_mean_and_the_sketch_its_definition(tmp_pat
                         # the sum order is the digits', whatever the stream count
                         assert torch.equal(mine[c], results[0][("none", 1, False)][0][c])
                     else:
-                        assert torch.equal(mine[c], references[c]), (rank, nics, in_host, c)
+                        assert torch.equal(mine[c], references[compression][c]), (rank, compression, nics, in_host, c)
     assert math.prod(expected_radices) == world
 
 

@@ -107,19 +107,23 @@ def test_extract_into_a_buffer_gives_the_same_bits(codec, test_seed):
             codec.extract(data, 3000, out=bad)
 
 
+@pytest.mark.parametrize("start", [4, 1, 3], ids=lambda s: f"at{s}")
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: type(c).__name__)
-def test_compress_into_a_buffer_gives_the_same_bytes(codec, test_seed):
+def test_compress_into_a_buffer_gives_the_same_bytes(codec, start, test_seed):
     """``compress(out=)`` (an exchange's send buffer, a slice of a larger message) writes what
-    ``compress`` returns, whatever the buffer held, and refuses a buffer of the wrong size,
+    ``compress`` returns, whatever the buffer held and wherever the slice starts (a piece
+    follows one of any length: int8's and fp32's fp32 fields then sit off a 4-byte
+    boundary), and ``extract`` reads it back there; it refuses a buffer of the wrong size,
     type or shape; ``ErrorFeedback`` passes it through and updates the same residuals."""
     x = torch.randn(3000, generator=torch.Generator().manual_seed(test_seed))
     nbytes = codec.nbytes(3000)
-    message = torch.full((nbytes + 8,), 0xA5, dtype=torch.uint8)
-    place = message[4:4 + nbytes]
+    message = torch.full((nbytes + start + 4,), 0xA5, dtype=torch.uint8)
+    place = message[start:start + nbytes]
     assert codec.compress(x, out=place).data_ptr() == place.data_ptr()
     assert torch.equal(place, codec.compress(x))
-    assert torch.equal(message[:4], torch.full((4,), 0xA5, dtype=torch.uint8))
+    assert torch.equal(message[:start], torch.full((start,), 0xA5, dtype=torch.uint8))
     assert torch.equal(message[-4:], torch.full((4,), 0xA5, dtype=torch.uint8))
+    assert torch.equal(codec.extract(place, 3000), codec.extract(codec.compress(x), 3000))
     for bad in (torch.empty(nbytes - 1, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.int8),
                 torch.empty(2 * nbytes, dtype=torch.uint8)[::2]):
         with pytest.raises(ValueError, match="out must be|bytes"):

@@ -55,13 +55,11 @@ class Fp32:
     def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_fp32(x)
         if out is not None:
-            _bytes_out(out, self.nbytes(x.numel()), x.device).view(torch.float32).copy_(x.reshape(-1))
-            return out
+            return _put_floats(_bytes_out(out, self.nbytes(x.numel()), x.device), x.reshape(-1))
         return x.contiguous().view(torch.uint8)
 
     def extract(self, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        _check_bytes(data, self.nbytes(numel))
-        values = data.view(torch.float32)
+        values = _floats(_check_bytes(data, self.nbytes(numel)))
         return values if out is None else _into(out, values)
 
 
@@ -99,7 +97,7 @@ class Int8Blockwise:
         scales = blocks.abs().amax(dim=1) / 127.0
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-        out[: nb * FP32_BYTES].view(torch.float32).copy_(scales)
+        _put_floats(out[: nb * FP32_BYTES], scales)
         out[nb * FP32_BYTES:].view(torch.int8).copy_(q.view(-1)[:n])
         return out
 
@@ -108,7 +106,7 @@ class Int8Blockwise:
         nb = self.blocks(numel)
         if numel == 0:
             return torch.empty(0, dtype=torch.float32, device=data.device) if out is None else out
-        scales = data[: nb * FP32_BYTES].view(torch.float32)
+        scales = _floats(data[: nb * FP32_BYTES])
         q = torch.zeros(nb * self.block, dtype=torch.float32, device=data.device)
         q[:numel] = data[nb * FP32_BYTES:].view(torch.int8).to(torch.float32)
         values = (q.view(nb, self.block) * scales[:, None]).view(-1)[:numel]
@@ -384,6 +382,20 @@ def _bytes_out(out: torch.Tensor | None, nbytes: int, device: torch.device) -> t
     if out.dim() != 1 or not out.is_contiguous():
         raise ValueError(f"compress: out must be a contiguous 1-D uint8 tensor, got shape {tuple(out.shape)}")
     return _check_bytes(out, nbytes)
+
+
+def _floats(data: torch.Tensor) -> torch.Tensor:
+    """``data``'s bytes read as fp32: a view where they start on a 4-byte boundary, else an
+    aligned copy (a piece in a message of several starts wherever the one before it ended)."""
+    if data.storage_offset() % FP32_BYTES == 0:
+        return data.view(torch.float32)
+    return torch.empty(data.numel() // FP32_BYTES, dtype=torch.float32, device=data.device) \
+        .view(torch.uint8).copy_(data).view(torch.float32)
+
+
+def _put_floats(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (fp32) written as bytes into ``out``, wherever ``out`` starts."""
+    return out.copy_(values.contiguous().view(torch.uint8))
 
 
 def _check_out(out: torch.Tensor, numel: int) -> torch.Tensor:
