@@ -129,21 +129,28 @@ class Round:
         return self.kept("working copy", self.flat.numel(), self.flat.dtype).copy_(self.flat)
 
 
+#: The mean a ``StreamExchange.run`` returns: the values, or a function that writes them into
+#: the buffer it is given. The runner calls it only once every rank has committed, so an
+#: exchange that ends by decoding its pieces decodes them straight into the caller's buffer
+#: (no copy of the mean), and a discarded round leaves that buffer as it was.
+Result = torch.Tensor | Callable[[torch.Tensor], None]
+
+
 class StreamExchange(Protocol):
     """An all-reduce (mean) pattern that the runner runs on its streams.
 
     ``streams``: stream groups it uses; ``feedback_slots``: error-feedback residuals it keeps per
     rank (0: it carries exact fp32 only); ``check(size)`` raises ``ValueError`` when it cannot
-    run on ``size`` ranks; ``run`` returns the mean (bit-identical on every rank) and the bytes
-    this rank sent, raising ``RuntimeError`` on a timeout or lost peer; ``bytes_per_round``
-    counts what ``run`` sends."""
+    run on ``size`` ranks; ``run`` returns the mean (bit-identical on every rank; a ``Result``)
+    and the bytes this rank sent, raising ``RuntimeError`` on a timeout or lost peer;
+    ``bytes_per_round`` counts what ``run`` sends."""
 
     streams: int
     feedback_slots: int
 
     def check(self, size: int) -> None: ...
 
-    def run(self, round: Round) -> tuple[torch.Tensor, int]: ...
+    def run(self, round: Round) -> tuple[Result, int]: ...
 
     def bytes_per_round(self, numel: int, codec: Codec, rank: int, size: int) -> int: ...
 
@@ -267,8 +274,11 @@ class StreamRunner:
             meter.record(start, time.perf_counter(), sent)
         if committed:
             assert out is not None
-            with round_.phase("copy-out"):
-                flat.copy_(out)
+            if callable(out):
+                out(flat)
+            else:
+                with round_.phase("copy-out"):
+                    flat.copy_(out)
             self._inflight.clear()
             return True
         undo.restore()

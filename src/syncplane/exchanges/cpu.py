@@ -252,6 +252,8 @@ def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sha
 
 
 def runner_work(elements: float) -> CpuWork:
-    """What ``StreamRunner.allreduce_mean_`` adds around an exchange: the copy of the result
-    (the residuals it saves to undo a discarded round are the exchange's: ``feedback_encoded``)."""
+    """What ``StreamRunner.allreduce_mean_`` adds around an exchange that returns its mean as
+    values (the gather's, the tree's): the copy of the result. The mesh and digit exchanges
+    decode into the caller's buffer once committed (``streams.Result``): no copy. The
+    residuals saved to undo a discarded round are the exchange's: ``feedback_encoded``."""
     return CpuWork.adds(elements)

@@ -53,7 +53,7 @@ from syncplane.cluster.cost import FlowArray, Phase
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm.codecs import Codec, Fp32
 from syncplane.exchanges.cpu import CpuWork, coded, feedback_encoded
-from syncplane.comm.streams import Round, shard_bounds
+from syncplane.comm.streams import Result, Round, shard_bounds
 
 _TAG_BASE = 64
 _FP32 = Fp32()
@@ -148,7 +148,7 @@ class DigitExchange:
 
     # ------------------------------------------------------------------ the exchange
 
-    def run(self, round: Round) -> tuple[torch.Tensor, int]:
+    def run(self, round: Round) -> tuple[Result, int]:
         flat, codec, offset = round.flat, round.codec, round.offset
         local_ef, relay_ef, owner_ef = round.feedback
         me, n, levels = round.rank, round.size, len(self.radices)
@@ -158,7 +158,6 @@ class DigitExchange:
         bounds = self.pieces(flat.numel(), n)
         partial: list[dict[int, torch.Tensor]] = [{p: flat[lo:hi] for p, (lo, hi) in enumerate(s)} for s in bounds]
         encoded: list[dict[int, torch.Tensor]] = [{} for _ in bounds]        # owner bytes, forwarded as they are
-        out = round.kept("out", flat.numel(), flat.dtype)
         keep, sent, sends = round.keep, 0, []
 
         def size(t: int, p: int) -> int:
@@ -245,12 +244,14 @@ class DigitExchange:
                     keep.append(encoded[t][me])
         with round.phase("wait/send"):
             round.wait(sends)
-        with round.phase("decode/out"):
-            for t, s in enumerate(bounds):
-                for p, (lo, hi) in enumerate(s):
-                    if hi > lo:
-                        codec.extract(encoded[t][p], hi - lo, out=out[lo:hi])
-        return out, sent
+
+        def deliver(into: torch.Tensor) -> None:      # once committed: every owner's mean decoded in place
+            with round.phase("decode/out"):
+                for t, s in enumerate(bounds):
+                    for p, (lo, hi) in enumerate(s):
+                        if hi > lo:
+                            codec.extract(encoded[t][p], hi - lo, out=into[lo:hi])
+        return deliver, sent
 
 
 class CubeExchange(DigitExchange):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from syncplane.cluster.cost import FlowArray, Phase
 from syncplane.comm.codecs import Codec
 from syncplane.exchanges.cpu import CpuWork, coded, feedback_encoded
-from syncplane.comm.streams import Round, shard_bounds
+from syncplane.comm.streams import Result, Round, shard_bounds
 
 _TAG_SCATTER, _TAG_GATHER = 1, 2
 
@@ -82,12 +82,11 @@ class MeshExchange:
                 total += (size - 1) * codec.nbytes(hi - lo)
         return total
 
-    def run(self, round: Round) -> tuple[torch.Tensor, int]:
+    def run(self, round: Round) -> tuple[Result, int]:
         flat, codec, offset = round.flat, round.codec, round.offset
         local_ef, owner_ef = round.feedback
         segments = self.segments(flat.numel(), round.size)
         me, n = round.rank, round.size
-        out = round.kept("out", flat.numel(), flat.dtype)
         sent = 0
 
         # Everything is posted up front: every receive first (gloo's TCP transport sends a
@@ -146,8 +145,7 @@ class MeshExchange:
                     round.add_decoded(acc, r == 0, codec, part, ("decoded", s))
                 acc /= n
                 data = owner_ef.compress(acc, offset + lo, out=round.kept(("mean", s), codec.nbytes(hi - lo)))
-                codec.extract(data, hi - lo, out=out[lo:hi])
-            keep.append(data)
+            gathered[s, me] = data
             for dst in range(n):
                 if dst != me:
                     work = round.link(s, me, dst).send([data], dst, _TAG_GATHER)
@@ -156,10 +154,13 @@ class MeshExchange:
                     sent += data.numel()
         with round.phase("wait/gather"):
             round.wait(gather_recvs + sends)
-        for (s, owner), data in gathered.items():
-            lo, hi = segments[s][owner]
-            codec.extract(data, hi - lo, out=out[lo:hi])
-        return out, sent
+
+        def deliver(into: torch.Tensor) -> None:      # once committed: every owner's mean decoded in place
+            with round.phase("decode/out"):
+                for (s, owner), data in gathered.items():
+                    lo, hi = segments[s][owner]
+                    codec.extract(data, hi - lo, out=into[lo:hi])
+        return deliver, sent
 
 
 def all_pairs(world_size: int, flow_bytes: float, streams: int = 1) -> FlowArray:

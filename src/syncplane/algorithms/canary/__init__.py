@@ -26,7 +26,7 @@ from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
 from syncplane.cluster.cost import Phase
 from syncplane.exchanges import JobShape, choose, digit, mesh
 from syncplane.cluster.profile import ClusterProfile
-from syncplane.exchanges.cpu import CpuWork, runner_work
+from syncplane.exchanges.cpu import CpuWork
 
 
 def canary_cost(name: str, profile: ClusterProfile, payload_bytes: float,
@@ -64,8 +64,8 @@ def canary_streams(options: Mapping[str, Any]) -> int:
 def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
     """One step's CPU work for the exchange ``canary_cost`` prices: sketching, decoding and
     summing pieces (``syncplane.exchanges.cpu``; the colayers' work adds up to the payload's;
-    with colayers in flight it overlaps the wire, ``canary_parts``), and the runner's copy of
-    the result."""
+    with colayers in flight it overlaps the wire, ``canary_parts``); each exchange decodes the
+    mean into the colayer itself (no runner's copy, ``syncplane.comm.streams.Result``)."""
     shape = JobShape.of_profile(profile)
     chosen = choose(options.pattern, shape, allowed=EXCHANGES, exact=False, strict=False)
     codec, numel = CanaryConfig().codec(), max(1, int(payload_bytes // 4))
@@ -76,7 +76,7 @@ def canary_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options
         work = digit.nested_cpu_work(shape.radices, numel, codec, exact)
     else:
         work = mesh.cpu_work(profile.world_size, numel, codec)
-    return work + runner_work(numel)
+    return work
 
 
 def canary_parts(options: Mapping[str, Any], payload_bytes: float) -> float:

@@ -117,7 +117,7 @@ def exchange_cpu_work(profile: ClusterProfile, payload_bytes: float, exchange: s
         return work + gather.cpu_work(n, numel, codec) + runner_work(numel)
     if chosen.name == "tree":
         return work + runner_work(numel)
-    return work + mesh.cpu_work(n, numel, codec) + runner_work(numel)
+    return work + mesh.cpu_work(n, numel, codec)       # decoded into place: no runner's copy
 
 
 def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",
