@@ -387,10 +387,8 @@ def _bytes_out(out: torch.Tensor | None, nbytes: int, device: torch.device) -> t
 def _floats(data: torch.Tensor) -> torch.Tensor:
     """``data``'s bytes read as fp32: a view where they start on a 4-byte boundary, else an
     aligned copy (a piece in a message of several starts wherever the one before it ended)."""
-    if data.storage_offset() % FP32_BYTES == 0:
-        return data.view(torch.float32)
-    return torch.empty(data.numel() // FP32_BYTES, dtype=torch.float32, device=data.device) \
-        .view(torch.uint8).copy_(data).view(torch.float32)
+    aligned = data if data.storage_offset() % FP32_BYTES == 0 else data.clone()
+    return aligned.view(torch.float32)
 
 
 def _put_floats(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

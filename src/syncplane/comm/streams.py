@@ -123,6 +123,16 @@ class Round:
         else:
             add_extracted_(codec, data, acc, scratch=lambda: self.kept(key, numel, torch.float32))
 
+    def decoded_later(self, pieces: Sequence[tuple[int, int, torch.Tensor]]) -> Result:
+        """The round's mean as encoded ``(lo, hi, data)`` pieces: a ``Result`` that decodes
+        each into ``[lo, hi)`` of the buffer it is given, once the runner has committed."""
+
+        def deliver(into: torch.Tensor) -> None:
+            with self.phase("decode/out"):
+                for lo, hi, data in pieces:
+                    self.codec.extract(data, hi - lo, out=into[lo:hi])
+        return deliver
+
     def working_copy(self) -> torch.Tensor:
         """``flat`` copied into a kept buffer: a pattern that reduces in place works on it, so
         that a failed round leaves ``flat`` as it was."""

@@ -244,14 +244,8 @@ class DigitExchange:
                     keep.append(encoded[t][me])
         with round.phase("wait/send"):
             round.wait(sends)
-
-        def deliver(into: torch.Tensor) -> None:      # once committed: every owner's mean decoded in place
-            with round.phase("decode/out"):
-                for t, s in enumerate(bounds):
-                    for p, (lo, hi) in enumerate(s):
-                        if hi > lo:
-                            codec.extract(encoded[t][p], hi - lo, out=into[lo:hi])
-        return deliver, sent
+        return round.decoded_later([(lo, hi, encoded[t][p]) for t, s in enumerate(bounds)
+                                    for p, (lo, hi) in enumerate(s) if hi > lo]), sent
 
 
 class CubeExchange(DigitExchange):

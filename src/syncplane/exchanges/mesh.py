@@ -154,13 +154,7 @@ class MeshExchange:
                     sent += data.numel()
         with round.phase("wait/gather"):
             round.wait(gather_recvs + sends)
-
-        def deliver(into: torch.Tensor) -> None:      # once committed: every owner's mean decoded in place
-            with round.phase("decode/out"):
-                for (s, owner), data in gathered.items():
-                    lo, hi = segments[s][owner]
-                    codec.extract(data, hi - lo, out=into[lo:hi])
-        return deliver, sent
+        return round.decoded_later([(*segments[s][owner], data) for (s, owner), data in gathered.items()]), sent
 
 
 def all_pairs(world_size: int, flow_bytes: float, streams: int = 1) -> FlowArray:
