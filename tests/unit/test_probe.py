@@ -12,6 +12,7 @@ from syncplane.cluster.probe import (
     Topology,
     cluster_racks,
     from_profile,
+    kept_apart,
     round_robin_rounds,
     topology_from_measurements,
 )
@@ -121,3 +122,14 @@ def test_profile_topology(name, racks, slow):
 def test_profile_size_must_match_the_job():
     with pytest.raises(ConfigError, match="has 8 ranks but the job has 4 processes"):
         from_profile(load_profile("two_racks"), 4)
+
+
+@pytest.mark.parametrize("alone,together,kept", [
+    ((0.36, 0.36), 0.72, 1.0),     # one uplink: the second transfer waited for the first
+    ((0.36, 0.36), 0.36, 2.0),     # no shared link
+    ((0.09, 0.36), 0.36, 2.0),     # a fast in-rack pair beside the uplink's: still apart
+    ((0.09, 0.36), 0.45, 1.0),     # ... or behind one link
+    ((0.36, 0.36), 0.54, 1.5),
+])
+def test_two_transfers_kept_apart_by_their_times(alone, together, kept):
+    assert kept_apart(*alone, together) == pytest.approx(kept)

@@ -66,9 +66,10 @@ MIN_GAP_RATIO = 2.0                    # a rack boundary: bandwidth drops by at 
 #: several streams get at least this multiple of one stream's rate: the link caps each flow
 #: (1.5 found a false cap on emulated 10 Gbit NICs, where 2 CPU cores are the limit)
 FLOW_CAP_RATIO = 2.0
-#: two concurrent exchanges that keep this much of their rates together (of 2) share no link
-#: (emulated uneven_three_racks, loaded: 1.85-2.01 apart, 1.10-1.59 sharing an uplink)
-NO_SHARED_LINK = 1.75
+#: two concurrent transfers that keep this far apart (``kept_apart``: 1 sharing a link, 2 not)
+#: share no link; halfway, as the measure cannot err high (two transfers through one 100 Mbit
+#: uplink cannot end sooner than one after the other), only low (a late start)
+NO_SHARED_LINK = 1.5
 #: Which congestion control a host's new TCP connections use (per network namespace; Linux).
 CONGESTION_FILE = Path("/proc/sys/net/ipv4/tcp_congestion_control")
 
@@ -248,9 +249,8 @@ Parts = list[tuple[Any, torch.Tensor, torch.Tensor]]     # (stream group, part t
 def _both_ways(parts: Parts, peer: int) -> float:
     """Seconds for both ends to send their parts to each other at once."""
     start = time.perf_counter()
-    # sends posted first, unlike the exchanges (``p2p.exchange_tensors``): the concurrent test's
-    # thresholds were set on this order; posted receive first (one suite run), ``uneven_three_racks``'
-    # lone host kept 1.77 of 2 beside rack r1 and was put in it (docs/design-notes.md, "Receives before sends")
+    # sends posted first, unlike the exchanges (``p2p.exchange_tensors``): DS-Sync's re-probe
+    # (``algorithms.ds_sync.runtime``) was measured on this order; not yet timed the other way
     works = [w for lane, out, into in parts for w in (dist.isend(out, peer, group=lane),
                                                       dist.irecv(into, peer, group=lane))]
     for w in works:
@@ -547,14 +547,44 @@ def measure_pairs(world_size: int, hosts: list[list[int]], nbytes: int, group: A
     return retime_contended_pairs(bw, hosts, nbytes, group, part), lat
 
 
+def time_sends(pairs: Sequence[tuple[int, int]], nbytes: int, repeats: int = 2, group: Any = None) -> float:
+    """Collective: seconds from a barrier until every pair of ``pairs`` has sent ``nbytes``
+    (the first rank of each pair to the second) and a barrier after, as the slowest rank saw
+    it; the fastest of ``repeats`` (a descheduled rank only ever adds time)."""
+    me = dist.get_rank()
+    pair = next(((a, b) for a, b in pairs if me in (a, b)), None)
+    data = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        if pair is not None:
+            (dist.send if me == pair[0] else dist.recv)(data, pair[1] if me == pair[0] else pair[0], group=group)
+        dist.barrier(group=group)
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+        best = min(best, float(took))
+    return best
+
+
+def kept_apart(alone_a: float, alone_b: float, together: float) -> float:
+    """How far two transfers kept apart, from their times alone and the time both took at once:
+    1 when they shared a link (``together`` = the sum: the second waited for the first), 2 when
+    they shared none (``together`` = the longer one: the shorter one cost nothing). Times, not
+    each transfer's own rate: a pair that TCP served first and then let run alone finished at
+    nearly its lone rate beside a shared link (1.84 of 2 on the old per-pair rates)."""
+    return 1.0 + (alone_a + alone_b - together) / max(min(alone_a, alone_b), 1e-9)
+
+
 def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, group: Any = None) -> Belongs:
     """``cluster_racks``'s ``belongs`` for a probe (collective: every rank must call it with the
-    same arguments in the same order). Host x and rack R: x exchanges with its best peer y in
-    R while another host u of R exchanges with the host v outside R (not x) it reaches best.
-    If x is outside R both exchanges cross R's uplink and slow each other down (their rates,
-    as shares of their rates alone, add up to about 1); if x is in R they share no link (about 2).
-    (Timed each way in turn, or both ways at once, it placed ``uneven_three_racks``'s lone-rack
-    host into another rack on the loaded emulator.)"""
+    same arguments in the same order). Host x and rack R: x's best peer y in R sends to x while
+    another host u of R sends to the host v outside R (not x) it reaches best: out of R only,
+    4x the probe's bytes (long beside a descheduled rank's late start). If x is outside R both
+    transfers cross R's uplink and take as long together as one after the other; if x is in R
+    they share no link and take as long as the longer one (``kept_apart``: 1 against 2).
+    (Each pair's own rate, timed each way in turn, both ways at once, or out of R alone, each
+    placed ``uneven_three_racks``'s lone-rack host into another rack on the loaded emulator.)"""
     first = [ranks[0] for ranks in hosts]
 
     def belongs(x: int, rack: list[int]) -> bool | None:
@@ -565,17 +595,11 @@ def concurrent_test(host_bw: np.ndarray, hosts: list[list[int]], nbytes: int, gr
         u = next(h for h in rack if h != y)
         v = max(outside, key=lambda h: float(host_bw[u, h]))
         xy, uv = (first[y], first[x]), (first[u], first[v])
-        # out of R only (y and u send), alone and together: taking turns, one pair's turn could
-        # fall in the other's pause (the fastest repeat is kept); both ways at once, a pair
-        # alone gets ~60 % of an emulated uplink and two together still fit
-        # 4x the bytes, timed once: long enough that a descheduled rank's late start does not
-        # leave the two transfers apart (the fastest of two short repeats was a lone one)
-        rates, _ = measure_rounds([[xy], [uv]], 4 * nbytes, repeats=1, group=group, one_way=True, outward=True)
-        both, _ = measure_rounds([[xy, uv]], 4 * nbytes, repeats=1, group=group, one_way=True, outward=True)
-        kept = both[xy] / rates[xy] + both[uv] / rates[uv]
-        log.info("probe: host %d beside rack %s (pairs %s, %s): alone %.0f, %.0f Mbit/s, together %.0f, %.0f: "
-                 "kept %.2f of 2", x, rack, xy, uv, rates[xy] / MBIT, rates[uv] / MBIT, both[xy] / MBIT,
-                 both[uv] / MBIT, kept)
+        alone = [time_sends([p], 4 * nbytes, group=group) for p in (xy, uv)]
+        both = time_sends([xy, uv], 4 * nbytes, group=group)
+        kept = kept_apart(*alone, both)
+        log.info("probe: host %d beside rack %s (pairs %s, %s): alone %.3f, %.3f s, together %.3f s: "
+                 "kept %.2f of 2", x, rack, xy, uv, *alone, both, kept)
         return bool(kept >= NO_SHARED_LINK)
 
     return belongs
