@@ -127,7 +127,7 @@ def test_auto_pair_streams_try_both_counts_on_real_syncs_and_every_rank_keeps_on
     assert all(r[0] == used for r in results)                         # the same on every rank
     (step, one, many, decided), = results[0][1]                      # one decision, at the trial's end
     assert step == last and one > 0 and many > 0 and decided == kept
-    assert results[0][2].startswith(f"pairs swap over {kept} stream(s) per direction (median sync with 1 stream")
+    assert results[0][2].startswith(f"pairs swap over {kept} stream(s) per direction (mean sync with 1 stream")
     assert results[0][4] == 2                                         # the checkpoint carried the trial so far
     for step in range(steps):                                         # every sync exact, whatever the count
         want = _dense_reference(pattern.groups_at(step), step, 4)

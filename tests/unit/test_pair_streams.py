@@ -20,9 +20,17 @@ def test_valid_settings_pass_and_a_group_set_needs_a_stream():
         GroupSet([[0, 1]], max_pair_streams=0)
 
 
-def test_several_streams_are_kept_only_when_the_median_sync_gains_enough():
+def test_several_streams_are_kept_only_when_the_syncs_in_all_gain_enough():
     assert choose_pair_streams([16.0, 19.0], [10.0, 11.0], 4) == 4      # a contended uplink: 1.7x
     assert choose_pair_streams([8.8, 16.1], [11.1, 10.2], 4) == 1       # a link of its own: 1.17x
     assert choose_pair_streams([10.0], [8.5], 4) == 1                   # below 1.25x: keep one
     assert choose_pair_streams([10.0], [7.9], 4) == 4
+    assert choose_pair_streams([10.0], [8.0], 4) == 4                   # exactly 1.25x keeps them
     assert choose_pair_streams([], [7.9], 4) == 1                       # nothing measured: one
+    assert choose_pair_streams([10.0, 9.0], [7.9], 4) == 1              # unmatched: one
+
+
+def test_a_pair_slowed_most_is_not_outvoted_by_the_median():
+    """Beside a greedy flow the pairs gain unevenly; the median pair's 1.08x would keep one
+    stream, and the run would pay the slow pair's 30 s every period (69 s against 48 in all)."""
+    assert choose_pair_streams([13.0, 13.0, 13.0, 30.0], [12.0, 12.0, 12.0, 12.0], 4) == 4

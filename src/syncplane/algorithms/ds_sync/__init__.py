@@ -45,7 +45,7 @@ def _streams(options: Mapping[str, Any]) -> int:
 
 def _trial(options: Mapping[str, Any], price: Callable[[Mapping[str, Any]], list[float]]) -> Mapping[str, Any]:
     """``pair_streams: auto`` settles on one stream or ``MAX_PAIR_STREAMS`` by the trial's own
-    rule (``choose_pair_streams``: the median of matched speed-ups) applied to the prices of
+    rule (``choose_pair_streams``: the speed-up of the timed syncs in all) applied to the prices of
     the steps it times, those with a pair -- the steps whose price the stream count changes:
     on a link of its own one stream is the faster, next to foreign traffic several take a
     larger share."""
