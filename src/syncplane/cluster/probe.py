@@ -259,13 +259,12 @@ def _both_ways(parts: Parts, peer: int) -> float:
 
 
 def _one_way(parts: Parts, pair: tuple[int, int], me: int, tiny_out: torch.Tensor, tiny_in: torch.Tensor,
-             group: Any, outward: bool = False) -> float:
+             group: Any) -> float:
     """Seconds for this rank to send its parts to its peer until the peer replies that it has
-    them; ``pair[0]`` sends first, then (unless ``outward``) the other way round (which the
-    peer times; 0.0 on a rank that only receives)."""
+    them; ``pair[0]`` sends first, then the other way round (which the peer times)."""
     took = 0.0
     peer = pair[1] if pair[0] == me else pair[0]
-    for sender in pair[:1] if outward else pair:
+    for sender in pair:
         start = time.perf_counter()
         if sender == me:
             for w in [dist.isend(out, peer, group=lane) for lane, out, _ in parts]:
@@ -281,8 +280,7 @@ def _one_way(parts: Parts, pair: tuple[int, int], me: int, tiny_out: torch.Tenso
 
 def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
                    pings: int = 3, repeats: int = 2, group: Any = None,
-                   streams: Sequence[Any] = (), one_way: bool = False,
-                   outward: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                   streams: Sequence[Any] = (), one_way: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Collective: in each round the pairs exchange ``nbytes / 4`` and then ``nbytes`` both ways
     at once, ``repeats`` times (after a few tiny ping-pongs for the latency). Returns (bandwidth bytes/s, latency s),
     n×n, on every rank; pairs that did not meet hold 0. ``streams``: process groups over every
@@ -290,8 +288,7 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
     (none: one stream, ``group``). ``one_way``: each end sends in turn, timed by the sender up
     to the receiver's reply (a link's rate: an exchange both ways, posted send first as here, got
     ~60 % of an emulated 100 Mbit uplink under load -- gloo's notice that a receive is posted
-    queued behind the other direction's data; both ways is what DS-Sync's swaps do). ``outward``: with ``one_way``,
-    only the first of each pair sends."""
+    queued behind the other direction's data; both ways is what DS-Sync's swaps do)."""
     n, me = dist.get_world_size(), dist.get_rank()   # group: the job's gloo control group (CPU tensors)
     bw, lat = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
     send = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
@@ -324,17 +321,15 @@ def measure_rounds(rounds: Sequence[Sequence[tuple[int, int]]], nbytes: int,
         for _ in range(repeats):
             for k, numel in enumerate((send.numel() // 4, send.numel())):
                 parts = list(zip(lanes, send[:numel].tensor_split(len(lanes)), recv[:numel].tensor_split(len(lanes))))
-                best[k] = min(best[k], _one_way(parts, pair, me, tiny_out, tiny_in, group, outward) if one_way
+                best[k] = min(best[k], _one_way(parts, pair, me, tiny_out, tiny_in, group) if one_way
                               else _both_ways(parts, peer))
-        if outward and one_way and me == pair[1]:
-            continue                            # the sender timed it
         large = send.numel() * 4
         slope = (large - send.numel() // 4 * 4) / max(best[1] - best[0], 1e-9)
         bw[me, peer] = min(slope, large / best[1])
         lat[me, peer] = min(rtts) / 2
     dist.all_reduce(bw, group=group)
     dist.all_reduce(lat, group=group)
-    bw = torch.maximum(bw, bw.T) if outward and one_way else (bw + bw.T) / 2   # both ends timed it (or one did)
+    bw = (bw + bw.T) / 2                        # both ends timed it
     lat = (lat + lat.T) / 2
     return bw.numpy(), lat.numpy()
 
@@ -549,8 +544,9 @@ def measure_pairs(world_size: int, hosts: list[list[int]], nbytes: int, group: A
 
 def time_sends(pairs: Sequence[tuple[int, int]], nbytes: int, repeats: int = 2, group: Any = None) -> float:
     """Collective: seconds from a barrier until every pair of ``pairs`` has sent ``nbytes``
-    (the first rank of each pair to the second) and a barrier after, as the slowest rank saw
-    it; the fastest of ``repeats`` (a descheduled rank only ever adds time)."""
+    (the first rank of each pair to the second): the slowest rank's, the receiver's that got
+    the last byte; the fastest of ``repeats`` (a descheduled rank only ever adds time). As
+    ``comm.timing.slowest_times``, which the cluster layer may not import."""
     me = dist.get_rank()
     pair = next(((a, b) for a, b in pairs if me in (a, b)), None)
     data = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
@@ -558,9 +554,10 @@ def time_sends(pairs: Sequence[tuple[int, int]], nbytes: int, repeats: int = 2, 
     for _ in range(repeats):
         dist.barrier(group=group)
         start = time.perf_counter()
-        if pair is not None:
-            (dist.send if me == pair[0] else dist.recv)(data, pair[1] if me == pair[0] else pair[0], group=group)
-        dist.barrier(group=group)
+        if pair is not None and me == pair[0]:
+            dist.send(data, pair[1], group=group)
+        elif pair is not None:
+            dist.recv(data, pair[0], group=group)
         took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
         best = min(best, float(took))
