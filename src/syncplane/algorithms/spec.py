@@ -5,7 +5,8 @@ Before this existed, adding an algorithm meant editing seven parallel tables in 
 Now a family's package (``syncplane.algorithms.<family>``) exports one ``AlgorithmSpec``;
 the Lightning registry (descriptions), ``syncplane bench`` (steps, overlap windows),
 ``syncplane simulate`` and the bench's bound (cost patterns) and ``syncplane info`` all read
-it through ``syncplane.algorithms``.
+it through ``syncplane.algorithms``; so does the runtime, which names no family: its launch
+checks (``check_launch``), elastic launch (``elastic``) and re-plan switch (``switch``).
 """
 
 from __future__ import annotations
