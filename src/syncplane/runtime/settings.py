@@ -17,7 +17,7 @@ from syncplane.job import JobContext
 from syncplane.config import ConfigError, check_kwargs, parse_dataclass
 
 if typing.TYPE_CHECKING:
-    from syncplane.algorithms.spec import ElasticLaunch, LaunchSettings   # imported where used: parse_job
+    from syncplane.algorithms.spec import ElasticLaunch, LaunchSettings   # at run time: in parse_job, lazily
 
 
 @dataclass
