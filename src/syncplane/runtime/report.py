@@ -180,7 +180,7 @@ class RunReport(Callback):
         end = time.perf_counter()
         self.step_times.append(end - self._step_start)
         if skipped(outputs):
-            return   # not processed (time-budgeted DiLoCo): no samples or tokens, no compute
+            return   # not processed (a replica whose round budget is spent): no samples or tokens, no compute
         self.measured_compute_s += (self._computed if self._computed is not None else end) - self._step_start
         self.samples += _batch_size(batch)
         count_tokens = getattr(pl_module, "batch_tokens", None)
