@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from syncplane.job import JobContext
 from syncplane.config import ConfigError, check_kwargs, parse_dataclass
 
-if typing.TYPE_CHECKING:
+if TYPE_CHECKING:
     from syncplane.algorithms.spec import ElasticLaunch, LaunchSettings   # at run time: in parse_job, lazily
 
 
