@@ -7,16 +7,15 @@ every worker calls it again on the resolved YAML it was handed.
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from syncplane.job import JobContext
 from syncplane.config import ConfigError, check_kwargs, parse_dataclass
 
-if typing.TYPE_CHECKING:
+if TYPE_CHECKING:
     from syncplane.algorithms.spec import ElasticLaunch, LaunchSettings   # at run time: in parse_job, lazily
 
 
@@ -81,9 +80,9 @@ class TrainerSettings:
 
 def lightning_precisions() -> tuple[str, ...]:
     """The ``precision`` strings Lightning's Trainer accepts (its own list, aliases included)."""
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+    from syncplane.lightning_adapter import lightning_precisions as accepted   # imports Lightning: only when asked
 
-    return (*typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
+    return accepted()
 
 
 #: fault kinds that take a rank out of the job; ``slow`` only slows one down
