@@ -2,6 +2,9 @@
 strategy by name: ``python -m torch.distributed.run --nproc-per-node N tests/helpers/plain_script.py
 --strategy atc`` (or without torchrun, ``--devices N``: Lightning's own launcher).
 
+``--strategy auto:CLUSTER``: the planner, ``syncplane.Auto(cluster=CLUSTER)``. ``--report DIR``:
+syncplane's run report (``summary.json``, ``history.jsonl``) in DIR.
+
 ``--fault stop|kill --fault-rank R --fault-step S``: rank R stops (SIGSTOP) or dies (SIGKILL)
 after step S, first writing the time (``time.time()``) to ``--mark`` -- what a test times the
 job's end from.
@@ -19,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+import syncplane
 import syncplane.strategies  # noqa: F401  (registers the strategy names)
 
 
@@ -43,17 +47,27 @@ def main() -> None:
     parser.add_argument("--fault-step", type=int, default=5)
     parser.add_argument("--mark", type=Path)
     parser.add_argument("--out", type=Path, default=Path("plain_run"))
+    parser.add_argument("--report", type=Path)
+    parser.add_argument("--accept", default="exact", help="Auto's accept: exact or approximate")
+    parser.add_argument("--candidates", help="Auto's strategies to choose among (a,b; default: every one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    callbacks = [Fault(args.fault, args.fault_rank, args.fault_step, args.mark)] if args.fault else []
-    trainer = pl.Trainer(strategy=args.strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
+    callbacks: list[pl.Callback] = [Fault(args.fault, args.fault_rank, args.fault_step, args.mark)] if args.fault else []
+    if args.report is not None:
+        callbacks.append(syncplane.RunReport(args.report, args.strategy.split(":")[0], "boring"))
+    strategy = (syncplane.Auto(cluster=args.strategy.split(":", 1)[1], accept=args.accept, compute_ms=5.0,
+                               strategies=args.candidates)
+                if args.strategy.startswith("auto:") else args.strategy)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
                          max_epochs=-1, limit_val_batches=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          default_root_dir=args.out)
     trainer.fit(BoringModel())
     if trainer.global_rank == 0:
-        print(f"plain script: trained {trainer.global_step} steps with {args.strategy}")
+        chosen = getattr(trainer.strategy, "details", {}).get("auto", {}).get("choice", {}).get("strategy")
+        print(f"plain script: trained {trainer.global_step} steps with {args.strategy}"
+              + (f" (Auto chose {chosen}, ran {type(trainer.strategy).__name__})" if chosen else ""))
 
 
 if __name__ == "__main__":
