@@ -149,12 +149,12 @@ def switch_diloco(strategy: Any, name: str, kwargs: Mapping[str, Any]) -> None:
     from syncplane.algorithms.diloco.config import DiLoCoConfig
 
     strategy.finish_pending_sync()
-    outer = strategy.engine.outer.state_dict()
+    outer = strategy.engine.state_dict()
     defaults = {f.name: f.default for f in dataclasses.fields(DiLoCoConfig)}
     changes = {k: kwargs.get(k, defaults[k]) for k in SWITCHABLE["diloco"]}
     strategy.config = dataclasses.replace(strategy.config, **changes)
     strategy.setup_sync(strategy.job)          # closes the old exchange, builds the new one (new groups)
-    strategy.engine.outer.load_state_dict(outer)
+    strategy.engine.load_state_dict(outer)
 
 
 def switch_hook(strategy: Any, name: str, kwargs: Mapping[str, Any]) -> None:
