@@ -30,6 +30,7 @@ Elastic mode (``elastic=true``) is ``ElasticDiLoCo`` (``strategies/diloco_elasti
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Literal, Mapping
 
@@ -209,6 +210,16 @@ class DiLoCo(SyncplaneStrategy):
     def finish_pending_sync(self) -> None:
         if self._engine is not None:
             self._engine.wait()
+
+    def switch_settings(self, changes: Mapping[str, Any]) -> None:
+        """Collective, at a round boundary (a re-plan's switch: ``SPEC.switch``): the exchange
+        rebuilt with ``changes`` (``DiLoCoConfig`` fields, new groups), the outer optimizer's
+        state carried over."""
+        self.finish_pending_sync()
+        outer = self.engine.state_dict()
+        self.config = dataclasses.replace(self.config, **changes)
+        self.setup_sync(self.job)          # closes the old exchange, builds the new one
+        self.engine.load_state_dict(outer)
 
     def _launch(self, fragment: int, done: int, background: bool) -> None:
         """Start a round of ``fragment`` after step ``done``; it merges ``overlap_steps`` later."""

@@ -153,7 +153,7 @@ class RunReport(Callback):
                            batch_idx: int) -> None:
         self.step_times.append(time.perf_counter() - self._step_start)
         if skipped(outputs):
-            return   # not processed (time-budgeted DiLoCo): no samples or tokens
+            return   # not processed (a replica whose round budget is spent): no samples or tokens
         self.samples += _batch_size(batch)
         count_tokens = getattr(pl_module, "batch_tokens", None)
         if callable(count_tokens):

@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from syncplane.algorithms.diloco.adaptive import SKIPPED_BATCH
+from syncplane.algorithms.spec import SKIPPED_BATCH
 from syncplane.runtime.settings import FaultSettings
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def plan_slowdowns(speeds: Sequence[float] | None, faults: Sequence[FaultSetting
 
 
 def skipped(outputs: Any) -> bool:
-    """Whether the strategy skipped the batch (time-budgeted DiLoCo marks its output)."""
+    """Whether the strategy skipped the batch (it marks its output: ``spec.SKIPPED_BATCH``)."""
     return isinstance(outputs, Mapping) and outputs.get(SKIPPED_BATCH) is True
 
 
