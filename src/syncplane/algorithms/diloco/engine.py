@@ -79,7 +79,7 @@ def parameter_module(tensors: Sequence[torch.Tensor]) -> torch.nn.Module:
     flat payload (the bench) or a list of tensors (tests)."""
     module = torch.nn.Module()
     for i, tensor in enumerate(tensors):
-        module.register_parameter(f"t{i}", torch.nn.Parameter(tensor, requires_grad=False))
+        module.register_parameter(f"t{i}", torch.nn.Parameter(tensor))
     return module
 
 
