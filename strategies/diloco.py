@@ -148,7 +148,7 @@ class DiLoCo(SyncplaneStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         trainer = self.lightning_module.trainer
         if (self._timed is None or self.config.time_samples != "share" or not trainer.training
-                or trainer.sanity_checking or trainer.fit_loop._combined_loader is not None):
+                or trainer.sanity_checking or trainer.train_dataloader is not None):
             return dataloader    # only the training loader, when fitting starts, is dealt
         if trainer.reload_dataloaders_every_n_epochs:
             raise ValueError("time_samples=share deals one training loader for the whole fit; "

@@ -7,16 +7,15 @@ every worker calls it again on the resolved YAML it was handed.
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from syncplane.job import JobContext
 from syncplane.config import ConfigError, check_kwargs, parse_dataclass
 
-if typing.TYPE_CHECKING:
+if TYPE_CHECKING:
     from syncplane.algorithms.spec import ElasticLaunch, LaunchSettings   # at run time: in parse_job, lazily
 
 
@@ -42,6 +41,8 @@ class TrainerSettings:
     # an emulated accelerator: every computed batch takes this long at nominal speed, its CPU work
     # included, a timed wait filling the rest (syncplane.runtime.slowdown); 0: off, batches take what the CPU takes
     emulated_step_s: float = 0.0
+    # summary.json's time_to_target_s: training seconds until the first validation loss at or below it; null: none
+    target_val_loss: float | None = None
 
     def validate(self) -> None:
         if self.devices < 1:
@@ -73,13 +74,15 @@ class TrainerSettings:
             raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
         if not 0 <= self.emulated_step_s <= 60:
             raise ConfigError(f"emulated_step_s: must be between 0 (off) and 60 seconds, got {self.emulated_step_s}")
+        if self.target_val_loss is not None and not self.target_val_loss > 0:
+            raise ConfigError(f"target_val_loss: must be positive (or null), got {self.target_val_loss}")
 
 
 def lightning_precisions() -> tuple[str, ...]:
     """The ``precision`` strings Lightning's Trainer accepts (its own list, aliases included)."""
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+    from syncplane.lightning_adapter import lightning_precisions as accepted   # imports Lightning: only when asked
 
-    return (*typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
+    return accepted()
 
 
 #: fault kinds that take a rank out of the job; ``slow`` only slows one down
