@@ -42,6 +42,8 @@ class TrainerSettings:
     # an emulated accelerator: every computed batch takes this long at nominal speed, its CPU work
     # included, a timed wait filling the rest (syncplane.runtime.slowdown); 0: off, batches take what the CPU takes
     emulated_step_s: float = 0.0
+    # summary.json's time_to_target_s: training seconds until the first validation loss at or below it; null: none
+    target_val_loss: float | None = None
 
     def validate(self) -> None:
         if self.devices < 1:
@@ -73,6 +75,8 @@ class TrainerSettings:
             raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
         if not 0 <= self.emulated_step_s <= 60:
             raise ConfigError(f"emulated_step_s: must be between 0 (off) and 60 seconds, got {self.emulated_step_s}")
+        if self.target_val_loss is not None and not self.target_val_loss > 0:
+            raise ConfigError(f"target_val_loss: must be positive (or null), got {self.target_val_loss}")
 
 
 def lightning_precisions() -> tuple[str, ...]:
