@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -416,17 +417,17 @@ def slug(title: str) -> str:
 
 # --- blocks in the guides --------------------------------------------------------------------
 
-def speedups_block(arg: str) -> str:
+def speedups_block(arg: str, docs: str = "") -> str:
     """``speedups:S1,S2``: each profile's speed-up over DDP of these strategies (the scoreboard)."""
     return (grid(strategies=arg.split(","), link=False) + "\n"
             f"Sync per step against DDP at the ResNet-50 payload; bold / italic: the fastest exact / approximate "
-            f"on that profile. Source: [results](benchmarks.md) ({grid_dates()}).\n")
+            f"on that profile. Source: [results]({docs}benchmarks.md) ({grid_dates()}).\n")
 
 
-def training_block(arg: str) -> str:
+def training_block(arg: str, docs: str = "") -> str:
     """``training:S1,S2``: the training headline's rows of these strategies."""
     return (training_table(arg.split(",")) + f"\nMeasured {training_dates()}. Source: "
-            "[results](benchmarks.md#training-time-to-accuracy).\n")
+            f"[results]({docs}benchmarks.md#training-time-to-accuracy).\n")
 
 
 def training_dates() -> str:
@@ -438,12 +439,12 @@ def training_dates() -> str:
     return ", ".join(dates)
 
 
-def comparison_block(arg: str) -> str:
+def comparison_block(arg: str, docs: str = "") -> str:
     """``comparison:NAME``: the training comparison ``docs/compare/NAME`` as its table."""
     (source,) = sources(f"compare/{arg}/comparison.json")
     table = comparison_table(source)
     return (markdown(table.header, table.rows) + "\nMeasured " + "; ".join(p.text() for p in table.provenance)
-            + f". Source: [results](benchmarks.md#{slug(table.title)}).\n")
+            + f". Source: [results]({docs}benchmarks.md#{slug(table.title)}).\n")
 
 
 #: Approximate strategies that average every rank's gradients every step, compressed: DDP's step
@@ -451,7 +452,7 @@ def comparison_block(arg: str) -> str:
 EVERY_STEP = ("canary", "torch_fp16")
 
 
-def choosing_block(arg: str) -> str:
+def choosing_block(arg: str, docs: str = "") -> str:
     """``choosing``: per profile, the fastest exact, every-step and approximate strategy
     measured, with the plan's pick where it differs; the recommendation table of ``docs/choosing.md``."""
     from syncplane.bench.matrix import planner_check
@@ -470,7 +471,7 @@ def choosing_block(arg: str) -> str:
     return (markdown(["profile", "what it is", "fastest exact", "fastest every step, compressed",
                       "fastest approximate"], rows)
             + f"\nSync per step against DDP's at the ResNet-50 payload, measured {grid_dates()}; the plan's pick "
-              "where it differs. Source: [results](benchmarks.md).\n")
+              f"where it differs. Source: [results]({docs}benchmarks.md).\n")
 
 
 #: One line per shipped profile for the choosing table: what network it stands for.
@@ -484,25 +485,37 @@ PROFILE_WORDS = {
     "uneven_uplinks": "three racks, uplinks of different speeds", "wan_two_sites": "two sites, a WAN capping each flow",
 }
 
-BLOCKS: dict[str, Callable[[str], str]] = {
+def profiles_block(arg: str, docs: str = "") -> str:
+    """``profiles``: the shipped cluster profiles (``configs/cluster/``), each with what it is."""
+    names = sorted(p.stem for p in (ROOT / "configs" / "cluster").glob("*.yaml"))
+    return (f"{len(names)} shipped: " + ", ".join(f"`{n}` ({PROFILE_WORDS.get(n) or reference_docs._first_comment(ROOT / 'configs' / 'cluster' / f'{n}.yaml')})" for n in names)
+            + ".\n")
+
+
+BLOCKS: dict[str, Callable[[str, str], str]] = {
+    "profiles": profiles_block,
     "speedups": speedups_block,
     "training": training_block,
     "choosing": choosing_block,
     "comparison": comparison_block,
-    "grid": lambda arg: grid(link=False),
+    "grid": lambda arg, docs="": grid(link=False),
 }
 
 
-def render_block(key: str) -> str:
+def render_block(key: str, docs: str = "") -> str:
+    """Block ``KEY`` (``NAME`` or ``NAME:ARG``) rendered, its links prefixed with ``docs`` (the
+    way from the page's folder to ``docs/``)."""
     name, _, arg = key.partition(":")
     if name not in BLOCKS:
         raise KeyError(f"unknown results block {key!r}; known: {', '.join(sorted(BLOCKS))}")
-    return BLOCKS[name](arg)
+    return BLOCKS[name](arg, docs)
 
 
-def fill_blocks(text: str) -> str:
-    """``text`` with every ``results:KEY`` block rendered again."""
-    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group("key")).rstrip("\n") + "\n" + m.group(4), text)
+def fill_blocks(text: str, page: Path | None = None) -> str:
+    """``text`` (of ``page``, default a page in ``docs/``) with every ``results:KEY`` block rendered again."""
+    folder = (page or PAGE).parent
+    docs = "" if folder == DOCS else Path(os.path.relpath(DOCS, folder)).as_posix() + "/"
+    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group("key"), docs).rstrip("\n") + "\n" + m.group(4), text)
 
 
 def guides() -> list[Path]:
@@ -515,7 +528,7 @@ def outputs() -> dict[Path, str]:
     for path in guides():
         text = path.read_text()
         if BLOCK.search(text):
-            out[path] = fill_blocks(text)
+            out[path] = fill_blocks(text, path)
     out.update(reference_docs.pages(ROOT))
     return out
 
