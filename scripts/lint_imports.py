@@ -1,5 +1,5 @@
-"""Check the layer contracts (``[tool.importlinter]`` in pyproject.toml) and that ``src/`` has
-no import cycle: ``python scripts/lint_imports.py`` (``make lint``; CI runs it through
+"""Check the layer contracts (``[tool.importlinter]`` in pyproject.toml), that ``src/`` has
+no import cycle, and that the fork server preloads no tool module: ``python scripts/lint_imports.py`` (``make lint``; CI runs it through
 ``tests/unit/test_layers.py``).
 
 Why a wrapper around ``lint-imports``: import-linter builds its graph by walking the
@@ -11,6 +11,7 @@ its installed shape, and import-linter runs on that.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -51,8 +52,27 @@ def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
     return [sorted(c) for c in nx.strongly_connected_components(digraph) if len(c) > 1]
 
 
+#: What the product may not name, even as a string for the fork server to import.
+TOOLS = ("syncplane.bench", "syncplane.experiments")
+
+
+def tool_preloads(staged: Path) -> list[str]:
+    """The tool modules the fork server's ``PRELOAD`` list names (the product imports them
+    through it, where import-linter cannot see: a string, imported in the server)."""
+    tree = ast.parse((staged / "syncplane" / "runtime" / "forkserver.py").read_text())
+    names: list[str] | None = None
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == "PRELOAD" for t in targets) and node.value is not None:
+            names = (names or []) + [e.value for e in ast.walk(node.value)
+                                     if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    if names is None:
+        raise RuntimeError("runtime/forkserver.py has no PRELOAD list: update scripts/lint_imports.py")
+    return [n for n in names if any(n == t or n.startswith(t + ".") for t in TOOLS)]
+
+
 def check(staged: Path) -> int:
-    """Run the contracts and the cycle check on a staged copy; 0 when both pass."""
+    """Run the contracts, the cycle check and the preload check on a staged copy; 0 when all pass."""
     env = {**os.environ, "PYTHONPATH": str(staged) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     contracts = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
                                 "sys.exit(lint_imports_command())", "--config", str(ROOT / "pyproject.toml"),
@@ -64,7 +84,13 @@ def check(staged: Path) -> int:
     ) % str(Path(__file__).parent)], env=env, cwd=staged)
     if cycles.returncode == 0:
         print("no import cycles in syncplane")
-    return 1 if contracts.returncode or cycles.returncode else 0
+    preloaded = tool_preloads(staged)
+    for name in preloaded:
+        print(f"the fork server preloads a tool module: {name} (runtime/forkserver.py PRELOAD; a tool adds its "
+              "own with forkserver.preload)")
+    if not preloaded:
+        print("the fork server preloads no tool module")
+    return 1 if contracts.returncode or cycles.returncode or preloaded else 0
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ Subclassing ``DDPStrategy`` keeps what we want from it -- the cluster environmen
 process-group setup, DistributedSampler injection, ``reduce``/``barrier`` -- while the
 synchronization itself becomes ours. Overridden hooks, and why:
 
-- ``setup`` / ``_setup_model``: never wrap; outside fitting, do not broadcast rank 0's
+- ``setup`` / ``_setup_model`` (``lightning_adapter.UnwrappedModel``): never wrap; outside fitting, do not broadcast rank 0's
   weights over the other replicas (Lightning's DDP does, before validate/test).
 - ``configure_ddp``: do not wrap in DDP (there is no gradient all-reduce); create the
   gloo control group (``syncplane.algorithms.replicas``: CPU-side collectives never ride
@@ -41,7 +41,6 @@ import time
 from typing import Any, Callable, Mapping
 
 import torch
-from lightning.pytorch.overrides.distributed import _sync_module_states
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -51,7 +50,9 @@ from typing_extensions import override
 from syncplane.algorithms import replicas as replica_ops
 from syncplane.algorithms import sharded
 from syncplane.algorithms.replicas import DEFAULT_BUCKET_BYTES, DEFAULT_CONSENSUS_SKETCH, CommMeter, ModelReplicas, PhaseProfile
+from syncplane import lightning_adapter
 from syncplane.job import JobContext
+from syncplane.lightning_adapter import UnwrappedModel
 from syncplane.strategies import replicas
 
 
@@ -71,7 +72,7 @@ class JobAware:
         return self._job.with_size(self.global_rank, self.world_size)
 
 
-class SyncplaneStrategy(JobAware, DDPStrategy):
+class SyncplaneStrategy(JobAware, UnwrappedModel, DDPStrategy):
     """Base for our strategies; subclasses implement the sync extension points.
 
     Args:
@@ -168,7 +169,8 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
     def step(self) -> int:
         """Index of the optimizer step in progress (``trainer.global_step``: resumes aligned)."""
         module = self.lightning_module
-        return module.trainer.global_step if module is not None and module._trainer is not None else 0
+        trainer = lightning_adapter.attached_trainer(module)
+        return trainer.global_step if trainer is not None else 0
 
     def model_parameters(self) -> list[torch.Tensor]:
         """This rank's values of the parameters (its shard of each, where FSDP2 shards them)."""
@@ -226,9 +228,7 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         every rank wait for the slowest at every step. For strategies whose ranks may run
         apart (time-budgeted DiLoCo rounds, late-peer mixing); our launcher stops every rank
         on SIGTERM itself."""
-        loop = trainer.fit_loop.epoch_loop
-        if hasattr(loop, "_broadcast_sigterm_tensor"):
-            loop._broadcast_sigterm_tensor = lambda: None
+        lightning_adapter.skip_per_step_sigterm_broadcast(trainer)
 
     @property
     @override
@@ -236,10 +236,6 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         # Restore the model *after* configure_ddp: its initial broadcast of rank 0's weights
         # would otherwise overwrite the per-rank replica a resume has just loaded.
         return True
-
-    @override
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model  # never wrapped in DistributedDataParallel
 
     def makes_meta_models(self) -> bool:
         """Whether this strategy gives values to a model built on the meta device (in the
@@ -266,7 +262,7 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
             replica_ops.start_control()   # the gloo group for CPU-side collectives, before any strategy makes groups
         with self.phases.time("setup/broadcast"):
             if not sharded.on_meta(self.model):
-                _sync_module_states(self.model)
+                lightning_adapter.sync_module_states(self.model)
         with self.phases.time("setup/setup_sync"):
             self.setup_sync(self.job)
 
@@ -290,7 +286,7 @@ class SyncplaneStrategy(JobAware, DDPStrategy):
         """This rank's communication time and bytes for the step; the consensus distance
         every ``consensus_every`` steps (a collective: every rank reaches it at the same step)."""
         module = self.lightning_module
-        if module is None or module._current_fx_name is None:
+        if module is None or lightning_adapter.current_hook(module) is None:
             return   # not inside a training loop hook (e.g. a direct optimizer call): nothing to log
         seconds, sent = self.comm_meter.seconds, self.comm_meter.bytes_sent
         module.log("sync/comm_s", seconds - self._metered[0], on_step=True, on_epoch=False)

@@ -30,6 +30,7 @@ Elastic mode (``elastic=true``) is ``ElasticDiLoCo`` (``strategies/diloco_elasti
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Literal, Mapping
 
@@ -150,7 +151,7 @@ class DiLoCo(SyncplaneStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         trainer = self.lightning_module.trainer
         if (self._timed is None or self.config.time_samples != "share" or not trainer.training
-                or trainer.sanity_checking or trainer.fit_loop._combined_loader is not None):
+                or trainer.sanity_checking or trainer.train_dataloader is not None):
             return dataloader    # only the training loader, when fitting starts, is dealt
         if trainer.reload_dataloaders_every_n_epochs:
             raise ValueError("time_samples=share deals one training loader for the whole fit; "
@@ -212,6 +213,16 @@ class DiLoCo(SyncplaneStrategy):
     def finish_pending_sync(self) -> None:
         if self._engine is not None:
             self._engine.outer.wait()
+
+    def switch_settings(self, changes: Mapping[str, Any]) -> None:
+        """Collective, at a round boundary (a re-plan's switch: ``SPEC.switch``): the exchange
+        rebuilt with ``changes`` (``DiLoCoConfig`` fields, new groups), the outer optimizer's
+        state carried over."""
+        self.finish_pending_sync()
+        outer = self.engine.outer.state_dict()
+        self.config = dataclasses.replace(self.config, **changes)
+        self.setup_sync(self.job)          # closes the old exchange, builds the new one
+        self.engine.outer.load_state_dict(outer)
 
     def _launch(self, fragment: int, done: int, background: bool) -> None:
         """Start a round of ``fragment`` after step ``done``; it merges ``overlap_steps`` later."""

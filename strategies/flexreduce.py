@@ -8,9 +8,9 @@ overlapping the backward, ``no_sync`` under gradient accumulation, buffers broad
 
 Overridden hook, and why:
 
-- ``_register_ddp_hooks``: Lightning's ``DDPStrategy._register_ddp_hooks`` registers DDP
-  communication hooks only on CUDA; we register FlexReduce's hook ourselves on every
-  device. The tree is resolved and the engine built here (a collective: its process group), on
+- ``configure_ddp``: Lightning's ``DDPStrategy`` registers DDP communication hooks only on
+  CUDA; once it has wrapped the model (given no hook), FlexReduce's hook is registered
+  with torch's ``register_comm_hook``, on every device. The tree is resolved and the engine built here (a collective: its process group), on
   every rank before the first step, so a tree that does not fit the job fails there.
 
 The hook hands each bucket to one worker thread and returns a future, so buckets are
@@ -63,7 +63,8 @@ class FlexReduceStrategy(JobAware, DDPStrategy):
         self.engine: FlexReduceHook | None = None
 
     @override
-    def _register_ddp_hooks(self) -> None:
+    def configure_ddp(self) -> None:
+        super().configure_ddp()   # the DDP wrapper; Lightning registers no hook (none was given)
         assert self.model is not None
         self.engine = FlexReduceHook(self.job, self.topology, self.chunk_bytes, self.comm_meter)
         rank_zero_info(self.engine.describe(sum(p.numel() for p in self.model.parameters())))

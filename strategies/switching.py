@@ -11,8 +11,8 @@ FlexReduce's engine (its process groups: a collective) is built when it is first
 on every rank at once, and kept for a switch back. ``torch_powersgd`` is not a member: its error
 feedback and warm start are state that a switch would drop.
 
-Overridden hook, and why: ``_register_ddp_hooks`` (Lightning registers comm hooks on CUDA only)
-registers the dispatcher, on every device.
+Overridden hook, and why: ``configure_ddp`` (Lightning registers comm hooks on CUDA only)
+registers the dispatcher once the model is wrapped, on every device.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class SwitchableDDP(JobAware, DDPStrategy):
         self._flexreduce: dict[tuple[str | tuple[int, ...], float], FlexReduceHook] = {}
 
     @override
-    def _register_ddp_hooks(self) -> None:
+    def configure_ddp(self) -> None:
+        super().configure_ddp()   # the DDP wrapper; Lightning registers no hook (none was given)
         assert self.model is not None
         self.switch_to(self.current, self.settings)
         self.model.register_comm_hook(None, self._dispatch)   # type: ignore[operator]

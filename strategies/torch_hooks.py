@@ -9,7 +9,6 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -22,7 +21,9 @@ from syncplane.strategies.registry import register
 class TorchHookStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` on CUDA only (a torch 1.8
     restriction, its comment says) and silently drops it on CPU; torch's hooks run on gloo
-    today (``tests/dist/test_torch_hooks.py``), so the hook is registered on any device.
+    today (``tests/dist/test_torch_hooks.py``), so the hook is not handed to Lightning: it is
+    registered (torch's ``register_comm_hook``) once ``configure_ddp`` has wrapped the model, on
+    any device.
 
     The hook is registered metered (``comm_meter``: each bucket from launch to completion,
     and the bytes the hook really sends), because DDP takes one comm hook only: the run
@@ -31,15 +32,19 @@ class TorchHookStrategy(DDPStrategy):
     config: HookConfig
 
     def __init__(self, **kwargs: Any) -> None:
+        if kwargs.get("ddp_comm_hook") is not None or kwargs.get("ddp_comm_wrapper") is not None:
+            raise ValueError(f"{self.config.name}: its comm hook is torch's, set by the strategy; "
+                             "ddp_comm_hook and ddp_comm_wrapper cannot be set")
         super().__init__(**kwargs)
         self.comm_meter = CommMeter()
+        self.hook_state, self.hook = self.config.hook()
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel) and self._ddp_comm_hook is not None
-        hook = metered(self._ddp_comm_hook, self.config, self.comm_meter, self.world_size)
-        _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
-                                ddp_comm_hook=hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
+    def configure_ddp(self) -> None:
+        super().configure_ddp()   # wraps the model in DDP; Lightning was given no hook to register
+        assert isinstance(self.model, DistributedDataParallel)
+        self.model.register_comm_hook(self.hook_state, metered(self.hook, self.config, self.comm_meter,
+                                                               self.world_size))
 
 
 @register("torch_fp16")
@@ -49,8 +54,7 @@ class TorchFp16Strategy(TorchHookStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         self.config = HookConfig(name="torch_fp16")
-        state, hook = self.config.hook()
-        super().__init__(ddp_comm_state=state, ddp_comm_hook=hook, **kwargs)
+        super().__init__(**kwargs)
 
 
 @register("torch_powersgd")
@@ -64,8 +68,7 @@ class TorchPowerSGDStrategy(TorchHookStrategy):
         self.config = HookConfig(name="torch_powersgd", matrix_approximation_rank=matrix_approximation_rank,
                                  start_powerSGD_iter=start_powerSGD_iter, min_compression_rate=min_compression_rate,
                                  use_error_feedback=use_error_feedback, warm_start=warm_start)
-        state, hook = self.config.hook()
-        super().__init__(ddp_comm_state=state, ddp_comm_hook=hook, **kwargs)
+        super().__init__(**kwargs)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

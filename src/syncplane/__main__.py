@@ -8,6 +8,7 @@ if sys.argv[1:2] in (["bench"], ["compare"], ["soak"]):
     # process imports what it needs to read the command (train.py does the same)
     from syncplane.runtime import forkserver
 
+    forkserver.preload("syncplane.bench.worker")   # the bench's rank module (compare and soak run it too)
     forkserver.warm_up()
 
 from syncplane.cli import main  # noqa: E402

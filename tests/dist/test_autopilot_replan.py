@@ -71,17 +71,17 @@ def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
                        **asdict(PlanInputs(PAYLOAD, 0.05, period=2, strategies=("diloco",)))}}
     replanner = replan.Replanner(auto, 1e-9, probe, torch_broadcast(), rank)   # due at every round boundary
     switches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-    switch = replan.SWITCHERS["diloco"]
+    switch = DiLoCo.switch_settings    # what the family's switch (``SPEC.switch``) calls
 
-    def recorded(strategy: Any, name: str, kwargs: Any) -> None:
+    def recorded(strategy: Any, changes: Any) -> None:
         before = [p.detach().clone() for p in strategy.lightning_module.parameters()] + \
             _tensors(strategy.engine.outer.state_dict())
-        switch(strategy, name, kwargs)
+        switch(strategy, changes)
         after = [p.detach().clone() for p in strategy.lightning_module.parameters()] + \
             _tensors(strategy.engine.outer.state_dict())
         switches.append((before, after))
 
-    replan.SWITCHERS["diloco"] = recorded
+    DiLoCo.switch_settings = recorded   # this process's only (a spawned rank)
     torch.manual_seed(123)
     model = TinyRegressor()
     strategy = DiLoCo(cluster_environment=TorchElasticEnvironment(), **CHOICE)

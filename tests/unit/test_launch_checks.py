@@ -66,7 +66,7 @@ BAD_TRAINER_VALUES: dict[str, Any] = {
     "accelerator": "tpu", "devices": 0, "max_epochs": "abc", "max_steps": -5, "precision": "17",
     "accumulate_grad_batches": 0, "log_every_n_steps": 0, "check_val_every_n_epoch": 0, "gradient_clip_val": -1,
     "deterministic": "x", "threads_per_rank": -1, "rendezvous_timeout_s": 0, "heartbeat_timeout_s": -1,
-    "max_restarts": -1, "restart_delay_s": -1, "emulated_step_s": -0.5,
+    "max_restarts": -1, "restart_delay_s": -1, "emulated_step_s": -0.5, "target_val_loss": -1.0,
 }
 
 #: the job's own keys: (dotted key, value) -> the key the message must name

@@ -16,7 +16,7 @@ pytest.importorskip("torchft")
 
 
 def test_the_service_binds_the_address_given_and_ends_with_the_launcher(tmp_path: Path) -> None:
-    with lighthouse_process([], "127.0.0.1", log_file=tmp_path / "lighthouse.log") as address:
+    with lighthouse_process([], "127.0.0.1", strategy="diloco", log_file=tmp_path / "lighthouse.log") as address:
         assert address.startswith("http://127.0.0.1:")
         port = int(address.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=5):
@@ -27,5 +27,5 @@ def test_the_service_binds_the_address_given_and_ends_with_the_launcher(tmp_path
 
 def test_a_wildcard_bind_fails_with_the_services_own_error(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="would listen on every interface"):
-        with lighthouse_process([], "0.0.0.0", log_file=tmp_path / "lighthouse.log"):
+        with lighthouse_process([], "0.0.0.0", strategy="diloco", log_file=tmp_path / "lighthouse.log"):
             pass

@@ -12,11 +12,12 @@ simulate`` (cost patterns).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from syncplane.algorithms import canary, ddp, decentralized, diloco, ds_sync, flexreduce, peers, torch_hooks
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, ElasticLaunch, Switch
 from syncplane.cluster.bound import allreduce_network_bound
 from syncplane.cluster.cost import IDEAL, CostModel
 from syncplane.config import parse_variant
@@ -46,6 +47,30 @@ def is_exact(label: str) -> bool:
     family's ``AlgorithmSpec.exact`` names it (the plan's exact class)."""
     name = variant(label)[0]
     return name in spec_for(name).exact
+
+
+def elastic_mode(name: str) -> ElasticLaunch | None:
+    """How strategy ``name`` launches in its elastic mode (``AlgorithmSpec.elastic``); None: it
+    has none (also for a name no family declares, such as ``strategy=auto``)."""
+    spec = _BY_NAME.get(name)
+    return None if spec is None else spec.elastic
+
+
+def elastic_launch(name: str, kwargs: Mapping[str, Any]) -> ElasticLaunch | None:
+    """The elastic launch strategy ``name`` asks for with ``kwargs``; None: one process group."""
+    launch = elastic_mode(name)
+    return launch if launch is not None and launch.enabled(kwargs) else None
+
+
+def elastic_settings() -> list[str]:
+    """How each strategy that has an elastic mode is asked for it (``strategy=NAME SETTING``)."""
+    return [f"strategy={name} {spec.elastic.setting}" for spec in SPECS if spec.elastic is not None
+            for name in spec.strategies]
+
+
+def switches() -> dict[str, Switch]:
+    """Every strategy whose settings a re-plan may switch while it trains -> its ``Switch``."""
+    return {name: spec.switch for spec in SPECS if spec.switch is not None for name in spec.strategies}
 
 
 def variant(label: str) -> tuple[str, dict[str, Any]]:

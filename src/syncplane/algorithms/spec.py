@@ -5,7 +5,8 @@ Before this existed, adding an algorithm meant editing seven parallel tables in 
 Now a family's package (``syncplane.algorithms.<family>``) exports one ``AlgorithmSpec``;
 the Lightning registry (descriptions), ``syncplane bench`` (steps, overlap windows),
 ``syncplane simulate`` and the bench's bound (cost patterns) and ``syncplane info`` all read
-it through ``syncplane.algorithms``.
+it through ``syncplane.algorithms``; so does the runtime, which names no family: its launch
+checks (``check_launch``), elastic launch (``elastic``) and re-plan switch (``switch``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,69 @@ StepFactory = Callable[[str, Mapping[str, Any], JobContext], SyncStep]
 #: ValueError naming the key: the settings whose validity depends on the ranks, checked before launch.
 JobCheck = Callable[[str, Mapping[str, Any], JobContext], None]
 
+#: The key a strategy's ``training_step`` output carries (True) for a batch it skipped without
+#: computing it (a replica whose round budget is spent): the runtime's report and emulated
+#: compute count no samples and no compute time for it.
+SKIPPED_BATCH = "skipped_batch"
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What the job decides beside the strategy's own settings, for ``AlgorithmSpec.check_launch``."""
+
+    emulated: bool          # the ranks run in an emulated cluster's host namespaces (``cluster=...``)
+    resume: str | None      # the checkpoint the job resumes from
+    max_restarts: int       # ``trainer.max_restarts``
+
+
+#: (strategy name, its checked kwargs, the launch's settings) -> None, or ConfigError naming the
+#: key: a combination of the strategy's settings with the launch's that cannot run.
+LaunchCheck = Callable[[str, Mapping[str, Any], LaunchSettings], None]
+
+
+class QuorumService(Protocol):
+    """A running quorum service: its address (what the replicas dial) and its end."""
+
+    address: str
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ElasticLaunch:
+    """A job of independent replicas (each a Lightning job of one process) around a quorum
+    service, instead of one process group: how the launcher (``runtime.entry``) starts it.
+
+    Attributes:
+        enabled: the strategy's kwargs -> whether they ask for this launch.
+        setting: how a user asks for it, for messages (``strategy.kwargs.elastic=true``).
+        start: (the one address to bind, keywords ``min_replicas``, ``join_timeout_s``,
+            ``heartbeat_timeout_s``) -> the service, running in this process.
+        timeouts: the strategy's kwargs -> the ``join_timeout_s`` / ``heartbeat_timeout_s`` the
+            service runs with.
+        bind: the strategy's kwargs -> the address a local job's service binds (an emulated
+            cluster's binds host 0's first NIC).
+    """
+
+    enabled: Callable[[Mapping[str, Any]], bool]
+    setting: str
+    start: Callable[..., QuorumService]
+    timeouts: Callable[[Mapping[str, Any]], dict[str, float]]
+    bind: Callable[[Mapping[str, Any]], str]
+
+
+@dataclass(frozen=True)
+class Switch:
+    """What a re-plan (``runtime.replan``) may change while one of the family's strategies
+    trains: ``keys``, the ``strategy.kwargs`` it switches at a round boundary; ``refuse``, the
+    running kwargs -> why these cannot switch (None: they can); ``apply``, a collective on
+    every rank: (the trainer's strategy, the new kwargs) -> the strategy runs with the new
+    ``keys`` from the next round on, the model and the state that does not depend on them kept."""
+
+    keys: tuple[str, ...]
+    apply: Callable[[Any, Mapping[str, Any]], None]
+    refuse: Callable[[Mapping[str, Any]], str | None] = lambda kwargs: None
+
 
 
 def payload_buckets(payload_bytes: float) -> int:
@@ -124,6 +188,12 @@ class AlgorithmSpec:
             period of the pattern) -> the settings a run-time trial settles on, by the trial's
             own rule applied to the prices of the steps it times (DS-Sync's ``pair_streams:
             auto``); the prediction prices those. Default: the options as given.
+        check_launch: the settings that cannot run with the launch's (a resume, an emulated
+            cluster, restarts), checked in the launching process before any rank starts.
+        elastic: how to launch a job of independent replicas, where the family has that mode
+            (None: every job is one process group).
+        switch: what a re-plan may change while a job trains (None: nothing; the hooked DDP
+            strategies switch among themselves through ``strategies.switching`` instead).
     """
 
     family: str
@@ -146,6 +216,9 @@ class AlgorithmSpec:
     alpha_hidden: tuple[str, ...] = ()
     trial: Callable[[Mapping[str, Any], Callable[[Mapping[str, Any]], list[float]]], Mapping[str, Any]] = \
         lambda options, price: options
+    check_launch: LaunchCheck = lambda name, kwargs, launch: None
+    elastic: ElasticLaunch | None = None
+    switch: Switch | None = None
 
 
 def compute_split(window: str | None, compute_s: float) -> tuple[float, float, float]:

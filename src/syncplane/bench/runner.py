@@ -50,6 +50,9 @@ from syncplane.config import ConfigError, parse_list
 from syncplane.exchanges import normalize
 from syncplane.exchanges.cpu import CpuRates
 
+#: The module each bench rank runs (``python -m``).
+WORKER = "syncplane.bench.worker"
+
 
 def parse_payload(value: str) -> int:
     """``resnet50`` / ``bert_large`` presets, or a number of MB."""
@@ -102,8 +105,10 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
     ``echo_to``: where rank 0's output goes, default stdout).
     ``period``: steps per round of every periodic strategy; None = each one's own default
     (DiLoCo's ``sync_every``), what ``train.py`` runs; ``periods`` in the report says which."""
+    from syncplane.runtime import forkserver
     from syncplane.runtime.launcher import launch_on_cluster
 
+    forkserver.preload(WORKER)   # ranks forked from a server that has imported it already
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").unlink(missing_ok=True)        # never an earlier run's
     implemented = [s for s in strategies if algorithms.variant(s)[0] not in algorithms.PLANNED]
@@ -117,7 +122,7 @@ def run_bench(profile: ClusterProfile, strategies: list[str], payload_bytes: int
                 "compute_speeds": profile.compute_speeds()}
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        launch_on_cluster([sys.executable, "-m", "syncplane.bench.worker", str(spec_path)], profile, out_dir / "logs",
+        launch_on_cluster([sys.executable, "-m", WORKER, str(spec_path)], profile, out_dir / "logs",
                           echo_to=echo_to)
         measured = json.loads((out_dir / "results.json").read_text())["results"]
     options = {"shards": shards, "pair_streams": pair_streams, "compression": compression, "exchange": exchange,

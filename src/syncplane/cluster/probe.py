@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import networkx as nx
 import numpy as np
@@ -55,11 +55,26 @@ import torch.distributed as dist
 
 from syncplane import net
 from syncplane.cluster.cost import MBIT, CostModel
-from syncplane.job import JobContext
 from syncplane.cluster.profile import ClusterProfile, load_profile
 from syncplane.config import ConfigError
+from syncplane.launch import Launch
 
 log = logging.getLogger(__name__)
+
+
+class ProbeSite(Protocol):
+    """What the probe reads of the job: where this rank runs and the profile it was placed on.
+    ``syncplane.job.JobContext`` has these fields, and so has the launcher's ``Launch``; the
+    probe names neither the job nor the runtime (cluster sits below them)."""
+
+    @property
+    def node_rank(self) -> str | None: ...
+
+    @property
+    def cluster(self) -> str | None: ...
+
+    @property
+    def master_addr(self) -> str: ...
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "syncplane" / "probe"
 MIN_GAP_RATIO = 2.0                    # a rack boundary: bandwidth drops by at least this factor
 
@@ -668,14 +683,14 @@ def agreed_congestion(found: Sequence[str | None], host_ids: Sequence[int]) -> s
 
 
 def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool = False,
-          group: Any = None, job: JobContext | None = None, streams: int = 1) -> Topology:
+          group: Any = None, job: ProbeSite | None = None, streams: int = 1) -> Topology:
     """Collective: measure (or load from the cache) this job's topology; same result on every
-    rank. ``job``: the job's context (default: the launcher's, ``JobContext.from_environment``).
+    rank. ``job``: the job's context (default: what the launcher said, ``Launch.read``).
     ``streams`` > 1: measure per-flow caps too (``measure_flow_caps``)."""
     if streams < 1:
         raise ConfigError(f"probe streams: must be at least 1, got {streams}")
     n = dist.get_world_size()
-    job = job if job is not None else JobContext.from_environment(rank=dist.get_rank(), world_size=n)
+    job = job if job is not None else Launch.read()
     host_id = int(job.node_rank) if job.node_rank is not None else dist.get_rank()
     found: list[Any] = [None] * n
     dist.all_gather_object(found, (host_id, congestion_control()), group=group)
@@ -713,7 +728,7 @@ def probe(nbytes: int = 2**20, cache_dir: Path | None = CACHE_DIR, refresh: bool
     return topo
 
 
-def resolve_topology(job: JobContext, source: str = "auto", probe_bytes: int = 2**20, refresh: bool = False,
+def resolve_topology(job: ProbeSite, source: str = "auto", probe_bytes: int = 2**20, refresh: bool = False,
                      group: Any = None) -> Topology:
     """Collective (over ``group``: pass the job's gloo control group; the probe moves CPU
     tensors, which an NCCL default group refuses). ``auto``: the profile the job was placed on

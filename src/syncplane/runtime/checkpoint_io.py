@@ -9,15 +9,15 @@ hold tensors and plain containers, never pickled objects.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
+
+from syncplane.lightning_adapter import TimedModelCheckpoint
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -55,7 +55,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
-class LastCheckpoint(ModelCheckpoint):
+class LastCheckpoint(TimedModelCheckpoint):
     """``<dirpath>/last.ckpt``, rewritten after every epoch's validation and at the end of
     training, and nothing else.
 
@@ -66,21 +66,14 @@ class LastCheckpoint(ModelCheckpoint):
     run (the newest) is itself named ``last``."""
 
     def __init__(self, dirpath: str | os.PathLike[str]) -> None:
+        # ``saves``: (start, seconds) of every save on this rank: saves run between epochs,
+        # inside the training clock, and a strategy's per-rank state can make them the largest
+        # part of a run's time outside its epochs (``RunReport``'s ``timing``)
         super().__init__(dirpath=dirpath, filename="last", save_top_k=1, save_last=False,
                          enable_version_counter=False)
-        #: (start, seconds) of every save on this rank (perf_counter): saves run between
-        #: epochs, inside the training clock, and a strategy's per-rank state can make them
-        #: the largest part of a run's time outside its epochs (``RunReport``'s ``timing``).
-        self.saves: list[tuple[float, float]] = []
-
-    @override
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        start = time.perf_counter()
-        super()._save_checkpoint(trainer, filepath)
-        self.saves.append((start, time.perf_counter() - start))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # a run that stops mid-epoch (max_steps) has steps no validation has saved yet
-        if self._last_global_step_saved != trainer.global_step:
+        if self.last_saved_step != trainer.global_step:
             trainer.save_checkpoint(self.format_checkpoint_name({}))

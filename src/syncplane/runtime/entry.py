@@ -100,12 +100,13 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
     ``trainer.max_restarts`` times. The service lives as long as this launcher: in this
     process on loopback for a local job; on an emulated cluster, as a process on host 0
     bound to that host's first NIC (``syncplane.runtime.lighthouse``), and each replica's
-    own servers bind its host's first NIC."""
-    from syncplane.algorithms.diloco import ft as elastic
-
+    own servers bind its host's first NIC. The service, its timeouts and a local job's bind
+    address are the strategy's family's (``AlgorithmSpec.elastic``)."""
+    elastic = spec.elastic_launch
+    if elastic is None:
+        raise ValueError(f"strategy {spec.strategy.name} with {dict(spec.strategy.kwargs)} is not an elastic job")
     kwargs = spec.strategy.kwargs
-    timeouts = {"join_timeout_s": float(kwargs.get("join_timeout_s", 60.0)),
-                "heartbeat_timeout_s": float(kwargs.get("heartbeat_timeout_s", 5.0))}
+    timeouts = elastic.timeouts(kwargs)
     replicas = spec.trainer.devices
     (run_dir / "elastic_fingerprint.json").unlink(missing_ok=True)
     shutil.rmtree(run_dir / "elastic_ready", ignore_errors=True)
@@ -113,8 +114,8 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
     with contextlib.ExitStack() as stack:
         if spec.cluster is None:
             places = local_ranks(replicas)
-            binds = [str(kwargs.get("lighthouse_host", "127.0.0.1"))] * replicas
-            service = elastic.start_lighthouse(binds[0], **timeouts)
+            binds = [elastic.bind(kwargs)] * replicas
+            service = elastic.start(binds[0], **timeouts)
             stack.callback(service.shutdown)
             address = service.address
         else:
@@ -123,8 +124,8 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
             places = stack.enter_context(cluster_session(spec.cluster, run_dir / "logs"))
             binds = [spec.cluster.host_of_rank(r).address(0) for r in range(replicas)]
             address = stack.enter_context(lighthouse_process(
-                emulator.rank_prefix(spec.cluster, 0), binds[0], log_file=run_dir / "logs" / "lighthouse.log",
-                env=env, **timeouts))
+                emulator.rank_prefix(spec.cluster, 0), binds[0], strategy=spec.strategy.name,
+                log_file=run_dir / "logs" / "lighthouse.log", env=env, **timeouts))
         ranks = []
         for place, bind in zip(places, binds):
             store = run_dir / f"rendezvous.replica{place.rank}.store"

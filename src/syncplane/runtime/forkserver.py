@@ -39,9 +39,11 @@ from typing import Any
 
 from syncplane.runtime.lifetime import die_with_parent
 
-#: Imported once by the server: what every rank imports anyway.
-PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "syncplane.strategies", "syncplane.runtime.worker",
-           "syncplane.bench.worker"]
+#: Imported once by the server: what every rank imports anyway. Product modules only; a tool
+#: adds its own rank module with ``preload`` (the product never imports the tools: ``make lint``).
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "syncplane.strategies", "syncplane.runtime.worker"]
+
+_extra_preload: list[str] = []
 
 #: ``SYNCPLANE_FORK_SERVER=0``: start every rank as a fresh interpreter.
 ENV = "SYNCPLANE_FORK_SERVER"
@@ -84,11 +86,18 @@ class ForkedRank:
         return self.poll()
 
 
+def preload(*modules: str) -> None:
+    """Have the server import ``modules`` too (a tool's rank module, e.g. the bench's worker),
+    when it starts: call before ``warm_up`` or the first ``start``. Later calls change nothing
+    for a server already running (its ranks import the module themselves)."""
+    _extra_preload.extend(m for m in modules if m not in PRELOAD and m not in _extra_preload)
+
+
 @functools.cache
 def _context() -> Any:
     """The fork-server context, set up once per process (with its server's end at exit)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload([*PRELOAD, *_extra_preload])
     atexit.register(_stop_server)
     return ctx
 

@@ -13,26 +13,24 @@ switches at the same step, and the switch is logged and recorded in
 What can be switched, and why only that: a switch must leave the parameters and the
 optimizer state the same on every rank.
 
-- **Between ``ddp``, ``flexreduce`` and ``torch_fp16``** (``HOOKED``), at any step boundary:
-  they are one torch DDP with another comm hook, none keeps state across steps, and each leaves
-  the same gradient on every rank. A job that chose one of them and re-plans runs
-  ``syncplane.strategies.switching.SwitchableDDP``, which swaps the hook. Its candidates are
-  those of its accuracy class (``accept``: ``exact`` leaves ``torch_fp16`` out).
-- **DiLoCo's exchange settings** (``SWITCHABLE``: ``shards``, ``exchange``, ``compression``) at
-  a round boundary, on one rank per replica, without streaming: there every replica holds θ_g
-  after the outer step, and the outer optimizer's state does not depend on how Δ travels, so it
-  is carried over as is (the sparse codec's error-feedback residuals are not: a switch starts
-  them from zero).
+- **Between the hooked strategies** (``HOOKED``: ``syncplane.strategies.switching.MEMBERS``), at
+  any step boundary: they are one torch DDP with another comm hook, none keeps state across
+  steps, and each leaves the same gradient on every rank. A job that chose one of them and
+  re-plans runs ``syncplane.strategies.switching.SwitchableDDP``, which swaps the hook. Its
+  candidates are those of its accuracy class (``accept``: ``exact`` leaves the approximate
+  hooks out).
+- **A family's own settings** (its ``AlgorithmSpec.switch``: the keys, the settings that refuse
+  a switch, the collective that applies one) at a round boundary; the family's package says
+  why those keys, and which state is carried over.
 
-A switch between those two groups, or to any other strategy (DiLoCo -> DDP: each replica's
-inner optimizer state differs; ``torch_powersgd``: its error feedback), is not offered; a job
-whose chosen strategy has nothing to switch says so at start-up (log and
+A switch between those groups, or to any other strategy (a periodic one -> DDP: each
+replica's inner optimizer state differs; a compressed hook: its error feedback), is not
+offered; a job whose chosen strategy has nothing to switch says so at start-up (log and
 ``strategy_details.auto.replan``) and keeps its choice.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -42,6 +40,7 @@ from typing import Any
 import numpy as np
 from lightning.pytorch.callbacks import Callback
 
+from syncplane.algorithms import spec_for, switches
 from syncplane.algorithms.plan import Candidate, PlanInputs, accepts, make_plan
 from syncplane.cluster.probe import Topology, from_profile, measure_flow_caps, measure_pairs
 from syncplane.cluster.profile import ClusterProfile, parse_profile
@@ -49,8 +48,6 @@ from syncplane.strategies.switching import MEMBERS, SwitchableDDP
 
 log = logging.getLogger(__name__)
 
-#: strategy -> the ``strategy.kwargs`` a replan may change while it trains (module doc)
-SWITCHABLE: dict[str, tuple[str, ...]] = {"diloco": ("shards", "exchange", "compression"), **MEMBERS}
 #: the strategies a re-plan may switch between (module doc)
 HOOKED: tuple[str, ...] = tuple(MEMBERS)
 #: a candidate replaces the current one when its predicted step is at least this many times faster
@@ -68,19 +65,29 @@ def reachable(strategy: str) -> tuple[str, ...]:
     return HOOKED if strategy in HOOKED else (strategy,)
 
 
+def switchable(strategy: str) -> tuple[str, ...] | None:
+    """The ``strategy.kwargs`` a re-plan may change while ``strategy`` trains (module doc);
+    None: it cannot switch at all."""
+    if strategy in MEMBERS:
+        return MEMBERS[strategy]
+    switch = switches().get(strategy)
+    return None if switch is None else switch.keys
+
+
 def not_switchable(strategy: str, kwargs: Mapping[str, Any]) -> str | None:
     """Why a job running ``strategy`` with ``kwargs`` cannot re-plan (None: it can)."""
-    if strategy not in SWITCHABLE:
+    if switchable(strategy) is None:
+        settings = ", ".join(f"{name}'s {'/'.join(switch.keys)}" for name, switch in switches().items())
         return (f"{strategy} cannot be switched while it trains (only between {', '.join(HOOKED)} at a step "
-                f"boundary, and diloco's {'/'.join(SWITCHABLE['diloco'])} at a round boundary)")
-    if strategy == "diloco" and kwargs.get("replica", "rank") != "rank":
-        return "diloco with replica=node holds its outer state sharded over a node; only replica=rank switches"
-    return None
+                f"boundary, and {settings} at a round boundary)")
+    switch = switches().get(strategy)
+    return None if switch is None else switch.refuse(kwargs)
 
 
 def fixed_part(strategy: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings a switch keeps (everything but ``SWITCHABLE``'s keys)."""
-    return {k: v for k, v in kwargs.items() if k not in SWITCHABLE.get(strategy, ())}
+    """The settings a switch keeps (everything but ``switchable``'s keys)."""
+    keys = switchable(strategy) or ()
+    return {k: v for k, v in kwargs.items() if k not in keys}
 
 
 def choose_switch(candidates: list[Candidate], strategy: str, kwargs: Mapping[str, Any],
@@ -143,29 +150,14 @@ def keep_speeds(probed: ClusterProfile, declared: ClusterProfile) -> ClusterProf
     return parse_profile(data)
 
 
-def switch_diloco(strategy: Any, name: str, kwargs: Mapping[str, Any]) -> None:
-    """Collective, at a round boundary: DiLoCo's exchange rebuilt with ``kwargs``'s
-    ``SWITCHABLE`` settings, its outer optimizer's state carried over (module doc)."""
-    from syncplane.algorithms.diloco.config import DiLoCoConfig
-
-    strategy.finish_pending_sync()
-    outer = strategy.engine.outer.state_dict()
-    defaults = {f.name: f.default for f in dataclasses.fields(DiLoCoConfig)}
-    changes = {k: kwargs.get(k, defaults[k]) for k in SWITCHABLE["diloco"]}
-    strategy.config = dataclasses.replace(strategy.config, **changes)
-    strategy.setup_sync(strategy.job)          # closes the old exchange, builds the new one (new groups)
-    strategy.engine.outer.load_state_dict(outer)
-
-
-def switch_hook(strategy: Any, name: str, kwargs: Mapping[str, Any]) -> None:
-    """Collective (FlexReduce's groups, the first time): ``SwitchableDDP``'s buckets run
-    ``name``'s hook from the next step on."""
-    strategy.switch_to(name, kwargs)
-
-
-#: running strategy -> its switch (trainer's strategy, the new strategy's name, its kwargs)
-SWITCHERS: dict[str, Callable[[Any, str, Mapping[str, Any]], None]] = {
-    "diloco": switch_diloco, **{name: switch_hook for name in HOOKED}}
+def apply_switch(running: str, strategy: Any, name: str, kwargs: Mapping[str, Any]) -> None:
+    """Collective: the trainer's ``strategy``, running ``running``, runs ``name`` with ``kwargs``
+    from the next step on: ``SwitchableDDP`` swaps its hook (a hook's own groups are made the
+    first time); a family's own switch (``AlgorithmSpec.switch``) rebuilds what its keys change."""
+    if running in HOOKED:
+        strategy.switch_to(name, kwargs)
+    else:
+        switches()[running].apply(strategy, kwargs)
 
 
 class Replanner(Callback):
@@ -184,7 +176,7 @@ class Replanner(Callback):
         self.refused = not_switchable(self.strategy, self.kwargs)
         auto["replan"] = {"every_s": every_s, "faster": FASTER, "refused": self.refused, "checks": 0,
                           "strategies": list(self._offered()) if self.refused is None else [],
-                          "switchable": list(SWITCHABLE.get(self.strategy, ())) if self.refused is None else []}
+                          "switchable": list(switchable(self.strategy) or ()) if self.refused is None else []}
         auto["replans"] = []
         if self.refused is not None:
             log.warning("strategy=auto: replan_every_s=%s: no re-planning: %s", every_s, self.refused)
@@ -216,7 +208,7 @@ class Replanner(Callback):
                                  f"{self.strategy} {self.kwargs}: a resume may differ only in what a re-plan "
                                  f"switches ({self.refused or self._switches()}); resume with "
                                  f"strategy={strategy} and those settings, or start anew")
-            SWITCHERS[self.strategy](self._trainer_strategy, strategy, kwargs)
+            apply_switch(self.strategy, self._trainer_strategy, strategy, kwargs)
             log.info("strategy=auto: resumed with the choice of the last re-plan: %s %s", strategy, kwargs)
             self.strategy, self.kwargs = strategy, kwargs
         self.auto["replan"]["checks"] = int(state_dict["checks"])
@@ -244,12 +236,13 @@ class Replanner(Callback):
 
     def _switches(self) -> str:
         return (f"strategies {', '.join(reachable(self.strategy))}, settings "
-                f"{', '.join(SWITCHABLE.get(self.strategy, ())) or 'none'}")
+                f"{', '.join(switchable(self.strategy) or ()) or 'none'}")
 
     @property
     def period(self) -> int:
         """Steps per round of the running choice (a switch happens only at their end)."""
-        return int(self.kwargs.get("sync_every", 1))
+        key = spec_for(self.strategy).period_key
+        return int(self.kwargs.get(key, 1)) if key is not None else 1
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
@@ -269,7 +262,7 @@ class Replanner(Callback):
         self.auto["replan"]["checks"] += 1
         if decision["switch"]:
             best = decision["best"]
-            SWITCHERS[self.strategy](strategy, best["strategy"], best["kwargs"])
+            apply_switch(self.strategy, strategy, best["strategy"], best["kwargs"])
             self.strategy, self.kwargs = best["strategy"], dict(best["kwargs"])
             decision["seconds"] = time.perf_counter() - start
             self.auto["replans"].append(decision)

@@ -27,6 +27,20 @@ metric it logs (a language model's ``val_perplexity``) is added to ``metrics``.
 (``base`` x ``factor`` from step ``from_step``) and the seconds it waited in all, and the
 emulated accelerator's ``emulated_step_s`` (0: off) with all ranks' ``emulated_steps`` and
 ``overran_steps`` (batches whose real compute alone exceeded their nominal time).
+
+``compute_utilization``: the share of the training wall time a rank's accelerator computed,
+for the least busy rank (its compute seconds over its wall seconds; with homogeneous ranks the
+slowest rank's). Compute is the emulated accelerator's busy time where there is one
+(``trainer.emulated_step_s`` x the rank's slowdown per computed batch), else each batch's
+measured forward and backward (batch start to the optimizer step; for DDP on CPU that includes
+its wait for the gradient all-reduce at the end of backward, so without an emulated
+accelerator DDP's share is an upper bound) plus a slowed rank's wait. The wall is
+``train_seconds`` less the validation passes inside it (``timing.validation_s``): evaluation is
+the run's choice, not the training's cost. ``time_to_target_s``: with
+``trainer.target_val_loss`` set, the training seconds (validation left out, as above; the
+slowest rank's) until the first validation at or below it; null when never reached or no
+target (``target_val_loss`` repeats the target). Each ``history.jsonl`` record has that clock
+at its validation as ``train_s`` (rank 0's).
 """
 
 from __future__ import annotations
@@ -84,8 +98,10 @@ class RunReport(Callback):
     """
 
     def __init__(self, run_dir: str | Path, strategy_name: str, recipe_name: str, seed: int | None = None,
-                 label: str | None = None, compute: ComputeReport | None = None) -> None:
+                 label: str | None = None, compute: ComputeReport | None = None,
+                 target_val_loss: float | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.target_val_loss = target_val_loss
         self.label = label or strategy_name   # how comparisons name the run (a variant of its strategy)
         self.compute = compute
         self.seed = seed   # recorded so comparisons pair each run with the DDP run of the same seed
@@ -107,6 +123,11 @@ class RunReport(Callback):
         self._epoch_seconds: list[float] = []
         self.meter: CommMeter | None = None
         self.summary: dict[str, Any] | None = None
+        self.measured_compute_s = 0.0   # forward and backward of every batch (batch start -> optimizer step)
+        self._computed: float | None = None
+        self._validation_start: float | None = None
+        self.validation_s = 0.0          # the validation passes inside the training clock
+        self.time_to_target_s: float | None = None
 
     # -------------------------------------------------------------- measuring
 
@@ -147,13 +168,20 @@ class RunReport(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._step_start = time.perf_counter()
+        self._computed = None
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._computed = time.perf_counter()   # forward and backward done; the step (and a sync in it) follows
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.step_times.append(time.perf_counter() - self._step_start)
+        end = time.perf_counter()
+        self.step_times.append(end - self._step_start)
         if skipped(outputs):
-            return   # not processed (time-budgeted DiLoCo): no samples or tokens
+            return   # not processed (a replica whose round budget is spent): no samples or tokens, no compute
+        self.measured_compute_s += (self._computed if self._computed is not None else end) - self._step_start
         self.samples += _batch_size(batch)
         count_tokens = getattr(pl_module, "batch_tokens", None)
         if callable(count_tokens):
@@ -165,15 +193,32 @@ class RunReport(Callback):
         self._train_seconds = self._train_end - self._fit_start
 
     @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_start = None if trainer.sanity_checking else time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_start is not None:
+            self.validation_s += time.perf_counter() - self._validation_start
+            self._validation_start = None
+
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         epoch_s = round(time.perf_counter() - self._epoch_start, 3)
         self._epoch_seconds.append(epoch_s)
+        # the training clock at this validation, earlier validations left out (this rank's)
+        train_s = (None if self._validation_start is None
+                   else self._validation_start - self._fit_start - self.validation_s)
+        if self.time_to_target_s is None and train_s is not None and \
+                reached_loss(trainer.callback_metrics.get("val_loss"), self.target_val_loss):
+            self.time_to_target_s = train_s   # every rank sees the same (synchronized) loss
         if not trainer.is_global_zero:
             return
         metrics = {k: _as_float(v) for k, v in trainer.callback_metrics.items()}
-        record = {"epoch": trainer.current_epoch, "step": trainer.global_step, "epoch_s": epoch_s, **metrics}
+        record = {"epoch": trainer.current_epoch, "step": trainer.global_step, "epoch_s": epoch_s,
+                  "train_s": None if train_s is None else round(train_s, 3), **metrics}
         with open(self.run_dir / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if v is not None)
@@ -206,7 +251,9 @@ class RunReport(Callback):
         # training clock before the first epoch
         before_first_epoch = (self._first_epoch_start or self._fit_start) - self._fit_start
         timings = torch.tensor([self._train_seconds, self._setup_s, self._before_train_s,
-                                sum(seconds for _, seconds in saves), before_first_epoch], dtype=torch.float64)
+                                sum(seconds for _, seconds in saves), before_first_epoch, self.validation_s,
+                                -1.0 if self.time_to_target_s is None else self.time_to_target_s,
+                                -self._utilization()], dtype=torch.float64)   # negated: MAX gives the least busy
         steps = torch.tensor(self.step_times, dtype=torch.float64)
         waited = torch.tensor(self.compute.waits(world) if self.compute is not None else [0.0], dtype=torch.float64)
         if distributed:
@@ -221,7 +268,8 @@ class RunReport(Callback):
             dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=control_group())
         distance = self._consensus_distance(trainer.strategy, pl_module) if distributed else 0.0
         metrics = trainer.callback_metrics
-        train_seconds, setup_s, before_train_s, checkpoint_s, before_first_epoch_s = timings.tolist()
+        (train_seconds, setup_s, before_train_s, checkpoint_s, before_first_epoch_s, validation_s, to_target_s,
+         idle) = timings.tolist()
         seconds = max(train_seconds, 1e-9)
         phases = getattr(trainer.strategy, "phases", None)
         counts_tokens = callable(getattr(pl_module, "batch_tokens", None))
@@ -246,11 +294,15 @@ class RunReport(Callback):
                      "evaluation_bytes_per_rank": float(totals[4] / world)},
             "consensus_distance": distance,
             "train_seconds": train_seconds,
+            "compute_utilization": -idle,
+            "target_val_loss": self.target_val_loss,
+            "time_to_target_s": to_target_s if to_target_s >= 0 else None,
             "timing": {
                 "setup_s": setup_s, "before_train_s": before_train_s,
                 "outside_epochs_s": max(train_seconds - sum(self._epoch_seconds), 0.0)
                 if self._epoch_seconds else None,
                 "checkpoint_s": checkpoint_s, "checkpoints": len(saves), "before_first_epoch_s": before_first_epoch_s,
+                "validation_s": validation_s,
                 "phases": phases.as_dict() if isinstance(phases, PhaseProfile) else None,
             },
             "strategy_details": dict(getattr(trainer.strategy, "details", {})),
@@ -264,12 +316,25 @@ class RunReport(Callback):
             print_summary(self.summary, path)
 
 
+    def _utilization(self) -> float:
+        """This rank's compute seconds over its wall seconds (the module docstring), in [0, 1]."""
+        wall = self._train_seconds - self.validation_s
+        compute = (self.compute.compute_seconds(self.measured_compute_s) if self.compute is not None
+                   else self.measured_compute_s)
+        return min(max(compute / wall, 0.0), 1.0) if wall > 0 else 0.0
+
     def _checkpoint_saves(self, trainer: pl.Trainer) -> list[tuple[float, float]]:
         """(start, seconds) of the checkpoint saves inside the training clock (this rank):
         every checkpoint callback that times its saves (``LastCheckpoint.saves``)."""
         return [(start, seconds) for callback in trainer.checkpoint_callbacks
                 for start, seconds in getattr(callback, "saves", ())
                 if self._fit_start <= start < self._train_end]
+
+
+def reached_loss(logged: Any, target: float | None) -> bool:
+    """Whether a logged validation loss is at or below ``target`` (False without either)."""
+    value = _as_float(logged)
+    return target is not None and value is not None and value <= target
 
 
 def validation_metrics(logged: Any) -> dict[str, float | None]:
@@ -339,6 +404,9 @@ def print_summary(summary: dict[str, Any], path: Path) -> None:
         *((f"slowed rank {slow['rank']} (x, waited s)", f"{slow['base'] * slow['factor']:.2f}, {slow['waited_s']:.1f}")
           for slow in (summary.get("compute") or {}).get("slowed", [])),
         ("training wall time (s)", fmt(summary["train_seconds"], ".1f")),
+        ("compute utilization", fmt(summary.get("compute_utilization"), ".3f")),
+        *([(f"time to val loss {summary['target_val_loss']:g} (s)", fmt(summary.get("time_to_target_s"), ".1f"))]
+          if summary.get("target_val_loss") is not None else []),
         ("  of which checkpoints (s)", fmt(summary["timing"]["checkpoint_s"], ".1f")),
         ("setup before training (s)", fmt(summary["timing"]["setup_s"], ".1f")),
     ]

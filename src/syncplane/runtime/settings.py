@@ -7,14 +7,16 @@ every worker calls it again on the resolved YAML it was handed.
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from syncplane.job import JobContext
 from syncplane.config import ConfigError, check_kwargs, parse_dataclass
+
+if TYPE_CHECKING:
+    from syncplane.algorithms.spec import ElasticLaunch, LaunchSettings   # at run time: in parse_job, lazily
 
 
 @dataclass
@@ -34,11 +36,13 @@ class TrainerSettings:
     threads_per_rank: int = 0  # 0: split this machine's cores evenly between local ranks
     rendezvous_timeout_s: float = 300.0  # how long ranks wait for each other at start before naming the missing
     heartbeat_timeout_s: float = 15.0   # a rank silent this long counts as lost and stops the job; 0: no heartbeat
-    max_restarts: int = 0   # elastic DiLoCo: times the launcher restarts a failed replica (torchrun's flag, per replica)
-    restart_delay_s: float = 0.0   # elastic DiLoCo: wait before a restart (the others go on without it first)
+    max_restarts: int = 0   # elastic jobs: times the launcher restarts a failed replica (torchrun's flag, per replica)
+    restart_delay_s: float = 0.0   # elastic jobs: wait before a restart (the others go on without it first)
     # an emulated accelerator: every computed batch takes this long at nominal speed, its CPU work
     # included, a timed wait filling the rest (syncplane.runtime.slowdown); 0: off, batches take what the CPU takes
     emulated_step_s: float = 0.0
+    # summary.json's time_to_target_s: training seconds until the first validation loss at or below it; null: none
+    target_val_loss: float | None = None
 
     def validate(self) -> None:
         if self.devices < 1:
@@ -70,13 +74,15 @@ class TrainerSettings:
             raise ConfigError(f"restart_delay_s: must be >= 0, got {self.restart_delay_s}")
         if not 0 <= self.emulated_step_s <= 60:
             raise ConfigError(f"emulated_step_s: must be between 0 (off) and 60 seconds, got {self.emulated_step_s}")
+        if self.target_val_loss is not None and not self.target_val_loss > 0:
+            raise ConfigError(f"target_val_loss: must be positive (or null), got {self.target_val_loss}")
 
 
 def lightning_precisions() -> tuple[str, ...]:
     """The ``precision`` strings Lightning's Trainer accepts (its own list, aliases included)."""
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+    from syncplane.lightning_adapter import lightning_precisions as accepted   # imports Lightning: only when asked
 
-    return (*typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
+    return accepted()
 
 
 #: fault kinds that take a rank out of the job; ``slow`` only slows one down
@@ -150,12 +156,20 @@ class JobSpec:
     cluster: Any = None        # a ClusterProfile: run every rank inside its emulated host
     # failures to inject (testing what the job does): ``fault`` is one mapping or a list of them
     faults: list[FaultSettings] = field(default_factory=list)
-    label: str | None = None   # the run's name in comparisons (a variant: ``diloco[compression=int8]``)
+    label: str | None = None   # the run's name in comparisons (a variant: ``NAME[key=value,...]``)
 
     @property
     def elastic(self) -> bool:
-        """Elastic DiLoCo: independent replicas around a quorum service, not one process group."""
-        return self.strategy.name == "diloco" and bool(self.strategy.kwargs.get("elastic", False))
+        """Independent replicas around a quorum service, not one process group (the strategy's
+        ``AlgorithmSpec.elastic`` asks for it: ``elastic_launch``)."""
+        return self.elastic_launch is not None
+
+    @property
+    def elastic_launch(self) -> ElasticLaunch | None:
+        """How the launcher starts this job's replicas when it is elastic (None: one process group)."""
+        from syncplane.algorithms import elastic_launch
+
+        return elastic_launch(self.strategy.name, self.strategy.kwargs)
 
 
 #: what ``seed_everything`` (numpy's generator) accepts
@@ -167,6 +181,7 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", wor
     what depends on the job's ranks: ``world`` as another launcher started them, by default
     ``trainer.devices`` ranks on this machine or on the emulated ``cluster``."""
     from syncplane import recipes as recipes_registry
+    from syncplane.algorithms.spec import LaunchSettings
     from syncplane.strategies import registry as strategy_registry
 
     allowed_top = {"strategy", "recipe", "trainer", "logger", "seed", "resume", "cluster", "fault", "label"}
@@ -208,15 +223,8 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", wor
         raise ConfigError(f"resume: expected the path of an existing checkpoint file, got {resume!r}")
     trainer = parse_dataclass(TrainerSettings, cfg.get("trainer"), "trainer")
     faults = parse_faults(cfg.get("fault"))
-    elastic = name == "diloco" and bool(kwargs.get("elastic", False))
-    if trainer.max_restarts and not elastic:
-        raise ConfigError(f"trainer.max_restarts={trainer.max_restarts}: only elastic jobs (strategy=diloco "
-                          "strategy.kwargs.elastic=true) restart a failed rank; the others stop as a group")
-    if elastic and cfg.get("cluster") is not None and kwargs.get("lighthouse_host", "127.0.0.1") != "127.0.0.1":
-        raise ConfigError(f"strategy.kwargs.lighthouse_host={kwargs['lighthouse_host']}: on an emulated cluster the "
-                          "quorum service runs on host 0 and binds its first NIC; leave lighthouse_host unset")
-    if elastic and resume is not None:
-        raise ConfigError("resume: an elastic job does not resume from a checkpoint (replicas heal from a live peer)")
+    check_launch(name, kwargs, LaunchSettings(emulated=cfg.get("cluster") is not None, resume=resume,
+                                              max_restarts=trainer.max_restarts))
     if any(f.kind == "netdown" for f in faults) and cfg.get("cluster") is None:
         raise ConfigError("fault.kind=netdown takes the rank's host NICs down: only on an emulated cluster "
                           "(cluster=...), never on this machine's own interfaces")
@@ -256,6 +264,21 @@ def parse_job(cfg: Mapping[str, Any], run_dir: str, job_name: str = "train", wor
         faults=faults,
         label=parse_label(cfg.get("label")),
     )
+
+
+def check_launch(name: str, kwargs: Mapping[str, Any], launch: LaunchSettings) -> None:
+    """The strategy's settings against the launch's, before any rank starts: restarts only for
+    an elastic job (the others stop as a group), then the family's own ``check_launch``
+    (``strategy=auto`` is checked on the settings it chooses from)."""
+    from syncplane import algorithms
+    from syncplane.runtime import autopilot
+
+    if launch.max_restarts and algorithms.elastic_launch(name, kwargs) is None:
+        raise ConfigError(f"trainer.max_restarts={launch.max_restarts}: only elastic jobs "
+                          f"({', '.join(algorithms.elastic_settings())}) restart a failed rank; the others stop "
+                          "as a group")
+    if name != autopilot.AUTO:
+        algorithms.spec_for(name).check_launch(name, kwargs, launch)
 
 
 def parse_label(value: Any) -> str | None:

@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from syncplane.algorithms.diloco.adaptive import SKIPPED_BATCH
+from syncplane.algorithms.spec import SKIPPED_BATCH
 from syncplane.runtime.settings import FaultSettings
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def plan_slowdowns(speeds: Sequence[float] | None, faults: Sequence[FaultSetting
 
 
 def skipped(outputs: Any) -> bool:
-    """Whether the strategy skipped the batch (time-budgeted DiLoCo marks its output)."""
+    """Whether the strategy skipped the batch (it marks its output: ``spec.SKIPPED_BATCH``)."""
     return isinstance(outputs, Mapping) and outputs.get(SKIPPED_BATCH) is True
 
 
@@ -92,6 +92,7 @@ class SlowCompute(Callback):
         self.waited_s = 0.0
         self.steps = 0      # batches computed (emulated accelerator)
         self.overruns = 0   # of which the real compute alone took longer than the nominal time
+        self.busy_s = 0.0   # the emulated accelerator's compute: nominal_s x slowdown per computed batch
         self._start = 0.0
         self._computed = 0.0   # the clock when the batch's compute ended (before its optimizer step)
         self._step = 0
@@ -120,6 +121,7 @@ class SlowCompute(Callback):
         """Emulated accelerator: a batch of ``step`` whose real compute took ``compute_s`` lasts
         ``nominal_s`` x the slowdown; waits the rest and returns the wait."""
         self.steps += 1
+        self.busy_s += self.nominal_s * self.slowdown.at(step)
         extra = self.nominal_s * self.slowdown.at(step) - compute_s
         if extra <= 0:
             self.overruns += 1
@@ -157,6 +159,17 @@ class ComputeReport:
         if self.own is not None:
             waits[self.rank] = self.own.waited_s
         return [*waits, float(self.own.steps if self.own else 0), float(self.own.overruns if self.own else 0)]
+
+    def compute_seconds(self, measured_s: float) -> float:
+        """This rank's compute for ``compute_utilization``, given its measured forward and backward
+        seconds: the emulated accelerator's busy time when there is one (an overrun batch counts
+        its nominal time: the CPU, not the accelerator, was slow), else the measured seconds
+        plus a slowed rank's wait (its slower GPU's extra compute)."""
+        if self.own is None:
+            return measured_s
+        if self.own.nominal_s > 0:
+            return self.own.busy_s
+        return measured_s + self.own.waited_s
 
     def as_dict(self, summed: Sequence[float]) -> dict[str, Any]:
         """The summary entry from ``waits`` summed over the ranks."""

@@ -128,7 +128,8 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     slow = (SlowCompute(slowdowns.get(own_rank, Slowdown()), nominal_s=nominal_s)
             if own_rank in slowdowns or nominal_s > 0 else None)
     report = RunReport(spec.run_dir, spec.strategy.name, spec.recipe_name, spec.seed, spec.label,
-                       compute=ComputeReport(speeds, slowdowns, own_rank, slow, nominal_s))
+                       compute=ComputeReport(speeds, slowdowns, own_rank, slow, nominal_s),
+                       target_val_loss=spec.trainer.target_val_loss)
     checkpoints = LastCheckpoint(Path(spec.run_dir) / "checkpoints")
     trainer_cfg = spec.trainer
     # CPU processes may be spread unevenly over (emulated) hosts: present them to

@@ -13,6 +13,7 @@ Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ from syncplane.algorithms.diloco.node import node_cost
 from syncplane.config import ConfigError
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions
+from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, ElasticLaunch, LaunchSettings, QuorumService, Switch
 from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.exchanges.cpu import CpuWork
@@ -90,6 +91,58 @@ def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
         check_topology(topology, job)
 
 
+def _elastic(kwargs: Mapping[str, Any]) -> bool:
+    return bool(kwargs.get("elastic", False))
+
+
+def _check_launch(name: str, kwargs: Mapping[str, Any], launch: LaunchSettings) -> None:
+    """An elastic job's quorum service binds host 0's first NIC on an emulated cluster (no
+    ``lighthouse_host`` there), and its replicas heal from a live peer (no ``resume``)."""
+    if not _elastic(kwargs):
+        return
+    if launch.emulated and kwargs.get("lighthouse_host", "127.0.0.1") != "127.0.0.1":
+        raise ConfigError(f"strategy.kwargs.lighthouse_host={kwargs['lighthouse_host']}: on an emulated cluster the "
+                          "quorum service runs on host 0 and binds its first NIC; leave lighthouse_host unset")
+    if launch.resume is not None:
+        raise ConfigError("resume: an elastic job does not resume from a checkpoint (replicas heal from a live peer)")
+
+
+def _start_lighthouse(host: str, **options: Any) -> QuorumService:
+    """torchft's Lighthouse in this process (``ft.start_lighthouse``; imported here, when a job needs it)."""
+    from syncplane.algorithms.diloco import ft
+
+    return ft.start_lighthouse(host, **options)
+
+
+#: elastic mode (``elastic=true``): replicas around torchft's Lighthouse (``ft``, ``elastic``)
+ELASTIC = ElasticLaunch(
+    enabled=_elastic,
+    setting="strategy.kwargs.elastic=true",
+    start=_start_lighthouse,
+    timeouts=lambda kwargs: {"join_timeout_s": float(kwargs.get("join_timeout_s", 60.0)),
+                             "heartbeat_timeout_s": float(kwargs.get("heartbeat_timeout_s", 5.0))},
+    bind=lambda kwargs: str(kwargs.get("lighthouse_host", "127.0.0.1")),
+)
+
+#: what a re-plan switches, at a round boundary, on one rank per replica: how Δ travels. Every
+#: replica holds θ_g after the outer step and the outer state does not depend on the exchange,
+#: so it is carried over (the sparse codec's error-feedback residuals start from zero).
+SWITCH_KEYS = ("shards", "exchange", "compression")
+
+
+def _switch(strategy: Any, kwargs: Mapping[str, Any]) -> None:
+    """Collective: the running strategy's ``SWITCH_KEYS`` set to ``kwargs``' (the defaults where
+    absent) by its ``switch_settings`` (``strategies/diloco.py``)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DiLoCoConfig)}
+    strategy.switch_settings({key: kwargs.get(key, defaults[key]) for key in SWITCH_KEYS})
+
+
+def _not_switched(kwargs: Mapping[str, Any]) -> str | None:
+    if kwargs.get("replica", "rank") != "rank":
+        return "diloco with replica=node holds its outer state sharded over a node; only replica=rank switches"
+    return None
+
+
 SPEC = AlgorithmSpec(
     family="diloco",
     strategies={"diloco": "DiLoCo: H local steps, then an outer Nesterov step on the gloo-averaged "
@@ -108,4 +161,7 @@ SPEC = AlgorithmSpec(
                          *({"replica": "node", "shards": s} for s in STREAM_CHOICES))},
     period_key="sync_every",
     cpu=diloco_cpu,
+    check_launch=_check_launch,
+    elastic=ELASTIC,
+    switch=Switch(keys=SWITCH_KEYS, apply=_switch, refuse=_not_switched),
 )

@@ -44,15 +44,13 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from syncplane.algorithms.spec import SKIPPED_BATCH
+
 log = logging.getLogger(__name__)
 
 #: How much longer than the budget a replica may take before it skips a slot: step times of
 #: equally fast replicas differ by noise, and they should all keep every slot.
 SLACK = 0.1
-
-#: The key a skipped batch's training-step output carries (True): what the run's report and the
-#: emulated slow compute read, so that a skipped batch counts no samples and no compute.
-SKIPPED_BATCH = "skipped_batch"
 
 #: ``gather(value) -> every rank's value, in rank order`` (a collective, same order everywhere).
 Gather = Callable[[float], list[float]]
