@@ -117,7 +117,7 @@ class BCubeSpec:
     def direct_ring(self) -> list[int]:
         """Every host, in a cyclic order whose neighbours differ in one address digit (the
         modular α-ary Gray code): a ring in this order has no relayed hop. A ring in host
-        order has some, and they slow it (measured in docs/benchmarks.md, "BCube: a ring in
+        order has some, and they slow it (measured in docs/design-notes.md, "BCube: a ring in
         rank order runs at half speed through its relays")."""
         order = []
         for i in range(self.alpha ** self.beta):
