@@ -7,7 +7,7 @@ STAMP := build/.installed
 # Install the package (editable) with its extras, then compile the C++ kernels once.
 # Re-runs only when pyproject.toml changes; `make setup -B` forces it.
 $(STAMP): pyproject.toml
-	$(PYTHON) -m pip install -e ".[dev,vision,nlp,ft]"
+	$(PYTHON) -m pip install -e ".[dev,vision,nlp,ft,wandb]"
 	@# Real Fashion-MNIST for the fashion_mnist recipe, from Debian when apt (as root) has it;
 	@# optional: without it the recipe needs recipe.data_dir, and the tests make their own IDX files.
 	-@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \

@@ -26,7 +26,10 @@ import yaml
 
 from syncplane.config import ConfigError, parse_dataclass
 
-PROFILE_DIR = Path(__file__).resolve().parents[3] / "configs" / "cluster"
+#: The shipped profiles: configs/cluster in a checkout, the package's copy in an installed wheel.
+PROFILE_DIR = next((d for d in (Path(__file__).resolve().parents[3] / "configs" / "cluster",
+                                Path(__file__).resolve().parent / "profiles") if d.is_dir()),
+                   Path(__file__).resolve().parent / "profiles")
 #: the hosts' TCP congestion control unless a profile names one: Linux's own default
 DEFAULT_TCP_CONGESTION = "cubic"
 

@@ -42,7 +42,11 @@ def make_loggers(spec: JobSpec) -> list[Any]:
     if spec.logger.csv:
         loggers.append(CSVLogger(save_dir=spec.run_dir, name="csv", version=""))
     if spec.logger.wandb:
-        import wandb
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("logger.wandb: Weights & Biases is an extra: pip install 'syncplane[wandb]' "
+                              "(or log CSV only: logger=csv)") from None
 
         # Offline by default and no crash reports: a run must make no network calls
         # unless the user asked for mode=online.
