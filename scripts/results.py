@@ -386,8 +386,19 @@ def render_table(table: Table) -> str:
     return "\n".join(parts)
 
 
+def unrendered() -> list[str]:
+    """``docs/results/*.json`` files that no section renders: neither of the generic shape nor
+    matched by a section of their own (a new file needs one, or it would silently be left out)."""
+    claimed = {s.path for r in SECTIONS if r.render is not generic_tables for s in sources(r.pattern)}
+    return [s.rel for s in sources("results/*.json")
+            if s.path not in claimed and not (isinstance(s.data.get("rows"), list) and "columns" in s.data)]
+
+
 def page() -> str:
     """``docs/benchmarks.md``."""
+    if unrendered():
+        raise ValueError(f"no section renders {unrendered()}: give it the generic shape (title, created, commit, "
+                         "command, columns, rows) or a function of its own (scripts/results.py's docstring)")
     tables = [t for registered in SECTIONS for t in registered.render(sources(registered.pattern))]
     head = [
         "# Results", "",
