@@ -127,10 +127,18 @@ def config_page(root: Path) -> str:
             if group == "strategy":
                 listed = {key.split(".", 1)[1] for key, _, _ in yaml_keys(path) if key.startswith("kwargs.")}
                 name = yaml.safe_load(path.read_text()).get("name", path.stem)
-                rows += _extra_rows(name, listed)
+                rows += _extra_rows(name, listed, commented_keys(path))
             title = path.relative_to(root).as_posix()
             parts += [f"### `{title}`", "", _table(rows, ("key", "value", "meaning")) if rows else "(no keys)\n"]
     return "\n".join(parts)
+
+
+COMMENTED_KEY = re.compile(r"^\s*#\s+(?P<key>[a-z_][\w]*):\s+(?P<value>\S+)\s+(?P<meaning>\S.*)$")
+
+
+def commented_keys(path: Path) -> dict[str, str]:
+    """Keys a YAML documents in a comment without setting them (``#   staleness: 0   s: ...``)."""
+    return {m["key"]: m["meaning"] for line in path.read_text().splitlines() if (m := COMMENTED_KEY.match(line))}
 
 
 def _first_comment(path: Path) -> str:
@@ -138,14 +146,25 @@ def _first_comment(path: Path) -> str:
     return lines[0].lstrip("# ") if lines and lines[0].startswith("#") else ""
 
 
-def _extra_rows(name: str, listed: set[str]) -> list[list[str]]:
-    from syncplane.strategies import registry
-    from syncplane.strategies.registry import DDPStrategy
+def _extra_rows(name: str, listed: set[str], meanings: dict[str, str]) -> list[list[str]]:
+    """The keywords of strategy ``name``'s own classes (not Lightning's) that its YAML does not
+    list, with their defaults: set with ``+strategy.kwargs.KEY=VALUE``."""
+    import inspect
 
-    if name not in registry.names() or registry.strategy_class(name) is DDPStrategy:
-        return []  # ddp passes torch's DistributedDataParallel keywords on: torch documents them
-    return [[f"`kwargs.{key}`", f"`{default}`", f"not in the YAML: `+strategy.kwargs.{key}=VALUE`"]
-            for key, default in registry.accepted_params(name).items() if key not in listed]
+    from syncplane.strategies import registry
+
+    if name not in registry.names():
+        return []
+    defaults: dict[str, Any] = {}
+    for klass in reversed(registry.strategy_class(name).__mro__):
+        if "__init__" in vars(klass) and klass.__module__.startswith("syncplane"):
+            for key, param in inspect.signature(klass.__init__).parameters.items():
+                if key != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                    defaults[key] = param.default
+    accepted = registry.accepted_params(name)
+    return [[f"`kwargs.{key}`", "" if default is inspect.Parameter.empty else f"`{default}`",
+             (_cell(meanings.get(key, "")) + f" (not in the YAML: `+strategy.kwargs.{key}=VALUE`)").strip()]
+            for key, default in defaults.items() if key not in listed and key in accepted]
 
 
 # --- environment variables -------------------------------------------------------------------

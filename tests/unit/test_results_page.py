@@ -114,6 +114,15 @@ def test_a_new_json_file_is_one_function(tmp_path, monkeypatch):
     assert "## tiny_lm on wan_two_sites" in results.render_table(table)
 
 
+def test_a_results_file_no_section_renders_is_named(tmp_path, monkeypatch):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "new.json").write_text(json.dumps({"title": "t", "rows": [{"a": 1}]}))
+    monkeypatch.setattr(results, "DOCS", tmp_path)
+    assert results.unrendered() == ["results/new.json"]
+    with pytest.raises(ValueError, match="no section renders"):
+        results.page()
+
+
 def test_an_unknown_block_is_named():
     with pytest.raises(KeyError, match="unknown results block 'nosuch:x'"):
         results.fill_blocks("<!-- results:nosuch:x -->\nold\n<!-- /results:nosuch:x -->\n")
@@ -140,6 +149,8 @@ def test_the_cli_reference_has_every_flag():
 def test_yaml_keys_carry_their_comments(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("# top\nname: x\nkwargs:\n  a: 1      # the a\n  b: auto  # the b,\n            # continued\n"
+                    "  # set with +strategy.kwargs.KEY=VALUE:\n  #   s: 0     delay in steps\n"
                     "defaults:\n  - c: d\n")
     assert reference_docs.yaml_keys(path) == [("name", "x", ""), ("kwargs.a", "1", "the a"),
                                               ("kwargs.b", "auto", "the b, continued")]
+    assert reference_docs.commented_keys(path) == {"s": "delay in steps"}
