@@ -413,7 +413,8 @@ def page() -> str:
         "## Every strategy on every profile", "",
         "One step's sync against DDP's on each shipped emulated profile at the ResNet-50 payload (97.5 MB of fp32 "
         "gradients): higher is faster. **Bold**: the fastest that gives DDP's result (exact); *italic*: the "
-        "fastest of the rest (approximate: the model differs from DDP's). A profile's page has its table "
+        "fastest of the rest (approximate: the model differs from DDP's); a row without bold: DDP itself was the "
+        "fastest exact one. A profile's page has its table "
         "(bound ratio, model error, bytes, CPU) and chart. " + grid_provenance() + " Command: `make scoreboard`.", "",
         grid(), "",
         "## Training: time to accuracy", "",
