@@ -134,8 +134,7 @@ def _rank(rank: int, world: int, port: int, layout: str, per_host: int, params: 
           name: str, layers: int | None, meta: bool) -> None:
     from syncplane.algorithms.diloco.config import DiLoCoConfig
     from syncplane.algorithms.diloco.engine import DiLoCoEngine
-    from syncplane.algorithms.diloco.layout import node_layout
-    from syncplane.algorithms.diloco.node import NodeEngine
+    from syncplane.algorithms.diloco.layout import job_layout
     from syncplane.comm import CommMeter
     from syncplane.job import JobContext
 
@@ -151,12 +150,8 @@ def _rank(rank: int, world: int, port: int, layout: str, per_host: int, params: 
         model = _model(name, params, layers)
     phases["model"] = _rss_mb(rank, "model built")
     config = DiLoCoConfig(sync_every=2, exchange="mesh", replica=replica, inner=inner)
-    if replica == "rank":
-        tensors = [p.data for p in model.parameters()]
-        engine, module = DiLoCoEngine(tensors, sum(t.numel() for t in tensors), config, job), model
-    else:
-        engine = NodeEngine(model, config, job, node_layout(replica, inner, job), init=bert_init if meta else None)
-        module = engine.module
+    engine = DiLoCoEngine(model, config, job, job_layout(replica, inner, job), init=bert_init if meta else None)
+    module = engine.module
     phases["engine"] = _rss_mb(rank, "engine built")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.0 if name == "bert-large" else 0.9)
     losses = []
@@ -170,7 +165,7 @@ def _rank(rank: int, world: int, port: int, layout: str, per_host: int, params: 
         if (step + 1) % 2 == 0:
             tensors = [p.data for p in model.parameters()]
             engine.launch(tensors, 0, step + 1, False, CommMeter())
-            engine.merge(tensors, engine.outer.pop(0), 0.0)
+            engine.merge(tensors, engine.pop(0), 0.0)
             phases[f"round {(step + 1) // 2}"] = _rss_mb(rank, f"round {(step + 1) // 2}")
     result = {"layout": layout, "rank": rank, "params": sum(p.numel() for p in model.parameters()),
               "outer_state_bytes": engine.outer_state_bytes(), "losses": losses, "phases": phases, "meta": meta,

@@ -43,7 +43,6 @@ from syncplane.algorithms.diloco import rounds as diloco_rounds
 from syncplane.algorithms.diloco.adaptive import TimedRounds, check_weighting, gather_floats, skipped_step_output
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
-from syncplane.algorithms.diloco.node import NodeEngine
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
@@ -100,7 +99,7 @@ class DiLoCo(SyncplaneStrategy):
         self.mix_alpha = self.config.alpha
         self.rounds = 0     # committed outer steps (one per fragment round)
         self.skipped = 0    # discarded rounds
-        self._engine: DiLoCoEngine | NodeEngine | None = None
+        self._engine: DiLoCoEngine | None = None
         if bool(elastic) != self.ELASTIC:
             raise ValueError(f"elastic={elastic!r} on {type(self).__name__}: construct DiLoCo(..., elastic=...), "
                              "which picks the class for the mode")
@@ -110,20 +109,18 @@ class DiLoCo(SyncplaneStrategy):
 
     @override
     def setup_sync(self, job: JobContext) -> None:
-        n_params = sum(p.numel() for p in self.lightning_module.parameters())
         if self._engine is not None:
             self._engine.close()
-        self._engine, details = diloco_rounds.build_engine(self.config, job, self.model, self.model_tensors, n_params,
+        self._engine, details = diloco_rounds.build_engine(self.config, job, self.model,
                                                            self.determine_ddp_device_ids())
-        if isinstance(self._engine, NodeEngine):
-            self.model = self._engine.module
+        self.model = self._engine.module
         self.details.update(details)
         if self.inner_steps == "time":
             check_weighting(self.config.time_weighting,
                             sum(b.is_floating_point() for b in self.lightning_module.buffers()))
             pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
             self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s,
-                                      self.config.time_weighting, pace)
+                                      self.config.time_weighting, pace, replicas=self.engine.layout.nodes)
 
     @override
     def makes_meta_models(self) -> bool:
@@ -134,7 +131,7 @@ class DiLoCo(SyncplaneStrategy):
         return getattr(self.engine, "consensus_group", None)   # inner=fsdp: the ranks holding this rank's shard
 
     @property
-    def engine(self) -> DiLoCoEngine | NodeEngine:
+    def engine(self) -> DiLoCoEngine:
         if self._engine is None:
             raise RuntimeError("diloco is not set up yet (setup_sync runs when fitting starts)")
         return self._engine
@@ -179,17 +176,17 @@ class DiLoCo(SyncplaneStrategy):
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        outer = self.engine.outer
+        engine = self.engine
         done = self.step + 1   # self.step (trainer.global_step) counts the steps before this one
         timed = self._timed
         if timed is not None and self._step_end is not None and self._computes():
             timed.record(time.perf_counter() - self._step_end)
-        for fragment in outer.starting(done):
+        for fragment in engine.starting(done):
             if self.overlap_steps == 0:
                 self.outer_sync(fragment)
             else:
                 self._launch(fragment, done, background=True)
-        for round_ in outer.pop_due(done):
+        for round_ in engine.pop_due(done):
             self._merge(round_)
         if timed is not None and done % self.sync_every == 0:
             self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank),
@@ -200,33 +197,33 @@ class DiLoCo(SyncplaneStrategy):
         """One blocking round of a fragment (the whole model when P = 1): average Δ (and
         the floating buffers), outer step, copy back. True if committed."""
         self._launch(fragment, self.step + 1, background=False)
-        round_ = self.engine.outer.pop(fragment)
+        round_ = self.engine.pop(fragment)
         self._merge(round_)
         return bool(round_.committed)
 
     @property
     def outer_params(self) -> torch.Tensor:
         """θ_g, the global parameters (a flat copy)."""
-        return self.engine.outer.params
+        return self.engine.params
 
     @override
     def finish_pending_sync(self) -> None:
         if self._engine is not None:
-            self._engine.outer.wait()
+            self._engine.wait()
 
     def switch_settings(self, changes: Mapping[str, Any]) -> None:
         """Collective, at a round boundary (a re-plan's switch: ``SPEC.switch``): the exchange
         rebuilt with ``changes`` (``DiLoCoConfig`` fields, new groups), the outer optimizer's
         state carried over."""
         self.finish_pending_sync()
-        outer = self.engine.outer.state_dict()
+        outer = self.engine.state_dict()
         self.config = dataclasses.replace(self.config, **changes)
         self.setup_sync(self.job)          # closes the old exchange, builds the new one
-        self.engine.outer.load_state_dict(outer)
+        self.engine.load_state_dict(outer)
 
     def _launch(self, fragment: int, done: int, background: bool) -> None:
         """Start a round of ``fragment`` after step ``done``; it merges ``overlap_steps`` later."""
-        scale = 1.0    # inner_steps=time: Δ weighted by the batches each replica processed (time_weighting)
+        scale = None   # the replica's rank count; inner_steps=time: the batches it processed (time_weighting)
         if self._timed is not None:
             dealt = self._dealer
             scale = self._timed.scale(None if dealt is None else dealt.round_counts(done // self.sync_every - 1))
@@ -246,7 +243,7 @@ class DiLoCo(SyncplaneStrategy):
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
-        state = diloco_rounds.round_state(self.engine.outer.state_dict(), self._round_settings(), self.rounds,
+        state = diloco_rounds.round_state(self.engine.state_dict(), self._round_settings(), self.rounds,
                                           self.skipped, self._timed, diloco_rounds.exchange_ran(self.engine, self.config))
         if self._dealer is not None:
             state["dealt"] = self._dealer.state_dict(self.step)
@@ -258,7 +255,7 @@ class DiLoCo(SyncplaneStrategy):
             return
         diloco_rounds.check_resumed(state, self._round_settings())
         diloco_rounds.check_exchange_resumed(state, diloco_rounds.exchange_ran(self.engine, self.config))
-        self.engine.outer.load_state_dict(state)
+        self.engine.load_state_dict(state)
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
         if self._timed is not None:
             self._timed.load_state_dict(state["timed"])   # the counts agreed for the round in progress

@@ -75,10 +75,10 @@ def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
 
     def recorded(strategy: Any, changes: Any) -> None:
         before = [p.detach().clone() for p in strategy.lightning_module.parameters()] + \
-            _tensors(strategy.engine.outer.state_dict())
+            _tensors(strategy.engine.state_dict())
         switch(strategy, changes)
         after = [p.detach().clone() for p in strategy.lightning_module.parameters()] + \
-            _tensors(strategy.engine.outer.state_dict())
+            _tensors(strategy.engine.state_dict())
         switches.append((before, after))
 
     DiLoCo.switch_settings = recorded   # this process's only (a spawned rank)
@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     return {"replans": auto["replans"], "checks": auto["replan"]["checks"], "probed": probed,
             "switches": switches, "exchange": strategy.details["exchange"], "config": asdict(strategy.config),
             "params": [p.detach().clone() for p in model.parameters()],
-            "outer": _tensors(strategy.engine.outer.state_dict()), "rounds": strategy.rounds}
+            "outer": _tensors(strategy.engine.state_dict()), "rounds": strategy.rounds}
 
 
 def test_every_rank_switches_alike_and_keeps_one_model(tmp_path) -> None:
@@ -148,7 +148,7 @@ def _resume_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
         return {"replans": [(r["step"], r["best"]["kwargs"]) for r in auto.get("replans", [])],
                 "checks": auto.get("replan", {}).get("checks"), "config": asdict(strategy.config),
                 "params": [p.detach().clone() for p in model.parameters()],
-                "outer": _tensors(strategy.engine.outer.state_dict()),
+                "outer": _tensors(strategy.engine.state_dict()),
                 "residuals": _tensors(strategy.rank_state_dict()), "rounds": strategy.rounds}
 
     whole = fit("whole")

@@ -159,9 +159,9 @@ def _recorded_nesterov(rank: int, world: int, tmp_dir: str, late_round: int):
             local = [t.detach().clone() for t in self.lightning_module.parameters()]
             # only the late round has a short timeout, and its straggler waits until the
             # other rank is in the round: the commit list does not depend on the load
-            self.engine.exchange.timeout_s = 1.0 if len(self.log) == late_round else 60.0
+            self.engine.runners[0].timeout_s = 1.0 if len(self.log) == late_round else 60.0
             if len(self.log) == late_round:
-                straggle_after_peers_started(f"diloco-late-{late_round}", rank == 1, self.engine.exchange.timeout_s)
+                straggle_after_peers_started(f"diloco-late-{late_round}", rank == 1, self.engine.runners[0].timeout_s)
             committed = super().outer_sync(fragment)
             self.log.append((local, committed))
             return committed

@@ -22,7 +22,8 @@ from tests.helpers.distributed import run_distributed
 def _weighted_round(rank: int, world: int, seed: int, steps: list[int], weighting: str = "samples"):
     from syncplane.algorithms.diloco.adaptive import TimedRounds
     from syncplane.algorithms.diloco.config import DiLoCoConfig
-    from syncplane.algorithms.diloco.engine import DiLoCoEngine
+    from syncplane.algorithms.diloco.engine import DiLoCoEngine, parameter_module
+    from syncplane.algorithms.diloco.layout import ReplicaLayout
     from syncplane.comm.meter import CommMeter
     from syncplane.job import JobContext
 
@@ -34,11 +35,12 @@ def _weighted_round(rank: int, world: int, seed: int, steps: list[int], weightin
                           time_weighting=weighting)
     timed = TimedRounds(4, world, rank, weighting=config.time_weighting)
     timed.steps = steps
-    engine = DiLoCoEngine(tensors, 12, config, JobContext(rank=rank, world_size=world))
+    engine = DiLoCoEngine(parameter_module(tensors), config, JobContext(rank=rank, world_size=world),
+                          ReplicaLayout.of_sizes([1] * world))
     for t, mine in zip(tensors, replicas[rank]):
         t.copy_(mine)
     engine.launch(tensors, 0, due=4, background=False, meter=CommMeter(), scale=timed.scale())
-    assert engine.merge(tensors, engine.outer.pop(0), alpha=0.0)
+    assert engine.merge(tensors, engine.pop(0), alpha=0.0)
     engine.close()
     if weighting == "samples":
         dense = [sum(n * replica[i] for n, replica in zip(steps, replicas)) / sum(steps) for i in range(2)]

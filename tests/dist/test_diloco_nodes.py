@@ -49,16 +49,14 @@ def _engine(rank: int, world: int, sizes: list[int] | None, kwargs: dict, model:
     from syncplane.algorithms.diloco.config import DiLoCoConfig
     from syncplane.algorithms.diloco.engine import DiLoCoEngine
     from syncplane.algorithms.diloco.layout import ReplicaLayout
-    from syncplane.algorithms.diloco.node import NodeEngine
     from syncplane.job import JobContext
 
     job = JobContext(rank=rank, world_size=world)
     kwargs = {"exchange": "mesh", **kwargs}
     if sizes is None:
-        tensors = [p.data for p in model.parameters()]
-        return DiLoCoEngine(tensors, sum(t.numel() for t in tensors), DiLoCoConfig(**kwargs), job)
+        return DiLoCoEngine(model, DiLoCoConfig(**kwargs), job, ReplicaLayout.of_sizes([1] * world))
     config = DiLoCoConfig(replica="node", **kwargs)
-    return NodeEngine(model, config, job, ReplicaLayout.of_sizes(sizes, inner), init=init)
+    return DiLoCoEngine(model, config, job, ReplicaLayout.of_sizes(sizes, inner), init=init)
 
 
 def _train(engine, module, model, optimizer, seed: int, rank: int, steps: range, sync_every: int) -> None:
@@ -70,15 +68,15 @@ def _train(engine, module, model, optimizer, seed: int, rank: int, steps: range,
         _inner_step(module, optimizer, seed, rank, step)
         if (step + 1) % sync_every == 0:
             engine.launch(tensors, 0, step + 1, False, CommMeter())
-            engine.merge(tensors, engine.outer.pop(0), 0.0)
+            engine.merge(tensors, engine.pop(0), 0.0)
 
 
 def node_vs_ddp(rank: int, world: int, sizes: list[int], seed: int, steps: int, gather_chunk: int):
     from torch.nn.parallel import DistributedDataParallel
 
-    from syncplane.algorithms.diloco import node
+    from syncplane.algorithms.diloco import engine as diloco_engine
 
-    node.GATHER_CHUNK = gather_chunk
+    diloco_engine.GATHER_CHUNK = gather_chunk
 
     model = _model(seed)
     ddp = DistributedDataParallel(model)
@@ -117,7 +115,7 @@ def one_rank_nodes_vs_diloco(rank: int, world: int, seed: int, kwargs: dict):
         module = model if sizes is None else engine.module
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         _train(engine, module, model, optimizer, seed, rank, range(7), kwargs["sync_every"])
-        out.append(([p.detach().clone() for p in model.parameters()], engine.outer.params.clone()))
+        out.append(([p.detach().clone() for p in model.parameters()], engine.params.clone()))
         engine.close()
     return out
 
@@ -146,7 +144,7 @@ def resume_sharded(rank: int, world: int, sizes: list[int], seed: int):
 
     model, engine, module, optimizer = fresh()
     _train(engine, module, model, optimizer, seed, rank, range(12), 2)
-    straight = [p.detach().clone() for p in model.parameters()], engine.outer.params.clone()
+    straight = [p.detach().clone() for p in model.parameters()], engine.params.clone()
     engine.close()
 
     model, engine, module, optimizer = fresh()
@@ -164,7 +162,7 @@ def resume_sharded(rank: int, world: int, sizes: list[int], seed: int):
     engine.load_state_dict(state["sync"])
     engine.load_rank_state_dict(state["rank"])
     _train(engine, module, model, optimizer, seed, rank, range(6, 12), 2)
-    resumed = [p.detach().clone() for p in model.parameters()], engine.outer.params.clone()
+    resumed = [p.detach().clone() for p in model.parameters()], engine.params.clone()
     engine.close()
     return straight, resumed, saved_bytes, sum(p.numel() for p in model.parameters())
 
@@ -193,14 +191,14 @@ def sparse_node_round(rank: int, world: int, sizes: list[int], seed: int):
         _inner_step(engine.module, optimizer, seed, rank, step)
     local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     codec = ChunkedTopK(SPARSE["density"], SPARSE["bits"], SPARSE["chunk"])
-    pieces = {k: codec.compress(engine.outers[k].pseudo_gradient(local[slice(*engine.bounds[k])]) * engine.weight)
+    pieces = {k: codec.compress(engine.outers[k].outers[0].pseudo_gradient(local[slice(*engine.pieces[k][0])]) * engine.weight)
               for k in engine.owned}
     tensors = [p.data for p in model.parameters()]
     engine.launch(tensors, 0, 2, False, CommMeter())
-    assert engine.merge(tensors, engine.outer.pop(0), 0.0)
+    assert engine.merge(tensors, engine.pop(0), 0.0)
     after = {k: engine.outers[k].params.clone() for k in engine.owned}
     engine.close()
-    return before, pieces, after, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), engine.bounds
+    return before, pieces, after, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 @pytest.mark.parametrize("sizes", [[2, 2], [2, 1]], ids=str)
@@ -211,7 +209,7 @@ def test_sparse_shards_are_the_mean_of_their_owners_pieces_on_every_rank(sizes):
     results = run_distributed(sparse_node_round, sum(sizes), sizes, seed, timeout=180)
     codec = ChunkedTopK(SPARSE["density"], SPARSE["bits"], SPARSE["chunk"])
     owners: dict[int, list[int]] = {}
-    for rank, (_, pieces, _, _, _) in enumerate(results):
+    for rank, (_, pieces, _, _) in enumerate(results):
         for k in pieces:
             owners.setdefault(k, []).append(rank)
     assert sorted(owners) == [0, 1] and all(len(ranks) == 2 for ranks in owners.values())   # one owner per node
@@ -222,7 +220,7 @@ def test_sparse_shards_are_the_mean_of_their_owners_pieces_on_every_rank(sizes):
         for r in ranks:
             torch.testing.assert_close(results[r][2][k], results[r][0][k] - mean, rtol=0, atol=1e-6)
             assert torch.equal(results[r][2][k], results[ranks[0]][2][k])      # bit-identical across nodes
-    models = [model for _, _, _, model, _ in results]
+    models = [model for _, _, _, model in results]
     assert all(torch.equal(m, models[0]) for m in models)                        # every rank: one θ_g
 
 
@@ -384,11 +382,11 @@ def discard_one_shard(rank: int, world: int, seed: int):
     local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     tensors = [p.data for p in model.parameters()]
     engine.launch(tensors, 0, 1, False, CommMeter())
-    committed = engine.merge(tensors, engine.outer.pop(0), 0.0)
+    committed = engine.merge(tensors, engine.pop(0), 0.0)
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     moved = {k: not torch.equal(engine.outers[k].params, theta_g[k]) for k in engine.owned}
     engine.close()
-    return committed, local, after, moved, engine.bounds
+    return committed, local, after, moved, {k: engine.pieces[k][0] for k in engine.pieces}
 
 
 def test_a_discarded_shard_keeps_the_replicas_local_values_and_the_others_commit():
@@ -403,3 +401,51 @@ def test_a_discarded_shard_keeps_the_replicas_local_values_and_the_others_commit
         assert torch.equal(first[2][a1:b1], first[1][a1:b1])         # shard 1: θ_local kept
         assert not torch.equal(first[2][a0:b0], first[1][a0:b0])     # shard 0: the outer step's θ_g
     assert torch.equal(results[0][2][a0:b0], results[2][2][a0:b0])   # shard 0 agreed across nodes
+
+
+def _streamed(rank: int, world: int, sizes: list[int] | None, seed: int, steps: int, kwargs: dict):
+    """``steps`` inner steps under Streaming DiLoCo's schedule, driven as the strategy drives the
+    engine: a node of DDP ranks on nodes of ``sizes``, or (None) a replica per rank whose batch is
+    the batches of node ``rank``'s two ranks together (DDP's mean gradient over them)."""
+    from syncplane.algorithms.diloco.config import DiLoCoConfig
+    from syncplane.comm import CommMeter
+
+    model = _model(seed)
+    engine = _engine(rank, world, sizes, kwargs, model)
+    module, tau, alpha = engine.module, kwargs.get("overlap_steps", 0), DiLoCoConfig(**kwargs).alpha
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    tensors = [p.data for p in model.parameters()]
+    for step in range(steps):
+        if sizes is None:
+            parts = [_batch(seed, 2 * rank + j, step) for j in range(2)]
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(module(x), y).backward()
+            optimizer.step()
+        else:
+            _inner_step(module, optimizer, seed, rank, step)
+        done = step + 1
+        for fragment in engine.starting(done):
+            engine.launch(tensors, fragment, done + tau, tau > 0, CommMeter())
+        for round_ in engine.pop_due(done):
+            assert engine.merge(tensors, round_, alpha)
+    engine.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"sync_every": 4, "fragments": 2, "overlap_steps": 1},
+    {"sync_every": 3, "fragments": 3, "overlap_steps": 0, **PLAIN_AVERAGING},
+    {"sync_every": 4, "fragments": 1, "overlap_steps": 2, "mix_alpha": 0.3},
+], ids=["P2-tau1", "P3-blocking", "P1-tau2"])
+def test_a_node_of_ddp_ranks_runs_the_streaming_schedule_of_one_replica_with_its_batches(kwargs):
+    """Fragments and overlap on node replicas: 2 nodes of 2 DDP ranks equal 2 per-rank replicas
+    that train on each node's batches together -- the same fragments, offsets, overlap and mix,
+    the outer state sharded over the node's ranks (1e-5: DDP's mean gradient vs one batch)."""
+    seed = int(torch.randint(0, 2**20, ()))
+    nodes = run_distributed(_streamed, 4, [2, 2], seed, 12, kwargs, timeout=180)
+    ranks = run_distributed(_streamed, 2, None, seed, 12, kwargs, timeout=180)
+    for rank, params in enumerate(nodes):
+        for got, want in zip(params, ranks[rank // 2]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not all(torch.allclose(a, b) for a, b in zip(nodes[0], nodes[2]))   # overlap: replicas differ between merges

@@ -111,3 +111,21 @@ def test_fednova_is_refused_for_a_model_with_floating_buffers() -> None:
         check_weighting("fednova", 2)
     check_weighting("fednova", 0)
     check_weighting("samples", 3)
+
+
+def test_a_node_replica_computes_on_its_slowest_ranks_slots_and_weighs_by_its_samples():
+    """``replica: node`` with ``inner_steps: time``: a node's ranks train one model, so they take
+    the same slots (the slowest rank's count), and a node's weight is its ranks' batches together."""
+    from syncplane.algorithms.diloco.adaptive import TimedRounds
+
+    nodes = [[0, 1], [2]]
+    rounds = [TimedRounds(8, 3, rank, replicas=nodes) for rank in range(3)]
+    times = [0.1, 0.2, 0.1]       # rank 1 is slow: node 0 computes on rank 1's share of the budget
+    for timed in rounds:
+        assert timed.decide(lambda value: times) == [4, 4, 8]
+    counts = rounds[0].steps
+    samples = [counts[0] + counts[1], counts[2]]                      # node 0: 2 ranks x 4 batches
+    for rank, timed in enumerate(rounds):
+        mine = 0 if rank < 2 else 1
+        assert timed.scale() == pytest.approx(samples[mine] * 2 / sum(samples))
+    assert TimedRounds(8, 3, 0).decide(lambda value: times) == [8, 4, 8]   # a replica per rank: its own

@@ -13,7 +13,7 @@ from syncplane import algorithms, cli
 from syncplane.algorithms.decentralized.bench import NeighborAveragingStep
 from syncplane.algorithms.diloco.exchange import delta_codec
 from syncplane.algorithms.diloco.layout import ReplicaLayout
-from syncplane.algorithms.diloco.node import node_cost
+from syncplane.algorithms.diloco.cost import node_cost
 from syncplane.algorithms.plan import PlanInputs, make_plan
 from syncplane.algorithms.spec import CostOptions
 from syncplane.bench.runner import parse_strategies, report_rows

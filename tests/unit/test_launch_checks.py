@@ -197,14 +197,12 @@ def test_canary_nested_is_checked_against_the_emulated_clusters_profile(tmp_path
     ({"replica": "node"}, ("homogeneous8", 8), "replica='node' on a job of one rank per host"),
     ({"replica": "node"}, (None, 5, 2), "replica='node': the job's nodes do not divide"),
     ({"replica": "node", "elastic": True}, ("multi_nic", 4), "replica='node' with elastic=true"),
-    ({"replica": "node", "fragments": 2}, ("multi_nic", 4), "replica='node' runs plain DiLoCo rounds"),
-    ({"replica": "node", "exchange": "tree"}, ("multi_nic", 4), "replica='node' exchanges each shard"),
-    ({"replica": "node", "compression": "int8", "exchange": "gather"}, ("multi_nic", 4), "replica='node' exchanges each shard"),
+    ({"replica": "node", "exchange": "tree"}, ("multi_nic", 4), "replica='node' exchanges each outer shard"),
     ({"replica": "node", "inner": "fsdp"}, ("asymmetric_2_3", 5), "inner='fsdp' needs nodes of one size"),
 ], ids=lambda v: str(v)[:30])
 def test_diloco_node_replicas_refuse_a_job_they_cannot_run_naming_the_key(kwargs, job, key):
     """``replica: node`` needs hosts of several ranks that divide the job (the profile's hosts,
-    or ``LOCAL_WORLD_SIZE`` under torchrun); elastic and streaming rounds are refused by name."""
+    or ``LOCAL_WORLD_SIZE`` under torchrun); elastic mode and the tree are refused by name."""
     from syncplane.cluster import load_profile
     from syncplane.job import JobContext
     from syncplane.strategies import registry

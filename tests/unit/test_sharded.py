@@ -62,13 +62,13 @@ def test_reset_init_refuses_a_module_without_reset_parameters_by_name():
 def test_a_meta_model_needs_fsdp_and_an_init(inner, init):
     from syncplane.algorithms.diloco.config import DiLoCoConfig
     from syncplane.algorithms.diloco.layout import ReplicaLayout
-    from syncplane.algorithms.diloco.node import NodeEngine
+    from syncplane.algorithms.diloco.engine import DiLoCoEngine
     from syncplane.job import JobContext
 
     with torch.device("meta"):
         model = _model()
     with pytest.raises(ValueError, match="meta device needs inner='fsdp' and an init"):
-        NodeEngine(model, DiLoCoConfig(replica="node", exchange="mesh"), JobContext(rank=0, world_size=4),
+        DiLoCoEngine(model, DiLoCoConfig(replica="node", exchange="mesh"), JobContext(rank=0, world_size=4),
                    ReplicaLayout.of_sizes([2, 2], inner), init=init)
 
 

@@ -2,11 +2,12 @@
 
 Files: ``outer.py`` (the CPU outer optimizer and one round: Δ, average, step, commit or
 discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing α),
-``config.py`` (the validated settings), ``exchange.py`` (which all-reduce carries Δ: the
+``config.py`` (the validated settings), ``engine.py`` (the one round engine: every layout,
+schedule, codec, exchange and pacing), ``exchange.py`` (which all-reduce carries Δ: the
 transport's sharded owner exchange, ``syncplane.comm.streams``, or FlexReduce's tree run on
-the same S streams; their cost, and ``shards: auto``), ``layout.py`` and ``node.py`` (``replica:
-node``: a node's ranks are one replica, DDP or FSDP2 inside, the outer state sharded over
-them), ``bench.py``; the cost of a round
+the same S streams; their cost, and ``shards: auto``), ``layout.py`` (``replica: node``: a
+node's ranks are one replica, DDP or FSDP2 inside, the outer state sharded over them; ``rank``
+is nodes of one rank), ``cost.py`` (the node layout's price), ``bench.py``; the cost of a round
 is declared below.
 Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
 """
@@ -22,7 +23,7 @@ from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import (EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_cpu_work,
                                                 exchange_phases)
 from syncplane.algorithms.diloco.layout import ReplicaLayout, check_replica, node_layout
-from syncplane.algorithms.diloco.node import node_cost
+from syncplane.algorithms.diloco.cost import node_cost
 from syncplane.config import ConfigError
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext

@@ -116,11 +116,16 @@ class TimedRounds:
         budget_s: ``round_budget_s`` (None: H x the ``pace`` step time).
         pace: ``median`` (``time_samples: drop``) or ``fastest`` (``share``), see ``plan_round``.
         weighting: ``time_weighting``: ``samples`` or ``fednova`` (``WEIGHTINGS``).
+        replicas: the ranks of each replica (``replica: node``: a node's ranks train as one
+            model, so they compute on the same slots: the slowest rank's count); None: a
+            replica per rank.
     """
 
     def __init__(self, slots: int, world_size: int, rank: int, budget_s: float | None = None,
-                 weighting: str = "samples", pace: str = "median") -> None:
+                 weighting: str = "samples", pace: str = "median",
+                 replicas: Sequence[Sequence[int]] | None = None) -> None:
         self.slots, self.world_size, self.rank, self.budget_s, self.pace = slots, world_size, rank, budget_s, pace
+        self.replicas = [list(r) for r in replicas] if replicas and any(len(r) > 1 for r in replicas) else None
         self.weighting = weighting
         self.steps = [slots] * world_size   # the first round: every replica every slot
         self.round: int | None = 0          # the round ``steps`` belong to (None: unknown, an old checkpoint)
@@ -137,8 +142,18 @@ class TimedRounds:
 
     def scale(self, processed: Sequence[int] | None = None) -> float:
         """This rank's factor on its Δ for the round now ending (``WEIGHTINGS[weighting]``), from
-        the batches each replica ``processed`` in it (default: the agreed counts)."""
-        return WEIGHTINGS[self.weighting](self.steps if processed is None else processed, self.rank)
+        the batches each rank ``processed`` in it (default: the agreed counts). Node replicas:
+        the node's factor over the nodes, its samples being its ranks' batches together
+        (``fednova``: the node's step count, times its rank count's weight)."""
+        counts = self.steps if processed is None else processed
+        if self.replicas is None:
+            return WEIGHTINGS[self.weighting](counts, self.rank)
+        mine = next(i for i, ranks in enumerate(self.replicas) if self.rank in ranks)
+        if self.weighting == "samples":
+            return WEIGHTINGS["samples"]([sum(counts[r] for r in ranks) for ranks in self.replicas], mine)
+        sizes = [len(ranks) for ranks in self.replicas]
+        steps = [counts[ranks[0]] for ranks in self.replicas]
+        return fednova_scale(steps, mine) * sizes[mine] * len(sizes) / sum(sizes)
 
     def counts_for(self, round_: int) -> list[int]:
         """The agreed counts of round ``round_``, which must be the decided one (the data
@@ -158,6 +173,10 @@ class TimedRounds:
         if min(times) <= 0:   # a replica measured nothing (a resume at the boundary): keep the counts
             return self.steps
         steps = plan_round(times, self.slots, self.budget_s, self.pace)
+        for ranks in self.replicas or []:   # a node's ranks compute on the same slots: its slowest's
+            slowest = min(steps[r] for r in ranks)
+            for r in ranks:
+                steps[r] = slowest
         if steps != self.steps:
             log.info("diloco inner_steps=time: round %d, step times %s s -> inner steps %s of %d",
                      self.decisions + 1, ", ".join(f"{t:.3f}" for t in times), steps, self.slots)

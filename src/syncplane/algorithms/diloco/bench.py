@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.layout import node_layout
-from syncplane.algorithms.diloco.node import NodeEngine
+from syncplane.algorithms.diloco.engine import DiLoCoEngine, parameter_module
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.exchange import EXCHANGES, build_exchange, carried, delta_codec
 from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, PhaseProfile, ring_allreduce_bytes
@@ -65,7 +65,7 @@ class DiLoCoStep:
 
 
 class NodeStep:
-    """``replica: node``'s sync on the payload, by the engine training runs (``NodeEngine``,
+    """``replica: node``'s sync on the payload, by the engine training runs (``DiLoCoEngine``,
     inner DDP): every step, the node's all-reduce of the gradient (DDP's, in its 25 MB
     buckets, on the node's group: loopback); every ``period`` steps, the engine's round (each
     rank's shards of Δ exchanged with the same shards of the other nodes, L exchanges per node
@@ -85,13 +85,11 @@ class NodeStep:
         layout = node_layout("node", "ddp", job)
         assert layout is not None          # node_layout refuses a job of one rank per host
         self.layout, self.job = layout, job
-        self.engine: NodeEngine | None = None
+        self.engine: DiLoCoEngine | None = None
 
     def __call__(self, payload: torch.Tensor, step: int, meter: CommMeter) -> None:
         if self.engine is None:
-            module = torch.nn.Module()
-            module.register_parameter("payload", torch.nn.Parameter(payload))   # shares its storage
-            self.engine = NodeEngine(module, self.config, self.job, self.layout)
+            self.engine = DiLoCoEngine(parameter_module([payload]), self.config, self.job, self.layout)
         self._inner(payload, meter)
         if (step + 1) % self.period:
             return

@@ -108,8 +108,7 @@ class DiLoCoConfig:
             raise ValueError(f"topology: expected auto, a profile name / path, or a list of ranks per host "
                              f"(each >= 1), got {self.topology!r}")
         self.alpha   # validates the streaming options
-        check_replica(self.replica, self.inner, fragments=self.fragments, overlap_steps=self.overlap_steps,
-                      compression=self.compression, exchange=self.exchange)
+        check_replica(self.replica, self.inner, compression=self.compression, exchange=self.exchange)
         self._check_inner_steps()
 
     def _check_inner_steps(self) -> None:
@@ -129,9 +128,6 @@ class DiLoCoConfig:
         if self.inner_steps == "time" and (self.fragments != 1 or self.overlap_steps != 0):
             raise ValueError(f"inner_steps=time runs plain DiLoCo rounds: fragments must be 1 and overlap_steps 0, "
                              f"got fragments={self.fragments}, overlap_steps={self.overlap_steps}")
-        if self.inner_steps == "time" and self.replica == "node":
-            raise ValueError("inner_steps=time weighs each rank's replica by its own samples; with replica=node the "
-                             "ranks of a node train as one model: use replica=rank (or inner_steps=fixed)")
 
     @classmethod
     def pick(cls, settings: Mapping[str, Any]) -> DiLoCoConfig:

@@ -1,25 +1,45 @@
-"""DiLoCo's per-rank state and its rounds, Lightning-free: the model's fp32 host mirror (its
-parameters, then floating buffers, in one flat buffer), the outer optimizer per fragment
-(``streaming.FragmentedOuter``) and the exchange of Δ (``exchange.build_exchange``).
+"""DiLoCo's one round engine, Lightning-free: every layout, schedule, codec, exchange and pacing.
 
-A round of fragment f: its slice of the live model is copied to the host (Δ is formed in
-place), averaged over the ranks, stepped by the outer optimizer, and -- once committed, at its
-due step -- copied back (mixed with ``alpha`` under Streaming DiLoCo). A discarded round
-leaves the replica as it was on every rank; the next round's Δ covers both.
+A replica is a rank (``replica: rank``) or the L ranks of a node (``replica: node``, DDP or
+FSDP2 inside it); ``layout.ReplicaLayout`` says which, and ``replica: rank`` is simply the
+layout of nodes of one rank -- the same code path, not a second engine. The flat model
+``[parameters | floating buffers]`` (this rank's FSDP shard of each parameter under FSDP) is
+mirrored on the host (``HostMirror``) and cut into the layout's outer shards; this rank keeps
+its own shards' θ_g and outer optimizer state (``streaming.FragmentedOuter``, one per owned
+shard: Streaming DiLoCo's P fragments of it, blocking rounds being P = 1, τ = 0), and each
+shard is exchanged with its owners in the other replicas on a ``StreamRunner`` of its own
+(S streams, one deadline, commit/discard; the codec's error feedback kept per shard). With one
+rank per replica the one shard is the whole model and its exchange is ``exchange.build_exchange``
+(mesh, tree or gather over every rank), so the round is the per-rank DiLoCo round bit for bit.
+
+A round of fragment f: each owned shard's piece of f is copied to the host, Δ formed in place,
+averaged with the replica's weight (its rank count, or with ``inner_steps: time`` its samples),
+stepped by that piece's outer optimizer -- in the background while training goes on when
+``overlap_steps`` > 0 -- and, at the due step, merged into the live model (``α``-mixed under
+overlap). With DDP inside a node, the node's ranks first all-gather the fragment's pieces so
+every rank holds the replica's θ_g there; under FSDP a rank's shard is its FSDP shard and
+nothing is gathered. A piece whose exchange was discarded keeps θ_local (the next Δ covers it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import build_exchange, resolve_shards
-from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round
+from syncplane.algorithms.diloco.layout import ReplicaLayout
+from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round, fragment_bounds
+from syncplane.algorithms.sharded import local, materialize, on_meta, shard_module
 from syncplane.comm.host_mirror import HostMirror
 from syncplane.comm.meter import CommMeter
+from syncplane.comm.streams import StreamRunner, reserve_key, shard_bounds
+from syncplane.exchanges import GatherExchange, MeshExchange
 from syncplane.job import JobContext
 
 
@@ -31,68 +51,309 @@ def host_mirror(tensors: Sequence[torch.Tensor]) -> HostMirror:
     return mirror
 
 
+def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """What a replica's outer round works on: the parameters (this rank's shard of each, under
+    FSDP), then the floating buffers."""
+    return [local(p.data) for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
+
+
+#: Values per rank per all-gather of a node's θ_g pieces (the staging: (L + 1) x 16 MB at most).
+GATHER_CHUNK = 1 << 22
+
+
+def _runs(buffer: torch.Tensor, spans: Sequence[tuple[int, int]], at: int, data: torch.Tensor,
+          into_runs: bool) -> None:
+    """Copy between ``data`` and the values ``[at, at + len(data))`` of the spans of ``buffer``
+    read one after another (``into_runs``: into the spans; else out of them, a short tail left as is)."""
+    start = 0
+    for a, b in spans:
+        lo, hi = max(a, a + at - start), min(b, a + at - start + data.numel())
+        if lo < hi:
+            part = data[lo - (a + at - start): hi - (a + at - start)]
+            (buffer[lo:hi].copy_(part) if into_runs else part.copy_(buffer[lo:hi]))
+        start += b - a
+
+
+def parameter_module(tensors: Sequence[torch.Tensor]) -> torch.nn.Module:
+    """A module whose parameters are ``tensors`` (sharing their storage): the engine's model for a
+    flat payload (the bench) or a list of tensors (tests)."""
+    module = torch.nn.Module()
+    for i, tensor in enumerate(tensors):
+        module.register_parameter(f"t{i}", torch.nn.Parameter(tensor))
+    return module
+
+
+def shard_interfaces(interfaces: Sequence[str], shard: int) -> tuple[str, ...]:
+    """The NICs of shard ``shard``'s streams: the host's, rotated by the shard, so that the L
+    exchanges a node runs at once start on L different NICs where it has several."""
+    if not interfaces:
+        return ()
+    turn = shard % len(interfaces)
+    return (*interfaces[turn:], *interfaces[:turn])
+
+
+def node_group(layout: ReplicaLayout, backend: str) -> dist.ProcessGroup:
+    """This rank's node group on ``backend`` (a collective: every rank builds every node's)."""
+    mine, _ = dist.new_subgroups_by_enumeration([list(node) for node in layout.nodes], backend=backend)
+    return mine
+
+
 class DiLoCoEngine:
-    """A collective to construct (the exchange's stream groups): every rank, same order.
+    """A collective to construct (node groups, shard streams): every rank, same order.
 
     Args:
-        tensors: the model's tensors, parameters first, then floating buffers.
-        n_params: how many of their values are parameters (the outer optimizer's part).
+        module: the model. With node replicas the engine wraps it (``module``: torch's DDP over
+            the node, or the same module sharded by FSDP2's ``fully_shard``) -- train the
+            wrapped one; with one rank per replica ``module`` is the model itself.
         config: the validated settings.
-        job: the job's shape (the exchange's tree, NICs, ``shards: auto``).
+        job: the job's shape (this rank, its NICs, the profile for ``streams: auto``).
+        layout: the replicas (``layout.job_layout``).
+        device_ids: DDP's, for a model on a GPU.
+        init: for a model built on the meta device (``inner: fsdp`` only): each parameter's and
+            buffer's values by name (``sharded.materialize``), so that no rank ever holds the
+            whole model; the shards are made on CPU.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], n_params: int, config: DiLoCoConfig, job: JobContext) -> None:
-        self.config = config
-        self.host = host_mirror(tensors)
-        self.outer = FragmentedOuter(self.host.buffer, n_params, config.fragments, config.sync_every,
-                                     config.outer_optimizer, config.outer_kwargs, pin=self.host.on_gpu,
-                                     rule=config.outer)
-        self.host.check_cuts(list(tensors), [start for start, _ in self.outer.bounds[1:]])
-        # build_exchange logs the pattern it chose (and why) on rank 0
-        self.shards = resolve_shards(config.shards, job, config.topology, config.exchange, config.compression)
-        # sparse: only the parameters' Δ is top-k'd; the floating buffers (averaged as values) go exact
-        self.exchange, self.exchange_name = build_exchange(job, self.shards, config.compression, config.block_size,
-                                                           config.sync_timeout_s, config.exchange, config.topology,
-                                                           codec=config.codec(),
-                                                           error_feedback_beta=config.error_feedback,
-                                                           exact_from=n_params)
+    def __init__(self, module: torch.nn.Module, config: DiLoCoConfig, job: JobContext, layout: ReplicaLayout,
+                 device_ids: list[int] | None = None, init: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        self.config, self.layout, self.rank = config, layout, job.rank
+        self.node = layout.nodes[layout.replica_of(job.rank)]
+        self.sharded = layout.inner == "fsdp"   # the FSDP shard is this rank's whole outer share
+        on_gpu = next(module.parameters()).device.type == "cuda"
+        meta = on_meta(module)
+        if meta and (init is None or not self.sharded):
+            raise ValueError("a model on the meta device needs inner='fsdp' and an init: each rank then "
+                             "makes only its own shards (sharded.materialize)")
+        self.module, self.consensus_group = module, None
+        self.gather_group: dist.ProcessGroup | None = None
+        if not layout.per_rank:
+            self.gather_group = node_group(layout, "gloo")
+            self.inner_group = node_group(layout, "nccl") if on_gpu else self.gather_group
+            self.module = self._wrap(module, "cuda" if on_gpu else "cpu", device_ids)
+            if self.sharded:   # the ranks holding this rank's shard in every node (consensus is over them)
+                self.consensus_group = dist.new_subgroups_by_enumeration(
+                    [list(layout.shard_group(k)) for k in range(layout.shards)], backend="gloo")[0]
+        if meta:
+            materialize(self.module, init, "cpu")
+            # every node takes the first node's values of this shard, as a model built whole
+            # takes rank 0's: the nodes agree even where their ranks' seeds did not
+            src = layout.shard_group(layout.owned(job.rank)[0])[0]
+            for tensor in local_tensors(self.module):
+                dist.broadcast(tensor, src=src, group=self.consensus_group)
+        tensors = local_tensors(module)
+        n_params = sum(local(p.data).numel() for p in module.parameters())
+        self.host = host_mirror(tensors)   # DDP nodes: the gather target, the replica's whole model
+        total = self.host.buffer.numel()
+        self.owned = list(layout.owned(job.rank))
+        self.pieces = self._pieces(total, n_params)
+        self.outers = {k: FragmentedOuter(self.host.buffer, n_params, config.fragments, config.sync_every,
+                                          config.outer_optimizer, config.outer_kwargs, pin=self.host.on_gpu,
+                                          rule=config.outer, bounds=self.pieces[k])
+                       for k in self.owned}
+        self.host.check_cuts(tensors, sorted({a for k in self.owned for a, _ in self.pieces[k]} - {0}))
+        self.weight = layout.weight(job.rank)
+        self.streams = resolve_shards(config.shards, job, config.topology, config.exchange, config.compression)
+        self.runners, self.exchange_name = self._runners(job, n_params)
+
+    # ------------------------------------------------------------ construction
+
+    def _pieces(self, total: int, n_params: int) -> dict[int, list[tuple[int, int]]]:
+        """Each outer shard's piece of each fragment in the host buffer. The fragments are the
+        even cut of the model (``fragment_bounds``: the same whatever the layout, so a node of
+        DDP ranks runs the per-rank schedule); each is cut into the layout's S shards, and the
+        rank owning shard k keeps piece k of every fragment. Under FSDP a rank's buffer is its
+        own shard: its fragments are the even cut of that buffer."""
+        fragments = fragment_bounds(n_params, total - n_params, self.config.fragments)
+        if self.sharded:
+            return {k: fragments for k in self.owned}
+        shards = self.layout.shards
+        if any(b - a < shards for a, b in fragments):
+            raise ValueError(f"fragments={self.config.fragments}: a fragment of this model has fewer values than "
+                             f"the {shards} outer shards of a node; use fewer fragments")
+        cut = [[(a + s, a + e) for s, e in shard_bounds(b - a, shards)] for a, b in fragments]
+        return {k: [pieces[k] for pieces in cut] for k in range(shards)}
+
+    def _runners(self, job: JobContext, n_params: int) -> tuple[dict[int, StreamRunner], str]:
+        """Each owned shard's exchange. One rank per replica: ``build_exchange`` over every rank
+        (mesh, tree or gather, as ``exchange`` resolves on the job). Node replicas: each shard's
+        owners, on the mesh (fp32, int8) or the gather (``compression: sparse``, whose sum
+        would be dense, or ``exchange: gather``), its floating buffers as exact fp32."""
+        config = self.config
+        if self.layout.per_rank:
+            runner, name = build_exchange(job, self.streams, config.compression, config.block_size,
+                                          config.sync_timeout_s, config.exchange, config.topology,
+                                          codec=config.codec(), error_feedback_beta=config.error_feedback,
+                                          exact_from=n_params)
+            return {self.owned[0]: runner}, name
+        key = reserve_key("diloco-node")
+        sparse = config.compression == "sparse" or config.exchange == "gather"
+        runners = {}
+        for k in self.owned:
+            exact_from = sum(max(0, min(b, n_params) - a) for a, b in self.pieces[k])   # its parameters come first
+            pattern = GatherExchange(self.streams, exact_from) if sparse else MeshExchange(self.streams)
+            runners[k] = StreamRunner(pattern, codec=config.codec(), error_feedback_beta=config.error_feedback,
+                                      interfaces=shard_interfaces(job.interfaces, k), timeout_s=config.sync_timeout_s,
+                                      members=self.layout.shard_group(k), key=f"{key}/shard{k}")
+        return runners, "gather" if sparse else "mesh"
+
+    def _wrap(self, module: torch.nn.Module, device: str, device_ids: list[int] | None) -> torch.nn.Module:
+        """``inner: ddp``: torch's DDP over the node; ``fsdp``: FSDP2's ``fully_shard`` over it (in place,
+        ``sharded.shard_module``'s units)."""
+        if self.sharded:
+            return shard_module(module, DeviceMesh.from_group(self.inner_group, device))
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=self.inner_group)
+
+    # ------------------------------------------------------------ the schedule
+
+    @property
+    def shards(self) -> int:
+        """S, the streams of each shard's exchange (the old name of ``streams``)."""
+        return self.streams
+
+    def starting(self, done: int) -> list[int]:
+        """Fragments whose round starts once ``done`` steps are complete."""
+        return self.outers[self.owned[0]].starting(done)
 
     def launch(self, tensors: Sequence[torch.Tensor], fragment: int, due: int, background: bool,
-               meter: CommMeter, scale: float = 1.0) -> None:
-        """Start fragment ``fragment``'s round from the live model (merged at step ``due``).
-        ``scale``: this rank's factor on its Δ (and floating buffers) before the mean, so that
-        the mean is a weighted one (``adaptive.weight_scale``; 1.0: the plain mean)."""
-        exchange, total = self.exchange, self.host.buffer.numel()
-        start, end = self.outer.bounds[fragment]
-        # the fragment's slice of the host buffer is reused in place for its Δ and the result
-        self.host.to_host(list(tensors), start, end)
+               meter: CommMeter, scale: float | None = None) -> None:
+        """Start fragment ``fragment``'s round from the live model (merged at step ``due``), on
+        every owned shard. ``scale``: this rank's factor on its Δ (and floating buffers) before
+        the plain mean, so that the mean is the weighted one (``inner_steps: time``'s samples,
+        ``adaptive.TimedRounds.scale``); None: the replica's rank count (``layout.weight``)."""
+        tensors = [local(t) for t in tensors]
+        weight = self.weight if scale is None else scale
+        for k in self.owned:
+            start, end = self.pieces[k][fragment]
+            # the piece of the host buffer is reused in place for its Δ and the result
+            self.host.to_host(tensors, start, end)
+            runner, (offset, total) = self.runners[k], self._logical(k, fragment)
 
-        def average_(flat: torch.Tensor, offset: int) -> bool:
-            if scale != 1.0:
-                flat.mul_(scale)
-            return exchange.allreduce_mean_(flat, meter, offset=offset, total=total)
+            def average_(flat: torch.Tensor, _: int, runner: StreamRunner = runner, offset: int = offset,
+                         total: int = total) -> bool:
+                if weight != 1.0:
+                    flat.mul_(weight)
+                return runner.allreduce_mean_(flat, meter, offset=offset, total=total)
 
-        self.outer.launch(fragment, average_, due=due, background=background)
+            self.outers[k].launch(fragment, average_, due=due, background=background)
+
+    def _logical(self, shard: int, fragment: int) -> tuple[int, int]:
+        """Where the fragment's piece of ``shard`` sits in the shard's exchanges (its error feedback
+        is kept per position), and their total: its pieces one after another."""
+        sizes = [b - a for a, b in self.pieces[shard]]
+        return sum(sizes[:fragment]), sum(sizes)
+
+    def wait(self) -> None:
+        """Complete every exchange in flight and its outer step; the merges stay at their step."""
+        for outer in self.outers.values():
+            outer.wait()
+
+    def pop(self, fragment: int) -> Round:
+        """Wait for and remove the fragment's round on every owned shard; committed if all were."""
+        rounds = [self.outers[k].pop(fragment) for k in self.owned]
+        due = rounds[0].due
+        return Round(fragment, due, committed=all(bool(r.committed) for r in rounds),
+                     parts={k: bool(r.committed) for k, r in zip(self.owned, rounds)})
+
+    def pop_due(self, done: int) -> list[Round]:
+        """The rounds to merge once ``done`` steps are complete (waited for, removed)."""
+        pending = self.outers[self.owned[0]].pending
+        return [self.pop(p) for p in sorted(pending) if pending[p].due <= done]
 
     def merge(self, tensors: Sequence[torch.Tensor], round_: Round, alpha: float) -> bool:
-        """A finished round into the live model (nothing when it was discarded); True if applied."""
-        if not round_.committed:
-            return False
-        self.host.from_host(list(tensors), *self.outer.bounds[round_.fragment], alpha=alpha)
-        return True
+        """A finished round into the live model; True if every owned piece committed.
+
+        One rank per replica: nothing happens when it was discarded (the replica stays as it
+        is). A DDP node: a discarded piece takes θ_local back, the node's ranks all-gather the
+        fragment's pieces, and the whole fragment is merged (the ranks agree)."""
+        tensors = [local(t) for t in tensors]
+        parts = round_.parts if round_.parts is not None else {k: bool(round_.committed) for k in self.owned}
+        if self.sharded or len(self.node) == 1:
+            for k in self.owned:
+                if parts[k]:
+                    self.host.from_host(tensors, *self.pieces[k][round_.fragment], alpha=alpha)
+            return bool(round_.committed)
+        for k in self.owned:
+            if not parts[k]:
+                self.host.to_host(tensors, *self.pieces[k][round_.fragment])
+        self._gather(round_.fragment)
+        for k in range(self.layout.shards):
+            self.host.from_host(tensors, *self.pieces[k][round_.fragment], alpha=alpha)
+        return bool(round_.committed)
+
+    def _gather(self, fragment: int) -> None:
+        """Every rank of the node gets the fragment's pieces of θ_g: all-gathers of each rank's
+        owned pieces (read as one run, padded to the widest rank's), ``GATHER_CHUNK`` values
+        of each rank at a time so that the staging stays small."""
+        spans = [[self.pieces[k][fragment] for k in self.layout.owned(r)] for r in self.node]
+        width = max(sum(b - a for a, b in s) for s in spans)
+        step = min(width, GATHER_CHUNK)
+        if width == 0:
+            return
+        mine, out = torch.zeros(step), torch.empty(len(self.node) * step)
+        own = spans[self.node.index(self.rank)]
+        for c in range(0, width, step):
+            n = min(step, width - c)
+            mine.zero_()
+            _runs(self.host.buffer, own, c, mine[:n], into_runs=False)
+            dist.all_gather_into_tensor(out[: len(self.node) * n], mine[:n], group=self.gather_group)
+            for i, s in enumerate(spans):
+                _runs(self.host.buffer, s, c, out[i * n:(i + 1) * n], into_runs=True)
+
+    @property
+    def params(self) -> torch.Tensor:
+        """This rank's θ_g (its owned shards, concatenated in shard order; the whole model with
+        one rank per replica)."""
+        return torch.cat([self.outers[k].params for k in self.owned])
+
+    # ------------------------------------------------------------ state
 
     def outer_state_bytes(self) -> int:
-        """θ_g, the outer optimizer's state and Δ (the host mirror) on this rank."""
-        return sum(o.state_bytes() for o in self.outer.outers) + self.host.buffer.numel() * 4
+        """θ_g, the outer optimizer's state and Δ this rank keeps: about 1/L of a per-rank replica's."""
+        state = sum(o.state_bytes() for f in self.outers.values() for o in f.outers)
+        return state + 4 * sum(b - a for k in self.owned for a, b in self.pieces[k])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What every rank shares: with one rank per replica the outer state and the rounds
+        waiting to merge (``FragmentedOuter``'s, the same on every rank); with node replicas
+        the layout (their outer state is per rank: ``rank_state_dict``). Call ``wait`` first."""
+        if self.layout.per_rank:
+            return self.outers[self.owned[0]].state_dict()
+        return {"replicas": self.layout.sizes}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.layout.per_rank:
+            if "replicas" in state and "outer" not in state:
+                raise ValueError(f"the checkpoint was written with replicas of {state['replicas']} ranks, this "
+                                 "run has one rank per replica: resume with the same replica setting")
+            self.outers[self.owned[0]].load_state_dict(state)
+            return
+        if list(state.get("replicas", [])) != self.layout.sizes:
+            raise ValueError(f"the checkpoint was written with replicas of {state.get('replicas', [1])} ranks, "
+                             f"this run has {self.layout.sizes}: replica='node' resumes on the same nodes")
 
     def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's error-feedback residuals (int8 and sparse; empty for fp32)."""
-        return {"exchange": self.exchange.state_dict()}
+        """This rank's own state: its exchanges' error-feedback residuals, and with node replicas
+        its outer shards (θ_g, optimizer state, rounds waiting to merge)."""
+        if self.layout.per_rank:
+            return {"exchange": self.runners[self.owned[0]].state_dict()}
+        return {"shards": list(self.owned), "outer": [self.outers[k].state_dict() for k in self.owned],
+                "exchange": [self.runners[k].state_dict() for k in self.owned]}
 
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.exchange.load_state_dict(state.get("exchange", {}))
+        if not state:
+            return
+        if self.layout.per_rank:
+            self.runners[self.owned[0]].load_state_dict(state.get("exchange", {}))
+            return
+        if list(state["shards"]) != self.owned:
+            raise ValueError(f"the checkpoint gives rank {self.rank} shards {state['shards']}, it owns {self.owned}")
+        for k, outer, exchange in zip(self.owned, state["outer"], state["exchange"]):
+            self.outers[k].load_state_dict(outer)
+            self.runners[k].load_state_dict(exchange)
 
     def close(self) -> None:
-        """Stop the outer's background work and the exchange (its state stays readable)."""
-        self.outer.close()
-        self.exchange.close()
+        """Stop the background work and the exchanges (the state stays readable)."""
+        for outer in self.outers.values():
+            outer.close()
+        for runner in self.runners.values():
+            runner.close()

@@ -32,8 +32,8 @@ REPLICAS = ("rank", "node", "auto")
 INNERS = ("ddp", "fsdp")
 
 
-def check_replica(replica: str, inner: str, *, fragments: int = 1, overlap_steps: int = 0,
-                  compression: str = "none", exchange: str = "auto", elastic: bool = False) -> None:
+def check_replica(replica: str, inner: str, *, compression: str = "none", exchange: str = "auto",
+                  elastic: bool = False) -> None:
     """The settings of ``replica``/``inner`` and what a node replica runs with (errors name the key)."""
     if replica not in REPLICAS:
         raise ValueError(f"replica: allowed values: {', '.join(REPLICAS)}; got {replica!r}")
@@ -47,14 +47,10 @@ def check_replica(replica: str, inner: str, *, fragments: int = 1, overlap_steps
     if elastic:
         raise ValueError(f"replica={replica!r} with elastic=true: a node as one torchft replica group (healing "
                          "as one) is not built; elastic mode runs replica='rank'")
-    if fragments != 1 or overlap_steps != 0:
-        raise ValueError(f"replica={replica!r} runs plain DiLoCo rounds (fragments=1, overlap_steps=0); got "
-                         f"fragments={fragments}, overlap_steps={overlap_steps}")
-    shard_exchanges = ("auto", "gather") if compression == "sparse" else ("auto", "mesh", "owner")
-    if exchange not in shard_exchanges:
-        raise ValueError(f"replica={replica!r} exchanges each shard on the mesh (compression none or int8) or, "
-                         f"for compression='sparse', the gather; got compression={compression!r}, "
-                         f"exchange={exchange!r}")
+    if exchange == "tree":
+        raise ValueError(f"replica={replica!r} exchanges each outer shard among its owners, one rank per node: "
+                         "the tree's inner level (a host's ranks) is the node itself, so exchange='tree' has "
+                         "nothing to reduce there; use exchange='mesh' or 'auto'")
 
 
 @dataclass(frozen=True)
@@ -79,6 +75,11 @@ class ReplicaLayout:
         """Nodes of ``sizes`` ranks each, numbered in order (``[2, 1]``: ranks 0-1, then 2)."""
         firsts = [sum(sizes[:i]) for i in range(len(sizes))]
         return cls(tuple(tuple(range(f, f + n)) for f, n in zip(firsts, sizes)), inner)
+
+    @property
+    def per_rank(self) -> bool:
+        """Every replica is one rank (``replica: rank``)."""
+        return all(len(node) == 1 for node in self.nodes)
 
     @property
     def world_size(self) -> int:
@@ -128,6 +129,8 @@ class ReplicaLayout:
 
     def describe(self) -> dict[str, object]:
         """For ``summary.json``: replicas, ranks per replica, inner."""
+        if self.per_rank:
+            return {"replica": "rank", "replicas": len(self.nodes), "ranks_per_replica": self.sizes}
         return {"replica": "node", "replicas": len(self.nodes), "ranks_per_replica": self.sizes,
                 "inner": self.inner, "outer_shards": self.shards}
 
@@ -152,3 +155,10 @@ def node_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout | No
         raise ValueError(f"replica='node' on a job of one rank per host ({len(nodes)} hosts): every node is one "
                          "rank already; use replica='rank' (or 'auto')")
     return ReplicaLayout(tuple(map(tuple, nodes)), inner)
+
+
+def job_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout:
+    """The replicas the engine runs: ``node_layout``'s nodes, else one replica per rank (the
+    layout with L = 1: the same engine, one shard owned by each rank, no inner group)."""
+    layout = node_layout(replica, inner, job)
+    return layout if layout is not None else ReplicaLayout.of_sizes([1] * job.world_size)

@@ -5,7 +5,7 @@ resume (``strategies/diloco.py`` calls these; the rounds themselves are the engi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,8 +14,7 @@ from syncplane.algorithms import sharded
 from syncplane.algorithms.diloco.adaptive import TimedRounds
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
-from syncplane.algorithms.diloco.layout import check_replica, node_layout
-from syncplane.algorithms.diloco.node import NodeEngine
+from syncplane.algorithms.diloco.layout import check_replica, job_layout
 from syncplane.job import JobContext
 
 #: The exchange settings a checkpoint records as they ran (a re-plan may have switched them).
@@ -41,29 +40,20 @@ def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float
 
 
 def build_engine(config: DiLoCoConfig, job: JobContext, model: torch.nn.Module,
-                 tensors: Callable[[], list[torch.Tensor]], n_params: int,
-                 device_ids: list[int] | None) -> tuple[DiLoCoEngine | NodeEngine, dict[str, Any]]:
-    """The replica's engine, and what ``summary.json`` says of its layout. A collective.
-
-    ``replica: rank``: ``DiLoCoEngine`` over the model's ``tensors`` (parameters, then floating
-    buffers; ``n_params`` of them parameters). ``replica: node`` (``node_layout``):
-    ``NodeEngine``, which wraps ``model`` (torch's DDP over the node's ranks, or FSDP2) and
-    shards the outer state over them -- train its ``module``."""
-    layout = node_layout(config.replica, config.inner, job)
-    engine: DiLoCoEngine | NodeEngine
-    if layout is None:
-        engine = DiLoCoEngine(tensors(), n_params, config, job)
-        details: dict[str, Any] = {"replica": "rank", "replicas": job.world_size,
-                                   "ranks_per_replica": [1] * job.world_size}
-    else:   # a model built on the meta device (configure_model): each rank makes its shards
-        init = sharded.reset_init(model) if sharded.on_meta(model) else None
-        engine = NodeEngine(model, config, job, layout, device_ids, init)
-        details = dict(layout.describe())
-    details["shards"], details["exchange"] = engine.shards, engine.exchange_name
+                 device_ids: list[int] | None) -> tuple[DiLoCoEngine, dict[str, Any]]:
+    """The replica's engine over ``model``, and what ``summary.json`` says of its layout (a
+    collective). With node replicas (``layout.job_layout``) the engine wraps ``model`` (torch's
+    DDP over the node's ranks, or FSDP2) and shards the outer state over them -- train its
+    ``module``; a model built on the meta device (``configure_model``) makes only its shards."""
+    layout = job_layout(config.replica, config.inner, job)
+    init = sharded.reset_init(model) if sharded.on_meta(model) else None
+    engine = DiLoCoEngine(model, config, job, layout, None if layout.per_rank else device_ids, init)
+    details = dict(layout.describe())
+    details["shards"], details["exchange"] = engine.streams, engine.exchange_name
     return engine, details
 
 
-def exchange_ran(engine: DiLoCoEngine | NodeEngine, config: DiLoCoConfig) -> dict[str, Any]:
+def exchange_ran(engine: DiLoCoEngine, config: DiLoCoConfig) -> dict[str, Any]:
     """The exchange settings as they run (``EXCHANGE_KEYS``): ``shards`` and ``exchange``
     resolved (no ``auto``, old names mapped), ``compression`` as configured."""
     return {"shards": int(engine.shards), "exchange": engine.exchange_name, "compression": config.compression}

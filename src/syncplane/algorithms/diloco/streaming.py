@@ -83,6 +83,7 @@ class Round:
     due: int                             # steps done when the result is merged
     future: Future[bool] | None = None   # the exchange, while in flight
     committed: bool | None = None        # its outcome, once waited for
+    parts: dict[int, bool] | None = None  # a replica's round over several shards: each one's outcome
 
 
 class FragmentedOuter:
@@ -104,14 +105,17 @@ class FragmentedOuter:
         fragments: P.
         sync_every: H.
         optimizer, kwargs, pin, rule: as for ``OuterOptimizer``.
+        bounds: each fragment's ``[start, end)`` in ``flat`` when they are not the even cut
+            (``fragment_bounds``): a node replica's rank keeps only its piece of each.
     """
 
     def __init__(self, flat: torch.Tensor, n_params: int, fragments: int, sync_every: int,
-                 optimizer: str, kwargs: Mapping[str, Any] | None, pin: bool, rule: str = "nesterov") -> None:
+                 optimizer: str, kwargs: Mapping[str, Any] | None, pin: bool, rule: str = "nesterov",
+                 bounds: list[tuple[int, int]] | None = None) -> None:
         self.flat, self.sync_every = flat, sync_every
-        self.bounds = fragment_bounds(n_params, flat.numel() - n_params, fragments)
+        self.bounds = bounds if bounds is not None else fragment_bounds(n_params, flat.numel() - n_params, fragments)
         self.offsets = fragment_offsets(sync_every, fragments)
-        self.outers = [OuterOptimizer(flat[a:min(b, n_params)], optimizer, kwargs, pin=pin, rule=rule)
+        self.outers = [OuterOptimizer(flat[a:max(a, min(b, n_params))], optimizer, kwargs, pin=pin, rule=rule)
                        for a, b in self.bounds]
         self.pending: dict[int, Round] = {}
         self._worker: ThreadPoolExecutor | None = None

@@ -1,0 +1,58 @@
+"""What a ``replica: node`` round costs, for ``syncplane simulate``, the plan and the bench:
+the shards' exchanges across nodes, DDP inside them, and the all-gather of θ_g in the node.
+(The per-rank round's price is ``exchange.exchange_phases``.)"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from syncplane.algorithms.diloco.layout import ReplicaLayout
+from syncplane.cluster.cost import FlowArray, Phase, concurrent_group_allreduces
+from syncplane.comm.codecs import Codec
+
+
+def node_cost(layout: ReplicaLayout, payload_bytes: float, period: int, streams: int, codec: Codec,
+              gather: bool = False) -> list[list[Phase]]:
+    """One round of ``period`` steps of ``replica: node`` (inner DDP) as the cost model's flows.
+
+    Every step, torch's DDP all-reduces the gradient inside each node (a ring on loopback).
+    At the round's end, the shards' meshes run at once: node a sends node b the b-th part of
+    each of its S shards, M/N in all, in each of the mesh's two phases (so a node sends
+    2(N−1)/N·M per round per direction across: M between two nodes), on S x ``streams``
+    connections, pinned to the host's NICs in turn; then each node's ranks all-gather the
+    replica's θ_g over loopback. ``gather`` (``compression: sparse``): the shards' gathers
+    instead, one phase in which a node sends every other node its encoded shards."""
+    inner = concurrent_group_allreduces(layout.nodes, payload_bytes)
+    across = shard_exchange_cost(layout, payload_bytes, streams, codec, gather)
+    return [inner + across + gather_cost(layout, payload_bytes)] + [list(inner) for _ in range(period - 1)]
+
+
+def shard_exchange_cost(layout: ReplicaLayout, payload_bytes: float, streams: int, codec: Codec,
+                        gather: bool = False) -> list[Phase]:
+    """The S shard groups' meshes together: two phases in which every node sends every other
+    node M/N (``codec``'s size of it) over S x ``streams`` pinned flows (module doc of
+    ``node_cost``); or their gathers: one phase of all of M's encoded pieces to every other node."""
+    n = len(layout.nodes)
+    if n < 2:
+        return []
+    numel = max(int(payload_bytes // 4), 1)
+    flows = layout.shards * streams
+    if gather:
+        coded = sum(codec.nbytes(b - a) for a, b in layout.bounds(numel))
+    else:
+        coded = payload_bytes * codec.nbytes(numel) / (4 * numel) / n
+    pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
+    src = np.array([layout.nodes[a][0] for a, _ in pairs], dtype=np.int64)
+    dst = np.array([layout.nodes[b][0] for _, b in pairs], dtype=np.int64)
+    step = FlowArray(src, dst, np.full(len(pairs), coded / flows), np.full(len(pairs), flows, dtype=np.int64),
+                     pinned=True)
+    return [step] if gather else [step, step]
+
+
+def gather_cost(layout: ReplicaLayout, payload_bytes: float) -> list[Phase]:
+    """``NodeEngine._gather``: every rank of a node sends its span of θ_g (fp32) to the others."""
+    numel = max(int(payload_bytes // 4), 1)
+    bounds = layout.bounds(numel)
+    flows = [(rank, other, 4.0 * (bounds[layout.owned(rank)[-1]][1] - bounds[layout.owned(rank)[0]][0]))
+             for node in layout.nodes for rank in node for other in node if other != rank]
+    return [flows] if flows else []
