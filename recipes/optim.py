@@ -73,6 +73,14 @@ def schedule_factor(kind: ScheduleKind, total_steps: int, warmup_steps: int = 0,
     return factor
 
 
+def closure_loss(closure: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+    """What an optimizer's ``step(closure)`` returns: the closure's loss, computed with grad on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al., 2020, Algorithm 2): Adam's update, rescaled per tensor by a trust ratio.
 
@@ -90,10 +98,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -160,10 +165,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for inner in (self._muon, self._adamw):
             if inner is not None:
                 inner.step()
