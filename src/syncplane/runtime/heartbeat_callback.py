@@ -64,7 +64,13 @@ class HeartbeatCallback(Callback):
         if self.heartbeat is not None or self.timeout_s <= 0 or not dist.is_initialized() \
                 or dist.get_world_size() < 2:
             return
-        store, where, prefix = rendezvous.heartbeat_store(self.timeout_s)
+        try:
+            store, where, prefix = rendezvous.heartbeat_store(self.timeout_s)
+        except (RuntimeError, ValueError) as exc:   # a process group made on a store of the script's own
+            log.warning("heartbeat off: the job's store (MASTER_ADDR/MASTER_PORT, or %s) did not answer (%s); "
+                        "a lost rank will not stop this job", rendezvous.FILE_ENV, exc)
+            self.timeout_s = 0.0
+            return
         self._fits += 1
         self.heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size(), timeout_s=self.timeout_s,
                                    where=where, prefix=f"{prefix}/fit{self._fits}", settles=True, reap=self.reap)
