@@ -2,12 +2,12 @@
 PYTHON ?= python3
 STAMP := build/.installed
 
-.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables figures compare-pngs clean
+.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables results figures compare-pngs clean
 
 # Install the package (editable) with its extras, then compile the C++ kernels once.
 # Re-runs only when pyproject.toml changes; `make setup -B` forces it.
 $(STAMP): pyproject.toml
-	$(PYTHON) -m pip install -e ".[dev,vision,nlp,ft]"
+	$(PYTHON) -m pip install -e ".[dev,vision,nlp,ft,wandb]"
 	@# Real Fashion-MNIST for the fashion_mnist recipe, from Debian when apt (as root) has it;
 	@# optional: without it the recipe needs recipe.data_dir, and the tests make their own IDX files.
 	-@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
@@ -32,7 +32,7 @@ lint: setup
 bench-kernels: setup
 	$(PYTHON) scripts/bench_kernels.py
 
-# The scoreboard (docs/benchmarks.md, top): every strategy on every shipped profile at the
+# The scoreboard (docs/matrix/, the grid atop docs/benchmarks.md): every strategy on every shipped profile at the
 # ResNet-50 payload, each profile one emulated run with ddp beside, 3 timed steps a strategy after
 # one untimed (root; about 2.5 hours on 2 cores, 2026-11-30).
 # Resumable: run it again after an interruption and only the missing cells run.
@@ -41,11 +41,18 @@ SCOREBOARD_DIR ?= docs/matrix
 SCOREBOARD_PAYLOAD ?= resnet50
 scoreboard: setup
 	$(PYTHON) -m syncplane bench --matrix --payload-mb $(SCOREBOARD_PAYLOAD) --steps 3 --warmup 1 --out $(SCOREBOARD_DIR) $(SCOREBOARD_ARGS)
-	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
+	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR)
+	$(PYTHON) scripts/results.py
 
 # The tables and charts again from the matrix's JSON, without running anything.
 scoreboard-tables:
-	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR) --docs docs/benchmarks.md
+	$(PYTHON) scripts/scoreboard.py $(SCOREBOARD_DIR)
+	$(PYTHON) scripts/results.py
+
+# Every published figure again from the committed JSON (docs/benchmarks.md, the guides' generated
+# blocks, docs/reference/): seconds, nothing runs. `scripts/results.py --check` says what is stale.
+results:
+	$(PYTHON) scripts/results.py
 
 # The published scoreboard charts (docs/matrix/<profile>.png and docs/matrix/8mb/: vs DDP, bound
 # ratio, model error per strategy) again from their committed JSON, without running anything (seconds).
@@ -56,7 +63,7 @@ figures:
 # The published training comparisons (docs/compare/*/comparison.{json,md,png}) again, with the
 # command docs/benchmarks.md gives: one compare per seed, then merged (training; hours). Their
 # charts need the runs' histories, which are not committed: only this redraws them.
-# compare/two_racks has no chart: its canary and atc rows are superseded (docs/benchmarks.md).
+# compare/two_racks has no chart: its canary and atc rows are superseded (meta.replaced_by in its JSON).
 COMPARE_STRATEGIES ?= ddp,torchft_diloco,diloco,atc,h_atc,ds_sync,flexreduce,canary,horovod
 compare-pngs: setup
 	for cluster in two_racks wan_two_sites; do for seed in 1 2 3; do \

@@ -1,14 +1,15 @@
-"""Optimizer pieces the large recipes share: decay groups, LAMB, warm-up schedules.
+"""Optimizer pieces the large recipes share: decay groups, LAMB, Muon with AdamW, warm-up schedules.
 
 Kept out of the recipes so ResNet-50 (Goyal et al.) and BERT (Devlin et al. / You et
-al.) build their optimizers from the same three small, separately tested parts.
+al.) build their optimizers from the same small, separately tested parts, and ``tiny_lm``
+its Muon (MuLoCo's inner optimizer).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -72,6 +73,14 @@ def schedule_factor(kind: ScheduleKind, total_steps: int, warmup_steps: int = 0,
     return factor
 
 
+def closure_loss(closure: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+    """What an optimizer's ``step(closure)`` returns: the closure's loss, computed with grad on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al., 2020, Algorithm 2): Adam's update, rescaled per tensor by a trust ratio.
 
@@ -89,10 +98,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -116,3 +122,55 @@ class Lamb(torch.optim.Optimizer):
                 trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
                 p.sub_(update * (group["lr"] * trust))
         return loss
+
+
+def hidden_matrices(model: nn.Module) -> set[int]:
+    """Ids of ``model``'s 2-D parameters that are not an embedding's (nor tied to one): the
+    matrices Muon orthogonalizes. Embeddings, an output head tied to them, norms and biases
+    are left to AdamW, as Muon's authors and MuLoCo do."""
+    embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    return {id(p) for p in model.parameters() if p.ndim == 2 and id(p) not in embedded}
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` on the groups marked ``muon: True``, ``torch.optim.AdamW`` on the
+    others, as one optimizer: Lightning's automatic optimization and every sync strategy see a
+    single optimizer (its ``param_groups`` the two's, so an LR schedule moves both; one
+    ``state``, so checkpoints hold both).
+
+    Muon's step is scaled to AdamW's update RMS (``adjust_lr_fn="match_rms_adamw"``, Liu et
+    al. 2025), so one peak learning rate and schedule serve both halves.
+    """
+
+    def __init__(self, groups: Sequence[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                 momentum: float = 0.95, weight_decay: float = 0.0) -> None:
+        groups = [dict(g) for g in groups]
+        muon = [g for g in groups if g.get("muon")]
+        rest = [g for g in groups if not g.get("muon")]
+        for group in groups:
+            group["muon"] = bool(group.get("muon"))
+        # the inner optimizers take the group dicts; this one lists the same dicts
+        self._muon = torch.optim.Muon(muon, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      adjust_lr_fn="match_rms_adamw") if muon else None
+        self._adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=weight_decay) if rest else None
+        super().__init__(groups, {"lr": lr})
+        self._share()
+
+    def _share(self) -> None:
+        """Point the inner optimizers at this one's groups and state (again after a load)."""
+        for inner, muon in ((self._muon, True), (self._adamw, False)):
+            if inner is not None:
+                inner.param_groups = [g for g in self.param_groups if g["muon"] is muon]
+                inner.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:  # type: ignore[override]
+        loss = closure_loss(closure)
+        for inner in (self._muon, self._adamw):
+            if inner is not None:
+                inner.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._share()

@@ -24,6 +24,11 @@ language-model loss, and this one trains on CPU in minutes. Nothing is downloade
   embedding, PyTorch's fused causal attention); ``size=tiny|small|base`` is about
   1.3 M / 8.8 M / 27 M parameters at the default 4,096-token vocabulary.
 
+- **Optimizer.** ``optimizer=adamw`` (default) or ``muon``: ``torch.optim.Muon`` on the
+  transformer blocks' weight matrices and AdamW on the rest (embeddings and the tied head,
+  LayerNorms, biases), as MuLoCo's inner optimizer; one peak ``lr`` and schedule for both
+  (Muon's step matched to AdamW's update RMS, ``recipes.optim.MuonAdamW``).
+
 Metrics: ``val_loss`` (mean next-token cross-entropy in nats, weighted by tokens over the
 whole validation set), ``val_perplexity`` (its exponential) and ``val_acc`` (next-token
 accuracy); ``summary.json`` gets ``throughput.tokens_per_s``.
@@ -52,7 +57,7 @@ from syncplane.config import ConfigError
 from syncplane.recipes import Recipe
 from syncplane.recipes.cache import fingerprint, publish
 from syncplane.recipes.flops import train_flops_per_sample
-from syncplane.recipes.optim import decay_groups, schedule_factor
+from syncplane.recipes.optim import MuonAdamW, decay_groups, hidden_matrices, schedule_factor
 
 EOT = "<|endoftext|>"
 # (layers, hidden, heads) per size: ~1.3 M, ~8.8 M, ~27 M parameters at vocabulary 4096
@@ -76,7 +81,8 @@ class TinyLmSettings:
     cache_dir: str = "~/.cache/syncplane/tiny_lm"  # trained tokenizer and token streams
     seq_length: int = 128
     batch_size: int = 16             # sequences per rank
-    lr: float | None = None          # AdamW peak; null: 2e-3 (tiny), 1e-3 (small), 6e-4 (base)
+    optimizer: Literal["adamw", "muon"] = "adamw"   # muon: Muon on the blocks' matrices, AdamW on the rest
+    lr: float | None = None          # peak; null: 2e-3 (tiny), 1e-3 (small), 6e-4 (base)
     weight_decay: float = 0.1        # never on LayerNorm parameters and biases
     warmup: float = 0.05             # fraction of all optimizer steps, then cosine decay to 0
     dropout: float = 0.0
@@ -84,6 +90,8 @@ class TinyLmSettings:
     def validate(self) -> None:
         if self.size not in DIMENSIONS:
             raise ConfigError(f"size: one of {', '.join(DIMENSIONS)}, got {self.size!r}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"optimizer: adamw or muon, got {self.optimizer!r}")
         if self.tokenizer not in ("bpe", "byte"):
             raise ConfigError(f"tokenizer: bpe or byte, got {self.tokenizer!r}")
         for key in ("batch_size", "seq_length", "max_file_kb"):
@@ -373,7 +381,7 @@ class Perplexity(MeanMetric):
 
 
 class TinyLm(LightningModule):
-    """Next-token cross-entropy with AdamW, linear warm-up and cosine decay."""
+    """Next-token cross-entropy with AdamW (or Muon and AdamW), linear warm-up and cosine decay."""
 
     def __init__(self, settings: TinyLmSettings) -> None:
         super().__init__()
@@ -408,9 +416,23 @@ class TinyLm(LightningModule):
             lambda n: torch.zeros(n, s.seq_length + 1, dtype=torch.long),
             lambda model, batch: next_token_loss(model, batch)[0])
 
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW, or Muon on the blocks' matrices and AdamW on the rest (``optimizer``)."""
+        s = self.settings
+        groups = decay_groups(self.model, s.weight_decay)
+        if s.optimizer == "muon":
+            matrices = hidden_matrices(self.model)
+            split = [{**g, "params": [p for p in g["params"] if (id(p) in matrices) is muon], "muon": muon}
+                     for g in groups for muon in (True, False)]
+            optimizer: torch.optim.Optimizer = MuonAdamW([g for g in split if g["params"]], lr=s.peak_lr(),
+                                                         betas=(0.9, 0.95))
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=s.peak_lr(), betas=(0.9, 0.95))
+        return optimizer
+
     def configure_optimizers(self):  # type: ignore[override]
         s = self.settings
-        optimizer = torch.optim.AdamW(decay_groups(self.model, s.weight_decay), lr=s.peak_lr(), betas=(0.9, 0.95))
+        optimizer = self.make_optimizer()
         total = max(1, int(self.trainer.estimated_stepping_batches))
         factor = schedule_factor("cosine", total_steps=total, warmup_steps=round(s.warmup * total))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

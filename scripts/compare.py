@@ -12,9 +12,24 @@ Writes comparison.json / .md / .png (see syncplane.bench.compare) into --out
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 from pathlib import Path
+from typing import Any
 
 from syncplane.bench.compare import build_comparison, runs_under
+from syncplane.bench.matrix import git_commit
+
+
+def kept_meta(out: Path) -> dict[str, Any] | None:
+    """The ``meta`` of the comparison already in ``out`` (its title and notes for the results page,
+    ``scripts/results.py``), dated and stamped with this checkout's commit again; None if none."""
+    old = out / "comparison.json"
+    meta = json.loads(old.read_text()).get("meta") if old.exists() else None
+    if not meta:
+        return None
+    return {**meta, "created": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": git_commit(Path(__file__).resolve().parent)}
 
 
 def main() -> None:
@@ -32,7 +47,7 @@ def main() -> None:
     out = args.out or (args.paths[0] if len(args.paths) == 1 else Path("comparison"))
     if args.target_acc is not None and args.target_loss is not None:
         parser.error("give --target-acc or --target-loss, not both")
-    build_comparison(run_dirs, out, target_acc=args.target_acc, target_loss=args.target_loss)
+    build_comparison(run_dirs, out, target_acc=args.target_acc, target_loss=args.target_loss, meta=kept_meta(out))
     print((out / "comparison.md").read_text())
     print(f"comparison written to {out}/comparison.{{json,md,png}}")
 

@@ -12,7 +12,7 @@ with fp32 DiLoCo (the plain ``diloco`` row).
 measured sync seconds per step, added to each row's measured compute seconds per step, give
 the time the run would take on that bench's emulated network (``wan s``). Bytes are
 ``summary.json``'s ``comm.bytes_sent_per_rank``: the sync only (validation's consensus
-average is counted apart). The table is markdown, for ``docs/benchmarks.md``.
+average is counted apart). The table is markdown; published as ``docs/results/tiny_lm_frontier.json``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/bin/bash
 # strategy=auto re-planning on an emulated cluster whose network changes mid-run
-# (docs/benchmarks.md, "Re-planning while training"). Run as root, under the emulator lock:
+# (docs/design-notes.md, "Re-planning while training"). Run as root, under the emulator lock:
 #   flock /tmp/syncplane-netns.lock scripts/replan_link_change.sh RUN_DIR
 # SCENARIO picks the change:
 #   flow_cap (default): a pair of 1,000 Mbit hosts, DiLoCo only; every flow is then capped at 10 Mbit.

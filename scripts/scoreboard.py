@@ -4,7 +4,7 @@ tables in one ``scoreboard.md``, and with ``--docs FILE`` that section at the to
 (between ``<!-- scoreboard:begin -->`` and ``<!-- scoreboard:end -->``, replaced in place
 when there; else placed before the file's first ``## `` heading).
 
-    python scripts/scoreboard.py bench-matrix --docs docs/benchmarks.md
+    python scripts/scoreboard.py docs/matrix     # then python scripts/results.py for docs/benchmarks.md
 
 ``--reprice`` prices every measured row again with the cost model as it is now (and this
 machine's CPU rates) and writes the JSON back, stamped (``meta.repriced``): a model fixed
@@ -67,7 +67,7 @@ def section(reports: list[dict[str, Any]]) -> str:
             "sits, not a cause. Each heading names the emulated hosts' TCP congestion control (the profile's "
             "`tcp_congestion`); a run from before the emulator set it ran under the machine's default, bbr on this "
             "VM image; where bulk traffic crosses a slow link both ways, or meets a greedy flow, the choice moves "
-            "a step by 10–40 % either way (`docs/benchmarks.md`, \"TCP: cubic, not the machine's bbr\").", ""]
+            "a step by 10–40 % either way (`docs/design-notes.md`, \"TCP: the profile's congestion control\").", ""]
     planner = ["", "### The planner against these measurements", "",
                "What `syncplane plan` would pick among the measured rows (the fastest predicted of each class) "
                "against the fastest measured:", "", planner_table(reports)]

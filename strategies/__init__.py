@@ -16,5 +16,6 @@ from syncplane.strategies import diloco_elastic  # noqa: E402,F401  (diloco with
 from syncplane.strategies import ds_sync  # noqa: E402,F401  (ds_sync)
 from syncplane.strategies import flexreduce  # noqa: E402,F401  (flexreduce)
 from syncplane.strategies import torch_hooks  # noqa: E402,F401  (torch_fp16, torch_powersgd)
+from syncplane.strategies.auto import Auto  # noqa: E402  (the planner as an object: Lightning's "auto" is its own)
 
-__all__ = ["SyncplaneStrategy", "build", "names", "register", "strategy_class"]
+__all__ = ["Auto", "SyncplaneStrategy", "build", "names", "register", "strategy_class"]

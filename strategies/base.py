@@ -37,7 +37,9 @@ synchronization itself becomes ours. Overridden hooks, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -51,28 +53,57 @@ from syncplane.algorithms import replicas as replica_ops
 from syncplane.algorithms import sharded
 from syncplane.algorithms.replicas import DEFAULT_BUCKET_BYTES, DEFAULT_CONSENSUS_SKETCH, CommMeter, ModelReplicas, PhaseProfile
 from syncplane import lightning_adapter
+from syncplane.cluster.profile import ClusterProfile
 from syncplane.job import JobContext
 from syncplane.lightning_adapter import UnwrappedModel
+from syncplane.runtime import heartbeat_callback
 from syncplane.strategies import replicas
 
 
 class JobAware:
-    """A strategy that knows the job's shape (``job``)."""
+    """A strategy that knows the job's shape (``job``), and the cluster it runs on.
+
+    In a plain Lightning script the cluster is the strategy's ``cluster`` argument (a shipped
+    profile name, a YAML path or a ``ClusterProfile``: ``DiLoCo(cluster="two_racks")``); the
+    environment variable ``SYNCPLANE_CLUSTER`` is only the fallback when none is given."""
 
     _job: JobContext | None = None
+    _cluster: JobContext | None = None    # the job placed on the ``cluster`` argument (``use_cluster``)
     global_rank: int
     world_size: int
+
+    def use_cluster(self, cluster: str | Path | ClusterProfile | None) -> None:
+        """Run on ``cluster`` (None: the launcher's, if any). Loaded now: a bad profile fails here."""
+        self._cluster = JobContext().on_cluster(cluster) if cluster is not None else None
 
     @property
     def job(self) -> JobContext:
         """The job's shape: what the runtime handed over, else (a plain Lightning script) the
-        launcher's (``JobContext.from_environment``), seen from this rank."""
+        launcher's (``JobContext.from_environment``), on the ``cluster`` argument if one was
+        given, seen from this rank."""
         if self._job is None:
             self._job = JobContext.from_environment()
+            placed = self._cluster
+            if placed is not None:   # the argument's profile, already loaded
+                self._job = dataclasses.replace(self._job, cluster=placed.cluster)
+                self._job.__dict__["profile"] = placed.profile
         return self._job.with_size(self.global_rank, self.world_size)
 
 
-class SyncplaneStrategy(JobAware, UnwrappedModel, DDPStrategy):
+class Watched:
+    """Mixin before Lightning's strategy: the heartbeat (``syncplane.runtime.heartbeat_callback``)
+    runs for the whole fit, installed at ``setup`` -- before the strategy's first collective --
+    when the Trainer has no ``HeartbeatCallback`` of its own (``train.py``'s worker adds one).
+    So a plain Lightning script gets it too: a rank dead, hung or cut off stops every rank,
+    naming it, under Lightning's launcher, ``torchrun`` or SLURM."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            heartbeat_callback.install(trainer)
+        super().setup(trainer)  # type: ignore[misc]
+
+
+class SyncplaneStrategy(JobAware, Watched, UnwrappedModel, DDPStrategy):
     """Base for our strategies; subclasses implement the sync extension points.
 
     Args:
@@ -87,6 +118,9 @@ class SyncplaneStrategy(JobAware, UnwrappedModel, DDPStrategy):
             instead of the whole model: exact all-reduces of a large model over a slow link
             cost more than the training they watch. 0, or a model no larger: exact.
             ``summary.json``'s final distance is always exact.
+        cluster: the cluster the job runs on (a shipped profile name, a YAML path or a
+            ``ClusterProfile``), for the strategies that read its racks and hosts; None: the
+            launcher's (``SYNCPLANE_CLUSTER``), else none.
     """
 
     #: Subclasses whose replicas stay bit-identical (e.g. exact global averaging every
@@ -95,9 +129,11 @@ class SyncplaneStrategy(JobAware, UnwrappedModel, DDPStrategy):
 
     def __init__(self, consensus_eval: bool = True, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
                  consensus_every: int = 0, consensus_sketch: int = DEFAULT_CONSENSUS_SKETCH,
-                 job: JobContext | None = None, **kwargs: Any) -> None:
+                 job: JobContext | None = None, cluster: str | Path | ClusterProfile | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._job = job
+        self.use_cluster(cluster)
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         if consensus_every < 0:

@@ -19,6 +19,7 @@ reduced in DDP's order while the backward goes on (as DDP's own async all-reduce
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -28,13 +29,14 @@ from typing_extensions import override
 from syncplane.algorithms.flexreduce.hook import DEFAULT_CHUNK_BYTES, FlexReduceHook
 from syncplane.algorithms.replicas import CommMeter
 from syncplane.config import ConfigError
+from syncplane.cluster.profile import ClusterProfile
 from syncplane.job import JobContext
-from syncplane.strategies.base import JobAware
+from syncplane.strategies.base import JobAware, Watched
 from syncplane.strategies.registry import register
 
 
 @register("flexreduce")
-class FlexReduceStrategy(JobAware, DDPStrategy):
+class FlexReduceStrategy(JobAware, Watched, DDPStrategy):
     """Args:
         topology: ``auto`` (the launcher's cluster profile, else hosts of
             ``LOCAL_WORLD_SIZE`` ranks), a cluster profile name / YAML path, or a list of
@@ -42,11 +44,13 @@ class FlexReduceStrategy(JobAware, DDPStrategy):
         chunk_mb: pipeline chunk (levels of consecutive chunks overlap); 0 runs the
             paper's schedule, one level after the other.
         bucket_cap_mb: torch DDP's bucket size (each bucket is one FlexReduce all-reduce).
+        cluster: the cluster (a profile name, YAML path or ``ClusterProfile``; ``JobAware``).
         other keywords: Lightning's ``DDPStrategy``.
     """
 
     def __init__(self, topology: str | list[int] = "auto", chunk_mb: float = DEFAULT_CHUNK_BYTES / 2**20,
-                 bucket_cap_mb: float = 25.0, job: JobContext | None = None, **kwargs: Any) -> None:
+                 bucket_cap_mb: float = 25.0, job: JobContext | None = None,
+                 cluster: str | Path | ClusterProfile | None = None, **kwargs: Any) -> None:
         if kwargs.get("ddp_comm_hook") is not None:
             raise ConfigError("flexreduce: ddp_comm_hook is FlexReduce itself; it cannot be set")
         if chunk_mb < 0:
@@ -59,6 +63,7 @@ class FlexReduceStrategy(JobAware, DDPStrategy):
             raise ConfigError(f"bucket_cap_mb: must be positive, got {bucket_cap_mb}")
         super().__init__(bucket_cap_mb=bucket_cap_mb, **kwargs)   # on to torch DDP
         self.topology, self.chunk_bytes, self._job = topology, int(chunk_mb * 2**20), job
+        self.use_cluster(cluster)
         self.comm_meter = CommMeter()
         self.engine: FlexReduceHook | None = None
 

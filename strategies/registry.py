@@ -24,7 +24,8 @@ S = TypeVar("S", bound=type[Strategy])
 
 #: Arguments the launcher supplies; a config may not set them.
 RESERVED_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-                   "precision_plugin", "process_group_backend", "job")
+                   "precision_plugin", "process_group_backend", "job",
+                   "cluster")   # a plain script's argument; a job's cluster is train.py's cluster=
 
 _ours: dict[str, type[Strategy]] = {}
 

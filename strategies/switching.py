@@ -32,7 +32,7 @@ from syncplane.algorithms.torch_hooks import HookConfig
 from syncplane.algorithms.torch_hooks.hooks import metered
 from syncplane.config import ConfigError
 from syncplane.job import JobContext
-from syncplane.strategies.base import JobAware
+from syncplane.strategies.base import JobAware, Watched
 
 #: member -> the ``strategy.kwargs`` it may run with here (the DDP wrapper's own are fixed)
 MEMBERS: dict[str, tuple[str, ...]] = {BASELINE: (), "flexreduce": ("topology", "chunk_mb"), "torch_fp16": ()}
@@ -48,7 +48,7 @@ def check_member(name: str, settings: Mapping[str, Any]) -> None:
                           f"(only {', '.join(MEMBERS[name]) or 'nothing'})")
 
 
-class SwitchableDDP(JobAware, DDPStrategy):
+class SwitchableDDP(JobAware, Watched, DDPStrategy):
     """Args:
         choice: the member to start with (``MEMBERS``), and ``settings`` its ``strategy.kwargs``.
         other keywords: Lightning's ``DDPStrategy`` (fixed for the whole run).

@@ -15,10 +15,11 @@ from typing_extensions import override
 from syncplane.algorithms.torch_hooks import HookConfig
 from syncplane.algorithms.torch_hooks.hooks import metered
 from syncplane.algorithms.replicas import CommMeter
+from syncplane.strategies.base import Watched
 from syncplane.strategies.registry import register
 
 
-class TorchHookStrategy(DDPStrategy):
+class TorchHookStrategy(Watched, DDPStrategy):
     """Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` on CUDA only (a torch 1.8
     restriction, its comment says) and silently drops it on CPU; torch's hooks run on gloo
     today (``tests/dist/test_torch_hooks.py``), so the hook is not handed to Lightning: it is

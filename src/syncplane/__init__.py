@@ -10,4 +10,19 @@ model), ``syncplane.job`` (the job's shape, handed down as an argument), ``syncp
 ``syncplane.bench`` and ``syncplane.experiments`` (tools that use the product).
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+
+#: What a plain Lightning script uses, importable from ``syncplane`` itself (loaded on first
+#: use: ``import syncplane`` alone imports neither torch nor Lightning).
+_PUBLIC = {"Auto": "syncplane.strategies.auto", "HeartbeatCallback": "syncplane.runtime.heartbeat_callback",
+           "RunReport": "syncplane.runtime.report"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'syncplane' has no attribute {name!r}")

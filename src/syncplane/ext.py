@@ -182,6 +182,37 @@ def _load_cuda(verbose: bool = False) -> ModuleType:
     return module
 
 
+def cpu_build_name() -> str:
+    """The name (a hash of sources, flags, torch and Python) the CPU module has when built:
+    what a cached measurement of it belongs to, known without compiling."""
+    return _build_name("cpu", CPU_SOURCES, CPU_CFLAGS + CPU_LDFLAGS)
+
+
+@functools.lru_cache(maxsize=None)
+def cannot_compile(kind: str) -> str | None:
+    """Why the ``kind`` (``cpu`` or ``cuda``) kernels can neither be loaded from the cache nor
+    compiled here -- no C++ compiler, no ninja, no nvcc or a CPU-only torch -- or None. Checked
+    once per process (``kernels`` then runs the pure-torch references)."""
+    import torch
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if kind == "cuda" and torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    try:
+        if _load(kind, CPU_SOURCES if kind == "cpu" else CUDA_SOURCES, build=False, verbose=False) is not None:
+            return None                       # built before: nothing to compile
+    except Exception:                         # a stale or corrupt entry: it will be rebuilt
+        pass
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on PATH"
+    if not is_ninja_available():
+        return "ninja is not installed"
+    if kind == "cuda" and _find_cuda_home() is None:
+        return "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
+    return None
+
+
 def cuda_unavailable_reason() -> str | None:
     """Why the CUDA kernels can neither be loaded from the cache nor compiled here, or None.
     Checked before a GPU job starts, so a missing ``nvcc`` is one clear message up front

@@ -91,6 +91,17 @@ class JobContext:
             job.__dict__["profile"] = profile     # the cached_property's slot: no second load
         return job
 
+    def on_cluster(self, cluster: str | Path | ClusterProfile) -> JobContext:
+        """The same job placed on ``cluster`` (a shipped profile name, a YAML path, or a profile
+        object): what a strategy's ``cluster`` argument gives, in place of the launcher's
+        ``SYNCPLANE_CLUSTER`` (the fallback). The profile is loaded here, once: a bad one
+        fails when the strategy is built, naming it."""
+        profile = cluster if isinstance(cluster, ClusterProfile) else load_profile(cluster)
+        name = str(cluster) if not isinstance(cluster, ClusterProfile) else profile.name
+        job = replace(self, cluster=name)
+        job.__dict__["profile"] = profile     # the cached_property's slot: no second load
+        return job
+
     def with_size(self, rank: int, world_size: int) -> JobContext:
         """The same job seen by ``rank`` of ``world_size`` (what the process group says)."""
         job = replace(self, rank=rank, world_size=world_size)

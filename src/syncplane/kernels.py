@@ -5,11 +5,14 @@
 step) in one pass, ``sketch_encode``/``sketch_decode``/``sketch_decode_add`` are Canary's gradient sketch (the
 ``GradientSketch`` codec's hot path; layout and rules in ``csrc/cpu_kernels.cpp``). Each dispatches on the tensor's device to the compiled CPU or CUDA
 module -- the only place CPU and GPU code paths differ. ``backend="torch"`` runs the
-reference instead; it exists for tests and benchmarks, never as a silent fallback.
+reference instead (tests and benchmarks). Where the kernels cannot be compiled -- no C++
+compiler, ninja or nvcc -- every kernel runs its reference, said once in the log; a compiler
+that is present but fails is an error (``ext.ExtensionError``), never a silent fallback.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import Counter
@@ -24,6 +27,8 @@ from syncplane import ext
 
 Backend = Literal["ext", "torch"]
 
+log = logging.getLogger(__name__)
+
 #: How many times each (kernel, implementation) ran in this process; tests use it to
 #: prove the compiled path is the one that executed. Kernels run on several threads (the
 #: hierarchical pipeline, DiLoCo's streaming worker): ``_count`` takes a lock.
@@ -34,6 +39,27 @@ _count_lock = threading.Lock()
 def _count(kernel: str, implementation: str) -> None:
     with _count_lock:
         call_counts[(kernel, implementation)] += 1
+
+
+_said_reference: set[str] = set()
+
+
+def _use_reference(backend: Backend, device: torch.device) -> bool:
+    """Whether to run the pure-torch reference: asked for (``backend="torch"``), or the kernels
+    for ``device`` cannot be compiled here (no C++ compiler, ninja or nvcc: said once in the
+    log). A compiler that is present but fails raises (``ext.ExtensionError``), never hidden."""
+    if backend == "torch":
+        return True
+    if device.type not in ("cpu", "cuda"):
+        return False   # _module_for names what is supported
+    reason = ext.cannot_compile(device.type)
+    if reason is None:
+        return False
+    if device.type not in _said_reference:
+        _said_reference.add(device.type)
+        log.warning("syncplane: the %s kernels cannot be compiled here (%s); running their pure-torch references "
+                    "instead (slower; install the compiler and they build on first use)", device.type.upper(), reason)
+    return True
 
 
 def _module_for(device: torch.device) -> tuple[ModuleType, str]:
@@ -99,7 +125,7 @@ def pack(
     assert ref is not None
     if out is None:
         out = torch.empty(numel_total(tensors), dtype=ref.dtype, device=ref.device)
-    if backend == "torch":
+    if _use_reference(backend, out.device):
         _count("pack", "torch")
         return pack_reference(tensors, out, scale)
     module, name = _module_for(out.device)
@@ -115,7 +141,7 @@ def unpack(
     backend: Backend = "ext",
 ) -> None:
     """Copy consecutive slices of ``flat`` (times ``scale``) back into ``tensors``, in place."""
-    if backend == "torch":
+    if _use_reference(backend, flat.device):
         _count("unpack", "torch")
         unpack_reference(flat, tensors, scale)
         return
@@ -144,7 +170,7 @@ def weighted_combine(
         raise ValueError(f"weighted_combine: {len(ys)} buffers but {len(weights)} weights")
     if out is None:
         out = torch.empty_like(x)
-    if backend == "torch":
+    if _use_reference(backend, x.device):
         _count("weighted_combine", "torch")
         return weighted_combine_reference(x, ys, weights, self_weight, out)
     module, name = _module_for(x.device)
@@ -185,7 +211,7 @@ def sketch_encode(
                          f"shape {tuple(x.shape)}")
     if out is None:
         out = torch.empty(sketch_nbytes(x.numel(), k), dtype=torch.uint8, device=x.device)
-    if backend == "torch":
+    if _use_reference(backend, x.device):
         _count("sketch_encode", "torch")
         return sketch_encode_reference(x, k, sample, quantile_weight, out)
     module, name = _module_for(x.device)
@@ -204,7 +230,7 @@ def sketch_decode(
     """The ``numel`` fp32 values a sketch stands for (codebook lookup, exact values put back)."""
     if out is None:
         out = torch.empty(numel, dtype=torch.float32, device=data.device)
-    if backend == "torch":
+    if _use_reference(backend, data.device):
         _count("sketch_decode", "torch")
         return sketch_decode_reference(data, k, out)
     module, name = _module_for(data.device)
@@ -225,7 +251,7 @@ def sketch_decode_add(
     buffer to allocate, write and read again. On a GPU it decodes into a buffer, then adds."""
     if scale not in (1.0, -1.0):
         raise ValueError(f"sketch_decode_add: scale must be 1 or -1, got {scale}")
-    if backend == "torch":
+    if _use_reference(backend, out.device):
         _count("sketch_decode_add", "torch")
         return sketch_decode_add_reference(data, k, out, scale)
     if out.device.type != "cpu":
@@ -376,7 +402,7 @@ def sparse_encode(
         out = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
     if out.numel() != layout.nbytes or out.dtype != torch.uint8:
         raise ValueError(f"sparse_encode: out must be {layout.nbytes} bytes (uint8), got {out.numel()} of {out.dtype}")
-    if backend == "torch":
+    if _use_reference(backend, x.device):
         _count("sparse_encode", "torch")
         return sparse_encode_reference(x, layout, out)
     module, name = _module_for(x.device)
@@ -405,7 +431,7 @@ def sparse_decode_add(
         if p.dtype != torch.uint8 or p.numel() != layout.nbytes or p.device != out.device:
             raise ValueError(f"sparse_decode_add: payload {i} has {p.numel()} bytes of {p.dtype} on {p.device}; "
                              f"expected {layout.nbytes} (uint8) on {out.device}")
-    if backend == "torch":
+    if _use_reference(backend, out.device):
         _count("sparse_decode_add", "torch")
         return sparse_decode_add_reference(payloads, out, layout, scale)
     module, name = _module_for(out.device)

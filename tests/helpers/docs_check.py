@@ -11,7 +11,10 @@ a planted bad snippet and ``tests/unit/test_docs_commands.py`` the real pages:
   configs' YAML and the strategies' accepted settings by ``unknown_keys``;
 - ``strategy_table_names``: the strategies a page's strategy table lists (header ``name``
   or ``strategy`` and a first column of backticked names), for ``registry_mismatch``;
-- ``broken_links``: relative links whose file, or ``#anchor`` heading, does not exist.
+- ``broken_links``: relative links whose file, or ``#anchor`` heading, does not exist;
+- ``hand_figures``: measured figures a guide states by hand (a speed-up ``1.73×``, a count
+  ``131 of 154 rows``) outside the blocks ``scripts/results.py`` generates from the data;
+- ``dated_headings``: headings that carry a date (a lab notebook's entries).
 """
 
 from __future__ import annotations
@@ -163,3 +166,23 @@ def broken_links(page: Path, text: str, read: Callable[[Path], str | None]) -> l
         elif anchor and dest.suffix == ".md" and anchor not in anchors(body):
             broken.append(f"{target}: no heading #{anchor}")
     return broken
+
+
+#: A generated block (``scripts/results.py``): its figures come from the committed data.
+GENERATED_BLOCK = re.compile(r"<!-- results:(?P<key>\S+) -->\n.*?<!-- /results:(?P=key) -->", re.S)
+#: A measured ratio (``1.73×``, ``6 ×``: not the ``2 × 1024`` of a shape) or a count of measured cells.
+FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?×(?!\s?\d)"
+                    r"|\b\d+ of \d+ (?:cells|rows|measured rows|predictions|profiles)\b")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def hand_figures(text: str) -> list[str]:
+    """The measured figures of a page outside its generated blocks and code blocks: a guide
+    shows a figure through a block (``<!-- results:KEY -->``) or links to the results page."""
+    plain = ANY_BLOCK.sub("", GENERATED_BLOCK.sub("", text))
+    return [m.group(0) for m in FIGURE.finditer(plain)]
+
+
+def dated_headings(text: str) -> list[str]:
+    """Headings with a date in them: a diary's entries, which belong to git's history."""
+    return [h for h in HEADING.findall(_without_blocks(text)) if DATE.search(h)]

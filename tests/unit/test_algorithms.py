@@ -13,7 +13,7 @@ from syncplane.cluster.cost import CostModel
 from syncplane.strategies import registry
 
 SHIPPED = ["local", "homogeneous8", "two_racks", "two_racks_contended", "slow_nic", "asymmetric_2_3", "multi_nic",
-           "wan_two_sites"]
+           "wan_two_sites", "wan_nodes"]
 
 
 def test_every_strategy_is_declared_once_and_registered():
@@ -39,6 +39,15 @@ def test_every_strategy_has_a_finite_cost_on_every_shipped_profile(profile_name)
     for name in algorithms.strategy_names() + ["torch_periodic"]:
         predicted, bound = strategy_time(model, name, 2**24)
         assert math.isfinite(predicted) and math.isfinite(bound) and 0 <= bound <= predicted, (name, profile_name)
+
+
+def test_wan_nodes_leaves_ddp_computing_about_a_tenth_of_the_time():
+    """The profile's arithmetic (docs/cluster-profiles.md): tiny_lm's fp32 gradients all-reduced
+    over the 3 Mbit site link take ~9x the emulated 2.5 s step, as a 1B model's over 1 Gbit/s."""
+    profile = load_profile("wan_nodes")
+    assert [len(host.ranks) for host in profile.hosts] == [2, 2] and len(profile.racks) == 2
+    predicted, _ = strategy_time(CostModel(profile), "ddp", 1_334_016 * 4)
+    assert 0.08 < 2.5 / (2.5 + predicted) < 0.12, predicted
 
 
 def test_periodic_families_are_amortized_over_their_period():

@@ -160,7 +160,7 @@ def test_find_lost_without_a_store_is_the_rank_own_error():
 
 
 def test_only_a_broken_collective_makes_a_rank_look_for_the_lost():
-    from syncplane.runtime.liveness import is_transport_error
+    from syncplane.runtime.heartbeat_callback import is_transport_error
 
     assert is_transport_error(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     assert is_transport_error(dist.DistNetworkError("Connection reset by peer"))

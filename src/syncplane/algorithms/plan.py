@@ -45,7 +45,7 @@ ACCEPT = ("exact", "approximate")
 
 #: How much faster than ``ddp`` a candidate must be predicted to be chosen over it: about the
 #: model's own error on DDP (within 13 % on 12 of the 15 profiles of the 8 MB matrix,
-#: docs/benchmarks.md). A smaller predicted gain is no evidence, and DDP is the baseline a
+#: docs/design-notes.md). A smaller predicted gain is no evidence, and DDP is the baseline a
 #: user knows: the 8 MB matrix measured FlexReduce 21–34 % slower than DDP on the two
 #: profiles where it was predicted 1–3 % faster.
 BASELINE_MARGIN = 0.10

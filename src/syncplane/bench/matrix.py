@@ -9,7 +9,7 @@ bound ratio, model error).
 ``repeat`` runs a profile's cells that many times, one run after another: each row is then the
 run whose sync time is the median of its runs' (its other fields -- *vs DDP*, model error, CPU
 busy -- that run's own), with every run's time beside it (``repeats``; the table shows their
-range): on a shared machine one run is one draw (``docs/benchmarks.md``).
+range): on a shared machine one run is one draw (``docs/design-notes.md``).
 
 Resumable: a cell (profile × strategy) whose row is already in ``OUT/<profile>.json`` with
 status ``ok`` is skipped; the rest of that profile runs again, with ``ddp`` beside. The

@@ -64,7 +64,7 @@ from syncplane.cluster.profile import ClusterProfile
 Flow = tuple[int, int, float]            # src rank, dst rank, bytes
 
 MBIT = 1e6 / 8                            # bytes per second in one Mbit/s
-DEFAULT_ALPHA_S = 1.1e-3                  # per-phase latency of gloo on the emulator (measured 2026-11-29, docs/benchmarks.md)
+DEFAULT_ALPHA_S = 1.1e-3                  # per-phase latency of gloo on the emulator (measured 2026-11-29, docs/design-notes.md)
 #: memory-to-memory over loopback where no rate was measured on the machine (a 2-core EPYC's);
 #: the plan and the bench time this machine's (``syncplane.algorithms.ddp.timing``)
 DEFAULT_LOOPBACK_BPS = 2.5e9

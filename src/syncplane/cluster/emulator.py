@@ -18,7 +18,7 @@ relayed hop leaves through the relay's shaped NIC, so relays pay for the traffic
 Every host namespace runs the profile's TCP congestion control (``tcp_congestion``, default
 cubic, Linux's own default), not the one it would inherit from this machine's root namespace:
 this VM image sets bbr. Where bulk traffic crosses a shaped link both ways, or meets a greedy
-flow there, the choice moves a step by 10–40 % either way (``docs/benchmarks.md``), so a measurement would otherwise depend on
+flow there, the choice moves a step by 10–40 % either way (``docs/design-notes.md``), so a measurement would otherwise depend on
 a setting of the machine that nobody recorded. A namespace may only pick an algorithm the kernel's allowed list holds
 (``net.ipv4.tcp_allowed_congestion_control``, global): the profile's is added to it if missing,
 the one change this module makes outside its namespaces.

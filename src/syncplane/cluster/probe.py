@@ -36,6 +36,7 @@ A probe's result is cached per cluster (``~/.cache/syncplane/probe/<key>.json``)
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import json
@@ -777,12 +778,8 @@ def table_text(topo: Topology, slow_factor: float = 0.5) -> str:
     return out.getvalue()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m syncplane.cluster.probe [--mb M] [--json OUT] [--refresh]``, once per rank
-    (torchrun-style environment): probe, print the table on rank 0, write the topology."""
-    import argparse
-    import datetime
-
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's command line (``docs/reference/cli.md`` is generated from it)."""
     parser = argparse.ArgumentParser(prog="python -m syncplane.cluster.probe")
     parser.add_argument("--mb", type=float, default=1.0, help="bytes each pair exchanges, in MB")
     parser.add_argument("--json", help="where rank 0 writes the topology")
@@ -791,6 +788,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="streams per pair for the per-flow cap test (1: no test)")
     parser.add_argument("--profile", help="where rank 0 writes a cluster profile YAML of what was found "
                                           "(for bench, simulate, emulate, plan and train.py cluster=PATH)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m syncplane.cluster.probe [--mb M] [--json OUT] [--refresh] [--profile YAML]``, once
+    per rank (torchrun-style environment): probe, print the table on rank 0, write the topology."""
+    import datetime
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.mb <= 0:

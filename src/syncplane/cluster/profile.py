@@ -26,7 +26,10 @@ import yaml
 
 from syncplane.config import ConfigError, parse_dataclass
 
-PROFILE_DIR = Path(__file__).resolve().parents[3] / "configs" / "cluster"
+#: The shipped profiles: configs/cluster in a checkout, the package's copy in an installed wheel.
+PROFILE_DIR = next((d for d in (Path(__file__).resolve().parents[3] / "configs" / "cluster",
+                                Path(__file__).resolve().parent / "profiles") if d.is_dir()),
+                   Path(__file__).resolve().parent / "profiles")
 #: the hosts' TCP congestion control unless a profile names one: Linux's own default
 DEFAULT_TCP_CONGESTION = "cubic"
 
@@ -117,7 +120,7 @@ class BCubeSpec:
     def direct_ring(self) -> list[int]:
         """Every host, in a cyclic order whose neighbours differ in one address digit (the
         modular α-ary Gray code): a ring in this order has no relayed hop. A ring in host
-        order has some, and they slow it (measured in docs/benchmarks.md, "BCube: a ring in
+        order has some, and they slow it (measured in docs/design-notes.md, "BCube: a ring in
         rank order runs at half speed through its relays")."""
         order = []
         for i in range(self.alpha ** self.beta):

@@ -254,7 +254,7 @@ def set_one_way_links(group: Group = None) -> None:
     """Carry the point-to-point messages of ``group`` (``p2p.exchange_tensors``) on two groups
     of its members, one per direction (``directed``), as the stream runner's patterns travel.
     Where a link caps each flow, a pair swapping on one connection ran at 0.78 of its bound
-    (``docs/benchmarks.md``). The first call creates the groups with ``dist.new_group``
+    (``docs/design-notes.md``). The first call creates the groups with ``dist.new_group``
     (``group_cache``): call it on every rank of the job, in the same order, even for a
     subgroup. It stays set for ``group`` until ``reset``."""
     members = None if group is None else dist.get_process_group_ranks(group)

@@ -216,7 +216,7 @@ def machine_key() -> str:
     from syncplane import ext
 
     return (f"{platform.node()}|{platform.machine()}|{cpu_model()}|{len(os.sched_getaffinity(0))} cores"
-            f"|torch {torch.__version__}|{ext.load_cpu().__name__}")
+            f"|torch {torch.__version__}|{ext.cpu_build_name() if ext.cannot_compile('cpu') is None else 'reference'}")
 
 
 def calibrate(work: CpuWork = CpuWork(), cache: Path | None = DEFAULT_CACHE, sharing: float = 1.0,

@@ -15,15 +15,19 @@ a validation loss and loss-vs-time curves); all runs share one W&B group
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import logging
 import re
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from syncplane.bench.matrix import git_commit
 from syncplane.config import ConfigError, parse_list, parse_variant
 
 log = logging.getLogger(__name__)
@@ -191,7 +195,9 @@ def run_comparison(settings: CompareSettings) -> dict[str, Any]:
         log.info("[%s] done in %.0f s: val_acc %s, val_loss %s, %.0f samples/s", tag, time.perf_counter() - run_start,
                  summary["metrics"]["val_acc"], summary["metrics"]["val_loss"], summary["throughput"]["samples_per_s"])
         run_dirs.append(run_dir)
-    meta = {"recipe": settings.recipe, "cluster": settings.cluster, "strategies": settings.strategies,
+    meta = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": git_commit(Path(__file__).resolve().parent), "command": shlex.join(["syncplane", *sys.argv[1:]]),
+            "recipe": settings.recipe, "cluster": settings.cluster, "strategies": settings.strategies,
             "seeds": settings.seeds, "overrides": settings.overrides, "wandb_group": group,
             "world_size": plan[0][2]["trainer"]["devices"]}
     report = build_comparison(run_dirs, out, target_acc=settings.target_acc, target_loss=settings.target_loss,

@@ -34,17 +34,25 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
 #: Exit status of a rank stopped because a peer was lost (EX_TEMPFAIL: a retry may succeed).
 LOST_PEER_EXIT = 75
+
+#: How long a rank may stay silent before it counts as lost: ``train.py``'s
+#: ``trainer.heartbeat_timeout_s`` and a plain script's strategy alike.
+DEFAULT_TIMEOUT_S = 15.0
 
 _DONE = b"done"
 
@@ -78,13 +86,18 @@ class Heartbeat:
         clock: a monotonic clock (tests pass their own).
         settles: ``settle`` waits for the other ranks to read the verdict (else a no-op).
         sleep: how ``settle`` waits (tests pass their own).
+        reap: the rank that finds a rank lost SIGKILLs it when it runs on the same host (its
+            process, recorded at ``start``): a hung process (SIGSTOP, a stuck driver) ends
+            only so, and with no launcher of syncplane's around (torchrun, Lightning's own)
+            nothing else would end it. Under syncplane's launcher, which ends the job's
+            processes itself, off.
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
                  interval_s: float | None = None, startup_s: float | None = None, where: str = "the store",
                  prefix: str = "syncplane/heartbeat", on_lost: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, settles: bool = False,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, reap: bool = False) -> None:
         if timeout_s <= 0:
             raise ValueError(f"heartbeat timeout_s must be positive, got {timeout_s}")
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -93,7 +106,7 @@ class Heartbeat:
         self.startup_s = max(60.0, 3 * timeout_s) if startup_s is None else startup_s
         self.where, self.prefix, self.clock = where, prefix, clock
         self.on_lost = on_lost or (lambda message: exit_now(message, before_exit=self.settle))
-        self.settles, self.sleep = settles, sleep
+        self.settles, self.sleep, self.reap = settles, sleep, reap
         self.watched: int | None = (rank + 1) % world_size if world_size > 1 else None
         self.beats = 0
         self.lost: str | None = None
@@ -124,12 +137,15 @@ class Heartbeat:
                        "rank lost its network")
             return self._report(message)
         if message is not None:
+            lost = self.watched
             try:
-                self.store.set(self._key("lost"), str(self.watched))
+                self.store.set(self._key("lost"), str(lost))
                 self.store.set(self._key("abort"), message)
                 self.store.set(self._key(f"read/{self.rank}"), "1")
             except RuntimeError:
                 pass   # the others will find the lost rank themselves, or the store gone
+            if lost is not None:
+                self.reap_lost([lost])
             return self._report(message)
         return None
 
@@ -215,11 +231,37 @@ class Heartbeat:
                    f"broke; found by rank {self.rank} within {window:.0f} s")
         try:   # atomically: the first rank to post wins, and every rank reports its message
             self.store.compare_set(self._key("lost"), "", ",".join(map(str, silent)))
-            message = self.store.compare_set(self._key("abort"), "", message).decode()
+            posted = self.store.compare_set(self._key("abort"), "", message).decode()
             self.store.set(self._key(f"read/{self.rank}"), "1")
         except RuntimeError:
-            pass
-        return message
+            return message
+        if posted == message:   # this rank's verdict: its lost ranks are its to end
+            self.reap_lost(silent)
+        return posted
+
+    def reap_lost(self, ranks: Sequence[int]) -> list[int]:
+        """With ``reap``: SIGKILL the processes of ``ranks`` that run on this host (as each
+        recorded at ``start``); returns the ranks ended. A rank already gone is skipped."""
+        if not self.reap:
+            return []
+        ended = []
+        for rank in ranks:
+            try:
+                key = self._key(f"process/{rank}")
+                if not self.store.check([key]):
+                    continue
+                host, pid = self.store.get(key).decode().rsplit(" ", 1)
+            except (RuntimeError, ValueError):
+                continue
+            if host != socket.gethostname() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
+            log.warning("rank %d: ended lost rank %d (pid %s on this host) with SIGKILL", self.rank, rank, pid)
+            ended.append(rank)
+        return ended
 
     def settle(self, window_s: float | None = None) -> None:
         """Before this rank leaves on a verdict (with ``settles``): wait until every other rank has read the verdict, finished, was named lost by it (the
@@ -275,6 +317,11 @@ class Heartbeat:
         """Beat and watch on a daemon thread until ``stop``."""
         if self._thread is not None:
             return
+        if self.reap:
+            try:   # where this rank runs, for the rank that may find it lost (``reap_lost``)
+                self.store.set(self._key(f"process/{self.rank}"), f"{socket.gethostname()} {os.getpid()}")
+            except RuntimeError:
+                log.warning("rank %d: could not record its process at %s", self.rank, self.where)
         self._seen_at = self.clock()
         self._thread = threading.Thread(target=self._run, name="syncplane-heartbeat", daemon=True)
         self._thread.start()

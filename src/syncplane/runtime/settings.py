@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from syncplane.job import JobContext
+from syncplane.runtime.heartbeat import DEFAULT_TIMEOUT_S
 from syncplane.config import ConfigError, check_kwargs, parse_dataclass
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class TrainerSettings:
     deterministic: bool = False
     threads_per_rank: int = 0  # 0: split this machine's cores evenly between local ranks
     rendezvous_timeout_s: float = 300.0  # how long ranks wait for each other at start before naming the missing
-    heartbeat_timeout_s: float = 15.0   # a rank silent this long counts as lost and stops the job; 0: no heartbeat
+    heartbeat_timeout_s: float = DEFAULT_TIMEOUT_S   # (15 s) a rank silent this long counts as lost and stops the job; 0: no heartbeat
     max_restarts: int = 0   # elastic jobs: times the launcher restarts a failed replica (torchrun's flag, per replica)
     restart_delay_s: float = 0.0   # elastic jobs: wait before a restart (the others go on without it first)
     # an emulated accelerator: every computed batch takes this long at nominal speed, its CPU work

@@ -42,7 +42,11 @@ def make_loggers(spec: JobSpec) -> list[Any]:
     if spec.logger.csv:
         loggers.append(CSVLogger(save_dir=spec.run_dir, name="csv", version=""))
     if spec.logger.wandb:
-        import wandb
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("logger.wandb: Weights & Biases is an extra: pip install 'syncplane[wandb]' "
+                              "(or log CSV only: logger=csv)") from None
 
         # Offline by default and no crash reports: a run must make no network calls
         # unless the user asked for mode=online.
@@ -77,7 +81,8 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     from syncplane import recipes
     from syncplane.strategies import registry
     from syncplane.runtime.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
-    from syncplane.runtime.liveness import HeartbeatCallback, InjectFault
+    from syncplane.runtime.heartbeat_callback import HeartbeatCallback
+    from syncplane.runtime.liveness import InjectFault
     from syncplane.runtime.report import RunReport
     from syncplane.runtime.settings import FAILING_KINDS
     from syncplane.runtime.slowdown import ComputeReport, SlowCompute, Slowdown, plan_slowdowns
@@ -153,7 +158,8 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
         logger=make_loggers(spec) or False,
         # the slowdown first: the report's step times then include its wait, as a slower GPU's would
         callbacks=[*([slow] if slow is not None else []), report, checkpoints, *([replanner] if replanner else []),
-                   HeartbeatCallback(trainer_cfg.heartbeat_timeout_s),
+                   # the launcher ends the job's processes itself: no reaping of a lost rank here
+                   HeartbeatCallback(trainer_cfg.heartbeat_timeout_s, reap=False),
                    *(InjectFault(f) for f in spec.faults if f.kind in FAILING_KINDS)],
         plugins=[AtomicCheckpointIO()],
         default_root_dir=spec.run_dir,

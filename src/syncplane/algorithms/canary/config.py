@@ -44,7 +44,7 @@ class CanaryConfig:
         bucket_cap_mb: colayer size: gradients grouped in backward order up to this many MiB.
         first_bucket_cap_mb: the first colayer's size (the last layers' gradients, exchanged
             first), smaller, as torch DDP's first bucket: the wire starts after a short
-            encode instead of a whole colayer's (measured in docs/benchmarks.md).
+            encode instead of a whole colayer's (measured in docs/design-notes.md).
         sync_timeout_s: an exchange slower than this fails the step (on every rank).
         staleness: s, a step's aggregate is applied s steps later (a rank waits only for a
             straggler more than s steps behind); 0 = synchronous (``gei.py``).

@@ -3,7 +3,7 @@ cost model's loopback links carry (``syncplane.exchanges.cpu.loopback_op``).
 
 Loopback is memory-to-memory copying by the kernel, so its rate is this machine's and depends
 on how many ranks share it (two 2-core EPYCs: 2.5 and about 4 GB/s with 4 ranks,
-``docs/benchmarks.md``). It is timed with ``DDPStep`` itself -- the bench's bucketed ring
+``docs/design-notes.md``). It is timed with ``DDPStep`` itself -- the bench's bucketed ring
 all-reduce, its sums and its average -- in a gloo group of ``ranks`` child processes on
 loopback (``comm.timing``): the median over a few warm steps of the slowest rank's wall time
 (a step's sync time, as ``syncplane bench`` reads it), per element the ring puts on the

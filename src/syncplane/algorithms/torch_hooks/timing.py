@@ -9,7 +9,7 @@ the bench runs it (``TorchHookStep``). PowerSGD's is timed **in a gloo group of 
 size** (up to ``TIMED_MAX_RANKS``), each rank a child process on loopback, so that a rank pays
 what it pays in the job: its all-reduces' own CPU and whatever grows with the group (a rank
 timed alone in a group of one costs 1.3-1.7x less per element than the same rank in an
-8-rank bench: ``docs/benchmarks.md``, "torch's hooks timed in a group of the job's size").
+8-rank bench: ``docs/design-notes.md``, "The cost model's CPU term").
 fp16's is timed alone (``timed_ranks``). The children are ``syncplane.comm.timing``'s.
 
 What is timed is the step's **CPU seconds** (every thread of the process), the median of a

@@ -1,0 +1,140 @@
+"""``Auto``: ``train.py``'s ``strategy=auto`` as a strategy object for a plain Lightning script,
+``Trainer(strategy=syncplane.Auto(cluster="two_racks"))``.
+
+(Lightning's own ``strategy="auto"`` is Lightning's choice of DDP or none, so the planner is an
+object, not a name.) The plan needs the model, which a strategy first sees at ``setup``, after
+Lightning has configured it: so ``Auto`` starts as a plain ``DDPStrategy`` (Lightning's launcher,
+process group and sampler alike for every candidate), decides at ``setup`` the way the worker
+does (``syncplane.runtime.autopilot``: rank 0's measurements broadcast, the plan a pure function
+of them, one decision on every rank), then becomes the chosen strategy -- its class and its
+settings, with what Lightning has set on this object kept -- and sets up as it. The choice is
+logged and recorded in ``details["auto"]`` (``summary.json``'s ``strategy_details.auto`` with
+``RunReport``).
+
+Not in a plain script: re-planning while training (``replan_every_s``: ``train.py`` only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from syncplane.cluster.profile import ClusterProfile
+from syncplane.algorithms.ddp import BASELINE
+from syncplane.config import ConfigError, parse_dataclass
+from syncplane.runtime import autopilot, heartbeat_callback
+from syncplane.strategies import registry
+from syncplane.strategies.base import JobAware
+
+log = logging.getLogger(__name__)
+
+
+class Auto(JobAware, DDPStrategy):
+    """The planner as a strategy: picks the fastest strategy for this model on ``cluster``.
+
+    Args:
+        cluster: the network to plan for (a shipped profile name, a YAML path or a
+            ``ClusterProfile``); None: the launcher's ``SYNCPLANE_CLUSTER``, else an error.
+        accept, compute_ms, time_steps, strategies, period: as ``strategy.kwargs`` of
+            ``train.py strategy=auto`` (``configs/strategy/auto.yaml``). Without ``compute_ms``
+            the compute per step is timed on a copy of the model, on one batch of the
+            datamodule (or of the module's own ``train_dataloader``).
+        other keywords: Lightning's ``DDPStrategy`` (given to the chosen strategy too).
+    """
+
+    def __init__(self, cluster: str | Path | ClusterProfile | None = None, accept: str = "exact",
+                 compute_ms: float | None = None, time_steps: int = 3, strategies: list[str] | str | None = None,
+                 period: int | None = None, **kwargs: Any) -> None:
+        self.plan_kwargs = {"accept": accept, "compute_ms": compute_ms, "time_steps": time_steps,
+                            "strategies": strategies, "period": period}
+        parse_dataclass(autopilot.AutoSettings, self.plan_kwargs, "Auto")   # a bad setting fails here
+        super().__init__(**kwargs)
+        self.ddp_kwargs = {k: v for k, v in kwargs.items() if k not in registry.RESERVED_KWARGS}
+        self.use_cluster(cluster)
+        self.details: dict[str, Any] = {}
+
+    def network(self) -> ClusterProfile:
+        """The profile the plan is for: the ``cluster`` argument, else the launcher's."""
+        profile = self.job.profile
+        if profile is None:
+            raise ConfigError("Auto: the planner needs the network's shape: Auto(cluster=NAME|PATH|ClusterProfile), "
+                              "or SYNCPLANE_CLUSTER set by the launcher")
+        return profile
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise ConfigError("Auto decides at fit: fit with it first, or name the strategy it chose "
+                              "(details['auto']['choice']) for validate/test/predict")
+        module = self.lightning_module
+        assert module is not None
+        heartbeat_callback.install(trainer)   # the decision is collective too; and DDP, if chosen, has none
+        data = trainer.datamodule if trainer.datamodule is not None else module
+        if self.plan_kwargs["compute_ms"] is None and data is module and not _has_train_loader(module):
+            raise ConfigError("Auto: give compute_ms=..., or fit with a datamodule (or a module with its own "
+                              "train_dataloader) for the planner to time a step on")
+        on_cpu = self.root_device.type == "cpu"
+        ranks_here = self.job.local_world_size or self.world_size
+        sharing = ranks_here / len(os.sched_getaffinity(0)) if on_cpu else None
+        auto = autopilot.choose_strategy(self.plan_kwargs, self.network(), module, data,
+                                         autopilot.torch_broadcast(), sharing, self.global_rank)
+        name, kwargs = auto["choice"]["strategy"], dict(auto["choice"]["kwargs"])
+        log.info("Auto: %s chosen (%s)", name, auto["choice"]["label"])
+        if name == BASELINE:   # Lightning's DDP, in a class this object can become
+            chosen: DDPStrategy = PlannedDDP(cluster_environment=self.cluster_environment,
+                                             process_group_backend=self.process_group_backend,
+                                             **{**self.ddp_kwargs, **kwargs})
+        else:
+            chosen = registry.build(name, {**self.ddp_kwargs, **kwargs}, self.cluster_environment,
+                                    self.process_group_backend, job=self.job)
+        self._become(chosen)
+        details = getattr(self, "details", None)
+        if not isinstance(details, dict):
+            details = {}
+        self.details = {**details, "auto": auto}
+        self.setup(trainer)   # now the chosen strategy's
+
+    def _become(self, chosen: DDPStrategy) -> None:
+        """Take ``chosen``'s class and settings, keeping what Lightning set on this object since
+        it was built (accelerator, devices, precision, launcher, the module): the attributes whose
+        value differs from a fresh ``DDPStrategy``'s."""
+        fresh = vars(DDPStrategy())
+        set_here = {k: v for k, v in vars(self).items() if k in fresh and not _same(v, fresh[k])}
+        state = {**vars(chosen), **set_here}
+        self.__dict__.clear()
+        self.__dict__.update(state)
+        self.__class__ = type(chosen)
+
+
+class PlannedDDP(JobAware, DDPStrategy):
+    """Lightning's ``DDPStrategy``, as ``Auto`` runs it when the plan chose ``ddp`` (an object
+    can take only a class of its own layout)."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two attribute values are the defaults alike (plain values compared, objects by identity)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (bool, int, float, str, bytes, tuple, list, dict, set, frozenset)) or \
+            type(a).__module__ == "datetime":
+        try:
+            return bool(a == b)
+        except Exception:   # an element with no plain equality: not a default
+            return False
+    return False
+
+
+def _has_train_loader(data: Any) -> bool:
+    try:
+        return data.train_dataloader() is not None
+    except Exception:   # Lightning's default train_dataloader raises: none defined
+        return False

@@ -1,0 +1,75 @@
+"""A plain Lightning script (``tests/helpers/plain_script.py``: Lightning's BoringModel with a
+syncplane strategy by name) gets the heartbeat as ``train.py`` does: a rank that hangs (SIGSTOP)
+or dies (SIGKILL) ends every process of the job within 45 s, each live rank naming it, under
+``torchrun`` and under Lightning's own launcher. Real processes, 3 CPU gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "helpers" / "plain_script.py"
+WORLD = 3
+#: the issue's bound: a hung or killed rank ends every process within this long
+BOUND_S = 45.0
+
+
+def run_job(tmp_path: Path, launcher: str, strategy: str, fault: str, rank: int) -> tuple[float, str]:
+    """Run the script with ``rank`` failing after step 10; (seconds from the fault to the
+    end of the whole job, its output)."""
+    mark = tmp_path / "fault_time"
+    args = [str(SCRIPT), "--strategy", strategy, "--max-steps", "100000", "--fault", fault,
+            "--fault-rank", str(rank), "--fault-step", "10", "--mark", str(mark), "--out", str(tmp_path / "run")]
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--standalone",
+                   "--max-restarts", "0", *args]
+    else:   # Lightning's own launcher: this process is rank 0 and starts the others
+        command = [sys.executable, *args, "--devices", str(WORLD)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, 9)
+        output, _ = job.communicate()
+        pytest.fail(f"the job did not end within 240 s:\n{output[-3000:]}")
+    ended = time.time()
+    assert job.returncode != 0, output[-3000:]
+    assert mark.exists(), f"rank {rank} never reached its fault:\n{output[-3000:]}"
+    return ended - float(mark.read_text()), output
+
+
+def leftover_ranks(tmp_path: Path) -> list[str]:
+    """Processes of this test's job still running (none may be left, the hung one included)."""
+    found = subprocess.run(["pgrep", "-f", f"--out {tmp_path / 'run'}"], capture_output=True, text=True).stdout
+    return found.split()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("launcher", "strategy", "fault", "rank"), [
+    ("torchrun", "atc", "stop", 1),
+    ("torchrun", "diloco", "kill", 2),
+    ("lightning", "ds_sync", "stop", 1),
+])
+def test_a_lost_rank_ends_every_process_naming_it(tmp_path, launcher, strategy, fault, rank):
+    seconds, output = run_job(tmp_path, launcher, strategy, fault, rank)
+    print(f"{launcher} {strategy} {fault} rank {rank}: the job ended {seconds:.1f} s after the fault")
+    verdicts = [line for line in output.splitlines() if line.startswith("syncplane: ")]
+    if launcher == "torchrun" and fault == "kill":
+        # torchrun sees a dead rank itself and ends the others at once (SIGTERM), naming it in
+        # its summary; a rank it ends may do so before saying anything
+        assert re.search(rf"exitcode: -9\) local_rank: {rank}\b", output), output[-4000:]
+    else:
+        # every live rank says why it stops, and names the lost rank
+        assert len(verdicts) >= WORLD - 1, output[-4000:]
+        assert all(re.search(rf"\brank {rank}\b", v) for v in verdicts), "\n".join(verdicts)
+    assert seconds < BOUND_S, f"{seconds:.1f} s:\n{output[-3000:]}"
+    assert not leftover_ranks(tmp_path)

@@ -1,0 +1,74 @@
+"""A plain Lightning script, as a user has one (Lightning's ``BoringModel``), with a syncplane
+strategy by name: ``python -m torch.distributed.run --nproc-per-node N tests/helpers/plain_script.py
+--strategy atc`` (or without torchrun, ``--devices N``: Lightning's own launcher).
+
+``--strategy auto:CLUSTER``: the planner, ``syncplane.Auto(cluster=CLUSTER)``. ``--report DIR``:
+syncplane's run report (``summary.json``, ``history.jsonl``) in DIR.
+
+``--fault stop|kill --fault-rank R --fault-step S``: rank R stops (SIGSTOP) or dies (SIGKILL)
+after step S, first writing the time (``time.time()``) to ``--mark`` -- what a test times the
+job's end from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import syncplane
+import syncplane.strategies  # noqa: F401  (registers the strategy names)
+
+
+class Fault(pl.Callback):
+    def __init__(self, kind: str, rank: int, step: int, mark: Path | None) -> None:
+        self.kind, self.rank, self.step, self.mark = kind, rank, step, mark
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            if self.mark is not None:
+                self.mark.write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP if self.kind == "stop" else signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="atc")
+    parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "2")))
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--fault", choices=["stop", "kill"])
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-step", type=int, default=5)
+    parser.add_argument("--mark", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("plain_run"))
+    parser.add_argument("--report", type=Path)
+    parser.add_argument("--accept", default="exact", help="Auto's accept: exact or approximate")
+    parser.add_argument("--candidates", help="Auto's strategies to choose among (a,b; default: every one)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    callbacks: list[pl.Callback] = [Fault(args.fault, args.fault_rank, args.fault_step, args.mark)] if args.fault else []
+    if args.report is not None:
+        callbacks.append(syncplane.RunReport(args.report, args.strategy.split(":")[0], "boring"))
+    strategy = (syncplane.Auto(cluster=args.strategy.split(":", 1)[1], accept=args.accept, compute_ms=5.0,
+                               strategies=args.candidates)
+                if args.strategy.startswith("auto:") else args.strategy)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
+                         max_epochs=-1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         default_root_dir=args.out)
+    trainer.fit(BoringModel())
+    if trainer.global_rank == 0:
+        chosen = getattr(trainer.strategy, "details", {}).get("auto", {}).get("choice", {}).get("strategy")
+        print(f"plain script: trained {trainer.global_step} steps with {args.strategy}"
+              + (f" (Auto chose {chosen}, ran {type(trainer.strategy).__name__})" if chosen else ""))
+
+
+if __name__ == "__main__":
+    main()
