@@ -500,6 +500,7 @@ PROFILE_WORDS = {
     "two_racks": "two racks, slow uplinks", "two_racks_contended": "two racks, a greedy flow on the uplinks",
     "uneven_hosts": "three racks, hosts of different rank counts", "uneven_three_racks": "three racks of 3, 2 and 1 hosts",
     "uneven_uplinks": "three racks, uplinks of different speeds", "wan_two_sites": "two sites, a WAN capping each flow",
+    "wan_nodes": "two sites of one 2-rank node, a slow site link",
 }
 
 def profiles_block(arg: str, docs: str = "") -> str:

@@ -51,7 +51,7 @@ from syncplane.strategies.registry import register
 
 @register("diloco")
 class DiLoCo(SyncplaneStrategy):
-    """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, shards,
+    """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, streams,
     compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
     fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s,
     time_weighting, time_samples), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
@@ -71,7 +71,7 @@ class DiLoCo(SyncplaneStrategy):
         return super().__new__(cls)
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
-                 outer_kwargs: dict[str, Any] | None = None, shards: int | Literal["auto"] = 1,
+                 outer_kwargs: dict[str, Any] | None = None, streams: int | Literal["auto"] = 1,
                  compression: Literal["none", "int8", "sparse"] = "none", block_size: int = 256,
                  density: float = 0.02, bits: int = 2, chunk: int = 4096, error_feedback_beta: float = 0.95,
                  outer: Literal["nesterov", "sparseloco"] = "nesterov", sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
@@ -82,7 +82,8 @@ class DiLoCo(SyncplaneStrategy):
                  elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",
-                 inner: Literal["ddp", "fsdp"] = "ddp", **kwargs: Any) -> None:
+                 inner: Literal["ddp", "fsdp"] = "ddp", shards: int | Literal["auto"] | None = None,
+                 **kwargs: Any) -> None:
         settings = locals()   # the arguments, by name: DiLoCoConfig takes those that are its fields
         super().__init__(**kwargs)
         self.config = DiLoCoConfig.pick(settings)
@@ -124,7 +125,7 @@ class DiLoCo(SyncplaneStrategy):
 
     @override
     def makes_meta_models(self) -> bool:
-        return self.config.inner == "fsdp"     # each rank makes its FSDP shards (NodeEngine's init)
+        return self.config.inner == "fsdp"     # each rank makes its FSDP shards (the engine's init)
 
     @override
     def consensus_group(self) -> Any:

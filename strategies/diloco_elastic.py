@@ -196,7 +196,7 @@ def check_elastic(config: DiLoCoConfig) -> None:
     """What elastic mode supports, checked at construction (before the first step; the
     timeouts themselves are checked by ``DiLoCo`` in either mode)."""
     unsupported = {"fragments": (config.fragments, 1), "overlap_steps": (config.overlap_steps, 0),
-                   "compression": (config.compression, "none"), "shards": (config.shards, 1)}
+                   "compression": (config.compression, "none"), "streams": (config.streams, 1)}
     for key, (value, allowed) in unsupported.items():
         if value != allowed:
             raise ValueError(f"elastic=true supports {key}={allowed} only, got {key}={value}")

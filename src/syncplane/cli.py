@@ -180,10 +180,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if base in PLANNED:
             rows[name] = None
             continue
-        # priced as plan and bench price it: --streams is DiLoCo's shards and DS-Sync's pair
+        # priced as plan and bench price it: --streams is DiLoCo's streams and DS-Sync's pair
         # streams (Canary opens one stream per NIC), the row's own settings first
         family = spec_for(base)
-        kwargs = {"shards": args.streams, "pair_streams": args.streams, "exchange": args.exchange, **settings,
+        kwargs = {"streams": args.streams, "pair_streams": args.streams, "exchange": args.exchange, **settings,
                   **({family.period_key: used[name]} if family.periodic and family.period_key else {})}
         rows[name] = settled_times(model, base, kwargs, PlanInputs(payload))
     ddp = rows.get("ddp")

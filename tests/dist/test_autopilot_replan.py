@@ -22,7 +22,7 @@ from syncplane.cluster import parse_profile
 from tests.helpers.distributed import run_distributed
 
 PAYLOAD = 40_000_000
-CHOICE = {"sync_every": 2, "shards": 1, "exchange": "mesh"}
+CHOICE = {"sync_every": 2, "streams": 1, "exchange": "mesh"}
 
 
 def pair_profile(per_flow_mbit: float | None) -> Any:
@@ -107,7 +107,7 @@ def test_every_rank_switches_alike_and_keeps_one_model(tmp_path) -> None:
     assert record["best"]["step_s"] * 1.2 <= record["current"]["step_s"]
     for r in results:
         assert r["config"]["exchange"] == "gather" and r["config"]["compression"] == "sparse"
-        assert r["config"]["shards"] == record["best"]["kwargs"]["shards"]
+        assert r["config"]["streams"] == record["best"]["kwargs"]["streams"]
         assert r["rounds"] == 3
         (before, after), = r["switches"]
         assert all(torch.equal(a, b) for a, b in zip(before, after)), "a switch must not move the model or outer state"
@@ -160,7 +160,7 @@ def _resume_rank(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
         refused = ""
     except ValueError as exc:
         refused = str(exc)
-    ran = {k: whole["config"][k] for k in ("shards", "exchange", "compression")}
+    ran = {k: whole["config"][k] for k in ("streams", "exchange", "compression")}
     return {"whole": whole, "resumed": resumed, "refused": refused,
             "named": fit("named", ckpt=path, settings={"sync_every": CHOICE["sync_every"], **ran})}
 
@@ -181,7 +181,7 @@ def test_a_resume_after_a_switch_keeps_the_switch_or_is_refused_never_reverts(tm
             assert all(torch.equal(a, b) for a, b in zip(whole[key], resumed[key])), key
         assert "the checkpoint's exchange ran" in refused and "exchange=gather" in refused, refused
         assert "compression=sparse" in refused and "this run has" in refused and "exchange=mesh" in refused
-        assert f"strategy.kwargs.shards={whole['config']['shards']}" in refused
+        assert f"strategy.kwargs.streams={whole["config"]["streams"]}" in refused
         assert named["rounds"] == whole["rounds"]
         for key in ("params", "outer", "residuals"):
             assert all(torch.equal(a, b) for a, b in zip(whole[key], named[key])), key

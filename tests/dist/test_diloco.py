@@ -90,9 +90,9 @@ def test_auto_shards_come_from_the_launchers_profile_and_still_equal_ddp(tmp_pat
     profile.write_text(WAN_PAIR)
     want, _ = auto_streams(load_profile(str(profile)))
     assert want == 16
-    results = run_distributed(_vs_ddp, 2, str(tmp_path), 3, str(profile), {"shards": "auto"}, timeout=180)
+    results = run_distributed(_vs_ddp, 2, str(tmp_path), 3, str(profile), {"streams": "auto"}, timeout=180)
     for params, rounds, _, details in results:
-        assert rounds == 3 and details["shards"] == want and details["exchange"] == "mesh"
+        assert rounds == 3 and details["streams"] == want and details["exchange"] == "mesh"
         for ddp, diloco in zip(params["ddp"], params["diloco"]):
             torch.testing.assert_close(diloco, ddp, rtol=1e-6, atol=1e-6)
 
@@ -269,7 +269,7 @@ def test_bad_configuration_names_the_value():
         DiLoCo(sync_every=0)
     with pytest.raises(ValueError, match="unknown compression 'fp8'"):
         DiLoCo(compression="fp8")
-    with pytest.raises(ValueError, match="shards must be an integer of at least 1, or 'auto', got 0"):
+    with pytest.raises(ValueError, match="streams must be an integer of at least 1, or 'auto', got 0"):
         DiLoCo(shards=0)
     with pytest.raises(ValueError,
                        match="exchange: allowed values: auto, mesh, tree, gather \\(or the old owner\\); got 'ring'"):

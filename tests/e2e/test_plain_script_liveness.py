@@ -64,12 +64,14 @@ def test_a_lost_rank_ends_every_process_naming_it(tmp_path, launcher, strategy, 
     print(f"{launcher} {strategy} {fault} rank {rank}: the job ended {seconds:.1f} s after the fault")
     verdicts = [line for line in output.splitlines() if line.startswith("syncplane: ")]
     if launcher == "torchrun" and fault == "kill":
-        # torchrun sees a dead rank itself and ends the others at once (SIGTERM), naming it in
-        # its summary; a rank it ends may do so before saying anything
+        # torchrun sees a dead rank itself and names it in its summary; it SIGTERMs the others
+        # at once, which wait until they have said whom the job lost (``sigterm_waits``)
         assert re.search(rf"exitcode: -9\) local_rank: {rank}\b", output), output[-4000:]
-    else:
-        # every live rank says why it stops, and names the lost rank
-        assert len(verdicts) >= WORLD - 1, output[-4000:]
-        assert all(re.search(rf"\brank {rank}\b", v) for v in verdicts), "\n".join(verdicts)
+    # every live rank says why it stops, and names the lost rank, and only it
+    assert len(verdicts) >= WORLD - 1, output[-4000:]
+    others = [r for r in range(WORLD) if r != rank]
+    assert all(re.search(rf"\brank {rank} stopped sending heartbeats", v) for v in verdicts), "\n".join(verdicts)
+    assert not any(re.search(rf"\brank {r} (and rank \d+ )?stopped", v) for v in verdicts for r in others), \
+        "\n".join(verdicts)
     assert seconds < BOUND_S, f"{seconds:.1f} s:\n{output[-3000:]}"
     assert not leftover_ranks(tmp_path)

@@ -87,5 +87,5 @@ def test_every_row_is_priced_as_plan_prices_it_and_streams_are_diloco_and_ds_syn
                     all(c.kwargs.get(k) == v for k, v in kwargs.items()))
 
     assert rows["canary"]["predicted_s"] == pytest.approx(planned("canary", exchange="nested"))
-    assert rows["diloco"]["predicted_s"] == pytest.approx(planned("diloco", shards=int(streams), exchange="tree"))
+    assert rows["diloco"]["predicted_s"] == pytest.approx(planned("diloco", streams=int(streams), exchange="tree"))
     assert rows["ddp"]["predicted_s"] == pytest.approx(planned("ddp"))

@@ -317,5 +317,5 @@ def test_diloco_with_elastic_true_builds_the_elastic_strategy_and_the_modes_do_n
     assert type(elastic) is ElasticDiLoCo and elastic.elastic and elastic.round_timeout_s == 30.0
     with pytest.raises(ValueError, match="elastic=False on ElasticDiLoCo"):
         ElasticDiLoCo(sync_every=4)
-    with pytest.raises(ValueError, match="supports shards=1 only"):
-        DiLoCo(sync_every=4, elastic=True, shards=2)
+    with pytest.raises(ValueError, match="supports streams=1 only"):
+        DiLoCo(sync_every=4, elastic=True, streams=2)

@@ -210,3 +210,34 @@ def test_a_rank_that_lost_the_store_leaves_without_settling():
     beat = Heartbeat(Broken(), 1, 4, timeout_s=7, on_lost=lost.append, settles=True, sleep=pytest.fail)
     assert beat.poll() is not None and "did not answer" in lost[0]
     beat.settle()                                         # no store: nothing to wait for, no sleep
+
+
+def test_with_reap_the_watcher_ends_the_lost_ranks_process_on_its_host_and_only_it():
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    store, clock, lost = dist.HashStore(), Clock(), []
+    beats = [Heartbeat(store, r, 3, timeout_s=10, startup_s=30, clock=clock, reap=True,
+                       on_lost=lambda message, r=r: lost.append((r, message))) for r in range(3)]
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    other_host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        os.kill(hung.pid, signal.SIGSTOP)     # what a hung rank is
+        rounds(beats, clock, 4)
+        # where each rank runs, as ``start`` records it: rank 2 is the stopped process here;
+        # rank 0 claims another host, so nobody here may end its process
+        store.set("syncplane/heartbeat/process/2", f"{socket.gethostname()} {hung.pid}")
+        store.set("syncplane/heartbeat/process/0", f"some-other-host {other_host.pid}")
+        rounds(beats, clock, 14, skip=(2,))
+        assert lost and lost[0][0] == 1 and "rank 2" in lost[0][1]
+        assert hung.wait(timeout=10) == -signal.SIGKILL
+        assert beats[1].reap_lost([0]) == [] and other_host.poll() is None   # another host's: left alone
+        assert Heartbeat(store, 1, 3, timeout_s=10).reap_lost([0]) == []     # without reap: nothing ended
+    finally:
+        for p in (hung, other_host):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

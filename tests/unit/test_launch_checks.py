@@ -43,7 +43,7 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
     "auto": {"accept": "exakt", "compute_ms": -1, "time_steps": 0, "cluster": "nope", "strategies": ["nope"],
              "period": 0, "replan_every_s": 0},
     "ddp": {},
-    "diloco": {"sync_every": -1, "outer_optimizer": "torch.optim.Nope", "outer_kwargs": {"nope": 1}, "shards": 0,
+    "diloco": {"sync_every": -1, "outer_optimizer": "torch.optim.Nope", "outer_kwargs": {"nope": 1}, "streams": 0, "shards": 0,
                "compression": "fp4", "block_size": 0, "density": 0, "bits": 3, "chunk": 0,
                "error_feedback_beta": 2, "outer": "adam", "exchange": "star", "topology": [3], "sync_timeout_s": 0,
                "fragments": 20, "overlap_steps": 10, "mix_alpha": 2, "consensus_eval": "x", "elastic": "x",

@@ -30,7 +30,7 @@ def test_every_registered_strategy_is_priced_exact_and_approximate_apart() -> No
     assert plan.best("exact").strategy == "flexreduce"    # the uneven uplink: FlexReduce's tree beats the ring
     # the variants: DiLoCo's streams x exchanges at its H, DS-Sync's pair streams
     diloco = [c for c in plan.candidates if c.strategy == "diloco"]
-    assert {(c.kwargs["shards"], c.kwargs["exchange"]) for c in diloco} == \
+    assert {(c.kwargs["streams"], c.kwargs["exchange"]) for c in diloco} == \
         {(s, e) for s in (1, 2, 4, 8, 16) for e in ("mesh", "tree", "gather")}
     assert all(c.kwargs["sync_every"] == 10 and c.period == 10 for c in diloco)
     assert {c.kwargs["pair_streams"] for c in plan.candidates if c.strategy == "ds_sync"} == {1, 2, 4}
@@ -50,7 +50,7 @@ def test_prices_are_simulates_minus_the_compute_the_overlap_window_hides() -> No
     assert by["ddp"].hidden_s == pytest.approx(2 * compute / 3)        # behind the backward
     assert by["ddp"].step_s == pytest.approx(compute + max(0.0, ddp_sync - 2 * compute / 3))
     assert by["awc"].hidden_s == pytest.approx(compute)               # behind forward and backward
-    tree4 = by["diloco sync_every=10 shards=4 exchange=tree"]
+    tree4 = by["diloco sync_every=10 streams=4 exchange=tree"]
     assert tree4.overlap is None and tree4.hidden_s == 0.0
     expected = algorithms.strategy_times(model, "diloco", 50 * MB, CostOptions(10, 4, "tree")).predicted_s
     assert tree4.sync_s == pytest.approx(expected) and tree4.step_s == pytest.approx(compute + expected)

@@ -20,8 +20,8 @@ def cand(step_s: float, **kwargs: Any) -> Candidate:
                      network_binding="")
 
 
-MESH = {"shards": 1, "exchange": "mesh"}
-TREE = {"shards": 4, "exchange": "tree"}
+MESH = {"streams": 1, "exchange": "mesh"}
+TREE = {"streams": 4, "exchange": "tree"}
 
 
 @pytest.mark.parametrize("tree_s,switch", [(1.0 / FASTER, True), (1.0 / FASTER + 1e-6, False), (1.0, False)])
@@ -42,12 +42,12 @@ def test_candidates_that_change_a_fixed_setting_are_not_offered() -> None:
 
 
 def test_what_cannot_switch_says_why() -> None:
-    assert not_switchable("diloco", {"shards": 1}) is None
+    assert not_switchable("diloco", {"streams": 1}) is None
     assert not_switchable("flexreduce", {}) is None and not_switchable("ddp", {}) is None
     assert "canary cannot be switched while it trains (only between ddp, flexreduce, torch_fp16 at a step " \
-        "boundary, and diloco's shards/exchange/compression at a round boundary)" in not_switchable("canary", {})
+        "boundary, and diloco's streams/exchange/compression at a round boundary)" in not_switchable("canary", {})
     assert "torch_powersgd cannot be switched" in not_switchable("torch_powersgd", {})
-    assert "replica=node" in not_switchable("diloco", {"replica": "node", "shards": 1})
+    assert "replica=node" in not_switchable("diloco", {"replica": "node", "streams": 1})
 
 
 def hooked(strategy: str, step_s: float, exact: bool = True) -> Candidate:
@@ -156,12 +156,12 @@ def test_a_checkpoints_exchange_settings_are_checked_on_resume_and_old_ones_pass
     keys and the values to pass; a checkpoint from before the record is not checked."""
     from syncplane.algorithms.diloco.rounds import check_exchange_resumed
 
-    ran = {"shards": 4, "exchange": "mesh", "compression": "none"}
+    ran = {"streams": 4, "exchange": "mesh", "compression": "none"}
     check_exchange_resumed({"exchange_ran": ran}, dict(ran))
-    check_exchange_resumed({}, {"shards": 1, "exchange": "mesh", "compression": "none"})
-    with pytest.raises(ValueError, match=r"ran shards=4 .*this run has shards=1.*strategy.kwargs.shards=4 "
+    check_exchange_resumed({}, {"streams": 1, "exchange": "mesh", "compression": "none"})
+    with pytest.raises(ValueError, match=r"ran streams=4 .*this run has streams=1.*strategy.kwargs.streams=4 "
                                          r"strategy.kwargs.exchange=mesh strategy.kwargs.compression=none"):
-        check_exchange_resumed({"exchange_ran": ran}, {**ran, "shards": 1})
+        check_exchange_resumed({"exchange_ran": ran}, {**ran, "streams": 1})
 
 
 @pytest.mark.parametrize("accept,listed,offered", [

@@ -68,13 +68,13 @@ class Recorder:
 
 
 def test_a_replan_switches_the_familys_keys_through_the_strategy() -> None:
-    assert replan.switchable("diloco") == SWITCH_KEYS == ("shards", "exchange", "compression")
+    assert replan.switchable("diloco") == SWITCH_KEYS == ("streams", "exchange", "compression")
     assert replan.not_switchable("diloco", {"replica": "rank"}) is None
     assert "only replica=rank switches" in replan.not_switchable("diloco", {"replica": "auto"})
-    assert replan.fixed_part("diloco", {"sync_every": 4, "shards": 2, "exchange": "mesh"}) == {"sync_every": 4}
+    assert replan.fixed_part("diloco", {"sync_every": 4, "streams": 2, "exchange": "mesh"}) == {"sync_every": 4}
     running = Recorder()
     replan.apply_switch("diloco", running, "diloco", {"sync_every": 4, "exchange": "gather", "compression": "sparse"})
-    assert running.calls == [{"shards": 1, "exchange": "gather", "compression": "sparse"}]   # shards: the default
+    assert running.calls == [{"streams": 1, "exchange": "gather", "compression": "sparse"}]   # streams: the default
 
 
 def test_the_replanner_waits_for_the_running_familys_period() -> None:

@@ -8,8 +8,12 @@ script (``install``), under Lightning's own launcher, ``torchrun`` or SLURM alik
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import signal
+import threading
+from collections.abc import Iterator
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -82,7 +86,9 @@ class HeartbeatCallback(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # a rank that failed is not done: stop beating without saying so, and its watcher
         # ends the others within the timeout if its exit has not already broken their collectives
-        if self.heartbeat is not None:
+        if self.heartbeat is None:
+            return
+        with sigterm_waits():
             # a broken collective (a peer killed, or gone on the heartbeat's verdict): say whom
             # the job lost; the heartbeat goes on beating while it looks, so peers doing the
             # same count this rank as alive
@@ -101,6 +107,28 @@ class HeartbeatCallback(Callback):
             self.heartbeat.stop()
             self.heartbeat = None
 
+
+
+@contextlib.contextmanager
+def sigterm_waits() -> Iterator[None]:
+    """While a rank looks for the rank the job lost and says so, a SIGTERM waits (on the main
+    thread; elsewhere nothing changes). Why: when a rank dies under ``torchrun``, the agent sends
+    SIGTERM to the others at once, and Lightning's handler then broadcasts over the broken
+    process group: its error, raised wherever the rank was, cut the search short, the rank left
+    without a word, and the others, seeing it silent, named it lost too. The rank leaves within
+    a few beat intervals anyway (the search's window, ``settle``); a SIGTERM that came meanwhile
+    goes to the handler it was meant for afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if received:
+            log.info("heartbeat: the launcher's SIGTERM arrived while this rank looked for the lost rank")
 
 
 def install(trainer: pl.Trainer) -> HeartbeatCallback:

@@ -5,7 +5,7 @@ discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing 
 ``config.py`` (the validated settings), ``engine.py`` (the one round engine: every layout,
 schedule, codec, exchange and pacing), ``exchange.py`` (which all-reduce carries Δ: the
 transport's sharded owner exchange, ``syncplane.comm.streams``, or FlexReduce's tree run on
-the same S streams; their cost, and ``shards: auto``), ``layout.py`` (``replica: node``: a
+the same S streams; their cost, and ``streams: auto``), ``layout.py`` (``replica: node``: a
 node's ranks are one replica, DDP or FSDP2 inside, the outer state sharded over them; ``rank``
 is nodes of one rank), ``cost.py`` (the node layout's price), ``bench.py``; the cost of a round
 is declared below.
@@ -40,7 +40,7 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     the gather of sparse pieces (``gather``: at ``options``' density and bits, by racks else
     hosts; the mesh's shards at their codec's size) -- ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this
     cluster (auto: the tree when ranks form hosts or racks). ``replica: node`` (or ``auto``
-    where it is node): ``node.node_cost``, the shards' meshes across nodes and DDP inside them."""
+    where it is node): ``cost.node_cost``, the shards' meshes across nodes and DDP inside them."""
     layout = priced_layout(options.replica, options.compression, profile)
     if layout is not None:
         codec = delta_codec(options.compression, density=options.density, bits=options.bits)
@@ -128,7 +128,7 @@ ELASTIC = ElasticLaunch(
 #: what a re-plan switches, at a round boundary, on one rank per replica: how Δ travels. Every
 #: replica holds θ_g after the outer step and the outer state does not depend on the exchange,
 #: so it is carried over (the sparse codec's error-feedback residuals start from zero).
-SWITCH_KEYS = ("shards", "exchange", "compression")
+SWITCH_KEYS = ("streams", "exchange", "compression")
 
 
 def _switch(strategy: Any, kwargs: Mapping[str, Any]) -> None:
@@ -152,14 +152,14 @@ SPEC = AlgorithmSpec(
     cost=diloco_cost,
     periodic=True,
     default_period={"diloco": DiLoCoConfig.sync_every},   # H as train.py's strategy=diloco runs it
-    streams=lambda options: int(options.get("shards", 1)),
+    streams=lambda options: int(options.get("streams", options.get("shards", 1))),
     pattern=_pattern,
     check_job=_check_job,
     # the plan's candidates: S streams x the exchange of Δ (the gather carries the sparse codec), and a node
     # as one replica on S streams per shard (excluded, with the reason, where hosts run one rank each)
-    variants={"diloco": (*({"shards": s, "exchange": e, **({"compression": "sparse"} if e == "gather" else {})}
+    variants={"diloco": (*({"streams": s, "exchange": e, **({"compression": "sparse"} if e == "gather" else {})}
                            for e in EXCHANGES for s in STREAM_CHOICES),
-                         *({"replica": "node", "shards": s} for s in STREAM_CHOICES))},
+                         *({"replica": "node", "streams": s} for s in STREAM_CHOICES))},
     period_key="sync_every",
     cpu=diloco_cpu,
     check_launch=_check_launch,

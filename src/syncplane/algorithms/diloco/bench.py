@@ -78,7 +78,7 @@ class NodeStep:
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", DiLoCoConfig.sync_every))
-        self.config = DiLoCoConfig(sync_every=self.period, shards=int(options.get("shards", 1)),
+        self.config = DiLoCoConfig(sync_every=self.period, streams=int(options.get("shards", 1)),
                                    compression=str(options.get("compression", "none")), replica="node",
                                    density=float(options.get("density", DiLoCoConfig.density)),
                                    bits=int(options.get("bits", DiLoCoConfig.bits)))
@@ -110,4 +110,4 @@ class NodeStep:
 
     def describe(self) -> str:
         return (f"diloco replica=node: nodes of {self.layout.sizes} ranks, {self.layout.shards} shard group(s) "
-                f"of {self.config.shards} stream(s)")
+                f"of {self.config.streams} stream(s)")

@@ -4,6 +4,8 @@ value fails before the first step, naming the key)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+import logging
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -16,6 +18,8 @@ from syncplane.algorithms.diloco.sparse import check_compression
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
 from syncplane.comm.codecs import Codec
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DiLoCoConfig:
@@ -23,8 +27,9 @@ class DiLoCoConfig:
         sync_every: H, inner steps per round.
         outer_optimizer: class path of the outer torch optimizer.
         outer_kwargs: its arguments; None = lr 0.7, momentum 0.9, Nesterov (for SGD).
-        shards: S concurrent gloo streams for the exchange (bound to the host's NICs in turn),
-            or ``auto``: from the job's cluster profile (``exchange.resolve_shards``).
+        streams: S concurrent gloo streams for the exchange (bound to the host's NICs in turn),
+            or ``auto``: from the job's cluster profile (``exchange.resolve_streams``). Its old
+            name ``shards`` is still accepted, with a deprecation warning.
         compression: ``none`` (exact fp32), ``int8`` (blockwise scale + error feedback) or
             ``sparse`` (SparseLoCo's chunked top-k, ``sparse.py``: needs the ``gather`` exchange,
             which ``auto`` picks; the floating buffers travel beside it as exact fp32).
@@ -67,7 +72,7 @@ class DiLoCoConfig:
     sync_every: int = 10
     outer_optimizer: str = "torch.optim.SGD"
     outer_kwargs: dict[str, Any] | None = None
-    shards: int | Literal["auto"] = 1
+    streams: int | Literal["auto"] = 1
     compression: Literal["none", "int8", "sparse"] = "none"
     block_size: int = 256
     density: float = 0.02
@@ -91,9 +96,9 @@ class DiLoCoConfig:
     def __post_init__(self) -> None:
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be at least 1, got {self.sync_every}")
-        if self.shards != "auto" and (isinstance(self.shards, bool) or not isinstance(self.shards, int)
-                                      or self.shards < 1):
-            raise ValueError(f"shards must be an integer of at least 1, or 'auto', got {self.shards!r}")
+        if self.streams != "auto" and (isinstance(self.streams, bool) or not isinstance(self.streams, int)
+                                       or self.streams < 1):
+            raise ValueError(f"streams must be an integer of at least 1, or 'auto', got {self.streams!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         check_compression(self.compression, self.density, self.bits, self.chunk, self.error_feedback_beta,
@@ -133,7 +138,19 @@ class DiLoCoConfig:
     def pick(cls, settings: Mapping[str, Any]) -> DiLoCoConfig:
         """The config from a strategy's arguments: the keys that are its fields (the strategy's
         own, such as ``elastic``, are left out)."""
-        return cls(**{f.name: settings[f.name] for f in fields(cls) if f.name in settings})
+        settings = dict(settings)
+        if settings.get("shards") is not None:   # the old name of ``streams``
+            warnings.warn("diloco: 'shards' is now called 'streams' (the gloo streams of the exchange; "
+                          "FSDP's shards are another thing); set strategy.kwargs.streams", DeprecationWarning,
+                          stacklevel=3)
+            log.warning("diloco: shards=%s is deprecated: set streams=%s", settings["shards"], settings["shards"])
+            settings["streams"] = settings["shards"]
+        try:
+            return cls(**{f.name: settings[f.name] for f in fields(cls) if f.name in settings})
+        except ValueError as exc:
+            if settings.get("shards") is not None and str(exc).startswith("streams"):
+                raise ValueError(f"shards (the old name of streams): {exc}") from None
+            raise
 
     def codec(self) -> Codec:
         """What carries Δ on the wire (``compression`` and its settings)."""

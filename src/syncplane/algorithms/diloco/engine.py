@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import build_exchange, resolve_shards
+from syncplane.algorithms.diloco.exchange import build_exchange, resolve_streams
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round, fragment_bounds
 from syncplane.algorithms.sharded import local, materialize, on_meta, shard_module
@@ -152,7 +152,7 @@ class DiLoCoEngine:
                        for k in self.owned}
         self.host.check_cuts(tensors, sorted({a for k in self.owned for a, _ in self.pieces[k]} - {0}))
         self.weight = layout.weight(job.rank)
-        self.streams = resolve_shards(config.shards, job, config.topology, config.exchange, config.compression)
+        self.streams = resolve_streams(config.streams, job, config.topology, config.exchange, config.compression)
         self.runners, self.exchange_name = self._runners(job, n_params)
 
     # ------------------------------------------------------------ construction

@@ -12,7 +12,7 @@ takes the tree when the job's tree has more than one level (hosts, racks or site
 job's cluster profile, else its hosts) and the payload is fp32, the gather when it is sparse;
 otherwise the mesh.
 
-``shards: auto``: S from the job's cluster profile (``topology`` when it names one, else the
+``streams: auto``: S from the job's cluster profile (``topology`` when it names one, else the
 job's own): the fewest of 1, 2, 4, 8, 16 streams whose bound in the cost model is within
 10 % of the best -- as many TCP connections as a per-flow-capped link needs, one per NIC
 where hosts have several. The bound scales with the payload (α = 0), so the choice does not
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 #: The exchanges DiLoCo runs (``syncplane.exchanges.NAMES`` is the vocabulary).
 EXCHANGES = ("mesh", "tree", "gather")
-STREAM_CHOICES = (1, 2, 4, 8, 16)   # ``shards: auto`` tries these (each stream is 2 gloo groups)
+STREAM_CHOICES = (1, 2, 4, 8, 16)   # ``streams: auto`` tries these (each stream is 2 gloo groups)
 
 
 def check_exchange(exchange: str, compression: str) -> None:
@@ -122,7 +122,7 @@ def exchange_cpu_work(profile: ClusterProfile, payload_bytes: float, exchange: s
 
 def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",
                  within: float = 1.1) -> tuple[int, dict[int, float]]:
-    """``shards: auto`` on ``profile`` (module doc): S, and the bound in seconds per GB of each
+    """``streams: auto`` on ``profile`` (module doc): S, and the bound in seconds per GB of each
     candidate (what the log shows)."""
     model = CostModel(profile, alpha_s=0.0)
     bounds = {s: model.bound(exchange_phases(profile, 1e9, s, exchange, compression)) for s in STREAM_CHOICES}
@@ -130,24 +130,24 @@ def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: s
     return next(s for s in STREAM_CHOICES if bounds[s] <= best * within), bounds
 
 
-def resolve_shards(shards: int | str, job: JobContext, topology: str | Sequence[int] = "auto",
+def resolve_streams(streams: int | str, job: JobContext, topology: str | Sequence[int] = "auto",
                    exchange: str = "auto", compression: str = "none") -> int:
-    """The stream count for ``shards`` (an int, or ``auto``: see the module doc); logs the
+    """The stream count for ``streams`` (an int, or ``auto``: see the module doc); logs the
     choice. The same on every rank: a pure function of the settings and the profile."""
-    if shards != "auto":
-        return int(shards)
+    if streams != "auto":
+        return int(streams)
     profile = job.profile_for(topology)
     if profile is None:
-        log.info("diloco: shards auto -> 1 stream (no cluster profile: set topology to one, or shards)")
+        log.info("diloco: streams auto -> 1 stream (no cluster profile: set topology to one, or streams)")
         return 1
     if profile.world_size != job.world_size:
-        log.warning("diloco: shards auto -> 1 stream (profile %s has %d ranks, the job %d)",
+        log.warning("diloco: streams auto -> 1 stream (profile %s has %d ranks, the job %d)",
                     profile.name, profile.world_size, job.world_size)
         return 1
-    streams, bounds = auto_streams(profile, exchange, compression)
-    log.info("diloco: shards auto -> %d stream(s) on %s (bound per GB: %s)", streams, profile.name,
+    chosen, bounds = auto_streams(profile, exchange, compression)
+    log.info("diloco: streams auto -> %d stream(s) on %s (bound per GB: %s)", chosen, profile.name,
              ", ".join(f"S={s} {b:.2f} s" for s, b in bounds.items()))
-    return streams
+    return chosen
 
 
 def gather_groups(job: JobContext, topology: str | Sequence[int] = "auto") -> tuple[tuple[int, ...], ...] | None:

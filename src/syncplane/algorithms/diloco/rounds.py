@@ -18,7 +18,7 @@ from syncplane.algorithms.diloco.layout import check_replica, job_layout
 from syncplane.job import JobContext
 
 #: The exchange settings a checkpoint records as they ran (a re-plan may have switched them).
-EXCHANGE_KEYS: tuple[str, ...] = ("shards", "exchange", "compression")
+EXCHANGE_KEYS: tuple[str, ...] = ("streams", "exchange", "compression")
 
 #: What a checkpoint written before these round settings existed implies.
 BEFORE_STREAMING: dict[str, Any] = {"fragments": 1, "overlap_steps": 0, "inner_steps": "fixed"}
@@ -49,14 +49,14 @@ def build_engine(config: DiLoCoConfig, job: JobContext, model: torch.nn.Module,
     init = sharded.reset_init(model) if sharded.on_meta(model) else None
     engine = DiLoCoEngine(model, config, job, layout, None if layout.per_rank else device_ids, init)
     details = dict(layout.describe())
-    details["shards"], details["exchange"] = engine.streams, engine.exchange_name
+    details["streams"], details["exchange"] = engine.streams, engine.exchange_name
     return engine, details
 
 
 def exchange_ran(engine: DiLoCoEngine, config: DiLoCoConfig) -> dict[str, Any]:
-    """The exchange settings as they run (``EXCHANGE_KEYS``): ``shards`` and ``exchange``
+    """The exchange settings as they run (``EXCHANGE_KEYS``): ``streams`` and ``exchange``
     resolved (no ``auto``, old names mapped), ``compression`` as configured."""
-    return {"shards": int(engine.shards), "exchange": engine.exchange_name, "compression": config.compression}
+    return {"streams": int(engine.streams), "exchange": engine.exchange_name, "compression": config.compression}
 
 
 def round_state(outer_state: Mapping[str, Any], settings: Mapping[str, Any], rounds: int, skipped: int,
@@ -89,9 +89,11 @@ def check_exchange_resumed(state: Mapping[str, Any], running: Mapping[str, Any])
     checkpoint's over the config overrides what the user asked for. The error names the keys
     and the values that resume it as it ran. A checkpoint written before they were recorded
     is not checked."""
-    saved = state.get("exchange_ran")
+    saved = dict(state.get("exchange_ran") or {})
     if not saved:
         return
+    if "shards" in saved:   # written before ``shards`` was renamed ``streams``
+        saved.setdefault("streams", saved.pop("shards"))
     differ = [k for k in EXCHANGE_KEYS if saved.get(k) != running[k]]
     if differ:
         ran = ", ".join(f"{k}={saved[k]}" for k in differ)
