@@ -29,7 +29,8 @@ with the message, a failed run as ``failed`` with its log's tail; neither stops 
 Writes ``--out`` (default ``docs/results/lm_wan.json``; ``--quick``: under ``outputs/``) with per
 row ``name``, ``command`` (the ``python train.py`` command, from the repository root, of its
 first seed), ``seeds`` (``seed``, ``val_loss``, ``bytes_per_rank``, ``wall_s``,
-``time_to_target_s``, ``compute_utilization``), and beside it two charts: val loss against bytes
+``time_to_target_s``, ``compute_utilization``; wall and time to target without the validations,
+whose seconds are ``validation_s``), and beside it two charts: val loss against bytes
 per rank (``*_bytes.png``) and against wall time (``*_wall.png``).
 """
 
@@ -162,9 +163,12 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def seed_entry(seed: int, summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON's per-seed record of a run timed end to end."""
+    """The JSON's per-seed record of a run timed end to end: its wall is the training's, the
+    validations left out (as ``time_to_target_s`` and a priced row's; they are ``validation_s``)."""
+    validation_s = float((summary.get("timing") or {}).get("validation_s") or 0.0)
     return {"seed": seed, "val_loss": summary["metrics"]["val_loss"],
-            "bytes_per_rank": summary["comm"]["bytes_sent_per_rank"], "wall_s": summary["train_seconds"],
+            "bytes_per_rank": summary["comm"]["bytes_sent_per_rank"],
+            "wall_s": summary["train_seconds"] - validation_s, "validation_s": validation_s,
             "time_to_target_s": summary.get("time_to_target_s"),
             "compute_utilization": summary.get("compute_utilization"), "steps": summary["steps"],
             "overran_steps": (summary.get("compute") or {}).get("overran_steps")}

@@ -41,7 +41,7 @@ class FakeRunner:
         run_dir.mkdir(parents=True)
         summary = {"strategy": "ddp" if label == "ddp" else "diloco", "steps": steps,
                    "metrics": {"val_loss": None if timing else loss}, "comm": {"seconds": sync, "bytes_sent_per_rank": sent},
-                   "train_seconds": 500.0, "throughput": {"step_s_median": 25.0 if timing else 1.5},
+                   "train_seconds": 500.0, "timing": {"validation_s": 20.0}, "throughput": {"step_s_median": 25.0 if timing else 1.5},
                    "time_to_target_s": 200.0, "compute_utilization": 0.1 if timing else 0.95,
                    "compute": {"overran_steps": 0}}
         (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -82,6 +82,7 @@ def test_every_row_runs_its_command_and_the_json_has_the_issues_fields(tmp_path)
     assert [s["seed"] for s in ddp["seeds"]] == [1, 2]
     seed = ddp["seeds"][0]
     assert seed["wall_s"] == 100 * 25.0 and seed["loopback_wall_s"] == 500.0
+    assert rows["diloco_int8_overlap"]["seeds"][0]["wall_s"] == 500.0 - 20.0   # validation left out
     # the target 5.0 is first reached at step 100 (5.1 at step 50): 100 steps of the link's 25 s
     assert seed["time_to_target_s"] == 100 * 25.0 and seed["compute_utilization"] == 0.1
     # Muon: the codec with the fewest bytes within 3 % of DDP's 4.80 (sparse3 at 4.92; sparse1 is 10 % off)
