@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := build/.installed
 
-.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables results figures compare-pngs clean
+.PHONY: setup run test lint bench-kernels scoreboard scoreboard-tables results figures compare-pngs lm-headline clean
 
 # Install the package (editable) with its extras, then compile the C++ kernels once.
 # Re-runs only when pyproject.toml changes; `make setup -B` forces it.
@@ -72,6 +72,13 @@ compare-pngs: setup
 			--out outputs/compare/$$cluster-s$$seed trainer.max_epochs=3 || exit 1; done; \
 		$(PYTHON) scripts/compare.py outputs/compare/$$cluster-s1 outputs/compare/$$cluster-s2 \
 			outputs/compare/$$cluster-s3 --out docs/compare/$$cluster --target-acc 0.8 || exit 1; done
+
+# Issue 78's headline: tiny_lm across the wan_nodes WAN (root: an emulated cluster), ddp priced,
+# every DiLoCo row (replica=node; fp32 blocking, fp32/int8/sparse overlapped, Muon) timed end to end;
+# writes docs/results/lm_wan.json and its two charts. Resumable: run it again and only missing runs
+# run. LM_HEADLINE_ARGS narrows it, e.g. LM_HEADLINE_ARGS="--quick --rows ddp,diloco_fp32_blocking".
+lm-headline: setup
+	$(PYTHON) scripts/lm_wan.py $(LM_HEADLINE_ARGS)
 
 clean:
 	rm -rf build outputs multirun .pytest_cache
