@@ -33,7 +33,7 @@ ones take the batches the slow one has no time for and an epoch ends sooner; the
 batches each replica was dealt in the round. With ``drop`` every rank keeps the distributed
 sampler's equal shard and a slow replica skips -- drops for this epoch -- the last ``H - n_i``
 batches of each round: a uniformly random subset (its shard is a fresh random split every epoch),
-so the data seen stays unbiased but an epoch sees less of it (docs/diloco.md).
+so the data seen stays unbiased but an epoch sees less of it (docs/strategies/diloco.md).
 """
 
 from __future__ import annotations
