@@ -182,6 +182,7 @@ class DiLoCo(SyncplaneStrategy):
         timed = self._timed
         if timed is not None and self._step_end is not None and self._computes():
             timed.record(time.perf_counter() - self._step_end)
+        start = time.perf_counter()
         for fragment in engine.starting(done):
             if self.overlap_steps == 0:
                 self.outer_sync(fragment)
@@ -189,6 +190,9 @@ class DiLoCo(SyncplaneStrategy):
                 self._launch(fragment, done, background=True)
         for round_ in engine.pop_due(done):
             self._merge(round_)
+        # the outer rounds' time the training loop waited for (blocking rounds: all of it; with
+        # overlap only the launch, and the merge of an exchange not yet done)
+        self.details["sync_exposed_s"] = self.details.get("sync_exposed_s", 0.0) + time.perf_counter() - start
         if timed is not None and done % self.sync_every == 0:
             self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank),
                                                        done // self.sync_every)
