@@ -43,7 +43,7 @@ def test_an_emulated_accelerator_is_busy_its_nominal_steps_of_the_wall_and_the_t
     assert 4 * 0.05 <= summary["time_to_target_s"] < wall
     # each record's clock leaves the validations out, so it grows by about an epoch's training
     clocks = [record["train_s"] for record in history]
-    assert clocks == sorted(clocks) and clocks[-1] <= wall
+    assert clocks == sorted(clocks) and clocks[-1] <= wall + 1e-3   # rounded to ms
 
 
 def test_measured_compute_without_emulation_and_an_unreached_target(tmp_path):
