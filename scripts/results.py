@@ -354,7 +354,7 @@ def lm_wan(files: list[Source]) -> list[Table]:
                         mean_std([seed["time_to_target_s"] for seed in row["seeds"]
                                   if seed.get("time_to_target_s") is not None]),
                         times(base / target if target and base else None),
-                        f"{(mean(row, 'bytes_sent_per_rank') or 0) / 1e6:,.0f}",
+                        f"{(mean(row, 'bytes_per_rank') or 0) / 1e6:,.0f}",
                         f"{mean(row, 'compute_utilization') or 0:.2f}"])
         tables.append(Table(s.data.get("title", "Language model on a WAN"),
                             ["run", "seeds", "val loss", "wall s", "time to target s", "sooner than DDP", "MB/rank",

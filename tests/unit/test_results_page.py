@@ -93,14 +93,14 @@ def test_a_new_json_file_is_one_function(tmp_path, monkeypatch):
     of their seeds, against the ``ddp`` row."""
     data = {"title": "tiny_lm on wan_two_sites", "created": "2026-12-02T10:00:00", "commit": "abc1234",
             "rows": [{"name": "ddp", "command": "syncplane compare --recipe tiny_lm --strategies ddp",
-                      "seeds": [{"seed": 1, "val_loss": 3.0, "bytes_sent_per_rank": 2e6, "wall_s": 100.0,
+                      "seeds": [{"seed": 1, "val_loss": 3.0, "bytes_per_rank": 2e6, "wall_s": 100.0,
                                  "time_to_target_s": 80.0, "compute_utilization": 0.2},
-                                {"seed": 2, "val_loss": 3.2, "bytes_sent_per_rank": 2e6, "wall_s": 110.0,
+                                {"seed": 2, "val_loss": 3.2, "bytes_per_rank": 2e6, "wall_s": 110.0,
                                  "time_to_target_s": 100.0, "compute_utilization": 0.3}]},
                      {"name": "diloco", "command": "syncplane compare --recipe tiny_lm --strategies diloco",
-                      "seeds": [{"seed": 1, "val_loss": 3.1, "bytes_sent_per_rank": 1e5, "wall_s": 30.0,
+                      "seeds": [{"seed": 1, "val_loss": 3.1, "bytes_per_rank": 1e5, "wall_s": 30.0,
                                  "time_to_target_s": 20.0, "compute_utilization": 0.8},
-                                {"seed": 2, "val_loss": 3.1, "bytes_sent_per_rank": 1e5, "wall_s": 30.0,
+                                {"seed": 2, "val_loss": 3.1, "bytes_per_rank": 1e5, "wall_s": 30.0,
                                  "time_to_target_s": 25.0, "compute_utilization": 0.9}]}]}
     path = tmp_path / "results" / "lm_wan.json"
     path.parent.mkdir()
