@@ -181,7 +181,7 @@ def test_a_resume_after_a_switch_keeps_the_switch_or_is_refused_never_reverts(tm
             assert all(torch.equal(a, b) for a, b in zip(whole[key], resumed[key])), key
         assert "the checkpoint's exchange ran" in refused and "exchange=gather" in refused, refused
         assert "compression=sparse" in refused and "this run has" in refused and "exchange=mesh" in refused
-        assert f"strategy.kwargs.streams={whole["config"]["streams"]}" in refused
+        assert f"strategy.kwargs.streams={whole['config']['streams']}" in refused
         assert named["rounds"] == whole["rounds"]
         for key in ("params", "outer", "residuals"):
             assert all(torch.equal(a, b) for a, b in zip(whole[key], named[key])), key
