@@ -145,6 +145,9 @@ class Heartbeat:
             except RuntimeError:
                 pass   # the others will find the lost rank themselves, or the store gone
             if lost is not None:
+                # the others read the verdict first: a launcher that stops every rank when one
+                # dies (Lightning's) would otherwise end them before they say whom the job lost
+                self.settle()
                 self.reap_lost([lost])
             return self._report(message)
         return None
@@ -235,7 +238,8 @@ class Heartbeat:
             self.store.set(self._key(f"read/{self.rank}"), "1")
         except RuntimeError:
             return message
-        if posted == message:   # this rank's verdict: its lost ranks are its to end
+        if posted == message:   # this rank's verdict: its lost ranks are its to end, once read (``poll``)
+            self.settle()
             self.reap_lost(silent)
         return posted
 
