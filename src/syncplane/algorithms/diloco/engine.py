@@ -205,11 +205,6 @@ class DiLoCoEngine:
 
     # ------------------------------------------------------------ the schedule
 
-    @property
-    def shards(self) -> int:
-        """S, the streams of each shard's exchange (the old name of ``streams``)."""
-        return self.streams
-
     def starting(self, done: int) -> list[int]:
         """Fragments whose round starts once ``done`` steps are complete."""
         return self.outers[self.owned[0]].starting(done)
@@ -276,8 +271,9 @@ class DiLoCoEngine:
             if not parts[k]:
                 self.host.to_host(tensors, *self.pieces[k][round_.fragment])
         self._gather(round_.fragment)
-        for k in range(self.layout.shards):
-            self.host.from_host(tensors, *self.pieces[k][round_.fragment], alpha=alpha)
+        # the shards' pieces of a fragment are one contiguous range of the model
+        start, end = self.pieces[0][round_.fragment][0], self.pieces[self.layout.shards - 1][round_.fragment][1]
+        self.host.from_host(tensors, start, end, alpha=alpha)
         return bool(round_.committed)
 
     def _gather(self, fragment: int) -> None:
