@@ -1,19 +1,25 @@
-"""Elastic DiLoCo: the outer loop when replicas may leave and join between rounds.
+"""Elastic DiLoCo: membership by quorum around ``DiLoCoEngine``'s round.
 
-One round, for every replica in the current quorum (Lightning-free; the transport is any
-object with ``ReplicaGroup``'s four methods, ``syncplane.algorithms.diloco.ft`` has the real one):
+The round itself -- Δ, the codec with its error feedback, the streams, fragments and overlap,
+the outer rule, time pacing -- is the engine's, the same code as without elastic mode. What
+changes is where its exchange runs: ``QuorumTransport`` hands the engine exchangers
+(``QuorumExchanger``) whose gloo groups are built on the current quorum's store, with this
+replica's rank in it, and built again at each membership change. What this module adds:
 
-1. ``begin``: Δ = θ_g − θ_local replaces θ_local in the flat buffer;
-2. ``allreduce_mean_``: Δ averaged over the quorum's members (a lost peer fails it);
-3. ``commit``: the vote -- commit (outer step, θ_g written back) or discard (θ_g and the
-   outer state unchanged; the replica keeps its local model, so the next round's Δ covers
-   both rounds and no work is lost);
-4. ``quorum``: the next membership. A replica that died is left out once its heartbeats
-   stop; a replica that asks to join (a restarted process) is admitted here, at the round
-   boundary, and, being behind, heals from a live peer: θ_g, the outer optimizer's state
-   and the round position (``state_dict``/``load_state_dict``), then starts from θ_g.
-   A replica whose commit vote disagreed with its peers' is behind too and heals the same
-   way, so the commit is decided together.
+- **Boundaries.** A replica meets the quorum only where no round is in flight: after the
+  step at which fragment 0's round of a period has merged (``done ≡ overlap_steps mod H``;
+  the other fragments' rounds start later and merge before the next period's first). At a
+  boundary (``Membership.boundary``) the replica votes on the period's rounds and joins the
+  next quorum, where a restarted replica (or one behind) heals.
+- **Consistency.** Each fragment round is committed or discarded by the exchange's own
+  agreement among the quorum's members (``StreamRunner``); the members whose agreement
+  completed decide the same. A member whose agreement broke off (a peer lost during it) does
+  not know what the others did: it reports an error, its torchft step stays behind, and at the
+  next quorum it heals from a member that voted to commit -- θ_g, every fragment's outer
+  state and the position. So every member of a quorum holds one θ_g after its boundary.
+- **Heal.** What a joiner receives is ``Membership.state_dict``: the engine's outer state
+  (``DiLoCoEngine.state_dict``: nothing is in flight at a boundary), the job's position in
+  periods and its round counts. Its error-feedback residuals stay its own.
 
 Bad input: a replica started with another model size, ``sync_every`` or outer optimizer
 must not join (it would corrupt θ_g). ``JobFingerprint`` records the first replica's
@@ -28,25 +34,33 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from syncplane.algorithms.diloco.outer import OuterOptimizer
+from syncplane.comm.codecs import Codec
+from syncplane.comm.meter import CommMeter
+from syncplane.comm.streams import StreamExchange, StreamRunner
 
 log = logging.getLogger(__name__)
 
 
-class ReplicaTransport(Protocol):
-    """What the engine needs from the membership layer (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
+class ReplicaGroup(Protocol):
+    """What membership needs from torchft (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
 
-    def quorum(self) -> Any: ...   # returns an object with quorum_id, participants, step
+    host: str
 
-    def allreduce_mean_(self, flat: torch.Tensor) -> bool: ...
+    def quorum(self) -> Any: ...   # a QuorumView: quorum_id, participants, step, rank, store_addr
+
+    def report_error(self, exc: Exception) -> None: ...
 
     def commit(self) -> bool: ...
+
+    def set_step(self, step: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -56,11 +70,14 @@ class ReplicaMismatch(ValueError):
 
 
 def fingerprint(n_values: int, sync_every: int, outer_optimizer: str, outer_kwargs: Mapping[str, Any] | None,
-                shapes: list[tuple[int, ...]]) -> dict[str, Any]:
-    """The settings every replica of one elastic job must share (JSON-able)."""
+                shapes: list[tuple[int, ...]], rounds: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The settings every replica of one elastic job must share (JSON-able); ``rounds``: the
+    round's own (fragments, overlap, codec, streams, exchange: replicas that differ there would
+    exchange different pieces)."""
     return {"model_values": int(n_values), "model_shapes": [list(s) for s in shapes], "sync_every": int(sync_every),
             "outer_optimizer": outer_optimizer,
-            "outer_kwargs": None if outer_kwargs is None else json.loads(json.dumps(dict(outer_kwargs), sort_keys=True))}
+            "outer_kwargs": None if outer_kwargs is None else json.loads(json.dumps(dict(outer_kwargs), sort_keys=True)),
+            **({"rounds": json.loads(json.dumps(dict(rounds), sort_keys=True))} if rounds else {})}
 
 
 def differences(job: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
@@ -120,27 +137,125 @@ class ElasticStats:
                 "replicas_over_time": self.replicas, "heals": self.heals}
 
 
-class ElasticOuter:
-    """The outer loop of one elastic replica.
+class QuorumExchanger:
+    """One outer exchange of the engine (``StreamRunner``'s interface) over the current quorum:
+    a ``StreamRunner`` on the quorum's store, built at its first round after a membership
+    change (a collective of the quorum's members, who all reach that round), never rebuilt
+    within a quorum: after a failed round it stays closed (its rounds discarded) until the next.
+    Its error-feedback residuals carry over from one quorum's runner to the next."""
+
+    def __init__(self, transport: "QuorumTransport", exchange: StreamExchange, key: str,
+                 options: Mapping[str, Any]) -> None:
+        self.transport, self.exchange, self.key, self.options = transport, exchange, key, dict(options)
+        self._runner: StreamRunner | None = None
+        self._built_for: int | None = None    # the quorum id the runner is on
+        self._residuals: dict[str, Any] = {}
+
+    def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
+                        offset: int = 0, total: int | None = None) -> bool:
+        view = self.transport.view
+        if view is None or view.participants <= 1:
+            return view is not None   # alone in the quorum: Δ is the mean
+        try:
+            runner = self._runner_for(view)
+            if runner is None:
+                return False
+            return runner.allreduce_mean_(flat, meter, offset=offset, total=total)
+        except RuntimeError as exc:   # the agreement broke off, or the groups did not connect
+            log.warning("elastic: round outcome unknown (%s); this replica will heal at the next quorum", exc)
+            self.transport.uncertain = exc
+            self._drop()
+            return False
+
+    def _runner_for(self, view: Any) -> StreamRunner | None:
+        if self._built_for == view.quorum_id:
+            if self._runner is not None and self._runner.closed:   # closed after a failed round
+                self._drop()
+            return self._runner
+        self._drop()
+        self._built_for = view.quorum_id
+        store = self.transport.store(view)
+        runner = StreamRunner(self.exchange, place=(store, view.rank, view.participants), key=self.key,
+                              rebuild=False, hostname=self.transport.host, **self.options)
+        runner.load_state_dict(self._residuals)
+        self._runner = runner
+        return runner
+
+    def _drop(self) -> None:
+        if self._runner is not None:
+            self._residuals = self._runner.state_dict()
+            self._runner.close()
+            self._runner = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._runner.state_dict() if self._runner is not None else dict(self._residuals)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._residuals = dict(state)
+        if self._runner is not None:
+            self._runner.load_state_dict(state)
+
+    def close(self) -> None:
+        self._drop()
+
+
+class QuorumTransport:
+    """The engine's transport in elastic mode (``transport.Transport``'s ``runner``): exchangers
+    over the current quorum (``view``, set at each boundary). ``uncertain``: set when a round's
+    outcome is unknown to this replica (``Membership.boundary`` reports it)."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.host, self.timeout_s = host, timeout_s
+        self.view: Any = None
+        self.uncertain: Exception | None = None
+        self.exchangers: list[QuorumExchanger] = []
+        self._stores: dict[int, Any] = {}
+
+    def runner(self, exchange: StreamExchange, *, codec: Codec, interfaces: Sequence[str] | None,
+               timeout_s: float, error_feedback_beta: float, members: Sequence[int] | None = None,
+               key: str | None = None) -> QuorumExchanger:
+        """An exchanger over the quorum (``members`` must be None: the quorum is its members)."""
+        if members is not None:
+            raise ValueError("elastic mode exchanges over the quorum's members, not fixed ranks")
+        exchanger = QuorumExchanger(self, exchange, f"elastic/{len(self.exchangers)}",
+                                    {"codec": codec, "interfaces": interfaces, "error_feedback_beta": error_feedback_beta,
+                                     "timeout_s": min(timeout_s, self.timeout_s)})
+        self.exchangers.append(exchanger)
+        return exchanger
+
+    def store(self, view: Any) -> Any:
+        """A client of the quorum's store, under a prefix of our own."""
+        if view.quorum_id not in self._stores:
+            from torchft.process_group import create_store_client
+
+            self._stores = {view.quorum_id: create_store_client(f"{view.store_addr}/syncplane",
+                                                                timedelta(seconds=self.timeout_s))}
+        return self._stores[view.quorum_id]
+
+
+class Membership:
+    """One elastic replica's membership: the quorum at each boundary, the vote on the period's
+    rounds, the heal of a replica that is behind.
 
     Args:
-        outer: θ_g and the outer optimizer.
+        transport: the engine's ``QuorumTransport`` (its ``view`` is set here).
         fingerprint: this replica's ``fingerprint(...)``, checked against a healing peer's.
-        total_rounds: rounds in the whole job; the replica stops after the last (a healed
-            joiner learns how many are left from its peer).
+        total: boundaries in the whole job; the replica stops after the last (a healed joiner
+            learns how many are left from its peer).
+        outer_state / load_outer_state: the engine's outer state (what a heal carries).
         on_event: called with a JSON-able record for every membership change, heal and
             discarded round (the glue appends them to ``history.jsonl``).
     """
 
-    def __init__(self, outer: OuterOptimizer, fingerprint: Mapping[str, Any], total_rounds: int,
+    def __init__(self, transport: QuorumTransport, fingerprint: Mapping[str, Any], total: int,
+                 outer_state: Callable[[], dict[str, Any]], load_outer_state: Callable[[Mapping[str, Any]], None],
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.outer = outer
-        self.fingerprint = dict(fingerprint)
-        self.total_rounds = int(total_rounds)
-        self.position = 0           # rounds the job has done (committed or discarded), shared by the quorum
+        self.transport, self.fingerprint, self.total = transport, dict(fingerprint), int(total)
+        self._outer_state, self._load_outer_state = outer_state, load_outer_state
+        self.position = 0           # boundaries the job has passed, shared by the quorum
         self.stats = ElasticStats()
         self.healed = False         # set by a heal; the caller copies θ_g into its model, then clears it
-        self.transport: ReplicaTransport | None = None
+        self.group: ReplicaGroup | None = None
         self._quorum_id: int | None = None
         self._size = 0
         self._on_event = on_event or (lambda record: None)
@@ -148,7 +263,7 @@ class ElasticOuter:
     # ----------------------------------------------------- what a healing peer receives
 
     def state_dict(self) -> dict[str, Any]:
-        return {"outer": self.outer.state_dict(), "position": self.position, "fingerprint": self.fingerprint,
+        return {"outer": self._outer_state(), "position": self.position, "fingerprint": self.fingerprint,
                 "committed": self.stats.committed, "discarded": self.stats.discarded}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -157,7 +272,7 @@ class ElasticOuter:
         diff = differences(state["fingerprint"], self.fingerprint)
         if diff:
             raise ReplicaMismatch("this replica cannot heal from its peer: " + "; ".join(diff))
-        self.outer.load_state_dict(state["outer"])
+        self._load_outer_state(state["outer"])
         self.position = int(state["position"])
         self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
         heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
@@ -169,37 +284,39 @@ class ElasticOuter:
 
     @property
     def done(self) -> bool:
-        return self.position >= self.total_rounds
+        return self.position >= self.total
 
-    def join(self, transport: ReplicaTransport) -> None:
+    def join(self, group: ReplicaGroup) -> None:
         """Enter the job: the first quorum (a heal happens here for a late joiner)."""
-        self.transport = transport
+        self.group = group
         self._next_quorum()
 
-    def round_(self, flat: torch.Tensor) -> bool:
-        """One round on ``flat = [θ_local | extras]``; True if committed (``flat``'s head
-        then holds the new θ_g). Joins the next quorum unless it was the job's last round."""
-        assert self.transport is not None, "join() first"
-        self.outer.begin_round_(flat)
-        averaged = self.transport.allreduce_mean_(flat)
-        committed = self.transport.commit() and averaged
+    def record(self, committed: bool) -> None:
+        """A fragment round's outcome (the engine's merge)."""
         if committed:
-            self.outer.finish_round_(flat)
             self.stats.committed += 1
         else:
             self.stats.discarded += 1
             self._on_event({"event": "discarded", "position": self.position, "quorum_id": self._quorum_id,
                             "replicas": self._size})
+
+    def boundary(self) -> None:
+        """The vote on the period's rounds, then the next quorum unless the job is done."""
+        assert self.group is not None, "join() first"
+        if self.transport.uncertain is not None:
+            self.group.report_error(self.transport.uncertain)
+            self.transport.uncertain = None
+        self.group.commit()
         self.position += 1
         if not self.done:
             self._next_quorum()
-        return committed
 
     def _next_quorum(self) -> None:
-        assert self.transport is not None
+        assert self.group is not None
         start = time.perf_counter()
-        view = self.transport.quorum()
+        view = self.group.quorum()
         waited = time.perf_counter() - start
+        self.transport.view = view
         if self.healed:
             heal = self.stats.heals[-1]
             heal["quorum_s"] = round(waited, 3)
@@ -213,9 +330,11 @@ class ElasticOuter:
             self._quorum_id, self._size = int(view.quorum_id), int(view.participants)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
+        for exchanger in self.transport.exchangers:
+            exchanger.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
 
 def _state_bytes(state: Any) -> int:
