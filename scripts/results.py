@@ -9,7 +9,7 @@ compare`` and the other measurements committed under ``docs/`` and writes:
   ``<!-- /results:KEY -->`` in ``README.md`` and ``docs/**/*.md`` are replaced by ``BLOCKS``'
   rendering of ``KEY`` (``speedups:canary,ds_sync``, ``training:diloco``, ``choosing``, …), so
   a guide never restates a figure by hand (``tests/unit/test_results_page.py`` fails on one);
-- the references generated from the code: ``docs/reference/{cli,config,env}.md``
+- the references generated from the code: ``docs/reference/{cli,config,env,summary}.md``
   (``scripts/reference_docs.py``).
 
 ``--check`` writes nothing and exits 1 naming every file that is not what this would write (the
