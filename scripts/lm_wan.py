@@ -24,7 +24,9 @@ the time (9 x the round's sync / the emulated step): the measurement to choose H
 
 Resumable: each run has its own folder under ``--runs`` named by its row, seed and a hash of its
 command; a folder with a ``summary.json`` is read, not run again, and the JSON is rewritten after
-every run. A row the current code refuses (a configuration error) is recorded as ``refused``
+every run. A seed the JSON at ``--out`` already holds for the same command (and a priced row's
+timing of the same command) is kept rather than run again, so a run continues from the committed
+JSON on another checkout, where the run folders are gone (``--fresh`` ignores it). A row the current code refuses (a configuration error) is recorded as ``refused``
 with the message, a failed run as ``failed`` with its log's tail; neither stops the others.
 Writes ``--out`` (default ``docs/results/lm_wan.json``; ``--quick``: under ``outputs/``) with per
 row ``name``, ``command`` (the ``python train.py`` command, from the repository root, of its
@@ -245,6 +247,7 @@ class Headline:
     runner: Runner = train_py_runner
     muon_codec: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
+    previous: Mapping[str, Any] = field(default_factory=dict)   # the JSON at ``out`` before this run
     started: float = field(default_factory=time.monotonic)
     durations: list[float] = field(default_factory=list)
 
@@ -287,23 +290,38 @@ class Headline:
             log.info("%s: not run: %s", row.name, why)
             return {"name": row.name, "command": None, "status": "refused" if reason else "not_run",
                     "message": why, "seeds": []}
-        codec = (self.muon_codec or best_codec(self.rows) or "fp32") if row.muon else None
+        codec = (self.muon_codec or best_codec(self.report()["rows"]) or "fp32") if row.muon else None
         own = row_overrides(row, s, codec)
         out: dict[str, Any] = {"name": row.name, "status": "ok", "seeds": [], **({"codec": codec} if codec else {})}
         step_s = utilization = None
+        before = next((r for r in self.previous.get("rows", []) if r["name"] == row.name), {})
+        first = command_of([*s.common(1, row.name), *own, *([] if row.priced else s.on_link())])
+        kept = {e["seed"]: e for e in before.get("seeds", [])} if before.get("command") == first else {}
         if row.priced:
             timing = [*s.common(1, row.name), *own, *s.on_link(), f"trainer.max_steps={s.priced_steps}"]
-            run_dir, result = self.train(f"{row.name}-timing", 1, timing, total)
-            if not (run_dir / "summary.json").exists():
-                return self.failed(out, result)
-            summary, _ = read_run(run_dir)
-            step_s, utilization = summary["throughput"]["step_s_median"], summary.get("compute_utilization")
-            out["priced"] = {"steps_timed": summary["steps"], "step_s": step_s, "timing_command": command_of(timing),
-                             "note": "loss, bytes and steps from the same training on loopback; wall and time to "
-                                     "target are its steps times the step time on the link"}
+            if (before.get("priced") or {}).get("timing_command") == command_of(timing):
+                out["priced"] = dict(before["priced"])
+                self.done += 1
+                log.info("%s: its timing kept from %s", row.name, self.out)
+            else:
+                run_dir, result = self.train(f"{row.name}-timing", 1, timing, total)
+                if not (run_dir / "summary.json").exists():
+                    return self.failed(out, result)
+                summary, _ = read_run(run_dir)
+                out["priced"] = {"steps_timed": summary["steps"], "step_s": summary["throughput"]["step_s_median"],
+                                 "utilization": summary.get("compute_utilization"),
+                                 "timing_command": command_of(timing),
+                                 "note": "loss, bytes and steps from the same training on loopback; wall and time "
+                                         "to target are its steps times the step time on the link"}
+            step_s, utilization = out["priced"]["step_s"], out["priced"].get("utilization")
         for seed in range(1, n_seeds + 1):
             overrides = [*s.common(seed, row.name), *own, *([] if row.priced else s.on_link())]
             out.setdefault("command", command_of(overrides))
+            if seed in kept:
+                out["seeds"].append(kept[seed])
+                self.done += 1
+                log.info("%s seed %d: kept from %s", row.name, seed, self.out)
+                continue
             run_dir, result = self.train(row.name, seed, overrides, total)
             if not (run_dir / "summary.json").exists():
                 return self.failed(out, result)
@@ -333,7 +351,15 @@ class Headline:
         return out
 
     def report(self) -> dict[str, Any]:
+        """The JSON: this run's rows, and the rows of the JSON before it that this run did not
+        choose, when it was made with the same settings (a table grows a row at a time)."""
         s = self.settings
+        rows = list(self.rows)
+        if self.previous.get("settings") == self.settings_dict():
+            ran = {r["name"] for r in rows}
+            rows += [r for r in self.previous["rows"] if r["name"] not in ran]
+        order = [r.name for r in ROWS]
+        rows.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
         return {"title": "A language model across a slow WAN of nodes (`tiny_lm`, `wan_nodes`)",
                 "created": datetime.date.today().isoformat(), "commit": git_commit(),
                 "command": "python scripts/lm_wan.py " + shlex.join(sys.argv[1:]),
@@ -342,10 +368,13 @@ class Headline:
                           f"{s.epochs} epochs, DiLoCo H = {s.sync_every} (overlap τ = {s.overlap_steps}), "
                           f"target val loss {s.target_loss:g}. Every DiLoCo row timed end to end on the link; "
                           f"`ddp` priced (its `priced` entry)."),
-                "settings": {"epochs": s.epochs, "sync_every": s.sync_every, "overlap_steps": s.overlap_steps,
-                             "emulated_step_s": s.emulated_step_s, "target_val_loss": s.target_loss,
-                             "priced_steps": s.priced_steps, "cluster": s.cluster, "extra": list(s.extra)},
-                "rows": self.rows}
+                "settings": self.settings_dict(), "rows": rows}
+
+    def settings_dict(self) -> dict[str, Any]:
+        s = self.settings
+        return {"epochs": s.epochs, "sync_every": s.sync_every, "overlap_steps": s.overlap_steps,
+                "emulated_step_s": s.emulated_step_s, "target_val_loss": s.target_loss,
+                "priced_steps": s.priced_steps, "cluster": s.cluster, "extra": list(s.extra)}
 
     def write(self) -> None:
         report = self.report()
@@ -423,6 +452,7 @@ def main(argv: list[str] | None = None, runner: Runner = train_py_runner) -> int
     parser.add_argument("--muon-codec", choices=sorted(CODECS), help="the Muon row's codec (default: the best)")
     parser.add_argument("--runs", type=Path, help="run folders (default outputs/lm_wan[_quick])")
     parser.add_argument("--out", type=Path, help="the JSON (default docs/results/lm_wan.json; --quick: outputs/)")
+    parser.add_argument("--fresh", action="store_true", help="run every seed again, ignoring what --out holds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     chosen = [r for r in ROWS if r.name in args.rows.split(",")]
@@ -438,7 +468,8 @@ def main(argv: list[str] | None = None, runner: Runner = train_py_runner) -> int
     runs = args.runs or ROOT / "outputs" / f"lm_wan{suffix}"
     out = args.out or (ROOT / "outputs" / "lm_wan_quick" / "lm_wan.json" if args.quick
                        else ROOT / "docs" / "results" / "lm_wan.json")
-    headline = Headline(settings, runs, out, runner=runner, muon_codec=args.muon_codec)
+    previous = {} if args.fresh or not out.exists() else json.loads(out.read_text())
+    headline = Headline(settings, runs, out, runner=runner, muon_codec=args.muon_codec, previous=previous)
     report = headline.run(chosen, seeds)
     for row in report["rows"]:
         seeds_text = ", ".join(f"{s['val_loss']:.4f}" for s in row["seeds"]) or row.get("message", "")

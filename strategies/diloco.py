@@ -1,8 +1,8 @@
 """DiLoCo: H local steps of the user's optimizer, then one outer step on the averaged
 pseudo-gradient, outer state on CPU, exchange on gloo groups of its own (so the training
 itself may use NCCL). This is the Lightning glue; the rounds, the state and the layout are
-``syncplane.algorithms.diloco``'s (``DiLoCoEngine``: a rank is a replica; ``NodeEngine``: the
-ranks of a node, ``replica: node``; ``rounds``: which engine a job runs, the settings' checks,
+``syncplane.algorithms.diloco``'s (``DiLoCoEngine``, one round engine for both layouts: a rank
+is a replica, or the ranks of a node are, ``replica: node``; ``rounds``: the settings' checks,
 a checkpoint's round state).
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:

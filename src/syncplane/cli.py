@@ -1,4 +1,4 @@
-"""``syncplane`` command line: info, build-ext, emulate, bench, compare, chaos, soak, simulate."""
+"""``syncplane`` command line: info, build-ext, emulate, bench, compare, chaos, soak, plan, simulate."""
 
 from __future__ import annotations
 
@@ -558,7 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cpu", choices=["emulated", "host", "none"],
                       help="the ranks' CPU work (codecs, torch's hooks), measured on this machine: every rank on its "
                            "cores (emulated; the default with --cluster), each host's ranks on cores like its own "
-                           "(host; the default with --probe under a launcher), or not priced (none: GPU jobs)")
+                           "(host; the default with --probe under a launcher), or not priced (none: GPU jobs whose "
+                           "strategies encode on the GPU; canary and diloco encode on the host even there)")
     plan.add_argument("--top", type=int, default=None, help="rows per class in the table (default: all)")
     plan.add_argument("--json", help="also write the plan here")
     plan.add_argument("--png", help="chart path (default: next to --json)")

@@ -241,3 +241,74 @@ def test_with_reap_the_watcher_ends_the_lost_ranks_process_on_its_host_and_only_
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+class KillLog:
+    """A stand-in for ``os.kill`` that records, at each SIGKILL, which ranks had read the
+    verdict by then (their ``read/<rank>`` keys), instead of ending anything."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.kills = store, []
+
+    def __call__(self, pid: int, sig: int) -> None:
+        read = [r for r in range(4) if self.store.check([f"syncplane/heartbeat/read/{r}"])]
+        self.kills.append((pid, sig, read))
+
+
+def reaping_ring(monkeypatch, world: int = 4):
+    """A ring whose ranks settle and reap, rank 2 recorded as a process on this host (a pid
+    that is not this one), ``os.kill`` replaced by a ``KillLog``."""
+    import socket
+
+    from syncplane.runtime import heartbeat
+
+    store, clock, lost = dist.HashStore(), Clock(), []
+    beats = [Heartbeat(store, r, world, timeout_s=10, startup_s=30, clock=clock, reap=True, settles=True,
+                       on_lost=lambda message, r=r: lost.append((r, message))) for r in range(world)]
+    kills = KillLog(store)
+    monkeypatch.setattr(heartbeat.os, "kill", kills)
+    store.set("syncplane/heartbeat/process/2", f"{socket.gethostname()} {heartbeat.os.getpid() + 100000}")
+    return store, clock, lost, beats, kills
+
+
+def others_beat(beats, clock, ranks: tuple[int, ...], waited: list[float] | None = None):
+    """A ``sleep`` during which ``ranks`` poll once, as their heartbeat threads would."""
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+        if waited is not None:
+            waited.append(seconds)
+        for rank in ranks:
+            beats[rank].poll()
+    return sleep
+
+
+def test_the_watcher_ends_a_hung_rank_only_after_the_others_read_the_verdict(monkeypatch):
+    """b33a454: rank 1 finds rank 2 hung. Ending rank 2 at once lets a launcher that stops every
+    rank when one dies (Lightning's) end ranks 0 and 3 before they printed whom the job lost;
+    so rank 1 settles first -- ranks 0 and 3 poll while it waits -- and only then SIGKILLs."""
+    import signal
+
+    _, clock, lost, beats, kills = reaping_ring(monkeypatch)
+    rounds(beats, clock, 20)
+    beats[1].sleep = others_beat(beats, clock, (0, 3))
+    rounds(beats, clock, 14, skip=(2,))
+    # ranks 0 and 3 report rank 1's verdict while it settles, before it reports and leaves itself
+    assert [r for r, _ in lost] == [0, 3, 1] and all("noticed by rank 1" in m for _, m in lost), lost
+    assert len(kills.kills) == 1, kills.kills
+    _, sig, read = kills.kills[0]
+    assert sig == signal.SIGKILL and read == [0, 1, 3]    # every live rank had read it first
+
+
+def test_the_rank_that_finds_a_killed_rank_settles_before_ending_its_process(monkeypatch):
+    """The same order on ``find_lost``'s path (a collective broke): rank 0 posts the verdict
+    naming rank 2, waits for ranks 1 and 3 to read it, then ends rank 2's process."""
+    import signal
+
+    _, clock, _, beats, kills = reaping_ring(monkeypatch)
+    rounds(beats, clock, 20)
+    settling: list[float] = []
+    beats[0].sleep = others_beat(beats, clock, (1, 3), settling)
+    message = beats[0].find_lost(sleep=others_beat(beats, clock, (1, 3)))
+    assert message is not None and "rank 2 stopped" in message
+    assert settling, "rank 0 ended rank 2 without settling"
+    assert [(sig, read) for _, sig, read in kills.kills] == [(signal.SIGKILL, [0, 1, 3])]

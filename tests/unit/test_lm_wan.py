@@ -128,3 +128,30 @@ def test_quick_mode_shrinks_the_run_and_bad_options_are_named(tmp_path):
         lm_wan.main(["--rows", "nope", "--out", str(tmp_path / "x.json")], runner=runner)
     with pytest.raises(SystemExit, match="--seeds-for: NAME=N"):
         lm_wan.main(["--seeds-for", "ddp=0", "--out", str(tmp_path / "x.json")], runner=runner)
+
+
+def test_a_run_continues_from_the_json_when_the_run_folders_are_gone(tmp_path):
+    import shutil
+
+    first = run(tmp_path, FakeRunner(), "--rows", "ddp,diloco_int8_overlap", "--seeds-for", "ddp=2")
+    shutil.rmtree(tmp_path / "runs")                 # another checkout: only the committed JSON is left
+    again = FakeRunner()
+    second = run(tmp_path, again, "--rows", "ddp,diloco_int8_overlap", "--seeds-for", "ddp=2")
+    assert again.calls == [] and second["rows"] == first["rows"]
+    more = FakeRunner()                              # a third seed runs; the first two are kept
+    third = run(tmp_path, more, "--rows", "ddp,diloco_int8_overlap", "--seeds-for", "ddp=3")
+    assert [next(o for o in c if o.startswith("seed=")) for c in more.calls] == ["seed=3"]
+    assert third["rows"][0]["seeds"][:2] == first["rows"][0]["seeds"]
+    one = FakeRunner()                               # a row at a time: the others stay in the table
+    grown = run(tmp_path, one, "--rows", "diloco_sparse3_overlap")
+    assert [r["name"] for r in grown["rows"]] == ["ddp", "diloco_int8_overlap", "diloco_sparse3_overlap"]
+    assert len(one.calls) == 1
+    changed = FakeRunner()                           # another command (H) is another run
+    run(tmp_path, changed, "--rows", "diloco_int8_overlap", "--sync-every", "20")
+    assert len(changed.calls) == 1 and "strategy.kwargs.sync_every=20" in changed.calls[0]
+    only = json.loads((tmp_path / "lm_wan.json").read_text())["rows"]   # other settings: the old rows go
+    assert [r["name"] for r in only] == ["diloco_int8_overlap"]
+    fresh = FakeRunner()
+    shutil.rmtree(tmp_path / "runs")
+    run(tmp_path, fresh, "--rows", "diloco_int8_overlap", "--sync-every", "20", "--fresh")
+    assert len(fresh.calls) == 1

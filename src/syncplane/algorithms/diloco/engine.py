@@ -27,18 +27,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel import DistributedDataParallel
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import build_exchange, resolve_streams
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round, fragment_bounds
-from syncplane.algorithms.sharded import local, materialize, on_meta, shard_module
+from syncplane.algorithms.diloco.transport import GLOO, Exchanger, Transport
+from syncplane.algorithms.sharded import local, materialize, on_meta
 from syncplane.comm.host_mirror import HostMirror
 from syncplane.comm.meter import CommMeter
-from syncplane.comm.streams import StreamRunner, reserve_key, shard_bounds
+from syncplane.comm.streams import reserve_key, shard_bounds
 from syncplane.exchanges import GatherExchange, MeshExchange
 from syncplane.job import JobContext
 
@@ -92,12 +90,6 @@ def shard_interfaces(interfaces: Sequence[str], shard: int) -> tuple[str, ...]:
     return (*interfaces[turn:], *interfaces[:turn])
 
 
-def node_group(layout: ReplicaLayout, backend: str) -> dist.ProcessGroup:
-    """This rank's node group on ``backend`` (a collective: every rank builds every node's)."""
-    mine, _ = dist.new_subgroups_by_enumeration([list(node) for node in layout.nodes], backend=backend)
-    return mine
-
-
 class DiLoCoEngine:
     """A collective to construct (node groups, shard streams): every rank, same order.
 
@@ -112,11 +104,13 @@ class DiLoCoEngine:
         init: for a model built on the meta device (``inner: fsdp`` only): each parameter's and
             buffer's values by name (``sharded.materialize``), so that no rank ever holds the
             whole model; the shards are made on CPU.
+        transport: the groups, exchanges and collectives (``transport.GLOO``: real gloo ranks).
     """
 
     def __init__(self, module: torch.nn.Module, config: DiLoCoConfig, job: JobContext, layout: ReplicaLayout,
-                 device_ids: list[int] | None = None, init: Callable[[str, torch.Tensor], None] | None = None) -> None:
-        self.config, self.layout, self.rank = config, layout, job.rank
+                 device_ids: list[int] | None = None, init: Callable[[str, torch.Tensor], None] | None = None,
+                 transport: Transport = GLOO) -> None:
+        self.config, self.layout, self.rank, self.transport = config, layout, job.rank, transport
         self.node = layout.nodes[layout.replica_of(job.rank)]
         self.sharded = layout.inner == "fsdp"   # the FSDP shard is this rank's whole outer share
         on_gpu = next(module.parameters()).device.type == "cuda"
@@ -125,21 +119,22 @@ class DiLoCoEngine:
             raise ValueError("a model on the meta device needs inner='fsdp' and an init: each rank then "
                              "makes only its own shards (sharded.materialize)")
         self.module, self.consensus_group = module, None
-        self.gather_group: dist.ProcessGroup | None = None
+        self.gather_group: Any = None
         if not layout.per_rank:
-            self.gather_group = node_group(layout, "gloo")
-            self.inner_group = node_group(layout, "nccl") if on_gpu else self.gather_group
-            self.module = self._wrap(module, "cuda" if on_gpu else "cpu", device_ids)
+            self.gather_group = transport.group(layout.nodes, "gloo")
+            self.inner_group = transport.group(layout.nodes, "nccl") if on_gpu else self.gather_group
+            self.module = transport.wrap(module, self.inner_group, self.sharded, "cuda" if on_gpu else "cpu",
+                                         device_ids)
             if self.sharded:   # the ranks holding this rank's shard in every node (consensus is over them)
-                self.consensus_group = dist.new_subgroups_by_enumeration(
-                    [list(layout.shard_group(k)) for k in range(layout.shards)], backend="gloo")[0]
+                self.consensus_group = transport.group([layout.shard_group(k) for k in range(layout.shards)],
+                                                       "gloo")
         if meta:
             materialize(self.module, init, "cpu")
             # every node takes the first node's values of this shard, as a model built whole
             # takes rank 0's: the nodes agree even where their ranks' seeds did not
             src = layout.shard_group(layout.owned(job.rank)[0])[0]
             for tensor in local_tensors(self.module):
-                dist.broadcast(tensor, src=src, group=self.consensus_group)
+                transport.broadcast(tensor, src, self.consensus_group)
         tensors = local_tensors(module)
         n_params = sum(local(p.data).numel() for p in module.parameters())
         self.host = host_mirror(tensors)   # DDP nodes: the gather target, the replica's whole model
@@ -173,7 +168,7 @@ class DiLoCoEngine:
         cut = [[(a + s, a + e) for s, e in shard_bounds(b - a, shards)] for a, b in fragments]
         return {k: [pieces[k] for pieces in cut] for k in range(shards)}
 
-    def _runners(self, job: JobContext, n_params: int) -> tuple[dict[int, StreamRunner], str]:
+    def _runners(self, job: JobContext, n_params: int) -> tuple[dict[int, Exchanger], str]:
         """Each owned shard's exchange. One rank per replica: ``build_exchange`` over every rank
         (mesh, tree or gather, as ``exchange`` resolves on the job). Node replicas: each shard's
         owners, on the mesh (fp32, int8) or the gather (``compression: sparse``, whose sum
@@ -183,7 +178,7 @@ class DiLoCoEngine:
             runner, name = build_exchange(job, self.streams, config.compression, config.block_size,
                                           config.sync_timeout_s, config.exchange, config.topology,
                                           codec=config.codec(), error_feedback_beta=config.error_feedback,
-                                          exact_from=n_params)
+                                          exact_from=n_params, make=self.transport.runner)
             return {self.owned[0]: runner}, name
         key = reserve_key("diloco-node")
         sparse = config.compression == "sparse" or config.exchange == "gather"
@@ -191,17 +186,10 @@ class DiLoCoEngine:
         for k in self.owned:
             exact_from = sum(max(0, min(b, n_params) - a) for a, b in self.pieces[k])   # its parameters come first
             pattern = GatherExchange(self.streams, exact_from) if sparse else MeshExchange(self.streams)
-            runners[k] = StreamRunner(pattern, codec=config.codec(), error_feedback_beta=config.error_feedback,
+            runners[k] = self.transport.runner(pattern, codec=config.codec(), error_feedback_beta=config.error_feedback,
                                       interfaces=shard_interfaces(job.interfaces, k), timeout_s=config.sync_timeout_s,
                                       members=self.layout.shard_group(k), key=f"{key}/shard{k}")
         return runners, "gather" if sparse else "mesh"
-
-    def _wrap(self, module: torch.nn.Module, device: str, device_ids: list[int] | None) -> torch.nn.Module:
-        """``inner: ddp``: torch's DDP over the node; ``fsdp``: FSDP2's ``fully_shard`` over it (in place,
-        ``sharded.shard_module``'s units)."""
-        if self.sharded:
-            return shard_module(module, DeviceMesh.from_group(self.inner_group, device))
-        return DistributedDataParallel(module, device_ids=device_ids, process_group=self.inner_group)
 
     # ------------------------------------------------------------ the schedule
 
@@ -223,7 +211,7 @@ class DiLoCoEngine:
             self.host.to_host(tensors, start, end)
             runner, (offset, total) = self.runners[k], self._logical(k, fragment)
 
-            def average_(flat: torch.Tensor, _: int, runner: StreamRunner = runner, offset: int = offset,
+            def average_(flat: torch.Tensor, _: int, runner: Exchanger = runner, offset: int = offset,
                          total: int = total) -> bool:
                 if weight != 1.0:
                     flat.mul_(weight)
@@ -291,7 +279,7 @@ class DiLoCoEngine:
             n = min(step, width - c)
             mine.zero_()
             _runs(self.host.buffer, own, c, mine[:n], into_runs=False)
-            dist.all_gather_into_tensor(out[: len(self.node) * n], mine[:n], group=self.gather_group)
+            self.transport.all_gather(out[: len(self.node) * n], mine[:n], self.gather_group)
             for i, s in enumerate(spans):
                 _runs(self.host.buffer, s, c, out[i * n:(i + 1) * n], into_runs=True)
 

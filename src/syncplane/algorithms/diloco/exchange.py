@@ -22,7 +22,8 @@ depend on the model's size. Without a profile: 1 stream, and the log says so.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from syncplane.cluster.cost import CostModel, Phase
 from syncplane.cluster.profile import ClusterProfile
@@ -172,12 +173,14 @@ def gather_groups(job: JobContext, topology: str | Sequence[int] = "auto") -> tu
 def build_exchange(job: JobContext, shards: int, compression: str = "none", block_size: int = 256,
                    timeout_s: float = 600.0, exchange: str = "auto",
                    topology: str | Sequence[int] = "auto", *, codec: Codec | None = None,
-                   error_feedback_beta: float = 1.0, exact_from: int | None = None) -> tuple[StreamRunner, str]:
+                   error_feedback_beta: float = 1.0, exact_from: int | None = None,
+                   make: Callable[..., Any] = StreamRunner) -> tuple[Any, str]:
     """DiLoCo's exchange for this job (a collective: it builds the S streams' gloo groups) and
     the pattern chosen. ``topology`` as FlexReduce's (``auto``, a profile, or ranks per host).
     ``codec``: what travels (default ``make_codec(compression, block_size)``; the sparse codec
     must be given); ``error_feedback_beta``: its residuals' decay; ``exact_from``: the gather
-    sends the values from this position on as exact fp32 (the floating buffers)."""
+    sends the values from this position on as exact fp32 (the floating buffers); ``make``: what
+    builds the runner from the pattern (``StreamRunner``; a ``Transport``'s ``runner``)."""
     check_exchange(exchange, compression)
     if codec is None:
         codec = make_codec(compression, block_size)
@@ -195,6 +198,6 @@ def build_exchange(job: JobContext, shards: int, compression: str = "none", bloc
     else:
         pattern = MeshExchange(shards)
         log.info("diloco: exchange mesh (%s), %d stream(s)", chosen.reason, shards)
-    runner = StreamRunner(pattern, codec=codec, interfaces=job.interfaces, timeout_s=timeout_s,
+    runner = make(pattern, codec=codec, interfaces=job.interfaces, timeout_s=timeout_s,
                           error_feedback_beta=error_feedback_beta)
     return runner, chosen.name

@@ -1,0 +1,84 @@
+"""What ``DiLoCoEngine`` asks of the wire, as one object it is given: the seam that lets the
+round logic run on real gloo ranks (``GLOO``, the default) or on anything that plays the ranks
+(``tests/helpers/fake_transport.py`` runs n ranks' engines in threads of one process, with real
+tensor math, as torchft's tests mock its Manager; an elastic run can hand over groups of the
+current quorum).
+
+A ``Transport`` builds the groups of a node and the outer exchanges, and runs the two
+collectives the engine calls itself (the gather of a DDP node's θ_g pieces, the broadcast of a
+sharded model built on the meta device). An exchange (``Exchanger``) is what
+``syncplane.comm.StreamRunner`` offers: the mean of a flat fp32 buffer over its members, True if
+every member committed, with its error-feedback residuals as state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from syncplane.algorithms.sharded import shard_module
+from syncplane.comm.meter import CommMeter
+from syncplane.comm.streams import StreamExchange, StreamRunner
+
+
+class Exchanger(Protocol):
+    """An outer exchange over fixed members: ``StreamRunner``'s ``allreduce_mean_`` (True if every
+    member committed), ``state_dict``/``load_state_dict`` (the residuals) and ``close``."""
+
+    def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
+                        offset: int = 0, total: int | None = None) -> bool: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """``runner``: the exchange ``exchange`` over ``members`` (global ranks; None: all), with
+    ``StreamRunner``'s options; ``group``: this rank's group among the disjoint ``sets``;
+    ``all_gather``/``broadcast`` over a group; ``wrap``: the node's FSDP2 (``sharded``) or DDP
+    over its group. What builds groups or exchanges is a collective: every rank, same order."""
+
+    def runner(self, exchange: StreamExchange, **options: Any) -> Exchanger: ...
+
+    def group(self, sets: Sequence[Sequence[int]], backend: str) -> Any: ...
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None: ...
+
+    def wrap(self, module: torch.nn.Module, group: Any, sharded: bool, device: str,
+             device_ids: list[int] | None) -> torch.nn.Module: ...
+
+
+class GlooTransport:
+    """The real one: torch.distributed groups, ``StreamRunner``'s gloo streams, torch's DDP and
+    FSDP2 (``sharded.shard_module``'s units)."""
+
+    def runner(self, exchange: StreamExchange, **options: Any) -> Exchanger:
+        return StreamRunner(exchange, **options)
+
+    def group(self, sets: Sequence[Sequence[int]], backend: str) -> Any:
+        return dist.new_subgroups_by_enumeration([list(s) for s in sets], backend=backend)[0]
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+        dist.all_gather_into_tensor(out, tensor, group=group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
+        dist.broadcast(tensor, src=src, group=group)
+
+    def wrap(self, module: torch.nn.Module, group: Any, sharded: bool, device: str,
+             device_ids: list[int] | None) -> torch.nn.Module:
+        if sharded:
+            return shard_module(module, DeviceMesh.from_group(group, device))
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=group)
+
+
+GLOO = GlooTransport()
