@@ -54,9 +54,10 @@ class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, streams,
     compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
     fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s,
-    time_weighting, time_samples), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
-    and heal give up after it; ``quorum_timeout_s``: how long a replica waits for a quorum;
-    ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
+    time_weighting, time_samples, membership, min_replicas, grace_s), the elastic settings (``elastic``,
+    ``round_timeout_s``: a round's average, vote and heal give up after it; ``quorum_timeout_s``: how
+    long a replica waits for a quorum; ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's,
+    read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
     ``SyncplaneStrategy``'s."""
 
@@ -79,6 +80,8 @@ class DiLoCo(SyncplaneStrategy):
                  topology: str | list[int] = "auto", inner_steps: Literal["fixed", "time"] = "fixed",
                  round_budget_s: float | None = None, time_weighting: Literal["samples", "fednova"] = "samples",
                  time_samples: Literal["share", "drop"] = "drop",
+                 membership: Literal["fixed", "quorum"] = DiLoCoConfig.membership,
+                 min_replicas: int = DiLoCoConfig.min_replicas, grace_s: float = DiLoCoConfig.grace_s,
                  elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",

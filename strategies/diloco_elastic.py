@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.elastic import ElasticOuter, JobFingerprint, fingerprint
+from syncplane.algorithms.diloco.elastic import ElasticOuter, JobFingerprint, RoundBoard, fingerprint
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco import ft
 from syncplane.algorithms.diloco.engine import host_mirror
@@ -89,7 +89,11 @@ class ElasticDiLoCo(DiLoCo):
                            [tuple(t.shape) for t in tensors])
         # before any contact with the quorum: a replica with other settings never disturbs it
         JobFingerprint(self._place().folder).check(ours, f"replica {self._replica}")
-        self._elastic = ElasticOuter(outer, ours, total_rounds=0, on_event=self._record_event)
+        quorum = config.membership == "quorum"
+        self._elastic = ElasticOuter(outer, ours, total_rounds=0, on_event=self._record_event,
+                                     membership=config.membership,
+                                     board=RoundBoard(self._place().folder, f"replica{self._replica}") if quorum
+                                     else None, boundary_timeout_s=self.quorum_timeout_s, hold_s=config.grace_s)
         self.details["exchange"] = "torchft quorum (elastic)"
 
     @override
@@ -107,11 +111,16 @@ class ElasticDiLoCo(DiLoCo):
         group = ft.ReplicaGroup(f"replica{self._replica}", place.lighthouse,
                                 self._elastic.state_dict, self._elastic.load_state_dict,
                                 host=ft.check_bind_host(place.bind or self.lighthouse_host),
-                                round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s)
+                                round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s,
+                                min_replicas=self.config.min_replicas if self.config.membership == "quorum" else 1)
         if restart == "0":
             ft.start_barrier(place.folder, self._replica, place.replicas, self.quorum_timeout_s)
         self._record_event({"event": "start", "restart": int(restart), "total_rounds": self._elastic.total_rounds})
-        self._elastic.join(group)
+        assert self._host is not None
+        # membership=quorum: a restart takes part, with nothing, in the round it joins (to receive θ_g)
+        if self._elastic.join(group, self._host.buffer if restart != "0" else None):
+            self._host.from_host(self.model_tensors())
+            self.rounds += 1
         self._adopt_if_healed()
 
     @override

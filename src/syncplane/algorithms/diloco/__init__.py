@@ -108,6 +108,17 @@ def _check_launch(name: str, kwargs: Mapping[str, Any], launch: LaunchSettings) 
         raise ConfigError("resume: an elastic job does not resume from a checkpoint (replicas heal from a live peer)")
 
 
+def lighthouse_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The Lighthouse's settings for ``membership``: ``fixed`` waits ``join_timeout_s`` for every
+    live replica (one is enough to start); ``quorum`` opens a window of ``grace_s`` (torchft's join
+    timeout, counted from the first replica in) once ``min_replicas`` are in."""
+    quorum = kwargs.get("membership", DiLoCoConfig.membership) == "quorum"
+    return {"min_replicas": int(kwargs.get("min_replicas", DiLoCoConfig.min_replicas)) if quorum else 1,
+            "join_timeout_s": float(kwargs.get("grace_s", DiLoCoConfig.grace_s) if quorum
+                                    else kwargs.get("join_timeout_s", 60.0)),
+            "heartbeat_timeout_s": float(kwargs.get("heartbeat_timeout_s", 5.0))}
+
+
 def _start_lighthouse(host: str, **options: Any) -> QuorumService:
     """torchft's Lighthouse in this process (``ft.start_lighthouse``; imported here, when a job needs it)."""
     from syncplane.algorithms.diloco import ft
@@ -120,8 +131,7 @@ ELASTIC = ElasticLaunch(
     enabled=_elastic,
     setting="strategy.kwargs.elastic=true",
     start=_start_lighthouse,
-    timeouts=lambda kwargs: {"join_timeout_s": float(kwargs.get("join_timeout_s", 60.0)),
-                             "heartbeat_timeout_s": float(kwargs.get("heartbeat_timeout_s", 5.0))},
+    timeouts=lambda kwargs: lighthouse_options(kwargs),
     bind=lambda kwargs: str(kwargs.get("lighthouse_host", "127.0.0.1")),
 )
 
