@@ -4,7 +4,8 @@
 comment beside it, and each strategy's constructor keywords that its YAML does not list) and
 ``docs/reference/env.md`` (every environment variable the code reads or sets, found in its
 source; ``ENV_MEANING`` says what each is for, and a name found without a meaning fails the
-docs test, as a meaning for a name no longer found does).
+docs test, as a meaning for a name no longer found does) and ``docs/reference/summary.md``
+(every field of a run's ``summary.json``, from ``syncplane.runtime.report.SUMMARY_FIELDS``).
 """
 
 from __future__ import annotations
@@ -259,6 +260,23 @@ def env_page(root: Path) -> str:
                       _table(rows, ("variable", "meaning", "in"))])
 
 
+# --- summary.json ----------------------------------------------------------------------------
+
+def summary_page() -> str:
+    from syncplane.runtime.report import SUMMARY_FIELDS
+
+    rows = [[f"`{field}`", _cell(meaning)] for field, meaning in SUMMARY_FIELDS.items()]
+    return "\n".join(["# `summary.json`", "", GENERATED, "",
+                      "Every run's headline numbers, written by rank 0 when `fit` ends: by `train.py` into its run "
+                      "directory, by `syncplane.RunReport(run_dir, ...)` in a plain Lightning script, and per run "
+                      "by `syncplane compare` (whose peers write the same keys where they have them). `history.jsonl` "
+                      "beside it has one line per validation (`epoch`, `step`, `epoch_s`, `train_s` and the `val_*` "
+                      "metrics). A dotted name is a nested key; `[]` is each item of a list; `*` stands for keys "
+                      "that depend on the strategy, recipe or profile.", "",
+                      _table(rows, ("field", "meaning"))])
+
+
 def pages(root: Path) -> dict[Path, str]:
     out = root / "docs" / "reference"
-    return {out / "cli.md": cli_page(), out / "config.md": config_page(root), out / "env.md": env_page(root)}
+    return {out / "cli.md": cli_page(), out / "config.md": config_page(root), out / "env.md": env_page(root),
+            out / "summary.md": summary_page()}

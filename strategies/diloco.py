@@ -1,8 +1,8 @@
 """DiLoCo: H local steps of the user's optimizer, then one outer step on the averaged
 pseudo-gradient, outer state on CPU, exchange on gloo groups of its own (so the training
 itself may use NCCL). This is the Lightning glue; the rounds, the state and the layout are
-``syncplane.algorithms.diloco``'s (``DiLoCoEngine``: a rank is a replica; ``NodeEngine``: the
-ranks of a node, ``replica: node``; ``rounds``: which engine a job runs, the settings' checks,
+``syncplane.algorithms.diloco``'s (``DiLoCoEngine``, one round engine for both layouts: a rank
+is a replica, or the ranks of a node are, ``replica: node``; ``rounds``: the settings' checks,
 a checkpoint's round state).
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:
@@ -55,20 +55,24 @@ class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, streams,
     compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
     fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s,
-    time_weighting, time_samples), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
-    and heal give up after it; ``quorum_timeout_s``: how long a replica waits for a quorum;
-    ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
+    time_weighting, time_samples, membership, min_replicas, grace_s), the elastic settings (``elastic``,
+    ``round_timeout_s``: a round's average, vote and heal give up after it; ``quorum_timeout_s``: how
+    long a replica waits for a quorum; ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's,
+    read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
     ``SyncplaneStrategy``'s."""
 
-    #: True on ``ElasticDiLoCo``; ``__new__`` picks that class for ``elastic=True``.
+    #: True on the elastic classes; ``__new__`` picks the one of ``membership`` for ``elastic=True``
+    #: (``ElasticDiLoCo``: fixed, ``QuorumDiLoCo``: quorum).
     ELASTIC = False
+    MEMBERSHIP = "fixed"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DiLoCo":
         # one strategy name for both modes: the registry (and Hydra) construct ``DiLoCo``
         # (ElasticDiLoCo is imported with the package: ``syncplane.strategies.__init__``)
         if kwargs.get("elastic") and cls is DiLoCo:
-            cls = next(sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC)
+            membership = kwargs.get("membership", DiLoCoConfig.membership)
+            cls = next((sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC and sub.MEMBERSHIP == membership), cls)
         return super().__new__(cls)
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
@@ -80,6 +84,8 @@ class DiLoCo(SyncplaneStrategy):
                  topology: str | list[int] = "auto", inner_steps: Literal["fixed", "time"] = "fixed",
                  round_budget_s: float | None = None, time_weighting: Literal["samples", "fednova"] = "samples",
                  time_samples: Literal["share", "drop"] = "drop",
+                 membership: Literal["fixed", "quorum"] = DiLoCoConfig.membership,
+                 min_replicas: int = DiLoCoConfig.min_replicas, grace_s: float = DiLoCoConfig.grace_s,
                  elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",

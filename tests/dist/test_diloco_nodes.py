@@ -1,10 +1,11 @@
 """``replica: node``: a node of L ranks is one DiLoCo replica (DDP inside it), its outer state
 sharded over its ranks -- on real gloo ranks, nodes given as ranks per host, fresh random inputs.
 
-- H = 1, outer SGD lr 1, no momentum: DDP over all ranks (1e-6), on even nodes (2+2) and
-  uneven ones (2+1, 1+3: the replicas weighted by their rank count).
+- H = 1, outer SGD lr 1, no momentum: DDP over all ranks (1e-6), on uneven nodes (2+1: the
+  replicas weighted by their rank count; 2+2 through Lightning below).
 - FSDP2 inside the node (a rank's DiLoCo shard its FSDP shard) equals DDP inside it (1e-5, 20 steps).
-- One rank per node: today's ``DiLoCoEngine``, bit for bit (Nesterov; int8 with error feedback).
+- The round logic on more layouts, schedules and codecs (one-rank nodes, 2+1+2, fragments and
+  overlap, error feedback, discards) runs on the in-process fake: ``tests/unit/test_diloco_fake.py``.
 - A resume from the sharded outer state (``torch.load(weights_only=True)``) continues bit for
   bit; each rank keeps 1/L of the outer state.
 - Through Lightning's Trainer (the strategy's glue): H = 1 equals Lightning's DDP on 2 hosts of 2.
@@ -93,44 +94,20 @@ def node_vs_ddp(rank: int, world: int, sizes: list[int], seed: int, steps: int, 
     return reference, [p.detach().clone() for p in model.parameters()], list(engine.owned)
 
 
-@pytest.mark.parametrize("sizes", [[2, 2], [2, 1], [1, 3]], ids=str)
+@pytest.mark.parametrize("sizes", [[2, 1]], ids=str)
 def test_node_replicas_with_h1_plain_outer_sgd_equal_ddp_over_all_ranks(sizes):
     seed = int(torch.randint(0, 2**20, ()))
-    # the replica's θ_g gathered in pieces of 7 values (the model has 41; shards of 21, 20 / 14, 14, 13)
+    # the replica's θ_g gathered in pieces of 7 values (the model has 41; shards of 21, 20)
     results = run_distributed(node_vs_ddp, sum(sizes), sizes, seed, 4, 7, timeout=180)
     for reference, params, _ in results:
         for ddp, node in zip(reference, params):
             torch.testing.assert_close(node, ddp, rtol=1e-6, atol=1e-6)
     assert any(not torch.equal(a, b) for a, b in zip(results[0][1], _model(seed).parameters()))
-    # a small node's ranks own several shards: 2+1 -> rank 2 owns both; 1+3 -> rank 0 owns all three
-    assert [owned for _, _, owned in results] == {"[2, 2]": [[0], [1], [0], [1]], "[2, 1]": [[0], [1], [0, 1]],
-                                                  "[1, 3]": [[0, 1, 2], [0], [1], [2]]}[str(sizes)]
-
-
-def one_rank_nodes_vs_diloco(rank: int, world: int, seed: int, kwargs: dict):
-    out = []
-    for sizes in (None, [1] * world):
-        model = _model(seed)
-        engine = _engine(rank, world, sizes, kwargs, model)
-        module = model if sizes is None else engine.module
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        _train(engine, module, model, optimizer, seed, rank, range(7), kwargs["sync_every"])
-        out.append(([p.detach().clone() for p in model.parameters()], engine.params.clone()))
-        engine.close()
-    return out
+    # a small node's ranks own several shards: rank 2 owns both
+    assert [owned for _, _, owned in results] == [[0], [1], [0, 1]]
 
 
 SPARSE = {"compression": "sparse", "density": 0.25, "bits": 4, "chunk": 8, "exchange": "gather"}
-
-
-@pytest.mark.parametrize("kwargs", [{"sync_every": 2}, {"sync_every": 3, "compression": "int8", "block_size": 4},
-                                    {"sync_every": 2, **SPARSE}], ids=["nesterov", "int8", "sparse"])
-def test_one_rank_per_node_is_todays_diloco_bit_for_bit(kwargs):
-    seed = int(torch.randint(0, 2**20, ()))
-    for (params, outer), (node_params, node_outer) in run_distributed(one_rank_nodes_vs_diloco, 3, seed, kwargs,
-                                                                      timeout=180):
-        assert torch.equal(outer, node_outer)
-        assert all(torch.equal(a, b) for a, b in zip(params, node_params))
 
 
 def resume_sharded(rank: int, world: int, sizes: list[int], seed: int):
@@ -433,11 +410,7 @@ def _streamed(rank: int, world: int, sizes: list[int] | None, seed: int, steps: 
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"sync_every": 4, "fragments": 2, "overlap_steps": 1},
-    {"sync_every": 3, "fragments": 3, "overlap_steps": 0, **PLAIN_AVERAGING},
-    {"sync_every": 4, "fragments": 1, "overlap_steps": 2, "mix_alpha": 0.3},
-], ids=["P2-tau1", "P3-blocking", "P1-tau2"])
+@pytest.mark.parametrize("kwargs", [{"sync_every": 4, "fragments": 2, "overlap_steps": 1}], ids=["P2-tau1"])
 def test_a_node_of_ddp_ranks_runs_the_streaming_schedule_of_one_replica_with_its_batches(kwargs):
     """Fragments and overlap on node replicas: 2 nodes of 2 DDP ranks equal 2 per-rank replicas
     that train on each node's batches together -- the same fragments, offsets, overlap and mix,

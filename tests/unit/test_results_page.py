@@ -18,7 +18,7 @@ results = load_script("results")
 reference_docs = results.reference_docs
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED_PAGES = {"docs/benchmarks.md"} | {f"docs/reference/{n}.md" for n in ("cli", "config", "env")}
+GENERATED_PAGES = {"docs/benchmarks.md"} | {f"docs/reference/{n}.md" for n in ("cli", "config", "env", "summary")}
 #: Pages that are the data themselves (per-profile scoreboard tables, per-run comparison tables).
 DATA_DIRS = ("docs/matrix/", "docs/compare/")
 #: Pages over the length limit, and why (each an open piece of work, not a permanent exemption).
@@ -154,3 +154,23 @@ def test_yaml_keys_carry_their_comments(tmp_path):
     assert reference_docs.yaml_keys(path) == [("name", "x", ""), ("kwargs.a", "1", "the a"),
                                               ("kwargs.b", "auto", "the b, continued")]
     assert reference_docs.commented_keys(path) == {"s": "delay in steps"}
+
+
+def test_the_faults_block_spans_every_strategys_launcher_exit(tmp_path, monkeypatch):
+    data = {"title": "Faults: t", "created": "2026-01-02", "command": "syncplane chaos --matrix",
+            "columns": ["strategy", "kill", "stop"],
+            "rows": [["`ddp`", "6.5 / 8.4 (3/3)", "14.2 / 18.7 (3/3)"],
+                     ["`diloco`", "14.3 / 16.3 (3/3)", "17.4 / 21.7 (3/3)"]]}
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "faults.json").write_text(json.dumps(data))
+    monkeypatch.setattr(results, "DOCS", tmp_path)
+    line = results.render_block("faults")
+    assert "kill 8.4–16.3 s, stop 18.7–21.7 s" in line and "2026-01-02" in line
+
+
+def test_a_hand_edited_fault_time_is_rewritten():
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    assert results.fill_blocks(text, ROOT / "docs" / "troubleshooting.md") == text
+    block = results.BLOCK.search(text[text.index("<!-- results:faults -->"):])
+    wrong = text.replace(block.group("body"), block.group("body").replace(" s,", "9 s,", 1), 1)
+    assert results.fill_blocks(wrong, ROOT / "docs" / "troubleshooting.md") != wrong

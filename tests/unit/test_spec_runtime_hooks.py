@@ -27,7 +27,7 @@ def job(tmp_path: Path, kwargs: dict[str, Any], **top: Any) -> Any:
 def test_an_elastic_job_is_launched_by_its_spec_and_others_are_not(tmp_path: Path) -> None:
     elastic = job(tmp_path, {"elastic": True, "join_timeout_s": 7, "lighthouse_host": "127.0.0.2"})
     assert elastic.elastic and elastic.elastic_launch is SPEC.elastic
-    assert elastic.elastic_launch.timeouts(elastic.strategy.kwargs) == {"join_timeout_s": 7.0,
+    assert elastic.elastic_launch.timeouts(elastic.strategy.kwargs) == {"min_replicas": 1, "join_timeout_s": 7.0,
                                                                          "heartbeat_timeout_s": 5.0}
     assert elastic.elastic_launch.bind(elastic.strategy.kwargs) == "127.0.0.2"
     assert not job(tmp_path, {"elastic": False}).elastic and not job(tmp_path, {}).elastic

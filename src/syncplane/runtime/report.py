@@ -64,6 +64,68 @@ from syncplane.comm.process_groups import control_group
 from syncplane.runtime.slowdown import ComputeReport, skipped
 
 
+#: Every field of ``summary.json``, dotted (``[]``: each item of a list; ``*``: keys that vary by
+#: strategy, recipe or profile), with its meaning: the one list that ``docs/reference/summary.md``
+#: is generated from (``scripts/reference_docs.py``) and that ``tests/unit/test_summary_reference.py``
+#: holds against a real run's summary, so a field added here or in ``on_fit_end`` without the other fails.
+SUMMARY_FIELDS: dict[str, str] = {
+    "strategy": "the strategy's registered name (`ddp`, `diloco`, ...; a peer's name for `syncplane compare` peers)",
+    "label": "how comparisons name the run: the strategy, or a variant of its settings (`diloco[sync_every=50]`)",
+    "recipe": "the recipe (`digits`, `tiny_lm`, ...; what a plain script passes to `RunReport`)",
+    "seed": "the run's seed (comparisons pair each run with DDP's of the same seed); null if none given",
+    "world_size": "ranks in the job",
+    "steps": "optimizer steps taken (`trainer.global_step`)",
+    "metrics": "the last validation, on the whole validation set, of the consensus model (the replicas' "
+               "average) for strategies whose replicas differ",
+    "metrics.val_acc": "validation accuracy; null when the recipe logs none",
+    "metrics.val_loss": "validation loss; null when the recipe logs none",
+    "metrics.*": "every other `val_*` metric the recipe logs (`tiny_lm`'s `val_perplexity`)",
+    "throughput": "speed over the training wall time",
+    "throughput.samples_per_s": "every rank's samples (all-reduced) over `train_seconds`",
+    "throughput.step_s_median": "median over steps of the slowest rank's step, seconds",
+    "throughput.tokens_per_s": "tokens per second for a recipe whose module has `batch_tokens(batch)`; else null",
+    "throughput.model_flops_per_s": "model FLOP/s for a module with `train_flops_per_sample()`; else null",
+    "throughput.mfu": "model FLOPs utilization on GPUs whose peak Lightning knows; null on CPU",
+    "comm": "what synchronizing cost",
+    "comm.seconds": "seconds this rank had communication in flight (overlaps counted once), mean over ranks",
+    "comm.bytes_sent_per_rank": "bytes the algorithm sent, mean over ranks (ring all-reduce: 2(n-1)/n x payload "
+                                "per step)",
+    "comm.evaluation_bytes_per_rank": "bytes spent showing validation the consensus model, counted apart",
+    "consensus_distance": "mean ||x_i - mean x|| / ||mean x|| over the ranks at the end (0 for DDP)",
+    "train_seconds": "the slowest rank's training wall time (fit's training, validation passes included)",
+    "compute_utilization": "compute seconds over wall seconds (validation left out of both) of the least busy "
+                           "rank: the emulated accelerator's busy time where there is one, else the measured "
+                           "forward and backward (for DDP on CPU an upper bound: it includes the all-reduce wait)",
+    "target_val_loss": "`trainer.target_val_loss` repeated; null without a target",
+    "time_to_target_s": "training seconds (validation left out) until the first validation loss at or below "
+                        "the target; null when not reached or no target",
+    "timing": "where the wall time outside the training steps went (slowest rank)",
+    "timing.setup_s": "the strategy's setup before training (process groups, initial broadcast, buffers)",
+    "timing.before_train_s": "resume and the sanity-check validation",
+    "timing.outside_epochs_s": "inside `train_seconds` but outside the epochs' clock; null before any epoch",
+    "timing.checkpoint_s": "of it, the checkpoint saves between epochs",
+    "timing.checkpoints": "how many saves those were",
+    "timing.before_first_epoch_s": "of it, the training clock before the first epoch",
+    "timing.validation_s": "the validation passes inside `train_seconds`",
+    "timing.phases": "the strategy's own breakdown (`setup/*`, `checkpoint/*`, seconds); null without one",
+    "timing.phases.*": "one phase's seconds",
+    "strategy_details": "what the strategy records of itself (its layout, `late_peers`, Auto's choice under "
+                        "`auto`, DiLoCo's membership...); empty for Lightning's own strategies",
+    "strategy_details.*": "per strategy: see its page under docs/strategies/",
+    "compute": "emulated compute (`syncplane.runtime.slowdown`); null when nothing is emulated or slowed",
+    "compute.compute_speeds": "every rank's profile `compute_speed`; null without a cluster profile",
+    "compute.slowed": "the ranks that ran slower than nominal",
+    "compute.slowed[].rank": "the slowed rank",
+    "compute.slowed[].base": "its slowdown from the profile's `compute_speed` (fastest host / its host)",
+    "compute.slowed[].factor": "a `slow` fault's extra factor on top of `base`",
+    "compute.slowed[].from_step": "the step the fault's factor starts at",
+    "compute.slowed[].waited_s": "seconds it waited in all to run slower",
+    "compute.emulated_step_s": "the emulated accelerator's nominal step (`trainer.emulated_step_s`; 0: off)",
+    "compute.emulated_steps": "batches the emulated accelerator ran, all ranks",
+    "compute.overran_steps": "of them, batches whose real compute alone exceeded their nominal time",
+}
+
+
 def attach_ddp_meter(model: DistributedDataParallel) -> CommMeter:
     """Measure DDP's gradient all-reduce with a comm hook around torch's default one.
 

@@ -1,25 +1,56 @@
-"""Elastic DiLoCo: membership by quorum around ``DiLoCoEngine``'s round.
+"""Elastic DiLoCo: membership by quorum around the round.
 
-The round itself -- Δ, the codec with its error feedback, the streams, fragments and overlap,
-the outer rule, time pacing -- is the engine's, the same code as without elastic mode. What
-changes is where its exchange runs: ``QuorumTransport`` hands the engine exchangers
-(``QuorumExchanger``) whose gloo groups are built on the current quorum's store, with this
-replica's rank in it, and built again at each membership change. What this module adds:
+``membership="fixed"`` (the default) runs ``DiLoCoEngine``'s own round -- Δ, the codec with
+its error feedback, the streams, fragments and overlap, the outer rule -- the same code as
+without elastic mode. What changes is where its exchange runs: ``QuorumTransport`` hands the
+engine exchangers (``QuorumExchanger``) whose gloo groups are built on the current quorum's
+store, with this replica's rank in it, and built again at each membership change.
+``Membership`` adds:
 
 - **Boundaries.** A replica meets the quorum only where no round is in flight: after the
-  step at which fragment 0's round of a period has merged (``done ≡ overlap_steps mod H``;
-  the other fragments' rounds start later and merge before the next period's first). At a
-  boundary (``Membership.boundary``) the replica votes on the period's rounds and joins the
-  next quorum, where a restarted replica (or one behind) heals.
+  step at which a period's first fragment has merged (``done ≡ overlap_steps mod H``; the
+  other fragments' rounds start later and merge before the next period's first). There it
+  votes on the period's rounds and joins the next quorum, where a restarted replica (or one
+  behind) heals.
 - **Consistency.** Each fragment round is committed or discarded by the exchange's own
   agreement among the quorum's members (``StreamRunner``); the members whose agreement
   completed decide the same. A member whose agreement broke off (a peer lost during it) does
   not know what the others did: it reports an error, its torchft step stays behind, and at the
-  next quorum it heals from a member that voted to commit -- θ_g, every fragment's outer
-  state and the position. So every member of a quorum holds one θ_g after its boundary.
+  next quorum it heals from a member that voted to commit. So every member of a quorum holds
+  one θ_g after its boundary.
 - **Heal.** What a joiner receives is ``Membership.state_dict``: the engine's outer state
   (``DiLoCoEngine.state_dict``: nothing is in flight at a boundary), the job's position in
   periods and its round counts. Its error-feedback residuals stay its own.
+
+``membership="quorum"`` still runs its own loop, ``ElasticOuter`` (fp32, plain rounds; its
+``fixed`` mode is the reference its tests compare with). One round, for every replica in the current quorum (Lightning-free; the transport is any
+object with ``ReplicaGroup``'s methods, ``syncplane.algorithms.diloco.ft`` has the real one),
+with ``membership="fixed"``:
+
+1. ``begin``: Δ = θ_g − θ_local replaces θ_local in the flat buffer;
+2. ``allreduce_mean_``: Δ averaged over the quorum's members (a lost peer fails it);
+3. ``commit``: the vote -- commit (outer step, θ_g written back) or discard (θ_g and the
+   outer state unchanged; the replica keeps its local model, so the next round's Δ covers
+   both rounds and no work is lost);
+4. ``quorum``: the next membership. A replica that died is left out once its heartbeats
+   stop; a replica that asks to join (a restarted process) is admitted here, at the round
+   boundary, and, being behind, heals from a live peer: θ_g, the outer optimizer's state
+   and the round position (``state_dict``/``load_state_dict``), then starts from θ_g.
+   A replica whose commit vote disagreed with its peers' is behind too and heals the same
+   way, so the commit is decided together.
+
+With ``membership="quorum"`` the quorum moves from the round's end to between 1 and 2: a
+replica that has finished its inner steps asks to join, and the Lighthouse forms the round's
+quorum from those that arrived within the grace window (its join timeout, once
+``min_replicas`` are in), so nobody waits longer than the grace for a late or dead replica.
+The average is weighted by samples: each member sends ``w·Δ`` and ``w``, ``w`` the rounds of
+local work its Δ covers (1; 2 after a discarded round; 0 for a restarted replica, which takes
+part in the round it joins with nothing, to receive θ_g). A late replica -- one that arrived
+after its round's quorum formed -- is in the next quorum, behind by one commit: it heals θ_g,
+the outer state and the position from a peer, and its Δ, computed before, is **carried** into
+that round (one round stale) rather than dropped, so its steps still count (why carry, not
+drop-and-heal: docs/design-notes.md). Without a fault every weight is 1, and the rounds equal
+``fixed``'s bit for bit (tests/dist/test_elastic_quorum.py).
 
 Bad input: a replica started with another model size, ``sync_every`` or outer optimizer
 must not join (it would corrupt θ_g). ``JobFingerprint`` records the first replica's
@@ -42,6 +73,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
+from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.streams import StreamExchange, StreamRunner
@@ -49,8 +81,22 @@ from syncplane.comm.streams import StreamExchange, StreamRunner
 log = logging.getLogger(__name__)
 
 
-class ReplicaGroup(Protocol):
-    """What membership needs from torchft (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
+class ReplicaTransport(Protocol):
+    """What the engine needs from the membership layer (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
+
+    def quorum(self) -> Any: ...   # returns an object with quorum_id, participants, step
+
+    def allreduce_mean_(self, flat: torch.Tensor) -> bool: ...
+
+    def allreduce_weighted_(self, flat: torch.Tensor, weight: float) -> float: ...   # Σ weights; 0.0: failed
+
+    def commit(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class QuorumGroup(Protocol):
+    """What ``Membership`` needs from torchft (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
 
     host: str
 
@@ -135,6 +181,224 @@ class ElasticStats:
     def as_dict(self) -> dict[str, Any]:
         return {"rounds_committed": self.committed, "rounds_discarded": self.discarded,
                 "replicas_over_time": self.replicas, "heals": self.heals}
+
+
+class RoundBoard:
+    """Where the replicas are, for ``membership="quorum"``: empty files in the job's folder
+    (``elastic_rounds/``), read by a replica about to ask for its round's quorum.
+
+    Why: torchft's Lighthouse counts the grace window from the *first* request it holds, and
+    forms a quorum at once when every member of the previous one has asked (its fast path).
+    A replica that asks while the others are still in their inner steps (a late one, whose
+    round formed without it, or a restarted one) would open the next window a round early, so
+    that quorum would form the moment ``min_replicas`` are in, leaving out whoever is a
+    millisecond behind; one that asks just after the others misses their fast path. So:
+
+    - an on-time replica at round p writes ``arrived-p``; if a replica said it waits for p
+      (``waiting-p-<name>``), it first waits (up to ``hold_s``) until that one has asked
+      (``asked-p-<name>``), then asks;
+    - a late or restarted replica targets the next round q = the latest formed + 1: it writes
+      ``waiting-q-<name>``, waits for ``arrived-q``, writes ``asked-q-<name>`` and asks.
+
+    Every member writes ``formed-p`` once its quorum for p is back. A late replica that says
+    it waits just after the on-time ones have looked asks early and is taken by their next
+    quorum (the fast path includes every request it holds): one more round late, no more.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], name: str, poll_s: float = 0.02) -> None:
+        self.dir = Path(folder) / "elastic_rounds"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name, self.poll_s = name, poll_s
+
+    def _latest(self, kind: str) -> int:
+        return max((int(p.name.split("-")[1]) for p in self.dir.glob(f"{kind}-*")), default=-1)
+
+    def formed(self) -> int:
+        """The latest round whose quorum formed (-1: none yet)."""
+        return self._latest("formed")
+
+    def mark(self, kind: str, position: int, name: str = "") -> None:
+        (self.dir / (f"{kind}-{position}-{name}" if name else f"{kind}-{position}")).touch()
+
+    def _until(self, done: Callable[[], bool], timeout_s: float) -> float:
+        start = time.monotonic()
+        while not done() and time.monotonic() - start < timeout_s:
+            time.sleep(self.poll_s)
+        return time.monotonic() - start
+
+    def arrive(self, position: int, hold_s: float) -> float:
+        """On time at ``position``: say so, and let the replicas waiting for it ask first."""
+        self.mark("arrived", position)
+        waiting = {p.name.split("-", 2)[2] for p in self.dir.glob(f"waiting-{position}-*")}
+        if not waiting:
+            return 0.0
+        held = self._until(lambda: all((self.dir / f"asked-{position}-{n}").exists() for n in waiting), hold_s)
+        time.sleep(self.poll_s)   # the waiters' requests reach the Lighthouse first
+        return held
+
+    def wait_for_next(self, timeout_s: float) -> float:
+        """Late or restarted: wait for the next boundary's first on-time arrival; returns the
+        seconds waited (gives up after ``timeout_s``: the quorum call then waits)."""
+        target = self.formed() + 1
+        self.mark("waiting", target, self.name)
+        waited = self._until(lambda: (self.dir / f"arrived-{target}").exists(), timeout_s)
+        self.mark("asked", target, self.name)
+        return waited
+
+
+class ElasticOuter:
+    """The outer loop of one elastic replica.
+
+    Args:
+        outer: θ_g and the outer optimizer.
+        fingerprint: this replica's ``fingerprint(...)``, checked against a healing peer's.
+        total_rounds: rounds in the whole job; the replica stops after the last (a healed
+            joiner learns how many are left from its peer).
+        on_event: called with a JSON-able record for every membership change, heal and
+            discarded round (the glue appends them to ``history.jsonl``).
+        membership: ``fixed`` or ``quorum`` (see the module's docstring).
+        board: ``quorum``: the job's ``RoundBoard`` (None: every replica asks at once, as in a
+            test where none is late).
+        boundary_timeout_s: ``quorum``: how long a late or restarted replica waits for the
+            next boundary before it asks anyway.
+        hold_s: ``quorum``: how long an on-time replica lets the ones waiting for its boundary
+            ask first (the grace).
+    """
+
+    def __init__(self, outer: OuterOptimizer, fingerprint: Mapping[str, Any], total_rounds: int,
+                 on_event: Callable[[dict[str, Any]], None] | None = None, membership: str = "fixed",
+                 board: RoundBoard | None = None, boundary_timeout_s: float = 120.0, hold_s: float = 5.0) -> None:
+        if membership not in ("fixed", "quorum"):
+            raise ValueError(f"membership: allowed values: fixed, quorum; got {membership!r}")
+        self.membership = membership
+        self.board = board
+        self.boundary_timeout_s, self.hold_s = boundary_timeout_s, hold_s
+        self.outer = outer
+        self.fingerprint = dict(fingerprint)
+        self.total_rounds = int(total_rounds)
+        self.position = 0           # rounds the job has done (committed or discarded), shared by the quorum
+        self.stats = ElasticStats()
+        self.healed = False         # set by a heal; the caller copies θ_g into its model, then clears it
+        self.transport: ReplicaTransport | None = None
+        self._quorum_id: int | None = None
+        self._size = 0
+        self.pending = 0.0          # quorum: rounds of local work not yet in θ_g (the next Δ's weight)
+        self._on_event = on_event or (lambda record: None)
+
+    # ----------------------------------------------------- what a healing peer receives
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": self.outer.state_dict(), "position": self.position, "fingerprint": self.fingerprint,
+                "committed": self.stats.committed, "discarded": self.stats.discarded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Heal from a live peer's state; refuses a peer with other settings."""
+        start = time.perf_counter()
+        diff = differences(state["fingerprint"], self.fingerprint)
+        if diff:
+            raise ReplicaMismatch("this replica cannot heal from its peer: " + "; ".join(diff))
+        self.outer.load_state_dict(state["outer"])
+        self.position = int(state["position"])
+        self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
+        heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
+                "load_s": round(time.perf_counter() - start, 4)}
+        self.stats.heals.append(heal)
+        self.healed = True
+
+    # ----------------------------------------------------------------- the loop
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.total_rounds
+
+    def join(self, transport: ReplicaTransport, flat: torch.Tensor | None = None) -> bool:
+        """Enter the job. ``fixed``: the first quorum (a late joiner heals here). ``quorum``: a
+        first start does nothing (θ_0 is equal everywhere; the first quorum is at the end of
+        the first round); a restarted replica (``flat`` given, ``[θ | extras]``-sized) waits for
+        the running replicas' next quorum, heals, and takes part in that round with weight 0:
+        True if it committed (``flat`` then holds the round's θ_g and averaged extras)."""
+        self.transport = transport
+        if self.membership == "fixed":
+            self._next_quorum()
+            return False
+        if flat is None:
+            return False
+        self._quorum_at_boundary()
+        flat.zero_()
+        self.pending = 0.0
+        return self._average_and_commit(flat, weighted=True)
+
+    def round_(self, flat: torch.Tensor) -> bool:
+        """One round on ``flat = [θ_local | extras]``; True if committed (``flat``'s head
+        then holds the new θ_g). ``fixed``: joins the next quorum after it, unless it was the
+        job's last round; ``quorum``: joins this round's quorum between Δ and the average."""
+        assert self.transport is not None, "join() first"
+        self.outer.begin_round_(flat)
+        if self.membership == "fixed":
+            committed = self._average_and_commit(flat, weighted=False)
+            if not self.done:
+                self._next_quorum()
+            return committed
+        self.pending += 1.0
+        position = self.position
+        self._quorum_at_boundary()
+        if self.position != position:   # late: healed past its round; its Δ is carried into this one
+            self._on_event({"event": "carried", "from_position": position, "position": self.position,
+                            "weight": self.pending})
+        return self._average_and_commit(flat, weighted=True)
+
+    def _average_and_commit(self, flat: torch.Tensor, weighted: bool) -> bool:
+        """The exchange, the vote and, if committed, the outer step; advances the position."""
+        assert self.transport is not None
+        if weighted:
+            averaged = self.transport.allreduce_weighted_(flat, self.pending) > 0
+        else:
+            averaged = self.transport.allreduce_mean_(flat)
+        committed = self.transport.commit() and averaged
+        if committed:
+            self.outer.finish_round_(flat)
+            self.stats.committed += 1
+            self.pending = 0.0
+        else:
+            self.stats.discarded += 1
+            self._on_event({"event": "discarded", "position": self.position, "quorum_id": self._quorum_id,
+                            "replicas": self._size})
+        self.position += 1
+        return committed
+
+    def _quorum_at_boundary(self) -> None:
+        """``quorum``: this round's quorum, through the ``RoundBoard`` if there is one."""
+        if self.board is not None:
+            if self.board.formed() >= self.position:   # late, or restarted (position 0 before its heal)
+                waited = self.board.wait_for_next(self.boundary_timeout_s)
+                self._on_event({"event": "late", "position": self.position, "waited_s": round(waited, 3)})
+            else:
+                self.board.arrive(self.position, self.hold_s)
+        self._next_quorum()
+        if self.board is not None:
+            self.board.mark("formed", self.position)
+
+    def _next_quorum(self) -> None:
+        assert self.transport is not None
+        start = time.perf_counter()
+        view = self.transport.quorum()
+        waited = time.perf_counter() - start
+        if self.healed:
+            heal = self.stats.heals[-1]
+            heal["quorum_s"] = round(waited, 3)
+            self._on_event({**heal, "quorum_id": int(view.quorum_id), "replicas": int(view.participants)})
+        if view.participants != self._size or view.quorum_id != self._quorum_id:
+            if view.participants != self._size:
+                self.stats.replicas.append([self.position, int(view.participants)])
+                self._on_event({"event": "membership", "position": self.position, "quorum_id": int(view.quorum_id),
+                                "replicas": int(view.participants), "was": self._size,
+                                "quorum_wait_s": round(waited, 3)})
+            self._quorum_id, self._size = int(view.quorum_id), int(view.participants)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
 
 
 class QuorumExchanger:
@@ -255,7 +519,7 @@ class Membership:
         self.position = 0           # boundaries the job has passed, shared by the quorum
         self.stats = ElasticStats()
         self.healed = False         # set by a heal; the caller copies θ_g into its model, then clears it
-        self.group: ReplicaGroup | None = None
+        self.group: QuorumGroup | None = None
         self._quorum_id: int | None = None
         self._size = 0
         self._on_event = on_event or (lambda record: None)
@@ -286,7 +550,7 @@ class Membership:
     def done(self) -> bool:
         return self.position >= self.total
 
-    def join(self, group: ReplicaGroup) -> None:
+    def join(self, group: QuorumGroup) -> None:
         """Enter the job: the first quorum (a heal happens here for a late joiner)."""
         self.group = group
         self._next_quorum()

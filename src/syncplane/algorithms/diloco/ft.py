@@ -87,7 +87,7 @@ def start_lighthouse(host: str = "127.0.0.1", port: int = 0, *, min_replicas: in
     which a replica is no longer counted (a dead or hung one).
     """
     _require_torchft()
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     host = check_bind_host(host)
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -101,7 +101,25 @@ def start_lighthouse(host: str = "127.0.0.1", port: int = 0, *, min_replicas: in
     return Lighthouse(server, address)
 
 
+# ---------------------------------------------------------------- torchft internals
+# torchft 0.2.0 has no public way to do two things we need; both are kept here, in one place,
+# and tests/unit/test_torchft_pin.py fails with a clear message when the installed torchft is
+# not this version (then check these two again and move the pin):
+#   - the Manager's RPC server binds ``[::]`` (every interface), hard-coded in
+#     ``Manager.__init__``; ``_bound_manager_server`` makes it bind the address we were given;
+#   - the quorum's id (which changes with membership) is only the private ``Manager._quorum_id``.
+
+#: the torchft version whose internals ``_bound_manager_server`` and ``quorum_id`` rely on
+TORCHFT_VERSION = "0.2.0"
+
 _PATCH_LOCK = threading.Lock()
+
+
+def torchft_version() -> str:
+    """The installed torchft's version (its distribution metadata)."""
+    from importlib.metadata import version
+
+    return version("torchft")
 
 
 @contextlib.contextmanager
@@ -124,6 +142,11 @@ def _bound_manager_server(host: str) -> Iterator[None]:
             yield
         finally:
             tm.ManagerServer = original   # type: ignore[assignment]
+
+
+def quorum_id(manager: Any) -> int:
+    """The id of ``manager``'s current quorum (torchft 0.2.0 keeps it private)."""
+    return int(manager._quorum_id)
 
 
 @dataclass
@@ -170,12 +193,14 @@ class ReplicaGroup:
         quorum_timeout_s: how long to wait for a quorum (a joiner waits for the others'
             round boundary, up to one round).
         connect_timeout_s: reaching the Lighthouse / a peer's manager.
+        min_replicas: a round with fewer members does not commit (the Lighthouse's own
+            ``min_replicas`` keeps such a quorum from forming in the first place).
     """
 
     def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], Any],
                  load_state_dict: Callable[[Any], None], *, host: str = "127.0.0.1",
                  round_timeout_s: float = 30.0, quorum_timeout_s: float = 120.0,
-                 connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1) -> None:
+                 connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1, min_replicas: int = 1) -> None:
         _require_torchft()
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
@@ -187,7 +212,7 @@ class ReplicaGroup:
         transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
         with _bound_manager_server(host):
             self.manager = Manager(
-                pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+                pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
                 use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
                 connect_timeout=timedelta(seconds=connect_timeout_s), rank=0, world_size=1, store_addr=host,
                 store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=replica_id,
@@ -202,10 +227,43 @@ class ReplicaGroup:
         return QuorumView(quorum_id=quorum_id, participants=self.manager.num_participants(),
                           step=self.manager.current_step(), rank=rank, store_addr=store_addr)
 
+    def allreduce_mean_(self, flat: torch.Tensor) -> bool:
+        """``membership=quorum``'s loop (``ElasticOuter``): average ``flat`` in place over this quorum
+        on torchft's own group. False (and ``flat`` undefined) if a peer was lost or timed out."""
+        try:
+            self.manager.allreduce(flat).wait()
+        except Exception as exc:   # torchft reports the error to the manager too
+            log.warning("elastic: average failed (%s); the round will be discarded", exc)
+            return False
+        return self.manager.errored() is None
+
     def report_error(self, exc: Exception) -> None:
         """This replica's round went wrong in a way its peers may not share: it votes not to
         commit, stays a step behind and heals at the next quorum."""
         self.manager.report_error(exc)
+
+    def allreduce_weighted_(self, flat: torch.Tensor, weight: float) -> float:
+        """``flat ← Σ w_i·flat_i / Σ w_i`` over this quorum, ``w_i`` each member's ``weight`` (its
+        samples since its last contribution; 0 for a joiner, which contributes nothing). Returns
+        Σ w_i, or 0.0 if a peer was lost (``flat`` undefined; ``commit`` then discards the round).
+        With every weight 1 this is bit for bit ``allreduce_mean_`` (×1 and ÷n are the same ops)."""
+        from torch.distributed import ReduceOp
+
+        total = torch.tensor([float(weight)], dtype=flat.dtype)
+        if weight != 1.0:
+            flat.mul_(weight)
+        try:
+            works = [self.manager.allreduce(total, reduce_op=ReduceOp.SUM),
+                     self.manager.allreduce(flat, reduce_op=ReduceOp.SUM)]
+            for work in works:
+                work.wait()
+        except Exception as exc:   # torchft reports the error to the manager too
+            log.warning("elastic: weighted average failed (%s); the round will be discarded", exc)
+            return 0.0
+        if self.manager.errored() is not None or float(total) <= 0:
+            return 0.0
+        flat.div_(float(total))
+        return float(total)
 
     def commit(self) -> bool:
         """The commit vote: True when this replica's group reported no error (its step then

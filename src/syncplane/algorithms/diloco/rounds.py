@@ -33,6 +33,9 @@ def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float
     if elastic and config.inner_steps == "time":
         raise ValueError("inner_steps=time is not supported with elastic=true (its replicas come and go "
                          "between rounds; the step counts are agreed by a fixed set of ranks)")
+    if config.membership == "quorum" and not elastic:
+        raise ValueError("membership=quorum decides each round's replicas by a torchft quorum: it needs "
+                         "elastic=true (without it every rank is in every round)")
     for key, value in timeouts.items():
         if value <= 0:
             raise ValueError(f"{key} must be positive, got {value}")

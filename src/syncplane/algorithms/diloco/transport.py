@@ -22,13 +22,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from syncplane.algorithms.sharded import shard_module
-from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.streams import StreamExchange, StreamRunner
 
 
 class Exchanger(Protocol):
-    """An outer exchange over fixed members (``StreamRunner``'s interface)."""
+    """An outer exchange over fixed members: ``StreamRunner``'s ``allreduce_mean_`` (True if every
+    member committed), ``state_dict``/``load_state_dict`` (the residuals) and ``close``."""
 
     def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
                         offset: int = 0, total: int | None = None) -> bool: ...
@@ -41,30 +41,21 @@ class Exchanger(Protocol):
 
 
 class Transport(Protocol):
-    """Collectives on construction are called by every rank, in the same order."""
+    """``runner``: the exchange ``exchange`` over ``members`` (global ranks; None: all), with
+    ``StreamRunner``'s options; ``group``: this rank's group among the disjoint ``sets``;
+    ``all_gather``/``broadcast`` over a group; ``wrap``: the node's FSDP2 (``sharded``) or DDP
+    over its group. What builds groups or exchanges is a collective: every rank, same order."""
 
-    def runner(self, exchange: StreamExchange, *, codec: Codec, interfaces: Sequence[str] | None,
-               timeout_s: float, error_feedback_beta: float, members: Sequence[int] | None = None,
-               key: str | None = None) -> Exchanger:
-        """The exchange ``exchange`` over ``members`` (global ranks; None: all), as ``StreamRunner``."""
-        ...
+    def runner(self, exchange: StreamExchange, **options: Any) -> Exchanger: ...
 
-    def group(self, sets: Sequence[Sequence[int]], backend: str) -> Any:
-        """This rank's group among the disjoint ``sets`` of ranks (a collective)."""
-        ...
+    def group(self, sets: Sequence[Sequence[int]], backend: str) -> Any: ...
 
-    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-        """``out`` = every member's ``tensor``, in group order."""
-        ...
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None: ...
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
-        """``tensor`` = global rank ``src``'s, on every member of ``group``."""
-        ...
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None: ...
 
     def wrap(self, module: torch.nn.Module, group: Any, sharded: bool, device: str,
-             device_ids: list[int] | None) -> torch.nn.Module:
-        """The node's inner parallelism over ``group``: FSDP2 (``sharded``) or DDP."""
-        ...
+             device_ids: list[int] | None) -> torch.nn.Module: ...
 
 
 class GlooTransport:
