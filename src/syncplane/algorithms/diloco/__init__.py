@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.diloco.bench import DiLoCoStep, NodeStep
+from syncplane.algorithms.diloco.bench import DiLoCoStep, NodeStep, stream_count
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import (EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_cpu_work,
                                                 exchange_phases)
@@ -162,7 +162,7 @@ SPEC = AlgorithmSpec(
     cost=diloco_cost,
     periodic=True,
     default_period={"diloco": DiLoCoConfig.sync_every},   # H as train.py's strategy=diloco runs it
-    streams=lambda options: int(options.get("streams", options.get("shards", 1))),
+    streams=stream_count,
     pattern=_pattern,
     check_job=_check_job,
     # the plan's candidates: S streams x the exchange of Δ (the gather carries the sparse codec), and a node
