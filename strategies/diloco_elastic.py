@@ -152,6 +152,7 @@ class ElasticDiLoCo(DiLoCo):
             self.details["elastic"]["theta_sha256"] = hashlib.sha256(
                 self.engine.params.numpy().tobytes()).hexdigest()
             self._done_marker().touch()
+            self._record_event({"event": "done", "position": self._elastic.position})
             self.lightning_module.trainer.should_stop = True
 
     @override

@@ -300,6 +300,8 @@ class ElasticOuter:
         self.outer.load_state_dict(state["outer"])
         self.position = int(state["position"])
         self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
+        if self.membership == "fixed":   # it starts again from θ_g: its own work since its last commit is gone
+            self.pending = 0.0
         heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
                 "load_s": round(time.perf_counter() - start, 4)}
         self.stats.heals.append(heal)
@@ -335,6 +337,7 @@ class ElasticOuter:
         assert self.transport is not None, "join() first"
         self.outer.begin_round_(flat)
         if self.membership == "fixed":
+            self.pending += 1.0   # counted only: a fixed round averages unweighted
             committed = self._average_and_commit(flat, weighted=False)
             if not self.done:
                 self._next_quorum()
@@ -355,6 +358,9 @@ class ElasticOuter:
         else:
             averaged = self.transport.allreduce_mean_(flat)
         committed = self.transport.commit() and averaged
+        # the rounds of this replica's local work the round took into θ_g (goodput: scripts/diloco_goodput.py)
+        self._on_event({"event": "round", "position": self.position, "committed": committed,
+                        "weight": self.pending if committed else 0.0, "replicas": self._size})
         if committed:
             self.outer.finish_round_(flat)
             self.stats.committed += 1
