@@ -152,7 +152,7 @@ class ElasticDiLoCo(DiLoCo):
             self.details["elastic"]["theta_sha256"] = hashlib.sha256(
                 self.engine.params.numpy().tobytes()).hexdigest()
             self._done_marker().touch()
-            self._record_event({"event": "done", "position": self._elastic.position})
+            self._record_event({"event": "done", "position": membership.position})
             self.lightning_module.trainer.should_stop = True
 
     @override
@@ -160,7 +160,7 @@ class ElasticDiLoCo(DiLoCo):
         committed = self.rounds
         super()._merge(round_)
         assert self._membership is not None
-        self._membership.record(self.rounds > committed)
+        self._membership.record(self.rounds > committed, round_.fragment, self.fragments)
 
     def _done_marker(self) -> Path:
         return self._place().folder / "elastic_done"

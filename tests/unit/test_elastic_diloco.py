@@ -100,6 +100,14 @@ def test_an_unknown_outcome_votes_against_the_commit_and_a_clean_period_commits(
     assert membership.stats.as_dict()["rounds_discarded"] == 1
 
 
+def test_a_committed_round_carries_the_work_of_its_fragments_discarded_rounds() -> None:
+    events: list[dict[str, Any]] = []
+    membership, _ = _membership(events=events)
+    for committed, fragment in [(False, 0), (True, 1), (True, 0), (True, 0)]:
+        membership.record(committed, fragment, fragments=2)
+    assert [e["weight"] for e in events if e["event"] == "round"] == [0.0, 0.5, 1.0, 0.5]
+
+
 def test_a_late_replica_heals_every_fragments_theta_and_momentum_and_the_position_from_a_peer() -> None:
     events: list[dict[str, Any]] = []
     peer, peer_outer = _membership()

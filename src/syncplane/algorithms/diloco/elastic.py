@@ -529,6 +529,7 @@ class Membership:
         self._quorum_id: int | None = None
         self._size = 0
         self._on_event = on_event or (lambda record: None)
+        self._pending: dict[int, float] = {}   # periods of local work per fragment not yet in θ_g
 
     # ----------------------------------------------------- what a healing peer receives
 
@@ -543,6 +544,7 @@ class Membership:
         if diff:
             raise ReplicaMismatch("this replica cannot heal from its peer: " + "; ".join(diff))
         self._load_outer_state(state["outer"])
+        self._pending = {}   # it starts again from θ_g: its own work since its last commit is gone
         self.position = int(state["position"])
         self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
         heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
@@ -561,8 +563,14 @@ class Membership:
         self.group = group
         self._next_quorum()
 
-    def record(self, committed: bool) -> None:
-        """A fragment round's outcome (the engine's merge)."""
+    def record(self, committed: bool, fragment: int = 0, fragments: int = 1) -> None:
+        """A fragment round's outcome (the engine's merge), and the local work it took into θ_g:
+        a discarded round's stays in θ_local, so the next committed one of that fragment carries
+        it (its ``round`` event's ``weight``, in periods: ``scripts/diloco_goodput.py``)."""
+        self._pending[fragment] = self._pending.get(fragment, 0.0) + 1.0 / fragments
+        weight = self._pending.pop(fragment) if committed else 0.0
+        self._on_event({"event": "round", "position": self.position, "committed": committed, "weight": weight,
+                        "replicas": self._size})
         if committed:
             self.stats.committed += 1
         else:
