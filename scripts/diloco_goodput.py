@@ -15,7 +15,7 @@ event per replica per round, with the rounds of local work it put into θ_g):
 Writes ``docs/results/diloco_goodput.json`` (rendered on the results page). Needs root (network
 namespaces); about 15 minutes on 2 cores with the defaults.
 
-    python scripts/diloco_goodput.py [--repeats 2] [--rounds 30] [--every 8] [--step-s 0.3]
+    python scripts/diloco_goodput.py [--repeats 2] [--rounds 24] [--every 6] [--step-s 1.0]
 """
 
 from __future__ import annotations
@@ -99,28 +99,34 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--every", type=int, default=8, help="rounds between kills")
-    parser.add_argument("--sync-every", type=int, default=10)
-    parser.add_argument("--step-s", type=float, default=0.3)
+    parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--every", type=int, default=6, help="rounds between kills")
+    parser.add_argument("--sync-every", type=int, default=5)
+    parser.add_argument("--step-s", type=float, default=1.0)
     parser.add_argument("--grace-s", type=float, default=3.0)
     parser.add_argument("--run-timeout-s", type=float, default=600)
     parser.add_argument("--modes", default="fixed,quorum")
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                        help="also one quorum run without a fault (the same machine's ceiling)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "diloco_goodput.json")
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs' folders here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("SYNCPLANE_EMULATOR_PREFIX", "gdp-")
     faults = kills(args.rounds, args.every, args.sync_every)
+    if not faults:
+        parser.error(f"--rounds {args.rounds} --every {args.every}: no kill fits")
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         work = args.keep or scratch
+        if args.reference:
+            results["no fault (quorum)"] = [run("quorum", [], args, Path(work) / "nofault")]
         for repeat in range(args.repeats):
             for membership in args.modes.split(","):
                 numbers = run(membership, faults, args, Path(work) / f"{membership}{repeat}")
                 results.setdefault(membership, []).append(numbers)
     rows = []
-    for membership, runs in results.items():
+    for membership, runs in results.items():   # the reference first
         rows.append([membership, str(len(runs)), f"{statistics.median(r['goodput'] for r in runs):.3f}",
                      spread([r["goodput"] for r in runs]), f"{statistics.median(r['kept'] for r in runs):.3f}",
                      f"{statistics.median(r['wall_s'] for r in runs):.1f}",

@@ -42,6 +42,7 @@ from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco import ft
 from syncplane.algorithms.diloco.engine import host_mirror
 from syncplane.job import ElasticPlace, JobContext, missing_elastic
+from syncplane import lightning_adapter
 from syncplane.strategies.diloco import DiLoCo
 
 
@@ -59,6 +60,7 @@ class QuorumDiLoCo(DiLoCo):
         self.quorum_timeout_s = self.elastic_timeouts["quorum_timeout_s"]
         self._elastic: ElasticOuter | None = None
         self._local_steps = 0
+        self._round_steps = 0   # steps since this replica's last round (more than H after it was late)
         self._replica = 0
 
     def _place(self) -> ElasticPlace:
@@ -130,13 +132,19 @@ class QuorumDiLoCo(DiLoCo):
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         assert self._elastic is not None and self._host is not None
         self._local_steps += 1
-        if self._local_steps % self.sync_every or self._elastic.done or self._elastic.transport is None:
+        self._round_steps += 1
+        if self._round_steps < self.sync_every or self._elastic.done or self._elastic.transport is None:
             return
+        if self._elastic.waits_for_boundary():   # late: train on until the next boundary opens
+            return
+        extra, steps = self._round_steps - self.sync_every, self._round_steps
+        self._round_steps = 0
+        lightning_adapter.extend_max_steps(self.lightning_module.trainer, extra)   # still reach the last round
         tensors = self.model_tensors()
         self._host.to_host(tensors)
         flat = self._host.buffer
         start = time.perf_counter()
-        committed = self._elastic.round_(flat)
+        committed = self._elastic.round_(flat, steps / self.sync_every)
         self.comm_meter.record(start, time.perf_counter(), flat.numel() * flat.element_size())
         if committed:
             self._host.from_host(tensors)

@@ -68,6 +68,17 @@ def epoch_loop_class() -> type:
     return _TrainingEpochLoop
 
 
+def extend_max_steps(trainer: pl.Trainer, extra: int) -> None:
+    """Let ``trainer`` run ``extra`` more steps than ``trainer.max_steps`` (when it has a step
+    limit): an elastic replica that trained on while late must still reach the job's last round.
+    Lightning keeps the limit on its epoch loop (``max_steps``; the fit loop's is read-only)."""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "max_steps"):
+        raise changed("where the training step limit lives (fit_loop.epoch_loop.max_steps)")
+    if extra > 0 and loop.max_steps > 0:
+        loop.max_steps += int(extra)
+
+
 _warned_no_sigterm_broadcast = False
 
 

@@ -101,3 +101,17 @@ def test_a_fixed_replica_healed_from_a_peer_starts_its_count_again() -> None:
     fixed.pending = 3.0
     fixed.load_state_dict(peer.state_dict())
     assert fixed.pending == 0.0
+
+
+def test_a_late_replica_trains_on_until_the_next_boundary_opens_and_says_it_waits(tmp_path) -> None:
+    from syncplane.algorithms.diloco.elastic import RoundBoard
+
+    board, peer = RoundBoard(tmp_path, "replica2"), RoundBoard(tmp_path, "replica0")
+    assert not board.late(0)                   # nothing formed: on time
+    peer.mark("formed", 0)
+    peer.mark("formed", 1)                     # round 1 formed without it
+    assert board.late(1) and (board.dir / "waiting-2-replica2").exists()
+    assert peer.arrive(2, hold_s=0.2) > 0.1    # an on-time replica holds for the waiter (which has not asked)
+    assert not board.late(1)                   # the boundary opened: it asks now
+    assert board.wait_for_next(1.0) < 0.5 and (board.dir / "asked-2-replica2").exists()
+    assert not board.late(2)

@@ -46,10 +46,11 @@ quorum from those that arrived within the grace window (its join timeout, once
 The average is weighted by samples: each member sends ``w·Δ`` and ``w``, ``w`` the rounds of
 local work its Δ covers (1; 2 after a discarded round; 0 for a restarted replica, which takes
 part in the round it joins with nothing, to receive θ_g). A late replica -- one that arrived
-after its round's quorum formed -- is in the next quorum, behind by one commit: it heals θ_g,
-the outer state and the position from a peer, and its Δ, computed before, is **carried** into
-that round (one round stale) rather than dropped, so its steps still count (why carry, not
-drop-and-heal: docs/design-notes.md). Without a fault every weight is 1, and the rounds equal
+after its round's quorum formed -- trains on until the next boundary opens
+(``waits_for_boundary``), then is in that quorum, behind by one commit: it heals θ_g, the
+outer state and the position from a peer, and its Δ, computed before, is **carried** into that
+round (one round stale, weighted by all its steps since its last commit) rather than dropped,
+so its steps still count (why carry, not drop-and-heal: docs/design-notes.md). Without a fault every weight is 1, and the rounds equal
 ``fixed``'s bit for bit (tests/dist/test_elastic_quorum.py).
 
 Bad input: a replica started with another model size, ``sync_every`` or outer optimizer
@@ -236,6 +237,16 @@ class RoundBoard:
         time.sleep(self.poll_s)   # the waiters' requests reach the Lighthouse first
         return held
 
+    def late(self, position: int) -> bool:
+        """True while a replica at ``position`` is late (its round's quorum formed without it)
+        and the next boundary has not opened; says it waits for that boundary, so the on-time
+        replicas let it ask first. The replica trains on meanwhile, instead of idling."""
+        formed = self.formed()
+        if formed < position:
+            return False
+        self.mark("waiting", formed + 1, self.name)
+        return not (self.dir / f"arrived-{formed + 1}").exists()
+
     def wait_for_next(self, timeout_s: float) -> float:
         """Late or restarted: wait for the next boundary's first on-time arrival; returns the
         seconds waited (gives up after ``timeout_s``: the quorum call then waits)."""
@@ -330,10 +341,17 @@ class ElasticOuter:
         self.pending = 0.0
         return self._average_and_commit(flat, weighted=True)
 
-    def round_(self, flat: torch.Tensor) -> bool:
+    def waits_for_boundary(self) -> bool:
+        """``quorum``: True while this replica is late and the next round boundary has not
+        opened (``RoundBoard.late``): its caller trains on and asks again after the next step;
+        the Δ it then sends covers the extra steps (``round_``'s ``rounds``)."""
+        return self.membership == "quorum" and self.board is not None and self.board.late(self.position)
+
+    def round_(self, flat: torch.Tensor, rounds: float = 1.0) -> bool:
         """One round on ``flat = [θ_local | extras]``; True if committed (``flat``'s head
         then holds the new θ_g). ``fixed``: joins the next quorum after it, unless it was the
-        job's last round; ``quorum``: joins this round's quorum between Δ and the average."""
+        job's last round; ``quorum``: joins this round's quorum between Δ and the average,
+        ``rounds`` the local work (in rounds of H steps) this Δ adds, its weight."""
         assert self.transport is not None, "join() first"
         self.outer.begin_round_(flat)
         if self.membership == "fixed":
@@ -342,7 +360,7 @@ class ElasticOuter:
             if not self.done:
                 self._next_quorum()
             return committed
-        self.pending += 1.0
+        self.pending += rounds
         position = self.position
         self._quorum_at_boundary()
         if self.position != position:   # late: healed past its round; its Δ is carried into this one
