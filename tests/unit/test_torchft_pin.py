@@ -18,17 +18,21 @@ def test_the_installed_torchft_is_the_version_whose_internals_ft_reads() -> None
     assert installed == ft.TORCHFT_VERSION, (
         f"torchft {installed} is installed, syncplane.algorithms.diloco.ft was written against torchft "
         f"{ft.TORCHFT_VERSION}: check its 'torchft internals' section (the Manager's RPC server bind, "
-        "Manager._quorum_id) against the new version, then move TORCHFT_VERSION")
+        "ProcessGroup.configure's arguments) against the new version, then move TORCHFT_VERSION")
 
 
-def test_the_manager_still_builds_its_server_by_name_on_the_wildcard_and_keeps_the_quorum_id() -> None:
-    """What the two internals assume, read from the Manager's source."""
+def test_the_manager_still_builds_its_server_by_name_on_the_wildcard_and_configures_its_group() -> None:
+    """What ft assumes, read from torchft's source: the server built by its module-level name
+    on the wildcard, and the group's ``configure`` called with the quorum's store, rank, size
+    and id, in that order (``_recording_gloo`` reads them)."""
     import torchft.manager as tm
+    from torchft.process_group import ProcessGroupGloo
 
     source = inspect.getsource(tm.Manager.__init__)
     assert 'bind = f"[::]:{port}"' in source and "self._manager = ManagerServer(" in source
     assert "bind=bind" in source
-    assert "self._quorum_id = quorum_id" in inspect.getsource(tm.Manager._async_quorum)
+    params = list(inspect.signature(ProcessGroupGloo.configure).parameters)
+    assert params[:6] == ["self", "store_addr", "replica_id", "rank", "world_size", "quorum_id"], params
 
 
 def test_the_bind_patch_rewrites_the_host_and_restores_the_server_class() -> None:
@@ -45,10 +49,3 @@ def test_the_bind_patch_rewrites_the_host_and_restores_the_server_class() -> Non
         restored = tm.ManagerServer
         tm.ManagerServer = original   # type: ignore[assignment]
     assert restored is not original and callable(restored)   # the stub, back in place after the block
-
-
-def test_quorum_id_reads_the_managers_field() -> None:
-    class Manager:
-        _quorum_id = 7
-
-    assert ft.quorum_id(Manager()) == 7

@@ -102,14 +102,14 @@ def start_lighthouse(host: str = "127.0.0.1", port: int = 0, *, min_replicas: in
 
 
 # ---------------------------------------------------------------- torchft internals
-# torchft 0.2.0 has no public way to do two things we need; both are kept here, in one place,
-# and tests/unit/test_torchft_pin.py fails with a clear message when the installed torchft is
-# not this version (then check these two again and move the pin):
-#   - the Manager's RPC server binds ``[::]`` (every interface), hard-coded in
-#     ``Manager.__init__``; ``_bound_manager_server`` makes it bind the address we were given;
-#   - the quorum's id (which changes with membership) is only the private ``Manager._quorum_id``.
+# torchft 0.2.0 has no public way to make the Manager's RPC server bind one address: it binds
+# ``[::]`` (every interface), hard-coded in ``Manager.__init__``; ``_bound_manager_server`` makes
+# it bind the address we were given. That is the one internal this module relies on (the
+# quorum's id, store and ranks come from the public ``ProcessGroup.configure``:
+# ``_recording_gloo``), kept here; tests/unit/test_torchft_pin.py fails with a clear message when
+# the installed torchft is not this version (then check both again and move the pin).
 
-#: the torchft version whose internals ``_bound_manager_server`` and ``quorum_id`` rely on
+#: the torchft version whose internals ``_bound_manager_server`` relies on
 TORCHFT_VERSION = "0.2.0"
 
 _PATCH_LOCK = threading.Lock()
@@ -142,11 +142,6 @@ def _bound_manager_server(host: str) -> Iterator[None]:
             yield
         finally:
             tm.ManagerServer = original   # type: ignore[assignment]
-
-
-def quorum_id(manager: Any) -> int:
-    """The id of ``manager``'s current quorum (torchft 0.2.0 keeps it private)."""
-    return int(manager._quorum_id)
 
 
 @dataclass
