@@ -140,7 +140,8 @@ def main() -> None:
                      f"({len(faults)} kills, each restarted after 1 s); quorum: grace {args.grace_s} s, min_replicas 2. "
                      "goodput = replica-steps that count toward the final model / (replicas x training wall / step "
                      "time); kept = those steps / the steps computed. Spread: min-max over the repeats on a shared "
-                     "2-core machine (timings move 5-40 % between runs)."),
+                     "2-core machine (timings move 5-40 % between runs). The no-fault row is the same job without "
+                     "kills: this machine's ceiling."),
            "columns": ["membership", "runs", "goodput", "goodput spread", "kept", "train wall s", "carried",
                        "discarded replica-rounds"],
            "rows": rows, "runs": results}

@@ -22,7 +22,9 @@ GENERATED_PAGES = {"docs/benchmarks.md"} | {f"docs/reference/{n}.md" for n in ("
 #: Pages that are the data themselves (per-profile scoreboard tables, per-run comparison tables).
 DATA_DIRS = ("docs/matrix/", "docs/compare/")
 #: Pages over the length limit, and why (each an open piece of work, not a permanent exemption).
-LONG_PENDING: dict[str, str] = {}
+LONG_PENDING: dict[str, str] = {
+    "docs/benchmarks.md": "issue 75's elastic DiLoCo goodput and heal tables took it past 400 lines: the page "
+                          "needs its sections folded (e.g. DiLoCo's tables under one heading)"}
 MAX_LINES, MAX_RESULTS_LINES = 250, 400
 
 
