@@ -44,6 +44,7 @@ from syncplane.algorithms.diloco.adaptive import TimedRounds, check_weighting, g
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
 from syncplane.algorithms.diloco.streaming import Round
+from syncplane.algorithms.diloco.transport import GLOO, Transport
 from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
@@ -61,14 +62,17 @@ class DiLoCo(SyncplaneStrategy):
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
     ``SyncplaneStrategy``'s."""
 
-    #: True on ``ElasticDiLoCo``; ``__new__`` picks that class for ``elastic=True``.
+    #: True on the elastic classes; ``__new__`` picks the one of ``membership`` for ``elastic=True``
+    #: (``ElasticDiLoCo``: fixed, ``QuorumDiLoCo``: quorum).
     ELASTIC = False
+    MEMBERSHIP = "fixed"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DiLoCo":
         # one strategy name for both modes: the registry (and Hydra) construct ``DiLoCo``
         # (ElasticDiLoCo is imported with the package: ``syncplane.strategies.__init__``)
         if kwargs.get("elastic") and cls is DiLoCo:
-            cls = next(sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC)
+            membership = kwargs.get("membership", DiLoCoConfig.membership)
+            cls = next((sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC and sub.MEMBERSHIP == membership), cls)
         return super().__new__(cls)
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
@@ -116,7 +120,7 @@ class DiLoCo(SyncplaneStrategy):
         if self._engine is not None:
             self._engine.close()
         self._engine, details = diloco_rounds.build_engine(self.config, job, self.model,
-                                                           self.determine_ddp_device_ids())
+                                                           self.determine_ddp_device_ids(), self._transport(job))
         self.model = self._engine.module
         self.details.update(details)
         if self.inner_steps == "time":
@@ -125,6 +129,16 @@ class DiLoCo(SyncplaneStrategy):
             pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
             self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s,
                                       self.config.time_weighting, pace, replicas=self.engine.layout.nodes)
+
+    def _transport(self, job: JobContext) -> Transport:
+        """Where the engine's exchanges run: the job's gloo ranks (elastic mode: the quorum's)."""
+        return GLOO
+
+    @property
+    def round_step(self) -> int:
+        """The job's step the round schedule counts (``self.step``; an elastic joiner's is offset
+        to the job's)."""
+        return self.step
 
     @override
     def makes_meta_models(self) -> bool:
@@ -160,7 +174,7 @@ class DiLoCo(SyncplaneStrategy):
         timed = self._timed
         loader = dealing.dealt_loader(dataloader, self.world_size, self.global_rank, self.sync_every,
                                       timed.counts_for,
-                                      lambda: (trainer.current_epoch, self.step))
+                                      lambda: (trainer.current_epoch, self.round_step))
         self._dealer = loader.batch_sampler
         if self._resumed_deal is not None:
             self._dealer.load_state_dict(self._resumed_deal)
@@ -169,8 +183,8 @@ class DiLoCo(SyncplaneStrategy):
     def _computes(self) -> bool:
         """Whether this replica computes on the current step's batch (``inner_steps=time``)."""
         if self._dealer is not None:
-            return self._dealer.computes(self.step)
-        return self._timed is None or self._timed.computes(self.step % self.sync_every)
+            return self._dealer.computes(self.round_step)
+        return self._timed is None or self._timed.computes(self.round_step % self.sync_every)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -181,7 +195,7 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         engine = self.engine
-        done = self.step + 1   # self.step (trainer.global_step) counts the steps before this one
+        done = self.round_step + 1   # self.step (trainer.global_step) counts the steps before this one
         timed = self._timed
         if timed is not None and self._step_end is not None and self._computes():
             timed.record(time.perf_counter() - self._step_end)
@@ -204,7 +218,7 @@ class DiLoCo(SyncplaneStrategy):
     def outer_sync(self, fragment: int = 0) -> bool:
         """One blocking round of a fragment (the whole model when P = 1): average Δ (and
         the floating buffers), outer step, copy back. True if committed."""
-        self._launch(fragment, self.step + 1, background=False)
+        self._launch(fragment, self.round_step + 1, background=False)
         round_ = self.engine.pop(fragment)
         self._merge(round_)
         return bool(round_.committed)
@@ -254,7 +268,7 @@ class DiLoCo(SyncplaneStrategy):
         state = diloco_rounds.round_state(self.engine.state_dict(), self._round_settings(), self.rounds,
                                           self.skipped, self._timed, diloco_rounds.exchange_ran(self.engine, self.config))
         if self._dealer is not None:
-            state["dealt"] = self._dealer.state_dict(self.step)
+            state["dealt"] = self._dealer.state_dict(self.round_step)
         return state
 
     @override

@@ -1,8 +1,8 @@
 """Elastic DiLoCo end to end: 4 replicas on the emulated ``wan_two_sites``, one per host (the
 quorum service runs on host 0, every replica binds its host's NIC, and the host of replica 2
 is the one lost), or 3 local ones where this machine cannot emulate a cluster, train digits;
-replica 2 is killed (SIGKILL) during round 3; the others finish that round without it
-(discarded together) and go on without it; the launcher restarts replica 2, which joins at a
+replica 2 is killed (SIGKILL) during round 3; the others meet the quorum at the next boundary
+without it (a round whose exchange it broke is discarded by all of them) and go on; the launcher restarts replica 2, which joins at a
 round boundary, heals from a live peer and trains to the end. Every replica that finished
 holds the same θ_g (digest in its summary) and the history shows each membership change.
 
@@ -70,9 +70,11 @@ def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> Non
     events = _events(tmp_path)
     sizes = {(e["replica"], e["replicas"]) for e in events if e["event"] == "membership"}
     assert {(0, replicas), (0, replicas - 1), (1, replicas - 1)} <= sizes     # started as all, went on without 2
+    # the survivors meet the quorum at the next boundary (after the round of step 9), where replica 2 is
+    # left out: a round is discarded only if the loss fell inside its exchange, then by every survivor
     discarded = [e for e in events if e["event"] == "discarded" and e["replica"] != 2]
-    assert {e["replica"] for e in discarded} == set(range(replicas)) - {2}     # round 3 dropped by every survivor
-    assert {e["position"] for e in discarded} == {2}
+    assert not discarded or ({e["replica"] for e in discarded} == set(range(replicas)) - {2}
+                             and len({e["position"] for e in discarded}) == 1), discarded
     heals = [e for e in events if e["event"] == "heal" and e["replica"] == 2]
     assert len(heals) == 1 and heals[0]["position"] > 2 and heals[0]["replicas"] == replicas
     assert heals[0]["bytes"] > 0

@@ -39,8 +39,7 @@ def test_an_elastic_job_is_launched_by_its_spec_and_others_are_not(tmp_path: Pat
 def test_the_launch_checks_refuse_what_they_refused_in_the_runtime(tmp_path: Path) -> None:
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"^resume: an elastic job does not resume from a checkpoint"):
-        job(tmp_path, {"elastic": True}, resume=str(checkpoint))
+    assert job(tmp_path, {"elastic": True}, resume=str(checkpoint)).resume == str(checkpoint)   # elastic resumes
     with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1: only elastic jobs \(strategy=diloco "
                                           r"strategy.kwargs.elastic=true\) restart a failed rank"):
         job(tmp_path, {}, trainer={"max_restarts": 1})

@@ -1,6 +1,29 @@
-"""Elastic DiLoCo: the outer loop when replicas may leave and join between rounds.
+"""Elastic DiLoCo: membership by quorum around the round.
 
-One round, for every replica in the current quorum (Lightning-free; the transport is any
+``membership="fixed"`` (the default) runs ``DiLoCoEngine``'s own round -- Δ, the codec with
+its error feedback, the streams, fragments and overlap, the outer rule -- the same code as
+without elastic mode. What changes is where its exchange runs: ``QuorumTransport`` hands the
+engine exchangers (``QuorumExchanger``) whose gloo groups are built on the current quorum's
+store, with this replica's rank in it, and built again at each membership change.
+``Membership`` adds:
+
+- **Boundaries.** A replica meets the quorum only where no round is in flight: after the
+  step at which a period's first fragment has merged (``done ≡ overlap_steps mod H``; the
+  other fragments' rounds start later and merge before the next period's first). There it
+  votes on the period's rounds and joins the next quorum, where a restarted replica (or one
+  behind) heals.
+- **Consistency.** Each fragment round is committed or discarded by the exchange's own
+  agreement among the quorum's members (``StreamRunner``); the members whose agreement
+  completed decide the same. A member whose agreement broke off (a peer lost during it) does
+  not know what the others did: it reports an error, its torchft step stays behind, and at the
+  next quorum it heals from a member that voted to commit. So every member of a quorum holds
+  one θ_g after its boundary.
+- **Heal.** What a joiner receives is ``Membership.state_dict``: the engine's outer state
+  (``DiLoCoEngine.state_dict``: nothing is in flight at a boundary), the job's position in
+  periods and its round counts. Its error-feedback residuals stay its own.
+
+``membership="quorum"`` still runs its own loop, ``ElasticOuter`` (fp32, plain rounds; its
+``fixed`` mode is the reference its tests compare with). One round, for every replica in the current quorum (Lightning-free; the transport is any
 object with ``ReplicaGroup``'s methods, ``syncplane.algorithms.diloco.ft`` has the real one),
 with ``membership="fixed"``:
 
@@ -42,13 +65,18 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from syncplane.algorithms.diloco.outer import OuterOptimizer
+from syncplane.comm.codecs import Codec
+from syncplane.comm.meter import CommMeter
+from syncplane.comm.streams import StreamExchange, StreamRunner
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +95,35 @@ class ReplicaTransport(Protocol):
     def close(self) -> None: ...
 
 
+class QuorumGroup(Protocol):
+    """What ``Membership`` needs from torchft (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
+
+    host: str
+
+    def quorum(self) -> Any: ...   # a QuorumView: quorum_id, participants, step, rank, store_addr
+
+    def report_error(self, exc: Exception) -> None: ...
+
+    def commit(self) -> bool: ...
+
+    def set_step(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class ReplicaMismatch(ValueError):
     """A replica's settings differ from the job's; names each differing field."""
 
 
 def fingerprint(n_values: int, sync_every: int, outer_optimizer: str, outer_kwargs: Mapping[str, Any] | None,
-                shapes: list[tuple[int, ...]]) -> dict[str, Any]:
-    """The settings every replica of one elastic job must share (JSON-able)."""
+                shapes: list[tuple[int, ...]], rounds: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The settings every replica of one elastic job must share (JSON-able); ``rounds``: the
+    round's own (fragments, overlap, codec, streams, exchange: replicas that differ there would
+    exchange different pieces)."""
     return {"model_values": int(n_values), "model_shapes": [list(s) for s in shapes], "sync_every": int(sync_every),
             "outer_optimizer": outer_optimizer,
-            "outer_kwargs": None if outer_kwargs is None else json.loads(json.dumps(dict(outer_kwargs), sort_keys=True))}
+            "outer_kwargs": None if outer_kwargs is None else json.loads(json.dumps(dict(outer_kwargs), sort_keys=True)),
+            **({"rounds": json.loads(json.dumps(dict(rounds), sort_keys=True))} if rounds else {})}
 
 
 def differences(job: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
@@ -358,6 +405,214 @@ class ElasticOuter:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+class QuorumExchanger:
+    """One outer exchange of the engine (``StreamRunner``'s interface) over the current quorum:
+    a ``StreamRunner`` on the quorum's store, built at its first round after a membership
+    change (a collective of the quorum's members, who all reach that round), never rebuilt
+    within a quorum: after a failed round it stays closed (its rounds discarded) until the next.
+    Its error-feedback residuals carry over from one quorum's runner to the next."""
+
+    def __init__(self, transport: "QuorumTransport", exchange: StreamExchange, key: str,
+                 options: Mapping[str, Any]) -> None:
+        self.transport, self.exchange, self.key, self.options = transport, exchange, key, dict(options)
+        self._runner: StreamRunner | None = None
+        self._built_for: int | None = None    # the quorum id the runner is on
+        self._residuals: dict[str, Any] = {}
+
+    def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
+                        offset: int = 0, total: int | None = None) -> bool:
+        view = self.transport.view
+        if view is None or view.participants <= 1:
+            return view is not None   # alone in the quorum: Δ is the mean
+        try:
+            runner = self._runner_for(view)
+            if runner is None:
+                return False
+            return runner.allreduce_mean_(flat, meter, offset=offset, total=total)
+        except RuntimeError as exc:   # the agreement broke off, or the groups did not connect
+            log.warning("elastic: round outcome unknown (%s); this replica will heal at the next quorum", exc)
+            self.transport.uncertain = exc
+            self._drop()
+            return False
+
+    def _runner_for(self, view: Any) -> StreamRunner | None:
+        if self._built_for == view.quorum_id:
+            if self._runner is not None and self._runner.closed:   # closed after a failed round
+                self._drop()
+            return self._runner
+        self._drop()
+        self._built_for = view.quorum_id
+        store = self.transport.store(view)
+        runner = StreamRunner(self.exchange, place=(store, view.rank, view.participants), key=self.key,
+                              rebuild=False, hostname=self.transport.host, **self.options)
+        runner.load_state_dict(self._residuals)
+        self._runner = runner
+        return runner
+
+    def _drop(self) -> None:
+        if self._runner is not None:
+            self._residuals = self._runner.state_dict()
+            self._runner.close()
+            self._runner = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._runner.state_dict() if self._runner is not None else dict(self._residuals)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._residuals = dict(state)
+        if self._runner is not None:
+            self._runner.load_state_dict(state)
+
+    def close(self) -> None:
+        self._drop()
+
+
+class QuorumTransport:
+    """The engine's transport in elastic mode (``transport.Transport``'s ``runner``): exchangers
+    over the current quorum (``view``, set at each boundary). ``uncertain``: set when a round's
+    outcome is unknown to this replica (``Membership.boundary`` reports it)."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.host, self.timeout_s = host, timeout_s
+        self.view: Any = None
+        self.uncertain: Exception | None = None
+        self.exchangers: list[QuorumExchanger] = []
+        self._stores: dict[int, Any] = {}
+
+    def runner(self, exchange: StreamExchange, *, codec: Codec, interfaces: Sequence[str] | None,
+               timeout_s: float, error_feedback_beta: float, members: Sequence[int] | None = None,
+               key: str | None = None) -> QuorumExchanger:
+        """An exchanger over the quorum (``members`` must be None: the quorum is its members)."""
+        if members is not None:
+            raise ValueError("elastic mode exchanges over the quorum's members, not fixed ranks")
+        exchanger = QuorumExchanger(self, exchange, f"elastic/{len(self.exchangers)}",
+                                    {"codec": codec, "interfaces": interfaces, "error_feedback_beta": error_feedback_beta,
+                                     "timeout_s": min(timeout_s, self.timeout_s)})
+        self.exchangers.append(exchanger)
+        return exchanger
+
+    def store(self, view: Any) -> Any:
+        """A client of the quorum's store, under a prefix of our own."""
+        if view.quorum_id not in self._stores:
+            from torchft.process_group import create_store_client
+
+            self._stores = {view.quorum_id: create_store_client(f"{view.store_addr}/syncplane",
+                                                                timedelta(seconds=self.timeout_s))}
+        return self._stores[view.quorum_id]
+
+
+class Membership:
+    """One elastic replica's membership: the quorum at each boundary, the vote on the period's
+    rounds, the heal of a replica that is behind.
+
+    Args:
+        transport: the engine's ``QuorumTransport`` (its ``view`` is set here).
+        fingerprint: this replica's ``fingerprint(...)``, checked against a healing peer's.
+        total: boundaries in the whole job; the replica stops after the last (a healed joiner
+            learns how many are left from its peer).
+        outer_state / load_outer_state: the engine's outer state (what a heal carries).
+        on_event: called with a JSON-able record for every membership change, heal and
+            discarded round (the glue appends them to ``history.jsonl``).
+    """
+
+    def __init__(self, transport: QuorumTransport, fingerprint: Mapping[str, Any], total: int,
+                 outer_state: Callable[[], dict[str, Any]], load_outer_state: Callable[[Mapping[str, Any]], None],
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.transport, self.fingerprint, self.total = transport, dict(fingerprint), int(total)
+        self._outer_state, self._load_outer_state = outer_state, load_outer_state
+        self.position = 0           # boundaries the job has passed, shared by the quorum
+        self.stats = ElasticStats()
+        self.healed = False         # set by a heal; the caller copies θ_g into its model, then clears it
+        self.group: QuorumGroup | None = None
+        self._quorum_id: int | None = None
+        self._size = 0
+        self._on_event = on_event or (lambda record: None)
+        self._pending: dict[int, float] = {}   # periods of local work per fragment not yet in θ_g
+
+    # ----------------------------------------------------- what a healing peer receives
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": self._outer_state(), "position": self.position, "fingerprint": self.fingerprint,
+                "committed": self.stats.committed, "discarded": self.stats.discarded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Heal from a live peer's state; refuses a peer with other settings."""
+        start = time.perf_counter()
+        diff = differences(state["fingerprint"], self.fingerprint)
+        if diff:
+            raise ReplicaMismatch("this replica cannot heal from its peer: " + "; ".join(diff))
+        self._load_outer_state(state["outer"])
+        self._pending = {}   # it starts again from θ_g: its own work since its last commit is gone
+        self.position = int(state["position"])
+        self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
+        heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
+                "load_s": round(time.perf_counter() - start, 4)}
+        self.stats.heals.append(heal)
+        self.healed = True
+
+    # ----------------------------------------------------------------- the loop
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.total
+
+    def join(self, group: QuorumGroup) -> None:
+        """Enter the job: the first quorum (a heal happens here for a late joiner)."""
+        self.group = group
+        self._next_quorum()
+
+    def record(self, committed: bool, fragment: int = 0, fragments: int = 1) -> None:
+        """A fragment round's outcome (the engine's merge), and the local work it took into θ_g:
+        a discarded round's stays in θ_local, so the next committed one of that fragment carries
+        it (its ``round`` event's ``weight``, in periods: ``scripts/diloco_goodput.py``)."""
+        self._pending[fragment] = self._pending.get(fragment, 0.0) + 1.0 / fragments
+        weight = self._pending.pop(fragment) if committed else 0.0
+        self._on_event({"event": "round", "position": self.position, "committed": committed, "weight": weight,
+                        "replicas": self._size})
+        if committed:
+            self.stats.committed += 1
+        else:
+            self.stats.discarded += 1
+            self._on_event({"event": "discarded", "position": self.position, "quorum_id": self._quorum_id,
+                            "replicas": self._size})
+
+    def boundary(self) -> None:
+        """The vote on the period's rounds, then the next quorum unless the job is done."""
+        assert self.group is not None, "join() first"
+        if self.transport.uncertain is not None:
+            self.group.report_error(self.transport.uncertain)
+            self.transport.uncertain = None
+        self.group.commit()
+        self.position += 1
+        if not self.done:
+            self._next_quorum()
+
+    def _next_quorum(self) -> None:
+        assert self.group is not None
+        start = time.perf_counter()
+        view = self.group.quorum()
+        waited = time.perf_counter() - start
+        self.transport.view = view
+        if self.healed:
+            heal = self.stats.heals[-1]
+            heal["quorum_s"] = round(waited, 3)
+            self._on_event({**heal, "quorum_id": int(view.quorum_id), "replicas": int(view.participants)})
+        if view.participants != self._size or view.quorum_id != self._quorum_id:
+            if view.participants != self._size:
+                self.stats.replicas.append([self.position, int(view.participants)])
+                self._on_event({"event": "membership", "position": self.position, "quorum_id": int(view.quorum_id),
+                                "replicas": int(view.participants), "was": self._size,
+                                "quorum_wait_s": round(waited, 3)})
+            self._quorum_id, self._size = int(view.quorum_id), int(view.participants)
+
+    def close(self) -> None:
+        for exchanger in self.transport.exchangers:
+            exchanger.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
 
 def _state_bytes(state: Any) -> int:

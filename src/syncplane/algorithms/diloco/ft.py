@@ -15,6 +15,9 @@ is behind from a live peer. What we add here, and why:
   wants one per replica group) and ``world_size=1`` inside the group.
 - **Blocking quorum.** ``use_async_quorum=False``: a joining replica is healed before the
   round starts, so every member of a quorum takes part in its average.
+- **The round's own groups.** The average is not torchft's all-reduce: the engine's exchange
+  (codec, streams) runs on gloo groups built on the quorum's store, which the reconfigurable
+  group reports at each membership change (``QuorumView.store_addr``).
 
 The algorithm (what to average, when to commit) is not here: ``syncplane.algorithms.diloco.elastic``
 drives a ``ReplicaGroup`` through the small protocol it declares.
@@ -148,16 +151,37 @@ def quorum_id(manager: Any) -> int:
 
 @dataclass
 class QuorumView:
-    """What one quorum decided, as seen by this replica."""
+    """What one quorum decided, as seen by this replica: its id, size and this replica's rank
+    in it, and the store every member reaches (``store_addr``: ``host:port/prefix``, the
+    quorum's own prefix: what its members' groups rendezvous on)."""
 
     quorum_id: int
     participants: int
     step: int
+    rank: int = 0
+    store_addr: str = ""
+
+
+def _recording_gloo(timeout: timedelta) -> Any:
+    """torchft's reconfigurable gloo group, noting the quorum each ``configure`` is for: the
+    public way to learn the quorum's id, store and ranks (``Manager`` calls it at every
+    membership change, before ``start_quorum`` returns)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class RecordingGloo(ProcessGroupGloo):
+        configured: tuple[str, int, int, int] | None = None   # store_addr, rank, world_size, quorum_id
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      quorum_id: int | None = None, *args: Any, **kwargs: Any) -> None:
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
+            self.configured = (store_addr, rank, world_size, -1 if quorum_id is None else int(quorum_id))
+
+    return RecordingGloo(timeout=timeout)
 
 
 class ReplicaGroup:
-    """This replica's membership in the elastic job: quorum, fault-tolerant average,
-    commit vote and healing, over a torchft ``Manager``.
+    """This replica's membership in the elastic job: quorum, commit vote and healing, over a
+    torchft ``Manager`` (the round's exchange runs on groups of the quorum's store: ``QuorumView``).
 
     Args:
         replica_id: a stable name (``replica3``): the Lighthouse keeps a restarted process
@@ -165,7 +189,7 @@ class ReplicaGroup:
         lighthouse: the quorum service's address.
         state_dict / load_state_dict: what a healing replica receives from a live peer.
         host: the address this replica's servers bind (loopback by default).
-        round_timeout_s: collectives, the commit vote and the heal transfer give up after it.
+        round_timeout_s: the commit vote and the heal transfer give up after it.
         quorum_timeout_s: how long to wait for a quorum (a joiner waits for the others'
             round boundary, up to one round).
         connect_timeout_s: reaching the Lighthouse / a peer's manager.
@@ -180,12 +204,11 @@ class ReplicaGroup:
         _require_torchft()
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
-        host = check_bind_host(host)
+        self.host = host = check_bind_host(host)
         timeout = timedelta(seconds=round_timeout_s)
         self._store = tcp_store_server(host, 0)
-        self._pg = ProcessGroupGloo(timeout=timeout)
+        self._pg = _recording_gloo(timeout)
         transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
         with _bound_manager_server(host):
             self.manager = Manager(
@@ -200,18 +223,24 @@ class ReplicaGroup:
     def quorum(self) -> QuorumView:
         """Join the next quorum (blocking); heals this replica first if it is behind."""
         self.manager.start_quorum()
-        return QuorumView(quorum_id=quorum_id(self.manager), participants=self.manager.num_participants(),
-                          step=self.manager.current_step())
+        store_addr, rank, size, quorum_id = self._pg.configured or ("", 0, 1, -1)
+        return QuorumView(quorum_id=quorum_id, participants=self.manager.num_participants(),
+                          step=self.manager.current_step(), rank=rank, store_addr=store_addr)
 
     def allreduce_mean_(self, flat: torch.Tensor) -> bool:
-        """Average ``flat`` in place over this quorum. False (and ``flat`` undefined) if a
-        peer was lost or timed out: the round is then discarded by ``commit``."""
+        """``membership=quorum``'s loop (``ElasticOuter``): average ``flat`` in place over this quorum
+        on torchft's own group. False (and ``flat`` undefined) if a peer was lost or timed out."""
         try:
             self.manager.allreduce(flat).wait()
         except Exception as exc:   # torchft reports the error to the manager too
             log.warning("elastic: average failed (%s); the round will be discarded", exc)
             return False
         return self.manager.errored() is None
+
+    def report_error(self, exc: Exception) -> None:
+        """This replica's round went wrong in a way its peers may not share: it votes not to
+        commit, stays a step behind and heals at the next quorum."""
+        self.manager.report_error(exc)
 
     def allreduce_weighted_(self, flat: torch.Tensor, weight: float) -> float:
         """``flat ← Σ w_i·flat_i / Σ w_i`` over this quorum, ``w_i`` each member's ``weight`` (its
@@ -237,21 +266,24 @@ class ReplicaGroup:
         return float(total)
 
     def commit(self) -> bool:
-        """The commit vote: True when every member of this replica's group succeeded.
-        Replicas that disagree across the quorum are reconciled at the next quorum: the
-        one that did not commit is behind by one step and heals from one that did."""
+        """The commit vote: True when this replica's group reported no error (its step then
+        advances). A replica that did not commit while its peers did is behind at the next
+        quorum and heals from one that did."""
         return bool(self.manager.should_commit())
 
     @property
     def step(self) -> int:
         return self.manager.current_step()
 
+    def set_step(self, step: int) -> None:
+        """Where a resumed replica stands (torchft's public ``load_state_dict``)."""
+        self.manager.load_state_dict({"step": int(step), "batches_committed": self.manager.batches_committed()})
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.manager.shutdown(wait=False)
         with contextlib.suppress(Exception):
             self._pg.shutdown()
-
 
 
 def start_barrier(folder: str | os.PathLike[str], replica: int, replicas: int, timeout_s: float) -> int:
