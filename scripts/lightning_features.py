@@ -286,6 +286,7 @@ def matrix(args: argparse.Namespace) -> int:
     """Every strategy under both launchers, one job each; writes the generic results JSON."""
     from syncplane.bench.matrix import git_commit
 
+    commit = git_commit(ROOT)   # what runs: the checkout as the matrix starts
     rows = []
     with tempfile.TemporaryDirectory(prefix="lightning-features-") as tmp:
         for name in args.strategies.split(","):
@@ -300,7 +301,7 @@ def matrix(args: argparse.Namespace) -> int:
                     log.info("%s", output)
             rows.append(row)
     data = {"title": "Lightning's features in a plain script, every strategy",
-            "created": datetime.date.today().isoformat(), "commit": git_commit(),
+            "created": datetime.date.today().isoformat(), "commit": commit,
             "command": "python scripts/lightning_features.py --matrix",
             "about": (f"Lightning's `BoringModel`, {args.devices} CPU gloo ranks, one job per cell. Scenarios: "
                       f"`fit` ({EPOCHS} epochs of {BATCHES} batches, accumulation {ACCUMULATE}, clipping to norm "
