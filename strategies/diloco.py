@@ -72,7 +72,8 @@ class DiLoCo(SyncplaneStrategy):
         # (ElasticDiLoCo is imported with the package: ``syncplane.strategies.__init__``)
         if kwargs.get("elastic") and cls is DiLoCo:
             membership = kwargs.get("membership", DiLoCoConfig.membership)
-            cls = next((sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC and sub.MEMBERSHIP == membership), cls)
+            subs = [*DiLoCo.__subclasses__(), *(g for sub in DiLoCo.__subclasses__() for g in sub.__subclasses__())]
+            cls = next((sub for sub in subs if sub.ELASTIC and sub.MEMBERSHIP == membership), cls)
         return super().__new__(cls)
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",

@@ -15,7 +15,8 @@ overlap, outer rule), its exchanges running over the current quorum
 - ``on_train_start``: join the quorum (the first start waits for every replica; a restart
   joins at a boundary and heals θ_g, the outer state and the position from a live peer).
 - ``after_optimizer_step``: ``DiLoCo``'s rounds, then at each boundary (no round in flight)
-  the vote and the next quorum; the trainer stops after the job's last boundary.
+  the vote and the next quorum; every replica stops at the job's last step (a joiner, whose
+  own steps started later, counts the job's).
 - ``sync_state_dict`` / ``load_sync_state_dict``: ``DiLoCo``'s, plus the position and torchft
   step: a replica resumes from its checkpoint and rejoins (healing if the others went on).
 
@@ -60,6 +61,8 @@ class ElasticDiLoCo(DiLoCo):
         self._resumed: Mapping[str, Any] | None = None
         self._replica = 0
         self._quorum: QuorumTransport | None = None
+        self._total_steps = 0     # the job's steps (trainer.estimated_stepping_batches)
+        self._finished = False
 
     def _place(self) -> ElasticPlace:
         """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
@@ -117,7 +120,8 @@ class ElasticDiLoCo(DiLoCo):
         assert membership is not None
         trainer = self.lightning_module.trainer
         # a boundary after each period's first round has merged: steps H + τ, 2H + τ, ...
-        membership.total = (int(trainer.estimated_stepping_batches) - self.overlap_steps) // self.sync_every
+        self._total_steps = int(trainer.estimated_stepping_batches)
+        membership.total = (self._total_steps - self.overlap_steps) // self.sync_every
         place = self._place()
         if self._done_marker().exists():   # restarted after the job's last round: nothing to rejoin
             self._record_event({"event": "start", "restart": place.restarts, "job_done": True})
@@ -138,19 +142,20 @@ class ElasticDiLoCo(DiLoCo):
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         membership = self._membership
         assert membership is not None
-        if membership.done or membership.group is None:
+        if membership.group is None or self._finished:
             return
         super().after_optimizer_step(optimizer)
         done = self.round_step + 1
-        if done < self.sync_every or done % self.sync_every != self.overlap_steps:
-            return
-        membership.boundary()   # no round in flight here: vote, then the next quorum
-        self._adopt_if_healed(self.step + 1)
-        self.details["elastic"] = membership.stats.as_dict()
-        if membership.done:
+        if not membership.done and done >= self.sync_every and done % self.sync_every == self.overlap_steps:
+            membership.boundary()   # no round in flight here: vote, then the next quorum
+            self._adopt_if_healed(self.step + 1)
+            self.details["elastic"] = membership.stats.as_dict()
+        if done >= self._total_steps:   # the job's last step (a joiner's local steps are fewer)
+            self.engine.wait()
+            self._finished = True
             # replicas that finished together hold the same θ_g: the summary shows its digest
-            self.details["elastic"]["theta_sha256"] = hashlib.sha256(
-                self.engine.params.numpy().tobytes()).hexdigest()
+            self.details["elastic"] = {**membership.stats.as_dict(), "theta_sha256": hashlib.sha256(
+                self.engine.params.numpy().tobytes()).hexdigest()}
             self._done_marker().touch()
             self._record_event({"event": "done", "position": membership.position})
             self.lightning_module.trainer.should_stop = True
