@@ -485,10 +485,14 @@ def choosing_block(arg: str, docs: str = "") -> str:
             cells.append("-" if name is None else f"`{name}` {times(measured[name]['speedup_vs_ddp'])}"
                          + ("" if picks.get(cls) in (None, name) else f" (plan: `{picks[cls]}`)"))
         rows.append([f"`{report['cluster']}`", PROFILE_WORDS.get(report["cluster"], "")] + cells)
+    shipped = sorted(p.stem for p in (ROOT / "configs" / "cluster").glob("*.yaml"))
+    missing = [n for n in shipped if n not in {r["cluster"] for r in matrix_reports()}]
+    unmeasured = ("" if not missing else " Not in the scoreboard yet: " + ", ".join(f"`{n}`" for n in missing)
+                  + " (ask `syncplane plan --cluster NAME`).")
     return (markdown(["profile", "what it is", "fastest exact", "fastest every step, compressed",
                       "fastest approximate"], rows)
             + f"\nSync per step against DDP's at the ResNet-50 payload, measured {grid_dates()}; the plan's pick "
-              f"where it differs. Source: [results]({docs}benchmarks.md).\n")
+              f"where it differs. Source: [results]({docs}benchmarks.md).{unmeasured}\n")
 
 
 #: One line per shipped profile for the choosing table: what network it stands for.
@@ -510,7 +514,28 @@ def profiles_block(arg: str, docs: str = "") -> str:
             + ".\n")
 
 
+def launcher_seconds(cell: str) -> float:
+    """The launcher's exit, in seconds after the fault, of a chaos-matrix cell
+    ``"survivors / launcher (named/survivors)"``."""
+    return float(cell.split("/")[1].split("(")[0])
+
+
+def faults_block(arg: str, docs: str = "") -> str:
+    """``faults``: per fault kind of the committed chaos matrix (``results/faults.json``), the
+    range over every strategy of the seconds from the fault until the launcher exited."""
+    (source,) = sources("results/faults.json")
+    data = source.data
+    spans = []
+    for k, kind in enumerate(data["columns"][1:], start=1):
+        seconds = [launcher_seconds(row[k]) for row in data["rows"]]
+        spans.append(f"{kind} {min(seconds):.1f}–{max(seconds):.1f} s")
+    return (f"Seconds from the fault until the launcher exited, over every strategy, rank 2 of 4 lost, "
+            f"heartbeat 15 s: {', '.join(spans)} (measured {data['created']}, `{data['command']}`; "
+            f"[every cell]({docs}benchmarks.md#{slug(data['title'])})).\n")
+
+
 BLOCKS: dict[str, Callable[[str, str], str]] = {
+    "faults": faults_block,
     "profiles": profiles_block,
     "speedups": speedups_block,
     "training": training_block,

@@ -1,8 +1,8 @@
 """DiLoCo: H local steps of the user's optimizer, then one outer step on the averaged
 pseudo-gradient, outer state on CPU, exchange on gloo groups of its own (so the training
 itself may use NCCL). This is the Lightning glue; the rounds, the state and the layout are
-``syncplane.algorithms.diloco``'s (``DiLoCoEngine``: a rank is a replica; ``NodeEngine``: the
-ranks of a node, ``replica: node``; ``rounds``: which engine a job runs, the settings' checks,
+``syncplane.algorithms.diloco``'s (``DiLoCoEngine``, one round engine for both layouts: a rank
+is a replica, or the ranks of a node are, ``replica: node``; ``rounds``: the settings' checks,
 a checkpoint's round state).
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:
@@ -44,6 +44,7 @@ from syncplane.algorithms.diloco.adaptive import TimedRounds, check_weighting, g
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
 from syncplane.algorithms.diloco.streaming import Round
+from syncplane.algorithms.diloco.transport import GLOO, Transport
 from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
@@ -54,20 +55,25 @@ class DiLoCo(SyncplaneStrategy):
     """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, streams,
     compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
     fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s,
-    time_weighting, time_samples), the elastic settings (``elastic``, ``round_timeout_s``: a round's average, vote
-    and heal give up after it; ``quorum_timeout_s``: how long a replica waits for a quorum;
-    ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
+    time_weighting, time_samples, membership, min_replicas, grace_s), the elastic settings (``elastic``,
+    ``round_timeout_s``: a round's average, vote and heal give up after it; ``quorum_timeout_s``: how
+    long a replica waits for a quorum; ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's,
+    read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
     ``SyncplaneStrategy``'s."""
 
-    #: True on ``ElasticDiLoCo``; ``__new__`` picks that class for ``elastic=True``.
+    #: True on the elastic classes; ``__new__`` picks the one of ``membership`` for ``elastic=True``
+    #: (``ElasticDiLoCo``: fixed, ``QuorumDiLoCo``: quorum).
     ELASTIC = False
+    MEMBERSHIP = "fixed"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DiLoCo":
         # one strategy name for both modes: the registry (and Hydra) construct ``DiLoCo``
         # (ElasticDiLoCo is imported with the package: ``syncplane.strategies.__init__``)
         if kwargs.get("elastic") and cls is DiLoCo:
-            cls = next(sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC)
+            membership = kwargs.get("membership", DiLoCoConfig.membership)
+            subs = [*DiLoCo.__subclasses__(), *(g for sub in DiLoCo.__subclasses__() for g in sub.__subclasses__())]
+            cls = next((sub for sub in subs if sub.ELASTIC and sub.MEMBERSHIP == membership), cls)
         return super().__new__(cls)
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
@@ -79,6 +85,8 @@ class DiLoCo(SyncplaneStrategy):
                  topology: str | list[int] = "auto", inner_steps: Literal["fixed", "time"] = "fixed",
                  round_budget_s: float | None = None, time_weighting: Literal["samples", "fednova"] = "samples",
                  time_samples: Literal["share", "drop"] = "drop",
+                 membership: Literal["fixed", "quorum"] = DiLoCoConfig.membership,
+                 min_replicas: int = DiLoCoConfig.min_replicas, grace_s: float = DiLoCoConfig.grace_s,
                  elastic: bool = False, round_timeout_s: float = 30.0,
                  quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
                  lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",
@@ -113,7 +121,7 @@ class DiLoCo(SyncplaneStrategy):
         if self._engine is not None:
             self._engine.close()
         self._engine, details = diloco_rounds.build_engine(self.config, job, self.model,
-                                                           self.determine_ddp_device_ids())
+                                                           self.determine_ddp_device_ids(), self._transport(job))
         self.model = self._engine.module
         self.details.update(details)
         if self.inner_steps == "time":
@@ -122,6 +130,16 @@ class DiLoCo(SyncplaneStrategy):
             pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
             self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s,
                                       self.config.time_weighting, pace, replicas=self.engine.layout.nodes)
+
+    def _transport(self, job: JobContext) -> Transport:
+        """Where the engine's exchanges run: the job's gloo ranks (elastic mode: the quorum's)."""
+        return GLOO
+
+    @property
+    def round_step(self) -> int:
+        """The job's step the round schedule counts (``self.step``; an elastic joiner's is offset
+        to the job's)."""
+        return self.step
 
     @override
     def makes_meta_models(self) -> bool:
@@ -165,7 +183,7 @@ class DiLoCo(SyncplaneStrategy):
         timed = self._timed
         loader = dealing.dealt_loader(dataloader, self.world_size, self.global_rank, self.sync_every,
                                       timed.counts_for,
-                                      lambda: (trainer.current_epoch, self.step))
+                                      lambda: (trainer.current_epoch, self.round_step))
         self._dealer = loader.batch_sampler
         if self._resumed_deal is not None:
             self._dealer.load_state_dict(self._resumed_deal)
@@ -174,8 +192,8 @@ class DiLoCo(SyncplaneStrategy):
     def _computes(self) -> bool:
         """Whether this replica computes on the current step's batch (``inner_steps=time``)."""
         if self._dealer is not None:
-            return self._dealer.computes(self.step)
-        return self._timed is None or self._timed.computes(self.step % self.sync_every)
+            return self._dealer.computes(self.round_step)
+        return self._timed is None or self._timed.computes(self.round_step % self.sync_every)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -186,7 +204,7 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         engine = self.engine
-        done = self.step + 1   # self.step (trainer.global_step) counts the steps before this one
+        done = self.round_step + 1   # self.step (trainer.global_step) counts the steps before this one
         timed = self._timed
         if timed is not None and self._step_end is not None and self._computes():
             timed.record(time.perf_counter() - self._step_end)
@@ -209,7 +227,7 @@ class DiLoCo(SyncplaneStrategy):
     def outer_sync(self, fragment: int = 0) -> bool:
         """One blocking round of a fragment (the whole model when P = 1): average Δ (and
         the floating buffers), outer step, copy back. True if committed."""
-        self._launch(fragment, self.step + 1, background=False)
+        self._launch(fragment, self.round_step + 1, background=False)
         round_ = self.engine.pop(fragment)
         self._merge(round_)
         return bool(round_.committed)
@@ -259,7 +277,7 @@ class DiLoCo(SyncplaneStrategy):
         state = diloco_rounds.round_state(self.engine.state_dict(), self._round_settings(), self.rounds,
                                           self.skipped, self._timed, diloco_rounds.exchange_ran(self.engine, self.config))
         if self._dealer is not None:
-            state["dealt"] = self._dealer.state_dict(self.step)
+            state["dealt"] = self._dealer.state_dict(self.round_step)
         return state
 
     @override

@@ -1,22 +1,24 @@
 """Elastic DiLoCo: each rank an independent replica over a torchft quorum.
 
 ``DiLoCo(..., elastic=True)`` (``strategy=diloco strategy.kwargs.elastic=true``) constructs
-this class; the engine is ``syncplane.algorithms.diloco.elastic`` and the transport
-``syncplane.algorithms.diloco.ft`` (torchft's Manager, Lighthouse and reconfigurable gloo groups).
-Kept apart from ``DiLoCo`` because almost every hook differs, and why:
+this class. The round is ``DiLoCo``'s own (``DiLoCoEngine``: every codec, streams, fragments,
+overlap, outer rule), its exchanges running over the current quorum
+(``syncplane.algorithms.diloco.elastic.QuorumTransport``); membership is
+``elastic.Membership`` on torchft (``syncplane.algorithms.diloco.ft``). Hooks that differ, and why:
 
 - ``distributed_sampler_kwargs``: Lightning sees a process group of one; the training shard
   is the replica's (its index among the replicas at start), while every replica validates
   on the whole set (no all-reduce combines the metrics of independent jobs).
-- ``setup_sync``: the flat host buffer and the outer optimizer as in ``DiLoCo``, plus the
-  job's fingerprint (shapes, ``sync_every``, outer optimizer), checked against the one on
-  disk *before* any contact with the quorum, so a mismatched replica never disturbs it.
+- ``setup_sync``: ``DiLoCo``'s engine on the quorum transport, plus the job's fingerprint
+  (shapes, round and exchange settings, outer optimizer), checked against the one on disk
+  *before* any contact with the quorum, so a mismatched replica never disturbs it.
 - ``on_train_start``: join the quorum (the first start waits for every replica; a restart
-  joins at a round boundary and heals θ_g, the outer state and its round from a live peer).
-- ``after_optimizer_step``: a round every ``sync_every`` of this replica's steps; the
-  replicas vote to commit or discard it; the trainer stops after the job's last round.
-- ``sync_state_dict``: what the checkpoint holds; a replica does not resume from one
-  (``load_sync_state_dict`` refuses): it heals from a peer instead.
+  joins at a boundary and heals θ_g, the outer state and the position from a live peer).
+- ``after_optimizer_step``: ``DiLoCo``'s rounds, then at each boundary (no round in flight)
+  the vote and the next quorum; every replica stops at the job's last step (a joiner, whose
+  own steps started later, counts the job's).
+- ``sync_state_dict`` / ``load_sync_state_dict``: ``DiLoCo``'s, plus the position and torchft
+  step: a replica resumes from its checkpoint and rejoins (healing if the others went on).
 
 Membership changes, heals and discarded rounds go to the job's ``history.jsonl``.
 """
@@ -34,11 +36,11 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.elastic import ElasticOuter, JobFingerprint, fingerprint
-from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco import ft
-from syncplane.algorithms.diloco.engine import host_mirror
+from syncplane.algorithms.diloco.config import DiLoCoConfig
+from syncplane.algorithms.diloco.elastic import JobFingerprint, Membership, QuorumTransport, fingerprint
+from syncplane.algorithms.diloco.streaming import Round
+from syncplane.algorithms.diloco.transport import Transport
 from syncplane.job import ElasticPlace, JobContext, missing_elastic
 from syncplane.strategies.diloco import DiLoCo
 
@@ -54,9 +56,13 @@ class ElasticDiLoCo(DiLoCo):
         self.lighthouse_host = ft.check_bind_host(self.lighthouse_host)
         self.round_timeout_s = self.elastic_timeouts["round_timeout_s"]
         self.quorum_timeout_s = self.elastic_timeouts["quorum_timeout_s"]
-        self._elastic: ElasticOuter | None = None
-        self._local_steps = 0
+        self._membership: Membership | None = None
+        self._offset = 0          # the job's steps minus this replica's (a joiner's or healed one's)
+        self._resumed: Mapping[str, Any] | None = None
         self._replica = 0
+        self._quorum: QuorumTransport | None = None
+        self._total_steps = 0     # the job's steps (trainer.estimated_stepping_batches)
+        self._finished = False
 
     def _place(self) -> ElasticPlace:
         """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
@@ -75,84 +81,108 @@ class ElasticDiLoCo(DiLoCo):
         place = self._place()
         return {"num_replicas": place.replicas, "rank": place.replica}
 
+    @property
+    @override
+    def round_step(self) -> int:
+        return self.step + self._offset
+
+    def _bind(self) -> str:
+        return ft.check_bind_host(self._place().bind or self.lighthouse_host)
+
+    @override
+    def _transport(self, job: JobContext) -> Transport:
+        self._quorum = QuorumTransport(self._bind(), self.round_timeout_s)
+        return self._quorum
+
     @override
     def setup_sync(self, job: JobContext) -> None:
         self._replica = self._place().replica
-        tensors = self.model_tensors()
-        params = list(self.lightning_module.parameters())
-        n_params = sum(p.numel() for p in params)
-        self._host = host_mirror(tensors)
-        config = self.config
-        outer = OuterOptimizer(self._host.buffer[:n_params], config.outer_optimizer, config.outer_kwargs,
-                               pin=self._host.on_gpu)
-        ours = fingerprint(self._host.buffer.numel(), self.sync_every, config.outer_optimizer, config.outer_kwargs,
-                           [tuple(t.shape) for t in tensors])
+        super().setup_sync(job)
+        engine, config = self.engine, self.config
+        settings = {key: getattr(config, key) for key in ("fragments", "overlap_steps", "compression", "outer")}
+        ours = fingerprint(engine.host.buffer.numel(), self.sync_every, config.outer_optimizer, config.outer_kwargs,
+                           [tuple(t.shape) for t in self.model_tensors()],
+                           {**settings, "streams": engine.streams, "exchange": engine.exchange_name})
         # before any contact with the quorum: a replica with other settings never disturbs it
         JobFingerprint(self._place().folder).check(ours, f"replica {self._replica}")
-        self._elastic = ElasticOuter(outer, ours, total_rounds=0, on_event=self._record_event)
-        self.details["exchange"] = "torchft quorum (elastic)"
+        assert self._quorum is not None
+        self._membership = Membership(self._quorum, ours, 0, engine.state_dict, self._load_outer,
+                                      on_event=self._record_event)
+        self.details["exchange"] = f"{engine.exchange_name} over the torchft quorum (elastic)"
+
+    def _load_outer(self, state: Mapping[str, Any]) -> None:
+        self.engine.load_state_dict(state)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        assert self._elastic is not None
+        membership = self._membership
+        assert membership is not None
         trainer = self.lightning_module.trainer
-        self._elastic.total_rounds = int(trainer.estimated_stepping_batches) // self.sync_every
+        # a boundary after each period's first round has merged: steps H + τ, 2H + τ, ...
+        self._total_steps = int(trainer.estimated_stepping_batches)
+        membership.total = (self._total_steps - self.overlap_steps) // self.sync_every
         place = self._place()
-        restart = str(place.restarts)
         if self._done_marker().exists():   # restarted after the job's last round: nothing to rejoin
-            self._record_event({"event": "start", "restart": int(restart), "job_done": True})
+            self._record_event({"event": "start", "restart": place.restarts, "job_done": True})
             trainer.should_stop = True
             return
-        group = ft.ReplicaGroup(f"replica{self._replica}", place.lighthouse,
-                                self._elastic.state_dict, self._elastic.load_state_dict,
-                                host=ft.check_bind_host(place.bind or self.lighthouse_host),
+        group = ft.ReplicaGroup(f"replica{self._replica}", place.lighthouse, membership.state_dict,
+                                membership.load_state_dict, host=self._bind(),
                                 round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s)
-        if restart == "0":
+        if self._resumed is not None:   # where the checkpoint stood: torchft heals it if the others went on
+            group.set_step(int(self._resumed["ft_step"]))
+        if place.restarts == 0:
             ft.start_barrier(place.folder, self._replica, place.replicas, self.quorum_timeout_s)
-        self._record_event({"event": "start", "restart": int(restart), "total_rounds": self._elastic.total_rounds})
-        self._elastic.join(group)
-        self._adopt_if_healed()
+        self._record_event({"event": "start", "restart": place.restarts, "total_rounds": membership.total})
+        membership.join(group)
+        self._adopt_if_healed(self.step)
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        assert self._elastic is not None and self._host is not None
-        self._local_steps += 1
-        if self._local_steps % self.sync_every or self._elastic.done or self._elastic.transport is None:
+        membership = self._membership
+        assert membership is not None
+        if membership.group is None or self._finished:
             return
-        tensors = self.model_tensors()
-        self._host.to_host(tensors)
-        flat = self._host.buffer
-        start = time.perf_counter()
-        committed = self._elastic.round_(flat)
-        self.comm_meter.record(start, time.perf_counter(), flat.numel() * flat.element_size())
-        if committed:
-            self._host.from_host(tensors)
-            self.rounds += 1
-        else:
-            self.skipped += 1
-        self._adopt_if_healed()
-        self.details["elastic"] = self._elastic.stats.as_dict()
-        if self._elastic.done:
+        super().after_optimizer_step(optimizer)
+        done = self.round_step + 1
+        if not membership.done and done >= self.sync_every and done % self.sync_every == self.overlap_steps:
+            membership.boundary()   # no round in flight here: vote, then the next quorum
+            self._adopt_if_healed(self.step + 1)
+            self.details["elastic"] = membership.stats.as_dict()
+        if done >= self._total_steps:   # the job's last step (a joiner's local steps are fewer)
+            self.engine.wait()
+            self._finished = True
             # replicas that finished together hold the same θ_g: the summary shows its digest
-            self.details["elastic"]["theta_sha256"] = hashlib.sha256(
-                self._elastic.outer.params.numpy().tobytes()).hexdigest()
+            self.details["elastic"] = {**membership.stats.as_dict(), "theta_sha256": hashlib.sha256(
+                self.engine.params.numpy().tobytes()).hexdigest()}
             self._done_marker().touch()
+            self._record_event({"event": "done", "position": membership.position})
             self.lightning_module.trainer.should_stop = True
+
+    @override
+    def _merge(self, round_: Round) -> None:
+        committed = self.rounds
+        super()._merge(round_)
+        assert self._membership is not None
+        self._membership.record(self.rounds > committed, round_.fragment, self.fragments)
 
     def _done_marker(self) -> Path:
         return self._place().folder / "elastic_done"
 
-    def _adopt_if_healed(self) -> None:
-        """After a heal, this replica starts from the peer's θ_g (its buffers stay its own)."""
-        assert self._elastic is not None and self._host is not None
-        if not self._elastic.healed:
+    def _adopt_if_healed(self, done: int) -> None:
+        """After a heal, this replica starts from the peer's θ_g (its buffers stay its own), at
+        the job's step: ``done`` of its own steps are complete."""
+        membership = self._membership
+        assert membership is not None
+        if not membership.healed:
             return
-        params = self._elastic.outer.params
-        self._host.buffer[: params.numel()].copy_(params)
-        self._host.from_host(self.model_tensors(), 0, params.numel())
-        self._elastic.healed = False
-        self.details["elastic"] = self._elastic.stats.as_dict()
+        self.engine.adopt(self.model_tensors())
+        position = membership.position
+        self._offset = (position * self.sync_every + self.overlap_steps if position else 0) - done
+        self.rounds, self.skipped = membership.stats.committed, membership.stats.discarded
+        membership.healed = False
+        self.details["elastic"] = membership.stats.as_dict()
 
     def _record_event(self, record: dict[str, Any]) -> None:
         """Membership changes, heals and discarded rounds go to the job's ``history.jsonl``
@@ -167,36 +197,46 @@ class ElasticDiLoCo(DiLoCo):
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
-        assert self._elastic is not None
-        return {**self._elastic.state_dict(), "sync_every": self.sync_every, "rounds": self.rounds,
-                "skipped": self.skipped}
+        membership = self._membership
+        assert membership is not None
+        group = membership.group
+        return {**super().sync_state_dict(),
+                "elastic": {"position": membership.position, "offset": self._offset,
+                            "ft_step": group.step if group is not None else 0, "replica": self._replica,
+                            "committed": membership.stats.committed, "discarded": membership.stats.discarded}}
 
     @override
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state:
-            raise ValueError("elastic=true does not resume from a checkpoint: a restarted replica heals "
-                             "from a live peer instead")
+        if not state:
+            return
+        super().load_sync_state_dict(state)
+        membership = self._membership
+        assert membership is not None
+        mine = state["elastic"]
+        membership.position, self._offset = int(mine["position"]), int(mine["offset"])
+        membership.stats.committed, membership.stats.discarded = int(mine["committed"]), int(mine["discarded"])
+        self._resumed = mine
 
     @override
     def rank_state_dict(self) -> dict[str, Any]:
-        return {}
+        return {**super().rank_state_dict(), "replica": self._replica}
 
     @override
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
-        return
+        # every replica is rank 0 of its own job: residuals are this replica's only if it wrote them
+        if state.get("replica") == self._replica:
+            super().load_rank_state_dict({k: v for k, v in state.items() if k != "replica"})
 
     @override
     def teardown(self) -> None:
-        if self._elastic is not None:
-            self._elastic.close()
+        if self._membership is not None:
+            self._membership.close()
         super().teardown()
 
 
 def check_elastic(config: DiLoCoConfig) -> None:
-    """What elastic mode supports, checked at construction (before the first step; the
-    timeouts themselves are checked by ``DiLoCo`` in either mode)."""
-    unsupported = {"fragments": (config.fragments, 1), "overlap_steps": (config.overlap_steps, 0),
-                   "compression": (config.compression, "none"), "streams": (config.streams, 1)}
-    for key, (value, allowed) in unsupported.items():
-        if value != allowed:
-            raise ValueError(f"elastic=true supports {key}={allowed} only, got {key}={value}")
+    """What elastic mode refuses, at construction (before the first step; the timeouts
+    themselves are checked by ``DiLoCo`` in either mode)."""
+    if config.exchange == "tree":
+        raise ValueError("exchange=tree with elastic=true: the tree is planned over the job's fixed hosts, "
+                         "a quorum's members change; use exchange=mesh or auto")

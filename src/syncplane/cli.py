@@ -1,4 +1,4 @@
-"""``syncplane`` command line: info, build-ext, emulate, bench, compare, chaos, soak, simulate."""
+"""``syncplane`` command line: info, build-ext, emulate, bench, compare, chaos, soak, plan, simulate."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for col in ("strategy", "predicted s", "bound s", "net bound s", "net ratio", "vs ddp"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     rows = {}
-    for name in names:     # a label: NAME or NAME[key=value,...] (diloco[replica=node,shards=2])
+    for name in names:     # a label: NAME or NAME[key=value,...] (diloco[replica=node,streams=2])
         base, settings = variant(name)
         if base in PLANNED:
             rows[name] = None
@@ -249,7 +249,7 @@ def check_bench_args(args: argparse.Namespace) -> Any:
     if unsupported or (args.shards, args.compression, args.pair_streams, args.exchange, args.density,
                        args.bits) != (1, "none", "auto", "auto", 0.02, 2):
         raise ConfigError(f"bench --matrix runs each strategy as train.py does (its defaults); not with "
-                          f"{', '.join(unsupported) or '--shards/--compression/--density/--bits/--pair-streams/--exchange'}")
+                          f"{', '.join(unsupported) or '--streams/--compression/--density/--bits/--pair-streams/--exchange'}")
     names = [c.strip() for c in (args.clusters or args.cluster or ",".join(shipped_profiles())).split(",") if c.strip()]
     if not names:
         raise ConfigError("bench --matrix: --clusters is empty")
@@ -444,8 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="steps per round of the periodic algorithms: DiLoCo's H (sync_every) and the "
                             "period of torch_periodic / torch_hierarchical. Default: each one's own (diloco's "
                             "sync_every; torch's averagers 4); the table's title and the JSON say which")
-    bench.add_argument("--shards", type=int, default=1,
-                       help="diloco: concurrent gloo streams (shards) for the exchange of Δ")
+    bench.add_argument("--streams", "--shards", dest="shards", type=int, default=1,
+                       help="diloco: concurrent gloo streams for the exchange of Δ (--shards: the old name; a "
+                            "row's own diloco[streams=S] wins)")
     bench.add_argument("--pair-streams", default="auto",
                        help="ds_sync: TCP connections per direction of a two-rank group, or auto "
                             "(timed at setup, as the strategy does by default)")
@@ -558,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cpu", choices=["emulated", "host", "none"],
                       help="the ranks' CPU work (codecs, torch's hooks), measured on this machine: every rank on its "
                            "cores (emulated; the default with --cluster), each host's ranks on cores like its own "
-                           "(host; the default with --probe under a launcher), or not priced (none: GPU jobs)")
+                           "(host; the default with --probe under a launcher), or not priced (none: GPU jobs whose "
+                           "strategies encode on the GPU; canary and diloco encode on the host even there)")
     plan.add_argument("--top", type=int, default=None, help="rows per class in the table (default: all)")
     plan.add_argument("--json", help="also write the plan here")
     plan.add_argument("--png", help="chart path (default: next to --json)")
@@ -568,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--cluster", required=True, help="shipped profile name or YAML path (the template)")
     simulate.add_argument("--strategies", default="ddp",
                           help="comma-separated strategy names; NAME[key=value,...] prices one with settings of "
-                               "its own (shards, exchange, compression, replica, sync_every)")
+                               "its own (streams, exchange, compression, replica, sync_every)")
     simulate.add_argument("--payload-mb", default="resnet50")
     simulate.add_argument("--racks", type=int, help="scale the template to this many racks")
     simulate.add_argument("--hosts-per-rack", type=int, help="and this many hosts per rack")
@@ -581,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "their per-step cost is one round's divided by it. Default: each one's own "
                                "(diloco's sync_every; torch's averagers 4); the table's title says which")
     simulate.add_argument("--streams", type=int, default=1,
-                          help="parallel connections of the multi-stream algorithms (DiLoCo's shards, "
+                          help="parallel connections of the multi-stream algorithms (DiLoCo's streams, "
                                "DS-Sync's pair streams; Canary opens one per NIC)")
     simulate.add_argument("--exchange", default="auto", choices=EXCHANGE_CHOICES,
                           help=EXCHANGE_HELP)

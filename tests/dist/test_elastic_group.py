@@ -1,6 +1,7 @@
 """``syncplane.algorithms.diloco.ft`` on real processes: two replicas form a torchft quorum through a
-Lighthouse on loopback, average a seeded tensor (checked against a float64 mean), vote to
-commit, and the quorum service and each replica's RPC server listen on loopback only."""
+Lighthouse on loopback, average a seeded tensor over the quorum's store (the engine's exchange,
+``elastic.QuorumTransport``; checked against a float64 mean), vote to commit, and the quorum
+service, each replica's RPC server and the exchange's gloo pairs listen on loopback only."""
 
 from __future__ import annotations
 
@@ -49,21 +50,29 @@ _LOOPBACK = {"0100007F", "00000000000000000000000001000000"}   # 127.0.0.1, ::1 
 
 
 def _replica(rank: int, world: int, lighthouse: str) -> dict[str, object]:
+    from syncplane.algorithms.diloco.elastic import QuorumTransport
+    from syncplane.comm.codecs import Fp32
+    from syncplane.exchanges import MeshExchange
+
     state = {"x": torch.zeros(1)}
     group = elastic.ReplicaGroup(f"replica{rank}", lighthouse, lambda: state, lambda s: state.update(s),
                                  round_timeout_s=20, quorum_timeout_s=60)
+    transport = QuorumTransport(group.host, 20.0)
+    exchanger = transport.runner(MeshExchange(2), codec=Fp32(), interfaces=None, timeout_s=20.0,
+                                 error_feedback_beta=1.0)
     try:
-        view = group.quorum()
+        view = transport.view = group.quorum()
         flat = _values(rank).float()
-        averaged = group.allreduce_mean_(flat)
+        averaged = exchanger.allreduce_mean_(flat)
         committed = group.commit()
-        return {"participants": view.participants, "averaged": averaged, "committed": committed,
+        return {"participants": view.participants, "rank": view.rank, "averaged": averaged, "committed": committed,
                 "mean": flat.double(),
                 # torch's TCPStore server (torchft's rendezvous for the replica gloo group) binds every
                 # interface whatever host it is given: a torch limitation, left out here and documented
                 # (the test harness's own store, on MASTER_PORT, too)
                 "listening": _listening_addresses(os.getpid(), (group._store.port, int(os.environ["MASTER_PORT"])))}
     finally:
+        exchanger.close()
         group.close()
 
 
@@ -80,3 +89,4 @@ def test_two_replicas_form_a_quorum_and_average_on_loopback() -> None:
         torch.testing.assert_close(r["mean"], reference, rtol=1e-6, atol=1e-6)
         # the replica's manager RPC server and gloo pairs: on loopback
         assert r["listening"] and set(r["listening"]) <= _LOOPBACK, r["listening"]
+    assert sorted(r["rank"] for r in results) == [0, 1]

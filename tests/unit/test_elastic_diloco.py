@@ -1,9 +1,8 @@
-"""Elastic DiLoCo's engine (``syncplane.algorithms.diloco.elastic``) against an in-process
-transport: replicas are threads meeting at barriers (the real transport, torchft's quorum,
-is tested with real processes in tests/dist/test_elastic_group.py and tests/e2e/test_elastic.py).
-
-The reference is DiLoCo's outer step written out in float64 (SGD, Nesterov momentum):
-``b ← μ·b + Δ̄``, ``θ_g ← θ_g − lr·(Δ̄ + μ·b)``.
+"""Elastic DiLoCo's membership (``syncplane.algorithms.diloco.elastic.Membership``) against an
+in-process torchft group: the vote at a boundary, a heal and what it carries, a peer with other
+settings refused, the fingerprint on disk; and the launcher's elastic mode. The round itself is
+``DiLoCoEngine``'s over the quorum, on real processes: tests/dist/test_elastic_engine.py; torchft's
+quorum: tests/dist/test_elastic_group.py and tests/e2e/test_elastic.py.
 """
 
 from __future__ import annotations
@@ -12,191 +11,128 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from syncplane.algorithms.diloco.elastic import (
-    ElasticOuter,
     JobFingerprint,
+    Membership,
+    QuorumTransport,
     ReplicaMismatch,
     differences,
     fingerprint,
 )
-from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.ft import check_bind_host
+from syncplane.algorithms.diloco.streaming import FragmentedOuter
 from syncplane.runtime.launcher import LaunchError, launch, local_ranks
 
 SEED = 1234
-LR, MU = 0.7, 0.9
 
 
-class LockstepGroup:
-    """Replicas as threads: every phase is a barrier among the current members; ``lose``
-    takes a member out during a round (its peers' average then fails, as a dead peer's would)."""
+class FakeGroup:
+    """torchft's side as ``Membership`` sees it: a quorum (healing from ``peer`` when its step is
+    ahead, as torchft's rule), the error report and the commit vote that advances the step."""
 
-    def __init__(self, members: list[int]) -> None:
-        self.members = list(members)
-        self.barrier = threading.Barrier(len(members))
-        self.values: dict[int, torch.Tensor] = {}
-        self.failed_round = False
-        self.quorum_id = 0
-        self.engines: dict[int, ElasticOuter] = {}
-        self.lock = threading.Lock()
+    host = "127.0.0.1"
 
-    def transport(self, replica: int) -> "LockstepTransport":
-        return LockstepTransport(self, replica)
-
-
-class LockstepTransport:
-    def __init__(self, group: LockstepGroup, replica: int) -> None:
-        self.group, self.replica = group, replica
+    def __init__(self, membership: Membership, peer: Membership | None = None, peer_step: int = 0) -> None:
+        self.membership, self.peer, self.peer_step = membership, peer, peer_step
+        self.step, self.errors, self.quorums = 0, [], 0
 
     def quorum(self) -> Any:
-        g = self.group
-        g.barrier.wait()
-        if self.replica == g.members[0]:
-            g.quorum_id += 1
-            g.failed_round = False
-        g.barrier.wait()
-        # heal from the most advanced member if behind (torchft's rule: step < max step)
-        ahead = max(g.members, key=lambda r: g.engines[r].position)
-        me = g.engines[self.replica]
-        if g.engines[ahead].position > me.position:
-            me.load_state_dict(g.engines[ahead].state_dict())
-        g.barrier.wait()
+        self.quorums += 1
+        if self.peer is not None and self.peer_step > self.step:
+            self.membership.load_state_dict(self.peer.state_dict())
+            self.step = self.peer_step
+        return SimpleNamespace(quorum_id=self.quorums, participants=2 if self.peer else 1, step=self.step, rank=0,
+                               store_addr="")
 
-        class View:
-            quorum_id, participants, step = g.quorum_id, len(g.members), me.position
-        return View()
-
-    def allreduce_mean_(self, flat: torch.Tensor) -> bool:
-        g = self.group
-        with g.lock:
-            g.values[self.replica] = flat.clone()
-        g.barrier.wait()
-        ok = not g.failed_round
-        mean = torch.stack([g.values[r] for r in g.members]).mean(0)
-        g.barrier.wait()
-        if ok:
-            flat.copy_(mean)
-        return ok
+    def report_error(self, exc: Exception) -> None:
+        self.errors.append(exc)
 
     def commit(self) -> bool:
-        return not self.group.failed_round
+        ok = not self.errors
+        self.step += ok
+        self.errors = []
+        return ok
+
+    def set_step(self, step: int) -> None:
+        self.step = step
 
     def close(self) -> None:
         pass
 
 
-def _engine(n: int, total_rounds: int, events: list[dict[str, Any]] | None = None,
-            sync_every: int = 5) -> ElasticOuter:
+def _membership(n: int = 32, sync_every: int = 5, events: list | None = None,
+                total: int = 10) -> tuple[Membership, FragmentedOuter]:
     torch.manual_seed(SEED)
-    theta0 = torch.randn(n)
-    fp = fingerprint(n, sync_every, "torch.optim.SGD", None, [(n,)])
-    return ElasticOuter(OuterOptimizer(theta0, pin=False), fp, total_rounds,
-                        on_event=None if events is None else events.append)
+    flat = torch.randn(n)
+    outer = FragmentedOuter(flat, n, 2, sync_every, "torch.optim.SGD", None, pin=False)
+    fp = fingerprint(n, sync_every, "torch.optim.SGD", None, [(n,)], {"fragments": 2})
+    membership = Membership(QuorumTransport("127.0.0.1", 5.0), fp, total, outer.state_dict, outer.load_state_dict,
+                            on_event=None if events is None else events.append)
+    return membership, outer
 
 
-def _reference(theta0: torch.Tensor, deltas_per_round: list[torch.Tensor]) -> torch.Tensor:
-    theta, buf = theta0.double().clone(), None
-    for mean_delta in deltas_per_round:
-        g = mean_delta.double()
-        buf = g.clone() if buf is None else MU * buf + g
-        theta = theta - LR * (g + MU * buf)
-    return theta
+def _advance(outer: FragmentedOuter, gen: torch.Generator) -> None:
+    """A committed round of each fragment, averaging to a random Δ."""
+    for p in range(2):
+        outer.flat.copy_(torch.randn(outer.flat.numel(), generator=gen))
+        outer.launch(p, lambda flat, _: True, due=0, background=False)
+        outer.pop(p)
 
 
-def test_rounds_match_the_outer_step_reference_and_replicas_agree() -> None:
-    n, replicas, rounds = 64, 3, 3
-    gen = torch.Generator().manual_seed(SEED)
-    locals_ = [[torch.randn(n, generator=gen) for _ in range(replicas)] for _ in range(rounds)]
-    group = LockstepGroup(list(range(replicas)))
-    for r in range(replicas):
-        group.engines[r] = _engine(n, rounds)
-    theta0 = group.engines[0].outer.params.clone()
-    results: dict[int, torch.Tensor] = {}
-
-    def run(r: int) -> None:
-        eng = group.engines[r]
-        eng.join(group.transport(r))
-        for k in range(rounds):
-            flat = locals_[k][r].clone()
-            assert eng.round_(flat)
-        results[r] = eng.outer.params.clone()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(replicas)]
-    [t.start() for t in threads]
-    [t.join(timeout=30) for t in threads]
-    # θ_g after each round feeds the next Δ = θ_g − θ_local: rebuild that in float64
-    theta, history = theta0.double(), []
-    for k in range(rounds):
-        mean_delta = torch.stack([theta - x.double() for x in locals_[k]]).mean(0)
-        history.append(mean_delta)
-        theta = _reference(theta0, history)
-    for r in range(replicas):
-        torch.testing.assert_close(results[r].double(), theta, rtol=1e-5, atol=1e-5)
-        assert group.engines[r].stats.committed == rounds and group.engines[r].done
+def test_an_unknown_outcome_votes_against_the_commit_and_a_clean_period_commits() -> None:
+    membership, _ = _membership()
+    group = FakeGroup(membership)
+    membership.join(group)
+    membership.boundary()
+    assert (group.step, membership.position) == (1, 1)
+    membership.transport.uncertain = RuntimeError("the agreement broke off")
+    membership.boundary()
+    # the step stays behind (a peer that committed heals this replica at the next quorum), the job goes on
+    assert (group.step, membership.position) == (1, 2) and membership.transport.uncertain is None
+    membership.record(False)
+    assert membership.stats.as_dict()["rounds_discarded"] == 1
 
 
-def test_a_failed_round_is_discarded_everywhere_and_theta_is_unchanged() -> None:
-    n = 16
+def test_a_committed_round_carries_the_work_of_its_fragments_discarded_rounds() -> None:
     events: list[dict[str, Any]] = []
-    group = LockstepGroup([0, 1])
-    group.engines = {0: _engine(n, 2, events), 1: _engine(n, 2)}
-    before = group.engines[0].outer.params.clone()
-    flats: dict[int, torch.Tensor] = {}
-
-    def run(r: int) -> None:
-        eng = group.engines[r]
-        eng.join(group.transport(r))
-        group.failed_round = True   # a peer was lost in this round
-        flats[r] = torch.zeros(n)
-        assert not eng.round_(flats[r])
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    [t.start() for t in threads]
-    [t.join(timeout=30) for t in threads]
-    eng = group.engines[0]
-    torch.testing.assert_close(eng.outer.params, before)          # no outer step
-    torch.testing.assert_close(flats[0], before)                  # the head holds Δ = θ_g − 0
-    assert eng.stats.discarded == 1 and eng.stats.committed == 0 and eng.position == 1
-    assert any(e["event"] == "discarded" for e in events)
+    membership, _ = _membership(events=events)
+    for committed, fragment in [(False, 0), (True, 1), (True, 0), (True, 0)]:
+        membership.record(committed, fragment, fragments=2)
+    assert [e["weight"] for e in events if e["event"] == "round"] == [0.0, 0.5, 1.0, 0.5]
 
 
-def test_a_late_replica_heals_theta_momentum_and_position_from_a_peer() -> None:
-    n = 32
+def test_a_late_replica_heals_every_fragments_theta_and_momentum_and_the_position_from_a_peer() -> None:
     events: list[dict[str, Any]] = []
-    peer, joiner = _engine(n, 10), _engine(n, 10, events)
+    peer, peer_outer = _membership()
+    joiner, joiner_outer = _membership(events=events)
     gen = torch.Generator().manual_seed(SEED)
-    # the peer has done two rounds alone
-    solo = LockstepGroup([0])
-    solo.engines = {0: peer}
-    peer.join(solo.transport(0))
-    for _ in range(2):
-        assert peer.round_(torch.randn(n, generator=gen))
-    group = LockstepGroup([0, 1])
-    group.engines = {0: peer, 1: joiner}
-    threads = [threading.Thread(target=lambda: peer._next_quorum()),
-               threading.Thread(target=lambda: joiner.join(group.transport(1)))]
-    peer.transport = group.transport(0)
-    [t.start() for t in threads]
-    [t.join(timeout=30) for t in threads]
-    torch.testing.assert_close(joiner.outer.params, peer.outer.params)
-    assert joiner.position == peer.position == 2
-    mom_peer = peer.outer.optimizer.state_dict()["state"][0]["momentum_buffer"]
-    mom_joiner = joiner.outer.optimizer.state_dict()["state"][0]["momentum_buffer"]
-    torch.testing.assert_close(mom_joiner, mom_peer)
-    assert joiner.healed and joiner.stats.heals[0]["bytes"] >= 2 * n * 4
+    peer.join(FakeGroup(peer))
+    for _ in range(3):   # the peer has gone three periods alone
+        _advance(peer_outer, gen)
+        peer.record(True)
+        peer.record(True)
+        peer.boundary()
+    joiner.join(FakeGroup(joiner, peer, peer_step=3))
+    assert joiner.healed and joiner.position == peer.position == 3
+    torch.testing.assert_close(joiner_outer.params, peer_outer.params)
+    for mine, theirs in zip(joiner_outer.outers, peer_outer.outers):
+        mom = [o.optimizer.state_dict()["state"][0]["momentum_buffer"] for o in (mine, theirs)]
+        torch.testing.assert_close(*mom)
+    assert joiner.stats.committed == 6 and joiner.stats.heals[0]["bytes"] >= 2 * 32 * 4
     kinds = [e["event"] for e in events]
     assert "heal" in kinds and "membership" in kinds
 
 
 def test_heal_from_a_peer_with_other_settings_is_refused_naming_the_field() -> None:
-    peer, other = _engine(8, 4, sync_every=5), _engine(8, 4, sync_every=7)
+    peer, _ = _membership(sync_every=5)
+    other, _ = _membership(sync_every=7)
     with pytest.raises(ReplicaMismatch, match="sync_every: the job has 5, this replica has 7"):
         other.load_state_dict(peer.state_dict())
 
@@ -262,8 +198,7 @@ def test_launcher_elastic_job_fails_only_when_no_replica_finishes(tmp_path: Path
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"strategy": {"kwargs": {"fragments": 2, "sync_every": 4}}}, "elastic=true supports fragments=1 only, got fragments=2"),
-    ({"strategy": {"kwargs": {"compression": "int8"}}}, "supports compression=none only, got compression=int8"),
+    ({"strategy": {"kwargs": {"exchange": "tree"}}}, "exchange=tree with elastic=true"),
     ({"strategy": {"kwargs": {"lighthouse_host": "0.0.0.0"}}}, "would listen on every interface"),
     ({"strategy": {"kwargs": {"round_timeout_s": 0}}}, "round_timeout_s must be positive, got 0"),
     ({"trainer": {"max_restarts": -1}}, "max_restarts: must be >= 0, got -1"),
@@ -317,5 +252,10 @@ def test_diloco_with_elastic_true_builds_the_elastic_strategy_and_the_modes_do_n
     assert type(elastic) is ElasticDiLoCo and elastic.elastic and elastic.round_timeout_s == 30.0
     with pytest.raises(ValueError, match="elastic=False on ElasticDiLoCo"):
         ElasticDiLoCo(sync_every=4)
-    with pytest.raises(ValueError, match="supports streams=1 only"):
-        DiLoCo(sync_every=4, elastic=True, streams=2)
+    assert DiLoCo(sync_every=4, elastic=True, streams=2, compression="int8").config.streams == 2
+    with pytest.raises(ValueError, match="exchange=tree with elastic=true"):
+        DiLoCo(sync_every=4, elastic=True, exchange="tree")
+    # membership=quorum: its own loop still (fp32 plain rounds)
+    assert type(DiLoCo(sync_every=4, elastic=True, membership="quorum")).__name__ == "QuorumDiLoCo"
+    with pytest.raises(ValueError, match="membership=quorum supports compression=none only"):
+        DiLoCo(sync_every=4, elastic=True, membership="quorum", compression="int8")

@@ -51,7 +51,7 @@ BAD_STRATEGY_VALUES: dict[str, dict[str, Any]] = {
                "lighthouse_host": "", "replica": "cluster",
                "inner": "fsdp",   # inner=fsdp with replica=rank
                "inner_steps": "sometimes", "round_budget_s": -1.0, "time_weighting": "fednovo",
-               "time_samples": "deal"},
+               "time_samples": "deal", "membership": "sometimes", "min_replicas": 0, "grace_s": 0},
     "ds_sync": {"topology": "two_racks", "adjust_every": -1, "imbalance": 0.5, "slow_factor": 2, "probe_mb": 0,
                 "ema": "x", "ema_decay": 2, "pair_streams": 0,      # two_racks has 8 ranks, the job 2
                 "max_staleness": -1, "late_after_s": -0.5},

@@ -24,6 +24,9 @@ DATA_DIRS = ("docs/matrix/", "docs/compare/")
 #: Pages over the length limit, and why (each an open piece of work, not a permanent exemption).
 LONG_PENDING: dict[str, str] = {}
 MAX_LINES, MAX_RESULTS_LINES = 250, 400
+#: README and every page a reader reads (the results page included; the references generated
+#: from the code and the data folders are looked up, not read), in all
+MAX_TOTAL_LINES = 4000
 
 
 def _where(path: Path) -> str:
@@ -86,6 +89,13 @@ def test_pages_are_short(page):
     if where in LONG_PENDING:
         pytest.skip(f"{where}: {lines} lines, {LONG_PENDING[where]}")
     assert lines <= limit, f"{where} has {lines} lines (at most {limit})"
+
+
+def test_the_docs_are_short_in_all():
+    pages = GUIDES + [ROOT / "docs" / "benchmarks.md"]
+    counted = [p for p in pages if not _where(p).startswith("docs/reference/")]
+    total = sum(len(p.read_text().splitlines()) for p in counted)
+    assert total <= MAX_TOTAL_LINES, f"README and docs/ have {total} lines (at most {MAX_TOTAL_LINES})"
 
 
 def test_a_new_json_file_is_one_function(tmp_path, monkeypatch):
@@ -154,3 +164,23 @@ def test_yaml_keys_carry_their_comments(tmp_path):
     assert reference_docs.yaml_keys(path) == [("name", "x", ""), ("kwargs.a", "1", "the a"),
                                               ("kwargs.b", "auto", "the b, continued")]
     assert reference_docs.commented_keys(path) == {"s": "delay in steps"}
+
+
+def test_the_faults_block_spans_every_strategys_launcher_exit(tmp_path, monkeypatch):
+    data = {"title": "Faults: t", "created": "2026-01-02", "command": "syncplane chaos --matrix",
+            "columns": ["strategy", "kill", "stop"],
+            "rows": [["`ddp`", "6.5 / 8.4 (3/3)", "14.2 / 18.7 (3/3)"],
+                     ["`diloco`", "14.3 / 16.3 (3/3)", "17.4 / 21.7 (3/3)"]]}
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "faults.json").write_text(json.dumps(data))
+    monkeypatch.setattr(results, "DOCS", tmp_path)
+    line = results.render_block("faults")
+    assert "kill 8.4–16.3 s, stop 18.7–21.7 s" in line and "2026-01-02" in line
+
+
+def test_a_hand_edited_fault_time_is_rewritten():
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    assert results.fill_blocks(text, ROOT / "docs" / "troubleshooting.md") == text
+    block = results.BLOCK.search(text[text.index("<!-- results:faults -->"):])
+    wrong = text.replace(block.group("body"), block.group("body").replace(" s,", "9 s,", 1), 1)
+    assert results.fill_blocks(wrong, ROOT / "docs" / "troubleshooting.md") != wrong

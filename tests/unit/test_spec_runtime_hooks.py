@@ -27,7 +27,7 @@ def job(tmp_path: Path, kwargs: dict[str, Any], **top: Any) -> Any:
 def test_an_elastic_job_is_launched_by_its_spec_and_others_are_not(tmp_path: Path) -> None:
     elastic = job(tmp_path, {"elastic": True, "join_timeout_s": 7, "lighthouse_host": "127.0.0.2"})
     assert elastic.elastic and elastic.elastic_launch is SPEC.elastic
-    assert elastic.elastic_launch.timeouts(elastic.strategy.kwargs) == {"join_timeout_s": 7.0,
+    assert elastic.elastic_launch.timeouts(elastic.strategy.kwargs) == {"min_replicas": 1, "join_timeout_s": 7.0,
                                                                          "heartbeat_timeout_s": 5.0}
     assert elastic.elastic_launch.bind(elastic.strategy.kwargs) == "127.0.0.2"
     assert not job(tmp_path, {"elastic": False}).elastic and not job(tmp_path, {}).elastic
@@ -39,8 +39,9 @@ def test_an_elastic_job_is_launched_by_its_spec_and_others_are_not(tmp_path: Pat
 def test_the_launch_checks_refuse_what_they_refused_in_the_runtime(tmp_path: Path) -> None:
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"^resume: an elastic job does not resume from a checkpoint"):
-        job(tmp_path, {"elastic": True}, resume=str(checkpoint))
+    assert job(tmp_path, {"elastic": True}, resume=str(checkpoint)).resume == str(checkpoint)   # elastic resumes
+    with pytest.raises(ConfigError, match=r"^resume: membership=quorum does not resume"):
+        job(tmp_path, {"elastic": True, "membership": "quorum"}, resume=str(checkpoint))
     with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1: only elastic jobs \(strategy=diloco "
                                           r"strategy.kwargs.elastic=true\) restart a failed rank"):
         job(tmp_path, {}, trainer={"max_restarts": 1})

@@ -106,8 +106,8 @@ class ElasticLaunch:
         setting: how a user asks for it, for messages (``strategy.kwargs.elastic=true``).
         start: (the one address to bind, keywords ``min_replicas``, ``join_timeout_s``,
             ``heartbeat_timeout_s``) -> the service, running in this process.
-        timeouts: the strategy's kwargs -> the ``join_timeout_s`` / ``heartbeat_timeout_s`` the
-            service runs with.
+        timeouts: the strategy's kwargs -> the keywords of ``start`` the service runs with
+            (``min_replicas``, ``join_timeout_s``, ``heartbeat_timeout_s``: its membership rule).
         bind: the strategy's kwargs -> the address a local job's service binds (an emulated
             cluster's binds host 0's first NIC).
     """

@@ -366,7 +366,7 @@ def main_bench(cluster: str, strategies: str, payload: str, steps: int, warmup: 
     if period is not None and period < 1:
         raise ConfigError(f"--period: must be at least 1, got {period}")
     if shards < 1:
-        raise ConfigError(f"--shards: must be at least 1, got {shards}")
+        raise ConfigError(f"--streams: must be at least 1, got {shards}")
     try:
         streams = check_pair_streams(pair_streams if pair_streams == "auto" else int(pair_streams))
     except ValueError:

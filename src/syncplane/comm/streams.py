@@ -184,23 +184,35 @@ class StreamRunner:
             only they construct it. Several runners over different members (DiLoCo's
             shard groups across node replicas) need the same ``key`` on their members:
             take it from ``reserve_key`` on every rank.
-        key: the store prefix of a runner over ``members`` (required with them).
+        key: the store prefix of a runner over ``members`` or ``place`` (required with them).
+        place: ``(store, rank, size)`` of a group that is not the default one (an elastic
+            quorum's: its store, this member's rank in it, its size); no default group needed.
+        hostname: the address the groups bind where no ``interfaces`` are given (default: gloo's
+            default device).
+        rebuild: after a failed round, build the data groups again (a fixed set of ranks);
+            False: close them instead (a quorum's runner is replaced at the next quorum, and
+            rebuilding with a lost member would wait for it).
     """
 
     def __init__(self, exchange: StreamExchange, *, codec: Codec | None = None,
                  interfaces: Sequence[str] | None = None, timeout_s: float = 600.0,
                  error_feedback_beta: float = 1.0, members: Sequence[int] | None = None,
-                 key: str | None = None) -> None:
+                 key: str | None = None, place: tuple[dist.Store, int, int] | None = None,
+                 hostname: str | None = None, rebuild: bool = True) -> None:
         global _instances
-        if not dist.is_initialized():
-            raise RuntimeError("StreamRunner needs an initialized default process group")
+        if place is None and not dist.is_initialized():
+            raise RuntimeError("StreamRunner needs an initialized default process group (or a place)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.codec: Codec = codec if codec is not None else Fp32()
         if exchange.feedback_slots == 0 and not isinstance(self.codec, Fp32):
             raise ValueError(f"the {type(exchange).__name__} carries exact fp32 only; codec "
                              f"{type(self.codec).__name__} needs an exchange that compresses (the mesh)")
-        if members is None:
+        if place is not None:
+            if key is None:
+                raise ValueError("a StreamRunner on a place needs a key (its store prefix)")
+            self.rank, self.size, self._id = place[1], place[2], key
+        elif members is None:
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             self._id, _instances = str(_instances), _instances + 1
         else:
@@ -216,7 +228,8 @@ class StreamRunner:
         self.failures = 0
         self.last_error: str | None = None
         self._generation = 0
-        self._store = distributed_c10d._get_default_store()
+        self._rebuilds, self._hostname = rebuild, hostname
+        self._store = place[0] if place is not None else distributed_c10d._get_default_store()
         first = self.interfaces[0] if self.interfaces else None
         # the control group outlives a data round that times out: give it room to wait for it
         self._control: dist.ProcessGroupGloo | None = self._group("control", first, 2 * timeout_s + 60)
@@ -235,6 +248,11 @@ class StreamRunner:
     @property
     def streams(self) -> int:
         return self.exchange.streams
+
+    @property
+    def closed(self) -> bool:
+        """Closed (``close``, or a failed round of a runner that does not rebuild)."""
+        return self._control is None
 
     # ------------------------------------------------------------------ public
 
@@ -279,7 +297,12 @@ class StreamRunner:
             self.last_error = f"{type(exc).__name__}: {exc}"
             refused = None if isinstance(exc, RuntimeError) else exc
         with round_.phase("agree"):
-            committed = decide(ok)
+            try:
+                committed = decide(ok)
+            except RuntimeError:   # the outcome is unknown here: the residuals go back, the caller decides
+                undo.restore()
+                self._inflight.clear()
+                raise
         if meter is not None:
             meter.record(start, time.perf_counter(), sent)
         if committed:
@@ -293,7 +316,10 @@ class StreamRunner:
             return True
         undo.restore()
         self.failures += 1
-        self._rebuild()
+        if self._rebuilds:
+            self._rebuild()
+        else:
+            self.close()
         self._inflight.clear()
         self._workspace = {}     # fresh buffers after a failed round: a late message may still land in the old
         if refused is not None:
@@ -343,8 +369,12 @@ class StreamRunner:
     def _group(self, name: str, interface: str | None, timeout_s: float) -> dist.ProcessGroupGloo:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        device = (dist.ProcessGroupGloo.create_device(interface=interface) if interface
-                  else dist.ProcessGroupGloo.create_default_device())
+        if interface:
+            device = dist.ProcessGroupGloo.create_device(interface=interface)
+        elif self._hostname:
+            device = dist.ProcessGroupGloo.create_device(hostname=self._hostname)
+        else:
+            device = dist.ProcessGroupGloo.create_default_device()
         options._devices = [device]
         prefix = f"syncplane/sharded/{self._id}/{self._generation}/{name}"
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), self.rank, self.size, options)

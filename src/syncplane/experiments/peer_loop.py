@@ -137,7 +137,7 @@ class TorchftDiLoCoSync(Sync):
         super().__init__(cfg, rank, world)
         import torch.distributed as dist
         from torchft import Manager, ProcessGroupGloo
-        from torchft._torchft import LighthouseServer
+        from torchft.coordination import LighthouseServer
 
         from datetime import timedelta
 

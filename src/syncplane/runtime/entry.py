@@ -110,6 +110,7 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
     replicas = spec.trainer.devices
     (run_dir / "elastic_fingerprint.json").unlink(missing_ok=True)
     shutil.rmtree(run_dir / "elastic_ready", ignore_errors=True)
+    shutil.rmtree(run_dir / "elastic_rounds", ignore_errors=True)
     (run_dir / "elastic_done").unlink(missing_ok=True)
     with contextlib.ExitStack() as stack:
         if spec.cluster is None:

@@ -173,12 +173,19 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
 def _as_replica(spec: JobSpec, replica: int, restart: int) -> JobSpec:
     """An elastic replica is a Lightning job of one process: replica 0 writes the job's
     summary and history in the run folder, the others their own in ``replica<i>/``; a
-    restarted replica rendezvouses (with itself) on a fresh file store."""
+    restarted replica rendezvouses (with itself) on a fresh file store. ``resume`` names replica
+    0's checkpoint (``<run>/checkpoints/x.ckpt``): replica i resumes from its own beside it
+    (``<run>/replica<i>/checkpoints/x.ckpt``) where that exists, else from replica 0's."""
     if restart:
         os.environ[rendezvous.FILE_ENV] = f"{os.environ[rendezvous.FILE_ENV]}.restart{restart}"
     if replica == 0:
         return spec
-    return dataclasses.replace(spec, run_dir=str(Path(spec.run_dir) / f"replica{replica}"))
+    resume = spec.resume
+    if resume is not None:
+        given = Path(resume)
+        own = given.parent.parent / f"replica{replica}" / given.parent.name / given.name
+        resume = str(own) if own.is_file() else resume
+    return dataclasses.replace(spec, run_dir=str(Path(spec.run_dir) / f"replica{replica}"), resume=resume)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,8 @@ def mixes_racks(hierarchy: str, profile: ClusterProfile | None, max_staleness: i
     """Whether ``atc``/``awc`` mix racks as ``h_atc``/``h_awc`` do (average inside each rack,
     one-peer schedule over racks) instead of ranks: ``auto`` does where the job's cluster
     profile has several racks and some rack holds several ranks. Flat gossip over the ranks
-    puts 1, 2, 4, ... flows of the whole payload on an uplink at once and was measured at
-    0.57-0.70x DDP on ``two_racks``, the rack mixing at 1.23-1.39x (docs/design-notes.md).
+    puts 1, 2, 4, ... flows of the whole payload on an uplink at once and was measured slower
+    than DDP on ``two_racks``, the rack mixing faster (docs/design-notes.md: the command).
     ``max_staleness`` keeps the flat form (the rack mixing cannot go on without a late
     machine). Pure: every rank, and the launcher, decide alike from the same profile."""
     if hierarchy not in HIERARCHIES:

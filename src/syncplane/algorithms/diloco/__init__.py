@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from syncplane.algorithms.diloco.bench import DiLoCoStep, NodeStep
+from syncplane.algorithms.diloco.bench import DiLoCoStep, NodeStep, stream_count
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import (EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_cpu_work,
                                                 exchange_phases)
@@ -98,14 +98,26 @@ def _elastic(kwargs: Mapping[str, Any]) -> bool:
 
 def _check_launch(name: str, kwargs: Mapping[str, Any], launch: LaunchSettings) -> None:
     """An elastic job's quorum service binds host 0's first NIC on an emulated cluster (no
-    ``lighthouse_host`` there), and its replicas heal from a live peer (no ``resume``)."""
+    ``lighthouse_host`` there); ``membership=quorum``'s replicas heal from a live peer (no ``resume``)."""
     if not _elastic(kwargs):
         return
     if launch.emulated and kwargs.get("lighthouse_host", "127.0.0.1") != "127.0.0.1":
         raise ConfigError(f"strategy.kwargs.lighthouse_host={kwargs['lighthouse_host']}: on an emulated cluster the "
                           "quorum service runs on host 0 and binds its first NIC; leave lighthouse_host unset")
-    if launch.resume is not None:
-        raise ConfigError("resume: an elastic job does not resume from a checkpoint (replicas heal from a live peer)")
+    if launch.resume is not None and kwargs.get("membership") == "quorum":
+        raise ConfigError("resume: membership=quorum does not resume from a checkpoint (its replicas heal from a "
+                          "live peer); membership=fixed does")
+
+
+def lighthouse_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The Lighthouse's settings for ``membership``: ``fixed`` waits ``join_timeout_s`` for every
+    live replica (one is enough to start); ``quorum`` opens a window of ``grace_s`` (torchft's join
+    timeout, counted from the first replica in) once ``min_replicas`` are in."""
+    quorum = kwargs.get("membership", DiLoCoConfig.membership) == "quorum"
+    return {"min_replicas": int(kwargs.get("min_replicas", DiLoCoConfig.min_replicas)) if quorum else 1,
+            "join_timeout_s": float(kwargs.get("grace_s", DiLoCoConfig.grace_s) if quorum
+                                    else kwargs.get("join_timeout_s", 60.0)),
+            "heartbeat_timeout_s": float(kwargs.get("heartbeat_timeout_s", 5.0))}
 
 
 def _start_lighthouse(host: str, **options: Any) -> QuorumService:
@@ -120,8 +132,7 @@ ELASTIC = ElasticLaunch(
     enabled=_elastic,
     setting="strategy.kwargs.elastic=true",
     start=_start_lighthouse,
-    timeouts=lambda kwargs: {"join_timeout_s": float(kwargs.get("join_timeout_s", 60.0)),
-                             "heartbeat_timeout_s": float(kwargs.get("heartbeat_timeout_s", 5.0))},
+    timeouts=lambda kwargs: lighthouse_options(kwargs),
     bind=lambda kwargs: str(kwargs.get("lighthouse_host", "127.0.0.1")),
 )
 
@@ -152,7 +163,7 @@ SPEC = AlgorithmSpec(
     cost=diloco_cost,
     periodic=True,
     default_period={"diloco": DiLoCoConfig.sync_every},   # H as train.py's strategy=diloco runs it
-    streams=lambda options: int(options.get("streams", options.get("shards", 1))),
+    streams=stream_count,
     pattern=_pattern,
     check_job=_check_job,
     # the plan's candidates: S streams x the exchange of Δ (the gather carries the sparse codec), and a node

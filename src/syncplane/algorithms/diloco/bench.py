@@ -21,9 +21,16 @@ from syncplane.exchanges import offered
 from syncplane.job import JobContext
 
 
+def stream_count(options: Mapping[str, Any]) -> int:
+    """S of a bench or cost row: its own ``streams`` (``diloco[streams=4]``), else the command's
+    ``--streams`` (the spec's ``shards``, its old name), else 1. The bench's measurement and its
+    prediction both read it here, so a variant's streams are the ones timed and priced."""
+    return int(options.get("streams", options.get("shards", 1)))
+
+
 class DiLoCoStep:
     """DiLoCo's sync on the payload (the strategy's own pieces): every ``period`` (= H)
-    steps, Δ = θ_g − θ_local on CPU, its mean over ranks on ``options["shards"]`` concurrent
+    steps, Δ = θ_g − θ_local on CPU, its mean over ranks on ``stream_count(options)`` concurrent
     gloo streams (``options["compression"]``: none | int8 | sparse, at ``options["density"]``
     and ``["bits"]``; ``options["exchange"]``: auto | mesh | tree | gather,
     ``syncplane.algorithms.diloco.exchange``; a name DiLoCo does not run counts as auto; the
@@ -37,7 +44,7 @@ class DiLoCoStep:
         codec = delta_codec(compression, density=float(options.get("density", DiLoCoConfig.density)),
                             bits=int(options.get("bits", DiLoCoConfig.bits)))
         self.allreduce, self.exchange = build_exchange(
-            job, int(options.get("shards", 1)), compression, exchange=exchange, codec=codec,
+            job, stream_count(options), compression, exchange=exchange, codec=codec,
             error_feedback_beta=DiLoCoConfig.error_feedback_beta if compression == "sparse" else 1.0)
         self.outer: OuterOptimizer | None = None
         self.flat = torch.empty(0)
@@ -69,7 +76,7 @@ class NodeStep:
     inner DDP): every step, the node's all-reduce of the gradient (DDP's, in its 25 MB
     buckets, on the node's group: loopback); every ``period`` steps, the engine's round (each
     rank's shards of Δ exchanged with the same shards of the other nodes, L exchanges per node
-    at once on ``options["shards"]`` streams each: the mesh, or the gather of top-k pieces for
+    at once on ``stream_count(options)`` streams each: the mesh, or the gather of top-k pieces for
     ``compression: sparse``), then the
     all-gather of θ_g inside the node. The engine wraps the payload itself (one parameter) and
     is built on the first step: a collective, in the warm-up (``warmup``)."""
@@ -78,7 +85,7 @@ class NodeStep:
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", DiLoCoConfig.sync_every))
-        self.config = DiLoCoConfig(sync_every=self.period, streams=int(options.get("shards", 1)),
+        self.config = DiLoCoConfig(sync_every=self.period, streams=stream_count(options),
                                    compression=str(options.get("compression", "none")), replica="node",
                                    density=float(options.get("density", DiLoCoConfig.density)),
                                    bits=int(options.get("bits", DiLoCoConfig.bits)))

@@ -67,6 +67,16 @@ class DiLoCoConfig:
             ``share`` (one shuffled stream of the dataset dealt to the replicas as they compute:
             an epoch sees every sample once and ends sooner) or ``drop`` (each replica keeps its
             equal shard and skips them for the epoch); ``syncplane.algorithms.diloco.dealing``.
+        membership: elastic mode's rounds (``syncplane.algorithms.diloco.elastic``): ``fixed``
+            (a round's members are decided at its start, the Lighthouse waiting ``join_timeout_s``
+            for every live replica; a straggler holds every member's exchange) or ``quorum``
+            (decided when a replica has finished its inner steps: the round commits with the
+            replicas that arrived within ``grace_s`` of the first ``min_replicas``, weighted by
+            their samples; a late replica's Δ is carried into its next round).
+        min_replicas: ``quorum``: replicas a round needs before the grace window opens (torchft
+            also wants more than half of the live ones, so a partition never commits twice).
+        grace_s: ``quorum``: how long a round waits for the rest once ``min_replicas`` are in (the
+            Lighthouse's join timeout); no replica waits longer for a late or dead one.
     """
 
     sync_every: int = 10
@@ -92,6 +102,9 @@ class DiLoCoConfig:
     round_budget_s: float | None = None
     time_weighting: Literal["samples", "fednova"] = "samples"
     time_samples: Literal["share", "drop"] = "drop"
+    membership: Literal["fixed", "quorum"] = "fixed"
+    min_replicas: int = 1
+    grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -115,6 +128,15 @@ class DiLoCoConfig:
         self.alpha   # validates the streaming options
         check_replica(self.replica, self.inner, compression=self.compression, exchange=self.exchange)
         self._check_inner_steps()
+        self._check_membership()
+
+    def _check_membership(self) -> None:
+        if self.membership not in ("fixed", "quorum"):
+            raise ValueError(f"membership: allowed values: fixed, quorum; got {self.membership!r}")
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ValueError(f"min_replicas: an integer of at least 1, got {self.min_replicas!r}")
+        if isinstance(self.grace_s, bool) or not isinstance(self.grace_s, (int, float)) or self.grace_s <= 0:
+            raise ValueError(f"grace_s: a positive number of seconds, got {self.grace_s!r}")
 
     def _check_inner_steps(self) -> None:
         if self.inner_steps not in ("fixed", "time"):

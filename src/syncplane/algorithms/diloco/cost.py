@@ -50,7 +50,7 @@ def shard_exchange_cost(layout: ReplicaLayout, payload_bytes: float, streams: in
 
 
 def gather_cost(layout: ReplicaLayout, payload_bytes: float) -> list[Phase]:
-    """``NodeEngine._gather``: every rank of a node sends its span of θ_g (fp32) to the others."""
+    """``DiLoCoEngine._gather`` (a node replica): every rank of a node sends its span of θ_g (fp32) to the others."""
     numel = max(int(payload_bytes // 4), 1)
     bounds = layout.bounds(numel)
     flows = [(rank, other, 4.0 * (bounds[layout.owned(rank)[-1]][1] - bounds[layout.owned(rank)[0]][0]))

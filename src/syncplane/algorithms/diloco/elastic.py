@@ -1,7 +1,31 @@
-"""Elastic DiLoCo: the outer loop when replicas may leave and join between rounds.
+"""Elastic DiLoCo: membership by quorum around the round.
 
-One round, for every replica in the current quorum (Lightning-free; the transport is any
-object with ``ReplicaGroup``'s four methods, ``syncplane.algorithms.diloco.ft`` has the real one):
+``membership="fixed"`` (the default) runs ``DiLoCoEngine``'s own round -- Δ, the codec with
+its error feedback, the streams, fragments and overlap, the outer rule -- the same code as
+without elastic mode. What changes is where its exchange runs: ``QuorumTransport`` hands the
+engine exchangers (``QuorumExchanger``) whose gloo groups are built on the current quorum's
+store, with this replica's rank in it, and built again at each membership change.
+``Membership`` adds:
+
+- **Boundaries.** A replica meets the quorum only where no round is in flight: after the
+  step at which a period's first fragment has merged (``done ≡ overlap_steps mod H``; the
+  other fragments' rounds start later and merge before the next period's first). There it
+  votes on the period's rounds and joins the next quorum, where a restarted replica (or one
+  behind) heals.
+- **Consistency.** Each fragment round is committed or discarded by the exchange's own
+  agreement among the quorum's members (``StreamRunner``); the members whose agreement
+  completed decide the same. A member whose agreement broke off (a peer lost during it) does
+  not know what the others did: it reports an error, its torchft step stays behind, and at the
+  next quorum it heals from a member that voted to commit. So every member of a quorum holds
+  one θ_g after its boundary.
+- **Heal.** What a joiner receives is ``Membership.state_dict``: the engine's outer state
+  (``DiLoCoEngine.state_dict``: nothing is in flight at a boundary), the job's position in
+  periods and its round counts. Its error-feedback residuals stay its own.
+
+``membership="quorum"`` still runs its own loop, ``ElasticOuter`` (fp32, plain rounds; its
+``fixed`` mode is the reference its tests compare with). One round, for every replica in the current quorum (Lightning-free; the transport is any
+object with ``ReplicaGroup``'s methods, ``syncplane.algorithms.diloco.ft`` has the real one),
+with ``membership="fixed"``:
 
 1. ``begin``: Δ = θ_g − θ_local replaces θ_local in the flat buffer;
 2. ``allreduce_mean_``: Δ averaged over the quorum's members (a lost peer fails it);
@@ -14,6 +38,19 @@ object with ``ReplicaGroup``'s four methods, ``syncplane.algorithms.diloco.ft`` 
    and the round position (``state_dict``/``load_state_dict``), then starts from θ_g.
    A replica whose commit vote disagreed with its peers' is behind too and heals the same
    way, so the commit is decided together.
+
+With ``membership="quorum"`` the quorum moves from the round's end to between 1 and 2: a
+replica that has finished its inner steps asks to join, and the Lighthouse forms the round's
+quorum from those that arrived within the grace window (its join timeout, once
+``min_replicas`` are in), so nobody waits longer than the grace for a late or dead replica.
+The average is weighted by samples: each member sends ``w·Δ`` and ``w``, ``w`` the rounds of
+local work its Δ covers (1; 2 after a discarded round; 0 for a restarted replica, which takes
+part in the round it joins with nothing, to receive θ_g). A late replica -- one that arrived
+after its round's quorum formed -- is in the next quorum, behind by one commit: it heals θ_g,
+the outer state and the position from a peer, and its Δ, computed before, is **carried** into
+that round (one round stale) rather than dropped, so its steps still count (why carry, not
+drop-and-heal: docs/design-notes.md). Without a fault every weight is 1, and the rounds equal
+``fixed``'s bit for bit (tests/dist/test_elastic_quorum.py).
 
 Bad input: a replica started with another model size, ``sync_every`` or outer optimizer
 must not join (it would corrupt θ_g). ``JobFingerprint`` records the first replica's
@@ -28,13 +65,18 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from syncplane.algorithms.diloco.outer import OuterOptimizer
+from syncplane.comm.codecs import Codec
+from syncplane.comm.meter import CommMeter
+from syncplane.comm.streams import StreamExchange, StreamRunner
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +88,25 @@ class ReplicaTransport(Protocol):
 
     def allreduce_mean_(self, flat: torch.Tensor) -> bool: ...
 
+    def allreduce_weighted_(self, flat: torch.Tensor, weight: float) -> float: ...   # Σ weights; 0.0: failed
+
     def commit(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class QuorumGroup(Protocol):
+    """What ``Membership`` needs from torchft (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
+
+    host: str
+
+    def quorum(self) -> Any: ...   # a QuorumView: quorum_id, participants, step, rank, store_addr
+
+    def report_error(self, exc: Exception) -> None: ...
+
+    def commit(self) -> bool: ...
+
+    def set_step(self, step: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -56,11 +116,14 @@ class ReplicaMismatch(ValueError):
 
 
 def fingerprint(n_values: int, sync_every: int, outer_optimizer: str, outer_kwargs: Mapping[str, Any] | None,
-                shapes: list[tuple[int, ...]]) -> dict[str, Any]:
-    """The settings every replica of one elastic job must share (JSON-able)."""
+                shapes: list[tuple[int, ...]], rounds: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The settings every replica of one elastic job must share (JSON-able); ``rounds``: the
+    round's own (fragments, overlap, codec, streams, exchange: replicas that differ there would
+    exchange different pieces)."""
     return {"model_values": int(n_values), "model_shapes": [list(s) for s in shapes], "sync_every": int(sync_every),
             "outer_optimizer": outer_optimizer,
-            "outer_kwargs": None if outer_kwargs is None else json.loads(json.dumps(dict(outer_kwargs), sort_keys=True))}
+            "outer_kwargs": None if outer_kwargs is None else json.loads(json.dumps(dict(outer_kwargs), sort_keys=True)),
+            **({"rounds": json.loads(json.dumps(dict(rounds), sort_keys=True))} if rounds else {})}
 
 
 def differences(job: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
@@ -120,6 +183,69 @@ class ElasticStats:
                 "replicas_over_time": self.replicas, "heals": self.heals}
 
 
+class RoundBoard:
+    """Where the replicas are, for ``membership="quorum"``: empty files in the job's folder
+    (``elastic_rounds/``), read by a replica about to ask for its round's quorum.
+
+    Why: torchft's Lighthouse counts the grace window from the *first* request it holds, and
+    forms a quorum at once when every member of the previous one has asked (its fast path).
+    A replica that asks while the others are still in their inner steps (a late one, whose
+    round formed without it, or a restarted one) would open the next window a round early, so
+    that quorum would form the moment ``min_replicas`` are in, leaving out whoever is a
+    millisecond behind; one that asks just after the others misses their fast path. So:
+
+    - an on-time replica at round p writes ``arrived-p``; if a replica said it waits for p
+      (``waiting-p-<name>``), it first waits (up to ``hold_s``) until that one has asked
+      (``asked-p-<name>``), then asks;
+    - a late or restarted replica targets the next round q = the latest formed + 1: it writes
+      ``waiting-q-<name>``, waits for ``arrived-q``, writes ``asked-q-<name>`` and asks.
+
+    Every member writes ``formed-p`` once its quorum for p is back. A late replica that says
+    it waits just after the on-time ones have looked asks early and is taken by their next
+    quorum (the fast path includes every request it holds): one more round late, no more.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], name: str, poll_s: float = 0.02) -> None:
+        self.dir = Path(folder) / "elastic_rounds"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name, self.poll_s = name, poll_s
+
+    def _latest(self, kind: str) -> int:
+        return max((int(p.name.split("-")[1]) for p in self.dir.glob(f"{kind}-*")), default=-1)
+
+    def formed(self) -> int:
+        """The latest round whose quorum formed (-1: none yet)."""
+        return self._latest("formed")
+
+    def mark(self, kind: str, position: int, name: str = "") -> None:
+        (self.dir / (f"{kind}-{position}-{name}" if name else f"{kind}-{position}")).touch()
+
+    def _until(self, done: Callable[[], bool], timeout_s: float) -> float:
+        start = time.monotonic()
+        while not done() and time.monotonic() - start < timeout_s:
+            time.sleep(self.poll_s)
+        return time.monotonic() - start
+
+    def arrive(self, position: int, hold_s: float) -> float:
+        """On time at ``position``: say so, and let the replicas waiting for it ask first."""
+        self.mark("arrived", position)
+        waiting = {p.name.split("-", 2)[2] for p in self.dir.glob(f"waiting-{position}-*")}
+        if not waiting:
+            return 0.0
+        held = self._until(lambda: all((self.dir / f"asked-{position}-{n}").exists() for n in waiting), hold_s)
+        time.sleep(self.poll_s)   # the waiters' requests reach the Lighthouse first
+        return held
+
+    def wait_for_next(self, timeout_s: float) -> float:
+        """Late or restarted: wait for the next boundary's first on-time arrival; returns the
+        seconds waited (gives up after ``timeout_s``: the quorum call then waits)."""
+        target = self.formed() + 1
+        self.mark("waiting", target, self.name)
+        waited = self._until(lambda: (self.dir / f"arrived-{target}").exists(), timeout_s)
+        self.mark("asked", target, self.name)
+        return waited
+
+
 class ElasticOuter:
     """The outer loop of one elastic replica.
 
@@ -130,10 +256,23 @@ class ElasticOuter:
             joiner learns how many are left from its peer).
         on_event: called with a JSON-able record for every membership change, heal and
             discarded round (the glue appends them to ``history.jsonl``).
+        membership: ``fixed`` or ``quorum`` (see the module's docstring).
+        board: ``quorum``: the job's ``RoundBoard`` (None: every replica asks at once, as in a
+            test where none is late).
+        boundary_timeout_s: ``quorum``: how long a late or restarted replica waits for the
+            next boundary before it asks anyway.
+        hold_s: ``quorum``: how long an on-time replica lets the ones waiting for its boundary
+            ask first (the grace).
     """
 
     def __init__(self, outer: OuterOptimizer, fingerprint: Mapping[str, Any], total_rounds: int,
-                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[dict[str, Any]], None] | None = None, membership: str = "fixed",
+                 board: RoundBoard | None = None, boundary_timeout_s: float = 120.0, hold_s: float = 5.0) -> None:
+        if membership not in ("fixed", "quorum"):
+            raise ValueError(f"membership: allowed values: fixed, quorum; got {membership!r}")
+        self.membership = membership
+        self.board = board
+        self.boundary_timeout_s, self.hold_s = boundary_timeout_s, hold_s
         self.outer = outer
         self.fingerprint = dict(fingerprint)
         self.total_rounds = int(total_rounds)
@@ -143,6 +282,7 @@ class ElasticOuter:
         self.transport: ReplicaTransport | None = None
         self._quorum_id: int | None = None
         self._size = 0
+        self.pending = 0.0          # quorum: rounds of local work not yet in θ_g (the next Δ's weight)
         self._on_event = on_event or (lambda record: None)
 
     # ----------------------------------------------------- what a healing peer receives
@@ -160,6 +300,8 @@ class ElasticOuter:
         self.outer.load_state_dict(state["outer"])
         self.position = int(state["position"])
         self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
+        if self.membership == "fixed":   # it starts again from θ_g: its own work since its last commit is gone
+            self.pending = 0.0
         heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
                 "load_s": round(time.perf_counter() - start, 4)}
         self.stats.heals.append(heal)
@@ -171,29 +313,76 @@ class ElasticOuter:
     def done(self) -> bool:
         return self.position >= self.total_rounds
 
-    def join(self, transport: ReplicaTransport) -> None:
-        """Enter the job: the first quorum (a heal happens here for a late joiner)."""
+    def join(self, transport: ReplicaTransport, flat: torch.Tensor | None = None) -> bool:
+        """Enter the job. ``fixed``: the first quorum (a late joiner heals here). ``quorum``: a
+        first start does nothing (θ_0 is equal everywhere; the first quorum is at the end of
+        the first round); a restarted replica (``flat`` given, ``[θ | extras]``-sized) waits for
+        the running replicas' next quorum, heals, and takes part in that round with weight 0:
+        True if it committed (``flat`` then holds the round's θ_g and averaged extras)."""
         self.transport = transport
-        self._next_quorum()
+        if self.membership == "fixed":
+            self._next_quorum()
+            return False
+        if flat is None:
+            return False
+        self._quorum_at_boundary()
+        flat.zero_()
+        self.pending = 0.0
+        return self._average_and_commit(flat, weighted=True)
 
     def round_(self, flat: torch.Tensor) -> bool:
         """One round on ``flat = [θ_local | extras]``; True if committed (``flat``'s head
-        then holds the new θ_g). Joins the next quorum unless it was the job's last round."""
+        then holds the new θ_g). ``fixed``: joins the next quorum after it, unless it was the
+        job's last round; ``quorum``: joins this round's quorum between Δ and the average."""
         assert self.transport is not None, "join() first"
         self.outer.begin_round_(flat)
-        averaged = self.transport.allreduce_mean_(flat)
+        if self.membership == "fixed":
+            self.pending += 1.0   # counted only: a fixed round averages unweighted
+            committed = self._average_and_commit(flat, weighted=False)
+            if not self.done:
+                self._next_quorum()
+            return committed
+        self.pending += 1.0
+        position = self.position
+        self._quorum_at_boundary()
+        if self.position != position:   # late: healed past its round; its Δ is carried into this one
+            self._on_event({"event": "carried", "from_position": position, "position": self.position,
+                            "weight": self.pending})
+        return self._average_and_commit(flat, weighted=True)
+
+    def _average_and_commit(self, flat: torch.Tensor, weighted: bool) -> bool:
+        """The exchange, the vote and, if committed, the outer step; advances the position."""
+        assert self.transport is not None
+        if weighted:
+            averaged = self.transport.allreduce_weighted_(flat, self.pending) > 0
+        else:
+            averaged = self.transport.allreduce_mean_(flat)
         committed = self.transport.commit() and averaged
+        # the rounds of this replica's local work the round took into θ_g (goodput: scripts/diloco_goodput.py)
+        self._on_event({"event": "round", "position": self.position, "committed": committed,
+                        "weight": self.pending if committed else 0.0, "replicas": self._size})
         if committed:
             self.outer.finish_round_(flat)
             self.stats.committed += 1
+            self.pending = 0.0
         else:
             self.stats.discarded += 1
             self._on_event({"event": "discarded", "position": self.position, "quorum_id": self._quorum_id,
                             "replicas": self._size})
         self.position += 1
-        if not self.done:
-            self._next_quorum()
         return committed
+
+    def _quorum_at_boundary(self) -> None:
+        """``quorum``: this round's quorum, through the ``RoundBoard`` if there is one."""
+        if self.board is not None:
+            if self.board.formed() >= self.position:   # late, or restarted (position 0 before its heal)
+                waited = self.board.wait_for_next(self.boundary_timeout_s)
+                self._on_event({"event": "late", "position": self.position, "waited_s": round(waited, 3)})
+            else:
+                self.board.arrive(self.position, self.hold_s)
+        self._next_quorum()
+        if self.board is not None:
+            self.board.mark("formed", self.position)
 
     def _next_quorum(self) -> None:
         assert self.transport is not None
@@ -216,6 +405,214 @@ class ElasticOuter:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+class QuorumExchanger:
+    """One outer exchange of the engine (``StreamRunner``'s interface) over the current quorum:
+    a ``StreamRunner`` on the quorum's store, built at its first round after a membership
+    change (a collective of the quorum's members, who all reach that round), never rebuilt
+    within a quorum: after a failed round it stays closed (its rounds discarded) until the next.
+    Its error-feedback residuals carry over from one quorum's runner to the next."""
+
+    def __init__(self, transport: "QuorumTransport", exchange: StreamExchange, key: str,
+                 options: Mapping[str, Any]) -> None:
+        self.transport, self.exchange, self.key, self.options = transport, exchange, key, dict(options)
+        self._runner: StreamRunner | None = None
+        self._built_for: int | None = None    # the quorum id the runner is on
+        self._residuals: dict[str, Any] = {}
+
+    def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
+                        offset: int = 0, total: int | None = None) -> bool:
+        view = self.transport.view
+        if view is None or view.participants <= 1:
+            return view is not None   # alone in the quorum: Δ is the mean
+        try:
+            runner = self._runner_for(view)
+            if runner is None:
+                return False
+            return runner.allreduce_mean_(flat, meter, offset=offset, total=total)
+        except RuntimeError as exc:   # the agreement broke off, or the groups did not connect
+            log.warning("elastic: round outcome unknown (%s); this replica will heal at the next quorum", exc)
+            self.transport.uncertain = exc
+            self._drop()
+            return False
+
+    def _runner_for(self, view: Any) -> StreamRunner | None:
+        if self._built_for == view.quorum_id:
+            if self._runner is not None and self._runner.closed:   # closed after a failed round
+                self._drop()
+            return self._runner
+        self._drop()
+        self._built_for = view.quorum_id
+        store = self.transport.store(view)
+        runner = StreamRunner(self.exchange, place=(store, view.rank, view.participants), key=self.key,
+                              rebuild=False, hostname=self.transport.host, **self.options)
+        runner.load_state_dict(self._residuals)
+        self._runner = runner
+        return runner
+
+    def _drop(self) -> None:
+        if self._runner is not None:
+            self._residuals = self._runner.state_dict()
+            self._runner.close()
+            self._runner = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._runner.state_dict() if self._runner is not None else dict(self._residuals)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._residuals = dict(state)
+        if self._runner is not None:
+            self._runner.load_state_dict(state)
+
+    def close(self) -> None:
+        self._drop()
+
+
+class QuorumTransport:
+    """The engine's transport in elastic mode (``transport.Transport``'s ``runner``): exchangers
+    over the current quorum (``view``, set at each boundary). ``uncertain``: set when a round's
+    outcome is unknown to this replica (``Membership.boundary`` reports it)."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.host, self.timeout_s = host, timeout_s
+        self.view: Any = None
+        self.uncertain: Exception | None = None
+        self.exchangers: list[QuorumExchanger] = []
+        self._stores: dict[int, Any] = {}
+
+    def runner(self, exchange: StreamExchange, *, codec: Codec, interfaces: Sequence[str] | None,
+               timeout_s: float, error_feedback_beta: float, members: Sequence[int] | None = None,
+               key: str | None = None) -> QuorumExchanger:
+        """An exchanger over the quorum (``members`` must be None: the quorum is its members)."""
+        if members is not None:
+            raise ValueError("elastic mode exchanges over the quorum's members, not fixed ranks")
+        exchanger = QuorumExchanger(self, exchange, f"elastic/{len(self.exchangers)}",
+                                    {"codec": codec, "interfaces": interfaces, "error_feedback_beta": error_feedback_beta,
+                                     "timeout_s": min(timeout_s, self.timeout_s)})
+        self.exchangers.append(exchanger)
+        return exchanger
+
+    def store(self, view: Any) -> Any:
+        """A client of the quorum's store, under a prefix of our own."""
+        if view.quorum_id not in self._stores:
+            from torchft.process_group import create_store_client
+
+            self._stores = {view.quorum_id: create_store_client(f"{view.store_addr}/syncplane",
+                                                                timedelta(seconds=self.timeout_s))}
+        return self._stores[view.quorum_id]
+
+
+class Membership:
+    """One elastic replica's membership: the quorum at each boundary, the vote on the period's
+    rounds, the heal of a replica that is behind.
+
+    Args:
+        transport: the engine's ``QuorumTransport`` (its ``view`` is set here).
+        fingerprint: this replica's ``fingerprint(...)``, checked against a healing peer's.
+        total: boundaries in the whole job; the replica stops after the last (a healed joiner
+            learns how many are left from its peer).
+        outer_state / load_outer_state: the engine's outer state (what a heal carries).
+        on_event: called with a JSON-able record for every membership change, heal and
+            discarded round (the glue appends them to ``history.jsonl``).
+    """
+
+    def __init__(self, transport: QuorumTransport, fingerprint: Mapping[str, Any], total: int,
+                 outer_state: Callable[[], dict[str, Any]], load_outer_state: Callable[[Mapping[str, Any]], None],
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.transport, self.fingerprint, self.total = transport, dict(fingerprint), int(total)
+        self._outer_state, self._load_outer_state = outer_state, load_outer_state
+        self.position = 0           # boundaries the job has passed, shared by the quorum
+        self.stats = ElasticStats()
+        self.healed = False         # set by a heal; the caller copies θ_g into its model, then clears it
+        self.group: QuorumGroup | None = None
+        self._quorum_id: int | None = None
+        self._size = 0
+        self._on_event = on_event or (lambda record: None)
+        self._pending: dict[int, float] = {}   # periods of local work per fragment not yet in θ_g
+
+    # ----------------------------------------------------- what a healing peer receives
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": self._outer_state(), "position": self.position, "fingerprint": self.fingerprint,
+                "committed": self.stats.committed, "discarded": self.stats.discarded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Heal from a live peer's state; refuses a peer with other settings."""
+        start = time.perf_counter()
+        diff = differences(state["fingerprint"], self.fingerprint)
+        if diff:
+            raise ReplicaMismatch("this replica cannot heal from its peer: " + "; ".join(diff))
+        self._load_outer_state(state["outer"])
+        self._pending = {}   # it starts again from θ_g: its own work since its last commit is gone
+        self.position = int(state["position"])
+        self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
+        heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
+                "load_s": round(time.perf_counter() - start, 4)}
+        self.stats.heals.append(heal)
+        self.healed = True
+
+    # ----------------------------------------------------------------- the loop
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.total
+
+    def join(self, group: QuorumGroup) -> None:
+        """Enter the job: the first quorum (a heal happens here for a late joiner)."""
+        self.group = group
+        self._next_quorum()
+
+    def record(self, committed: bool, fragment: int = 0, fragments: int = 1) -> None:
+        """A fragment round's outcome (the engine's merge), and the local work it took into θ_g:
+        a discarded round's stays in θ_local, so the next committed one of that fragment carries
+        it (its ``round`` event's ``weight``, in periods: ``scripts/diloco_goodput.py``)."""
+        self._pending[fragment] = self._pending.get(fragment, 0.0) + 1.0 / fragments
+        weight = self._pending.pop(fragment) if committed else 0.0
+        self._on_event({"event": "round", "position": self.position, "committed": committed, "weight": weight,
+                        "replicas": self._size})
+        if committed:
+            self.stats.committed += 1
+        else:
+            self.stats.discarded += 1
+            self._on_event({"event": "discarded", "position": self.position, "quorum_id": self._quorum_id,
+                            "replicas": self._size})
+
+    def boundary(self) -> None:
+        """The vote on the period's rounds, then the next quorum unless the job is done."""
+        assert self.group is not None, "join() first"
+        if self.transport.uncertain is not None:
+            self.group.report_error(self.transport.uncertain)
+            self.transport.uncertain = None
+        self.group.commit()
+        self.position += 1
+        if not self.done:
+            self._next_quorum()
+
+    def _next_quorum(self) -> None:
+        assert self.group is not None
+        start = time.perf_counter()
+        view = self.group.quorum()
+        waited = time.perf_counter() - start
+        self.transport.view = view
+        if self.healed:
+            heal = self.stats.heals[-1]
+            heal["quorum_s"] = round(waited, 3)
+            self._on_event({**heal, "quorum_id": int(view.quorum_id), "replicas": int(view.participants)})
+        if view.participants != self._size or view.quorum_id != self._quorum_id:
+            if view.participants != self._size:
+                self.stats.replicas.append([self.position, int(view.participants)])
+                self._on_event({"event": "membership", "position": self.position, "quorum_id": int(view.quorum_id),
+                                "replicas": int(view.participants), "was": self._size,
+                                "quorum_wait_s": round(waited, 3)})
+            self._quorum_id, self._size = int(view.quorum_id), int(view.participants)
+
+    def close(self) -> None:
+        for exchanger in self.transport.exchangers:
+            exchanger.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
 
 def _state_bytes(state: Any) -> int:

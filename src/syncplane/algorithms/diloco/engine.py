@@ -353,6 +353,17 @@ class DiLoCoEngine:
             for i, s in enumerate(spans):
                 _runs(self.host.buffer, s, c, out[i * n:(i + 1) * n], into_runs=True)
 
+    def adopt(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The live model's parameters take this rank's θ_g (an elastic heal replaced it; the
+        floating buffers stay the replica's own)."""
+        tensors = [local(t) for t in tensors]
+        for k in self.owned:
+            fragmented = self.outers[k]
+            for (a, _), outer in zip(fragmented.bounds, fragmented.outers):
+                n = outer.params.numel()
+                self.host.buffer[a:a + n].copy_(outer.params)
+                self.host.from_host(tensors, a, a + n)
+
     @property
     def params(self) -> torch.Tensor:
         """This rank's θ_g (its owned shards, concatenated in shard order; the whole model with

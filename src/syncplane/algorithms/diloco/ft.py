@@ -15,6 +15,9 @@ is behind from a live peer. What we add here, and why:
   wants one per replica group) and ``world_size=1`` inside the group.
 - **Blocking quorum.** ``use_async_quorum=False``: a joining replica is healed before the
   round starts, so every member of a quorum takes part in its average.
+- **The round's own groups.** The average is not torchft's all-reduce: the engine's exchange
+  (codec, streams) runs on gloo groups built on the quorum's store, which the reconfigurable
+  group reports at each membership change (``QuorumView.store_addr``).
 
 The algorithm (what to average, when to commit) is not here: ``syncplane.algorithms.diloco.elastic``
 drives a ``ReplicaGroup`` through the small protocol it declares.
@@ -84,7 +87,7 @@ def start_lighthouse(host: str = "127.0.0.1", port: int = 0, *, min_replicas: in
     which a replica is no longer counted (a dead or hung one).
     """
     _require_torchft()
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     host = check_bind_host(host)
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -98,7 +101,25 @@ def start_lighthouse(host: str = "127.0.0.1", port: int = 0, *, min_replicas: in
     return Lighthouse(server, address)
 
 
+# ---------------------------------------------------------------- torchft internals
+# torchft 0.2.0 has no public way to do two things we need; both are kept here, in one place,
+# and tests/unit/test_torchft_pin.py fails with a clear message when the installed torchft is
+# not this version (then check these two again and move the pin):
+#   - the Manager's RPC server binds ``[::]`` (every interface), hard-coded in
+#     ``Manager.__init__``; ``_bound_manager_server`` makes it bind the address we were given;
+#   - the quorum's id (which changes with membership) is only the private ``Manager._quorum_id``.
+
+#: the torchft version whose internals ``_bound_manager_server`` and ``quorum_id`` rely on
+TORCHFT_VERSION = "0.2.0"
+
 _PATCH_LOCK = threading.Lock()
+
+
+def torchft_version() -> str:
+    """The installed torchft's version (its distribution metadata)."""
+    from importlib.metadata import version
+
+    return version("torchft")
 
 
 @contextlib.contextmanager
@@ -123,18 +144,44 @@ def _bound_manager_server(host: str) -> Iterator[None]:
             tm.ManagerServer = original   # type: ignore[assignment]
 
 
+def quorum_id(manager: Any) -> int:
+    """The id of ``manager``'s current quorum (torchft 0.2.0 keeps it private)."""
+    return int(manager._quorum_id)
+
+
 @dataclass
 class QuorumView:
-    """What one quorum decided, as seen by this replica."""
+    """What one quorum decided, as seen by this replica: its id, size and this replica's rank
+    in it, and the store every member reaches (``store_addr``: ``host:port/prefix``, the
+    quorum's own prefix: what its members' groups rendezvous on)."""
 
     quorum_id: int
     participants: int
     step: int
+    rank: int = 0
+    store_addr: str = ""
+
+
+def _recording_gloo(timeout: timedelta) -> Any:
+    """torchft's reconfigurable gloo group, noting the quorum each ``configure`` is for: the
+    public way to learn the quorum's id, store and ranks (``Manager`` calls it at every
+    membership change, before ``start_quorum`` returns)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class RecordingGloo(ProcessGroupGloo):
+        configured: tuple[str, int, int, int] | None = None   # store_addr, rank, world_size, quorum_id
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      quorum_id: int | None = None, *args: Any, **kwargs: Any) -> None:
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
+            self.configured = (store_addr, rank, world_size, -1 if quorum_id is None else int(quorum_id))
+
+    return RecordingGloo(timeout=timeout)
 
 
 class ReplicaGroup:
-    """This replica's membership in the elastic job: quorum, fault-tolerant average,
-    commit vote and healing, over a torchft ``Manager``.
+    """This replica's membership in the elastic job: quorum, commit vote and healing, over a
+    torchft ``Manager`` (the round's exchange runs on groups of the quorum's store: ``QuorumView``).
 
     Args:
         replica_id: a stable name (``replica3``): the Lighthouse keeps a restarted process
@@ -142,29 +189,30 @@ class ReplicaGroup:
         lighthouse: the quorum service's address.
         state_dict / load_state_dict: what a healing replica receives from a live peer.
         host: the address this replica's servers bind (loopback by default).
-        round_timeout_s: collectives, the commit vote and the heal transfer give up after it.
+        round_timeout_s: the commit vote and the heal transfer give up after it.
         quorum_timeout_s: how long to wait for a quorum (a joiner waits for the others'
             round boundary, up to one round).
         connect_timeout_s: reaching the Lighthouse / a peer's manager.
+        min_replicas: a round with fewer members does not commit (the Lighthouse's own
+            ``min_replicas`` keeps such a quorum from forming in the first place).
     """
 
     def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], Any],
                  load_state_dict: Callable[[Any], None], *, host: str = "127.0.0.1",
                  round_timeout_s: float = 30.0, quorum_timeout_s: float = 120.0,
-                 connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1) -> None:
+                 connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1, min_replicas: int = 1) -> None:
         _require_torchft()
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
-        host = check_bind_host(host)
+        self.host = host = check_bind_host(host)
         timeout = timedelta(seconds=round_timeout_s)
         self._store = tcp_store_server(host, 0)
-        self._pg = ProcessGroupGloo(timeout=timeout)
+        self._pg = _recording_gloo(timeout)
         transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
         with _bound_manager_server(host):
             self.manager = Manager(
-                pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+                pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
                 use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
                 connect_timeout=timedelta(seconds=connect_timeout_s), rank=0, world_size=1, store_addr=host,
                 store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=replica_id,
@@ -175,12 +223,13 @@ class ReplicaGroup:
     def quorum(self) -> QuorumView:
         """Join the next quorum (blocking); heals this replica first if it is behind."""
         self.manager.start_quorum()
-        return QuorumView(quorum_id=int(self.manager._quorum_id), participants=self.manager.num_participants(),
-                          step=self.manager.current_step())
+        store_addr, rank, size, quorum_id = self._pg.configured or ("", 0, 1, -1)
+        return QuorumView(quorum_id=quorum_id, participants=self.manager.num_participants(),
+                          step=self.manager.current_step(), rank=rank, store_addr=store_addr)
 
     def allreduce_mean_(self, flat: torch.Tensor) -> bool:
-        """Average ``flat`` in place over this quorum. False (and ``flat`` undefined) if a
-        peer was lost or timed out: the round is then discarded by ``commit``."""
+        """``membership=quorum``'s loop (``ElasticOuter``): average ``flat`` in place over this quorum
+        on torchft's own group. False (and ``flat`` undefined) if a peer was lost or timed out."""
         try:
             self.manager.allreduce(flat).wait()
         except Exception as exc:   # torchft reports the error to the manager too
@@ -188,22 +237,53 @@ class ReplicaGroup:
             return False
         return self.manager.errored() is None
 
+    def report_error(self, exc: Exception) -> None:
+        """This replica's round went wrong in a way its peers may not share: it votes not to
+        commit, stays a step behind and heals at the next quorum."""
+        self.manager.report_error(exc)
+
+    def allreduce_weighted_(self, flat: torch.Tensor, weight: float) -> float:
+        """``flat ← Σ w_i·flat_i / Σ w_i`` over this quorum, ``w_i`` each member's ``weight`` (its
+        samples since its last contribution; 0 for a joiner, which contributes nothing). Returns
+        Σ w_i, or 0.0 if a peer was lost (``flat`` undefined; ``commit`` then discards the round).
+        With every weight 1 this is bit for bit ``allreduce_mean_`` (×1 and ÷n are the same ops)."""
+        from torch.distributed import ReduceOp
+
+        total = torch.tensor([float(weight)], dtype=flat.dtype)
+        if weight != 1.0:
+            flat.mul_(weight)
+        try:
+            works = [self.manager.allreduce(total, reduce_op=ReduceOp.SUM),
+                     self.manager.allreduce(flat, reduce_op=ReduceOp.SUM)]
+            for work in works:
+                work.wait()
+        except Exception as exc:   # torchft reports the error to the manager too
+            log.warning("elastic: weighted average failed (%s); the round will be discarded", exc)
+            return 0.0
+        if self.manager.errored() is not None or float(total) <= 0:
+            return 0.0
+        flat.div_(float(total))
+        return float(total)
+
     def commit(self) -> bool:
-        """The commit vote: True when every member of this replica's group succeeded.
-        Replicas that disagree across the quorum are reconciled at the next quorum: the
-        one that did not commit is behind by one step and heals from one that did."""
+        """The commit vote: True when this replica's group reported no error (its step then
+        advances). A replica that did not commit while its peers did is behind at the next
+        quorum and heals from one that did."""
         return bool(self.manager.should_commit())
 
     @property
     def step(self) -> int:
         return self.manager.current_step()
 
+    def set_step(self, step: int) -> None:
+        """Where a resumed replica stands (torchft's public ``load_state_dict``)."""
+        self.manager.load_state_dict({"step": int(step), "batches_committed": self.manager.batches_committed()})
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.manager.shutdown(wait=False)
         with contextlib.suppress(Exception):
             self._pg.shutdown()
-
 
 
 def start_barrier(folder: str | os.PathLike[str], replica: int, replicas: int, timeout_s: float) -> int:

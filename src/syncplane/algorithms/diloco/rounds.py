@@ -15,6 +15,7 @@ from syncplane.algorithms.diloco.adaptive import TimedRounds
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
 from syncplane.algorithms.diloco.layout import check_replica, job_layout
+from syncplane.algorithms.diloco.transport import GLOO, Transport
 from syncplane.job import JobContext
 
 #: The exchange settings a checkpoint records as they ran (a re-plan may have switched them).
@@ -32,6 +33,9 @@ def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float
     if elastic and config.inner_steps == "time":
         raise ValueError("inner_steps=time is not supported with elastic=true (its replicas come and go "
                          "between rounds; the step counts are agreed by a fixed set of ranks)")
+    if config.membership == "quorum" and not elastic:
+        raise ValueError("membership=quorum decides each round's replicas by a torchft quorum: it needs "
+                         "elastic=true (without it every rank is in every round)")
     for key, value in timeouts.items():
         if value <= 0:
             raise ValueError(f"{key} must be positive, got {value}")
@@ -40,14 +44,14 @@ def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float
 
 
 def build_engine(config: DiLoCoConfig, job: JobContext, model: torch.nn.Module,
-                 device_ids: list[int] | None) -> tuple[DiLoCoEngine, dict[str, Any]]:
+                 device_ids: list[int] | None, transport: Transport = GLOO) -> tuple[DiLoCoEngine, dict[str, Any]]:
     """The replica's engine over ``model``, and what ``summary.json`` says of its layout (a
     collective). With node replicas (``layout.job_layout``) the engine wraps ``model`` (torch's
     DDP over the node's ranks, or FSDP2) and shards the outer state over them -- train its
     ``module``; a model built on the meta device (``configure_model``) makes only its shards."""
     layout = job_layout(config.replica, config.inner, job)
     init = sharded.reset_init(model) if sharded.on_meta(model) else None
-    engine = DiLoCoEngine(model, config, job, layout, None if layout.per_rank else device_ids, init)
+    engine = DiLoCoEngine(model, config, job, layout, None if layout.per_rank else device_ids, init, transport)
     details = dict(layout.describe())
     details["streams"], details["exchange"] = engine.streams, engine.exchange_name
     return engine, details
