@@ -127,9 +127,18 @@ class DiLoCo(SyncplaneStrategy):
         if self.inner_steps == "time":
             check_weighting(self.config.time_weighting,
                             sum(b.is_floating_point() for b in self.lightning_module.buffers()))
-            pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
-            self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s,
-                                      self.config.time_weighting, pace, replicas=self.engine.layout.nodes)
+            self._timed = self._timed_rounds(self.world_size, self.global_rank)
+
+    def _timed_rounds(self, replicas: int, rank: int) -> TimedRounds:
+        """``inner_steps=time``'s plan over ``replicas`` (this one's index ``rank``)."""
+        pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
+        return TimedRounds(self.sync_every, replicas, rank, self.config.round_budget_s, self.config.time_weighting,
+                           pace, replicas=self.engine.layout.nodes if replicas == self.world_size else None)
+
+    def _decide(self, timed: TimedRounds, done: int) -> None:
+        """The next round's inner steps, from every rank's step times (a collective)."""
+        self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank),
+                                                   done // self.sync_every)
 
     def _transport(self, job: JobContext) -> Transport:
         """Where the engine's exchanges run: the job's gloo ranks (elastic mode: the quorum's)."""
@@ -220,8 +229,7 @@ class DiLoCo(SyncplaneStrategy):
         # overlap only the launch, and the merge of an exchange not yet done)
         self.details["sync_exposed_s"] = self.details.get("sync_exposed_s", 0.0) + time.perf_counter() - start
         if timed is not None and done % self.sync_every == 0:
-            self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank),
-                                                       done // self.sync_every)
+            self._decide(timed, done)
         self._step_end = time.perf_counter()
 
     def outer_sync(self, fragment: int = 0) -> bool:

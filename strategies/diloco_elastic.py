@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.algorithms.diloco import ft
+from syncplane.algorithms.diloco.adaptive import TimedRounds
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.elastic import JobFingerprint, Membership, QuorumTransport, fingerprint
 from syncplane.algorithms.diloco.streaming import Round
@@ -62,6 +63,7 @@ class ElasticDiLoCo(DiLoCo):
         self._replica = 0
         self._quorum: QuorumTransport | None = None
         self._total_steps = 0     # the job's steps (trainer.estimated_stepping_batches)
+        self._timed_quorum: int | None = None   # the quorum inner_steps=time's plan is for
         self._finished = False
 
     def _place(self) -> ElasticPlace:
@@ -150,6 +152,7 @@ class ElasticDiLoCo(DiLoCo):
             membership.boundary()   # no round in flight here: vote, then the next quorum
             self._adopt_if_healed(self.step + 1)
             self.details["elastic"] = membership.stats.as_dict()
+            self._plan_time(done)
         if done >= self._total_steps:   # the job's last step (a joiner's local steps are fewer)
             self.engine.wait()
             self._finished = True
@@ -159,6 +162,25 @@ class ElasticDiLoCo(DiLoCo):
             self._done_marker().touch()
             self._record_event({"event": "done", "position": membership.position})
             self.lightning_module.trainer.should_stop = True
+
+    @override
+    def _decide(self, timed: TimedRounds, done: int) -> None:
+        return   # after the boundary, over its quorum (``_plan_time``)
+
+    def _plan_time(self, done: int) -> None:
+        """``inner_steps=time``: the plan over the quorum just formed (a new one at a membership
+        change, every replica first computing every slot: a joiner has measured nothing)."""
+        membership = self._membership
+        if self._timed is None or membership is None or membership.group is None or membership.done:
+            return
+        view = self._quorum.view if self._quorum is not None else None
+        if view is None:
+            return
+        if view.quorum_id != self._timed_quorum:
+            self._timed, self._timed_quorum = self._timed_rounds(view.participants, view.rank), view.quorum_id
+        group = membership.group
+        self.details["round_steps"] = self._timed.decide(lambda value: group.gather_floats(value, view),
+                                                         done // self.sync_every)
 
     @override
     def _merge(self, round_: Round) -> None:
@@ -209,7 +231,8 @@ class ElasticDiLoCo(DiLoCo):
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
             return
-        super().load_sync_state_dict(state)
+        # inner_steps=time: the plan was the old quorum's; it is made again at the first boundary
+        super().load_sync_state_dict({k: v for k, v in state.items() if k != "timed"})
         membership = self._membership
         assert membership is not None
         mine = state["elastic"]

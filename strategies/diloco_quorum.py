@@ -170,6 +170,7 @@ class QuorumDiLoCo(ElasticDiLoCo):
 def check_quorum(config: DiLoCoConfig) -> None:
     """What ``membership=quorum``'s own loop supports, checked at construction."""
     unsupported = {"fragments": (config.fragments, 1), "overlap_steps": (config.overlap_steps, 0),
+                   "inner_steps": (config.inner_steps, "fixed"),
                    "compression": (config.compression, "none"), "streams": (config.streams, 1)}
     for key, (value, allowed) in unsupported.items():
         if value != allowed:

@@ -118,3 +118,16 @@ def test_an_elastic_job_with_int8_and_fragments_resumes_from_its_checkpoints(tmp
     assert len(details) == 2 and len({d["theta_sha256"] for d in details}) == 1, details
     assert all(d["rounds_committed"] > before["rounds_committed"] and not d["heals"] for d in details), details
     assert not any(e["event"] == "heal" for e in _events(tmp_path / "resumed"))
+
+
+@pytest.mark.slow
+def test_elastic_time_budgeted_rounds_agree_their_plan_over_the_quorum(tmp_path: Path) -> None:
+    """``inner_steps=time`` in elastic mode: each boundary's plan is decided over the quorum just
+    formed (a gather on torchft's group), so every replica holds the same step counts and θ_g."""
+    result = train("strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.inner_steps=time",
+                   "strategy.kwargs.sync_every=5", "trainer.devices=2", "trainer.max_epochs=2", "seed=6",
+                   f"hydra.run.dir={tmp_path}", timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    details = [s["strategy_details"] for s in _summaries(tmp_path)]
+    assert len(details) == 2 and len({d["elastic"]["theta_sha256"] for d in details}) == 1, details
+    assert details[0]["round_steps"] == details[1]["round_steps"] and len(details[0]["round_steps"]) == 2

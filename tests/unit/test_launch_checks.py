@@ -250,7 +250,7 @@ def test_a_check_only_the_running_ranks_can_make_fails_with_one_line(tmp_path, c
         "syncplane: rank 1: invalid configuration: fault.kind=netdown: this rank does not run inside an emulated host"]
 
 
-def test_time_budgeted_diloco_is_refused_in_elastic_mode_before_launch(tmp_path, no_launch):
+def test_time_budgeted_diloco_shares_no_deal_in_elastic_mode_before_launch(tmp_path, no_launch):
     cfg = copy.deepcopy(GOOD)
-    cfg["strategy"] = {"name": "diloco", "kwargs": {"inner_steps": "time", "elastic": True}}
-    assert "inner_steps=time is not supported with elastic=true" in refused(cfg, tmp_path)
+    cfg["strategy"] = {"name": "diloco", "kwargs": {"inner_steps": "time", "time_samples": "share", "elastic": True}}
+    assert "time_samples=share with elastic=true" in refused(cfg, tmp_path)
