@@ -158,6 +158,14 @@ class DiLoCo(SyncplaneStrategy):
     def consensus_group(self) -> Any:
         return getattr(self.engine, "consensus_group", None)   # inner=fsdp: the ranks holding this rank's shard
 
+    @override
+    def average_replicas_(self, tensors: list[torch.Tensor] | None = None) -> None:
+        engine = self._engine
+        if tensors is None and engine is not None and engine.sharded and len(set(engine.layout.sizes)) > 1:
+            engine.average_model_(self.model_tensors())   # FSDP2 on uneven nodes: no one group holds a shard
+            return
+        super().average_replicas_(tensors)
+
     @property
     def engine(self) -> DiLoCoEngine:
         if self._engine is None:
