@@ -14,9 +14,10 @@ Each rank writes ``OUT/rank<R>.json``: ``{strategy: {scenario: "ok" or the error
 exits 1 after the first failing scenario (its peers could not follow it into the next).
 
 The whole matrix (every strategy, both launchers, one job per cell), written to
-``docs/results/lightning_features.json`` for the results page::
+``docs/results/lightning/features.json``, which ``scripts/results.py`` shows in ``docs/lightning.md``
+(its ``lightning_features`` block)::
 
-    python scripts/lightning_features.py --matrix --out docs/results/lightning_features.json
+    python scripts/lightning_features.py --matrix --out docs/results/lightning/features.json
 
 The suite runs a subset (``tests/e2e/test_lightning_features.py``).
 """
@@ -282,10 +283,22 @@ def cell(results_dir: Path, name: str, code: int, seconds: float) -> str:
     return text
 
 
+def about(devices: int) -> str:
+    """What the matrix's cells mean, for its report."""
+    return (f"Lightning's `BoringModel`, {devices} CPU gloo ranks on the shared 2-core development machine, one "
+            f"job per cell. Scenarios: `fit` ({EPOCHS} epochs of {BATCHES} batches, accumulation {ACCUMULATE}, "
+            f"clipping to norm {CLIP}, its `StepLR`, validation each epoch, `ModelCheckpoint` and a user callback), "
+            "`evaluate` (validate, test, predict), `resume` (from `last.ckpt`: steps and scheduler continue), "
+            "`manual` (manual optimization with clipping and a scheduler), `precision` (an epoch in `bf16-mixed`). "
+            "`ds_sync` and `auto` take a two-host profile as `cluster=`; the others are named. A cell: scenarios "
+            "passed on every rank (the job's wall seconds, launch included).")
+
+
 def matrix(args: argparse.Namespace) -> int:
     """Every strategy under both launchers, one job each; writes the generic results JSON."""
     from syncplane.bench.matrix import git_commit
 
+    commit = git_commit(ROOT)   # what runs: the checkout as the matrix starts
     rows = []
     with tempfile.TemporaryDirectory(prefix="lightning-features-") as tmp:
         for name in args.strategies.split(","):
@@ -300,16 +313,11 @@ def matrix(args: argparse.Namespace) -> int:
                     log.info("%s", output)
             rows.append(row)
     data = {"title": "Lightning's features in a plain script, every strategy",
-            "created": datetime.date.today().isoformat(), "commit": git_commit(),
-            "command": "python scripts/lightning_features.py --matrix",
-            "about": (f"Lightning's `BoringModel`, {args.devices} CPU gloo ranks, one job per cell. Scenarios: "
-                      f"`fit` ({EPOCHS} epochs of {BATCHES} batches, accumulation {ACCUMULATE}, clipping to norm "
-                      f"{CLIP}, its `StepLR`, validation each epoch, `ModelCheckpoint` and a user callback), "
-                      "`evaluate` (validate, test, predict), `resume` (from `last.ckpt`: steps and scheduler "
-                      "continue), `manual` (manual optimization with clipping and a scheduler). `ds_sync` and "
-                      "`auto` take a two-host profile as `cluster=`; the others are named. A cell: scenarios passed "
-                      "on every rank (the job's seconds)."),
-            "columns": ["strategy", "torchrun", "Lightning's launcher"], "rows": rows}
+            "created": datetime.date.today().isoformat(), "commit": commit,
+            "command": "python scripts/lightning_features.py --matrix --out docs/results/lightning/features.json",
+            "about": about(args.devices),
+            "columns": ["Trainer(strategy=)", "torchrun", "Lightning's launcher"], "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     return 0 if all(" — " not in c for row in rows for c in row[1:]) else 1
 

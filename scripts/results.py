@@ -534,8 +534,19 @@ def faults_block(arg: str, docs: str = "") -> str:
             f"[every cell]({docs}benchmarks.md#{slug(data['title'])})).\n")
 
 
+def lightning_features_block(arg: str, docs: str = "") -> str:
+    """``lightning_features``: the grid of ``scripts/lightning_features.py --matrix``
+    (``results/lightning/features.json``: every strategy's Lightning features, both launchers),
+    shown where plain-script users read (``docs/lightning.md``), not on the results page."""
+    (source,) = sources("results/lightning/features.json")
+    data = source.data
+    provenance = Provenance(data["created"], data["commit"], data["command"])
+    return f"{data['about']}\n\nMeasured {provenance.text()}.\n\n" + markdown(data["columns"], data["rows"])
+
+
 BLOCKS: dict[str, Callable[[str, str], str]] = {
     "faults": faults_block,
+    "lightning_features": lightning_features_block,
     "profiles": profiles_block,
     "speedups": speedups_block,
     "training": training_block,

@@ -1,6 +1,6 @@
 """Cost model vs measurement on the emulator: prediction error for every modelled strategy.
 
-    python scripts/validate_cost_model.py [--payload-mb 8] [--steps 3] [--out docs/cost_validation.md]
+    python scripts/validate_cost_model.py [--payload-mb 8] [--steps 3] [--out cost_validation.md]
 
 Runs ``syncplane bench`` for each profile (4-16 ranks, including a generated 16-rank
 two-rack profile) and prints a markdown table of measured vs predicted sync time.

@@ -72,7 +72,8 @@ class DiLoCo(SyncplaneStrategy):
         # (ElasticDiLoCo is imported with the package: ``syncplane.strategies.__init__``)
         if kwargs.get("elastic") and cls is DiLoCo:
             membership = kwargs.get("membership", DiLoCoConfig.membership)
-            cls = next((sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC and sub.MEMBERSHIP == membership), cls)
+            subs = [*DiLoCo.__subclasses__(), *(g for sub in DiLoCo.__subclasses__() for g in sub.__subclasses__())]
+            cls = next((sub for sub in subs if sub.ELASTIC and sub.MEMBERSHIP == membership), cls)
         return super().__new__(cls)
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
@@ -126,9 +127,18 @@ class DiLoCo(SyncplaneStrategy):
         if self.inner_steps == "time":
             check_weighting(self.config.time_weighting,
                             sum(b.is_floating_point() for b in self.lightning_module.buffers()))
-            pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
-            self._timed = TimedRounds(self.sync_every, self.world_size, self.global_rank, self.config.round_budget_s,
-                                      self.config.time_weighting, pace, replicas=self.engine.layout.nodes)
+            self._timed = self._timed_rounds(self.world_size, self.global_rank)
+
+    def _timed_rounds(self, replicas: int, rank: int) -> TimedRounds:
+        """``inner_steps=time``'s plan over ``replicas`` (this one's index ``rank``)."""
+        pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
+        return TimedRounds(self.sync_every, replicas, rank, self.config.round_budget_s, self.config.time_weighting,
+                           pace, replicas=self.engine.layout.nodes if replicas == self.world_size else None)
+
+    def _decide(self, timed: TimedRounds, done: int) -> None:
+        """The next round's inner steps, from every rank's step times (a collective)."""
+        self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank),
+                                                   done // self.sync_every)
 
     def _transport(self, job: JobContext) -> Transport:
         """Where the engine's exchanges run: the job's gloo ranks (elastic mode: the quorum's)."""
@@ -147,6 +157,14 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def consensus_group(self) -> Any:
         return getattr(self.engine, "consensus_group", None)   # inner=fsdp: the ranks holding this rank's shard
+
+    @override
+    def average_replicas_(self, tensors: list[torch.Tensor] | None = None) -> None:
+        engine = self._engine
+        if tensors is None and engine is not None and engine.sharded and len(set(engine.layout.sizes)) > 1:
+            engine.average_model_(self.model_tensors())   # FSDP2 on uneven nodes: no one group holds a shard
+            return
+        super().average_replicas_(tensors)
 
     @property
     def engine(self) -> DiLoCoEngine:
@@ -211,8 +229,7 @@ class DiLoCo(SyncplaneStrategy):
         # overlap only the launch, and the merge of an exchange not yet done)
         self.details["sync_exposed_s"] = self.details.get("sync_exposed_s", 0.0) + time.perf_counter() - start
         if timed is not None and done % self.sync_every == 0:
-            self.details["round_steps"] = timed.decide(gather_floats(self.world_size, self.global_rank),
-                                                       done // self.sync_every)
+            self._decide(timed, done)
         self._step_end = time.perf_counter()
 
     def outer_sync(self, fragment: int = 0) -> bool:

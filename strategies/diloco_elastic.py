@@ -15,7 +15,8 @@ overlap, outer rule), its exchanges running over the current quorum
 - ``on_train_start``: join the quorum (the first start waits for every replica; a restart
   joins at a boundary and heals θ_g, the outer state and the position from a live peer).
 - ``after_optimizer_step``: ``DiLoCo``'s rounds, then at each boundary (no round in flight)
-  the vote and the next quorum; the trainer stops after the job's last boundary.
+  the vote and the next quorum; every replica stops at the job's last step (a joiner, whose
+  own steps started later, counts the job's).
 - ``sync_state_dict`` / ``load_sync_state_dict``: ``DiLoCo``'s, plus the position and torchft
   step: a replica resumes from its checkpoint and rejoins (healing if the others went on).
 
@@ -36,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from syncplane.algorithms.diloco import ft
+from syncplane.algorithms.diloco.adaptive import TimedRounds
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.elastic import JobFingerprint, Membership, QuorumTransport, fingerprint
 from syncplane.algorithms.diloco.streaming import Round
@@ -60,6 +62,9 @@ class ElasticDiLoCo(DiLoCo):
         self._resumed: Mapping[str, Any] | None = None
         self._replica = 0
         self._quorum: QuorumTransport | None = None
+        self._total_steps = 0     # the job's steps (trainer.estimated_stepping_batches)
+        self._timed_quorum: int | None = None   # the quorum inner_steps=time's plan is for
+        self._finished = False
 
     def _place(self) -> ElasticPlace:
         """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
@@ -117,7 +122,8 @@ class ElasticDiLoCo(DiLoCo):
         assert membership is not None
         trainer = self.lightning_module.trainer
         # a boundary after each period's first round has merged: steps H + τ, 2H + τ, ...
-        membership.total = (int(trainer.estimated_stepping_batches) - self.overlap_steps) // self.sync_every
+        self._total_steps = int(trainer.estimated_stepping_batches)
+        membership.total = (self._total_steps - self.overlap_steps) // self.sync_every
         place = self._place()
         if self._done_marker().exists():   # restarted after the job's last round: nothing to rejoin
             self._record_event({"event": "start", "restart": place.restarts, "job_done": True})
@@ -138,22 +144,43 @@ class ElasticDiLoCo(DiLoCo):
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         membership = self._membership
         assert membership is not None
-        if membership.done or membership.group is None:
+        if membership.group is None or self._finished:
             return
         super().after_optimizer_step(optimizer)
         done = self.round_step + 1
-        if done < self.sync_every or done % self.sync_every != self.overlap_steps:
-            return
-        membership.boundary()   # no round in flight here: vote, then the next quorum
-        self._adopt_if_healed(self.step + 1)
-        self.details["elastic"] = membership.stats.as_dict()
-        if membership.done:
+        if not membership.done and done >= self.sync_every and done % self.sync_every == self.overlap_steps:
+            membership.boundary()   # no round in flight here: vote, then the next quorum
+            self._adopt_if_healed(self.step + 1)
+            self.details["elastic"] = membership.stats.as_dict()
+            self._plan_time(done)
+        if done >= self._total_steps:   # the job's last step (a joiner's local steps are fewer)
+            self.engine.wait()
+            self._finished = True
             # replicas that finished together hold the same θ_g: the summary shows its digest
-            self.details["elastic"]["theta_sha256"] = hashlib.sha256(
-                self.engine.params.numpy().tobytes()).hexdigest()
+            self.details["elastic"] = {**membership.stats.as_dict(), "theta_sha256": hashlib.sha256(
+                self.engine.params.numpy().tobytes()).hexdigest()}
             self._done_marker().touch()
             self._record_event({"event": "done", "position": membership.position})
             self.lightning_module.trainer.should_stop = True
+
+    @override
+    def _decide(self, timed: TimedRounds, done: int) -> None:
+        return   # after the boundary, over its quorum (``_plan_time``)
+
+    def _plan_time(self, done: int) -> None:
+        """``inner_steps=time``: the plan over the quorum just formed (a new one at a membership
+        change, every replica first computing every slot: a joiner has measured nothing)."""
+        membership = self._membership
+        if self._timed is None or membership is None or membership.group is None or membership.done:
+            return
+        view = self._quorum.view if self._quorum is not None else None
+        if view is None:
+            return
+        if view.quorum_id != self._timed_quorum:
+            self._timed, self._timed_quorum = self._timed_rounds(view.participants, view.rank), view.quorum_id
+        group = membership.group
+        self.details["round_steps"] = self._timed.decide(lambda value: group.gather_floats(value, view),
+                                                         done // self.sync_every)
 
     @override
     def _merge(self, round_: Round) -> None:
@@ -204,7 +231,8 @@ class ElasticDiLoCo(DiLoCo):
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
             return
-        super().load_sync_state_dict(state)
+        # inner_steps=time: the plan was the old quorum's; it is made again at the first boundary
+        super().load_sync_state_dict({k: v for k, v in state.items() if k != "timed"})
         membership = self._membership
         assert membership is not None
         mine = state["elastic"]

@@ -26,13 +26,9 @@ Membership changes, heals and discarded rounds go to the job's ``history.jsonl``
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import time
-from pathlib import Path
 from typing import Any, Mapping
 
-from lightning.pytorch.trainer.states import RunningStage
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -41,12 +37,13 @@ from syncplane.algorithms.diloco.elastic import ElasticOuter, JobFingerprint, Ro
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco import ft
 from syncplane.algorithms.diloco.engine import host_mirror
-from syncplane.job import ElasticPlace, JobContext, missing_elastic
+from syncplane.job import JobContext
 from syncplane import lightning_adapter
 from syncplane.strategies.diloco import DiLoCo
+from syncplane.strategies.diloco_elastic import ElasticDiLoCo
 
 
-class QuorumDiLoCo(DiLoCo):
+class QuorumDiLoCo(ElasticDiLoCo):
     """``DiLoCo`` with ``elastic=True, membership="quorum"``; same arguments (see ``DiLoCo``)."""
 
     ELASTIC = True
@@ -55,30 +52,9 @@ class QuorumDiLoCo(DiLoCo):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_quorum(self.config)
-        self.lighthouse_host = ft.check_bind_host(self.lighthouse_host)
-        self.round_timeout_s = self.elastic_timeouts["round_timeout_s"]
-        self.quorum_timeout_s = self.elastic_timeouts["quorum_timeout_s"]
         self._elastic: ElasticOuter | None = None
         self._local_steps = 0
         self._round_steps = 0   # steps since this replica's last round (more than H after it was late)
-        self._replica = 0
-
-    def _place(self) -> ElasticPlace:
-        """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
-        place = self.job.elastic
-        if place is None:
-            raise ValueError("elastic=true runs under syncplane's launcher (python train.py), which "
-                             f"starts the lighthouse and the replicas; missing {', '.join(missing_elastic())}")
-        return place
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        stage = self.lightning_module.trainer.state.stage if self.lightning_module is not None else None
-        if stage is not None and stage != RunningStage.TRAINING:
-            return {"num_replicas": 1, "rank": 0}
-        place = self._place()
-        return {"num_replicas": place.replicas, "rank": place.replica}
 
     @override
     def setup_sync(self, job: JobContext) -> None:
@@ -103,7 +79,7 @@ class QuorumDiLoCo(DiLoCo):
 
     @override
     def on_train_start(self) -> None:
-        super().on_train_start()
+        DiLoCo.on_train_start(self)   # not ElasticDiLoCo's: this loop joins its own way
         assert self._elastic is not None
         trainer = self.lightning_module.trainer
         self._elastic.total_rounds = int(trainer.estimated_stepping_batches) // self.sync_every
@@ -126,7 +102,7 @@ class QuorumDiLoCo(DiLoCo):
         if self._elastic.join(group, self._host.buffer if restart != "0" else None):
             self._host.from_host(self.model_tensors())
             self.rounds += 1
-        self._adopt_if_healed()
+        self._adopt_peer()
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -151,7 +127,7 @@ class QuorumDiLoCo(DiLoCo):
             self.rounds += 1
         else:
             self.skipped += 1
-        self._adopt_if_healed()
+        self._adopt_peer()
         self.details["elastic"] = self._elastic.stats.as_dict()
         if self._elastic.done:
             # replicas that finished together hold the same θ_g: the summary shows its digest
@@ -161,10 +137,7 @@ class QuorumDiLoCo(DiLoCo):
             self._record_event({"event": "done", "position": self._elastic.position})
             self.lightning_module.trainer.should_stop = True
 
-    def _done_marker(self) -> Path:
-        return self._place().folder / "elastic_done"
-
-    def _adopt_if_healed(self) -> None:
+    def _adopt_peer(self) -> None:
         """After a heal, this replica starts from the peer's θ_g (its buffers stay its own)."""
         assert self._elastic is not None and self._host is not None
         if not self._elastic.healed:
@@ -175,17 +148,6 @@ class QuorumDiLoCo(DiLoCo):
         self._elastic.healed = False
         self.details["elastic"] = self._elastic.stats.as_dict()
 
-    def _record_event(self, record: dict[str, Any]) -> None:
-        """Membership changes, heals and discarded rounds go to the job's ``history.jsonl``
-        (one ``O_APPEND`` write per line: replicas share the file)."""
-        line = json.dumps({"replica": self._replica, "time": round(time.time(), 3), **record}) + "\n"
-        path = self._place().folder / "history.jsonl"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
-
     @override
     def sync_state_dict(self) -> dict[str, Any]:
         assert self._elastic is not None
@@ -195,7 +157,7 @@ class QuorumDiLoCo(DiLoCo):
     @override
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         if state:
-            raise ValueError("elastic=true does not resume from a checkpoint: a restarted replica heals "
+            raise ValueError("membership=quorum does not resume from a checkpoint: a restarted replica heals "
                              "from a live peer instead")
 
     @override
@@ -210,12 +172,13 @@ class QuorumDiLoCo(DiLoCo):
     def teardown(self) -> None:
         if self._elastic is not None:
             self._elastic.close()
-        super().teardown()
+        DiLoCo.teardown(self)
 
 
 def check_quorum(config: DiLoCoConfig) -> None:
     """What ``membership=quorum``'s own loop supports, checked at construction."""
     unsupported = {"fragments": (config.fragments, 1), "overlap_steps": (config.overlap_steps, 0),
+                   "inner_steps": (config.inner_steps, "fixed"),
                    "compression": (config.compression, "none"), "streams": (config.streams, 1)}
     for key, (value, allowed) in unsupported.items():
         if value != allowed:

@@ -72,7 +72,8 @@ def _train(engine, module, model, optimizer, seed: int, rank: int, steps: range,
             engine.merge(tensors, engine.pop(0), 0.0)
 
 
-def node_vs_ddp(rank: int, world: int, sizes: list[int], seed: int, steps: int, gather_chunk: int):
+def node_vs_ddp(rank: int, world: int, sizes: list[int], seed: int, steps: int, gather_chunk: int,
+                inner: str = "ddp"):
     from torch.nn.parallel import DistributedDataParallel
 
     from syncplane.algorithms.diloco import engine as diloco_engine
@@ -87,11 +88,12 @@ def node_vs_ddp(rank: int, world: int, sizes: list[int], seed: int, steps: int, 
     reference = [p.detach().clone() for p in model.parameters()]
 
     model = _model(seed)
-    engine = _engine(rank, world, sizes, {"sync_every": 1, **PLAIN_AVERAGING}, model)
+    engine = _engine(rank, world, sizes, {"sync_every": 1, **PLAIN_AVERAGING}, model, inner)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     _train(engine, engine.module, model, optimizer, seed, rank, range(steps), 1)
     engine.close()
-    return reference, [p.detach().clone() for p in model.parameters()], list(engine.owned)
+    whole = [p.full_tensor() if inner == "fsdp" else p.detach().clone() for p in model.parameters()]
+    return reference, whole, list(engine.owned)
 
 
 @pytest.mark.parametrize("sizes", [[2, 1]], ids=str)
@@ -105,6 +107,22 @@ def test_node_replicas_with_h1_plain_outer_sgd_equal_ddp_over_all_ranks(sizes):
     assert any(not torch.equal(a, b) for a, b in zip(results[0][1], _model(seed).parameters()))
     # a small node's ranks own several shards: rank 2 owns both
     assert [owned for _, _, owned in results] == [[0], [1], [0, 1]]
+
+
+@pytest.mark.parametrize("sizes", [[2, 1, 2], [3, 2]], ids=str)
+def test_fsdp_on_uneven_nodes_with_h1_plain_outer_sgd_equals_ddp_over_all_ranks(sizes):
+    """FSDP2 inside nodes of different sizes: each parameter exchanged in the units its nodes'
+    row chunks cut it into (3 + 2: rows [0, 2) [2, 3) [3, 4) [4, 5) of a 5-row weight, each among
+    its holders), the replicas weighted by their rank count: DDP over all ranks (1e-6)."""
+    seed = int(torch.randint(0, 2**20, ()))
+    results = run_distributed(node_vs_ddp, sum(sizes), sizes, seed, 4, 7, "fsdp", timeout=180)
+    for reference, params, _ in results:
+        for ddp, node in zip(reference, params):
+            torch.testing.assert_close(node, ddp, rtol=1e-6, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(results[0][1], _model(seed).parameters()))
+    # the exchange sets each rank is in: 2+1+2's lone rank in both; 3+2 as the units above say
+    assert [len(owned) for _, _, owned in results] == {"[2, 1, 2]": [1, 1, 2, 1, 1],
+                                                      "[3, 2]": [1, 2, 1, 2, 2]}[str(sizes)]
 
 
 SPARSE = {"compression": "sparse", "density": 0.25, "bits": 4, "chunk": 8, "exchange": "gather"}

@@ -92,3 +92,42 @@ def test_a_killed_replica_is_dropped_restarted_and_healed(tmp_path: Path) -> Non
     if placement:   # the quorum service ran on host 0, on its NIC: the replicas reached it across the emulated links
         assert (tmp_path / "logs" / "lighthouse.log").exists()
         assert emulator.namespaces() == []
+
+
+def _summaries(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in [run_dir / "summary.json", *sorted(run_dir.glob("replica*/summary.json"))]]
+
+
+@pytest.mark.slow
+def test_an_elastic_job_with_int8_and_fragments_resumes_from_its_checkpoints(tmp_path: Path) -> None:
+    """Two local replicas (int8, two fragments) train two epochs, then the job resumes from the
+    checkpoint for a third: each replica from its own (``replica1/checkpoints``), the position,
+    round counts and torchft step where they stood, so no replica heals and both end on one θ_g."""
+    common = ["strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.sync_every=5",
+              "strategy.kwargs.fragments=2", "strategy.kwargs.compression=int8", "trainer.devices=2", "seed=4"]
+    first = train(*common, "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'first'}", timeout=400)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    assert last.is_file() and (tmp_path / "first" / "replica1" / "checkpoints" / "last.ckpt").is_file()
+    before = _summaries(tmp_path / "first")[0]["strategy_details"]["elastic"]
+    resumed = train(*common, "trainer.max_epochs=3", f"resume={last}", f"hydra.run.dir={tmp_path / 'resumed'}",
+                    timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "epoch 3/3" in resumed.stdout and "epoch 1/3" not in resumed.stdout
+    details = [s["strategy_details"]["elastic"] for s in _summaries(tmp_path / "resumed")]
+    assert len(details) == 2 and len({d["theta_sha256"] for d in details}) == 1, details
+    assert all(d["rounds_committed"] > before["rounds_committed"] and not d["heals"] for d in details), details
+    assert not any(e["event"] == "heal" for e in _events(tmp_path / "resumed"))
+
+
+@pytest.mark.slow
+def test_elastic_time_budgeted_rounds_agree_their_plan_over_the_quorum(tmp_path: Path) -> None:
+    """``inner_steps=time`` in elastic mode: each boundary's plan is decided over the quorum just
+    formed (a gather on torchft's group), so every replica holds the same step counts and θ_g."""
+    result = train("strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.inner_steps=time",
+                   "strategy.kwargs.sync_every=5", "trainer.devices=2", "trainer.max_epochs=2", "seed=6",
+                   f"hydra.run.dir={tmp_path}", timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    details = [s["strategy_details"] for s in _summaries(tmp_path)]
+    assert len(details) == 2 and len({d["elastic"]["theta_sha256"] for d in details}) == 1, details
+    assert details[0]["round_steps"] == details[1]["round_steps"] and len(details[0]["round_steps"]) == 2

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from syncplane.runtime.launcher import free_port
+from tests.helpers.launchers import slurm_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["recipe=digits", "trainer.max_epochs=1", "trainer.devices=2", "logger.csv=false"]
@@ -25,14 +26,6 @@ def start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subp
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float = 400) -> list[tuple[int, str]]:
     return [(p.wait(timeout=timeout), p.stdout.read() if p.stdout else "") for p in procs]
-
-
-def slurm_rank(rank: int, world: int, port: int, job: str = "4242") -> dict[str, str]:
-    """What srun sets for one task of a one-node job (the subset Lightning reads)."""
-    return {"SLURM_NTASKS": str(world), "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
-            "SLURM_JOB_ID": job, "SLURM_JOB_NAME": "syncplane-test", "SLURM_NODELIST": "localhost",
-            "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": str(world), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def test_srun_variables_run_each_process_as_one_rank(tmp_path):

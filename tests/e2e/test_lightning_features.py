@@ -53,3 +53,26 @@ def test_a_failing_scenario_is_reported_and_ends_the_job(tmp_path, monkeypatch):
     assert results["fit"] == "AssertionError: 3 optimizer steps, not 2 (accumulation)", results
     assert "evaluate" not in results
     assert "fit: AssertionError" in features.cell(tmp_path, "ddp", 1, 3.0)
+
+
+def test_the_matrix_writes_one_row_a_strategy_naming_the_failures(tmp_path, monkeypatch):
+    """``--matrix``'s report from its jobs (their launch replaced: each writes the rank files a
+    job would), in the generic results shape that ``scripts/results.py`` renders."""
+    def launch(launcher, strategies, out, devices, timeout):
+        good = {s: "ok" for s in features.SCENARIOS}
+        broken = {"fit": "ok", "evaluate": "AssertionError: predict gave 3 batches"}
+        for rank in range(devices):
+            result = broken if (launcher, strategies) == ("lightning", "canary") else {**good, "ran": "DiLoCo"}
+            (out / f"rank{rank}.json").write_text(json.dumps({strategies: result}))
+        return (1 if (launcher, strategies) == ("lightning", "canary") else 0), 12.0, "output"
+
+    monkeypatch.setattr(features, "launch", launch)
+    report = tmp_path / "lightning_features.json"
+    args = features.argparse.Namespace(strategies="diloco,canary,auto", devices=2, out=report, timeout=60.0)
+    assert features.matrix(args) == 1                       # a failing cell fails the command
+    data = json.loads(report.read_text())
+    assert {"title", "created", "commit", "command", "columns", "rows"} <= set(data)
+    assert data["rows"][0] == ["`diloco`", "5/5 (12 s)", "5/5 (12 s)"]
+    assert data["rows"][1][2] == "1/5 (12 s) — evaluate: AssertionError: predict gave 3 batches"
+    assert data["rows"][2][1] == "5/5 (12 s, ran DiLoCo)"   # what the planner chose
+    assert len(features.SCENARIOS) == 5

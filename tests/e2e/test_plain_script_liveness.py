@@ -1,7 +1,9 @@
 """A plain Lightning script (``tests/helpers/plain_script.py``: Lightning's BoringModel with a
 syncplane strategy by name) gets the heartbeat as ``train.py`` does: a rank that hangs (SIGSTOP)
 or dies (SIGKILL) ends every process of the job within 45 s, each live rank naming it, under
-``torchrun`` and under Lightning's own launcher. Real processes, 3 CPU gloo ranks."""
+``torchrun``, under Lightning's own launcher, and under SLURM (each rank a process started with
+the variables ``srun`` sets, no launcher around to end the others: the heartbeat alone must).
+Real processes, 3 CPU gloo ranks."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from syncplane.runtime.launcher import free_port
+from tests.helpers.launchers import slurm_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "helpers" / "plain_script.py"
@@ -27,22 +32,31 @@ def run_job(tmp_path: Path, launcher: str, strategy: str, fault: str, rank: int)
     mark = tmp_path / "fault_time"
     args = [str(SCRIPT), "--strategy", strategy, "--max-steps", "100000", "--fault", fault,
             "--fault-rank", str(rank), "--fault-step", "10", "--mark", str(mark), "--out", str(tmp_path / "run")]
-    if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--standalone",
-                   "--max-restarts", "0", *args]
-    else:   # Lightning's own launcher: this process is rank 0 and starts the others
-        command = [sys.executable, *args, "--devices", str(WORLD)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
+    if launcher == "torchrun":
+        commands = [([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--standalone",
+                      "--max-restarts", "0", *args], env)]
+    elif launcher == "srun":   # srun starts every task itself; here, one process a rank with its variables
+        port = free_port()
+        commands = [([sys.executable, *args, "--devices", str(WORLD)], {**env, **slurm_rank(r, WORLD, port)})
+                    for r in range(WORLD)]
+    else:   # Lightning's own launcher: this process is rank 0 and starts the others
+        commands = [([sys.executable, *args, "--devices", str(WORLD)], env)]
+    logs = [tmp_path / f"job{i}.log" for i in range(len(commands))]
+    jobs = [subprocess.Popen(command, cwd=tmp_path, env=job_env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                             start_new_session=True) for (command, job_env), log in zip(commands, logs)]
+    deadline = time.time() + 240
     try:
-        output, _ = job.communicate(timeout=240)
+        for job in jobs:
+            job.wait(timeout=max(deadline - time.time(), 1))
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, 9)
-        output, _ = job.communicate()
-        pytest.fail(f"the job did not end within 240 s:\n{output[-3000:]}")
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, 9)
+        pytest.fail(f"the job did not end within 240 s:\n{logs[0].read_text()[-3000:]}")
     ended = time.time()
-    assert job.returncode != 0, output[-3000:]
+    output = "".join(log.read_text() for log in logs)
+    assert all(job.returncode != 0 for job in jobs), output[-3000:]
     assert mark.exists(), f"rank {rank} never reached its fault:\n{output[-3000:]}"
     return ended - float(mark.read_text()), output
 
@@ -58,6 +72,8 @@ def leftover_ranks(tmp_path: Path) -> list[str]:
     ("torchrun", "atc", "stop", 1),
     ("torchrun", "diloco", "kill", 2),
     ("lightning", "ds_sync", "stop", 1),
+    ("srun", "diloco", "stop", 2),
+    ("srun", "atc", "kill", 1),
 ])
 def test_a_lost_rank_ends_every_process_naming_it(tmp_path, launcher, strategy, fault, rank):
     seconds, output = run_job(tmp_path, launcher, strategy, fault, rank)

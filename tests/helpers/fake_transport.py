@@ -10,7 +10,7 @@ returns the results in rank order (the first rank's exception re-raised). What t
   its slice with its own error feedback (values from the pattern's ``exact_from`` on as fp32),
   every member decodes all pieces in member order into zeros and divides once -- the same mean
   on every member. ``Wire.fail`` discards chosen rounds on every member (residuals restored).
-- ``group``/``all_gather``/``broadcast``: the members' tensors, in group order.
+- ``groups``/``all_gather``/``all_reduce``: the members' tensors, in group order.
 - ``wrap``: the module itself for a DDP node (the driver keeps a node's ranks alike, as DDP's
   gradient mean would); FSDP2 is not played (real gloo tests cover it).
 
@@ -143,19 +143,16 @@ class FakeTransport:
         group.members_key = (group.members, built)   # a runner's own rounds, apart from earlier runners'
         return FakeRunner(self.wire, self.rank, group, exchange, codec, error_feedback_beta)
 
-    def group(self, sets: Sequence[Sequence[int]], backend: str) -> FakeGroup:
-        flat = [r for s in sets for r in s]
-        if len(flat) != len(set(flat)):
-            raise ValueError(f"the sets of a group must be disjoint (new_subgroups_by_enumeration), got {sets}")
-        return self._group(next(s for s in sets if self.rank in s))
+    def groups(self, sets: Sequence[Sequence[int]], backend: str) -> dict[int, FakeGroup]:
+        return {i: self._group(sorted(s)) for i, s in enumerate(sets) if self.rank in s}
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: FakeGroup) -> None:
         parts = self.wire.meet(group.key("all_gather"), group.members, self.rank, tensor.clone())
         torch.cat(parts, out=out)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: FakeGroup) -> None:
-        parts = self.wire.meet(group.key("broadcast"), group.members, self.rank, tensor.clone())
-        tensor.copy_(parts[group.members.index(src)])
+    def all_reduce(self, tensor: torch.Tensor, group: FakeGroup) -> None:
+        parts = self.wire.meet(group.key("all_reduce"), group.members, self.rank, tensor.clone())
+        tensor.copy_(sum(parts[1:], parts[0].clone()))
 
     def wrap(self, module: torch.nn.Module, group: FakeGroup, sharded: bool, device: str,
              device_ids: list[int] | None) -> torch.nn.Module:

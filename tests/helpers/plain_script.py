@@ -41,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="atc")
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "2")))
+    parser.add_argument("--num-nodes", type=int, help="Trainer's num_nodes (default: torchrun's nodes, else 1)")
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--fault", choices=["stop", "kill"])
     parser.add_argument("--fault-rank", type=int, default=1)
@@ -59,7 +60,9 @@ def main() -> None:
     strategy = (syncplane.Auto(cluster=args.strategy.split(":", 1)[1], accept=args.accept, compute_ms=5.0,
                                strategies=args.candidates)
                 if args.strategy.startswith("auto:") else args.strategy)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
+    nodes = args.num_nodes or int(os.environ.get("GROUP_WORLD_SIZE", "1"))   # torchrun's agents
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, num_nodes=nodes,
+                         max_steps=args.max_steps,
                          max_epochs=-1, limit_val_batches=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          default_root_dir=args.out)

@@ -96,13 +96,16 @@ def test_bad_inner_steps_settings_name_the_key(kwargs, message) -> None:
         DiLoCoConfig(**kwargs)
 
 
-def test_time_budgeted_rounds_are_refused_in_elastic_mode() -> None:
+def test_time_budgeted_rounds_run_elastic_but_deal_no_shared_stream() -> None:
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
     from syncplane.strategies.diloco import DiLoCo
 
-    with pytest.raises(ValueError, match="inner_steps=time is not supported with elastic=true"):
-        DiLoCo(cluster_environment=TorchElasticEnvironment(), inner_steps="time", elastic=True)
+    assert DiLoCo(cluster_environment=TorchElasticEnvironment(), inner_steps="time", elastic=True).elastic
+    with pytest.raises(ValueError, match="time_samples=share with elastic=true"):
+        DiLoCo(cluster_environment=TorchElasticEnvironment(), inner_steps="time", time_samples="share", elastic=True)
+    with pytest.raises(ValueError, match="membership=quorum supports inner_steps=fixed only"):
+        DiLoCo(cluster_environment=TorchElasticEnvironment(), inner_steps="time", elastic=True, membership="quorum")
 
 
 def test_fednova_is_refused_for_a_model_with_floating_buffers() -> None:

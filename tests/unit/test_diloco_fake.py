@@ -226,3 +226,33 @@ def test_a_resume_mid_run_is_bit_identical(sizes):
     resumed = run_ranks(_drive, sum(sizes), sizes, dict(kwargs), seed, 12, 6)
     for (a, ga, _), (b, gb, _) in zip(straight, resumed):
         assert torch.equal(a, b) and torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("sizes", [[2, 1, 2], [3, 2], [4, 4], [1, 3, 2]], ids=str)
+def test_fsdp_units_give_every_value_one_holder_per_node_at_its_fsdp_rows(sizes):
+    """``ReplicaLayout.fsdp_units``: every value of the whole model sits in one span of one set on
+    exactly one rank of each node, the rank whose FSDP2 row chunk (``torch.chunk``) holds it,
+    at that rank's local position; the floating buffers ride with every shard group."""
+    layout, shapes, buffers = ReplicaLayout.of_sizes(sizes, "fsdp"), [(5, 3), (7,), (1, 4), (2, 2)], 3
+    whole = sum(torch.Size(s).numel() for s in shapes)
+    ids = torch.arange(whole, dtype=torch.float32)
+    params = [t.reshape(s) for t, s in zip(ids.split([torch.Size(s).numel() for s in shapes]), shapes)]
+    seen = {n: torch.zeros(whole, dtype=torch.long) for n in range(len(sizes))}
+    sets, groups = None, [layout.shard_group(k) for k in range(layout.shards)]
+    for rank in range(sum(sizes)):
+        node = layout.replica_of(rank)
+        j, size = layout.nodes[node].index(rank), sizes[node]
+        mine = torch.cat([p.chunk(size)[j].reshape(-1) if j < len(p.chunk(size)) else p[:0].reshape(-1)
+                          for p in params] + [torch.full((buffers,), -1.0)])
+        got, spans = layout.fsdp_units(rank, shapes, buffers)
+        assert sets is None or got == sets   # every rank: the same sets
+        sets = got
+        for k, runs in spans.items():
+            assert sets[k][node] == rank
+            for lo, hi, at in runs:
+                if at >= whole:
+                    assert torch.equal(mine[lo:hi], torch.full((hi - lo,), -1.0)) and sets[k] in groups
+                    continue
+                assert torch.equal(mine[lo:hi], ids[at:at + hi - lo])   # its own rows, where it keeps them
+                seen[node][at:at + hi - lo] += 1
+    assert all(torch.equal(count, torch.ones(whole, dtype=torch.long)) for count in seen.values())

@@ -312,3 +312,51 @@ def test_the_rank_that_finds_a_killed_rank_settles_before_ending_its_process(mon
     assert message is not None and "rank 2 stopped" in message
     assert settling, "rank 0 ended rank 2 without settling"
     assert [(sig, read) for _, sig, read in kills.kills] == [(signal.SIGKILL, [0, 1, 3])]
+
+
+def test_the_lost_rank_is_ended_even_when_the_store_leaves_while_the_others_read(monkeypatch):
+    """Under srun nothing else ends a hung task: rank 0, the store's host, reads rank 1's
+    verdict and leaves at once, taking the store with it, while rank 1 still settles. Rank 1
+    looked the lost rank's process up before settling, so it still ends it (and SLURM's job
+    does not wait for the hung task until its time limit)."""
+    import signal
+    import socket
+
+    from syncplane.runtime import heartbeat
+
+    class Leaving(dist.HashStore):
+        gone = False
+
+        def _alive(self) -> None:
+            if self.gone:
+                raise RuntimeError("Connection reset by peer")
+
+        def set(self, key, value):
+            self._alive()
+            return super().set(key, value)
+
+        def get(self, key):
+            self._alive()
+            return super().get(key)
+
+        def check(self, keys):
+            self._alive()
+            return super().check(keys)
+
+    store, clock, lost = Leaving(), Clock(), []
+    beats = [Heartbeat(store, r, 3, timeout_s=10, startup_s=30, clock=clock, reap=True, settles=True,
+                       on_lost=lambda message, r=r: lost.append((r, message))) for r in range(3)]
+    kills: list[tuple[int, int]] = []
+    monkeypatch.setattr(heartbeat.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    hung_pid = heartbeat.os.getpid() + 100000
+    store.set("syncplane/heartbeat/process/2", f"{socket.gethostname()} {hung_pid}")
+    rounds(beats, clock, 20)
+
+    def sleep(seconds: float) -> None:   # rank 0 reads the verdict, then its process (the store) is gone
+        clock.now += seconds
+        beats[0].poll()
+        store.gone = True
+    beats[1].sleep = sleep
+    rounds(beats, clock, 14, skip=(2,))
+    assert [r for r, _ in lost] == [0, 1] and "rank 2 stopped" in lost[0][1]
+    assert kills == [(hung_pid, signal.SIGKILL)]

@@ -198,7 +198,6 @@ def test_canary_nested_is_checked_against_the_emulated_clusters_profile(tmp_path
     ({"replica": "node"}, (None, 5, 2), "replica='node': the job's nodes do not divide"),
     ({"replica": "node", "elastic": True}, ("multi_nic", 4), "replica='node' with elastic=true"),
     ({"replica": "node", "exchange": "tree"}, ("multi_nic", 4), "replica='node' exchanges each outer shard"),
-    ({"replica": "node", "inner": "fsdp"}, ("asymmetric_2_3", 5), "inner='fsdp' needs nodes of one size"),
 ], ids=lambda v: str(v)[:30])
 def test_diloco_node_replicas_refuse_a_job_they_cannot_run_naming_the_key(kwargs, job, key):
     """``replica: node`` needs hosts of several ranks that divide the job (the profile's hosts,
@@ -228,8 +227,9 @@ def test_diloco_node_replicas_take_the_hosts_of_the_profile_or_the_launcher():
     assert node_layout("node", "fsdp", JobContext(world_size=8, local_world_size=4)).inner == "fsdp"
     with pytest.raises(ValueError, match="inner='fsdp': replica='auto' is 'rank'"):
         node_layout("auto", "fsdp", JobContext.planned(8, load_profile("homogeneous8")))
-    with pytest.raises(ValueError, match="inner='fsdp' needs nodes of one size"):
-        node_layout("node", "fsdp", JobContext.planned(5, load_profile("asymmetric_2_3")))
+    # FSDP2 on nodes of different sizes (each parameter exchanged in the units of the nodes' row chunks)
+    assert node_layout("node", "fsdp", JobContext.planned(5, load_profile("uneven_nodes"))).sizes == [2, 1, 2]
+    registry.validate("diloco", {"replica": "node", "inner": "fsdp"}, JobContext.planned(5, load_profile("asymmetric_2_3")))
 
 
 def test_a_check_only_the_running_ranks_can_make_fails_with_one_line(tmp_path, capsys, monkeypatch):
@@ -250,7 +250,7 @@ def test_a_check_only_the_running_ranks_can_make_fails_with_one_line(tmp_path, c
         "syncplane: rank 1: invalid configuration: fault.kind=netdown: this rank does not run inside an emulated host"]
 
 
-def test_time_budgeted_diloco_is_refused_in_elastic_mode_before_launch(tmp_path, no_launch):
+def test_time_budgeted_diloco_shares_no_deal_in_elastic_mode_before_launch(tmp_path, no_launch):
     cfg = copy.deepcopy(GOOD)
-    cfg["strategy"] = {"name": "diloco", "kwargs": {"inner_steps": "time", "elastic": True}}
-    assert "inner_steps=time is not supported with elastic=true" in refused(cfg, tmp_path)
+    cfg["strategy"] = {"name": "diloco", "kwargs": {"inner_steps": "time", "time_samples": "share", "elastic": True}}
+    assert "time_samples=share with elastic=true" in refused(cfg, tmp_path)

@@ -26,6 +26,9 @@ LONG_PENDING: dict[str, str] = {
     "docs/benchmarks.md": "issue 75's elastic DiLoCo goodput and heal tables took it past 400 lines: the page "
                           "needs its sections folded (e.g. DiLoCo's tables under one heading)"}
 MAX_LINES, MAX_RESULTS_LINES = 250, 400
+#: README and every page a reader reads (the results page included; the references generated
+#: from the code and the data folders are looked up, not read), in all
+MAX_TOTAL_LINES = 4000
 
 
 def _where(path: Path) -> str:
@@ -88,6 +91,13 @@ def test_pages_are_short(page):
     if where in LONG_PENDING:
         pytest.skip(f"{where}: {lines} lines, {LONG_PENDING[where]}")
     assert lines <= limit, f"{where} has {lines} lines (at most {limit})"
+
+
+def test_the_docs_are_short_in_all():
+    pages = GUIDES + [ROOT / "docs" / "benchmarks.md"]
+    counted = [p for p in pages if not _where(p).startswith("docs/reference/")]
+    total = sum(len(p.read_text().splitlines()) for p in counted)
+    assert total <= MAX_TOTAL_LINES, f"README and docs/ have {total} lines (at most {MAX_TOTAL_LINES})"
 
 
 def test_a_new_json_file_is_one_function(tmp_path, monkeypatch):

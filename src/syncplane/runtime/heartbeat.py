@@ -145,10 +145,7 @@ class Heartbeat:
             except RuntimeError:
                 pass   # the others will find the lost rank themselves, or the store gone
             if lost is not None:
-                # the others read the verdict first: a launcher that stops every rank when one
-                # dies (Lightning's) would otherwise end them before they say whom the job lost
-                self.settle()
-                self.reap_lost([lost])
+                self._settle_then_reap([lost])
             return self._report(message)
         return None
 
@@ -238,17 +235,27 @@ class Heartbeat:
             self.store.set(self._key(f"read/{self.rank}"), "1")
         except RuntimeError:
             return message
-        if posted == message:   # this rank's verdict: its lost ranks are its to end, once read (``poll``)
-            self.settle()
-            self.reap_lost(silent)
+        if posted == message:   # this rank's verdict: its lost ranks are its to end, once read
+            self._settle_then_reap(silent)
         return posted
 
-    def reap_lost(self, ranks: Sequence[int]) -> list[int]:
-        """With ``reap``: SIGKILL the processes of ``ranks`` that run on this host (as each
-        recorded at ``start``); returns the ranks ended. A rank already gone is skipped."""
+    def _settle_then_reap(self, lost: Sequence[int]) -> None:
+        """The poster of a verdict: let the others read it (``settle``), then end the lost
+        ranks' processes here. Why in that order: a launcher that stops every rank when one
+        dies (Lightning's) would otherwise end the others before they say whom the job lost.
+        The processes are looked up *before* settling: the store's host (rank 0 under srun)
+        may leave as soon as it has read the verdict, taking the store with it, and a hung
+        rank that nobody ends then holds the job (srun waits for every task)."""
+        processes = self.local_processes(lost)
+        self.settle()
+        self.end_processes(processes)
+
+    def local_processes(self, ranks: Sequence[int]) -> dict[int, int]:
+        """With ``reap``: rank -> pid of those of ``ranks`` that run on this host (as each
+        recorded at ``start``), this process excepted; a rank with no record is left out."""
         if not self.reap:
-            return []
-        ended = []
+            return {}
+        found = {}
         for rank in ranks:
             try:
                 key = self._key(f"process/{rank}")
@@ -257,15 +264,27 @@ class Heartbeat:
                 host, pid = self.store.get(key).decode().rsplit(" ", 1)
             except (RuntimeError, ValueError):
                 continue
-            if host != socket.gethostname() or int(pid) == os.getpid():
-                continue
+            if host == socket.gethostname() and int(pid) != os.getpid():
+                found[rank] = int(pid)
+        return found
+
+    def end_processes(self, processes: dict[int, int]) -> list[int]:
+        """SIGKILL each rank's process (``local_processes``); returns the ranks ended. A
+        process already gone is skipped."""
+        ended = []
+        for rank, pid in processes.items():
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 continue
-            log.warning("rank %d: ended lost rank %d (pid %s on this host) with SIGKILL", self.rank, rank, pid)
+            log.warning("rank %d: ended lost rank %d (pid %d on this host) with SIGKILL", self.rank, rank, pid)
             ended.append(rank)
         return ended
+
+    def reap_lost(self, ranks: Sequence[int]) -> list[int]:
+        """With ``reap``: SIGKILL the processes of ``ranks`` that run on this host; returns
+        the ranks ended."""
+        return self.end_processes(self.local_processes(ranks))
 
     def settle(self, window_s: float | None = None) -> None:
         """Before this rank leaves on a verdict (with ``settles``): wait until every other rank has read the verdict, finished, was named lost by it (the

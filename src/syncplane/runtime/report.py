@@ -1,6 +1,6 @@
 """What a run reports: per-epoch progress lines, ``history.jsonl`` and ``summary.json``.
 
-``summary.json`` (``docs/architecture.md``, "Outputs") is the contract benchmarks and comparisons read:
+``summary.json`` (``docs/reference/summary.md``, generated from ``SUMMARY_FIELDS``) is the contract benchmarks and comparisons read:
 ``{"strategy", "recipe", "world_size", "steps", "metrics": {"val_acc", "val_loss"},
 "throughput": {"samples_per_s", "step_s_median"}, "comm": {"seconds",
 "bytes_sent_per_rank", "evaluation_bytes_per_rank"}, "consensus_distance"}``: the sync's

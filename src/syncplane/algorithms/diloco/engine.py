@@ -23,6 +23,7 @@ nothing is gathered. A piece whose exchange was discarded keeps θ_local (the ne
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -121,31 +122,31 @@ class DiLoCoEngine:
         self.module, self.consensus_group = module, None
         self.gather_group: Any = None
         if not layout.per_rank:
-            self.gather_group = transport.group(layout.nodes, "gloo")
-            self.inner_group = transport.group(layout.nodes, "nccl") if on_gpu else self.gather_group
+            replica = layout.replica_of(job.rank)
+            self.gather_group = transport.groups(layout.nodes, "gloo")[replica]
+            self.inner_group = transport.groups(layout.nodes, "nccl")[replica] if on_gpu else self.gather_group
             self.module = transport.wrap(module, self.inner_group, self.sharded, "cuda" if on_gpu else "cpu",
                                          device_ids)
-            if self.sharded:   # the ranks holding this rank's shard in every node (consensus is over them)
-                self.consensus_group = transport.group([layout.shard_group(k) for k in range(layout.shards)],
-                                                       "gloo")
         if meta:
             materialize(self.module, init, "cpu")
-            # every node takes the first node's values of this shard, as a model built whole
-            # takes rank 0's: the nodes agree even where their ranks' seeds did not
-            src = layout.shard_group(layout.owned(job.rank)[0])[0]
-            for tensor in local_tensors(self.module):
-                transport.broadcast(tensor, src, self.consensus_group)
         tensors = local_tensors(module)
         n_params = sum(local(p.data).numel() for p in module.parameters())
         self.host = host_mirror(tensors)   # DDP nodes: the gather target, the replica's whole model
         total = self.host.buffer.numel()
         self.owned = list(layout.owned(job.rank))
-        self.pieces = self._pieces(total, n_params)
-        self.outers = {k: FragmentedOuter(self.host.buffer, n_params, config.fragments, config.sync_every,
+        self.members = {k: layout.shard_group(k) for k in self.owned}
+        self.flats = {k: self.host.buffer for k in self.owned}    # where each owned part's outer round works
+        self.n_params = {k: n_params for k in self.owned}
+        self.runs: dict[int, list[tuple[int, int]]] = {}   # FSDP on uneven nodes: each set's spans of the buffer
+        self.pieces = self._sharded(module, n_params, total) if self.sharded else self._pieces(total, n_params)
+        if meta:   # every node takes the first node's values, as a model built whole takes rank 0's
+            self._over_sets(tensors, mean=False)
+        self.outers = {k: FragmentedOuter(self.flats[k], self.n_params[k], config.fragments, config.sync_every,
                                           config.outer_optimizer, config.outer_kwargs, pin=self.host.on_gpu,
                                           rule=config.outer, bounds=self.pieces[k])
                        for k in self.owned}
-        self.host.check_cuts(tensors, sorted({a for k in self.owned for a, _ in self.pieces[k]} - {0}))
+        cuts = [lo for runs in self.runs.values() for lo, _ in runs] or [a for k in self.owned for a, _ in self.pieces[k]]
+        self.host.check_cuts(tensors, sorted(({a for a, _ in self.local} | set(cuts)) - {0}))
         self.weight = layout.weight(job.rank)
         self.streams = resolve_streams(config.streams, job, config.topology, config.exchange, config.compression)
         self.runners, self.exchange_name = self._runners(job, n_params)
@@ -156,17 +157,75 @@ class DiLoCoEngine:
         """Each outer shard's piece of each fragment in the host buffer. The fragments are the
         even cut of the model (``fragment_bounds``: the same whatever the layout, so a node of
         DDP ranks runs the per-rank schedule); each is cut into the layout's S shards, and the
-        rank owning shard k keeps piece k of every fragment. Under FSDP a rank's buffer is its
-        own shard: its fragments are the even cut of that buffer."""
+        rank owning shard k keeps piece k of every fragment (FSDP2 nodes: ``_sharded``)."""
         fragments = fragment_bounds(n_params, total - n_params, self.config.fragments)
-        if self.sharded:
-            return {k: fragments for k in self.owned}
         shards = self.layout.shards
         if any(b - a < shards for a, b in fragments):
             raise ValueError(f"fragments={self.config.fragments}: a fragment of this model has fewer values than "
                              f"the {shards} outer shards of a node; use fewer fragments")
         cut = [[(a + s, a + e) for s, e in shard_bounds(b - a, shards)] for a, b in fragments]
+        self.local = fragments
         return {k: [pieces[k] for pieces in cut] for k in range(shards)}
+
+    def _sharded(self, module: torch.nn.Module, n_params: int, total: int) -> dict[int, list[tuple[int, int]]]:
+        """FSDP2 nodes: this rank's exchange sets (``ReplicaLayout.fsdp_units``) and each one's
+        piece of each fragment. The fragments are the even cut of the whole model, so every
+        node cuts them alike; a set's spans, read one after another, are its outer buffer: this
+        rank's host buffer itself when it is in one set only (nodes of one size), else a packed
+        copy. Builds the sets' groups (a collective) and the consensus group: the ranks of the
+        nodes of this one's size that hold the same rows."""
+        layout, node = self.layout, self.node
+        shapes = [tuple(p.shape) for p in module.parameters()]
+        self.sets, spans = layout.fsdp_units(self.rank, shapes, total - n_params)
+        self.owned = sorted(spans)
+        self.members = {k: self.sets[k] for k in self.owned}
+        self.flats = {k: self.host.buffer for k in self.owned}
+        self.set_groups = self.transport.groups(self.sets, "gloo")
+        alike = sorted({(len(nd), i) for nd in layout.nodes for i in range(len(nd))})
+        self.consensus_group = self.transport.groups(
+            [[nd[i] for nd in layout.nodes if len(nd) == n] for n, i in alike], "gloo")[alike.index(
+                (len(node), node.index(self.rank)))]
+        whole = sum(math.prod(shape) for shape in shapes)
+        fragments = fragment_bounds(whole, total - n_params, self.config.fragments)
+
+        def at(runs: Sequence[tuple[int, int, int]], g: int) -> int:   # values of ``runs`` before global g
+            return sum(min(max(g - start, 0), hi - lo) for lo, hi, start in runs)
+
+        everything = sorted({run for runs in spans.values() for run in runs})
+        self.local = [(at(everything, a), at(everything, b)) for a, b in fragments]
+        if len(self.owned) > 1:
+            self.runs = {k: [(lo, hi) for lo, hi, _ in spans[k]] for k in self.owned}
+            self.flats = {k: torch.zeros(at(spans[k], whole + total - n_params)) for k in self.owned}
+            for k in self.owned:   # θ_g starts as the model
+                self._pack(k, 0, self.flats[k].numel(), into_host=False)
+        self.n_params = {k: at(spans[k], whole) for k in self.owned}
+        return {k: [(at(spans[k], a), at(spans[k], b)) for a, b in fragments] for k in self.owned}
+
+    def _pack(self, k: int, start: int, end: int, into_host: bool) -> None:
+        """Copy ``[start, end)`` of owned set k's packed buffer from (or into) its spans of the host buffer."""
+        _runs(self.host.buffer, self.runs[k], start, self.flats[k][start:end], into_runs=into_host)
+
+    def _over_sets(self, tensors: Sequence[torch.Tensor], mean: bool) -> None:
+        """Every owned set's values summed over its members and written into the live model:
+        the exact mean (``mean``), or the first member's alone (the others send zeros)."""
+        self.host.to_host(tensors)
+        for k in self.owned:
+            if self.runs:
+                self._pack(k, 0, self.flats[k].numel(), into_host=False)
+            values = self.flats[k]
+            if not mean and self.rank != self.sets[k][0]:
+                values.zero_()
+            self.transport.all_reduce(values, self.set_groups[k])
+            if mean:
+                values.div_(len(self.sets[k]))
+            if self.runs:
+                self._pack(k, 0, values.numel(), into_host=True)
+        self.host.from_host(tensors)
+
+    def average_model_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The replicas' exact mean in place of this rank's values (FSDP on uneven nodes, where no
+        group holds the same values on every node: validation's consensus)."""
+        self._over_sets([local(t) for t in tensors], mean=True)
 
     def _runners(self, job: JobContext, n_params: int) -> tuple[dict[int, Exchanger], str]:
         """Each owned shard's exchange. One rank per replica: ``build_exchange`` over every rank
@@ -184,11 +243,11 @@ class DiLoCoEngine:
         sparse = config.compression == "sparse" or config.exchange == "gather"
         runners = {}
         for k in self.owned:
-            exact_from = sum(max(0, min(b, n_params) - a) for a, b in self.pieces[k])   # its parameters come first
+            exact_from = self.n_params[k] if self.runs else sum(max(0, min(b, n_params) - a) for a, b in self.pieces[k])
             pattern = GatherExchange(self.streams, exact_from) if sparse else MeshExchange(self.streams)
             runners[k] = self.transport.runner(pattern, codec=config.codec(), error_feedback_beta=config.error_feedback,
                                       interfaces=shard_interfaces(job.interfaces, k), timeout_s=config.sync_timeout_s,
-                                      members=self.layout.shard_group(k), key=f"{key}/shard{k}")
+                                      members=self.members[k], key=f"{key}/shard{k}")
         return runners, "gather" if sparse else "mesh"
 
     # ------------------------------------------------------------ the schedule
@@ -207,8 +266,12 @@ class DiLoCoEngine:
         weight = self.weight if scale is None else scale
         for k in self.owned:
             start, end = self.pieces[k][fragment]
-            # the piece of the host buffer is reused in place for its Δ and the result
-            self.host.to_host(tensors, start, end)
+            # the piece of the host buffer (or of the set's packed copy) is reused in place for Δ and the result
+            if self.runs:
+                self.host.to_host(tensors, *self.local[fragment])
+                self._pack(k, start, end, into_host=False)
+            else:
+                self.host.to_host(tensors, start, end)
             runner, (offset, total) = self.runners[k], self._logical(k, fragment)
 
             def average_(flat: torch.Tensor, _: int, runner: Exchanger = runner, offset: int = offset,
@@ -250,6 +313,13 @@ class DiLoCoEngine:
         fragment's pieces, and the whole fragment is merged (the ranks agree)."""
         tensors = [local(t) for t in tensors]
         parts = round_.parts if round_.parts is not None else {k: bool(round_.committed) for k in self.owned}
+        if self.runs:   # every committed set's spans, around the others' θ_local
+            self.host.to_host(tensors, *self.local[round_.fragment])
+            for k in self.owned:
+                if parts[k]:
+                    self._pack(k, *self.pieces[k][round_.fragment], into_host=True)
+            self.host.from_host(tensors, *self.local[round_.fragment], alpha=alpha)
+            return bool(round_.committed)
         if self.sharded or len(self.node) == 1:
             for k in self.owned:
                 if parts[k]:

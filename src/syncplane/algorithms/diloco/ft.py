@@ -232,6 +232,20 @@ class ReplicaGroup:
             return False
         return self.manager.errored() is None
 
+    def gather_floats(self, value: float, view: QuorumView) -> list[float]:
+        """Every member's ``value``, in quorum rank order (a sum of one-hot vectors on torchft's
+        group: exact); zeros where a peer was lost (the caller then keeps its plan)."""
+        from torch.distributed import ReduceOp
+
+        every = torch.zeros(view.participants, dtype=torch.float64)
+        every[view.rank] = value
+        try:
+            self.manager.allreduce(every, reduce_op=ReduceOp.SUM).wait()
+        except Exception as exc:   # torchft reports the error to the manager too
+            log.warning("elastic: gather failed (%s)", exc)
+            return [0.0] * view.participants
+        return every.tolist() if self.manager.errored() is None else [0.0] * view.participants
+
     def report_error(self, exc: Exception) -> None:
         """This replica's round went wrong in a way its peers may not share: it votes not to
         commit, stays a step behind and heals at the next quorum."""

@@ -21,6 +21,7 @@ it at 15 epochs, ahead at 30, by a few validation images) and crossed the wire n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -65,10 +66,6 @@ class ReplicaLayout:
         flat = [r for node in self.nodes for r in node]
         if not self.nodes or any(not node for node in self.nodes) or flat != list(range(len(flat))):
             raise ValueError(f"replica='node': nodes must number the ranks 0..n-1 node by node, got {self.nodes}")
-        if self.inner == "fsdp" and len(set(self.sizes)) > 1:
-            raise ValueError(f"inner='fsdp' needs nodes of one size (a rank's DiLoCo shard is its FSDP shard, "
-                             f"exchanged with the same shard of every node); got nodes of {self.sizes} ranks: "
-                             "use inner='ddp'")
 
     @classmethod
     def of_sizes(cls, sizes: Sequence[int], inner: str = "ddp") -> ReplicaLayout:
@@ -115,6 +112,44 @@ class ReplicaLayout:
     def shard_group(self, shard: int) -> tuple[int, ...]:
         """The ranks that exchange ``shard``: its owner in every replica, in replica order."""
         return tuple(self.owner(r, shard) for r in range(len(self.nodes)))
+
+    def fsdp_units(self, rank: int, shapes: Sequence[Sequence[int]], buffers: int
+                   ) -> tuple[list[tuple[int, ...]], dict[int, list[tuple[int, int, int]]]]:
+        """FSDP2 nodes: the exchange sets and this rank's spans in each. FSDP2 cuts a parameter
+        of R rows into L chunks of ceil(R/L) rows, so nodes of different sizes hold row ranges
+        that do not nest: each parameter is cut at the union of every node size's row cuts, and
+        each unit is exchanged among its holders (one rank per node). ``shapes``: the
+        parameters' global shapes; ``buffers``: the floating buffers' values, held whole by
+        every rank and exchanged with each shard group (``shard_group``) the rank is in. Returns
+        the sets (every rank's same list) and, per set this rank is in, ``(lo, hi, global)``:
+        the span's place in this rank's buffer ``[its shards | buffers]`` and in the whole
+        model's. With nodes of one size the sets are the shard groups, one per rank."""
+        node = self.nodes[self.replica_of(rank)]
+        mine, sizes = node.index(rank), sorted(set(self.sizes))
+        sets: list[tuple[int, ...]] = []
+        spans: dict[int, list[tuple[int, int, int]]] = {}
+
+        def add(members: tuple[int, ...], lo: int, hi: int, at: int) -> None:
+            if members not in sets:
+                sets.append(members)
+            if rank in members:
+                spans.setdefault(sets.index(members), []).append((lo, hi, at))
+
+        local = whole = 0
+        for shape in shapes:
+            rows, width = (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
+            if rows == 0:
+                continue
+            chunk = {n: -(-rows // n) for n in sizes}
+            cuts = sorted({min(i * chunk[n], rows) for n in sizes for i in range(n + 1)})
+            first, last = (min(i * chunk[len(node)], rows) for i in (mine, mine + 1))
+            for lo, hi in zip(cuts, cuts[1:]):
+                holders = tuple(nd[lo // chunk[len(nd)]] for nd in self.nodes)
+                add(holders, local + (lo - first) * width, local + (hi - first) * width, whole + lo * width)
+            local, whole = local + (last - first) * width, whole + rows * width
+        for k in range(self.shards if buffers else 0):
+            add(self.shard_group(k), local, local + buffers, whole)
+        return sets, spans
 
     def weight(self, rank: int) -> float:
         """What ``rank``'s replica's Δ is scaled by before the plain mean over replicas, so that

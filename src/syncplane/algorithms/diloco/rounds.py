@@ -30,9 +30,9 @@ def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float
     layout and ``inner_steps`` in elastic mode, and the elastic timeouts and Lighthouse address,
     checked in either mode (a bad value is a typo)."""
     check_replica(config.replica, config.inner, elastic=elastic)
-    if elastic and config.inner_steps == "time":
-        raise ValueError("inner_steps=time is not supported with elastic=true (its replicas come and go "
-                         "between rounds; the step counts are agreed by a fixed set of ranks)")
+    if elastic and config.inner_steps == "time" and config.time_samples == "share":
+        raise ValueError("time_samples=share with elastic=true: the deal hands a fixed set of ranks the "
+                         "dataset's batches, a quorum's members change; use time_samples=drop")
     if config.membership == "quorum" and not elastic:
         raise ValueError("membership=quorum decides each round's replicas by a torchft quorum: it needs "
                          "elastic=true (without it every rank is in every round)")

@@ -6,7 +6,7 @@ current quorum).
 
 A ``Transport`` builds the groups of a node and the outer exchanges, and runs the two
 collectives the engine calls itself (the gather of a DDP node's θ_g pieces, the broadcast of a
-sharded model built on the meta device). An exchange (``Exchanger``) is what
+sharded model built on the meta device, the exact mean of the replicas for validation). An exchange (``Exchanger``) is what
 ``syncplane.comm.StreamRunner`` offers: the mean of a flat fp32 buffer over its members, True if
 every member committed, with its error-feedback residuals as state.
 """
@@ -42,17 +42,18 @@ class Exchanger(Protocol):
 
 class Transport(Protocol):
     """``runner``: the exchange ``exchange`` over ``members`` (global ranks; None: all), with
-    ``StreamRunner``'s options; ``group``: this rank's group among the disjoint ``sets``;
-    ``all_gather``/``broadcast`` over a group; ``wrap``: the node's FSDP2 (``sharded``) or DDP
-    over its group. What builds groups or exchanges is a collective: every rank, same order."""
+    ``StreamRunner``'s options; ``groups``: a group of each of ``sets`` (they may overlap), this
+    rank's by set index; ``all_gather``/``all_reduce`` (a sum) over a group; ``wrap``: the node's
+    FSDP2 (``sharded``) or DDP over its group. What builds groups or exchanges is a collective:
+    every rank, same order."""
 
     def runner(self, exchange: StreamExchange, **options: Any) -> Exchanger: ...
 
-    def group(self, sets: Sequence[Sequence[int]], backend: str) -> Any: ...
+    def groups(self, sets: Sequence[Sequence[int]], backend: str) -> dict[int, Any]: ...
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None: ...
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None: ...
+    def all_reduce(self, tensor: torch.Tensor, group: Any) -> None: ...
 
     def wrap(self, module: torch.nn.Module, group: Any, sharded: bool, device: str,
              device_ids: list[int] | None) -> torch.nn.Module: ...
@@ -65,14 +66,15 @@ class GlooTransport:
     def runner(self, exchange: StreamExchange, **options: Any) -> Exchanger:
         return StreamRunner(exchange, **options)
 
-    def group(self, sets: Sequence[Sequence[int]], backend: str) -> Any:
-        return dist.new_subgroups_by_enumeration([list(s) for s in sets], backend=backend)[0]
+    def groups(self, sets: Sequence[Sequence[int]], backend: str) -> dict[int, Any]:
+        made = [(i, dist.new_group(sorted(s), backend=backend)) for i, s in enumerate(sets)]
+        return {i: group for i, group in made if dist.get_rank() in sets[i]}
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
         dist.all_gather_into_tensor(out, tensor, group=group)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
-        dist.broadcast(tensor, src=src, group=group)
+    def all_reduce(self, tensor: torch.Tensor, group: Any) -> None:
+        dist.all_reduce(tensor, group=group)
 
     def wrap(self, module: torch.nn.Module, group: Any, sharded: bool, device: str,
              device_ids: list[int] | None) -> torch.nn.Module:
