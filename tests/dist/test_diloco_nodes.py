@@ -92,7 +92,14 @@ def node_vs_ddp(rank: int, world: int, sizes: list[int], seed: int, steps: int, 
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     _train(engine, engine.module, model, optimizer, seed, rank, range(steps), 1)
     engine.close()
-    whole = [p.full_tensor() if inner == "fsdp" else p.detach().clone() for p in model.parameters()]
+    whole = [p.full_tensor().clone() if inner == "fsdp" else p.detach().clone() for p in model.parameters()]
+    if inner == "fsdp":   # validation's consensus: node r's replica moved by r, then the exact mean over nodes
+        tensors = [p.data for p in model.parameters()]
+        for t in tensors:
+            t.to_local().detach().add_(float(engine.layout.replica_of(rank)))
+        engine.average_model_(tensors)
+        with torch.no_grad():
+            whole.append([p.full_tensor() - w for p, w in zip(model.parameters(), whole)])
     return reference, whole, list(engine.owned)
 
 
@@ -113,12 +120,15 @@ def test_node_replicas_with_h1_plain_outer_sgd_equal_ddp_over_all_ranks(sizes):
 def test_fsdp_on_uneven_nodes_with_h1_plain_outer_sgd_equals_ddp_over_all_ranks(sizes):
     """FSDP2 inside nodes of different sizes: each parameter exchanged in the units its nodes'
     row chunks cut it into (3 + 2: rows [0, 2) [2, 3) [3, 4) [4, 5) of a 5-row weight, each among
-    its holders), the replicas weighted by their rank count: DDP over all ranks (1e-6)."""
+    its holders), the replicas weighted by their rank count: DDP over all ranks (1e-6). Then
+    validation's consensus (``average_model_``): node r's replica moved by r becomes the mean."""
     seed = int(torch.randint(0, 2**20, ()))
     results = run_distributed(node_vs_ddp, sum(sizes), sizes, seed, 4, 7, "fsdp", timeout=180)
-    for reference, params, _ in results:
+    for reference, (*params, moved), _ in results:
         for ddp, node in zip(reference, params):
             torch.testing.assert_close(node, ddp, rtol=1e-6, atol=1e-6)
+        shift = sum(range(len(sizes))) / len(sizes)
+        assert all(torch.allclose(m, torch.full_like(m, shift), atol=1e-5) for m in moved)
     assert any(not torch.equal(a, b) for a, b in zip(results[0][1], _model(seed).parameters()))
     # the exchange sets each rank is in: 2+1+2's lone rank in both; 3+2 as the units above say
     assert [len(owned) for _, _, owned in results] == {"[2, 1, 2]": [1, 1, 2, 1, 1],
