@@ -1,6 +1,6 @@
 """How long an elastic DiLoCo replica takes to heal a large outer state from a live peer.
 
-Two processes on loopback, each an ``ElasticOuter`` over torchft's ``Manager`` (the real path:
+Two processes on loopback, each a ``Membership`` (elastic DiLoCo's, around an outer optimizer) over torchft's ``Manager`` (the real path:
 ``syncplane.algorithms.diloco.ft.ReplicaGroup``, ``PGTransport`` over the replica gloo group),
 around a Lighthouse in this process. The peer holds θ_g of ``--params`` values and its outer
 optimizer's state (DiLoCo's Nesterov momentum: as many values again), commits one round alone,
@@ -32,13 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("diloco_heal")
 
 
-def _engine(n: int, events: list[dict[str, Any]]) -> Any:
-    from syncplane.algorithms.diloco.elastic import ElasticOuter, fingerprint
+def _engine(n: int, events: list[dict[str, Any]]) -> tuple[Any, Any]:
+    """A replica's membership around θ_g of ``n`` values and its outer optimizer (what a heal carries)."""
+    from syncplane.algorithms.diloco.elastic import Membership, QuorumTransport, fingerprint
     from syncplane.algorithms.diloco.outer import OuterOptimizer
 
-    theta = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    return ElasticOuter(OuterOptimizer(theta, pin=False), fingerprint(n, 10, "torch.optim.SGD", None, [(n,)]),
-                        total_rounds=10, on_event=events.append)
+    outer = OuterOptimizer(torch.randn(n, generator=torch.Generator().manual_seed(0)), pin=False)
+    engine = Membership(QuorumTransport("127.0.0.1", 300.0), fingerprint(n, 10, "torch.optim.SGD", None, [(n,)]),
+                        10, outer.state_dict, outer.load_state_dict, on_event=events.append)
+    return engine, outer
 
 
 def _role(role: str, n: int, lighthouse: str, joining: Any, out: Any) -> None:
@@ -47,17 +49,16 @@ def _role(role: str, n: int, lighthouse: str, joining: Any, out: Any) -> None:
 
     torch.set_num_threads(1)
     events: list[dict[str, Any]] = []
-    engine = _engine(n, events)
+    engine, outer = _engine(n, events)
     group = ft.ReplicaGroup(role, lighthouse, engine.state_dict, engine.load_state_dict, round_timeout_s=300,
                             quorum_timeout_s=300)
     try:
         if role == "peer":
             engine.join(group)
-            flat = engine.outer.params.clone() - 0.01
-            engine.outer.begin_round_(flat)
-            assert group.allreduce_mean_(flat) and group.commit()
-            engine.outer.finish_round_(flat)    # a momentum buffer now exists: the state is θ_g and it
-            engine.position += 1
+            flat = outer.params.clone() - 0.01
+            outer.begin_round_(flat)
+            outer.finish_round_(flat)    # alone, Δ is the mean: a momentum buffer now exists
+            engine.vote()                       # committed: the joiner is one step behind
             joining.wait(timeout=300)
             time.sleep(1.0)                     # the joiner's request is in: the fast path takes it
             boundary = time.time()              # the round boundary: from here the joiner heals

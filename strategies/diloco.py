@@ -62,18 +62,15 @@ class DiLoCo(SyncplaneStrategy):
     ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
     ``SyncplaneStrategy``'s."""
 
-    #: True on the elastic classes; ``__new__`` picks the one of ``membership`` for ``elastic=True``
-    #: (``ElasticDiLoCo``: fixed, ``QuorumDiLoCo``: quorum).
+    #: True on the elastic class; ``__new__`` picks it for ``elastic=True`` (``ElasticDiLoCo``,
+    #: either membership).
     ELASTIC = False
-    MEMBERSHIP = "fixed"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DiLoCo":
         # one strategy name for both modes: the registry (and Hydra) construct ``DiLoCo``
         # (ElasticDiLoCo is imported with the package: ``syncplane.strategies.__init__``)
         if kwargs.get("elastic") and cls is DiLoCo:
-            membership = kwargs.get("membership", DiLoCoConfig.membership)
-            subs = [*DiLoCo.__subclasses__(), *(g for sub in DiLoCo.__subclasses__() for g in sub.__subclasses__())]
-            cls = next((sub for sub in subs if sub.ELASTIC and sub.MEMBERSHIP == membership), cls)
+            cls = next((sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC), cls)
         return super().__new__(cls)
 
     def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",

@@ -16,7 +16,9 @@ overlap, outer rule), its exchanges running over the current quorum
   joins at a boundary and heals θ_g, the outer state and the position from a live peer).
 - ``after_optimizer_step``: ``DiLoCo``'s rounds, then at each boundary (no round in flight)
   the vote and the next quorum; every replica stops at the job's last step (a joiner, whose
-  own steps started later, counts the job's).
+  own steps started later, counts the job's). ``membership=quorum`` meets before each
+  period's rounds instead (``_quorum_point``): the quorum of those in within the grace, Δ
+  weighted by each member's steps; a late replica trains on, then heals and carries its work.
 - ``sync_state_dict`` / ``load_sync_state_dict``: ``DiLoCo``'s, plus the position and torchft
   step: a replica resumes from its checkpoint and rejoins (healing if the others went on).
 
@@ -39,9 +41,10 @@ from typing_extensions import override
 from syncplane.algorithms.diloco import ft
 from syncplane.algorithms.diloco.adaptive import TimedRounds
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.elastic import JobFingerprint, Membership, QuorumTransport, fingerprint
+from syncplane.algorithms.diloco.elastic import JobFingerprint, Membership, QuorumTransport, RoundBoard, fingerprint
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.algorithms.diloco.transport import Transport
+from syncplane import lightning_adapter
 from syncplane.job import ElasticPlace, JobContext, missing_elastic
 from syncplane.strategies.diloco import DiLoCo
 
@@ -65,6 +68,11 @@ class ElasticDiLoCo(DiLoCo):
         self._total_steps = 0     # the job's steps (trainer.estimated_stepping_batches)
         self._timed_quorum: int | None = None   # the quorum inner_steps=time's plan is for
         self._finished = False
+        self.quorum = self.config.membership == "quorum"
+        self._out = False         # quorum: late (or restarted), training on until the next point opens
+        self._since = 0           # quorum: this replica's steps not yet sent in a round (its Δ's weight)
+        self._scale = 1.0         # quorum: this period's factor on Δ (``Membership.scale``)
+        self._restarted = False   # quorum: a restart, out until its first point
 
     def _place(self) -> ElasticPlace:
         """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
@@ -108,8 +116,10 @@ class ElasticDiLoCo(DiLoCo):
         # before any contact with the quorum: a replica with other settings never disturbs it
         JobFingerprint(self._place().folder).check(ours, f"replica {self._replica}")
         assert self._quorum is not None
+        board = RoundBoard(self._place().folder, f"replica{self._replica}") if self.quorum else None
         self._membership = Membership(self._quorum, ours, 0, engine.state_dict, self._load_outer,
-                                      on_event=self._record_event)
+                                      on_event=self._record_event, board=board, hold_s=config.grace_s,
+                                      boundary_timeout_s=self.quorum_timeout_s)
         self.details["exchange"] = f"{engine.exchange_name} over the torchft quorum (elastic)"
 
     def _load_outer(self, state: Mapping[str, Any]) -> None:
@@ -123,7 +133,8 @@ class ElasticDiLoCo(DiLoCo):
         trainer = self.lightning_module.trainer
         # a boundary after each period's first round has merged: steps H + τ, 2H + τ, ...
         self._total_steps = int(trainer.estimated_stepping_batches)
-        membership.total = (self._total_steps - self.overlap_steps) // self.sync_every
+        # membership=quorum: a point before each period's rounds, steps H, 2H, ...
+        membership.total = (self._total_steps - (0 if self.quorum else self.overlap_steps)) // self.sync_every
         place = self._place()
         if self._done_marker().exists():   # restarted after the job's last round: nothing to rejoin
             self._record_event({"event": "start", "restart": place.restarts, "job_done": True})
@@ -131,12 +142,16 @@ class ElasticDiLoCo(DiLoCo):
             return
         group = ft.ReplicaGroup(f"replica{self._replica}", place.lighthouse, membership.state_dict,
                                 membership.load_state_dict, host=self._bind(),
-                                round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s)
+                                round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s,
+                                min_replicas=self.config.min_replicas if self.quorum else 1)
         if self._resumed is not None:   # where the checkpoint stood: torchft heals it if the others went on
             group.set_step(int(self._resumed["ft_step"]))
         if place.restarts == 0:
             ft.start_barrier(place.folder, self._replica, place.replicas, self.quorum_timeout_s)
         self._record_event({"event": "start", "restart": place.restarts, "total_rounds": membership.total})
+        if self.quorum and place.restarts:   # enters at the next point that opens, from θ_g
+            membership.group, self._out, self._restarted = group, True, True
+            return
         membership.join(group)
         self._adopt_if_healed(self.step)
 
@@ -146,9 +161,11 @@ class ElasticDiLoCo(DiLoCo):
         assert membership is not None
         if membership.group is None or self._finished:
             return
-        super().after_optimizer_step(optimizer)
+        if not self.quorum or self._quorum_point():
+            super().after_optimizer_step(optimizer)
         done = self.round_step + 1
-        if not membership.done and done >= self.sync_every and done % self.sync_every == self.overlap_steps:
+        if not self.quorum and not membership.done and done >= self.sync_every \
+                and done % self.sync_every == self.overlap_steps:
             membership.boundary()   # no round in flight here: vote, then the next quorum
             self._adopt_if_healed(self.step + 1)
             self.details["elastic"] = membership.stats.as_dict()
@@ -162,6 +179,53 @@ class ElasticDiLoCo(DiLoCo):
             self._done_marker().touch()
             self._record_event({"event": "done", "position": membership.position})
             self.lightning_module.trainer.should_stop = True
+
+    def _quorum_point(self) -> bool:
+        """``membership=quorum``, before this step's rounds: at a point (``done ≡ 0 mod H``, no
+        round in flight) the vote and this period's quorum within the grace, and the weight of
+        this replica's Δ (its steps since it last sent one). A late replica trains on (False: no
+        rounds) until the next point opens, then heals from a peer and carries its work."""
+        membership = self._membership
+        assert membership is not None
+        self._since += 1
+        done = self.round_step + 1
+        if self._out:
+            if membership.late():
+                return False
+            restart, self._restarted = self._restarted, False
+            old = self.engine.params.clone()
+            membership.rejoin(0.0 if restart else (self._since - self.sync_every) / self.sync_every)
+            if membership.healed:
+                if restart:   # its steps since it started were on a stale model: θ_g instead
+                    self.engine.adopt(self.model_tensors())
+                    self._since = 0
+                else:         # its work since its last commit stays, on top of the θ_g it missed
+                    self.engine.rebase(self.model_tensors(), old)
+                membership.healed = False
+            offset = membership.position * self.sync_every - done + self._offset
+            # ahead of the job (it trained on more than the others): its step limit grows
+            lightning_adapter.extend_max_steps(self.lightning_module.trainer, self._offset - offset)
+            self._offset = offset
+            self.rounds, self.skipped = membership.stats.committed, membership.stats.discarded
+            self._out = False
+        elif done % self.sync_every == 0 and membership.position < membership.total:
+            if not membership.point():
+                self._out = True
+                return False
+            self._adopt_if_healed(self.step + 1)
+        else:
+            return True
+        self._scale = membership.scale(self._since)
+        membership.work, self._since = self._since / self.sync_every, 0
+        self.details["elastic"] = membership.stats.as_dict()
+        return True
+
+    @override
+    def _launch(self, fragment: int, done: int, background: bool) -> None:
+        if not self.quorum:
+            return super()._launch(fragment, done, background)
+        self.engine.launch(self.model_tensors(), fragment, done + self.overlap_steps, background, self.comm_meter,
+                           scale=self._scale)
 
     @override
     def _decide(self, timed: TimedRounds, done: int) -> None:
@@ -201,7 +265,8 @@ class ElasticDiLoCo(DiLoCo):
             return
         self.engine.adopt(self.model_tensors())
         position = membership.position
-        self._offset = (position * self.sync_every + self.overlap_steps if position else 0) - done
+        at = 0 if self.quorum else self.overlap_steps   # where a boundary is in its period
+        self._offset = (position * self.sync_every + at if position else 0) - done
         self.rounds, self.skipped = membership.stats.committed, membership.stats.discarded
         membership.healed = False
         self.details["elastic"] = membership.stats.as_dict()
@@ -260,6 +325,9 @@ class ElasticDiLoCo(DiLoCo):
 def check_elastic(config: DiLoCoConfig) -> None:
     """What elastic mode refuses, at construction (before the first step; the timeouts
     themselves are checked by ``DiLoCo`` in either mode)."""
+    if config.membership == "quorum" and config.inner_steps == "time":
+        raise ValueError("inner_steps=time with membership=quorum: a quorum round already weighs each replica's "
+                         "Δ by its steps; use inner_steps=fixed, or membership=fixed")
     if config.exchange == "tree":
         raise ValueError("exchange=tree with elastic=true: the tree is planned over the job's fixed hosts, "
                          "a quorum's members change; use exchange=mesh or auto")

@@ -1,123 +1,175 @@
-"""``membership=quorum`` on real processes: torchft's Manager and Lighthouse on loopback, each
-replica an ``ElasticOuter`` whose "training" is a seeded offset (θ_local = θ_g − o(replica, k)
-for its k-th local round, so Δ = o(replica, k) whatever θ_g it started from).
+"""``membership=quorum`` on real processes, through ``DiLoCoEngine`` (int8 with its error
+feedback, two streams, two fragments, an overlap of one step): torchft's Manager and
+Lighthouse on loopback, each replica a job of one process meeting the others at the quorum
+points before each period's rounds (``Membership.point``).
 
-- Without a fault, quorum rounds equal fixed ones bit for bit (θ_g and the outer momentum).
-- A late replica (it arrives after its round's grace window) is left out of that round: the
-  others wait the grace, not for it; it joins the next quorum, heals θ_g, the momentum and the
-  position from a peer, and its Δ is carried into that round. θ_g matches a float64 reference
-  of exactly that sequence, on every replica.
+- Without a fault, the replicas' θ_g and models equal those of the same ranks in one fixed
+  torch.distributed job, bit for bit (every weight equal: the factor on Δ is exactly 1).
+- A late replica (it reaches its point after the grace window closed) is left out of that
+  period: the others wait the grace, not for it; it trains on until the next point opens,
+  joins that quorum behind by one commit, heals θ_g and the position from a peer, and its
+  work is carried (its model rebased onto the new θ_g, its Δ weighted by all its steps).
+  Every replica ends with one θ_g.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.dist.test_diloco_nodes import _inner_step, _model
+from tests.dist.test_elastic_engine import KWARGS, STEPS, _drive
 from tests.helpers.distributed import run_distributed
 
 pytest.importorskip("torchft")
 
 from syncplane.algorithms.diloco import ft  # noqa: E402
 from syncplane.algorithms.diloco import lighthouse_options  # noqa: E402
-from syncplane.algorithms.diloco.elastic import ElasticOuter, RoundBoard, fingerprint  # noqa: E402
-from syncplane.algorithms.diloco.outer import OuterOptimizer  # noqa: E402
-
-N, SEED, LR, MU = 4096, 11, 0.7, 0.9
 
 
-def _theta0() -> torch.Tensor:
-    return torch.randn(N, generator=torch.Generator().manual_seed(SEED))
+def _quorum_job(rank: int, seed: int, lighthouse: str, folder: str, grace_s: float, step_s: float,
+                late: tuple[int, int, float] | None) -> dict:
+    """One replica of the quorum job, driven as ``ElasticDiLoCo.after_optimizer_step`` drives it;
+    ``late = (replica, local step, seconds)``: that replica stalls before that step's point."""
+    from syncplane.algorithms.diloco.config import DiLoCoConfig
+    from syncplane.algorithms.diloco.elastic import Membership, QuorumTransport, RoundBoard
+    from syncplane.algorithms.diloco.engine import DiLoCoEngine
+    from syncplane.algorithms.diloco.layout import ReplicaLayout
+    from syncplane.comm import CommMeter
+    from syncplane.job import JobContext
 
-
-def _offset(replica: int, k: int) -> torch.Tensor:
-    return 0.01 * torch.randn(N, generator=torch.Generator().manual_seed(SEED + 100 * replica + k + 1))
-
-
-def _replica(rank: int, world: int, lighthouse: str, membership: str, rounds: int, round_s: float,
-             late: tuple[int, int, float] | None, folder: str, grace_s: float) -> dict[str, object]:
-    """Run ``rounds`` rounds; ``late = (replica, local round, extra seconds)`` delays one."""
-    outer = OuterOptimizer(_theta0(), pin=False)
+    config = DiLoCoConfig(**KWARGS, membership="quorum", grace_s=grace_s)
+    H, tau = config.sync_every, config.overlap_steps
+    model = _model(seed)
+    transport = QuorumTransport("127.0.0.1", 20.0)
+    engine = DiLoCoEngine(model, config, JobContext(rank=0, world_size=1), ReplicaLayout.of_sizes([1]),
+                          transport=transport)
     events: list[dict] = []
-    engine = ElasticOuter(outer, fingerprint(N, 5, "torch.optim.SGD", None, [(N,)]), rounds,
-                          on_event=events.append, membership=membership,
-                          board=RoundBoard(folder, f"replica{rank}") if membership == "quorum" else None,
-                          hold_s=grace_s)
-    group = ft.ReplicaGroup(f"replica{rank}", lighthouse, engine.state_dict, engine.load_state_dict,
-                            round_timeout_s=20, quorum_timeout_s=60, min_replicas=2 if membership == "quorum" else 1)
-    waits: list[float] = []
+    membership = Membership(transport, {"job": 1}, STEPS // H, engine.state_dict, engine.load_state_dict,
+                            on_event=events.append, board=RoundBoard(folder, f"replica{rank}"), hold_s=grace_s,
+                            boundary_timeout_s=30)
+    group = ft.ReplicaGroup(f"replica{rank}", lighthouse, membership.state_dict, membership.load_state_dict,
+                            round_timeout_s=20, quorum_timeout_s=60, min_replicas=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    tensors = [p.data for p in model.parameters()]
+    waits, weights, offset, since, out, scale, local = [], [], 0, 0, False, 1.0, 0
     try:
-        torch.distributed.barrier()   # every replica heartbeating before the first quorum (the launcher's start_barrier)
-        engine.join(group)
-        k = 0
-        while not engine.done:
-            time.sleep(round_s + (late[2] if late is not None and late[:2] == (rank, k) else 0.0))
-            flat = engine.outer.params.clone() - _offset(rank, k)
-            start = time.perf_counter()
-            assert engine.round_(flat)
-            waits.append(time.perf_counter() - start)
-            k += 1
-        state = engine.outer.optimizer.state_dict()["state"][0]["momentum_buffer"]
-        return {"theta": engine.outer.params.clone(), "momentum": state.clone(), "waits": waits, "events": events,
-                "local_rounds": k}
+        torch.distributed.barrier()   # every replica heartbeating before the first quorum (the launcher's)
+        membership.join(group)
+        while True:
+            _inner_step(model, optimizer, seed, rank, local)
+            time.sleep(step_s)
+            if late is not None and late[:2] == (rank, local):
+                time.sleep(late[2])
+            since += 1
+            done, run, start = local + offset + 1, True, time.perf_counter()
+            if out:
+                run = not membership.late()
+                if run:
+                    old = engine.params.clone()
+                    membership.rejoin((since - H) / H)
+                    if membership.healed:
+                        engine.rebase(tensors, old)
+                        membership.healed = False
+                    offset, done, out = membership.position * H - done + offset, membership.position * H, False
+            elif done % H == 0 and membership.position < membership.total:
+                run = membership.point()
+                out = not run
+                waits.append(time.perf_counter() - start)
+            if run and done % H == 0:
+                scale = membership.scale(since)
+                weights.append(since)
+                membership.work, since = since / H, 0
+            if run:
+                for fragment in engine.starting(done):
+                    engine.launch(tensors, fragment, done + tau, tau > 0, CommMeter(), scale=scale)
+                for round_ in engine.pop_due(done):
+                    engine.merge(tensors, round_, config.alpha)
+            if done >= STEPS:
+                engine.wait()
+                break
+            local += 1
+        return {"theta": engine.params.clone(), "params": [p.detach().clone() for p in model.parameters()],
+                "events": events, "waits": waits, "weights": weights, "local_steps": local + 1,
+                "position": membership.position}
     finally:
-        group.close()
+        engine.close()
+        membership.close()
 
 
-def _run(folder: Path, membership: str, replicas: int, rounds: int, round_s: float = 0.0, grace_s: float = 5.0,
-         late: tuple[int, int, float] | None = None) -> list[dict[str, object]]:
-    options = lighthouse_options({"membership": membership, "grace_s": grace_s, "min_replicas": 2,
+def _fixed_job(rank: int, world: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The same ranks as one fixed torch.distributed job (``test_elastic_engine``'s reference)."""
+    from syncplane.algorithms.diloco.config import DiLoCoConfig
+    from syncplane.algorithms.diloco.engine import DiLoCoEngine
+    from syncplane.algorithms.diloco.layout import ReplicaLayout
+    from syncplane.job import JobContext
+
+    model = _model(seed)
+    engine = DiLoCoEngine(model, DiLoCoConfig(**KWARGS), JobContext(rank=rank, world_size=world),
+                          ReplicaLayout.of_sizes([1] * world))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        _drive(engine, model, optimizer, seed, rank, step)
+    engine.wait()
+    try:
+        return engine.params.clone(), [p.detach().clone() for p in model.parameters()]
+    finally:
+        engine.close()
+
+
+def _both(rank: int, world: int, lighthouse: str, folder: str, seed: int, grace_s: float, step_s: float,
+          late: tuple[int, int, float] | None, fixed: bool) -> dict:
+    out = _quorum_job(rank, seed, lighthouse, folder, grace_s, step_s, late)
+    if fixed:
+        out["fixed"] = _fixed_job(rank, world, seed)
+    return out
+
+
+def _run(folder: Path, replicas: int, seed: int, grace_s: float, step_s: float = 0.0,
+         late: tuple[int, int, float] | None = None, fixed: bool = False) -> list[dict]:
+    options = lighthouse_options({"membership": "quorum", "grace_s": grace_s, "min_replicas": 2,
                                   "heartbeat_timeout_s": 5.0})
     lighthouse = ft.start_lighthouse("127.0.0.1", **options)
     try:
-        return run_distributed(_replica, replicas, lighthouse.address, membership, rounds, round_s, late,
-                               str(folder / membership), grace_s, timeout=240)
+        return run_distributed(_both, replicas, lighthouse.address, str(folder), seed, grace_s, step_s, late, fixed,
+                               timeout=240)
     finally:
         lighthouse.shutdown()
 
 
-def _outer_reference(mean_deltas: list[torch.Tensor]) -> torch.Tensor:
-    """θ_g after SGD with Nesterov momentum (DiLoCo's default outer step), in float64."""
-    theta, buf = _theta0().double(), None
-    for g in mean_deltas:
-        buf = g.clone() if buf is None else MU * buf + g
-        theta = theta - LR * (g + MU * buf)
-    return theta
+def _digest(theta: torch.Tensor) -> str:
+    return hashlib.sha256(theta.numpy().tobytes()).hexdigest()
 
 
-def test_quorum_without_a_fault_equals_fixed_bit_for_bit(tmp_path: Path) -> None:
-    fixed = _run(tmp_path, "fixed", 3, 4)
-    quorum = _run(tmp_path, "quorum", 3, 4)
-    for f, q in zip(fixed, quorum):
-        assert torch.equal(f["theta"], q["theta"]) and torch.equal(f["momentum"], q["momentum"])
-        assert torch.equal(q["theta"], quorum[0]["theta"])
-        assert not any(e["event"] in ("carried", "discarded", "heal") for e in q["events"])
-    reference = _outer_reference([torch.stack([_offset(r, k).double() for r in range(3)]).mean(0) for k in range(4)])
-    torch.testing.assert_close(quorum[0]["theta"].double(), reference, rtol=1e-5, atol=1e-6)
-
-
-def test_a_late_replica_is_left_out_within_the_grace_and_its_delta_is_carried(tmp_path: Path) -> None:
-    """Rounds of 3 s, a grace of 1 s; replica 2 arrives 2.5 s late at its second round: after
-    the grace closed, well before the others' next quorum."""
-    grace, rounds = 1.0, 4
-    results = _run(tmp_path, "quorum", 3, rounds, round_s=3.0, grace_s=grace, late=(2, 1, 2.5))
+def test_quorum_rounds_with_int8_fragments_and_overlap_equal_the_fixed_job_bit_for_bit(tmp_path: Path) -> None:
+    seed = int(torch.randint(0, 2**20, ()))
+    results = _run(tmp_path, 2, seed, grace_s=5.0, fixed=True)
     for r in results:
-        assert torch.equal(r["theta"], results[0]["theta"]), "every replica holds one θ_g"
-        assert torch.equal(r["momentum"], results[0]["momentum"])
-    # the on-time replicas waited the grace for the late one, not for it to arrive
-    for r in results[:2]:
-        assert r["local_rounds"] == rounds
+        theta, params = r["fixed"]
+        assert torch.equal(theta, r["theta"])
+        assert all(torch.equal(a, b) for a, b in zip(params, r["params"]))
+        assert not any(e["event"] in ("late", "carried", "discarded", "heal") for e in r["events"]), r["events"]
+        assert r["weights"] == [4, 4, 4] and r["position"] == STEPS // 4
+    assert len({_digest(r["theta"]) for r in results}) == 1
+    assert not torch.equal(results[0]["theta"], torch.cat([p.detach().reshape(-1) for p in _model(seed).parameters()]))
+
+
+def test_a_late_replica_is_left_out_within_the_grace_and_its_work_is_carried(tmp_path: Path) -> None:
+    """Steps of 0.75 s (periods of 3 s), a grace of 1 s; replica 2 stalls 2.5 s before its
+    second point: after the grace closed, before the others' next point."""
+    grace = 1.0
+    results = _run(tmp_path, 3, 7, grace_s=grace, step_s=0.75, late=(2, 7, 2.5))
+    assert len({_digest(r["theta"]) for r in results}) == 1, "every replica holds one θ_g"
+    for r in results[:2]:   # the on-time replicas waited the grace at point 2, not for the late one
         assert grace * 0.8 <= r["waits"][1] <= grace + 1.5, r["waits"]
+        assert r["weights"] == [4, 4, 4]
     late = results[2]
-    assert late["local_rounds"] == rounds - 1     # its second local round was carried into the third
-    carried = [e for e in late["events"] if e["event"] == "carried"]
-    assert carried == [{"event": "carried", "from_position": 1, "position": 2, "weight": 1.0}]
-    assert any(e["event"] == "heal" for e in late["events"])
-    assert [e["position"] for e in late["events"] if e["event"] == "late"] == [1]   # it waited for the next boundary
-    o = lambda r, k: _offset(r, k).double()   # noqa: E731
-    means = [(o(0, 0) + o(1, 0) + o(2, 0)) / 3, (o(0, 1) + o(1, 1)) / 2,
-             (o(0, 2) + o(1, 2) + o(2, 1)) / 3, (o(0, 3) + o(1, 3) + o(2, 2)) / 3]
-    torch.testing.assert_close(results[0]["theta"].double(), _outer_reference(means), rtol=1e-5, atol=1e-6)
+    events = [e["event"] for e in late["events"]]
+    assert "late" in events and "heal" in events and "carried" in events, late["events"]
+    assert late["weights"][0] == 4 and late["weights"][1] > 4, late["weights"]   # all its steps since its last Δ
+    carried = next(e for e in late["events"] if e["event"] == "carried")
+    assert carried["weight"] == (late["weights"][1] - 4) / 4

@@ -255,7 +255,8 @@ def test_diloco_with_elastic_true_builds_the_elastic_strategy_and_the_modes_do_n
     assert DiLoCo(sync_every=4, elastic=True, streams=2, compression="int8").config.streams == 2
     with pytest.raises(ValueError, match="exchange=tree with elastic=true"):
         DiLoCo(sync_every=4, elastic=True, exchange="tree")
-    # membership=quorum: its own loop still (fp32 plain rounds)
-    assert type(DiLoCo(sync_every=4, elastic=True, membership="quorum")).__name__ == "QuorumDiLoCo"
-    with pytest.raises(ValueError, match="membership=quorum supports compression=none only"):
-        DiLoCo(sync_every=4, elastic=True, membership="quorum", compression="int8")
+    # membership=quorum: the same class and round (every codec, fragments, overlap)
+    quorum = DiLoCo(sync_every=4, elastic=True, membership="quorum", compression="int8", fragments=2, overlap_steps=1)
+    assert type(quorum) is ElasticDiLoCo and quorum.quorum
+    with pytest.raises(ValueError, match="inner_steps=time with membership=quorum"):
+        DiLoCo(sync_every=4, elastic=True, membership="quorum", inner_steps="time")

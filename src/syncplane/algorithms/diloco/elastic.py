@@ -22,35 +22,21 @@ store, with this replica's rank in it, and built again at each membership change
   (``DiLoCoEngine.state_dict``: nothing is in flight at a boundary), the job's position in
   periods and its round counts. Its error-feedback residuals stay its own.
 
-``membership="quorum"`` still runs its own loop, ``ElasticOuter`` (fp32, plain rounds; its
-``fixed`` mode is the reference its tests compare with). One round, for every replica in the current quorum (Lightning-free; the transport is any
-object with ``ReplicaGroup``'s methods, ``syncplane.algorithms.diloco.ft`` has the real one),
-with ``membership="fixed"``:
-
-1. ``begin``: Δ = θ_g − θ_local replaces θ_local in the flat buffer;
-2. ``allreduce_mean_``: Δ averaged over the quorum's members (a lost peer fails it);
-3. ``commit``: the vote -- commit (outer step, θ_g written back) or discard (θ_g and the
-   outer state unchanged; the replica keeps its local model, so the next round's Δ covers
-   both rounds and no work is lost);
-4. ``quorum``: the next membership. A replica that died is left out once its heartbeats
-   stop; a replica that asks to join (a restarted process) is admitted here, at the round
-   boundary, and, being behind, heals from a live peer: θ_g, the outer optimizer's state
-   and the round position (``state_dict``/``load_state_dict``), then starts from θ_g.
-   A replica whose commit vote disagreed with its peers' is behind too and heals the same
-   way, so the commit is decided together.
-
-With ``membership="quorum"`` the quorum moves from the round's end to between 1 and 2: a
-replica that has finished its inner steps asks to join, and the Lighthouse forms the round's
-quorum from those that arrived within the grace window (its join timeout, once
-``min_replicas`` are in), so nobody waits longer than the grace for a late or dead replica.
-The average is weighted by samples: each member sends ``w·Δ`` and ``w``, ``w`` the rounds of
-local work its Δ covers (1; 2 after a discarded round; 0 for a restarted replica, which takes
-part in the round it joins with nothing, to receive θ_g). A late replica -- one that arrived
-after its round's quorum formed -- trains on until the next boundary opens
-(``waits_for_boundary``), then is in that quorum, behind by one commit: it heals θ_g, the
-outer state and the position from a peer, and its Δ, computed before, is **carried** into that
-round (one round stale, weighted by all its steps since its last commit) rather than dropped,
-so its steps still count (why carry, not drop-and-heal: docs/design-notes.md). Without a fault every weight is 1, and the rounds equal
+``membership="quorum"`` runs the same round; only where and with whom the replicas meet
+differs (``Membership.point``): a point before each period's rounds (``done ≡ 0 mod H``: the
+previous period's fragments have all merged, since τ < H/P), where a replica that has
+finished its inner steps asks to join and the Lighthouse forms the period's quorum from those
+that arrived within the grace window (its join timeout, once ``min_replicas`` are in), so
+nobody waits longer than the grace for a late or dead replica (``RoundBoard`` keeps a late
+one from opening the next window early). The mean is weighted by samples: each member scales
+its Δ by ``w·n / Σw`` (``Membership.scale``: Σw gathered on the quorum's group), ``w`` its
+steps since it last sent a Δ (0 for a restart, which heals and takes part with nothing). A
+late replica -- one that arrived after its period's quorum formed -- trains on until the
+next point opens (``late``), then joins that quorum behind by one commit: it heals θ_g, the
+outer state and the position from a peer, and its model is moved by θ_g's change
+(``DiLoCoEngine.rebase``), so its next Δ is the one it would have sent, **carried** into that
+round and weighted by all its steps (why carry, not drop-and-heal: docs/design-notes.md).
+Without a fault every weight is equal, the factor is exactly 1, and the rounds equal
 ``fixed``'s bit for bit (tests/dist/test_elastic_quorum.py).
 
 Bad input: a replica started with another model size, ``sync_every`` or outer optimizer
@@ -74,26 +60,11 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.streams import StreamExchange, StreamRunner
 
 log = logging.getLogger(__name__)
-
-
-class ReplicaTransport(Protocol):
-    """What the engine needs from the membership layer (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
-
-    def quorum(self) -> Any: ...   # returns an object with quorum_id, participants, step
-
-    def allreduce_mean_(self, flat: torch.Tensor) -> bool: ...
-
-    def allreduce_weighted_(self, flat: torch.Tensor, weight: float) -> float: ...   # Σ weights; 0.0: failed
-
-    def commit(self) -> bool: ...
-
-    def close(self) -> None: ...
 
 
 class QuorumGroup(Protocol):
@@ -257,174 +228,6 @@ class RoundBoard:
         return waited
 
 
-class ElasticOuter:
-    """The outer loop of one elastic replica.
-
-    Args:
-        outer: θ_g and the outer optimizer.
-        fingerprint: this replica's ``fingerprint(...)``, checked against a healing peer's.
-        total_rounds: rounds in the whole job; the replica stops after the last (a healed
-            joiner learns how many are left from its peer).
-        on_event: called with a JSON-able record for every membership change, heal and
-            discarded round (the glue appends them to ``history.jsonl``).
-        membership: ``fixed`` or ``quorum`` (see the module's docstring).
-        board: ``quorum``: the job's ``RoundBoard`` (None: every replica asks at once, as in a
-            test where none is late).
-        boundary_timeout_s: ``quorum``: how long a late or restarted replica waits for the
-            next boundary before it asks anyway.
-        hold_s: ``quorum``: how long an on-time replica lets the ones waiting for its boundary
-            ask first (the grace).
-    """
-
-    def __init__(self, outer: OuterOptimizer, fingerprint: Mapping[str, Any], total_rounds: int,
-                 on_event: Callable[[dict[str, Any]], None] | None = None, membership: str = "fixed",
-                 board: RoundBoard | None = None, boundary_timeout_s: float = 120.0, hold_s: float = 5.0) -> None:
-        if membership not in ("fixed", "quorum"):
-            raise ValueError(f"membership: allowed values: fixed, quorum; got {membership!r}")
-        self.membership = membership
-        self.board = board
-        self.boundary_timeout_s, self.hold_s = boundary_timeout_s, hold_s
-        self.outer = outer
-        self.fingerprint = dict(fingerprint)
-        self.total_rounds = int(total_rounds)
-        self.position = 0           # rounds the job has done (committed or discarded), shared by the quorum
-        self.stats = ElasticStats()
-        self.healed = False         # set by a heal; the caller copies θ_g into its model, then clears it
-        self.transport: ReplicaTransport | None = None
-        self._quorum_id: int | None = None
-        self._size = 0
-        self.pending = 0.0          # quorum: rounds of local work not yet in θ_g (the next Δ's weight)
-        self._on_event = on_event or (lambda record: None)
-
-    # ----------------------------------------------------- what a healing peer receives
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"outer": self.outer.state_dict(), "position": self.position, "fingerprint": self.fingerprint,
-                "committed": self.stats.committed, "discarded": self.stats.discarded}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Heal from a live peer's state; refuses a peer with other settings."""
-        start = time.perf_counter()
-        diff = differences(state["fingerprint"], self.fingerprint)
-        if diff:
-            raise ReplicaMismatch("this replica cannot heal from its peer: " + "; ".join(diff))
-        self.outer.load_state_dict(state["outer"])
-        self.position = int(state["position"])
-        self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
-        if self.membership == "fixed":   # it starts again from θ_g: its own work since its last commit is gone
-            self.pending = 0.0
-        heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
-                "load_s": round(time.perf_counter() - start, 4)}
-        self.stats.heals.append(heal)
-        self.healed = True
-
-    # ----------------------------------------------------------------- the loop
-
-    @property
-    def done(self) -> bool:
-        return self.position >= self.total_rounds
-
-    def join(self, transport: ReplicaTransport, flat: torch.Tensor | None = None) -> bool:
-        """Enter the job. ``fixed``: the first quorum (a late joiner heals here). ``quorum``: a
-        first start does nothing (θ_0 is equal everywhere; the first quorum is at the end of
-        the first round); a restarted replica (``flat`` given, ``[θ | extras]``-sized) waits for
-        the running replicas' next quorum, heals, and takes part in that round with weight 0:
-        True if it committed (``flat`` then holds the round's θ_g and averaged extras)."""
-        self.transport = transport
-        if self.membership == "fixed":
-            self._next_quorum()
-            return False
-        if flat is None:
-            return False
-        self._quorum_at_boundary()
-        flat.zero_()
-        self.pending = 0.0
-        return self._average_and_commit(flat, weighted=True)
-
-    def waits_for_boundary(self) -> bool:
-        """``quorum``: True while this replica is late and the next round boundary has not
-        opened (``RoundBoard.late``): its caller trains on and asks again after the next step;
-        the Δ it then sends covers the extra steps (``round_``'s ``rounds``)."""
-        return self.membership == "quorum" and self.board is not None and self.board.late(self.position)
-
-    def round_(self, flat: torch.Tensor, rounds: float = 1.0) -> bool:
-        """One round on ``flat = [θ_local | extras]``; True if committed (``flat``'s head
-        then holds the new θ_g). ``fixed``: joins the next quorum after it, unless it was the
-        job's last round; ``quorum``: joins this round's quorum between Δ and the average,
-        ``rounds`` the local work (in rounds of H steps) this Δ adds, its weight."""
-        assert self.transport is not None, "join() first"
-        self.outer.begin_round_(flat)
-        if self.membership == "fixed":
-            self.pending += 1.0   # counted only: a fixed round averages unweighted
-            committed = self._average_and_commit(flat, weighted=False)
-            if not self.done:
-                self._next_quorum()
-            return committed
-        self.pending += rounds
-        position = self.position
-        self._quorum_at_boundary()
-        if self.position != position:   # late: healed past its round; its Δ is carried into this one
-            self._on_event({"event": "carried", "from_position": position, "position": self.position,
-                            "weight": self.pending})
-        return self._average_and_commit(flat, weighted=True)
-
-    def _average_and_commit(self, flat: torch.Tensor, weighted: bool) -> bool:
-        """The exchange, the vote and, if committed, the outer step; advances the position."""
-        assert self.transport is not None
-        if weighted:
-            averaged = self.transport.allreduce_weighted_(flat, self.pending) > 0
-        else:
-            averaged = self.transport.allreduce_mean_(flat)
-        committed = self.transport.commit() and averaged
-        # the rounds of this replica's local work the round took into θ_g (goodput: scripts/diloco_goodput.py)
-        self._on_event({"event": "round", "position": self.position, "committed": committed,
-                        "weight": self.pending if committed else 0.0, "replicas": self._size})
-        if committed:
-            self.outer.finish_round_(flat)
-            self.stats.committed += 1
-            self.pending = 0.0
-        else:
-            self.stats.discarded += 1
-            self._on_event({"event": "discarded", "position": self.position, "quorum_id": self._quorum_id,
-                            "replicas": self._size})
-        self.position += 1
-        return committed
-
-    def _quorum_at_boundary(self) -> None:
-        """``quorum``: this round's quorum, through the ``RoundBoard`` if there is one."""
-        if self.board is not None:
-            if self.board.formed() >= self.position:   # late, or restarted (position 0 before its heal)
-                waited = self.board.wait_for_next(self.boundary_timeout_s)
-                self._on_event({"event": "late", "position": self.position, "waited_s": round(waited, 3)})
-            else:
-                self.board.arrive(self.position, self.hold_s)
-        self._next_quorum()
-        if self.board is not None:
-            self.board.mark("formed", self.position)
-
-    def _next_quorum(self) -> None:
-        assert self.transport is not None
-        start = time.perf_counter()
-        view = self.transport.quorum()
-        waited = time.perf_counter() - start
-        if self.healed:
-            heal = self.stats.heals[-1]
-            heal["quorum_s"] = round(waited, 3)
-            self._on_event({**heal, "quorum_id": int(view.quorum_id), "replicas": int(view.participants)})
-        if view.participants != self._size or view.quorum_id != self._quorum_id:
-            if view.participants != self._size:
-                self.stats.replicas.append([self.position, int(view.participants)])
-                self._on_event({"event": "membership", "position": self.position, "quorum_id": int(view.quorum_id),
-                                "replicas": int(view.participants), "was": self._size,
-                                "quorum_wait_s": round(waited, 3)})
-            self._quorum_id, self._size = int(view.quorum_id), int(view.participants)
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
-
-
 class QuorumExchanger:
     """One outer exchange of the engine (``StreamRunner``'s interface) over the current quorum:
     a ``StreamRunner`` on the quorum's store, built at its first round after a membership
@@ -537,8 +340,11 @@ class Membership:
 
     def __init__(self, transport: QuorumTransport, fingerprint: Mapping[str, Any], total: int,
                  outer_state: Callable[[], dict[str, Any]], load_outer_state: Callable[[Mapping[str, Any]], None],
-                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[dict[str, Any]], None] | None = None, board: RoundBoard | None = None,
+                 hold_s: float = 5.0, boundary_timeout_s: float = 120.0) -> None:
         self.transport, self.fingerprint, self.total = transport, dict(fingerprint), int(total)
+        self.board, self.hold_s, self.boundary_timeout_s = board, hold_s, boundary_timeout_s
+        self.carrying = False       # quorum: a late replica's heal keeps its work since its last commit
         self._outer_state, self._load_outer_state = outer_state, load_outer_state
         self.position = 0           # boundaries the job has passed, shared by the quorum
         self.stats = ElasticStats()
@@ -548,6 +354,7 @@ class Membership:
         self._size = 0
         self._on_event = on_event or (lambda record: None)
         self._pending: dict[int, float] = {}   # periods of local work per fragment not yet in θ_g
+        self.work = 1.0             # periods of local work this period's rounds add (quorum: the caller's count)
 
     # ----------------------------------------------------- what a healing peer receives
 
@@ -562,7 +369,8 @@ class Membership:
         if diff:
             raise ReplicaMismatch("this replica cannot heal from its peer: " + "; ".join(diff))
         self._load_outer_state(state["outer"])
-        self._pending = {}   # it starts again from θ_g: its own work since its last commit is gone
+        if not self.carrying:   # it starts again from θ_g: its own work since its last commit is gone
+            self._pending = {}
         self.position = int(state["position"])
         self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
         heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
@@ -585,7 +393,7 @@ class Membership:
         """A fragment round's outcome (the engine's merge), and the local work it took into θ_g:
         a discarded round's stays in θ_local, so the next committed one of that fragment carries
         it (its ``round`` event's ``weight``, in periods: ``scripts/diloco_goodput.py``)."""
-        self._pending[fragment] = self._pending.get(fragment, 0.0) + 1.0 / fragments
+        self._pending[fragment] = self._pending.get(fragment, 0.0) + self.work / fragments
         weight = self._pending.pop(fragment) if committed else 0.0
         self._on_event({"event": "round", "position": self.position, "committed": committed, "weight": weight,
                         "replicas": self._size})
@@ -598,14 +406,66 @@ class Membership:
 
     def boundary(self) -> None:
         """The vote on the period's rounds, then the next quorum unless the job is done."""
+        self.vote()
+        if not self.done:
+            self._next_quorum()
+
+    def vote(self) -> None:
+        """The vote on the rounds since the last quorum (a round whose outcome this replica does
+        not know votes no: it stays behind and heals at the next quorum)."""
         assert self.group is not None, "join() first"
         if self.transport.uncertain is not None:
             self.group.report_error(self.transport.uncertain)
             self.transport.uncertain = None
         self.group.commit()
         self.position += 1
-        if not self.done:
+
+    # ------------------------------------------- membership=quorum: the point before a period
+
+    def point(self) -> bool:
+        """``quorum``, before a period's rounds (none in flight): the vote on the last period's,
+        then this period's quorum: the replicas that arrive within the grace (``RoundBoard``,
+        the Lighthouse's join timeout). False: this replica is late, the quorum formed without
+        it; it trains on while ``late()`` and then ``rejoin``s."""
+        self.vote()
+        if self.board is not None:
+            if self.board.formed() >= self.position:
+                self._on_event({"event": "late", "position": self.position})
+                return False
+            self.board.arrive(self.position, self.hold_s)
+        self._next_quorum()
+        if self.board is not None:
+            self.board.mark("formed", self.position)
+        return True
+
+    def late(self) -> bool:
+        """``quorum``: True while this late replica waits for the next point to open."""
+        return self.board is not None and self.board.late(self.position)
+
+    def rejoin(self, missed: float) -> None:
+        """``quorum``: a late (or restarted) replica enters the next point's quorum, behind by one
+        commit: it heals θ_g, the outer state and the position from a peer; ``missed`` periods of
+        its own work (a restart: 0) stay in its model, carried into its next rounds (``work``)."""
+        waited = self.board.wait_for_next(self.boundary_timeout_s) if self.board is not None else 0.0
+        self.carrying = True
+        try:
             self._next_quorum()
+        finally:
+            self.carrying = False
+        if missed:
+            self._on_event({"event": "carried", "position": self.position, "weight": missed,
+                            "waited_s": round(waited, 3)})
+        if self.board is not None:
+            self.board.mark("formed", self.position)
+
+    def scale(self, weight: float) -> float:
+        """``quorum``: this member's factor on its Δ before the plain mean, so that the mean is
+        weighted: ``weight·n / Σ weight`` over the quorum (exactly 1 when every weight is equal)."""
+        view = self.transport.view
+        if self.group is None or view is None or view.participants <= 1:
+            return 1.0
+        total = sum(self.group.gather_floats(float(weight), view))   # type: ignore[attr-defined]
+        return float(weight) * view.participants / total if total > 0 else 1.0
 
     def _next_quorum(self) -> None:
         assert self.group is not None

@@ -364,6 +364,21 @@ class DiLoCoEngine:
                 self.host.buffer[a:a + n].copy_(outer.params)
                 self.host.from_host(tensors, a, a + n)
 
+    def rebase(self, tensors: Sequence[torch.Tensor], old: torch.Tensor) -> None:
+        """The live model's parameters moved by θ_g's change since ``old`` (an earlier ``params``):
+        a late elastic replica healed keeps its own work on top of the θ_g it missed, so its next
+        Δ = θ_g − θ_local is the one it would have sent against ``old`` (its work is carried)."""
+        tensors = [local(t) for t in tensors]
+        at = 0
+        for k in self.owned:
+            fragmented = self.outers[k]
+            for (a, _), outer in zip(fragmented.bounds, fragmented.outers):
+                n = outer.params.numel()
+                self.host.to_host(tensors, a, a + n)
+                self.host.buffer[a:a + n].add_(outer.params - old[at:at + n])
+                self.host.from_host(tensors, a, a + n)
+                at += n
+
     @property
     def params(self) -> torch.Tensor:
         """This rank's θ_g (its owned shards, concatenated in shard order; the whole model with

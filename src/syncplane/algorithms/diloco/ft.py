@@ -222,16 +222,6 @@ class ReplicaGroup:
         return QuorumView(quorum_id=quorum_id, participants=self.manager.num_participants(),
                           step=self.manager.current_step(), rank=rank, store_addr=store_addr)
 
-    def allreduce_mean_(self, flat: torch.Tensor) -> bool:
-        """``membership=quorum``'s loop (``ElasticOuter``): average ``flat`` in place over this quorum
-        on torchft's own group. False (and ``flat`` undefined) if a peer was lost or timed out."""
-        try:
-            self.manager.allreduce(flat).wait()
-        except Exception as exc:   # torchft reports the error to the manager too
-            log.warning("elastic: average failed (%s); the round will be discarded", exc)
-            return False
-        return self.manager.errored() is None
-
     def gather_floats(self, value: float, view: QuorumView) -> list[float]:
         """Every member's ``value``, in quorum rank order (a sum of one-hot vectors on torchft's
         group: exact); zeros where a peer was lost (the caller then keeps its plan)."""
@@ -250,29 +240,6 @@ class ReplicaGroup:
         """This replica's round went wrong in a way its peers may not share: it votes not to
         commit, stays a step behind and heals at the next quorum."""
         self.manager.report_error(exc)
-
-    def allreduce_weighted_(self, flat: torch.Tensor, weight: float) -> float:
-        """``flat ← Σ w_i·flat_i / Σ w_i`` over this quorum, ``w_i`` each member's ``weight`` (its
-        samples since its last contribution; 0 for a joiner, which contributes nothing). Returns
-        Σ w_i, or 0.0 if a peer was lost (``flat`` undefined; ``commit`` then discards the round).
-        With every weight 1 this is bit for bit ``allreduce_mean_`` (×1 and ÷n are the same ops)."""
-        from torch.distributed import ReduceOp
-
-        total = torch.tensor([float(weight)], dtype=flat.dtype)
-        if weight != 1.0:
-            flat.mul_(weight)
-        try:
-            works = [self.manager.allreduce(total, reduce_op=ReduceOp.SUM),
-                     self.manager.allreduce(flat, reduce_op=ReduceOp.SUM)]
-            for work in works:
-                work.wait()
-        except Exception as exc:   # torchft reports the error to the manager too
-            log.warning("elastic: weighted average failed (%s); the round will be discarded", exc)
-            return 0.0
-        if self.manager.errored() is not None or float(total) <= 0:
-            return 0.0
-        flat.div_(float(total))
-        return float(total)
 
     def commit(self) -> bool:
         """The commit vote: True when this replica's group reported no error (its step then
