@@ -377,10 +377,8 @@ def generic_tables(files: list[Source]) -> list[Table]:
 # --- the page --------------------------------------------------------------------------------
 
 def render_table(table: Table) -> str:
-    parts = [f"## {table.title}", ""]
-    if table.intro.strip():
-        parts += [table.intro.strip(), ""]
-    parts += ["Measured " + "; ".join(p.text() for p in table.provenance) + ".", "", markdown(table.header, table.rows)]
+    measured = "Measured " + "; ".join(p.text() for p in table.provenance) + "."
+    parts = [f"## {table.title}", "", f"{table.intro.strip()} {measured}".strip(), "", markdown(table.header, table.rows)]
     if table.note:
         parts += [table.note, ""]
     return "\n".join(parts)

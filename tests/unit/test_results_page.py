@@ -21,10 +21,6 @@ ROOT = Path(__file__).resolve().parents[2]
 GENERATED_PAGES = {"docs/benchmarks.md"} | {f"docs/reference/{n}.md" for n in ("cli", "config", "env", "summary")}
 #: Pages that are the data themselves (per-profile scoreboard tables, per-run comparison tables).
 DATA_DIRS = ("docs/matrix/", "docs/compare/")
-#: Pages over the length limit, and why (each an open piece of work, not a permanent exemption).
-LONG_PENDING: dict[str, str] = {
-    "docs/benchmarks.md": "issue 75's elastic DiLoCo goodput and heal tables took it past 400 lines: the page "
-                          "needs its sections folded (e.g. DiLoCo's tables under one heading)"}
 MAX_LINES, MAX_RESULTS_LINES = 250, 400
 #: README and every page a reader reads (the results page included; the references generated
 #: from the code and the data folders are looked up, not read), in all
@@ -88,8 +84,6 @@ def test_pages_are_short(page):
     where = _where(page)
     limit = MAX_RESULTS_LINES if where == "docs/benchmarks.md" else MAX_LINES
     lines = len(page.read_text().splitlines())
-    if where in LONG_PENDING:
-        pytest.skip(f"{where}: {lines} lines, {LONG_PENDING[where]}")
     assert lines <= limit, f"{where} has {lines} lines (at most {limit})"
 
 
