@@ -98,15 +98,12 @@ def _elastic(kwargs: Mapping[str, Any]) -> bool:
 
 def _check_launch(name: str, kwargs: Mapping[str, Any], launch: LaunchSettings) -> None:
     """An elastic job's quorum service binds host 0's first NIC on an emulated cluster (no
-    ``lighthouse_host`` there); ``membership=quorum``'s replicas heal from a live peer (no ``resume``)."""
+    ``lighthouse_host`` there)."""
     if not _elastic(kwargs):
         return
     if launch.emulated and kwargs.get("lighthouse_host", "127.0.0.1") != "127.0.0.1":
         raise ConfigError(f"strategy.kwargs.lighthouse_host={kwargs['lighthouse_host']}: on an emulated cluster the "
                           "quorum service runs on host 0 and binds its first NIC; leave lighthouse_host unset")
-    if launch.resume is not None and kwargs.get("membership") == "quorum":
-        raise ConfigError("resume: membership=quorum does not resume from a checkpoint (its replicas heal from a "
-                          "live peer); membership=fixed does")
 
 
 def lighthouse_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
