@@ -69,8 +69,8 @@ from syncplane.runtime.slowdown import ComputeReport, skipped
 #: is generated from (``scripts/reference_docs.py``) and that ``tests/unit/test_summary_reference.py``
 #: holds against a real run's summary, so a field added here or in ``on_fit_end`` without the other fails.
 SUMMARY_FIELDS: dict[str, str] = {
-    "strategy": "the strategy's registered name (`ddp`, `diloco`, ...; a peer's name for `syncplane compare` peers)",
-    "label": "how comparisons name the run: the strategy, or a variant of its settings (`diloco[sync_every=50]`)",
+    "strategy": "the strategy's registered name (`ddp`, ...; a peer's name for `syncplane compare` peers)",
+    "label": "how comparisons name the run: the strategy, or a variant of its settings (`NAME[key=value]`)",
     "recipe": "the recipe (`digits`, `tiny_lm`, ...; what a plain script passes to `RunReport`)",
     "seed": "the run's seed (comparisons pair each run with DDP's of the same seed); null if none given",
     "world_size": "ranks in the job",
@@ -110,7 +110,7 @@ SUMMARY_FIELDS: dict[str, str] = {
     "timing.phases": "the strategy's own breakdown (`setup/*`, `checkpoint/*`, seconds); null without one",
     "timing.phases.*": "one phase's seconds",
     "strategy_details": "what the strategy records of itself (its layout, `late_peers`, Auto's choice under "
-                        "`auto`, DiLoCo's membership...); empty for Lightning's own strategies",
+                        "`auto`, ...); empty for Lightning's own strategies",
     "strategy_details.*": "per strategy: see its page under docs/strategies/",
     "compute": "emulated compute (`syncplane.runtime.slowdown`); null when nothing is emulated or slowed",
     "compute.compute_speeds": "every rank's profile `compute_speed`; null without a cluster profile",
