@@ -141,6 +141,30 @@ def test_a_killed_rank_is_named_at_once_by_a_rank_whose_collective_broke():
     assert census(beats, clock, 3, dead=(2,)) == message  # the verdict is read, not searched again
 
 
+def test_a_rank_whose_store_went_with_a_rank_that_read_its_verdict_reports_the_verdict():
+    """Rank 3 finds rank 2 killed and posts the verdict; rank 0 (the store's host) reads it and
+    leaves, taking the store: rank 3's next beat fails, and it reports whom the job lost, not
+    the store (as the rank that found the verdict, it knows it)."""
+    class Leaving(dist.HashStore):
+        gone = False
+
+        def set(self, key, value):
+            if self.gone:
+                raise RuntimeError("Broken pipe")
+            return super().set(key, value)
+
+    store, clock, lost = Leaving(), Clock(), []
+    beats = [Heartbeat(store, r, 4, timeout_s=10, startup_s=30, clock=clock,
+                       on_lost=lambda message, r=r: lost.append((r, message))) for r in range(4)]
+    rounds(beats, clock, 20)
+    message = census(beats, clock, 3, dead=(2,))
+    assert message is not None and message.startswith("rank 2 stopped")
+    store.gone = True
+    assert beats[3].poll() == message and lost == [(3, message)]
+    bystander = Heartbeat(store, 1, 4, timeout_s=10, clock=clock, on_lost=lambda _: None)
+    assert "did not answer within 10 s" in bystander.poll()   # a rank that knew no verdict: the store
+
+
 def test_find_lost_names_every_silent_rank_and_nobody_when_all_beat():
     _, clock, _, beats = ring(6, timeout_s=10)
     rounds(beats, clock, 20)

@@ -110,6 +110,7 @@ class Heartbeat:
         self.watched: int | None = (rank + 1) % world_size if world_size > 1 else None
         self.beats = 0
         self.lost: str | None = None
+        self.known: str | None = None          # a verdict this rank posted or read (``poll`` prefers it)
         self._seen: bytes | None = None        # the watched rank's last value
         self._seen_at = clock()                # when it last changed (or when watching began)
         self._stop = threading.Event()
@@ -131,6 +132,8 @@ class Heartbeat:
             message = self._check_successor()
         except RuntimeError as exc:   # torch's store errors (timeouts, resets) are RuntimeErrors
             self.settles = False      # nobody can read a verdict now: leave at once
+            if self.known is not None:   # the store went with a rank that left on the job's verdict
+                return self._report(self.known)
             message = (f"rank {self.rank}: the job's store at {self.where} did not answer within "
                        f"{self.timeout_s:.0f} s ({exc}); the host holding it (rank 0 under syncplane's "
                        "launcher, node 0's torchrun agent otherwise) is hung or unreachable, or this "
@@ -141,6 +144,7 @@ class Heartbeat:
             try:
                 self.store.set(self._key("lost"), str(lost))
                 self.store.set(self._key("abort"), message)
+                self.known = message
                 self.store.set(self._key(f"read/{self.rank}"), "1")
             except RuntimeError:
                 pass   # the others will find the lost rank themselves, or the store gone
@@ -189,7 +193,7 @@ class Heartbeat:
         key = self._key("abort")
         if not self.store.check([key]):
             return None
-        verdict = self.store.get(key).decode()
+        verdict = self.known = self.store.get(key).decode()
         self.store.set(self._key(f"read/{self.rank}"), "1")
         return verdict
 
@@ -231,9 +235,10 @@ class Heartbeat:
                    f"broke; found by rank {self.rank} within {window:.0f} s")
         try:   # atomically: the first rank to post wins, and every rank reports its message
             self.store.compare_set(self._key("lost"), "", ",".join(map(str, silent)))
-            posted = self.store.compare_set(self._key("abort"), "", message).decode()
+            posted = self.known = self.store.compare_set(self._key("abort"), "", message).decode()
             self.store.set(self._key(f"read/{self.rank}"), "1")
         except RuntimeError:
+            self.known = message
             return message
         if posted == message:   # this rank's verdict: its lost ranks are its to end, once read
             self._settle_then_reap(silent)
