@@ -37,6 +37,8 @@ if trainer.global_rank == 0:
     print(f"trained {trainer.global_step} steps; syncplane from {syncplane.__file__}")
 PY
 cd "$WORK"
+# a job of its own: no rendezvous inherited from the calling shell (or test run)
+unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE NODE_RANK GROUP_RANK
 for compiler in present absent; do
     echo "== plain script, C++ compiler $compiler"
     export XDG_CACHE_HOME="$WORK/cache-$compiler"      # nothing built before: first use

@@ -25,6 +25,24 @@ def test_seed(request: pytest.FixtureRequest) -> int:
     return seed
 
 
+@pytest.fixture(autouse=True)
+def _job_variables_stay_in_their_test():
+    """Each test gets back the environment it started with, and a default process group it
+    created goes with it. Lightning's in-process fits write ``MASTER_ADDR``/``MASTER_PORT``
+    (and ``PL_GLOBAL_SEED``) into ``os.environ``; left there, every later test's subprocess
+    job inherits a port that may still be held here (``EADDRINUSE`` at its rendezvous)."""
+    import torch.distributed as dist
+
+    before = dict(os.environ)
+    had_group = dist.is_available() and dist.is_initialized()
+    yield
+    if dist.is_available() and dist.is_initialized() and not had_group:
+        dist.destroy_process_group()
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """This test run's emulated clusters get a namespace prefix of their own (``spt<pid>-``),
     inherited by every process it starts: a test's ``emulator.down()`` then removes only
