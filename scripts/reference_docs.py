@@ -132,7 +132,14 @@ def config_page(root: Path) -> str:
                 rows += _extra_rows(name, listed, commented_keys(path))
                 rows = [row for row in rows if row[0] != "`name`"]
             title = path.relative_to(root).as_posix()
-            table = _table(rows, ("key", "value", "meaning")) if rows else "(no keys)\n"
+            if group == "experiment":
+                plain = [f"{row[0][:-1]}={row[1][1:]}" for row in rows if not row[2]]
+                rows = [row for row in rows if row[2]]
+            else:
+                plain = []
+            table = (_table(rows, ("key", "value", "meaning")) if rows else "" if plain else "(no keys)\n")
+            if plain:
+                table = "Sets " + ", ".join(plain) + ".\n" + ("\n" + table if rows else "")
             same = seen.setdefault(table, title)
             body = table if same == title else f"The same keys, defaults and meanings as [`{same}`](#{_anchor(same)}).\n"
             parts += [f"### `{title}`", "", body]
