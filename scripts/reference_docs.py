@@ -123,15 +123,32 @@ def config_page(root: Path) -> str:
                       "`cluster=./mine.yaml`:", "", _table([[f"`{p.stem}`", _cell(_first_comment(p))] for p in files],
                                                           ("profile", "what it is"))]
             continue
+        seen: dict[str, str] = {}
         for path in files:
             rows = [[f"`{key}`", f"`{value}`" if value else "", _cell(comment)] for key, value, comment in yaml_keys(path)]
             if group == "strategy":
                 listed = {key.split(".", 1)[1] for key, _, _ in yaml_keys(path) if key.startswith("kwargs.")}
                 name = yaml.safe_load(path.read_text()).get("name", path.stem)
                 rows += _extra_rows(name, listed, commented_keys(path))
+                rows = [row for row in rows if row[0] != "`name`"]
             title = path.relative_to(root).as_posix()
-            parts += [f"### `{title}`", "", _table(rows, ("key", "value", "meaning")) if rows else "(no keys)\n"]
+            if group == "experiment":
+                plain = [f"{row[0][:-1]}={row[1][1:]}" for row in rows if not row[2]]
+                rows = [row for row in rows if row[2]]
+            else:
+                plain = []
+            table = (_table(rows, ("key", "value", "meaning")) if rows else "" if plain else "(no keys)\n")
+            if plain:
+                table = "Sets " + ", ".join(plain) + ".\n" + ("\n" + table if rows else "")
+            same = seen.setdefault(table, title)
+            body = table if same == title else f"The same keys, defaults and meanings as [`{same}`](#{_anchor(same)}).\n"
+            parts += [f"### `{title}`", "", body]
     return "\n".join(parts)
+
+
+def _anchor(title: str) -> str:
+    """The heading anchor of ``### `title` `` (GitHub's and mkdocs' slug: lower case, no punctuation)."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
 COMMENTED_KEY = re.compile(r"^\s*#\s+(?P<key>[a-z_][\w]*):\s+(?P<value>\S+)\s+(?P<meaning>\S.*)$")
