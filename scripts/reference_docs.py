@@ -123,15 +123,32 @@ def config_page(root: Path) -> str:
                       "`cluster=./mine.yaml`:", "", _table([[f"`{p.stem}`", _cell(_first_comment(p))] for p in files],
                                                           ("profile", "what it is"))]
             continue
+        seen: dict[str, str] = {}
         for path in files:
             rows = [[f"`{key}`", f"`{value}`" if value else "", _cell(comment)] for key, value, comment in yaml_keys(path)]
             if group == "strategy":
                 listed = {key.split(".", 1)[1] for key, _, _ in yaml_keys(path) if key.startswith("kwargs.")}
                 name = yaml.safe_load(path.read_text()).get("name", path.stem)
                 rows += _extra_rows(name, listed, commented_keys(path))
+                rows = [row for row in rows if row[0] != "`name`"]
             title = path.relative_to(root).as_posix()
-            parts += [f"### `{title}`", "", _table(rows, ("key", "value", "meaning")) if rows else "(no keys)\n"]
+            if group == "experiment":
+                plain = [f"{row[0][:-1]}={row[1][1:]}" for row in rows if not row[2]]
+                rows = [row for row in rows if row[2]]
+            else:
+                plain = []
+            table = (_table(rows, ("key", "value", "meaning")) if rows else "" if plain else "(no keys)\n")
+            if plain:
+                table = "Sets " + ", ".join(plain) + ".\n" + ("\n" + table if rows else "")
+            same = seen.setdefault(table, title)
+            body = table if same == title else f"The same keys, defaults and meanings as [`{same}`](#{_anchor(same)}).\n"
+            parts += [f"### `{title}`", "", body]
     return "\n".join(parts)
+
+
+def _anchor(title: str) -> str:
+    """The heading anchor of ``### `title` `` (GitHub's and mkdocs' slug: lower case, no punctuation)."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
 COMMENTED_KEY = re.compile(r"^\s*#\s+(?P<key>[a-z_][\w]*):\s+(?P<value>\S+)\s+(?P<meaning>\S.*)$")
@@ -186,7 +203,11 @@ ENV_MEANING = {
     "SYNCPLANE_REPLICA": "set (elastic DiLoCo): this replica's index",
     "SYNCPLANE_REPLICAS": "set (elastic DiLoCo): replicas at start",
     "SYNCPLANE_RESTART_COUNT": "set (elastic DiLoCo): how often this replica was restarted",
-    "SYNCPLANE_ELASTIC_DIR": "set (elastic DiLoCo): the folder the replicas share",
+    "SYNCPLANE_ELASTIC_DIR": "set (elastic DiLoCo): the folder the replicas share; read under torchrun (default "
+                             "`./syncplane_elastic`)",
+    "TORCHFT_LIGHTHOUSE": "read (elastic DiLoCo under torchrun): the lighthouse's address (torchft's name)",
+    "REPLICA_GROUP_ID": "read (elastic DiLoCo under torchrun): this replica group's index (torchft's name)",
+    "NUM_REPLICA_GROUPS": "read (elastic DiLoCo under torchrun): replica groups at start (torchft's name)",
     "SYNCPLANE_ELASTIC_BIND": "set (elastic DiLoCo): the address the quorum service binds",
     "SYNCPLANE_LAUNCHER_PID": "set: the launcher's process id; a rank exits when it is gone",
     "SYNCPLANE_RENDEZVOUS_FILE": "set: the file store the ranks meet at",
@@ -200,7 +221,7 @@ ENV_MEANING = {
     "MASTER_PORT": "read and set: rank 0's port",
     "SLURM_*": "read: the Slurm job's shape, when launched with srun",
     "TORCHELASTIC_RUN_ID": "read: marks a torchrun launch",
-    "TORCHELASTIC_RESTART_COUNT": "read: torchrun's restart count (keys of the rendezvous)",
+    "TORCHELASTIC_RESTART_COUNT": "read: torchrun's restart count (keys of the rendezvous; an elastic replica's restarts)",
     "TORCHELASTIC_USE_AGENT_STORE": "read: torchrun's agent store is used when `true`",
     "GLOO_SOCKET_IFNAME": "read and set: the NICs gloo uses (set per emulated host; Canary opens a group per name)",
     "TP_SOCKET_IFNAME": "set: the NICs of torch's RPC (TensorPipe), as gloo's",

@@ -41,7 +41,7 @@ from typing_extensions import override
 from syncplane.algorithms.diloco import dealing
 from syncplane.algorithms.diloco import rounds as diloco_rounds
 from syncplane.algorithms.diloco.adaptive import TimedRounds, check_weighting, gather_floats, skipped_step_output
-from syncplane.algorithms.diloco.config import DiLoCoConfig
+from syncplane.algorithms.diloco.config import DiLoCoConfig, check_mode
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.algorithms.diloco.transport import GLOO, Transport
@@ -95,7 +95,7 @@ class DiLoCo(SyncplaneStrategy):
         # the elastic settings are read by ElasticDiLoCo (and heartbeat/join by the launcher)
         self.elastic_timeouts = {"round_timeout_s": round_timeout_s, "quorum_timeout_s": quorum_timeout_s,
                                  "heartbeat_timeout_s": heartbeat_timeout_s, "join_timeout_s": join_timeout_s}
-        diloco_rounds.check_mode(self.config, bool(elastic), self.elastic_timeouts, lighthouse_host)
+        check_mode(self.config, bool(elastic), self.elastic_timeouts, lighthouse_host)
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self.inner_steps = inner_steps
         self._timed: TimedRounds | None = None

@@ -80,11 +80,13 @@ class ElasticDiLoCo(DiLoCo):
         self._restarted = False   # quorum: a restart, out until its first point
 
     def _place(self) -> ElasticPlace:
-        """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
+        """This replica's place in the elastic job (the launcher's elastic mode, or torchft's variables)."""
         place = self.job.elastic
         if place is None:
-            raise ValueError("elastic=true runs under syncplane's launcher (python train.py), which "
-                             f"starts the lighthouse and the replicas; missing {', '.join(missing_elastic())}")
+            raise ValueError(f"elastic=true: this replica's place is unknown, {', '.join(missing_elastic())} unset; "
+                             "start each replica group as its own torchrun job with torchft's TORCHFT_LIGHTHOUSE, "
+                             "REPLICA_GROUP_ID and NUM_REPLICA_GROUPS (docs/lightning.md), or run python train.py, "
+                             "whose launcher starts the lighthouse and the replicas")
         return place
 
     @property
@@ -120,8 +122,12 @@ class ElasticDiLoCo(DiLoCo):
         ours = fingerprint(engine.host.buffer.numel(), self.sync_every, config.outer_optimizer, config.outer_kwargs,
                            [tuple(t.shape) for t in self.model_tensors()],
                            {**settings, **node, "streams": engine.streams, "exchange": engine.exchange_name})
+        place = self._place()
+        if not place.restarts and self._done_marker().exists():   # a first start: the marker is an earlier job's
+            raise ValueError(f"elastic: {place.folder} holds an elastic job that finished; give each job a fresh "
+                             "folder (SYNCPLANE_ELASTIC_DIR) or delete it")
         # before any contact with the quorum: a replica with other settings never disturbs it
-        JobFingerprint(self._place().folder).check(ours, f"replica {self._replica}")
+        JobFingerprint(place.folder).check(ours, f"replica {self._replica}")
         assert self._quorum is not None
         board = RoundBoard(self._place().folder, f"replica{self._replica}") if self.quorum else None
         self._membership = Membership(self._quorum, ours, 0, engine.shard_state_dict, self._load_outer,

@@ -89,11 +89,16 @@ def test_every_rank_decides_the_same_from_the_gathered_times_and_checkpoints_it(
     ({"round_budget_s": 2.0}, "round_budget_s: .* with inner_steps=fixed"),
     ({"inner_steps": "time", "sync_every": 4, "fragments": 2}, "inner_steps=time runs plain DiLoCo rounds"),
     ({"inner_steps": "time", "time_weighting": "steps"}, "time_weighting: allowed values: samples, fednova"),
-    ({"time_weighting": "fednova"}, "time_weighting: fednova .* with inner_steps=fixed"),
 ])
 def test_bad_inner_steps_settings_name_the_key(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         DiLoCoConfig(**kwargs)
+
+
+def test_fednova_with_fixed_inner_steps_is_the_plain_mean() -> None:
+    """Every replica runs H steps: FedNova's factor is 1, as the samples' is (no refusal)."""
+    assert DiLoCoConfig(time_weighting="fednova").time_weighting == "fednova"
+    assert [fednova_scale([4] * 3, r) for r in range(3)] == [weight_scale([4] * 3, r) for r in range(3)] == [1.0] * 3
 
 
 def test_time_budgeted_rounds_run_elastic_but_deal_no_shared_stream() -> None:

@@ -177,6 +177,8 @@ CASES = {
     "nesterov": {"sync_every": 2, **NESTEROV},
     "P3-tau0": {"sync_every": 6, "fragments": 3, **NESTEROV},
     "P2-tau1": {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "mix_alpha": 0.5, **NESTEROV},
+    "tau0-mixed": {"sync_every": 2, "mix_alpha": 0.3, **NESTEROV},     # α mixes blocking rounds as well
+    "sparseloco-dense": {"sync_every": 2, "outer": "sparseloco"},     # SGD lr 1 on dense Δ: the replicas' mean
     "int8-P2": {"sync_every": 4, "fragments": 2, "compression": "int8", "block_size": 4, **NESTEROV},
     "sparse": {"sync_every": 2, "compression": "sparse", "density": 0.25, "bits": 4, "chunk": 8,
                "exchange": "gather", "outer": "sparseloco"},
@@ -191,7 +193,7 @@ def test_one_rank_replicas_run_streaming_diloco_with_codecs_as_the_dense_referen
     assert all(torch.equal(results[0][1], params) for _, params, _ in results)   # one θ_g everywhere
 
 
-@pytest.mark.parametrize("case", ["nesterov", "P2-tau1"])
+@pytest.mark.parametrize("case", ["nesterov", "P2-tau1", "tau0-mixed"])
 def test_ddp_nodes_of_uneven_size_run_the_schedule_of_rank_weighted_replicas(case):
     seed, sizes = int(torch.randint(0, 2**20, ())), [2, 1, 2]
     results = run_ranks(_drive, 5, sizes, dict(CASES[case]), seed, 12)

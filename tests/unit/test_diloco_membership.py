@@ -12,7 +12,7 @@ from syncplane.algorithms.diloco.elastic import Membership, QuorumTransport, fin
 from syncplane.algorithms.diloco.ft import QuorumView
 from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.rounds import check_mode
+from syncplane.algorithms.diloco.config import check_mode
 
 
 @pytest.mark.parametrize("key,value,message", [("membership", "loose", "membership: allowed values"),

@@ -217,7 +217,7 @@ def test_diloco_node_replicas_refuse_a_job_they_cannot_run_naming_the_key(kwargs
 
 
 def test_diloco_node_replicas_take_the_hosts_of_the_profile_or_the_launcher():
-    from syncplane.algorithms.diloco.layout import node_layout
+    from syncplane.algorithms.diloco.layout import check_replica, node_layout
     from syncplane.cluster import load_profile
     from syncplane.job import JobContext
     from syncplane.strategies import registry
@@ -229,8 +229,10 @@ def test_diloco_node_replicas_take_the_hosts_of_the_profile_or_the_launcher():
     assert node_layout("auto", "ddp", JobContext.planned(8, load_profile("homogeneous8"))) is None
     assert node_layout("rank", "ddp", JobContext(world_size=8, local_world_size=4)) is None
     assert node_layout("node", "fsdp", JobContext(world_size=8, local_world_size=4)).inner == "fsdp"
-    with pytest.raises(ValueError, match="inner='fsdp': replica='auto' is 'rank'"):
+    with pytest.raises(ValueError, match="inner='fsdp' needs node replicas .*replica='auto', which is 'rank' on this job"):
         node_layout("auto", "fsdp", JobContext.planned(8, load_profile("homogeneous8")))
+    with pytest.raises(ValueError, match="inner='fsdp' needs node replicas .*with replica='rank' a replica is one"):
+        check_replica("rank", "fsdp")
     # FSDP2 on nodes of different sizes (each parameter exchanged in the units of the nodes' row chunks)
     assert node_layout("node", "fsdp", JobContext.planned(5, load_profile("uneven_nodes"))).sizes == [2, 1, 2]
     registry.validate("diloco", {"replica": "node", "inner": "fsdp"}, JobContext.planned(5, load_profile("asymmetric_2_3")))

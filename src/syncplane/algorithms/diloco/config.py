@@ -38,8 +38,8 @@ class DiLoCoConfig:
         bits: sparse: bits per sent value, 2, 4 or 8.
         chunk: sparse: values per chunk (one top-k and one scale each).
         error_feedback_beta: sparse: β of the accumulator ``e ← β·e + Δ``.
-        outer: ``nesterov`` (DiLoCo: ``outer_optimizer``/``outer_kwargs``) or ``sparseloco``
-            (SGD without momentum, lr 1 unless ``outer_kwargs`` sets it; needs ``sparse``).
+        outer: the default ``outer_kwargs`` of SGD: ``nesterov`` (DiLoCo's) or ``sparseloco``
+            (SparseLoCo's: lr 1, no momentum; on dense Δ, the replicas' mean).
         sync_timeout_s: an exchange slower than this is discarded on every rank.
         fragments: P, Streaming DiLoCo's fragments, each synced at its own offset in the
             round (1 = plain DiLoCo); at most ``sync_every``. Cut by value count, evenly.
@@ -53,7 +53,7 @@ class DiLoCoConfig:
         topology: the tree for ``tree``/``auto``, as FlexReduce's (``auto``, a cluster profile
             name / YAML path, or a list of ranks per host).
         mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
-            overlap (the paper's value) and 0 (overwrite) without, the only value allowed then.
+            overlap (the paper's value) and 0 (overwrite) without.
         inner_steps: ``fixed`` (H inner steps per replica per round) or ``time``: each replica
             computes on as many of the round's H batches as fit the round's time budget and
             skips the rest, Δ averaged weighted by the samples each processed
@@ -62,7 +62,7 @@ class DiLoCoConfig:
         time_weighting: ``time``: how the replicas' Δ are averaged: ``samples`` (weights = the
             samples each processed) or ``fednova`` (FedNova's normalized averaging: each Δ_i
             divided by its step count, the mean rescaled by the mean step count); see
-            ``syncplane.algorithms.diloco.adaptive``.
+            ``syncplane.algorithms.diloco.adaptive``. With ``fixed`` both are the plain mean.
         time_samples: ``time``: what happens to the batches a slow replica has no time for:
             ``share`` (one shuffled stream of the dataset dealt to the replicas as they compute:
             an epoch sees every sample once and ends sooner) or ``drop`` (each replica keeps its
@@ -114,8 +114,7 @@ class DiLoCoConfig:
             raise ValueError(f"streams must be an integer of at least 1, or 'auto', got {self.streams!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        check_compression(self.compression, self.density, self.bits, self.chunk, self.error_feedback_beta,
-                          self.outer, self.exchange)
+        check_compression(self.density, self.bits, self.chunk, self.error_feedback_beta)
         self.codec()   # validates the codec's own settings
         check_outer(self.outer_optimizer, self.outer_kwargs, self.outer)
         if self.sync_timeout_s <= 0:
@@ -148,10 +147,6 @@ class DiLoCoConfig:
             raise ValueError(f"time_weighting: allowed values: {', '.join(WEIGHTINGS)}; got {self.time_weighting!r}")
         if self.time_samples not in TIME_SAMPLES:
             raise ValueError(f"time_samples: allowed values: {', '.join(TIME_SAMPLES)}; got {self.time_samples!r}")
-        if self.time_weighting != "samples" and self.inner_steps != "time":
-            raise ValueError(f"time_weighting: {self.time_weighting} weighs the replicas of inner_steps=time rounds "
-                             f"by their step counts; with inner_steps={self.inner_steps} every count is equal: "
-                             f"use inner_steps=time or leave time_weighting at samples")
         if self.inner_steps == "time" and (self.fragments != 1 or self.overlap_steps != 0):
             raise ValueError(f"inner_steps=time runs plain DiLoCo rounds: fragments must be 1 and overlap_steps 0, "
                              f"got fragments={self.fragments}, overlap_steps={self.overlap_steps}")
@@ -187,3 +182,21 @@ class DiLoCoConfig:
     def alpha(self) -> float:
         """The effective merge α (see ``mix_alpha``)."""
         return streaming_mix_alpha(self.sync_every, self.fragments, self.overlap_steps, self.mix_alpha)
+
+
+def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float], lighthouse_host: str) -> None:
+    """The settings beside ``DiLoCoConfig``, at construction (errors name the key): what elastic
+    mode can run with (``strategies/diloco_elastic.py`` checks its own), and the elastic
+    timeouts and Lighthouse address, checked in either mode (a bad value is a typo)."""
+    check_replica(config.replica, config.inner)
+    if elastic and config.inner_steps == "time" and config.time_samples == "share":
+        raise ValueError("time_samples=share with elastic=true: the deal hands a fixed set of ranks the "
+                         "dataset's batches, a quorum's members change; use time_samples=drop")
+    if config.membership == "quorum" and not elastic:
+        raise ValueError("membership=quorum decides each round's replicas by a torchft quorum: it needs "
+                         "elastic=true (without it every rank is in every round)")
+    for key, value in timeouts.items():
+        if value <= 0:
+            raise ValueError(f"{key} must be positive, got {value}")
+    if not lighthouse_host or any(c.isspace() for c in lighthouse_host):
+        raise ValueError(f"lighthouse_host must be an address or host name, got {lighthouse_host!r}")

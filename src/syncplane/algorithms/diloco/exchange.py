@@ -43,18 +43,24 @@ EXCHANGES = ("mesh", "tree", "gather")
 STREAM_CHOICES = (1, 2, 4, 8, 16)   # ``streams: auto`` tries these (each stream is 2 gloo groups)
 
 
+#: (exchange, compression) pairs that cannot run, why, and the exchange that carries it.
+NOT_CARRIED = {
+    **{(name, "sparse"): ("it sums the pieces on the way (the mesh on each shard's owner, the tree at every level), "
+                          "and a sum of top-k pieces is dense", "gather") for name in ("mesh", "tree")},
+    ("tree", "int8"): ("the tree sums inside gloo's sends at every level, on exact fp32 (a coded piece would be "
+                       "re-quantized at each level, its error feedback kept by no rank)", "mesh"),
+}
+
+
 def check_exchange(exchange: str, compression: str) -> None:
-    """Refuse an exchange DiLoCo does not run, the tree with a lossy codec, or a reducing
-    exchange with a sparse one (clear errors, before any step); the job's shape is checked
-    when the exchange is built."""
+    """Refuse an exchange DiLoCo does not run, or one that cannot carry ``compression``
+    (``NOT_CARRIED``: clear errors, before any step); the job's shape is checked when the
+    exchange is built."""
     name = normalize(exchange, allowed=("auto", *EXCHANGES))
-    if compression == "sparse" and name not in ("auto", "gather"):
-        raise ValueError(f"exchange={exchange!r} cannot carry compression='sparse': it sums the pieces on the "
-                         "way (the mesh on each shard's owner, the tree at every level), and a sum of top-k "
-                         "pieces is dense; set exchange='gather' (or 'auto', which picks it)")
-    if name == "tree" and compression != "none":
-        raise ValueError(f"exchange='tree' carries exact fp32 only; compression={compression!r} needs "
-                         "exchange='mesh' (or 'auto', which picks it)")
+    if (name, compression) in NOT_CARRIED:
+        why, fix = NOT_CARRIED[name, compression]
+        raise ValueError(f"exchange={exchange!r} cannot carry compression={compression!r}: {why}; set "
+                         f"exchange={fix!r} (or 'auto', which picks it)")
 
 
 def carried(exchange: str, compression: str) -> str:

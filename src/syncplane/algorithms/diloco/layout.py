@@ -39,15 +39,23 @@ def check_replica(replica: str, inner: str, *, compression: str = "none", exchan
         raise ValueError(f"replica: allowed values: {', '.join(REPLICAS)}; got {replica!r}")
     if inner not in INNERS:
         raise ValueError(f"inner: allowed values: {', '.join(INNERS)}; got {inner!r}")
-    if replica == "rank" and inner != "ddp":
-        raise ValueError(f"inner={inner!r} needs replica='node' (or 'auto'): with replica='rank' a replica is "
-                         "one rank, there is nothing to shard inside it")
     if replica == "rank":
+        check_inner(inner)
         return
     if exchange == "tree":
         raise ValueError(f"replica={replica!r} exchanges each outer shard among its owners, one rank per node: "
                          "the tree's inner level (a host's ranks) is the node itself, so exchange='tree' has "
                          "nothing to reduce there; use exchange='mesh' or 'auto'")
+
+
+def check_inner(inner: str, nodes: Sequence[Sequence[int]] | None = None) -> None:
+    """``inner`` on replicas of one rank (``replica: rank``, or ``auto`` on the job's ``nodes``):
+    only ``ddp``, the replica itself -- there is nothing to shard inside one rank."""
+    if inner != "ddp":
+        on = "replica='rank'" if nodes is None else (f"replica='auto', which is 'rank' on this job ({len(nodes)} "
+                                                     f"host(s) of {[len(n) for n in nodes]} ranks)")
+        raise ValueError(f"inner={inner!r} needs node replicas (replica='node'): with {on} a replica is one rank, "
+                         "there is nothing to shard inside it")
 
 
 @dataclass(frozen=True)
@@ -178,9 +186,7 @@ def node_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout | No
         raise ValueError(f"replica={replica!r}: the job's nodes do not divide its ranks: {exc}") from None
     several = any(len(node) > 1 for node in nodes)
     if replica == "auto" and not (several and len(nodes) > 1):
-        if inner != "ddp":
-            raise ValueError(f"inner={inner!r}: replica='auto' is 'rank' on this job ({len(nodes)} host(s) of "
-                             f"{[len(n) for n in nodes]} ranks), where a replica is one rank")
+        check_inner(inner, nodes)
         return None
     if replica == "node" and not several:
         raise ValueError(f"replica='node' on a job of one rank per host ({len(nodes)} hosts): every node is one "

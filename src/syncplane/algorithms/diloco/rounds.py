@@ -1,7 +1,6 @@
-"""What the DiLoCo strategy needs besides Lightning glue, Lightning-free: the checks of its
-settings outside ``DiLoCoConfig`` (elastic mode's), which engine runs a replica (its layout:
-a rank, or the ranks of a node), and the round state a checkpoint carries, with its check on
-resume (``strategies/diloco.py`` calls these; the rounds themselves are the engines')."""
+"""What the DiLoCo strategy needs besides Lightning glue, Lightning-free: which engine runs a
+replica (its layout: a rank, or the ranks of a node), and the round state a checkpoint carries,
+with its check on resume (``strategies/diloco.py`` calls these; the rounds are the engine's)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from syncplane.algorithms import sharded
 from syncplane.algorithms.diloco.adaptive import TimedRounds
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
-from syncplane.algorithms.diloco.layout import check_replica, job_layout
+from syncplane.algorithms.diloco.layout import job_layout
 from syncplane.algorithms.diloco.transport import GLOO, Transport
 from syncplane.job import JobContext
 
@@ -23,24 +22,6 @@ EXCHANGE_KEYS: tuple[str, ...] = ("streams", "exchange", "compression")
 
 #: What a checkpoint written before these round settings existed implies.
 BEFORE_STREAMING: dict[str, Any] = {"fragments": 1, "overlap_steps": 0, "inner_steps": "fixed"}
-
-
-def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float], lighthouse_host: str) -> None:
-    """The settings beside ``DiLoCoConfig``, at construction (errors name the key): the replica
-    layout and ``inner_steps`` in elastic mode, and the elastic timeouts and Lighthouse address,
-    checked in either mode (a bad value is a typo)."""
-    check_replica(config.replica, config.inner)
-    if elastic and config.inner_steps == "time" and config.time_samples == "share":
-        raise ValueError("time_samples=share with elastic=true: the deal hands a fixed set of ranks the "
-                         "dataset's batches, a quorum's members change; use time_samples=drop")
-    if config.membership == "quorum" and not elastic:
-        raise ValueError("membership=quorum decides each round's replicas by a torchft quorum: it needs "
-                         "elastic=true (without it every rank is in every round)")
-    for key, value in timeouts.items():
-        if value <= 0:
-            raise ValueError(f"{key} must be positive, got {value}")
-    if not lighthouse_host or any(c.isspace() for c in lighthouse_host):
-        raise ValueError(f"lighthouse_host must be an address or host name, got {lighthouse_host!r}")
 
 
 def build_engine(config: DiLoCoConfig, job: JobContext, model: torch.nn.Module,

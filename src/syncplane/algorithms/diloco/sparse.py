@@ -22,33 +22,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from syncplane.algorithms.diloco.exchange import check_exchange
-from syncplane.algorithms.diloco.outer import OUTER_RULES, OuterOptimizer
+from syncplane.algorithms.diloco.outer import OuterOptimizer
 from syncplane.comm.codecs import ChunkedTopK, ErrorFeedback, check_sparse_options
-
-#: Exchanges that sum the pieces on the way (a sparse payload needs ``gather``, which ``auto`` picks).
-REDUCING_EXCHANGES = ("mesh", "owner", "tree")
 
 #: ``all_gather(payload)``: every rank's payload in rank order, or None (discarded round).
 AllGather = Callable[[torch.Tensor], Sequence[torch.Tensor] | None]
 
 
-def check_compression(compression: str, density: float, bits: int, chunk: int, beta: float, outer: str,
-                      exchange: str) -> None:
-    """SparseLoCo's settings, with errors that name the key (before launch)."""
-    if outer not in OUTER_RULES:
-        raise ValueError(f"outer: allowed values: {', '.join(OUTER_RULES)}; got {outer!r}")
-    if outer == "sparseloco" and compression != "sparse":
-        raise ValueError(f"outer='sparseloco' replaces momentum by the sparse codec's error feedback; it needs "
-                         f"compression='sparse', got compression={compression!r}")
-    # checked whatever the compression: a bad value is a typo
+def check_compression(density: float, bits: int, chunk: int, beta: float) -> None:
+    """SparseLoCo's settings, with errors that name the key (before launch; checked whatever
+    the compression: a bad value is a typo)."""
     check_sparse_options(density, bits, chunk)
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"error_feedback_beta: must be in [0, 1] (SparseLoCo: 0.95), got {beta!r}")
-    if compression != "sparse":
-        return
-    if exchange in REDUCING_EXCHANGES:
-        check_exchange(exchange, compression)     # names the key and the exchange that carries it
 
 
 class SparseFeedback:

@@ -58,20 +58,15 @@ def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
 
 def streaming_mix_alpha(sync_every: int, fragments: int, overlap_steps: int, mix_alpha: float | None) -> float:
     """Check the streaming options (clear errors naming the values); return the effective α."""
-    if not 1 <= fragments <= sync_every:
-        raise ValueError(f"fragments must be between 1 and sync_every={sync_every} (one offset per "
-                         f"fragment within the round), got {fragments}")
-    if not 0 <= overlap_steps < sync_every // fragments:
-        raise ValueError(f"overlap_steps must be >= 0 and below sync_every // fragments = "
-                         f"{sync_every} // {fragments} = {sync_every // fragments} (a fragment's round "
-                         f"must end before the next one starts), got {overlap_steps}")
+    if not 1 <= fragments <= sync_every or not 0 <= overlap_steps < sync_every // fragments:
+        raise ValueError(f"fragments={fragments}, overlap_steps={overlap_steps}, sync_every={sync_every}: each of "
+                         f"the P fragments has its own window of sync_every // fragments steps of the round (at "
+                         f"least 1: 1 <= fragments <= sync_every), and its exchange must end before the next "
+                         f"fragment's starts: 0 <= overlap_steps < sync_every // fragments")
     if mix_alpha is None:
         return 0.5 if overlap_steps else 0.0
     if not 0.0 <= mix_alpha < 1.0:
         raise ValueError(f"mix_alpha must be in [0, 1) (0 = take the global fragment), got {mix_alpha}")
-    if overlap_steps == 0 and mix_alpha != 0.0:
-        raise ValueError(f"mix_alpha={mix_alpha} needs overlap_steps >= 1: without overlap the merged "
-                         "fragment is the global one (mix_alpha must be 0)")
     return float(mix_alpha)
 
 
