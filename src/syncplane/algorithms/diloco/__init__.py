@@ -1,16 +1,9 @@
 """DiLoCo (Douillard et al.): H local steps, then an outer step on the averaged pseudo-gradient.
 
-Files: ``outer.py`` (the CPU outer optimizer and one round: Δ, average, step, commit or
-discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing α),
-``config.py`` (the validated settings), ``engine.py`` (the one round engine: every layout,
-schedule, codec, exchange and pacing), ``exchange.py`` (which all-reduce carries Δ: the
-transport's sharded owner exchange, ``syncplane.comm.streams``, or FlexReduce's tree run on
-the same S streams; their cost, and ``streams: auto``), ``layout.py`` (``replica: node``: a
-node's ranks are one replica, DDP or FSDP2 inside, the outer state sharded over them; ``rank``
-is nodes of one rank), ``cost.py`` (the node layout's price), ``bench.py``; the cost of a round
-is declared below.
-Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
-"""
+``config`` (the settings), ``engine`` (the one round engine), ``outer`` / ``streaming`` (the
+outer optimizer, Streaming DiLoCo's fragments), ``exchange`` / ``transport`` (the wire),
+``layout`` (``replica: node``), ``adaptive`` / ``dealing`` (``inner_steps: time``), ``cost`` /
+``bench``, ``elastic`` / ``ft`` (elastic mode); the spec below. Glue: ``strategies/diloco.py``."""
 
 from __future__ import annotations
 

@@ -14,9 +14,8 @@ from syncplane.algorithms.diloco.dealing import TIME_SAMPLES
 from syncplane.algorithms.diloco.exchange import check_exchange, delta_codec
 from syncplane.algorithms.diloco.layout import check_replica
 from syncplane.algorithms.diloco.outer import check_outer
-from syncplane.algorithms.diloco.sparse import check_compression
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
-from syncplane.comm.codecs import Codec
+from syncplane.comm.codecs import Codec, check_sparse_options
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ class DiLoCoConfig:
             or ``auto``: from the job's cluster profile (``exchange.resolve_streams``). Its old
             name ``shards`` is still accepted, with a deprecation warning.
         compression: ``none`` (exact fp32), ``int8`` (blockwise scale + error feedback) or
-            ``sparse`` (SparseLoCo's chunked top-k, ``sparse.py``: needs the ``gather`` exchange,
+            ``sparse`` (SparseLoCo's chunked top-k with error feedback, ``comm.codecs``: needs the ``gather`` exchange,
             which ``auto`` picks; the floating buffers travel beside it as exact fp32).
         block_size: values per int8 scale.
         density: sparse: fraction of each chunk sent, in (0, 1] (SparseLoCo: 0.01-0.03).
@@ -114,7 +113,10 @@ class DiLoCoConfig:
             raise ValueError(f"streams must be an integer of at least 1, or 'auto', got {self.streams!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        check_compression(self.density, self.bits, self.chunk, self.error_feedback_beta)
+        check_sparse_options(self.density, self.bits, self.chunk)   # whatever the compression: a typo
+        beta = self.error_feedback_beta
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+            raise ValueError(f"error_feedback_beta: must be in [0, 1] (SparseLoCo: 0.95), got {beta!r}")
         self.codec()   # validates the codec's own settings
         check_outer(self.outer_optimizer, self.outer_kwargs, self.outer)
         if self.sync_timeout_s <= 0:

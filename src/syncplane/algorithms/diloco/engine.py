@@ -1,25 +1,18 @@
 """DiLoCo's one round engine, Lightning-free: every layout, schedule, codec, exchange and pacing.
 
-A replica is a rank (``replica: rank``) or the L ranks of a node (``replica: node``, DDP or
-FSDP2 inside it); ``layout.ReplicaLayout`` says which, and ``replica: rank`` is simply the
-layout of nodes of one rank -- the same code path, not a second engine. The flat model
-``[parameters | floating buffers]`` (this rank's FSDP shard of each parameter under FSDP) is
-mirrored on the host (``HostMirror``) and cut into the layout's outer shards; this rank keeps
-its own shards' θ_g and outer optimizer state (``streaming.FragmentedOuter``, one per owned
-shard: Streaming DiLoCo's P fragments of it, blocking rounds being P = 1, τ = 0), and each
-shard is exchanged with its owners in the other replicas on a ``StreamRunner`` of its own
-(S streams, one deadline, commit/discard; the codec's error feedback kept per shard). With one
-rank per replica the one shard is the whole model and its exchange is ``exchange.build_exchange``
-(mesh, tree or gather over every rank), so the round is the per-rank DiLoCo round bit for bit.
+A replica is a rank or the L ranks of a node (DDP or FSDP2 inside it): ``layout.ReplicaLayout``,
+``replica: rank`` being nodes of one rank -- one code path. The flat model ``[parameters |
+floating buffers]`` (this rank's FSDP shards under FSDP) is mirrored on the host
+(``HostMirror``) and cut into the layout's outer shards; this rank keeps its shards' θ_g and
+outer state (``streaming.FragmentedOuter``: P fragments, blocking rounds being P = 1, τ = 0) and
+exchanges each shard with its owners in the other replicas on a ``StreamRunner`` of its own.
+With one rank per replica the shard is the whole model on ``exchange.build_exchange``'s pattern.
 
-A round of fragment f: each owned shard's piece of f is copied to the host, Δ formed in place,
-averaged with the replica's weight (its rank count, or with ``inner_steps: time`` its samples),
-stepped by that piece's outer optimizer -- in the background while training goes on when
-``overlap_steps`` > 0 -- and, at the due step, merged into the live model (``α``-mixed under
-overlap). With DDP inside a node, the node's ranks first all-gather the fragment's pieces so
-every rank holds the replica's θ_g there; under FSDP a rank's shard is its FSDP shard and
-nothing is gathered. A piece whose exchange was discarded keeps θ_local (the next Δ covers it).
-"""
+A round of fragment f: each owned piece of f is copied to the host, Δ formed in place, averaged
+with the replica's weight (its rank count, or its samples under ``inner_steps: time``), outer
+stepped (in the background for ``overlap_steps`` > 0) and merged into the live model at the due
+step (α-mixed). A DDP node's ranks then all-gather the fragment's pieces; under FSDP nothing is
+gathered. A discarded piece keeps θ_local (the next Δ covers it)."""
 
 from __future__ import annotations
 

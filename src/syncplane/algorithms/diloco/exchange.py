@@ -1,23 +1,16 @@
 """Which all-reduce carries DiLoCo's pseudo-gradient, on how many streams.
 
-DiLoCo runs three of the exchange layer's patterns (``syncplane.exchanges``): the ``mesh``
-(every rank owns 1/n: 2(n−1)/n·M per rank, wherever the ranks are; any codec), the
-``tree`` (FlexReduce's plan: reduce inside the host/rack, cross the slow link with the rack's
-share, gather back; exact fp32 only) and the ``gather`` (every rank gets every rank's
-encoded piece and decodes them all, a rack's or host's pieces crossing the slow link as one
-block: the one that carries ``compression: sparse``, whose sums would be dense), all run by
-``syncplane.comm.StreamRunner`` on S streams with one deadline and commit/discard. On racks
-or sites the mesh puts about (n/racks)·M across each slow uplink per round, the tree M. ``exchange: auto`` (default)
-takes the tree when the job's tree has more than one level (hosts, racks or sites: the
-job's cluster profile, else its hosts) and the payload is fp32, the gather when it is sparse;
-otherwise the mesh.
+Three of the exchange layer's patterns (``syncplane.exchanges``), run by ``comm.StreamRunner``
+on S streams with one deadline and commit/discard: the ``mesh`` (every rank owns 1/n; any
+codec), the ``tree`` (FlexReduce's plan; exact fp32) and the ``gather`` (every rank decodes
+every rank's piece: the one for ``compression: sparse``, whose sums would be dense). ``auto``:
+the gather for sparse, the tree when the job's tree has several levels and Δ is fp32, else the
+mesh.
 
-``streams: auto``: S from the job's cluster profile (``topology`` when it names one, else the
-job's own): the fewest of 1, 2, 4, 8, 16 streams whose bound in the cost model is within
-10 % of the best -- as many TCP connections as a per-flow-capped link needs, one per NIC
-where hosts have several. The bound scales with the payload (α = 0), so the choice does not
-depend on the model's size. Without a profile: 1 stream, and the log says so.
-"""
+``streams: auto``: from the job's cluster profile (``topology`` when it names one), the fewest
+of ``STREAM_CHOICES`` whose cost-model bound is within 10 % of the best (as many TCP connections
+as a per-flow-capped link needs); the bound scales with the payload, so the choice does not
+depend on the model. Without a profile: 1 stream, and the log says so."""
 
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
-"""What one DiLoCo replica is: a rank (``replica: rank``, today's layout) or the ranks of a
-node (``replica: node``, the INTELLECT-1 layout of the DiLoCo blog), and how a node replica's
-outer state is sharded over its ranks.
+"""What one DiLoCo replica is: a rank (``replica: rank``) or the ranks of a node (``replica:
+node``, INTELLECT-1's layout), and how a node replica's outer state is sharded over its ranks.
 
-A node replica of L ranks trains as one model (torch's DDP over the node's ranks syncs the
-gradients every step) and shards its outer state: the flat model ``[parameters | floating
-buffers]`` is cut into ``S = max L`` shards (``shard_bounds``), and local rank j of a node of
-L ranks owns the contiguous block of shards ``[j·S//L, (j+1)·S//L)`` -- its θ_g, outer
-optimizer state and Δ, on CPU. Shard k is exchanged among its owners, one per replica (the
-shard group of k), so the groups line up across nodes of different sizes: on 2+1 ranks
-the lone rank of the small node owns both shards and sits in both groups. Pseudo-gradients
-are weighted by the replica's rank (sample) count, so that H = 1 with outer SGD lr 1 and no
-momentum is DDP over all ranks whatever the node sizes.
-
-``replica: auto`` takes ``node`` when the job has several hosts and some host runs several
-ranks, else ``rank``. The default stays ``rank``: measured on 2 hosts of 2 ranks
-(``docs/benchmarks.md``), the node layout was not reliably more accurate than ``rank`` (behind
-it at 15 epochs, ahead at 30, by a few validation images) and crossed the wire no faster than
-``rank`` on as many streams as the hosts have NICs; what it buys for certain is memory.
-"""
+A node of L ranks trains as one model (DDP or FSDP2 over the node) and shards its outer state:
+the flat model is cut into ``S = max L`` shards (``shard_bounds``), local rank j owning shards
+``[j·S//L, (j+1)·S//L)`` -- their θ_g, outer optimizer state and Δ, on CPU. Shard k is exchanged
+among its owners, one per replica (its shard group), so the groups line up across nodes of
+different sizes. Δ is weighted by the replica's rank count: H = 1 with outer SGD lr 1 and no
+momentum is DDP over all ranks whatever the node sizes. ``replica: auto`` is ``node`` when the
+job has several hosts and some host runs several ranks, else ``rank`` (which layout to take:
+docs/strategies/diloco.md)."""
 
 from __future__ import annotations
 
