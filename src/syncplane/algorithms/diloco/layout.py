@@ -24,8 +24,7 @@ REPLICAS = ("rank", "node", "auto")
 INNERS = ("ddp", "fsdp")
 
 
-def check_replica(replica: str, inner: str, *, compression: str = "none", exchange: str = "auto",
-                  elastic: bool = False) -> None:
+def check_replica(replica: str, inner: str, *, exchange: str = "auto", elastic: bool = False) -> None:
     """The settings of ``replica``/``inner`` and what a node replica runs with (errors name the key)."""
     if replica not in REPLICAS:
         raise ValueError(f"replica: allowed values: {', '.join(REPLICAS)}; got {replica!r}")
