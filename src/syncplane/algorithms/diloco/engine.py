@@ -88,18 +88,15 @@ class DiLoCoEngine:
     """A collective to construct (node groups, shard streams): every rank, same order.
 
     Args:
-        module: the model. With node replicas the engine wraps it (``module``: torch's DDP over
-            the node, or the same module sharded by FSDP2's ``fully_shard``) -- train the
-            wrapped one; with one rank per replica ``module`` is the model itself.
+        module: the model; with node replicas the engine wraps it (``module``: DDP over the node,
+            or FSDP2's ``fully_shard``) -- train the wrapped one.
         config: the validated settings.
         job: the job's shape (this rank, its NICs, the profile for ``streams: auto``).
         layout: the replicas (``layout.job_layout``).
         device_ids: DDP's, for a model on a GPU.
-        init: for a model built on the meta device (``inner: fsdp`` only): each parameter's and
-            buffer's values by name (``sharded.materialize``), so that no rank ever holds the
-            whole model; the shards are made on CPU.
-        transport: the groups, exchanges and collectives (``transport.GLOO``: real gloo ranks).
-    """
+        init: a model on the meta device (``inner: fsdp`` only): the values by name
+            (``sharded.materialize``), so that no rank holds the whole model; shards made on CPU.
+        transport: the groups, exchanges and collectives (``transport.GLOO``: real gloo ranks)."""
 
     def __init__(self, module: torch.nn.Module, config: DiLoCoConfig, job: JobContext, layout: ReplicaLayout,
                  device_ids: list[int] | None = None, init: Callable[[str, torch.Tensor], None] | None = None,
@@ -161,12 +158,11 @@ class DiLoCoEngine:
         return {k: [pieces[k] for pieces in cut] for k in range(shards)}
 
     def _sharded(self, module: torch.nn.Module, n_params: int, total: int) -> dict[int, list[tuple[int, int]]]:
-        """FSDP2 nodes: this rank's exchange sets (``ReplicaLayout.fsdp_units``) and each one's
-        piece of each fragment. The fragments are the even cut of the whole model, so every
-        node cuts them alike; a set's spans, read one after another, are its outer buffer: this
-        rank's host buffer itself when it is in one set only (nodes of one size), else a packed
-        copy. Builds the sets' groups (a collective) and the consensus group: the ranks of the
-        nodes of this one's size that hold the same rows."""
+        """FSDP2 nodes: this rank's exchange sets (``ReplicaLayout.fsdp_units``) and each one's piece of
+        each fragment (the even cut of the whole model, alike on every node). A set's spans, read in
+        turn, are its outer buffer: the host buffer itself when this rank is in one set (nodes of one
+        size), else a packed copy. Builds the sets' groups and the consensus group (the ranks of the
+        nodes of this one's size holding the same rows): collectives."""
         layout, node = self.layout, self.node
         shapes = [tuple(p.shape) for p in module.parameters()]
         self.sets, spans = layout.fsdp_units(self.rank, shapes, total - n_params)
@@ -221,10 +217,9 @@ class DiLoCoEngine:
         self._over_sets([local(t) for t in tensors], mean=True)
 
     def _runners(self, job: JobContext, n_params: int) -> tuple[dict[int, Exchanger], str]:
-        """Each owned shard's exchange. One rank per replica: ``build_exchange`` over every rank
-        (mesh, tree or gather, as ``exchange`` resolves on the job). Node replicas: each shard's
-        owners, on the mesh (fp32, int8) or the gather (``compression: sparse``, whose sum
-        would be dense, or ``exchange: gather``), its floating buffers as exact fp32."""
+        """Each owned shard's exchange: one rank per replica, ``build_exchange`` over every rank; node
+        replicas, each shard's owners on the mesh (fp32, int8) or the gather (``sparse``, or
+        ``exchange: gather``), the floating buffers as exact fp32."""
         config = self.config
         if self.layout.per_rank:
             runner, name = build_exchange(job, self.streams, config.compression, config.block_size,
@@ -299,11 +294,9 @@ class DiLoCoEngine:
         return [self.pop(p) for p in sorted(pending) if pending[p].due <= done]
 
     def merge(self, tensors: Sequence[torch.Tensor], round_: Round, alpha: float) -> bool:
-        """A finished round into the live model; True if every owned piece committed.
-
-        One rank per replica: nothing happens when it was discarded (the replica stays as it
-        is). A DDP node: a discarded piece takes θ_local back, the node's ranks all-gather the
-        fragment's pieces, and the whole fragment is merged (the ranks agree)."""
+        """A finished round into the live model; True if every owned piece committed. A discarded
+        round leaves a one-rank replica as it is; a DDP node's discarded piece takes θ_local back, the
+        node all-gathers the fragment's pieces, and the whole fragment is merged (the ranks agree)."""
         tensors = [local(t) for t in tensors]
         parts = round_.parts if round_.parts is not None else {k: bool(round_.committed) for k in self.owned}
         if self.runs:   # every committed set's spans, around the others' θ_local

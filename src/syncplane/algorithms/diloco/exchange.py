@@ -174,12 +174,11 @@ def build_exchange(job: JobContext, shards: int, compression: str = "none", bloc
                    topology: str | Sequence[int] = "auto", *, codec: Codec | None = None,
                    error_feedback_beta: float = 1.0, exact_from: int | None = None,
                    make: Callable[..., Any] = StreamRunner) -> tuple[Any, str]:
-    """DiLoCo's exchange for this job (a collective: it builds the S streams' gloo groups) and
-    the pattern chosen. ``topology`` as FlexReduce's (``auto``, a profile, or ranks per host).
-    ``codec``: what travels (default ``make_codec(compression, block_size)``; the sparse codec
-    must be given); ``error_feedback_beta``: its residuals' decay; ``exact_from``: the gather
-    sends the values from this position on as exact fp32 (the floating buffers); ``make``: what
-    builds the runner from the pattern (``StreamRunner``; a ``Transport``'s ``runner``)."""
+    """DiLoCo's exchange for this job (a collective: it builds the S streams' gloo groups) and the
+    pattern chosen. ``codec``: what travels (default ``make_codec(compression, block_size)``);
+    ``error_feedback_beta``: its residuals' decay; ``exact_from``: the gather sends the values from
+    there on as exact fp32 (the floating buffers); ``make``: what builds the runner from the pattern
+    (``StreamRunner``; a ``Transport``'s ``runner``)."""
     check_exchange(exchange, compression)
     if codec is None:
         codec = make_codec(compression, block_size)

@@ -113,15 +113,13 @@ class ReplicaLayout:
 
     def fsdp_units(self, rank: int, shapes: Sequence[Sequence[int]], buffers: int
                    ) -> tuple[list[tuple[int, ...]], dict[int, list[tuple[int, int, int]]]]:
-        """FSDP2 nodes: the exchange sets and this rank's spans in each. FSDP2 cuts a parameter
-        of R rows into L chunks of ceil(R/L) rows, so nodes of different sizes hold row ranges
-        that do not nest: each parameter is cut at the union of every node size's row cuts, and
-        each unit is exchanged among its holders (one rank per node). ``shapes``: the
-        parameters' global shapes; ``buffers``: the floating buffers' values, held whole by
-        every rank and exchanged with each shard group (``shard_group``) the rank is in. Returns
-        the sets (every rank's same list) and, per set this rank is in, ``(lo, hi, global)``:
-        the span's place in this rank's buffer ``[its shards | buffers]`` and in the whole
-        model's. With nodes of one size the sets are the shard groups, one per rank."""
+        """FSDP2 nodes: the exchange sets and this rank's spans in each. FSDP2 cuts a parameter of R
+        rows into L chunks of ceil(R/L) rows, so nodes of different sizes hold row ranges that do not
+        nest: each parameter is cut at every node size's row cuts, each unit exchanged among its holders
+        (one rank per node). ``shapes``: the parameters' global shapes; ``buffers``: the floating
+        buffers' values, held whole and exchanged with each of this rank's shard groups. Returns the
+        sets (the same list on every rank) and, per set this rank is in, its spans ``(lo, hi, global)``
+        in this rank's buffer ``[its shards | buffers]`` and in the whole model."""
         node = self.nodes[self.replica_of(rank)]
         mine, sizes = node.index(rank), sorted(set(self.sizes))
         sets: list[tuple[int, ...]] = []
