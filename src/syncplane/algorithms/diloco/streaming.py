@@ -72,27 +72,20 @@ class Round:
 
 
 class FragmentedOuter:
-    """θ_g as P fragments of the host buffer ``flat = [θ_local | extras]``, each with its own
-    outer optimizer, and the rounds launched but not merged yet.
-
-    Why one ``OuterOptimizer`` per fragment: a fragment's momentum (or Adam moments, and
-    Adam's step count) must advance only at that fragment's rounds. One optimizer over the
-    whole buffer, stepped with a zero gradient outside the fragment, would still decay the
-    other fragments' momentum and move their θ_g by it (SGD: ``b ← μb + 0``, ``θ ← θ − lr·b``)
-    at every fragment's round. Per-fragment optimizers over slices are also exactly the
-    dense optimizer for element-wise optimizers when P = 1.
+    """θ_g as P fragments of the host buffer ``flat = [θ_local | extras]``, each with its own outer
+    optimizer, and the rounds launched but not merged yet. One optimizer per fragment, because a
+    fragment's momentum (Adam's moments and step count) must advance only at its own rounds: one
+    optimizer over the buffer, stepped with a zero gradient elsewhere, would decay the others'
+    momentum and move their θ_g by it. For element-wise optimizers P = 1 is the dense optimizer.
 
     Args:
-        flat: the caller's host buffer; fragment p works in place on ``flat[a_p:b_p]``
-            (θ_local, then Δ, then its mean, then what to merge), which nothing else
-            touches between a fragment's launch and its merge.
+        flat: the caller's host buffer; fragment p works in place on ``flat[a_p:b_p]`` (θ_local,
+            Δ, its mean, what to merge), which nothing else touches from its launch to its merge.
         n_params: how many values of ``flat`` are parameters (the rest are extras).
-        fragments: P.
-        sync_every: H.
+        fragments, sync_every: P, H.
         optimizer, kwargs, pin, rule: as for ``OuterOptimizer``.
-        bounds: each fragment's ``[start, end)`` in ``flat`` when they are not the even cut
-            (``fragment_bounds``): a node replica's rank keeps only its piece of each.
-    """
+        bounds: each fragment's ``[start, end)`` in ``flat`` when not the even cut
+            (``fragment_bounds``): a node replica's rank keeps only its piece of each."""
 
     def __init__(self, flat: torch.Tensor, n_params: int, fragments: int, sync_every: int,
                  optimizer: str, kwargs: Mapping[str, Any] | None, pin: bool, rule: str = "nesterov",
