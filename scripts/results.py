@@ -433,10 +433,24 @@ def slug(title: str) -> str:
 # --- blocks in the guides --------------------------------------------------------------------
 
 def speedups_block(arg: str, docs: str = "") -> str:
-    """``speedups:S1,S2``: each profile's speed-up over DDP of these strategies (the scoreboard)."""
-    return (grid(strategies=arg.split(","), link=False) + "\n"
-            f"Sync per step against DDP at the ResNet-50 payload; bold / italic: the fastest exact / approximate "
-            f"on that profile. Source: [results]({docs}benchmarks.md) ({grid_dates()}).\n")
+    """``speedups:S1,S2``: each strategy's speed-up over DDP on every profile of the scoreboard,
+    one line per strategy, fastest first (the grid of the results page, a strategy at a time)."""
+    reports = matrix_reports()
+    lines = []
+    for name in (n for n in arg.split(",") if n != "ddp"):
+        cells = []
+        for report in reports:
+            measured, best = ok_rows(report), best_of_class(report)
+            if name in measured:
+                figure = times(measured[name]["speedup_vs_ddp"])
+                figure = f"**{figure}**" if best.get("exact") == name else \
+                    f"*{figure}*" if best.get("approximate") == name else figure
+                cells.append((measured[name]["speedup_vs_ddp"], f"`{report['cluster']}` {figure}"))
+        lines.append(f"- `{name}`: " + ", ".join(text for _, text in sorted(cells, key=lambda c: -c[0])) + ".")
+    return ("\n".join(lines) + "\n\n"
+            f"Sync per step against DDP's at the ResNet-50 payload, fastest first; bold / italic: the fastest exact / "
+            f"approximate strategy on that profile; measured {grid_dates()}. "
+            f"Every strategy side by side: [results]({docs}benchmarks.md#every-strategy-on-every-profile).\n")
 
 
 def training_block(arg: str, docs: str = "") -> str:
@@ -503,6 +517,7 @@ PROFILE_WORDS = {
     "uneven_hosts": "three racks, hosts of different rank counts", "uneven_three_racks": "three racks of 3, 2 and 1 hosts",
     "uneven_uplinks": "three racks, uplinks of different speeds", "wan_two_sites": "two sites, a WAN capping each flow",
     "wan_nodes": "two sites of one 2-rank node, a slow site link",
+    "uneven_nodes": "three hosts of 2, 1 and 2 ranks, one switch",
 }
 
 def profiles_block(arg: str, docs: str = "") -> str:

@@ -1,14 +1,19 @@
-"""Elastic DiLoCo: each rank an independent replica over a torchft quorum.
+"""Elastic DiLoCo: each rank (or each node's ranks, ``replica=node``) an independent replica
+over a torchft quorum.
 
 ``DiLoCo(..., elastic=True)`` (``strategy=diloco strategy.kwargs.elastic=true``) constructs
-this class. The round is ``DiLoCo``'s own (``DiLoCoEngine``: every codec, streams, fragments,
+this class. A node replica is one Lightning job of its L ranks (DDP or FSDP2 inside it, its
+outer state sharded over them, as without elastic mode: ``layout.job_layout``) and one torchft
+replica group of L ranks (``ft``): its ranks leave, restart and heal together, each healing its
+own shard from the same local rank of a live node. The round is ``DiLoCo``'s own (``DiLoCoEngine``: every codec, streams, fragments,
 overlap, outer rule), its exchanges running over the current quorum
 (``syncplane.algorithms.diloco.elastic.QuorumTransport``); membership is
 ``elastic.Membership`` on torchft (``syncplane.algorithms.diloco.ft``). Hooks that differ, and why:
 
-- ``distributed_sampler_kwargs``: Lightning sees a process group of one; the training shard
-  is the replica's (its index among the replicas at start), while every replica validates
-  on the whole set (no all-reduce combines the metrics of independent jobs).
+- ``distributed_sampler_kwargs``: Lightning sees a process group of one (a node replica: of its
+  ranks); the training shard is the rank's place in the job at start (replica r's local rank
+  j: r·L + j), while every replica validates on the whole set (no all-reduce combines the
+  metrics of independent jobs).
 - ``setup_sync``: ``DiLoCo``'s engine on the quorum transport, plus the job's fingerprint
   (shapes, round and exchange settings, outer optimizer), checked against the one on disk
   *before* any contact with the quorum, so a mismatched replica never disturbs it.
@@ -75,11 +80,13 @@ class ElasticDiLoCo(DiLoCo):
         self._restarted = False   # quorum: a restart, out until its first point
 
     def _place(self) -> ElasticPlace:
-        """This replica's place in the elastic job (the launcher's elastic mode sets it)."""
+        """This replica's place in the elastic job (the launcher's elastic mode, or torchft's variables)."""
         place = self.job.elastic
         if place is None:
-            raise ValueError("elastic=true runs under syncplane's launcher (python train.py), which "
-                             f"starts the lighthouse and the replicas; missing {', '.join(missing_elastic())}")
+            raise ValueError(f"elastic=true: this replica's place is unknown, {', '.join(missing_elastic())} unset; "
+                             "start each replica group as its own torchrun job with torchft's TORCHFT_LIGHTHOUSE, "
+                             "REPLICA_GROUP_ID and NUM_REPLICA_GROUPS (docs/lightning.md), or run python train.py, "
+                             "whose launcher starts the lighthouse and the replicas")
         return place
 
     @property
@@ -89,7 +96,8 @@ class ElasticDiLoCo(DiLoCo):
         if stage is not None and stage != RunningStage.TRAINING:
             return {"num_replicas": 1, "rank": 0}
         place = self._place()
-        return {"num_replicas": place.replicas, "rank": place.replica}
+        ranks = self.world_size   # a node replica's, all of one size
+        return {"num_replicas": place.replicas * ranks, "rank": place.replica * ranks + self.global_rank}
 
     @property
     @override
@@ -110,20 +118,46 @@ class ElasticDiLoCo(DiLoCo):
         super().setup_sync(job)
         engine, config = self.engine, self.config
         settings = {key: getattr(config, key) for key in ("fragments", "overlap_steps", "compression", "outer")}
+        node = {"ranks_per_replica": job.world_size} if job.world_size > 1 else {}
         ours = fingerprint(engine.host.buffer.numel(), self.sync_every, config.outer_optimizer, config.outer_kwargs,
                            [tuple(t.shape) for t in self.model_tensors()],
-                           {**settings, "streams": engine.streams, "exchange": engine.exchange_name})
+                           {**settings, **node, "streams": engine.streams, "exchange": engine.exchange_name})
+        place = self._place()
+        if not place.restarts and self._done_marker().exists():   # a first start: the marker is an earlier job's
+            raise ValueError(f"elastic: {place.folder} holds an elastic job that finished; give each job a fresh "
+                             "folder (SYNCPLANE_ELASTIC_DIR) or delete it")
         # before any contact with the quorum: a replica with other settings never disturbs it
-        JobFingerprint(self._place().folder).check(ours, f"replica {self._replica}")
+        JobFingerprint(place.folder).check(ours, f"replica {self._replica}")
         assert self._quorum is not None
         board = RoundBoard(self._place().folder, f"replica{self._replica}") if self.quorum else None
-        self._membership = Membership(self._quorum, ours, 0, engine.state_dict, self._load_outer,
+        self._membership = Membership(self._quorum, ours, 0, engine.shard_state_dict, self._load_outer,
                                       on_event=self._record_event, board=board, hold_s=config.grace_s,
                                       boundary_timeout_s=self.quorum_timeout_s)
         self.details["exchange"] = f"{engine.exchange_name} over the torchft quorum (elastic)"
 
     def _load_outer(self, state: Mapping[str, Any]) -> None:
-        self.engine.load_state_dict(state)
+        self.engine.load_shard_state_dict(state)
+
+    def _share_port(self, port: int | None) -> int:
+        """A node replica's store port, rank 0's, to every rank of the node (``ft.ReplicaGroup``)."""
+        import torch.distributed as dist
+
+        box = [port]
+        dist.broadcast_object_list(box, src=0)
+        assert box[0] is not None
+        return int(box[0])
+
+    def _theta_digest(self) -> str:
+        """θ_g's SHA-256: the whole model's with one rank per replica; a node's, the digest of its
+        ranks' shard digests in shard order (a collective of the node's ranks)."""
+        mine = hashlib.sha256(self.engine.params.numpy().tobytes()).hexdigest()
+        if self.world_size == 1:
+            return mine
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        return hashlib.sha256("".join(every).encode()).hexdigest()
 
     @override
     def on_train_start(self) -> None:
@@ -143,7 +177,9 @@ class ElasticDiLoCo(DiLoCo):
         group = ft.ReplicaGroup(f"replica{self._replica}", place.lighthouse, membership.state_dict,
                                 membership.load_state_dict, host=self._bind(),
                                 round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s,
-                                min_replicas=self.config.min_replicas if self.quorum else 1)
+                                min_replicas=self.config.min_replicas if self.quorum else 1,
+                                group_rank=self.global_rank, group_world_size=self.world_size,
+                                share_port=self._share_port)
         if self._resumed is not None:   # where the checkpoint stood: torchft heals it if the others went on
             group.set_step(int(self._resumed["ft_step"]))
         if place.restarts == 0:
@@ -174,8 +210,7 @@ class ElasticDiLoCo(DiLoCo):
             self.engine.wait()
             self._finished = True
             # replicas that finished together hold the same θ_g: the summary shows its digest
-            self.details["elastic"] = {**membership.stats.as_dict(), "theta_sha256": hashlib.sha256(
-                self.engine.params.numpy().tobytes()).hexdigest()}
+            self.details["elastic"] = {**membership.stats.as_dict(), "theta_sha256": self._theta_digest()}
             self._done_marker().touch()
             self._record_event({"event": "done", "position": membership.position})
             self.lightning_module.trainer.should_stop = True
@@ -274,7 +309,8 @@ class ElasticDiLoCo(DiLoCo):
     def _record_event(self, record: dict[str, Any]) -> None:
         """Membership changes, heals and discarded rounds go to the job's ``history.jsonl``
         (one ``O_APPEND`` write per line: replicas share the file)."""
-        line = json.dumps({"replica": self._replica, "time": round(time.time(), 3), **record}) + "\n"
+        node = {"rank": self.global_rank} if self.world_size > 1 else {}   # a node replica: which of its ranks
+        line = json.dumps({"replica": self._replica, **node, "time": round(time.time(), 3), **record}) + "\n"
         path = self._place().folder / "history.jsonl"
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -20,7 +20,9 @@ from syncplane.launch import BIND_ENV, ELASTIC_DIR_ENV, LIGHTHOUSE_ENV, REPLICA_
 
 @dataclass(frozen=True)
 class ElasticPlace:
-    """An elastic replica's place in the job (set by the launcher's elastic mode)."""
+    """An elastic replica's place in the job: set by the launcher's elastic mode, or by torchft's
+    variables for a replica that ``torchrun`` started (``syncplane.launch.TORCHFT_KEYS``;
+    ``restarts`` is then torchrun's restart count)."""
 
     replica: int
     replicas: int
@@ -139,10 +141,11 @@ def _elastic_place(elastic: Mapping[str, str] | None) -> ElasticPlace | None:
     if elastic is None:
         return None
     return ElasticPlace(replica=int(elastic[REPLICA_ENV]), replicas=int(elastic[REPLICAS_ENV]),
-                        lighthouse=elastic[LIGHTHOUSE_ENV], folder=Path(elastic[ELASTIC_DIR_ENV]),
+                        lighthouse=elastic[LIGHTHOUSE_ENV], folder=Path(elastic[ELASTIC_DIR_ENV]).absolute(),
                         restarts=int(elastic.get(RESTART_ENV) or 0), bind=elastic.get(BIND_ENV) or None)
 
 
 def missing_elastic(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The launcher variables an elastic replica lacks (empty when it has them all)."""
+    """The variables an elastic replica lacks (empty when it has them all): torchft's, unless
+    syncplane's launcher set some of its own."""
     return Launch.read(environ).missing_elastic()

@@ -141,15 +141,16 @@ def test_elastic_time_budgeted_rounds_agree_their_plan_over_the_quorum(tmp_path:
 @pytest.mark.slow
 def test_a_slowed_quorum_replica_is_left_out_within_the_grace_and_carries_its_work(tmp_path: Path) -> None:
     """``membership: quorum`` through ``train.py``: three local replicas, steps of 0.5 s, a grace
-    of 1 s; from step 5 replica 2's steps take twice as long, so it reaches its points after
+    of 1.5 s; from step 5 replica 2's steps take three times as long (4 s late at each point,
+    against the others' load noise of well under the grace), so it reaches its points after
     the grace closed: the others go on without it, it trains on, rejoins at the next point
     (healing θ_g from a peer), its work carried into that round; every replica ends the job."""
     run = tmp_path / "run"
     result = train("recipe=digits", "strategy=diloco", "trainer.devices=3", "strategy.kwargs.elastic=true",
-                   "strategy.kwargs.membership=quorum", "strategy.kwargs.min_replicas=2", "strategy.kwargs.grace_s=1.0",
+                   "strategy.kwargs.membership=quorum", "strategy.kwargs.min_replicas=2", "strategy.kwargs.grace_s=1.5",
                    "strategy.kwargs.sync_every=4", "trainer.emulated_step_s=0.5", "trainer.max_steps=24",
                    "trainer.max_epochs=100000", "trainer.check_val_every_n_epoch=100000", "seed=5",
-                   "+fault=[{kind:slow,rank:2,step:5,factor:2.0}]", f"hydra.run.dir={run}", timeout=400)
+                   "+fault=[{kind:slow,rank:2,step:5,factor:3.0}]", f"hydra.run.dir={run}", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     events = _events(run)
     assert {e["replica"] for e in events if e["event"] == "done"} == {0, 1, 2}
@@ -157,6 +158,7 @@ def test_a_slowed_quorum_replica_is_left_out_within_the_grace_and_carries_its_wo
     kinds = [e["event"] for e in mine]
     assert "late" in kinds and "heal" in kinds and "carried" in kinds, kinds
     assert all(e["weight"] > 0 for e in mine if e["event"] == "carried")
-    assert not any(e["event"] in ("late", "heal") for e in events if e["replica"] != 2)
+    others = [e for e in events if e["replica"] != 2 and e["event"] in ("late", "heal")]
+    assert not others, others
     details = [s["strategy_details"]["elastic"] for s in _summaries(run)]
     assert details[0]["theta_sha256"] == details[1]["theta_sha256"], details

@@ -2,17 +2,20 @@
 strategy by name: ``python -m torch.distributed.run --nproc-per-node N tests/helpers/plain_script.py
 --strategy atc`` (or without torchrun, ``--devices N``: Lightning's own launcher).
 
-``--strategy auto:CLUSTER``: the planner, ``syncplane.Auto(cluster=CLUSTER)``. ``--report DIR``:
-syncplane's run report (``summary.json``, ``history.jsonl``) in DIR.
+``--strategy auto:CLUSTER``: the planner, ``syncplane.Auto(cluster=CLUSTER)``. ``--strategy-kwargs
+JSON``: the named strategy's arguments (``'{"elastic": true}'``: elastic DiLoCo, one torchrun job
+per replica group). ``--report DIR``: syncplane's run report (``summary.json``, ``history.jsonl``)
+in DIR. ``--step-s S``: each training step also waits S seconds (a job that lasts).
 
 ``--fault stop|kill --fault-rank R --fault-step S``: rank R stops (SIGSTOP) or dies (SIGKILL)
 after step S, first writing the time (``time.time()``) to ``--mark`` -- what a test times the
-job's end from.
+job's end from; a process that torchrun restarted (``TORCHELASTIC_RESTART_COUNT``) does not fail again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -24,6 +27,15 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 import syncplane
 import syncplane.strategies  # noqa: F401  (registers the strategy names)
+from syncplane.strategies.registry import strategy_class
+
+
+class Pace(pl.Callback):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(self.seconds)
 
 
 class Fault(pl.Callback):
@@ -31,6 +43,8 @@ class Fault(pl.Callback):
         self.kind, self.rank, self.step, self.mark = kind, rank, step, mark
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             if self.mark is not None:
                 self.mark.write_text(repr(time.time()))
@@ -40,6 +54,8 @@ class Fault(pl.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="atc")
+    parser.add_argument("--strategy-kwargs", type=json.loads, default={}, help="the strategy's arguments (JSON)")
+    parser.add_argument("--step-s", type=float, default=0.0, help="seconds each training step also waits")
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "2")))
     parser.add_argument("--num-nodes", type=int, help="Trainer's num_nodes (default: torchrun's nodes, else 1)")
     parser.add_argument("--max-steps", type=int, default=20)
@@ -55,11 +71,14 @@ def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     callbacks: list[pl.Callback] = [Fault(args.fault, args.fault_rank, args.fault_step, args.mark)] if args.fault else []
+    if args.step_s:
+        callbacks.append(Pace(args.step_s))
     if args.report is not None:
         callbacks.append(syncplane.RunReport(args.report, args.strategy.split(":")[0], "boring"))
     strategy = (syncplane.Auto(cluster=args.strategy.split(":", 1)[1], accept=args.accept, compute_ms=5.0,
                                strategies=args.candidates)
-                if args.strategy.startswith("auto:") else args.strategy)
+                if args.strategy.startswith("auto:")
+                else strategy_class(args.strategy)(**args.strategy_kwargs) if args.strategy_kwargs else args.strategy)
     nodes = args.num_nodes or int(os.environ.get("GROUP_WORLD_SIZE", "1"))   # torchrun's agents
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, num_nodes=nodes,
                          max_steps=args.max_steps,

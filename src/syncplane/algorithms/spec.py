@@ -12,7 +12,7 @@ checks (``check_launch``), elastic launch (``elastic``) and re-plan switch (``sw
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -110,6 +110,9 @@ class ElasticLaunch:
             (``min_replicas``, ``join_timeout_s``, ``heartbeat_timeout_s``: its membership rule).
         bind: the strategy's kwargs -> the address a local job's service binds (an emulated
             cluster's binds host 0's first NIC).
+        per_host: (the strategy's kwargs, the ranks of each host) -> whether a replica is the
+            ranks of a host (one Lightning job of that many processes; they fail, restart and
+            rejoin together) rather than one rank.
     """
 
     enabled: Callable[[Mapping[str, Any]], bool]
@@ -117,6 +120,7 @@ class ElasticLaunch:
     start: Callable[..., QuorumService]
     timeouts: Callable[[Mapping[str, Any]], dict[str, float]]
     bind: Callable[[Mapping[str, Any]], str]
+    per_host: Callable[[Mapping[str, Any], Sequence[int]], bool] = lambda kwargs, sizes: False
 
 
 @dataclass(frozen=True)

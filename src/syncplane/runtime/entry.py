@@ -96,8 +96,9 @@ def launch_job(container: dict[str, Any], run_dir: Path, job_name: str = "train"
 def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[str, str],
                    echo_to: IO[str] | None = None) -> None:
     """Start the quorum service, then one independent replica per rank (each a Lightning job
-    of one process with its own file-store rendezvous), restarting a failed replica up to
-    ``trainer.max_restarts`` times. The service lives as long as this launcher: in this
+    of one process with its own file-store rendezvous), or per host where the strategy's
+    family asks for it (``ElasticLaunch.per_host``: a Lightning job of the host's ranks, which
+    fail and restart together), restarting a failed replica up to ``trainer.max_restarts`` times. The service lives as long as this launcher: in this
     process on loopback for a local job; on an emulated cluster, as a process on host 0
     bound to that host's first NIC (``syncplane.runtime.lighthouse``), and each replica's
     own servers bind its host's first NIC. The service, its timeouts and a local job's bind
@@ -127,15 +128,20 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
             address = stack.enter_context(lighthouse_process(
                 emulator.rank_prefix(spec.cluster, 0), binds[0], strategy=spec.strategy.name,
                 log_file=run_dir / "logs" / "lighthouse.log", env=env, **timeouts))
+        hosts = [list(h.ranks) for h in spec.cluster.hosts] if spec.cluster is not None else [list(range(replicas))]
+        groups = hosts if elastic.per_host(kwargs, [len(h) for h in hosts]) else [[r] for r in range(replicas)]
         ranks = []
-        for place, bind in zip(places, binds):
-            store = run_dir / f"rendezvous.replica{place.rank}.store"
+        for replica, members in enumerate(groups):
+            store = run_dir / f"rendezvous.replica{replica}.store"
             store.unlink(missing_ok=True)
-            ranks.append(replace(place, local_rank=0, local_world_size=1, env={
-                **place.env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                rendezvous.FILE_ENV: str(store.resolve()), launch_env.REPLICA_ENV: str(place.rank),
-                launch_env.REPLICAS_ENV: str(replicas), launch_env.LIGHTHOUSE_ENV: address, launch_env.BIND_ENV: bind,
-                launch_env.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
+            for local, rank in enumerate(members):
+                place, size = places[rank], str(len(members))
+                ranks.append(replace(place, local_rank=local, local_world_size=len(members), replica=replica, env={
+                    **place.env, "RANK": str(local), "LOCAL_RANK": str(local), "WORLD_SIZE": size,
+                    "LOCAL_WORLD_SIZE": size, rendezvous.FILE_ENV: str(store.resolve()),
+                    launch_env.REPLICA_ENV: str(replica), launch_env.REPLICAS_ENV: str(len(groups)),
+                    launch_env.LIGHTHOUSE_ENV: address, launch_env.BIND_ENV: binds[rank],
+                    launch_env.ELASTIC_DIR_ENV: str(run_dir.resolve())}))
         launch(command, ranks, run_dir / "logs", env=env, max_restarts=spec.trainer.max_restarts,
                restart_delay_s=spec.trainer.restart_delay_s, echo_to=echo_to)
 

@@ -78,6 +78,9 @@ class RankSpec:
     node_rank: int = 0
     namespace: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    #: elastic jobs: the replica this rank is part of (None: the rank is one); a replica's
+    #: ranks are one job: one failing ends the others, and they restart together
+    replica: int | None = None
 
 
 def local_ranks(world_size: int) -> list[RankSpec]:
@@ -313,13 +316,18 @@ def _wait_elastic(procs: list[tuple[RankSpec, _Rank, Path]],
                   restart_delay_s: float = 0.0) -> None:
     """Wait for independent replicas: restart a failed one (up to ``max_restarts`` times,
     ``restart_delay_s`` after it failed), never stop the others for it (a replica restarted
-    after the job's work is done finds that out itself and exits cleanly). Once one replica
-    has finished, the rest get ``finish_grace_s`` to finish too (replicas end at the same
-    round); one still running then (a hung replica the others left behind) is ended with the
-    job. ``procs`` is updated in place (the caller ends what runs)."""
+    after the job's work is done finds that out itself and exits cleanly). A replica of several
+    ranks (``RankSpec.replica``) fails as one: its other ranks are ended, and all restart
+    together. Once one replica has finished, the rest get ``finish_grace_s`` to finish too
+    (replicas end at the same round); one still running then (a hung replica the others left
+    behind) is ended with the job. ``procs`` is updated in place (the caller ends what runs)."""
     began = time.monotonic()
     first_finish: float | None = None
-    restarts = {spec.rank: 0 for spec, _, _ in procs}
+
+    def replica(spec: RankSpec) -> int:
+        return spec.rank if spec.replica is None else spec.replica
+
+    restarts = {replica(spec): 0 for spec, _, _ in procs}
     lost: dict[int, str] = {}
     finished: set[int] = set()
     due: dict[int, float] = {}   # index in procs -> when its restart starts
@@ -328,7 +336,7 @@ def _wait_elastic(procs: list[tuple[RankSpec, _Rank, Path]],
             if i in due:
                 if time.monotonic() >= due[i]:
                     del due[i]
-                    procs[i] = start(spec, restarts[spec.rank])
+                    procs[i] = start(spec, restarts[replica(spec)])
                 continue
             code = p.poll()
             if code is None or spec.rank in finished or spec.rank in lost:
@@ -338,16 +346,20 @@ def _wait_elastic(procs: list[tuple[RankSpec, _Rank, Path]],
                 first_finish = first_finish or time.monotonic()
                 continue
             reason = f"signal {-code}" if code < 0 else f"exit code {code}"
-            if restarts[spec.rank] < max_restarts:
-                restarts[spec.rank] += 1
-                log.warning("rank %d failed (%s); restart %d of %d%s", spec.rank, reason, restarts[spec.rank],
-                            max_restarts, f" in {restart_delay_s:g} s" if restart_delay_s else "")
-                due[i] = time.monotonic() + restart_delay_s
+            group = [j for j, (s, _, _) in enumerate(procs) if replica(s) == replica(spec)]
+            others = [procs[j][0].rank for j in group if j != i]
+            also = f" with the other rank(s) {others} of its replica" if others else ""
+            _terminate([procs[j][1] for j in group if j != i])   # a replica of several ranks goes as one
+            if restarts[replica(spec)] < max_restarts:
+                restarts[replica(spec)] += 1
+                log.warning("rank %d failed (%s); restart %d of %d%s%s", spec.rank, reason, restarts[replica(spec)],
+                            max_restarts, f" in {restart_delay_s:g} s" if restart_delay_s else "", also)
+                due.update({j: time.monotonic() + restart_delay_s for j in group})
             else:
-                lost[spec.rank] = reason
-                log.warning("rank %d failed (%s) and is not restarted (max_restarts=%d); the others "
-                            "go on. Its log: %s", spec.rank, reason, max_restarts, rank_log)
-        if len(finished) + len(lost) == len(restarts):
+                lost.update({procs[j][0].rank: reason for j in group})
+                log.warning("rank %d failed (%s) and is not restarted (max_restarts=%d)%s; the others "
+                            "go on. Its log: %s", spec.rank, reason, max_restarts, also, rank_log)
+        if len(finished) + len(lost) == len(procs):
             break
         if first_finish is not None and time.monotonic() - first_finish > finish_grace_s:
             left = ", ".join(str(s.rank) for s, p, _ in procs if p.poll() is None)

@@ -26,8 +26,9 @@ class InjectFault(Callback):
     (one callback per fault of the job's ``fault`` list; ``syncplane chaos`` reads the line it
     logs, ``fault: rank R fails (KIND) after step S``, to time the job's reaction).
 
-    In an elastic job the rank is the replica (each replica is a Lightning job of one), and a
-    replica the launcher restarted does not fail again: the fault happens once per job."""
+    In an elastic job the rank is the rank's place in the job of replicas, ``replica·L + local
+    rank`` (each replica a Lightning job of L processes, one or a host's), and a replica the
+    launcher restarted does not fail again: the fault happens once per job."""
 
     def __init__(self, fault: FaultSettings) -> None:
         self.fault = fault
@@ -36,8 +37,9 @@ class InjectFault(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         replica = os.environ.get(launch_env.REPLICA_ENV)
-        self.rank = trainer.global_rank if replica is None else int(replica)
-        world = trainer.world_size if replica is None else int(os.environ[launch_env.REPLICAS_ENV])
+        size = trainer.world_size   # an elastic replica's ranks
+        self.rank = trainer.global_rank if replica is None else int(replica) * size + trainer.global_rank
+        world = size if replica is None else int(os.environ[launch_env.REPLICAS_ENV]) * size
         if self.fault.rank >= world:
             raise ConfigError(f"fault.rank: {self.fault.rank} is not a rank of this job of {world}")
         if self.fault.kind == "netdown" and CLUSTER_ENV not in os.environ:

@@ -94,7 +94,9 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     if spec.elastic and replica is not None:
         spec = _as_replica(spec, replica, job.elastic.restarts if job.elastic is not None else 0)
         job = dataclasses.replace(job, run_dir=Path(spec.run_dir))
-    configure_logging(job.rank if replica is None else replica)
+    # an elastic replica's rank in the job: replica·L + its rank in the replica's own job of L
+    own_rank = job.rank if replica is None else replica * world_size + job.rank
+    configure_logging(own_rank)
     local_world_size = job.local_world_size or world_size
     # an emulated cluster runs every rank on this one machine
     ranks_here = world_size if spec.cluster else local_world_size
@@ -128,7 +130,6 @@ def run(spec: JobSpec) -> dict[str, Any] | None:
     # emulated slow compute (profile compute_speed, fault.kind=slow): planned alike on every rank
     speeds = spec.cluster.compute_speeds() if spec.cluster is not None else None
     slowdowns = plan_slowdowns(speeds, spec.faults)
-    own_rank = job.rank if replica is None else replica
     nominal_s = spec.trainer.emulated_step_s   # an emulated accelerator: every rank waits, slowed or not
     slow = (SlowCompute(slowdowns.get(own_rank, Slowdown()), nominal_s=nominal_s)
             if own_rank in slowdowns or nominal_s > 0 else None)

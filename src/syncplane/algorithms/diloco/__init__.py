@@ -15,7 +15,8 @@ from syncplane.algorithms.diloco.bench import DiLoCoStep, NodeStep, stream_count
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.exchange import (EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_cpu_work,
                                                 exchange_phases)
-from syncplane.algorithms.diloco.layout import ReplicaLayout, check_replica, node_layout
+from syncplane.algorithms.diloco.layout import (ReplicaLayout, check_elastic_nodes, check_replica, elastic_nodes,
+                                               node_layout)
 from syncplane.algorithms.diloco.cost import node_cost
 from syncplane.config import ConfigError
 from syncplane.exchanges.tree.tree import check_topology
@@ -76,8 +77,15 @@ def _pattern(options: Mapping[str, Any]) -> str:
 
 def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
     """A topology the job names must load and cover its ranks (an elastic replica is a job
-    of one: it has no tree); ``replica: node`` needs hosts of several ranks that divide the job."""
-    node_layout(str(kwargs.get("replica", "rank")), str(kwargs.get("inner", "ddp")), job)
+    of one: it has no tree); ``replica: node`` needs hosts of several ranks that divide the job
+    (elastic: checked where the job is planned; a replica's own job is its one node)."""
+    replica = str(kwargs.get("replica", "rank"))
+    if job.elastic is None:
+        layout = node_layout(replica, str(kwargs.get("inner", "ddp")), job)
+        if _elastic(kwargs):
+            check_elastic_nodes(replica, layout.sizes if layout is not None else [1] * job.world_size,
+                                membership=str(kwargs.get("membership", DiLoCoConfig.membership)),
+                                inner_steps=str(kwargs.get("inner_steps", "fixed")))
     topology = kwargs.get("topology", "auto")
     if topology != "auto" and not kwargs.get("elastic", False):
         check_topology(topology, job)
@@ -122,6 +130,7 @@ ELASTIC = ElasticLaunch(
     start=_start_lighthouse,
     timeouts=lighthouse_options,
     bind=lambda kwargs: str(kwargs.get("lighthouse_host", "127.0.0.1")),
+    per_host=lambda kwargs, sizes: elastic_nodes(str(kwargs.get("replica", "rank")), sizes),
 )
 
 #: what a re-plan switches, at a round boundary, on one rank per replica: how Δ travels. Every

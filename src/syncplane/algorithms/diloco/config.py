@@ -177,7 +177,6 @@ def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float
     """The settings beside ``DiLoCoConfig``, at construction (errors name the key): what elastic
     mode can run with (``strategies/diloco_elastic.py`` checks its own), and the elastic
     timeouts and Lighthouse address, checked in either mode (a bad value is a typo)."""
-    check_replica(config.replica, config.inner, elastic=elastic)
     if elastic and config.inner_steps == "time" and config.time_samples == "share":
         raise ValueError("time_samples=share with elastic=true: the deal hands a fixed set of ranks the "
                          "dataset's batches, a quorum's members change; use time_samples=drop")

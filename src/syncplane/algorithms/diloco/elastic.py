@@ -19,8 +19,9 @@ store, with this replica's rank in it, and built again at each membership change
   next quorum it heals from a member that voted to commit. So every member of a quorum holds
   one θ_g after its boundary.
 - **Heal.** What a joiner receives is ``Membership.state_dict``: the engine's outer state
-  (``DiLoCoEngine.state_dict``: nothing is in flight at a boundary), the job's position in
-  periods and its round counts. Its error-feedback residuals stay its own.
+  (``DiLoCoEngine.shard_state_dict``: nothing is in flight at a boundary; a node replica's rank,
+  its own shards', from the same rank of a live node), the job's position in periods and its
+  round counts. Its error-feedback residuals stay its own.
 
 ``membership="quorum"`` runs the same round; only where and with whom the replicas meet
 differs (``Membership.point``): a point before each period's rounds (``done ≡ 0 mod H``: the
@@ -62,6 +63,7 @@ import torch
 
 from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
+from syncplane.algorithms.diloco.transport import GlooTransport
 from syncplane.comm.streams import StreamExchange, StreamRunner
 
 log = logging.getLogger(__name__)
@@ -290,10 +292,12 @@ class QuorumExchanger:
         self._drop()
 
 
-class QuorumTransport:
-    """The engine's transport in elastic mode (``transport.Transport``'s ``runner``): exchangers
-    over the current quorum (``view``, set at each boundary). ``uncertain``: set when a round's
-    outcome is unknown to this replica (``Membership.boundary`` reports it)."""
+class QuorumTransport(GlooTransport):
+    """The engine's transport in elastic mode (``transport.Transport``): exchangers over the
+    current quorum (``view``, set at each boundary); a node replica's own groups (DDP inside it,
+    the gather of its θ_g shards) are its job's gloo groups, as without elastic mode.
+    ``uncertain``: set when a round's outcome is unknown to this replica (``Membership.boundary``
+    reports it)."""
 
     def __init__(self, host: str, timeout_s: float) -> None:
         self.host, self.timeout_s = host, timeout_s
@@ -305,9 +309,11 @@ class QuorumTransport:
     def runner(self, exchange: StreamExchange, *, codec: Codec, interfaces: Sequence[str] | None,
                timeout_s: float, error_feedback_beta: float, members: Sequence[int] | None = None,
                key: str | None = None) -> QuorumExchanger:
-        """An exchanger over the quorum (``members`` must be None: the quorum is its members)."""
-        if members is not None:
-            raise ValueError("elastic mode exchanges over the quorum's members, not fixed ranks")
+        """An exchanger over the quorum. ``members``: None (a replica of one rank), or the
+        shard's owners in a node replica's own layout -- this rank alone: its peers are the
+        quorum's members of its torchft column, the same local rank of every node (``ft``)."""
+        if members is not None and len(members) != 1:
+            raise ValueError(f"elastic mode exchanges over the quorum's members, not fixed ranks {list(members)}")
         exchanger = QuorumExchanger(self, exchange, f"elastic/{len(self.exchangers)}",
                                     {"codec": codec, "interfaces": interfaces, "error_feedback_beta": error_feedback_beta,
                                      "timeout_s": min(timeout_s, self.timeout_s)})
@@ -373,7 +379,9 @@ class Membership:
             self._pending = {}
         self.position = int(state["position"])
         self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
-        heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state),
+        outer = state["outer"]
+        shards = {"shards": list(outer["shards"])} if isinstance(outer, Mapping) and "shards" in outer else {}
+        heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state), **shards,
                 "load_s": round(time.perf_counter() - start, 4)}
         self.stats.heals.append(heal)
         self.healed = True

@@ -341,14 +341,23 @@ class DiLoCoEngine:
 
     def adopt(self, tensors: Sequence[torch.Tensor]) -> None:
         """The live model's parameters take this rank's θ_g (an elastic heal replaced it; the
-        floating buffers stay the replica's own)."""
+        floating buffers stay the replica's own). A DDP node: a collective of its ranks, which
+        all-gather their healed shards, so that every rank holds the whole θ_g."""
         tensors = [local(t) for t in tensors]
+        gather = not self.sharded and not self.runs and len(self.node) > 1
+        if gather:
+            self.host.to_host(tensors)   # the buffers' values, which the gather carries unchanged
         for k in self.owned:
             fragmented = self.outers[k]
             for (a, _), outer in zip(fragmented.bounds, fragmented.outers):
                 n = outer.params.numel()
                 self.host.buffer[a:a + n].copy_(outer.params)
-                self.host.from_host(tensors, a, a + n)
+                if not gather:
+                    self.host.from_host(tensors, a, a + n)
+        if gather:
+            for fragment in range(len(self.local)):
+                self._gather(fragment)
+            self.host.from_host(tensors)
 
     def rebase(self, tensors: Sequence[torch.Tensor], old: torch.Tensor) -> None:
         """The live model's parameters moved by θ_g's change since ``old`` (an earlier ``params``):
@@ -397,6 +406,23 @@ class DiLoCoEngine:
             raise ValueError(f"the checkpoint was written with replicas of {state.get('replicas', [1])} ranks, "
                              f"this run has {self.layout.sizes}: replica='node' resumes on the same nodes")
 
+    def shard_state_dict(self) -> dict[str, Any]:
+        """The outer state this rank holds, which an elastic heal carries (no residuals: those
+        stay the rank's own): one rank per replica the whole model's (``state_dict``), with node
+        replicas its own shards'. Call ``wait`` first."""
+        if self.layout.per_rank:
+            return self.state_dict()
+        return {"shards": list(self.owned), "outer": [self.outers[k].state_dict() for k in self.owned]}
+
+    def load_shard_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.layout.per_rank:
+            self.load_state_dict(state)
+            return
+        if list(state["shards"]) != self.owned:
+            raise ValueError(f"the peer's state holds shards {state['shards']}, rank {self.rank} owns {self.owned}")
+        for k, outer in zip(self.owned, state["outer"]):
+            self.outers[k].load_state_dict(outer)
+
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's own state: its exchanges' error-feedback residuals, and with node replicas
         its outer shards (θ_g, optimizer state, rounds waiting to merge)."""
@@ -413,8 +439,8 @@ class DiLoCoEngine:
             return
         if list(state["shards"]) != self.owned:
             raise ValueError(f"the checkpoint gives rank {self.rank} shards {state['shards']}, it owns {self.owned}")
-        for k, outer, exchange in zip(self.owned, state["outer"], state["exchange"]):
-            self.outers[k].load_state_dict(outer)
+        self.load_shard_state_dict(state)
+        for k, exchange in zip(self.owned, state["exchange"]):
             self.runners[k].load_state_dict(exchange)
 
     def close(self) -> None:

@@ -11,8 +11,15 @@ is behind from a live peer. What we add here, and why:
   transport is an HTTP server on all interfaces. We hand it ``PGTransport`` (the state goes
   over the replica gloo group itself: no extra listener) and bind the RPC server to the
   address we were given (loopback by default) -- see ``_bound_manager_server``.
-- **One replica = one process.** Each replica has its own TCP store on loopback (torchft
-  wants one per replica group) and ``world_size=1`` inside the group.
+- **A replica is a process, or a node's processes.** Each replica group has its own TCP store
+  (torchft wants one per group), served by its rank 0 on the address it binds. A node replica
+  of L ranks is one torchft replica group of L ranks (``group_rank`` = the local rank): why
+  one group, not one per local rank, is in ``docs/design-notes.md``. torchft meets the
+  Lighthouse once per group (its rank 0's manager server waits for all L ranks' requests),
+  so the node's ranks are in or out of a quorum together and vote one commit; the quorum's
+  store and gloo group are per group rank (``<store>/torchft/<quorum>/<group rank>``), so
+  local rank j's exchange and heal run among the local ranks j of the quorum's nodes: each
+  rank heals its own outer shard from the same shard of a live node, nothing gathered.
 - **Blocking quorum.** ``use_async_quorum=False``: a joining replica is healed before the
   round starts, so every member of a quorum takes part in its average.
 - **The round's own groups.** The average is not torchft's all-reduce: the engine's exchange
@@ -190,27 +197,39 @@ class ReplicaGroup:
         connect_timeout_s: reaching the Lighthouse / a peer's manager.
         min_replicas: a round with fewer members does not commit (the Lighthouse's own
             ``min_replicas`` keeps such a quorum from forming in the first place).
+        group_rank, group_world_size: this process's place in a replica of several (a node's
+            local rank and size); every rank of the group builds its ``ReplicaGroup`` at once.
+        share_port: a group of several: rank 0 calls it with its store's port, the others with
+            None, and each gets rank 0's port back (a broadcast over the node's own group).
     """
 
     def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], Any],
                  load_state_dict: Callable[[Any], None], *, host: str = "127.0.0.1",
                  round_timeout_s: float = 30.0, quorum_timeout_s: float = 120.0,
-                 connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1, min_replicas: int = 1) -> None:
+                 connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1, min_replicas: int = 1,
+                 group_rank: int = 0, group_world_size: int = 1,
+                 share_port: Callable[[int | None], int] | None = None) -> None:
         _require_torchft()
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
 
         self.host = host = check_bind_host(host)
         timeout = timedelta(seconds=round_timeout_s)
-        self._store = tcp_store_server(host, 0)
+        self._store = tcp_store_server(host, 0) if group_rank == 0 else None
+        port = self._store.port if self._store is not None else None
+        if group_world_size > 1:
+            if share_port is None:
+                raise ValueError("a replica group of several ranks needs share_port (rank 0's store port)")
+            port = share_port(port)
         self._pg = _recording_gloo(timeout)
         transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
         with _bound_manager_server(host):
             self.manager = Manager(
                 pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
                 use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
-                connect_timeout=timedelta(seconds=connect_timeout_s), rank=0, world_size=1, store_addr=host,
-                store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=replica_id,
+                connect_timeout=timedelta(seconds=connect_timeout_s), rank=group_rank,
+                world_size=group_world_size, store_addr=host, store_port=port, lighthouse_addr=lighthouse,
+                replica_id=replica_id,
                 hostname=host, heartbeat_interval=timedelta(seconds=heartbeat_interval_s),
                 checkpoint_transport=transport, init_sync=False,   # same seed everywhere: θ_0 is already equal
             )

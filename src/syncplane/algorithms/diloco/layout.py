@@ -24,7 +24,7 @@ REPLICAS = ("rank", "node", "auto")
 INNERS = ("ddp", "fsdp")
 
 
-def check_replica(replica: str, inner: str, *, exchange: str = "auto", elastic: bool = False) -> None:
+def check_replica(replica: str, inner: str, *, exchange: str = "auto") -> None:
     """The settings of ``replica``/``inner`` and what a node replica runs with (errors name the key)."""
     if replica not in REPLICAS:
         raise ValueError(f"replica: allowed values: {', '.join(REPLICAS)}; got {replica!r}")
@@ -33,9 +33,6 @@ def check_replica(replica: str, inner: str, *, exchange: str = "auto", elastic: 
     if replica == "rank":
         check_inner(inner)
         return
-    if elastic:
-        raise ValueError(f"replica={replica!r} with elastic=true: a node as one torchft replica group (healing "
-                         "as one) is not built; elastic mode runs replica='rank'")
     if exchange == "tree":
         raise ValueError(f"replica={replica!r} exchanges each outer shard among its owners, one rank per node: "
                          "the tree's inner level (a host's ranks) is the node itself, so exchange='tree' has "
@@ -188,6 +185,39 @@ def node_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout | No
 
 def job_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout:
     """The replicas the engine runs: ``node_layout``'s nodes, else one replica per rank (the
-    layout with L = 1: the same engine, one shard owned by each rank, no inner group)."""
+    layout with L = 1: the same engine, one shard owned by each rank, no inner group). An
+    elastic replica is a job of its own: one rank, or the L ranks of its node (the launcher
+    placed it so: ``elastic_nodes``), whose layout is that one node (its other nodes are the
+    quorum's, met over the torchft replica group: ``diloco.ft``)."""
+    if job.elastic is not None:
+        return ReplicaLayout.of_sizes([job.world_size], inner if job.world_size > 1 else "ddp")
     layout = node_layout(replica, inner, job)
     return layout if layout is not None else ReplicaLayout.of_sizes([1] * job.world_size)
+
+
+def elastic_nodes(replica: str, sizes: Sequence[int]) -> bool:
+    """Whether an elastic job's replica is the ranks of a host (``replica: node``, or ``auto``
+    on several hosts some of which run several ranks), given the ranks of each host."""
+    return replica == "node" or (replica == "auto" and len(sizes) > 1 and max(sizes) > 1)
+
+
+def check_elastic_nodes(replica: str, sizes: Sequence[int], *, membership: str, inner_steps: str) -> None:
+    """What elastic node replicas refuse, before launch (errors name the key): hosts of
+    different sizes, whose shards do not line up rank by rank (module docstring: on 2+1 the
+    lone rank owns both shards, while a torchft replica group meets the other nodes once per
+    local rank), and the settings whose per-replica decisions a node's ranks would each make
+    alone (``membership: quorum``'s late/on-time call, ``inner_steps: time``'s plan: a rank
+    that decided otherwise than its node's others would leave their DDP collective waiting)."""
+    if not elastic_nodes(replica, sizes):
+        return
+    if membership == "quorum":
+        raise ValueError(f"membership=quorum with replica={replica!r} and elastic=true: a node's ranks would each "
+                         "decide alone whether they are late for a round; use membership=fixed or replica='rank'")
+    if inner_steps == "time":
+        raise ValueError(f"inner_steps=time with replica={replica!r} and elastic=true: a node's ranks would each "
+                         "agree their own plan over the quorum; use inner_steps=fixed or replica='rank'")
+    if len(set(sizes)) <= 1:
+        return
+    raise ValueError(f"replica={replica!r} with elastic=true needs hosts of one size (these run {list(sizes)} "
+                     "ranks): local rank j of every node owns shard j and heals it from shard j of a live node, "
+                     "so the nodes' shards must line up; use replica='rank' or hosts of one size")
