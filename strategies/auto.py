@@ -11,7 +11,10 @@ settings, with what Lightning has set on this object kept -- and sets up as it. 
 logged and recorded in ``details["auto"]`` (``summary.json``'s ``strategy_details.auto`` with
 ``RunReport``).
 
-Not in a plain script: re-planning while training (``replan_every_s``: ``train.py`` only).
+With ``replan_every_s`` it re-plans while training as ``train.py`` does: it runs the choice as a
+strategy that can switch (``Replanner.build``) and adds the ``syncplane.runtime.replan.Replanner``
+callback to the Trainer, which re-probes the network the plan was made for and switches where
+that is safe; each switch goes to ``details["auto"]["replans"]``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -42,7 +46,7 @@ class Auto(JobAware, DDPStrategy):
     Args:
         cluster: the network to plan for (a shipped profile name, a YAML path or a
             ``ClusterProfile``); None: the launcher's ``SYNCPLANE_CLUSTER``, else an error.
-        accept, compute_ms, time_steps, strategies, period: as ``strategy.kwargs`` of
+        accept, compute_ms, time_steps, strategies, period, replan_every_s: as ``strategy.kwargs`` of
             ``train.py strategy=auto`` (``configs/strategy/auto.yaml``). Without ``compute_ms``
             the compute per step is timed on a copy of the model, on one batch of the
             datamodule (or of the module's own ``train_dataloader``).
@@ -51,9 +55,9 @@ class Auto(JobAware, DDPStrategy):
 
     def __init__(self, cluster: str | Path | ClusterProfile | None = None, accept: str = "exact",
                  compute_ms: float | None = None, time_steps: int = 3, strategies: list[str] | str | None = None,
-                 period: int | None = None, **kwargs: Any) -> None:
+                 period: int | None = None, replan_every_s: float | None = None, **kwargs: Any) -> None:
         self.plan_kwargs = {"accept": accept, "compute_ms": compute_ms, "time_steps": time_steps,
-                            "strategies": strategies, "period": period}
+                            "strategies": strategies, "period": period, "replan_every_s": replan_every_s}
         parse_dataclass(autopilot.AutoSettings, self.plan_kwargs, "Auto")   # a bad setting fails here
         super().__init__(**kwargs)
         self.ddp_kwargs = {k: v for k, v in kwargs.items() if k not in registry.RESERVED_KWARGS}
@@ -83,23 +87,33 @@ class Auto(JobAware, DDPStrategy):
         on_cpu = self.root_device.type == "cpu"
         ranks_here = self.job.local_world_size or self.world_size
         sharing = ranks_here / len(os.sched_getaffinity(0)) if on_cpu else None
-        auto = autopilot.choose_strategy(self.plan_kwargs, self.network(), module, data,
-                                         autopilot.torch_broadcast(), sharing, self.global_rank)
+        broadcast = autopilot.torch_broadcast()
+        auto = autopilot.choose_strategy(self.plan_kwargs, self.network(), module, data, broadcast, sharing,
+                                         self.global_rank)
         name, kwargs = auto["choice"]["strategy"], dict(auto["choice"]["kwargs"])
         log.info("Auto: %s chosen (%s)", name, auto["choice"]["label"])
-        if name == BASELINE:   # Lightning's DDP, in a class this object can become
-            chosen: DDPStrategy = PlannedDDP(cluster_environment=self.cluster_environment,
-                                             process_group_backend=self.process_group_backend,
-                                             **{**self.ddp_kwargs, **kwargs})
-        else:
-            chosen = registry.build(name, {**self.ddp_kwargs, **kwargs}, self.cluster_environment,
-                                    self.process_group_backend, job=self.job)
-        self._become(chosen)
+        replanner = autopilot.replanner(self.plan_kwargs, self.network(), auto, broadcast, self.global_rank)
+        self._become(self._chosen(name, kwargs, replanner))
         details = getattr(self, "details", None)
         if not isinstance(details, dict):
             details = {}
         self.details = {**details, "auto": auto}
         self.setup(trainer)   # now the chosen strategy's
+        if replanner is not None:
+            _install(replanner, trainer, module)
+
+    def _chosen(self, name: str, kwargs: dict[str, Any], replanner: Any) -> DDPStrategy:
+        """The strategy to become: when a re-plan may switch the choice to another strategy, one
+        that can switch (``Replanner.build``); else the choice as named."""
+        switchable = None if replanner is None else replanner.build(
+            self.cluster_environment, self.job, process_group_backend=self.process_group_backend, **self.ddp_kwargs)
+        if switchable is not None:
+            return switchable
+        if name == BASELINE:   # Lightning's DDP, in a class this object can become
+            return PlannedDDP(cluster_environment=self.cluster_environment,
+                              process_group_backend=self.process_group_backend, **{**self.ddp_kwargs, **kwargs})
+        return registry.build(name, {**self.ddp_kwargs, **kwargs}, self.cluster_environment,
+                              self.process_group_backend, job=self.job)
 
     def _become(self, chosen: DDPStrategy) -> None:
         """Take ``chosen``'s class and settings, keeping what Lightning set on this object since
@@ -111,6 +125,14 @@ class Auto(JobAware, DDPStrategy):
         self.__dict__.clear()
         self.__dict__.update(state)
         self.__class__ = type(chosen)
+
+
+def _install(replanner: Callback, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    """Add ``replanner`` to the Trainer's callbacks (public: ``trainer.callbacks``) once the
+    chosen strategy is set up. Lightning has run its callbacks' ``setup`` by then, so it is called
+    here; the hooks the re-plan uses (each batch's end, ``state_dict``) all come later."""
+    trainer.callbacks.append(replanner)
+    replanner.setup(trainer, module, "fit")
 
 
 class PlannedDDP(JobAware, DDPStrategy):

@@ -72,7 +72,7 @@ def test_figures_in_a_shape_or_a_code_block_are_not_measurements():
 @pytest.mark.parametrize("page", GUIDES + [ROOT / p for p in sorted(GENERATED_PAGES)], ids=_where)
 def test_no_page_is_a_diary(page):
     dated = docs_check.dated_headings(page.read_text())
-    assert not dated, f"{_where(page)} has dated headings {dated}: history is git's (docs/history/README.md)"
+    assert not dated, f"{_where(page)} has dated headings {dated}: history is git's (docs/design-notes.md says where)"
 
 
 def test_a_dated_heading_is_found():

@@ -216,13 +216,13 @@ class Replanner(Callback):
         self._last = self.clock() - float(state_dict["since_s"])
         self._seen = int(state_dict["seen"])
 
-    def build(self, cluster_environment: Any, job: Any) -> Any:
+    def build(self, cluster_environment: Any, job: Any, **kwargs: Any) -> Any:
         """The Lightning strategy to run the choice with, when a re-plan may switch it to
-        another strategy (``SwitchableDDP``, starting with the choice); None: build the
-        choice as named (``syncplane.strategies.registry.build``)."""
+        another strategy (``SwitchableDDP``, starting with the choice; ``kwargs``: Lightning's
+        ``DDPStrategy``'s); None: build the choice as named (``syncplane.strategies.registry.build``)."""
         if self.refused is not None or self.strategy not in HOOKED:
             return None
-        return SwitchableDDP(self.strategy, self.kwargs, job=job, cluster_environment=cluster_environment)
+        return SwitchableDDP(self.strategy, self.kwargs, job=job, cluster_environment=cluster_environment, **kwargs)
 
     def _offered(self) -> tuple[str, ...]:
         """The strategies a re-plan prices: those the running one can reach, of the job's own
