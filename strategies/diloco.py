@@ -1,32 +1,24 @@
 """DiLoCo: H local steps of the user's optimizer, then one outer step on the averaged
-pseudo-gradient, outer state on CPU, exchange on gloo groups of its own (so the training
-itself may use NCCL). This is the Lightning glue; the rounds, the state and the layout are
-``syncplane.algorithms.diloco``'s (``DiLoCoEngine``, one round engine for both layouts: a rank
-is a replica, or the ranks of a node are, ``replica: node``; ``rounds``: the settings' checks,
-a checkpoint's round state).
+pseudo-gradient, outer state on CPU, exchange on gloo groups of its own (so the training may
+use NCCL). The Lightning glue of ``syncplane.algorithms.diloco`` (``DiLoCoEngine``: the rounds,
+the state, both layouts).
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:
 
 - ``setup_sync``: build the engine; with ``replica: node`` train the module it wraps (DDP over
   the node, or FSDP2), and ``consensus_group`` is, with FSDP2, the ranks holding this shard.
 - ``after_optimizer_step``: every ``sync_every`` steps, counted from ``trainer.global_step``
-  (a resume stays aligned), a round: Δ averaged, one outer step, θ_g copied back (a discarded
-  round keeps the local replica; the next Δ covers both). Streaming (``fragments``,
-  ``overlap_steps``): a round per fragment, exchanged in the background for τ steps.
-  ``inner_steps=time`` (``adaptive``): steps timed, Δ weighted by samples, the next round's
-  inner steps agreed.
-- ``training_step``: with ``inner_steps=time``, a replica whose round budget is spent skips
-  its batches (a zero loss reaching no parameter: Lightning refuses a None step), so every
-  rank stays on the same step and checkpoint.
-- ``process_dataloader``: with ``time_samples=share``, the training loader is rebuilt on the
-  stream that deals the dataset's batches to the replicas as they compute (``dealing``).
+  (a resume stays aligned), a round (a discarded one keeps the local replica; the next Δ covers
+  both); with ``fragments``/``overlap_steps`` a round per fragment, in the background for τ
+  steps; with ``inner_steps=time`` steps timed and the next round's inner steps agreed.
+- ``training_step``: with ``inner_steps=time`` a replica whose budget is spent skips its batch
+  (a zero loss reaching no parameter), so every rank stays on the same step and checkpoint.
+- ``process_dataloader``: with ``time_samples=share`` the training loader is dealt (``dealing``).
 - ``finish_pending_sync``: completes the exchanges in flight; merges stay at their step.
-- ``sync_state_dict`` / ``load_sync_state_dict`` (``rank_state_dict``: error feedback): outer
-  state, rounds waiting to merge, position in the round: a resume is bit-identical.
+- ``sync_state_dict`` / ``load_sync_state_dict`` / ``rank_state_dict`` (error feedback): a
+  resume is bit-identical.
 
-Elastic mode (``elastic=true``) is ``ElasticDiLoCo`` (``strategies/diloco_elastic.py``), which
-``DiLoCo(..., elastic=True)`` constructs, so configs keep naming ``strategy=diloco``.
-"""
+``DiLoCo(..., elastic=True)`` constructs ``ElasticDiLoCo`` (``strategies/diloco_elastic.py``)."""
 
 from __future__ import annotations
 
@@ -52,15 +44,10 @@ from syncplane.strategies.registry import register
 
 @register("diloco")
 class DiLoCo(SyncplaneStrategy):
-    """Args: those of ``DiLoCoConfig`` (sync_every, outer_optimizer, outer_kwargs, streams,
-    compression, block_size, density, bits, chunk, error_feedback_beta, outer, sync_timeout_s,
-    fragments, overlap_steps, mix_alpha, exchange, topology, replica, inner, inner_steps, round_budget_s,
-    time_weighting, time_samples, membership, min_replicas, grace_s), the elastic settings (``elastic``,
-    ``round_timeout_s``: a round's average, vote and heal give up after it; ``quorum_timeout_s``: how
-    long a replica waits for a quorum; ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's,
-    read by the launcher;
-    ``lighthouse_host``: the address it and the replicas bind, loopback by default), then
-    ``SyncplaneStrategy``'s."""
+    """Args: ``DiLoCoConfig``'s fields; the elastic settings (``elastic``; ``round_timeout_s``: a
+    round's average, vote and heal give up after it; ``quorum_timeout_s``: a replica's wait for a
+    quorum; ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
+    ``lighthouse_host``: the address it and the replicas bind); then ``SyncplaneStrategy``'s."""
 
     #: True on the elastic class; ``__new__`` picks it for ``elastic=True`` (``ElasticDiLoCo``,
     #: either membership).

@@ -23,7 +23,7 @@ def _gloo_all_gather(payload: torch.Tensor) -> list[torch.Tensor]:
 
 def _sparseloco_rank(rank: int, world: int, seed: int):
     from syncplane.algorithms.diloco.outer import OuterOptimizer
-    from syncplane.algorithms.diloco.sparse import SparseLoCoRound
+    from tests.helpers.sparseloco import SparseLoCoRound
     from syncplane.comm import ChunkedTopK
 
     codec = ChunkedTopK(density=0.03, bits=2, chunk=1024)

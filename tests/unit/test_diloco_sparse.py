@@ -11,8 +11,9 @@ import torch
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.outer import OuterOptimizer
-from syncplane.algorithms.diloco.sparse import SparseFeedback, SparseLoCoRound
 from syncplane.comm import ChunkedTopK
+from syncplane.comm.codecs import ErrorFeedback
+from tests.helpers.sparseloco import SparseLoCoRound
 
 CODEC = ChunkedTopK(density=0.03, bits=2, chunk=256)
 
@@ -25,43 +26,43 @@ def deltas(seed: int, rounds: int, numel: int) -> list[torch.Tensor]:
 def test_error_feedback_follows_sparselocos_formula(test_seed):
     """e ← β·e + Δ; p = Q(TopK(e)); e ← e − decode(p), step by step against plain torch."""
     beta, n = 0.9, 2000
-    feedback, e = SparseFeedback(CODEC, n, beta), torch.zeros(n)
+    feedback, e = ErrorFeedback(CODEC, n, beta), torch.zeros(n)
     for delta in deltas(test_seed, 4, n):
         payload = feedback.compress(delta)
         e = e * beta + delta
         assert torch.equal(payload, CODEC.compress(e))
         e = e - CODEC.extract(payload, n)
-        assert torch.equal(feedback.accumulator, e)
+        assert torch.equal(feedback.residual, e)
 
 
 def test_error_feedback_keeps_what_was_not_sent(test_seed):
     """β = 1: the sum of what was sent plus the accumulator is the sum of the Δ (up to fp32
     rounding); the accumulator stays bounded instead of growing with the rounds."""
     n = 4096
-    feedback, sent, total = SparseFeedback(CODEC, n, 1.0), torch.zeros(n, dtype=torch.float64), torch.zeros(n)
+    feedback, sent, total = ErrorFeedback(CODEC, n, 1.0), torch.zeros(n, dtype=torch.float64), torch.zeros(n)
     for delta in deltas(test_seed, 30, n):
         sent += CODEC.extract(feedback.compress(delta), n).double()
         total += delta
-    torch.testing.assert_close((sent + feedback.accumulator.double()).float(), total, rtol=0, atol=1e-3)
+    torch.testing.assert_close((sent + feedback.residual.double()).float(), total, rtol=0, atol=1e-3)
 
 
 def test_state_saves_plainly_and_resumes_bit_identically(test_seed):
     n = 3000
     rounds = deltas(test_seed, 6, n)
-    straight = SparseFeedback(CODEC, n, 0.95)
+    straight = ErrorFeedback(CODEC, n, 0.95)
     payloads = [straight.compress(d) for d in rounds]
-    first = SparseFeedback(CODEC, n, 0.95)
+    first = ErrorFeedback(CODEC, n, 0.95)
     for d in rounds[:3]:
         first.compress(d)
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
-    resumed = SparseFeedback(CODEC, n, 0.95)
+    resumed = ErrorFeedback(CODEC, n, 0.95)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
     assert [torch.equal(resumed.compress(d), p) for d, p in zip(rounds[3:], payloads[3:])] == [True] * 3
-    assert torch.equal(resumed.accumulator, straight.accumulator)
+    assert torch.equal(resumed.residual, straight.residual)
     with pytest.raises(ValueError, match="holds 3000 values"):
-        SparseFeedback(CODEC, 10).load_state_dict(first.state_dict())
+        ErrorFeedback(CODEC, 10).load_state_dict(first.state_dict())
 
 
 def test_sparseloco_outer_rule_is_sgd_without_momentum(test_seed):
@@ -124,12 +125,12 @@ def test_round_is_the_mean_of_every_ranks_piece_on_every_rank(test_seed):
                               transport.for_rank(r)) for r in range(world)]
     for step in range(3):
         locals_ = [rounds[r].outer.params - 0.01 * torch.randn(n, generator=g) for r in range(world)]
-        before = [rounds[r].feedback.accumulator.clone() for r in range(world)]
+        before = [rounds[r].feedback.residual.clone() for r in range(world)]
         transport.discard = step == 1
         results = run_ranks(rounds, locals_)
         if step == 1:
             assert results == [False] * world
-            assert all(torch.equal(rounds[r].feedback.accumulator, before[r]) for r in range(world))
+            assert all(torch.equal(rounds[r].feedback.residual, before[r]) for r in range(world))
             continue
         assert results == [True] * world
         summed = torch.zeros(n)   # the dense reference of the same compressed pieces, rank order

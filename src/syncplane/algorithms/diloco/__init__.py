@@ -1,16 +1,9 @@
 """DiLoCo (Douillard et al.): H local steps, then an outer step on the averaged pseudo-gradient.
 
-Files: ``outer.py`` (the CPU outer optimizer and one round: Δ, average, step, commit or
-discard), ``streaming.py`` (Streaming DiLoCo's fragments, overlap τ and mixing α),
-``config.py`` (the validated settings), ``engine.py`` (the one round engine: every layout,
-schedule, codec, exchange and pacing), ``exchange.py`` (which all-reduce carries Δ: the
-transport's sharded owner exchange, ``syncplane.comm.streams``, or FlexReduce's tree run on
-the same S streams; their cost, and ``streams: auto``), ``layout.py`` (``replica: node``: a
-node's ranks are one replica, DDP or FSDP2 inside, the outer state sharded over them; ``rank``
-is nodes of one rank), ``cost.py`` (the node layout's price), ``bench.py``; the cost of a round
-is declared below.
-Glue: ``strategies/diloco.py`` (elastic mode: ``strategies/diloco_elastic.py``).
-"""
+``config`` (the settings), ``engine`` (the one round engine), ``outer`` / ``streaming`` (the
+outer optimizer, Streaming DiLoCo's fragments), ``exchange`` / ``transport`` (the wire),
+``layout`` (``replica: node``), ``adaptive`` / ``dealing`` (``inner_steps: time``), ``cost`` /
+``bench``, ``elastic`` / ``ft`` (elastic mode); the spec below. Glue: ``strategies/diloco.py``."""
 
 from __future__ import annotations
 
@@ -36,13 +29,11 @@ from syncplane.exchanges.cpu import CpuWork
 
 def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
                 options: CostOptions) -> list[list[Phase]]:
-    """One exchange of Δ over ``streams`` shards, once per round of ``period`` steps: the
-    mesh (every rank sends shard j to its owner j, owners send the mean back), the tree, or
-    the gather of sparse pieces (``gather``: at ``options``' density and bits, by racks else
-    hosts; the mesh's shards at their codec's size) -- ``options.pattern`` as ``syncplane.exchanges.choose`` resolves it on this
-    cluster (auto: the tree when ranks form hosts or racks). ``replica: node`` (or ``auto``
-    where it is node): ``cost.node_cost``, the shards' meshes across nodes and DDP inside them."""
-    layout = priced_layout(options.replica, options.compression, profile)
+    """One exchange of Δ on ``streams`` streams once per round of ``period`` steps, as
+    ``options.pattern`` resolves on this cluster (``exchange.exchange_phases``: the mesh, the tree,
+    or the gather of sparse pieces at ``options``' density and bits); ``replica: node`` (or ``auto``
+    where it is node): ``cost.node_cost``, the shards' exchanges across nodes and DDP inside them."""
+    layout = priced_layout(options.replica, profile)
     if layout is not None:
         codec = delta_codec(options.compression, density=options.density, bits=options.bits)
         return node_cost(layout, payload_bytes, options.period, options.streams, codec, options.compression == "sparse")
@@ -59,11 +50,11 @@ def diloco_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options
     return exchange_cpu_work(profile, payload_bytes, options.pattern, compression, codec)
 
 
-def priced_layout(replica: str, compression: str, profile: ClusterProfile) -> ReplicaLayout | None:
+def priced_layout(replica: str, profile: ClusterProfile) -> ReplicaLayout | None:
     """The node layout ``replica`` gives a job on ``profile`` (None: a replica per rank);
     a ConfigError naming ``replica`` where it cannot run there."""
     try:
-        check_replica(replica, "ddp", compression=compression)
+        check_replica(replica, "ddp")
         return node_layout(replica, "ddp", JobContext.planned(profile.world_size, profile))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -137,7 +128,7 @@ ELASTIC = ElasticLaunch(
     enabled=_elastic,
     setting="strategy.kwargs.elastic=true",
     start=_start_lighthouse,
-    timeouts=lambda kwargs: lighthouse_options(kwargs),
+    timeouts=lighthouse_options,
     bind=lambda kwargs: str(kwargs.get("lighthouse_host", "127.0.0.1")),
     per_host=lambda kwargs, sizes: elastic_nodes(str(kwargs.get("replica", "rank")), sizes),
 )

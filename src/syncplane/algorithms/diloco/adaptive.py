@@ -1,40 +1,19 @@
-"""Time-budgeted rounds (``inner_steps: time``): a slow replica must not set
-everyone's pace.
+"""Time-budgeted rounds (``inner_steps: time``): a slow replica must not set everyone's pace.
 
-With ``inner_steps: fixed`` every replica runs H inner steps per round, so a round lasts as
-long as the slowest replica's H steps and the fast ones wait. With ``time``, a round is H
-*slots* (the batches every rank's data loader hands out, so all ranks stay on the same
-``global_step``, epoch and checkpoint), and replica i computes on the first ``n_i`` of them
-and skips the rest: ``n_i = min(H, max(1, ⌊T·(1 + SLACK) / t_i⌋))``, with ``t_i`` its median
-step time in the last round and ``T`` the round's budget (``round_budget_s``, or H x the
-median of the ``t_i``; with ``time_samples: share``, H x the fastest ``t_i``: no replica idles,
-and the batches a slow one leaves go to the others instead of being dropped). A skipped slot
-costs nothing, so every replica reaches the round's exchange after about ``T`` seconds and the
-round ends on every rank at once. The
-pseudo-gradients are averaged with weights equal to the samples each replica processed
-(``n_i`` batches of one size): ``Δ = Σ n_i Δ_i / Σ n_i`` (``time_weighting: samples``).
+A round is H *slots* (the batches every rank's loader hands out, so all ranks stay on the same
+``global_step``, epoch and checkpoint); replica i computes on the first
+``n_i = min(H, max(1, ⌊T·(1 + SLACK) / t_i⌋))`` of them and skips the rest, ``t_i`` its median
+step time in the last round, ``T`` the budget (``round_budget_s``, else H x the median ``t_i``;
+with ``time_samples: share`` H x the fastest, no replica idling). Every replica reaches the
+exchange after about T seconds. Δ is averaged by ``time_weighting``: ``samples``,
+``Σ n_i Δ_i / Σ n_i``; ``fednova`` (Wang et al., NeurIPS 2020), ``τ_eff Σ p_i Δ_i / n_i`` with
+``p_i = 1/m`` and ``τ_eff = Σ p_i n_i`` (the paper's rule for SGD inner steps; for momentum or
+Adam its normalization by step count, ``a_i = n_i``).
 
-``time_weighting: fednova`` is FedNova's normalized averaging (Wang et al., NeurIPS 2020,
-"Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization"): each
-replica's Δ_i is divided by its own step count, averaged with the data weights p_i (equal here:
-every replica holds an equal shard, p_i = 1/m), and rescaled by ``τ_eff = Σ p_i n_i``:
-``Δ = τ_eff Σ p_i Δ_i / n_i``. With plain SGD inner steps that is the paper's rule; with
-momentum or Adam inner optimizers it is the normalization by step count that the paper's
-general form reduces to when the local solver's ``a_i = n_i`` (its ‖a_i‖₁ is not tracked).
-
-The step counts are one explicit decision, made at each round boundary from the all-gathered
-step times with the same arithmetic on every rank (the transport is handed in), logged, and
-checkpointed with the round they belong to, so a resume continues with the same counts and
-equal speeds give every rank the same decision (``SLACK`` absorbs the noise of equal speeds).
-
-Data (``time_samples``): with ``share`` (``syncplane.algorithms.diloco.dealing``) an epoch is the
-dataset once, one shuffled stream dealt slot by slot to the replicas that compute, so the fast
-ones take the batches the slow one has no time for and an epoch ends sooner; the weights are the
-batches each replica was dealt in the round. With ``drop`` every rank keeps the distributed
-sampler's equal shard and a slow replica skips -- drops for this epoch -- the last ``H - n_i``
-batches of each round: a uniformly random subset (its shard is a fresh random split every epoch),
-so the data seen stays unbiased but an epoch sees less of it (docs/strategies/diloco.md).
-"""
+The counts are one decision per round boundary, from the all-gathered step times with the same
+arithmetic on every rank (the transport handed in), logged and checkpointed with their round.
+What a slow replica's skipped batches become is ``time_samples`` (``dealing``;
+docs/strategies/diloco.md)."""
 
 from __future__ import annotations
 

@@ -23,19 +23,15 @@ from syncplane.job import JobContext
 
 def stream_count(options: Mapping[str, Any]) -> int:
     """S of a bench or cost row: its own ``streams`` (``diloco[streams=4]``), else the command's
-    ``--streams`` (the spec's ``shards``, its old name), else 1. The bench's measurement and its
-    prediction both read it here, so a variant's streams are the ones timed and priced."""
+    ``--streams`` (the spec's ``shards``, its old name), else 1: the timed and the priced S alike."""
     return int(options.get("streams", options.get("shards", 1)))
 
 
 class DiLoCoStep:
-    """DiLoCo's sync on the payload (the strategy's own pieces): every ``period`` (= H)
-    steps, Δ = θ_g − θ_local on CPU, its mean over ranks on ``stream_count(options)`` concurrent
-    gloo streams (``options["compression"]``: none | int8 | sparse, at ``options["density"]``
-    and ``["bits"]``; ``options["exchange"]``: auto | mesh | tree | gather,
-    ``syncplane.algorithms.diloco.exchange``; a name DiLoCo does not run counts as auto; the
-    gather always carries the sparse codec), an outer step, θ_local ← θ_g; nothing on the other steps. ``period``
-    makes the worker report the mean per step over whole rounds."""
+    """DiLoCo's sync on the payload (the strategy's own pieces): every ``period`` (= H) steps,
+    Δ = θ_g − θ_local on CPU, its mean on ``stream_count(options)`` gloo streams (``compression``,
+    ``density``, ``bits``; ``exchange`` as ``exchange.build_exchange`` takes it, a name DiLoCo does
+    not run counting as auto), an outer step, θ_local ← θ_g; nothing on the other steps."""
 
     def __init__(self, options: Mapping[str, Any], job: JobContext) -> None:
         self.period = int(options.get("period", DiLoCoConfig.sync_every))
@@ -72,14 +68,10 @@ class DiLoCoStep:
 
 
 class NodeStep:
-    """``replica: node``'s sync on the payload, by the engine training runs (``DiLoCoEngine``,
-    inner DDP): every step, the node's all-reduce of the gradient (DDP's, in its 25 MB
-    buckets, on the node's group: loopback); every ``period`` steps, the engine's round (each
-    rank's shards of Δ exchanged with the same shards of the other nodes, L exchanges per node
-    at once on ``stream_count(options)`` streams each: the mesh, or the gather of top-k pieces for
-    ``compression: sparse``), then the
-    all-gather of θ_g inside the node. The engine wraps the payload itself (one parameter) and
-    is built on the first step: a collective, in the warm-up (``warmup``)."""
+    """``replica: node``'s sync on the payload, by the engine training runs (``DiLoCoEngine``, inner
+    DDP): every step DDP's all-reduce of the gradient in its buckets on the node's group; every
+    ``period`` steps the engine's round (each rank's shards exchanged with the other nodes', then
+    θ_g all-gathered in the node). The engine is built on the first step: a collective, in the warm-up."""
 
     warmup = 1
 

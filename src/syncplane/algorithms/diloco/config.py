@@ -14,9 +14,8 @@ from syncplane.algorithms.diloco.dealing import TIME_SAMPLES
 from syncplane.algorithms.diloco.exchange import check_exchange, delta_codec
 from syncplane.algorithms.diloco.layout import check_replica
 from syncplane.algorithms.diloco.outer import check_outer
-from syncplane.algorithms.diloco.sparse import check_compression
 from syncplane.algorithms.diloco.streaming import streaming_mix_alpha
-from syncplane.comm.codecs import Codec
+from syncplane.comm.codecs import Codec, check_sparse_options
 
 log = logging.getLogger(__name__)
 
@@ -26,58 +25,45 @@ class DiLoCoConfig:
     """Args:
         sync_every: H, inner steps per round.
         outer_optimizer: class path of the outer torch optimizer.
-        outer_kwargs: its arguments; None = lr 0.7, momentum 0.9, Nesterov (for SGD).
-        streams: S concurrent gloo streams for the exchange (bound to the host's NICs in turn),
-            or ``auto``: from the job's cluster profile (``exchange.resolve_streams``). Its old
-            name ``shards`` is still accepted, with a deprecation warning.
-        compression: ``none`` (exact fp32), ``int8`` (blockwise scale + error feedback) or
-            ``sparse`` (SparseLoCo's chunked top-k, ``sparse.py``: needs the ``gather`` exchange,
-            which ``auto`` picks; the floating buffers travel beside it as exact fp32).
+        outer_kwargs: its arguments; None = ``outer``'s (for SGD).
+        streams: S concurrent gloo streams for the exchange (bound to the host's NICs in turn), or
+            ``auto``: from the job's cluster profile (``exchange.resolve_streams``). Old name: ``shards``.
+        compression: ``none`` (exact fp32), ``int8`` (blockwise scale + error feedback) or ``sparse``
+            (SparseLoCo's chunked top-k with error feedback, ``comm.codecs``: needs the ``gather``
+            exchange, which ``auto`` picks; the floating buffers travel beside it as exact fp32).
         block_size: values per int8 scale.
-        density: sparse: fraction of each chunk sent, in (0, 1] (SparseLoCo: 0.01-0.03).
-        bits: sparse: bits per sent value, 2, 4 or 8.
-        chunk: sparse: values per chunk (one top-k and one scale each).
+        density, bits, chunk: sparse: the fraction of each chunk sent, in (0, 1] (SparseLoCo:
+            0.01-0.03); bits per sent value, 2, 4 or 8; values per chunk (one top-k and scale each).
         error_feedback_beta: sparse: β of the accumulator ``e ← β·e + Δ``.
-        outer: the default ``outer_kwargs`` of SGD: ``nesterov`` (DiLoCo's) or ``sparseloco``
-            (SparseLoCo's: lr 1, no momentum; on dense Δ, the replicas' mean).
+        outer: the default ``outer_kwargs`` of SGD: ``nesterov`` (DiLoCo's: lr 0.7, momentum 0.9,
+            Nesterov) or ``sparseloco`` (SparseLoCo's: lr 1, no momentum; on dense Δ, the mean).
         sync_timeout_s: an exchange slower than this is discarded on every rank.
-        fragments: P, Streaming DiLoCo's fragments, each synced at its own offset in the
-            round (1 = plain DiLoCo); at most ``sync_every``. Cut by value count, evenly.
-        overlap_steps: τ, inner steps a fragment's exchange runs in the background before
-            its result is merged (0 = blocking); below ``sync_every // fragments``, so at
-            most one fragment is on the wire at a time.
+        fragments: P, Streaming DiLoCo's fragments, each synced at its own offset in the round
+            (1 = plain DiLoCo); at most ``sync_every``. Cut by value count, evenly.
+        overlap_steps: τ, inner steps a fragment's exchange runs in the background before its
+            result is merged (0 = blocking); below ``sync_every // fragments``.
         exchange: ``auto`` | ``mesh`` (old name ``owner``) | ``tree`` | ``gather``: the pattern of
-            the all-reduce of Δ (``syncplane.algorithms.diloco.exchange``; auto = the gather for
-            ``sparse``, FlexReduce's tree when the job's ranks form hosts/racks/sites and the
-            payload is fp32, else the mesh).
-        topology: the tree for ``tree``/``auto``, as FlexReduce's (``auto``, a cluster profile
-            name / YAML path, or a list of ranks per host).
-        mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with
-            overlap (the paper's value) and 0 (overwrite) without.
+            the all-reduce of Δ (``exchange``).
+        topology: the tree for ``tree``/``auto``, as FlexReduce's (``auto``, a cluster profile name
+            / YAML path, or a list of ranks per host).
+        mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with overlap
+            (the paper's value) and 0 (overwrite) without.
+        replica, inner: what a replica is (``layout``): ``rank``, ``node`` or ``auto``; inside a
+            node, ``ddp`` or ``fsdp``.
         inner_steps: ``fixed`` (H inner steps per replica per round) or ``time``: each replica
-            computes on as many of the round's H batches as fit the round's time budget and
-            skips the rest, Δ averaged weighted by the samples each processed
-            (``syncplane.algorithms.diloco.adaptive``); plain DiLoCo only (fragments 1, no overlap).
+            computes on as many of the round's H batches as fit its time budget (``adaptive``;
+            plain DiLoCo only: fragments 1, no overlap).
         round_budget_s: ``time``: the round's budget in seconds; None = H x the median step time.
-        time_weighting: ``time``: how the replicas' Δ are averaged: ``samples`` (weights = the
-            samples each processed) or ``fednova`` (FedNova's normalized averaging: each Δ_i
-            divided by its step count, the mean rescaled by the mean step count); see
-            ``syncplane.algorithms.diloco.adaptive``. With ``fixed`` both are the plain mean.
-        time_samples: ``time``: what happens to the batches a slow replica has no time for:
-            ``share`` (one shuffled stream of the dataset dealt to the replicas as they compute:
-            an epoch sees every sample once and ends sooner) or ``drop`` (each replica keeps its
-            equal shard and skips them for the epoch); ``syncplane.algorithms.diloco.dealing``.
-        membership: elastic mode's rounds (``syncplane.algorithms.diloco.elastic``): ``fixed``
-            (a round's members are decided at its start, the Lighthouse waiting ``join_timeout_s``
-            for every live replica; a straggler holds every member's exchange) or ``quorum``
-            (decided when a replica has finished its inner steps: the round commits with the
-            replicas that arrived within ``grace_s`` of the first ``min_replicas``, weighted by
-            their samples; a late replica's Δ is carried into its next round).
-        min_replicas: ``quorum``: replicas a round needs before the grace window opens (torchft
-            also wants more than half of the live ones, so a partition never commits twice).
-        grace_s: ``quorum``: how long a round waits for the rest once ``min_replicas`` are in (the
-            Lighthouse's join timeout); no replica waits longer for a late or dead one.
-    """
+        time_weighting: ``time``: ``samples`` (Δ weighted by the samples each processed) or
+            ``fednova`` (FedNova's normalized averaging); with ``fixed`` both are the plain mean.
+        time_samples: ``time``: the batches a slow replica has no time for are ``share``d (one
+            shuffled stream dealt as the replicas compute, ``dealing``) or ``drop``ped.
+        membership: elastic mode's rounds (``elastic``): ``fixed`` (members decided at the round's
+            start, the Lighthouse waiting ``join_timeout_s`` for every live replica) or ``quorum``
+            (decided as replicas finish their inner steps: the round commits with those that arrived
+            within ``grace_s`` of the first ``min_replicas``; a late replica's Δ is carried over).
+        min_replicas, grace_s: ``quorum``: the replicas a round needs before the grace window
+            opens (torchft also wants more than half of the live ones), and how long it stays open."""
 
     sync_every: int = 10
     outer_optimizer: str = "torch.optim.SGD"
@@ -114,7 +100,10 @@ class DiLoCoConfig:
             raise ValueError(f"streams must be an integer of at least 1, or 'auto', got {self.streams!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        check_compression(self.density, self.bits, self.chunk, self.error_feedback_beta)
+        check_sparse_options(self.density, self.bits, self.chunk)   # whatever the compression: a typo
+        beta = self.error_feedback_beta
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+            raise ValueError(f"error_feedback_beta: must be in [0, 1] (SparseLoCo: 0.95), got {beta!r}")
         self.codec()   # validates the codec's own settings
         check_outer(self.outer_optimizer, self.outer_kwargs, self.outer)
         if self.sync_timeout_s <= 0:
@@ -125,7 +114,7 @@ class DiLoCoConfig:
             raise ValueError(f"topology: expected auto, a profile name / path, or a list of ranks per host "
                              f"(each >= 1), got {self.topology!r}")
         self.alpha   # validates the streaming options
-        check_replica(self.replica, self.inner, compression=self.compression, exchange=self.exchange)
+        check_replica(self.replica, self.inner, exchange=self.exchange)
         self._check_inner_steps()
         self._check_membership()
 
@@ -188,7 +177,6 @@ def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float
     """The settings beside ``DiLoCoConfig``, at construction (errors name the key): what elastic
     mode can run with (``strategies/diloco_elastic.py`` checks its own), and the elastic
     timeouts and Lighthouse address, checked in either mode (a bad value is a typo)."""
-    check_replica(config.replica, config.inner)
     if elastic and config.inner_steps == "time" and config.time_samples == "share":
         raise ValueError("time_samples=share with elastic=true: the deal hands a fixed set of ranks the "
                          "dataset's batches, a quorum's members change; use time_samples=drop")

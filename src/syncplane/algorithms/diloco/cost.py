@@ -13,15 +13,9 @@ from syncplane.comm.codecs import Codec
 
 def node_cost(layout: ReplicaLayout, payload_bytes: float, period: int, streams: int, codec: Codec,
               gather: bool = False) -> list[list[Phase]]:
-    """One round of ``period`` steps of ``replica: node`` (inner DDP) as the cost model's flows.
-
-    Every step, torch's DDP all-reduces the gradient inside each node (a ring on loopback).
-    At the round's end, the shards' meshes run at once: node a sends node b the b-th part of
-    each of its S shards, M/N in all, in each of the mesh's two phases (so a node sends
-    2(N−1)/N·M per round per direction across: M between two nodes), on S x ``streams``
-    connections, pinned to the host's NICs in turn; then each node's ranks all-gather the
-    replica's θ_g over loopback. ``gather`` (``compression: sparse``): the shards' gathers
-    instead, one phase in which a node sends every other node its encoded shards."""
+    """One round of ``period`` steps of ``replica: node`` (inner DDP) as the cost model's flows: every
+    step DDP's all-reduce inside each node (a ring on loopback); at the round's end the shards'
+    exchanges across nodes (``shard_exchange_cost``) and the all-gather of θ_g in each node."""
     inner = concurrent_group_allreduces(layout.nodes, payload_bytes)
     across = shard_exchange_cost(layout, payload_bytes, streams, codec, gather)
     return [inner + across + gather_cost(layout, payload_bytes)] + [list(inner) for _ in range(period - 1)]
@@ -29,9 +23,9 @@ def node_cost(layout: ReplicaLayout, payload_bytes: float, period: int, streams:
 
 def shard_exchange_cost(layout: ReplicaLayout, payload_bytes: float, streams: int, codec: Codec,
                         gather: bool = False) -> list[Phase]:
-    """The S shard groups' meshes together: two phases in which every node sends every other
-    node M/N (``codec``'s size of it) over S x ``streams`` pinned flows (module doc of
-    ``node_cost``); or their gathers: one phase of all of M's encoded pieces to every other node."""
+    """The S shard groups' meshes at once: two phases in which every node sends every other node M/N
+    (at ``codec``'s size: 2(N−1)/N·M per direction) over S x ``streams`` flows pinned to its NICs;
+    or their gathers (``gather``): one phase of all of M's encoded pieces to every other node."""
     n = len(layout.nodes)
     if n < 2:
         return []

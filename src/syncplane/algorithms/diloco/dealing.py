@@ -1,24 +1,17 @@
 """One stream of batches dealt to the replicas as they compute (``time_samples: share``).
 
-With ``inner_steps: time`` a slow replica computes on fewer of a round's H slots than the
-others. ``time_samples: drop`` keeps the distributed sampler's equal shards, so the batches a
-slow replica has no time for are skipped for the epoch (a uniformly random subset; the epoch
-sees less data). ``share`` deals instead: an epoch is one shuffled permutation of the whole
-dataset, cut into batches, and each slot hands the next batches of that stream to the replicas
-that compute on it, in rank order. Every sample is seen exactly once per epoch whatever the
-speeds; the fast replicas take the batches the slow one has no time for, so a fixed
-``max_epochs`` ends sooner with a straggler (an epoch is the dataset, not a number of slots),
-and nothing is skipped or biased.
+With ``inner_steps: time`` a slow replica computes on fewer of a round's H slots. ``drop``
+keeps the distributed sampler's equal shards (the batches it has no time for are skipped for
+the epoch: a uniformly random subset). ``share`` deals instead: an epoch is one shuffled
+permutation of the dataset, each slot handing its next batches to the replicas that compute on
+it, in rank order, so every sample is seen once per epoch and an epoch ends sooner with a
+straggler.
 
-The dealing is a pure function of the epoch's permutation (seed + epoch, as torch's
-``DistributedSampler``), the first slot of the epoch and the round's agreed counts
-(``TimedRounds``), so every rank computes the same deal without communication, and a rank knows
-how many batches every replica processed in a round: the weights of the sample-weighted
-average. At slot 0 of a round every replica computes (``plan_round`` gives each at least one
-step), so the deal of a round's first slot needs only the previous round's counts; that lets the
-data loader read one batch ahead (Lightning's prefetch), never more: a loader that reads further
-ahead (``num_workers > 0``) is refused.
-"""
+The deal is a pure function of the permutation (seed + epoch, as ``DistributedSampler``), the
+epoch's first slot and the rounds' agreed counts (``TimedRounds``): every rank computes it
+without communication, and knows the batches each replica processed (the average's weights).
+Every replica computes on a round's slot 0, so the loader may read one batch ahead (Lightning's
+prefetch), never more: ``num_workers > 0`` is refused."""
 
 from __future__ import annotations
 

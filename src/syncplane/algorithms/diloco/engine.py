@@ -1,25 +1,18 @@
 """DiLoCo's one round engine, Lightning-free: every layout, schedule, codec, exchange and pacing.
 
-A replica is a rank (``replica: rank``) or the L ranks of a node (``replica: node``, DDP or
-FSDP2 inside it); ``layout.ReplicaLayout`` says which, and ``replica: rank`` is simply the
-layout of nodes of one rank -- the same code path, not a second engine. The flat model
-``[parameters | floating buffers]`` (this rank's FSDP shard of each parameter under FSDP) is
-mirrored on the host (``HostMirror``) and cut into the layout's outer shards; this rank keeps
-its own shards' θ_g and outer optimizer state (``streaming.FragmentedOuter``, one per owned
-shard: Streaming DiLoCo's P fragments of it, blocking rounds being P = 1, τ = 0), and each
-shard is exchanged with its owners in the other replicas on a ``StreamRunner`` of its own
-(S streams, one deadline, commit/discard; the codec's error feedback kept per shard). With one
-rank per replica the one shard is the whole model and its exchange is ``exchange.build_exchange``
-(mesh, tree or gather over every rank), so the round is the per-rank DiLoCo round bit for bit.
+A replica is a rank or the L ranks of a node (DDP or FSDP2 inside it): ``layout.ReplicaLayout``,
+``replica: rank`` being nodes of one rank -- one code path. The flat model ``[parameters |
+floating buffers]`` (this rank's FSDP shards under FSDP) is mirrored on the host
+(``HostMirror``) and cut into the layout's outer shards; this rank keeps its shards' θ_g and
+outer state (``streaming.FragmentedOuter``: P fragments, blocking rounds being P = 1, τ = 0) and
+exchanges each shard with its owners in the other replicas on a ``StreamRunner`` of its own.
+With one rank per replica the shard is the whole model on ``exchange.build_exchange``'s pattern.
 
-A round of fragment f: each owned shard's piece of f is copied to the host, Δ formed in place,
-averaged with the replica's weight (its rank count, or with ``inner_steps: time`` its samples),
-stepped by that piece's outer optimizer -- in the background while training goes on when
-``overlap_steps`` > 0 -- and, at the due step, merged into the live model (``α``-mixed under
-overlap). With DDP inside a node, the node's ranks first all-gather the fragment's pieces so
-every rank holds the replica's θ_g there; under FSDP a rank's shard is its FSDP shard and
-nothing is gathered. A piece whose exchange was discarded keeps θ_local (the next Δ covers it).
-"""
+A round of fragment f: each owned piece of f is copied to the host, Δ formed in place, averaged
+with the replica's weight (its rank count, or its samples under ``inner_steps: time``), outer
+stepped (in the background for ``overlap_steps`` > 0) and merged into the live model at the due
+step (α-mixed). A DDP node's ranks then all-gather the fragment's pieces; under FSDP nothing is
+gathered. A discarded piece keeps θ_local (the next Δ covers it)."""
 
 from __future__ import annotations
 
@@ -95,18 +88,15 @@ class DiLoCoEngine:
     """A collective to construct (node groups, shard streams): every rank, same order.
 
     Args:
-        module: the model. With node replicas the engine wraps it (``module``: torch's DDP over
-            the node, or the same module sharded by FSDP2's ``fully_shard``) -- train the
-            wrapped one; with one rank per replica ``module`` is the model itself.
+        module: the model; with node replicas the engine wraps it (``module``: DDP over the node,
+            or FSDP2's ``fully_shard``) -- train the wrapped one.
         config: the validated settings.
         job: the job's shape (this rank, its NICs, the profile for ``streams: auto``).
         layout: the replicas (``layout.job_layout``).
         device_ids: DDP's, for a model on a GPU.
-        init: for a model built on the meta device (``inner: fsdp`` only): each parameter's and
-            buffer's values by name (``sharded.materialize``), so that no rank ever holds the
-            whole model; the shards are made on CPU.
-        transport: the groups, exchanges and collectives (``transport.GLOO``: real gloo ranks).
-    """
+        init: a model on the meta device (``inner: fsdp`` only): the values by name
+            (``sharded.materialize``), so that no rank holds the whole model; shards made on CPU.
+        transport: the groups, exchanges and collectives (``transport.GLOO``: real gloo ranks)."""
 
     def __init__(self, module: torch.nn.Module, config: DiLoCoConfig, job: JobContext, layout: ReplicaLayout,
                  device_ids: list[int] | None = None, init: Callable[[str, torch.Tensor], None] | None = None,
@@ -168,12 +158,11 @@ class DiLoCoEngine:
         return {k: [pieces[k] for pieces in cut] for k in range(shards)}
 
     def _sharded(self, module: torch.nn.Module, n_params: int, total: int) -> dict[int, list[tuple[int, int]]]:
-        """FSDP2 nodes: this rank's exchange sets (``ReplicaLayout.fsdp_units``) and each one's
-        piece of each fragment. The fragments are the even cut of the whole model, so every
-        node cuts them alike; a set's spans, read one after another, are its outer buffer: this
-        rank's host buffer itself when it is in one set only (nodes of one size), else a packed
-        copy. Builds the sets' groups (a collective) and the consensus group: the ranks of the
-        nodes of this one's size that hold the same rows."""
+        """FSDP2 nodes: this rank's exchange sets (``ReplicaLayout.fsdp_units``) and each one's piece of
+        each fragment (the even cut of the whole model, alike on every node). A set's spans, read in
+        turn, are its outer buffer: the host buffer itself when this rank is in one set (nodes of one
+        size), else a packed copy. Builds the sets' groups and the consensus group (the ranks of the
+        nodes of this one's size holding the same rows): collectives."""
         layout, node = self.layout, self.node
         shapes = [tuple(p.shape) for p in module.parameters()]
         self.sets, spans = layout.fsdp_units(self.rank, shapes, total - n_params)
@@ -228,10 +217,9 @@ class DiLoCoEngine:
         self._over_sets([local(t) for t in tensors], mean=True)
 
     def _runners(self, job: JobContext, n_params: int) -> tuple[dict[int, Exchanger], str]:
-        """Each owned shard's exchange. One rank per replica: ``build_exchange`` over every rank
-        (mesh, tree or gather, as ``exchange`` resolves on the job). Node replicas: each shard's
-        owners, on the mesh (fp32, int8) or the gather (``compression: sparse``, whose sum
-        would be dense, or ``exchange: gather``), its floating buffers as exact fp32."""
+        """Each owned shard's exchange: one rank per replica, ``build_exchange`` over every rank; node
+        replicas, each shard's owners on the mesh (fp32, int8) or the gather (``sparse``, or
+        ``exchange: gather``), the floating buffers as exact fp32."""
         config = self.config
         if self.layout.per_rank:
             runner, name = build_exchange(job, self.streams, config.compression, config.block_size,
@@ -306,11 +294,9 @@ class DiLoCoEngine:
         return [self.pop(p) for p in sorted(pending) if pending[p].due <= done]
 
     def merge(self, tensors: Sequence[torch.Tensor], round_: Round, alpha: float) -> bool:
-        """A finished round into the live model; True if every owned piece committed.
-
-        One rank per replica: nothing happens when it was discarded (the replica stays as it
-        is). A DDP node: a discarded piece takes θ_local back, the node's ranks all-gather the
-        fragment's pieces, and the whole fragment is merged (the ranks agree)."""
+        """A finished round into the live model; True if every owned piece committed. A discarded
+        round leaves a one-rank replica as it is; a DDP node's discarded piece takes θ_local back, the
+        node all-gathers the fragment's pieces, and the whole fragment is merged (the ranks agree)."""
         tensors = [local(t) for t in tensors]
         parts = round_.parts if round_.parts is not None else {k: bool(round_.committed) for k in self.owned}
         if self.runs:   # every committed set's spans, around the others' θ_local

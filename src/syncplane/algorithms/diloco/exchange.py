@@ -1,23 +1,16 @@
 """Which all-reduce carries DiLoCo's pseudo-gradient, on how many streams.
 
-DiLoCo runs three of the exchange layer's patterns (``syncplane.exchanges``): the ``mesh``
-(every rank owns 1/n: 2(n−1)/n·M per rank, wherever the ranks are; any codec), the
-``tree`` (FlexReduce's plan: reduce inside the host/rack, cross the slow link with the rack's
-share, gather back; exact fp32 only) and the ``gather`` (every rank gets every rank's
-encoded piece and decodes them all, a rack's or host's pieces crossing the slow link as one
-block: the one that carries ``compression: sparse``, whose sums would be dense), all run by
-``syncplane.comm.StreamRunner`` on S streams with one deadline and commit/discard. On racks
-or sites the mesh puts about (n/racks)·M across each slow uplink per round, the tree M. ``exchange: auto`` (default)
-takes the tree when the job's tree has more than one level (hosts, racks or sites: the
-job's cluster profile, else its hosts) and the payload is fp32, the gather when it is sparse;
-otherwise the mesh.
+Three of the exchange layer's patterns (``syncplane.exchanges``), run by ``comm.StreamRunner``
+on S streams with one deadline and commit/discard: the ``mesh`` (every rank owns 1/n; any
+codec), the ``tree`` (FlexReduce's plan; exact fp32) and the ``gather`` (every rank decodes
+every rank's piece: the one for ``compression: sparse``, whose sums would be dense). ``auto``:
+the gather for sparse, the tree when the job's tree has several levels and Δ is fp32, else the
+mesh.
 
-``streams: auto``: S from the job's cluster profile (``topology`` when it names one, else the
-job's own): the fewest of 1, 2, 4, 8, 16 streams whose bound in the cost model is within
-10 % of the best -- as many TCP connections as a per-flow-capped link needs, one per NIC
-where hosts have several. The bound scales with the payload (α = 0), so the choice does not
-depend on the model's size. Without a profile: 1 stream, and the log says so.
-"""
+``streams: auto``: from the job's cluster profile (``topology`` when it names one), the fewest
+of ``STREAM_CHOICES`` whose cost-model bound is within 10 % of the best (as many TCP connections
+as a per-flow-capped link needs); the bound scales with the payload, so the choice does not
+depend on the model. Without a profile: 1 stream, and the log says so."""
 
 from __future__ import annotations
 
@@ -181,12 +174,11 @@ def build_exchange(job: JobContext, shards: int, compression: str = "none", bloc
                    topology: str | Sequence[int] = "auto", *, codec: Codec | None = None,
                    error_feedback_beta: float = 1.0, exact_from: int | None = None,
                    make: Callable[..., Any] = StreamRunner) -> tuple[Any, str]:
-    """DiLoCo's exchange for this job (a collective: it builds the S streams' gloo groups) and
-    the pattern chosen. ``topology`` as FlexReduce's (``auto``, a profile, or ranks per host).
-    ``codec``: what travels (default ``make_codec(compression, block_size)``; the sparse codec
-    must be given); ``error_feedback_beta``: its residuals' decay; ``exact_from``: the gather
-    sends the values from this position on as exact fp32 (the floating buffers); ``make``: what
-    builds the runner from the pattern (``StreamRunner``; a ``Transport``'s ``runner``)."""
+    """DiLoCo's exchange for this job (a collective: it builds the S streams' gloo groups) and the
+    pattern chosen. ``codec``: what travels (default ``make_codec(compression, block_size)``);
+    ``error_feedback_beta``: its residuals' decay; ``exact_from``: the gather sends the values from
+    there on as exact fp32 (the floating buffers); ``make``: what builds the runner from the pattern
+    (``StreamRunner``; a ``Transport``'s ``runner``)."""
     check_exchange(exchange, compression)
     if codec is None:
         codec = make_codec(compression, block_size)

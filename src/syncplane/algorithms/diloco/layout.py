@@ -1,23 +1,14 @@
-"""What one DiLoCo replica is: a rank (``replica: rank``, today's layout) or the ranks of a
-node (``replica: node``, the INTELLECT-1 layout of the DiLoCo blog), and how a node replica's
-outer state is sharded over its ranks.
+"""What one DiLoCo replica is: a rank (``replica: rank``) or the ranks of a node (``replica:
+node``, INTELLECT-1's layout), and how a node replica's outer state is sharded over its ranks.
 
-A node replica of L ranks trains as one model (torch's DDP over the node's ranks syncs the
-gradients every step) and shards its outer state: the flat model ``[parameters | floating
-buffers]`` is cut into ``S = max L`` shards (``shard_bounds``), and local rank j of a node of
-L ranks owns the contiguous block of shards ``[j·S//L, (j+1)·S//L)`` -- its θ_g, outer
-optimizer state and Δ, on CPU. Shard k is exchanged among its owners, one per replica (the
-shard group of k), so the groups line up across nodes of different sizes: on 2+1 ranks
-the lone rank of the small node owns both shards and sits in both groups. Pseudo-gradients
-are weighted by the replica's rank (sample) count, so that H = 1 with outer SGD lr 1 and no
-momentum is DDP over all ranks whatever the node sizes.
-
-``replica: auto`` takes ``node`` when the job has several hosts and some host runs several
-ranks, else ``rank``. The default stays ``rank``: measured on 2 hosts of 2 ranks
-(``docs/benchmarks.md``), the node layout was not reliably more accurate than ``rank`` (behind
-it at 15 epochs, ahead at 30, by a few validation images) and crossed the wire no faster than
-``rank`` on as many streams as the hosts have NICs; what it buys for certain is memory.
-"""
+A node of L ranks trains as one model (DDP or FSDP2 over the node) and shards its outer state:
+the flat model is cut into ``S = max L`` shards (``shard_bounds``), local rank j owning shards
+``[j·S//L, (j+1)·S//L)`` -- their θ_g, outer optimizer state and Δ, on CPU. Shard k is exchanged
+among its owners, one per replica (its shard group), so the groups line up across nodes of
+different sizes. Δ is weighted by the replica's rank count: H = 1 with outer SGD lr 1 and no
+momentum is DDP over all ranks whatever the node sizes. ``replica: auto`` is ``node`` when the
+job has several hosts and some host runs several ranks, else ``rank`` (which layout to take:
+docs/strategies/diloco.md)."""
 
 from __future__ import annotations
 
@@ -33,7 +24,7 @@ REPLICAS = ("rank", "node", "auto")
 INNERS = ("ddp", "fsdp")
 
 
-def check_replica(replica: str, inner: str, *, compression: str = "none", exchange: str = "auto") -> None:
+def check_replica(replica: str, inner: str, *, exchange: str = "auto") -> None:
     """The settings of ``replica``/``inner`` and what a node replica runs with (errors name the key)."""
     if replica not in REPLICAS:
         raise ValueError(f"replica: allowed values: {', '.join(REPLICAS)}; got {replica!r}")
@@ -119,15 +110,13 @@ class ReplicaLayout:
 
     def fsdp_units(self, rank: int, shapes: Sequence[Sequence[int]], buffers: int
                    ) -> tuple[list[tuple[int, ...]], dict[int, list[tuple[int, int, int]]]]:
-        """FSDP2 nodes: the exchange sets and this rank's spans in each. FSDP2 cuts a parameter
-        of R rows into L chunks of ceil(R/L) rows, so nodes of different sizes hold row ranges
-        that do not nest: each parameter is cut at the union of every node size's row cuts, and
-        each unit is exchanged among its holders (one rank per node). ``shapes``: the
-        parameters' global shapes; ``buffers``: the floating buffers' values, held whole by
-        every rank and exchanged with each shard group (``shard_group``) the rank is in. Returns
-        the sets (every rank's same list) and, per set this rank is in, ``(lo, hi, global)``:
-        the span's place in this rank's buffer ``[its shards | buffers]`` and in the whole
-        model's. With nodes of one size the sets are the shard groups, one per rank."""
+        """FSDP2 nodes: the exchange sets and this rank's spans in each. FSDP2 cuts a parameter of R
+        rows into L chunks of ceil(R/L) rows, so nodes of different sizes hold row ranges that do not
+        nest: each parameter is cut at every node size's row cuts, each unit exchanged among its holders
+        (one rank per node). ``shapes``: the parameters' global shapes; ``buffers``: the floating
+        buffers' values, held whole and exchanged with each of this rank's shard groups. Returns the
+        sets (the same list on every rank) and, per set this rank is in, its spans ``(lo, hi, global)``
+        in this rank's buffer ``[its shards | buffers]`` and in the whole model."""
         node = self.nodes[self.replica_of(rank)]
         mine, sizes = node.index(rank), sorted(set(self.sizes))
         sets: list[tuple[int, ...]] = []

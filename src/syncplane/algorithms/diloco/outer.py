@@ -1,36 +1,29 @@
 """The outer optimizer of DiLoCo-style training: global parameters and their optimizer on CPU.
 
-Local-SGD methods keep two models: the replica the inner optimizer trains, and the
-last globally agreed parameters ``θ_g``. ``θ_g`` is only touched once per round, so it
-lives in host memory as one flat fp32 tensor (pinned when a GPU exists, so copies to
-and from the device can run asynchronously) together with an ordinary torch
-optimizer over it; accelerator memory does not grow. The outer "gradient" is the
-averaged pseudo-gradient ``Δ = mean_i(θ_g − θ_i)``. One flat tensor is exactly the
-per-tensor update for element-wise optimizers (SGD, Nesterov, Adam(W)); optimizers
-that look at whole layers (LARS/LAMB) would see one big layer instead.
-No Lightning here: the bench and the strategy share it.
-"""
+θ_g, touched once per round, lives in host memory as one flat fp32 tensor (pinned with a GPU,
+so device copies can run asynchronously) with an ordinary torch optimizer over it; accelerator
+memory does not grow. Its gradient is the averaged pseudo-gradient ``Δ = mean_i(θ_g − θ_i)``.
+One flat tensor is exactly the per-tensor update for element-wise optimizers (SGD, Nesterov,
+Adam(W)); layer-wise ones (LARS/LAMB) would see one big layer."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 DEFAULT_OPTIMIZER = "torch.optim.SGD"
-#: DiLoCo's outer optimizer (Douillard et al.): Nesterov momentum.
-#: ``foreach``: on CPU torch's default is the single-tensor loop, whose Nesterov step allocates a
-#: fresh tensor of the model's size every round (32 MB: its page faults were most of the outer
-#: step on the loaded 2-core machine, ``syncplane bench --profile``); the foreach step works in
-#: place on the gradient (our mean Δ, overwritten right after) with the same arithmetic.
+#: DiLoCo's outer optimizer (Douillard et al.): Nesterov momentum. ``foreach``: on CPU torch's
+#: default single-tensor Nesterov step allocates a model-sized tensor every round; the foreach
+#: one works in place on the gradient (our mean Δ, overwritten right after), same arithmetic.
 DEFAULT_KWARGS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True, "foreach": True}
 #: The outer rules, each the default ``outer_kwargs`` of SGD: DiLoCo's Nesterov
 #: (``DEFAULT_KWARGS``), or SparseLoCo's ``θ_g ← θ_g − α·mean_r(Δ̂_r)``: plain SGD, no momentum --
 #: with ``compression: sparse`` the decayed error-feedback accumulator of each rank stands in for
-#: it (``sparse.py``); on dense Δ, lr 1 makes θ_g the replicas' mean. ``outer_kwargs`` override
+#: it (``comm.codecs.ErrorFeedback``); on dense Δ, lr 1 makes θ_g the replicas' mean. ``outer_kwargs`` override
 #: the rule's (α = ``lr``); another optimizer class takes ``outer_kwargs`` alone.
 OUTER_RULES = ("nesterov", "sparseloco")
 SPARSELOCO_KWARGS: dict[str, Any] = {"lr": 1.0, "momentum": 0.0, "foreach": True}
@@ -101,30 +94,15 @@ class OuterOptimizer:
         self.optimizer.step()
         self.params.grad = None
 
-    def round_(self, flat: torch.Tensor, average_: Callable[[torch.Tensor], bool]) -> bool:
-        """One outer round on ``flat = [θ_local | extras]`` (extras, e.g. floating buffers, are
-        averaged as they are): Δ replaces θ_local, ``average_`` replaces ``flat`` by its mean
-        over ranks (True if committed), the outer step runs, θ_g is written back into the head.
-
-        Returns False when the average was discarded; ``flat``'s head then holds this rank's
-        Δ, so callers keep θ_local elsewhere (the model) and retry next round.
-        """
-        self.begin_round_(flat)
-        if not average_(flat):
-            return False
-        self.finish_round_(flat)
-        return True
-
     def begin_round_(self, flat: torch.Tensor) -> None:
-        """First half of ``round_``: Δ replaces θ_local in ``flat``'s head. Split from the
-        second half so that the average can run in between while training goes on
-        (Streaming DiLoCo's overlapped rounds)."""
+        """A round's first half, on ``flat = [θ_local | extras]``: Δ replaces θ_local in the head;
+        the caller averages ``flat`` over the replicas (in the background, while training goes on)."""
         head = flat[: self.params.numel()]
         self.pseudo_gradient(head, out=head)
 
     def finish_round_(self, flat: torch.Tensor) -> None:
-        """Second half of ``round_``, once ``flat`` holds the committed mean: the outer step
-        with the head's mean Δ, then θ_g written back into the head."""
+        """Its second half, once ``flat`` holds the committed mean: the outer step with the head's
+        mean Δ, θ_g written back into the head (a discarded round skips it: θ_local is in the model)."""
         head = flat[: self.params.numel()]
         self.step(head)
         head.copy_(self.params)

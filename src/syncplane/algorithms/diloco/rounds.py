@@ -65,15 +65,11 @@ def check_resumed(state: Mapping[str, Any], settings: Mapping[str, Any]) -> None
 
 
 def check_exchange_resumed(state: Mapping[str, Any], running: Mapping[str, Any]) -> None:
-    """A checkpoint's exchange settings (``exchange_ran``) must be the ones this run built.
-
-    Refused rather than adopted: the checkpoint may have run settings a re-plan switched to
-    (``replan_every_s``) while this job's config says otherwise, and either silent choice breaks
-    something -- going back changes the numerics of a resume that must be bit-identical (the
-    residuals and the outer state were written by the other exchange), and taking the
-    checkpoint's over the config overrides what the user asked for. The error names the keys
-    and the values that resume it as it ran. A checkpoint written before they were recorded
-    is not checked."""
+    """A checkpoint's exchange settings (``exchange_ran``) must be the ones this run built. Refused,
+    not adopted: a re-plan (``replan_every_s``) may have switched them, and going back breaks the
+    bit-identical resume (the residuals and outer state were written by the other exchange) while
+    taking the checkpoint's overrides the config. The error names the keys and the values that
+    resume it as it ran. A checkpoint from before they were recorded is not checked."""
     saved = dict(state.get("exchange_ran") or {})
     if not saved:
         return

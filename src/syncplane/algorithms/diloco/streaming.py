@@ -1,26 +1,16 @@
 """Streaming DiLoCo's fragments (Douillard et al. 2025): θ_g in P pieces, synced in turn.
 
-Plain DiLoCo puts the whole pseudo-gradient on the wire once every H steps: a burst of
-the full model size, then silence. Streaming DiLoCo splits the parameters into P
-contiguous fragments and gives fragment p its own round at the steps where
-``(steps_done − offset_p) mod H = 0``, ``offset_p = p·H // P``: every fragment is still
-synchronized once per H steps, but only ~1/P of the model is exchanged at a time, so the
-peak bandwidth drops by ~P. With an overlap of τ ≥ 1 steps, a fragment's exchange runs
-on a background thread while training continues and its result is merged τ steps later
-as ``θ_local ← α·θ_local + (1 − α)·θ_g`` (the paper's mixing; α = 0 overwrites).
+Fragment p has its own round at the steps where ``(steps_done − offset_p) mod H = 0``,
+``offset_p = p·H // P``: each fragment is still synced once per H steps, but only ~1/P of the
+model is on the wire at a time (peak bandwidth ~P-fold lower). With an overlap of τ ≥ 1 steps
+its exchange runs on a background thread and its result is merged τ steps later as
+``θ_local ← α·θ_local + (1 − α)·θ_g`` (the paper's mixing; α = 0 overwrites).
 
-Fragments are cut by value count, exactly evenly, even through a tensor: the paper
-groups whole layers, but one big layer (a classifier head, an embedding) would then
-keep the peak high -- in the ``digits`` CNN one Linear holds 91 % of the values, so a
-cut at tensor boundaries could not go below 0.91 of the model for any P. Cutting a
-tensor is exact for element-wise outer optimizers, which ``OuterOptimizer``'s flat
-buffer assumes already. Floating buffers (BatchNorm statistics) travel with the last
-fragment.
-
-No Lightning here: ``FragmentedOuter`` owns the per-fragment outer state and the rounds
-between launch and merge; moving tensors between the model and the host buffer is the
-caller's job.
-"""
+Fragments are cut by value count, evenly, even through a tensor: whole layers would leave one
+big layer (a classifier head) keeping the peak high, and the cut is exact for the element-wise
+outer optimizers ``OuterOptimizer``'s flat buffer assumes. Floating buffers travel with the
+last fragment. ``FragmentedOuter`` owns the per-fragment outer state and the rounds between
+launch and merge; moving tensors between the model and the host buffer is the caller's."""
 
 from __future__ import annotations
 
@@ -82,27 +72,20 @@ class Round:
 
 
 class FragmentedOuter:
-    """θ_g as P fragments of the host buffer ``flat = [θ_local | extras]``, each with its own
-    outer optimizer, and the rounds launched but not merged yet.
-
-    Why one ``OuterOptimizer`` per fragment: a fragment's momentum (or Adam moments, and
-    Adam's step count) must advance only at that fragment's rounds. One optimizer over the
-    whole buffer, stepped with a zero gradient outside the fragment, would still decay the
-    other fragments' momentum and move their θ_g by it (SGD: ``b ← μb + 0``, ``θ ← θ − lr·b``)
-    at every fragment's round. Per-fragment optimizers over slices are also exactly the
-    dense optimizer for element-wise optimizers when P = 1.
+    """θ_g as P fragments of the host buffer ``flat = [θ_local | extras]``, each with its own outer
+    optimizer, and the rounds launched but not merged yet. One optimizer per fragment, because a
+    fragment's momentum (Adam's moments and step count) must advance only at its own rounds: one
+    optimizer over the buffer, stepped with a zero gradient elsewhere, would decay the others'
+    momentum and move their θ_g by it. For element-wise optimizers P = 1 is the dense optimizer.
 
     Args:
-        flat: the caller's host buffer; fragment p works in place on ``flat[a_p:b_p]``
-            (θ_local, then Δ, then its mean, then what to merge), which nothing else
-            touches between a fragment's launch and its merge.
+        flat: the caller's host buffer; fragment p works in place on ``flat[a_p:b_p]`` (θ_local,
+            Δ, its mean, what to merge), which nothing else touches from its launch to its merge.
         n_params: how many values of ``flat`` are parameters (the rest are extras).
-        fragments: P.
-        sync_every: H.
+        fragments, sync_every: P, H.
         optimizer, kwargs, pin, rule: as for ``OuterOptimizer``.
-        bounds: each fragment's ``[start, end)`` in ``flat`` when they are not the even cut
-            (``fragment_bounds``): a node replica's rank keeps only its piece of each.
-    """
+        bounds: each fragment's ``[start, end)`` in ``flat`` when not the even cut
+            (``fragment_bounds``): a node replica's rank keeps only its piece of each."""
 
     def __init__(self, flat: torch.Tensor, n_params: int, fragments: int, sync_every: int,
                  optimizer: str, kwargs: Mapping[str, Any] | None, pin: bool, rule: str = "nesterov",

@@ -1,15 +1,8 @@
-"""What ``DiLoCoEngine`` asks of the wire, as one object it is given: the seam that lets the
-round logic run on real gloo ranks (``GLOO``, the default) or on anything that plays the ranks
-(``tests/helpers/fake_transport.py`` runs n ranks' engines in threads of one process, with real
-tensor math, as torchft's tests mock its Manager; an elastic run can hand over groups of the
-current quorum).
-
-A ``Transport`` builds the groups of a node and the outer exchanges, and runs the two
-collectives the engine calls itself (the gather of a DDP node's θ_g pieces, the broadcast of a
-sharded model built on the meta device, the exact mean of the replicas for validation). An exchange (``Exchanger``) is what
-``syncplane.comm.StreamRunner`` offers: the mean of a flat fp32 buffer over its members, True if
-every member committed, with its error-feedback residuals as state.
-"""
+"""What ``DiLoCoEngine`` asks of the wire, as one object it is given: real gloo ranks (``GLOO``,
+the default) or anything that plays them (``tests/helpers/fake_transport.py``: n ranks' engines
+in threads, as torchft's tests mock its Manager; an elastic run hands over the quorum's groups).
+A ``Transport`` builds a node's groups and the outer exchanges (``Exchanger``: what
+``comm.StreamRunner`` offers) and runs the collectives the engine calls itself."""
 
 from __future__ import annotations
 
