@@ -124,6 +124,7 @@ def config_page(root: Path) -> str:
                                                           ("profile", "what it is"))]
             continue
         seen: dict[str, str] = {}
+        tables: list[tuple[str, list[list[str]]]] = []
         for path in files:
             rows = [[f"`{key}`", f"`{value}`" if value else "", _cell(comment)] for key, value, comment in yaml_keys(path)]
             if group == "strategy":
@@ -142,8 +143,24 @@ def config_page(root: Path) -> str:
                 table = "Sets " + ", ".join(plain) + ".\n" + ("\n" + table if rows else "")
             same = seen.setdefault(table, title)
             body = table if same == title else f"The same keys, defaults and meanings as [`{same}`](#{_anchor(same)}).\n"
+            if same == title and group == "strategy":
+                body = _as_an_earlier_table(rows, tables) or body
+                tables.append((title, rows))
             parts += [f"### `{title}`", "", body]
     return "\n".join(parts)
+
+
+def _as_an_earlier_table(rows: list[list[str]], earlier: list[tuple[str, list[list[str]]]]) -> str | None:
+    """``rows`` told as an earlier table of the group and what differs, when it shares most of
+    that table's rows and keys (``h_atc.yaml`` beside ``atc.yaml``); None otherwise."""
+    for title, other in earlier:
+        keys, other_keys = [row[0] for row in rows], [row[0] for row in other]
+        shared = [row for row in rows if row in other]
+        if set(keys) == set(other_keys) and 2 * len(shared) >= len(rows):
+            differing = [row for row in rows if row not in other]
+            return (f"The keys of [`{title}`](#{_anchor(title)}), with its defaults and meanings except:\n\n"
+                    + _table(differing, ("key", "value", "meaning")))
+    return None
 
 
 def _anchor(title: str) -> str:
