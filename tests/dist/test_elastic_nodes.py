@@ -41,25 +41,32 @@ def _drive(engine, model, optimizer, seed: int, rank: int, step: int, boundary=N
         boundary()
 
 
-def _config():
+def _config(inner: str = "ddp"):
     from syncplane.algorithms.diloco.config import DiLoCoConfig
 
-    return DiLoCoConfig(**KWARGS)
+    return DiLoCoConfig(**KWARGS, inner=inner)
 
 
-def fixed_nodes(rank: int, world: int, seed: int) -> tuple:
+def _values(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's parameter values (its FSDP2 shard of each under ``inner: fsdp``)."""
+    from syncplane.algorithms.sharded import local
+
+    return [local(p.detach()).clone() for p in model.parameters()]
+
+
+def fixed_nodes(rank: int, world: int, seed: int, inner: str = "ddp") -> tuple:
     from syncplane.algorithms.diloco.engine import DiLoCoEngine
     from syncplane.algorithms.diloco.layout import ReplicaLayout
     from syncplane.job import JobContext
 
     model = _model(seed)
-    engine = DiLoCoEngine(model, _config(), JobContext(rank=rank, world_size=world),
-                          ReplicaLayout.of_sizes([L] * (world // L)))
+    engine = DiLoCoEngine(model, _config(inner), JobContext(rank=rank, world_size=world),
+                          ReplicaLayout.of_sizes([L] * (world // L), inner))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
         _drive(engine, model, optimizer, seed, rank, step)
     engine.wait()
-    out = (engine.params.clone(), [p.detach().clone() for p in model.parameters()])
+    out = (engine.params.clone(), _values(model))
     engine.close()
     return out
 
@@ -73,7 +80,7 @@ def _share_port(port):
 
 
 def elastic_node(rank: int, world: int, node: int, lighthouse: str, seed: int, steps: range,
-                 total: int, ready: str | None = None, joins: bool = False) -> dict:
+                 total: int, ready: str | None = None, joins: bool = False, inner: str = "ddp") -> dict:
     """Node ``node``'s rank ``rank``: the engine over its own job's ranks, the exchange over the
     quorum. ``ready``: files the joining node's ranks (``joins``) create as they ask to join (they
     start once the other node has passed its first boundary: ``ready.go``); the other node waits
@@ -90,8 +97,8 @@ def elastic_node(rank: int, world: int, node: int, lighthouse: str, seed: int, s
 
     model = _model(seed)
     transport = QuorumTransport("127.0.0.1", 20.0)
-    engine = DiLoCoEngine(model, _config(), JobContext(rank=rank, world_size=world), ReplicaLayout.of_sizes([world]),
-                          transport=transport)
+    engine = DiLoCoEngine(model, _config(inner), JobContext(rank=rank, world_size=world),
+                          ReplicaLayout.of_sizes([world], inner), transport=transport)
     if joins and ready is not None:
         while not os.path.exists(f"{ready}.go"):
             time.sleep(0.05)
@@ -117,12 +124,12 @@ def elastic_node(rank: int, world: int, node: int, lighthouse: str, seed: int, s
         membership.join(group)
         if membership.healed:
             engine.adopt([p.data for p in model.parameters()])
-            out["heal"] = membership.stats.heals[-1]
+            out["heal"], out["adopted"] = membership.stats.heals[-1], _values(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in steps:
             _drive(engine, model, optimizer, seed, node * world + rank, step, boundary)
         engine.wait()
-        out["elastic"] = (engine.params.clone(), [p.detach().clone() for p in model.parameters()])
+        out["elastic"] = (engine.params.clone(), _values(model))
         out["view"] = (transport.view.participants, transport.view.rank, membership.position, group.step)
         out["owned"] = engine.owned
     finally:
@@ -139,18 +146,22 @@ def _nodes(lighthouse: str, seed: int, runs: list[tuple]) -> list[list[dict]]:
         return [f.result() for f in futures]
 
 
-def test_elastic_node_replicas_equal_the_fixed_job_of_nodes_bit_for_bit() -> None:
+@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
+def test_elastic_node_replicas_equal_the_fixed_job_of_nodes_bit_for_bit(inner: str) -> None:
+    """DDP inside the node (θ_g gathered over its ranks after each round), and FSDP2 (a rank's
+    outer shard is its FSDP shard)."""
     seed = int(torch.randint(0, 2**20, ()))
-    fixed = run_distributed(fixed_nodes, 2 * L, seed, timeout=240)
+    fixed = run_distributed(fixed_nodes, 2 * L, seed, inner, timeout=240)
     lighthouse = ft.start_lighthouse("127.0.0.1", min_replicas=2, join_timeout_s=30, heartbeat_timeout_s=5)
     try:
-        nodes = _nodes(lighthouse.address, seed, [(0, range(STEPS), 3), (1, range(STEPS), 3)])
+        nodes = _nodes(lighthouse.address, seed, [(0, range(STEPS), 3, None, False, inner),
+                                                  (1, range(STEPS), 3, None, False, inner)])
     finally:
         lighthouse.shutdown()
     for node, ranks in enumerate(nodes):
         for j, r in enumerate(ranks):
             assert r["view"] == (2, node, 3, 3), r["view"]   # every boundary committed, one quorum of both nodes
-            assert r["owned"] == [j]                          # local rank j owns shard j
+            assert r["owned"] == [j] or inner == "fsdp"       # local rank j owns shard j (FSDP: its one set)
             theta, params = fixed[node * L + j]
             e_theta, e_params = r["elastic"]
             assert torch.equal(theta, e_theta)
@@ -179,3 +190,7 @@ def test_a_node_that_comes_back_heals_each_shard_from_the_same_rank_of_a_live_no
         assert 0 < heal["bytes"] < 2 * 4 * n, (heal, n)
         assert torch.equal(live[j]["elastic"][0], joined[j]["elastic"][0])
         assert live[j]["view"] == (2, 0, 3, 3) and joined[j]["view"] == (2, 1, 3, 3), (live[j]["view"], joined[j]["view"])
+    # the healed shards, all-gathered over the node: both ranks start from the one whole θ_g
+    fresh = [p.detach() for p in _model(seed).parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(joined[0]["adopted"], joined[1]["adopted"]))
+    assert not any(torch.equal(a, b) for a, b in zip(joined[0]["adopted"], fresh))
