@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from syncplane import lightning_adapter
 from syncplane.cluster.profile import ClusterProfile
 from syncplane.algorithms.ddp import BASELINE
 from syncplane.config import ConfigError, parse_dataclass
@@ -129,10 +130,17 @@ class Auto(JobAware, DDPStrategy):
 
 def _install(replanner: Callback, trainer: pl.Trainer, module: pl.LightningModule) -> None:
     """Add ``replanner`` to the Trainer's callbacks (public: ``trainer.callbacks``) once the
-    chosen strategy is set up. Lightning has run its callbacks' ``setup`` by then, so it is called
-    here; the hooks the re-plan uses (each batch's end, ``state_dict``) all come later."""
+    chosen strategy is set up. Lightning has run its callbacks' ``setup`` and restored their
+    state from a resumed checkpoint by then (``Auto``'s ``restore_checkpoint_after_setup`` is
+    DDP's False), so both happen here, the re-plan's state before the strategy's own, as in
+    ``train.py`` (``Replanner.load_state_dict``; a chosen strategy that restores after its setup
+    has Lightning restore the same state once more). The hooks the re-plan uses (each batch's
+    end, ``state_dict``) all come later."""
     trainer.callbacks.append(replanner)
     replanner.setup(trainer, module, "fit")
+    state = lightning_adapter.loaded_checkpoint(trainer).get("callbacks", {}).get(replanner.state_key)
+    if state is not None:
+        replanner.load_state_dict(state)
 
 
 class PlannedDDP(JobAware, DDPStrategy):

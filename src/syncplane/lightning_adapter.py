@@ -22,6 +22,9 @@ What syncplane needs that Lightning has no public way for:
   ``Strategy.setup`` calls outside fitting too);
 - ``TimedModelCheckpoint``: a ``ModelCheckpoint`` whose saves are timed, and the step it last
   saved (``_save_checkpoint``, ``_last_global_step_saved``).
+- ``loaded_checkpoint``: the checkpoint a resuming fit loaded, for a callback a strategy adds
+  at its ``setup``, after Lightning restored the callbacks it had
+  (``Trainer._checkpoint_connector._loaded_checkpoint``).
 
 Where Lightning has a public way, syncplane uses it (``module.trainer``, ``trainer.train_dataloader``,
 ``DDPStrategy.configure_ddp`` and torch's ``register_comm_hook`` for comm hooks on any device).
@@ -116,6 +119,17 @@ def attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
         return module.trainer
     except RuntimeError:
         return None
+
+
+def loaded_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The checkpoint ``trainer``'s fit resumes from, as Lightning loaded it (it holds it from
+    before the strategy's ``setup`` until the training state is restored); empty when the fit
+    does not resume, or no longer holds it."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    loaded = getattr(connector, "_loaded_checkpoint", None)
+    if not isinstance(loaded, dict):
+        raise changed("Trainer._checkpoint_connector._loaded_checkpoint", "the checkpoint a resuming fit loaded")
+    return loaded
 
 
 def sync_module_states(module: torch.nn.Module) -> None:

@@ -134,3 +134,31 @@ def test_the_error_names_the_installed_lightning():
     message = str(adapter.changed("X._y", "why"))
     assert f"Lightning {adapter.LIGHTNING_VERSION} changed X._y (why)" in message
     assert pl.__version__ == adapter.LIGHTNING_VERSION
+
+
+class LoadedAtFitStart(Callback):
+    """What ``loaded_checkpoint`` gives where a strategy's ``setup`` has just run."""
+
+    def __init__(self) -> None:
+        self.loaded: dict | None = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.loaded = dict(adapter.loaded_checkpoint(trainer))
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_loaded_checkpoint_is_the_resumed_one_at_setup_and_empty_otherwise(fitted, tmp_path, resume):
+    trainer, _, _, checkpoint, _ = fitted
+    seen = LoadedAtFitStart()
+    again = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, limit_train_batches=3, limit_val_batches=0,
+                       logger=False, enable_progress_bar=False, enable_model_summary=False,
+                       enable_checkpointing=False, callbacks=[seen], default_root_dir=tmp_path)
+    again.fit(TinyRegressor(), datamodule=RegressionData(n=24), ckpt_path=checkpoint.best_model_path if resume else None)
+    require(seen.loaded is not None, "Trainer._checkpoint_connector._loaded_checkpoint")
+    assert seen.loaded is not None
+    if resume:
+        require(seen.loaded.get("global_step") == trainer.global_step, "Trainer._checkpoint_connector._loaded_checkpoint",
+                "the resumed checkpoint, held until the training state is restored")
+        assert "callbacks" in seen.loaded
+    else:
+        assert seen.loaded == {}

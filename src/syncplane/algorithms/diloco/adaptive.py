@@ -36,14 +36,9 @@ Gather = Callable[[float], list[float]]
 
 
 def plan_round(step_s: Sequence[float], slots: int, budget_s: float | None = None, pace: str = "median") -> list[int]:
-    """Every replica's inner steps for the next round from every replica's step time.
-
-    Args:
-        step_s: each replica's median step time in the last round (seconds, > 0).
-        slots: H, the batches of a round.
-        budget_s: the round's time budget; None = H x the ``pace`` of ``step_s``.
-        pace: ``median`` or ``fastest`` (``min``): the step time the default budget is H of.
-    """
+    """Every replica's inner steps for the next round from ``step_s``, every replica's median step
+    time in the last round (seconds, > 0), over ``slots`` = H; ``budget_s``: the round's budget,
+    None = H x the ``pace`` (``median`` or ``fastest``) of ``step_s``."""
     if budget_s is None:
         budget_s = slots * (min(step_s) if pace == "fastest" else statistics.median(step_s))
     return [min(slots, max(1, math.floor(budget_s * (1 + SLACK) / t))) for t in step_s]
@@ -86,19 +81,16 @@ def skipped_step_output() -> dict[str, Any]:
 
 
 class TimedRounds:
-    """This rank's side of the time-budgeted rounds: the decided step counts, the step
-    times measured in the current round, and the decision at its end.
+    """This rank's side of the time-budgeted rounds: the decided step counts, the step times
+    measured in the current round, and the decision at its end.
 
     Args:
-        slots: H.
-        world_size, rank: the replicas and this one.
-        budget_s: ``round_budget_s`` (None: H x the ``pace`` step time).
-        pace: ``median`` (``time_samples: drop``) or ``fastest`` (``share``), see ``plan_round``.
-        weighting: ``time_weighting``: ``samples`` or ``fednova`` (``WEIGHTINGS``).
-        replicas: the ranks of each replica (``replica: node``: a node's ranks train as one
-            model, so they compute on the same slots: the slowest rank's count); None: a
-            replica per rank.
-    """
+        slots, world_size, rank: H, the replicas and this one.
+        budget_s, pace: ``round_budget_s`` and the step time its default is H of (``plan_round``:
+            ``median`` with ``time_samples: drop``, ``fastest`` with ``share``).
+        weighting: ``time_weighting`` (``WEIGHTINGS``).
+        replicas: the ranks of each replica (``replica: node``: a node's ranks compute on the same
+            slots, the slowest rank's count); None: a replica per rank."""
 
     def __init__(self, slots: int, world_size: int, rank: int, budget_s: float | None = None,
                  weighting: str = "samples", pace: str = "median",

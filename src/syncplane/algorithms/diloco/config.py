@@ -129,9 +129,8 @@ class DiLoCoConfig:
     def _check_inner_steps(self) -> None:
         if self.inner_steps not in ("fixed", "time"):
             raise ValueError(f"inner_steps: allowed values: fixed, time; got {self.inner_steps!r}")
-        if self.round_budget_s is not None and (self.inner_steps != "time" or self.round_budget_s <= 0):
-            raise ValueError(f"round_budget_s: a positive number of seconds with inner_steps=time (or null), "
-                             f"got {self.round_budget_s!r} with inner_steps={self.inner_steps}")
+        if self.round_budget_s is not None and self.round_budget_s <= 0:   # read by inner_steps=time only
+            raise ValueError(f"round_budget_s: a positive number of seconds (or null), got {self.round_budget_s!r}")
         if self.time_weighting not in WEIGHTINGS:
             raise ValueError(f"time_weighting: allowed values: {', '.join(WEIGHTINGS)}; got {self.time_weighting!r}")
         if self.time_samples not in TIME_SAMPLES:

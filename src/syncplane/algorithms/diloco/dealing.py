@@ -29,24 +29,19 @@ TIME_SAMPLES = ("share", "drop")
 
 
 class DealtBatches(Sampler[list[int]]):
-    """A batch sampler for one rank: the batches the stream deals it, slot by slot.
-
-    The stream ends the epoch at the slot that deals its last batch; a rank that computes on a
-    slot but gets no batch (the stream ran out mid-slot), or that skips the slot, gets a
-    one-sample placeholder that its training step skips (``computes``). The sampler has no
-    length: the number of slots in an epoch depends on the speeds.
+    """A batch sampler for one rank: the batches the stream deals it, slot by slot. The stream ends
+    the epoch at the slot that deals its last batch; a rank that gets no batch on a slot (it skips
+    it, or the stream ran out) gets a one-sample placeholder its training step skips
+    (``computes``). No length: an epoch's slots depend on the speeds.
 
     Args:
         n_samples: the dataset's length.
-        batch_size, drop_last, shuffle, seed: the training loader's (``DistributedSampler``'s
-            seed): the epoch's permutation is ``randperm(n_samples)`` from ``seed + epoch``.
-        world_size, rank: the replicas and this one.
-        slots: H, the slots of a round.
-        counts: ``counts(round)`` -> every replica's agreed steps for that round (raises when the
-            round is not decided yet).
-        start: ``start()`` -> (the epoch, the global step it starts at), read when the epoch's
-            first batch is drawn (Lightning sets no epoch on a batch sampler).
-    """
+        batch_size, drop_last, shuffle, seed: the training loader's; the epoch's permutation is
+            ``randperm(n_samples)`` from ``seed + epoch``.
+        world_size, rank, slots: the replicas, this one, and H.
+        counts: ``counts(round)`` -> every replica's agreed steps (raises before the decision).
+        start: ``start()`` -> (the epoch, the global step it starts at), read when the epoch's first
+            batch is drawn (Lightning sets no epoch on a batch sampler)."""
 
     def __init__(self, n_samples: int, batch_size: int, drop_last: bool, shuffle: bool, seed: int, world_size: int,
                  rank: int, slots: int, counts: Callable[[int], Sequence[int]],

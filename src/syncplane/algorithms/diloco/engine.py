@@ -284,8 +284,7 @@ class DiLoCoEngine:
     def pop(self, fragment: int) -> Round:
         """Wait for and remove the fragment's round on every owned shard; committed if all were."""
         rounds = [self.outers[k].pop(fragment) for k in self.owned]
-        due = rounds[0].due
-        return Round(fragment, due, committed=all(bool(r.committed) for r in rounds),
+        return Round(fragment, rounds[0].due, committed=all(bool(r.committed) for r in rounds),
                      parts={k: bool(r.committed) for k, r in zip(self.owned, rounds)})
 
     def pop_due(self, done: int) -> list[Round]:
@@ -420,7 +419,8 @@ class DiLoCoEngine:
             self.load_state_dict(state)
             return
         if list(state["shards"]) != self.owned:
-            raise ValueError(f"the peer's state holds shards {state['shards']}, rank {self.rank} owns {self.owned}")
+            raise ValueError(f"the state (a checkpoint's or a peer's) holds shards {state['shards']}, rank "
+                             f"{self.rank} owns {self.owned}")
         for k, outer in zip(self.owned, state["outer"]):
             self.outers[k].load_state_dict(outer)
 
@@ -429,8 +429,7 @@ class DiLoCoEngine:
         its outer shards (θ_g, optimizer state, rounds waiting to merge)."""
         if self.layout.per_rank:
             return {"exchange": self.runners[self.owned[0]].state_dict()}
-        return {"shards": list(self.owned), "outer": [self.outers[k].state_dict() for k in self.owned],
-                "exchange": [self.runners[k].state_dict() for k in self.owned]}
+        return {**self.shard_state_dict(), "exchange": [self.runners[k].state_dict() for k in self.owned]}
 
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
@@ -438,8 +437,6 @@ class DiLoCoEngine:
         if self.layout.per_rank:
             self.runners[self.owned[0]].load_state_dict(state.get("exchange", {}))
             return
-        if list(state["shards"]) != self.owned:
-            raise ValueError(f"the checkpoint gives rank {self.rank} shards {state['shards']}, it owns {self.owned}")
         self.load_shard_state_dict(state)
         for k, exchange in zip(self.owned, state["exchange"]):
             self.runners[k].load_state_dict(exchange)

@@ -64,13 +64,9 @@ class OuterOptimizer:
 
     Args:
         initial: the starting global parameters (copied).
-        optimizer: class path of any ``torch.optim.Optimizer``.
-        kwargs: its keyword arguments; None means DiLoCo's defaults for the default
-            class (lr 0.7, momentum 0.9, Nesterov) and none for another class.
-        pin: pin the host buffer (default: when CUDA is available).
-        rule: ``nesterov`` (the above) or ``sparseloco`` (SGD without momentum, lr 1 unless
-            ``kwargs`` sets it; see ``rule_kwargs``).
-    """
+        optimizer, kwargs, rule: the class path of any ``torch.optim.Optimizer``, its keyword
+            arguments, and ``rule`` (``OUTER_RULES``) whose defaults SGD takes (``rule_kwargs``).
+        pin: pin the host buffer (default: when CUDA is available)."""
 
     def __init__(self, initial: torch.Tensor, optimizer: str = DEFAULT_OPTIMIZER,
                  kwargs: Mapping[str, Any] | None = None, pin: bool | None = None, rule: str = "nesterov") -> None:

@@ -49,9 +49,7 @@ def round_state(outer_state: Mapping[str, Any], settings: Mapping[str, Any], rou
     """A checkpoint's DiLoCo state: the outer state, the round ``settings`` (``sync_every``,
     ``fragments``, ``overlap_steps``, ``inner_steps``), the committed and discarded rounds, the
     time mode's agreed counts, and the ``exchange`` settings it ran with (``exchange_ran``)."""
-    return {**outer_state, "sync_every": settings["sync_every"], "fragments": settings["fragments"],
-            "overlap_steps": settings["overlap_steps"], "rounds": rounds, "skipped": skipped,
-            "inner_steps": settings["inner_steps"], "exchange_ran": dict(exchange),
+    return {**outer_state, **settings, "rounds": rounds, "skipped": skipped, "exchange_ran": dict(exchange),
             **({"timed": timed.state_dict()} if timed is not None else {})}
 
 
