@@ -87,7 +87,6 @@ def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
         layout = node_layout(replica, str(kwargs.get("inner", "ddp")), job)
         if _elastic(kwargs):
             check_elastic_nodes(replica, layout.sizes if layout is not None else [1] * job.world_size,
-                                membership=str(kwargs.get("membership", DiLoCoConfig.membership)),
                                 inner_steps=str(kwargs.get("inner_steps", "fixed")))
     topology = kwargs.get("topology", "auto")
     if topology != "auto" and not kwargs.get("elastic", False):
