@@ -119,9 +119,10 @@ def config_page(root: Path) -> str:
     for group, files in groups:
         parts += [f"## {group}", ""]
         if group == "cluster":
-            parts += ["Profiles (their keys: [cluster-profiles.md](../cluster-profiles.md)); `cluster=NAME` or "
-                      "`cluster=./mine.yaml`:", "", _table([[f"`{p.stem}`", _cell(_first_comment(p))] for p in files],
-                                                          ("profile", "what it is"))]
+            parts += ["`cluster=NAME` runs the job on an emulated copy of a profile, one of "
+                      + ", ".join(f"`{p.stem}`" for p in files) + " (each one's shape and use: "
+                      "[cluster-profiles.md](../cluster-profiles.md#shipped-profiles), its keys: "
+                      "[Keys](../cluster-profiles.md#keys)), or `cluster=./mine.yaml`.", ""]
             continue
         seen: dict[str, str] = {}
         tables: list[tuple[str, list[list[str]]]] = []

@@ -132,7 +132,7 @@ class ElasticDiLoCo(DiLoCo):
         board = RoundBoard(self._place().folder, f"replica{self._replica}") if self.quorum else None
         self._membership = Membership(self._quorum, ours, 0, engine.shard_state_dict, self._load_outer,
                                       on_event=self._record_event, board=board, hold_s=config.grace_s,
-                                      boundary_timeout_s=self.quorum_timeout_s)
+                                      boundary_timeout_s=self.quorum_timeout_s, agree=self._from_rank0)
         self.details["exchange"] = f"{engine.exchange_name} over the torchft quorum (elastic)"
 
     def _load_outer(self, state: Mapping[str, Any]) -> None:
@@ -140,12 +140,17 @@ class ElasticDiLoCo(DiLoCo):
 
     def _share_port(self, port: int | None) -> int:
         """A node replica's store port, rank 0's, to every rank of the node (``ft.ReplicaGroup``)."""
+        return int(self._from_rank0(port))
+
+    def _from_rank0(self, value: Any) -> Any:
+        """A node replica's rank 0's ``value`` on each of its ranks (a broadcast over the node)."""
+        if self.world_size == 1:
+            return value
         import torch.distributed as dist
 
-        box = [port]
+        box = [value]
         dist.broadcast_object_list(box, src=0)
-        assert box[0] is not None
-        return int(box[0])
+        return box[0]
 
     def _theta_digest(self) -> str:
         """θ_g's SHA-256: the whole model's with one rank per replica; a node's, the digest of its

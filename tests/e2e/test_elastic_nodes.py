@@ -5,7 +5,8 @@ second rank) is killed (SIGKILL) after step 4: the launcher ends host 1's other 
 other nodes go on without it (the round it broke is discarded by both), and after
 ``restart_delay_s`` host 1's two ranks start again together, join at a boundary and heal --
 each rank its own shard, from the same rank of a live node. Every replica ends the job with one
-θ_g (its ranks' shard digests, in its summary).
+θ_g (its ranks' shard digests, in its summary). Under ``membership: quorum`` a slowed node is left out
+of its rounds, trains on and rejoins as one (the second test).
 
 Timing: ``trainer.emulated_step_s=0.4`` paces the 56 steps, so the survivors are still training
 when the restarted node (back 6 s after the kill, some 10 s to start) asks to join; it heals
@@ -75,3 +76,37 @@ def test_a_killed_rank_takes_its_node_down_and_the_node_heals_shard_by_shard(tmp
     # the same job without the kill: 0.986 (module docstring)
     assert summaries[0]["metrics"]["val_acc"] > 0.986 - 0.03
     assert emulator.namespaces() == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(UNSUPPORTED is not None, reason=str(UNSUPPORTED))
+def test_a_slowed_node_under_membership_quorum_is_left_out_and_carries_its_work(tmp_path: Path) -> None:
+    """``membership: quorum`` with node replicas: from step 5 rank 3's steps take three times as
+    long, so its whole node (DDP waits for it) reaches its points after the grace: both of its
+    ranks call it late alike (rank 0's reading of the round board, broadcast over the node),
+    train on, rejoin at the next point, each healing its own shard, and carry their work; every
+    node ends the job."""
+    profile = tmp_path / "three_nodes.yaml"
+    profile.write_text(PROFILE)
+    run = tmp_path / "run"
+    try:
+        result = train("recipe=digits", "strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.replica=node",
+                       "strategy.kwargs.membership=quorum", "strategy.kwargs.min_replicas=2",
+                       "strategy.kwargs.grace_s=1.5", "strategy.kwargs.sync_every=4", f"cluster={profile}",
+                       "trainer.devices=6", "trainer.emulated_step_s=0.5", "trainer.max_steps=24",
+                       "trainer.max_epochs=100000", "trainer.check_val_every_n_epoch=100000", "seed=5",
+                       "+fault=[{kind:slow,rank:3,step:5,factor:3.0}]", f"hydra.run.dir={run}", timeout=400)
+    finally:
+        emulator.down()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    events = [r for r in map(json.loads, (run / "history.jsonl").read_text().splitlines()) if "event" in r]
+    assert {(e["replica"], e["rank"]) for e in events if e["event"] == "done"} == {(n, j) for n in range(3) for j in (0, 1)}
+    for rank in (0, 1):   # node 1's two ranks went through the same calls, each healing its own shard
+        mine = [e for e in events if e["replica"] == 1 and e["rank"] == rank and e["event"] != "round"]
+        kinds = [e["event"] for e in mine]
+        assert "late" in kinds and "heal" in kinds and "carried" in kinds, kinds
+        assert all(e["shards"] == [rank] for e in mine if e["event"] == "heal")
+        assert all(e["weight"] > 0 for e in mine if e["event"] == "carried")
+    calls = [[(e["event"], e["position"]) for e in events if e["replica"] == 1 and e["rank"] == rank
+              and e["event"] in ("late", "heal", "carried")] for rank in (0, 1)]
+    assert calls[0] == calls[1], calls

@@ -259,6 +259,21 @@ def test_links_resolve(doc):
     assert not broken, f"{_where(doc)}: broken links: {'; '.join(broken)}"
 
 
+def shipped_profiles_table_names(text: str) -> set[str]:
+    """The profile names (first column, backticked) of the table under ``## Shipped profiles``."""
+    section = text.split("## Shipped profiles", 1)[1].split("\n## ", 1)[0]
+    return {name for row in re.findall(r"^\| (.+?) \|", section, re.M) for name in re.findall(r"`([a-z0-9_]+)`", row)}
+
+
+def test_the_shipped_profiles_table_lists_every_profile():
+    """The one hand-written list of profiles (shape and use) cannot lose one: the reference links it."""
+    listed = shipped_profiles_table_names((ROOT / "docs" / "cluster-profiles.md").read_text())
+    shipped = {p.stem for p in (ROOT / "configs" / "cluster").glob("*.yaml")}
+    assert shipped <= listed, f"docs/cluster-profiles.md's shipped profiles lack {', '.join(sorted(shipped - listed))}"
+    planted = "## Shipped profiles\n\n| name | shape |\n|---|---|\n| `two_racks` | 2 racks |\n\n## Next\n| `local` | x |\n"
+    assert shipped_profiles_table_names(planted) == {"two_racks"}
+
+
 def test_readme_links_every_guide():
     text = (ROOT / "README.md").read_text()
     guides = [d for d in DOCS[1:] if d.parent.name in ("docs", "strategies")]

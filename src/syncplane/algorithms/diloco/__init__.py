@@ -24,6 +24,7 @@ from syncplane.job import JobContext
 from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, ElasticLaunch, LaunchSettings, QuorumService, Switch
 from syncplane.cluster.cost import Phase
 from syncplane.cluster.profile import ClusterProfile
+from syncplane.comm.codecs import Codec
 from syncplane.exchanges.cpu import CpuWork
 
 
@@ -35,19 +36,21 @@ def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
     where it is node): ``cost.node_cost``, the shards' exchanges across nodes and DDP inside them."""
     layout = priced_layout(options.replica, profile)
     if layout is not None:
-        codec = delta_codec(options.compression, density=options.density, bits=options.bits)
+        codec = _codec(options, options.compression)
         return node_cost(layout, payload_bytes, options.period, options.streams, codec, options.compression == "sparse")
-    compression = carried(options.pattern, options.compression)
-    codec = delta_codec(compression, density=options.density, bits=options.bits)
-    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, compression, codec)
+    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, options.compression,
+                               _codec(options, carried(options.pattern, options.compression)))
     return [exchange] + [[] for _ in range(options.period - 1)]
 
 
 def diloco_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
     """One round's CPU work: the outer step and the exchange's coding, at ``options``' codec."""
-    compression = carried(options.pattern, options.compression)
-    codec = delta_codec(compression, density=options.density, bits=options.bits)
-    return exchange_cpu_work(profile, payload_bytes, options.pattern, compression, codec)
+    return exchange_cpu_work(profile, payload_bytes, options.pattern, options.compression,
+                             _codec(options, carried(options.pattern, options.compression)))
+
+
+def _codec(options: CostOptions, compression: str) -> Codec:
+    return delta_codec(compression, density=options.density, bits=options.bits)
 
 
 def priced_layout(replica: str, profile: ClusterProfile) -> ReplicaLayout | None:
@@ -84,7 +87,6 @@ def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
         layout = node_layout(replica, str(kwargs.get("inner", "ddp")), job)
         if _elastic(kwargs):
             check_elastic_nodes(replica, layout.sizes if layout is not None else [1] * job.world_size,
-                                membership=str(kwargs.get("membership", DiLoCoConfig.membership)),
                                 inner_steps=str(kwargs.get("inner_steps", "fixed")))
     topology = kwargs.get("topology", "auto")
     if topology != "auto" and not kwargs.get("elastic", False):

@@ -342,12 +342,15 @@ class Membership:
         outer_state / load_outer_state: the engine's outer state (what a heal carries).
         on_event: called with a JSON-able record for every membership change, heal and
             discarded round (the glue appends them to ``history.jsonl``).
+        agree: a node replica's ranks' one call on what the board says (``membership: quorum``:
+            late or on time; rank 0's, broadcast over the node), so that they act as one.
     """
 
     def __init__(self, transport: QuorumTransport, fingerprint: Mapping[str, Any], total: int,
                  outer_state: Callable[[], dict[str, Any]], load_outer_state: Callable[[Mapping[str, Any]], None],
                  on_event: Callable[[dict[str, Any]], None] | None = None, board: RoundBoard | None = None,
-                 hold_s: float = 5.0, boundary_timeout_s: float = 120.0) -> None:
+                 hold_s: float = 5.0, boundary_timeout_s: float = 120.0,
+                 agree: Callable[[bool], bool] | None = None) -> None:
         self.transport, self.fingerprint, self.total = transport, dict(fingerprint), int(total)
         self.board, self.hold_s, self.boundary_timeout_s = board, hold_s, boundary_timeout_s
         self.carrying = False       # quorum: a late replica's heal keeps its work since its last commit
@@ -359,6 +362,7 @@ class Membership:
         self._quorum_id: int | None = None
         self._size = 0
         self._on_event = on_event or (lambda record: None)
+        self._agree = agree or (lambda value: value)
         self._pending: dict[int, float] = {}   # periods of local work per fragment not yet in θ_g
         self.work = 1.0             # periods of local work this period's rounds add (quorum: the caller's count)
 
@@ -437,7 +441,7 @@ class Membership:
         it; it trains on while ``late()`` and then ``rejoin``s."""
         self.vote()
         if self.board is not None:
-            if self.board.formed() >= self.position:
+            if self._agree(self.board.formed() >= self.position):
                 self._on_event({"event": "late", "position": self.position})
                 return False
             self.board.arrive(self.position, self.hold_s)
@@ -448,7 +452,7 @@ class Membership:
 
     def late(self) -> bool:
         """``quorum``: True while this late replica waits for the next point to open."""
-        return self.board is not None and self.board.late(self.position)
+        return self.board is not None and self._agree(self.board.late(self.position))
 
     def rejoin(self, missed: float) -> None:
         """``quorum``: a late (or restarted) replica enters the next point's quorum, behind by one

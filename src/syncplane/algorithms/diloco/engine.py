@@ -340,38 +340,39 @@ class DiLoCoEngine:
 
     def adopt(self, tensors: Sequence[torch.Tensor]) -> None:
         """The live model's parameters take this rank's θ_g (an elastic heal replaced it; the
-        floating buffers stay the replica's own). A DDP node: a collective of its ranks, which
-        all-gather their healed shards, so that every rank holds the whole θ_g."""
-        tensors = [local(t) for t in tensors]
-        gather = not self.sharded and not self.runs and len(self.node) > 1
-        if gather:
-            self.host.to_host(tensors)   # the buffers' values, which the gather carries unchanged
-        for k in self.owned:
-            fragmented = self.outers[k]
-            for (a, _), outer in zip(fragmented.bounds, fragmented.outers):
-                n = outer.params.numel()
-                self.host.buffer[a:a + n].copy_(outer.params)
-                if not gather:
-                    self.host.from_host(tensors, a, a + n)
-        if gather:
-            for fragment in range(len(self.local)):
-                self._gather(fragment)
-            self.host.from_host(tensors)
+        floating buffers stay the replica's own)."""
+        self._into_model(tensors, lambda values, params, at: values.copy_(params))
 
     def rebase(self, tensors: Sequence[torch.Tensor], old: torch.Tensor) -> None:
         """The live model's parameters moved by θ_g's change since ``old`` (an earlier ``params``):
         a late elastic replica healed keeps its own work on top of the θ_g it missed, so its next
         Δ = θ_g − θ_local is the one it would have sent against ``old`` (its work is carried)."""
+        self._into_model(tensors, lambda values, params, at: values.add_(params - old[at:at + params.numel()]))
+
+    def _into_model(self, tensors: Sequence[torch.Tensor],
+                    change: Callable[[torch.Tensor, torch.Tensor, int], None]) -> None:
+        """``change(values, θ_g, at)`` on the live model's values of each owned piece (``at``: the
+        piece's place in ``params``). A DDP node: a collective of its ranks, which all-gather
+        their changed pieces, so that every rank holds the whole result."""
         tensors = [local(t) for t in tensors]
+        gather = not self.sharded and not self.runs and len(self.node) > 1
+        if gather:
+            self.host.to_host(tensors)   # the others' pieces and the buffers, carried by the gather unchanged
         at = 0
         for k in self.owned:
             fragmented = self.outers[k]
             for (a, _), outer in zip(fragmented.bounds, fragmented.outers):
                 n = outer.params.numel()
-                self.host.to_host(tensors, a, a + n)
-                self.host.buffer[a:a + n].add_(outer.params - old[at:at + n])
-                self.host.from_host(tensors, a, a + n)
+                if not gather:
+                    self.host.to_host(tensors, a, a + n)
+                change(self.host.buffer[a:a + n], outer.params, at)
+                if not gather:
+                    self.host.from_host(tensors, a, a + n)
                 at += n
+        if gather:
+            for fragment in range(len(self.local)):
+                self._gather(fragment)
+            self.host.from_host(tensors)
 
     @property
     def params(self) -> torch.Tensor:

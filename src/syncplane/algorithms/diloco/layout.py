@@ -201,18 +201,15 @@ def elastic_nodes(replica: str, sizes: Sequence[int]) -> bool:
     return replica == "node" or (replica == "auto" and len(sizes) > 1 and max(sizes) > 1)
 
 
-def check_elastic_nodes(replica: str, sizes: Sequence[int], *, membership: str, inner_steps: str) -> None:
+def check_elastic_nodes(replica: str, sizes: Sequence[int], *, inner_steps: str) -> None:
     """What elastic node replicas refuse, before launch (errors name the key): hosts of
     different sizes, whose shards do not line up rank by rank (module docstring: on 2+1 the
     lone rank owns both shards, while a torchft replica group meets the other nodes once per
-    local rank), and the settings whose per-replica decisions a node's ranks would each make
-    alone (``membership: quorum``'s late/on-time call, ``inner_steps: time``'s plan: a rank
-    that decided otherwise than its node's others would leave their DDP collective waiting)."""
+    local rank), and ``inner_steps: time``, whose plan each of a node's ranks would agree alone
+    over the quorum (a rank that planned otherwise than its node's others would leave their
+    DDP collective waiting)."""
     if not elastic_nodes(replica, sizes):
         return
-    if membership == "quorum":
-        raise ValueError(f"membership=quorum with replica={replica!r} and elastic=true: a node's ranks would each "
-                         "decide alone whether they are late for a round; use membership=fixed or replica='rank'")
     if inner_steps == "time":
         raise ValueError(f"inner_steps=time with replica={replica!r} and elastic=true: a node's ranks would each "
                          "agree their own plan over the quorum; use inner_steps=fixed or replica='rank'")
