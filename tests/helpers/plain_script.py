@@ -9,7 +9,9 @@ in DIR. ``--step-s S``: each training step also waits S seconds (a job that last
 
 ``--fault stop|kill --fault-rank R --fault-step S``: rank R stops (SIGSTOP) or dies (SIGKILL)
 after step S, first writing the time (``time.time()``) to ``--mark`` -- what a test times the
-job's end from; a process that torchrun restarted (``TORCHELASTIC_RESTART_COUNT``) does not fail again.
+job's end from; a process that torchrun restarted (``TORCHELASTIC_RESTART_COUNT``) does not fail
+again and removes the mark as it starts training. ``--hold-step H --hold-file F``: from step H on,
+each step waits while F exists (a survivor that waits for a restarted peer, however slow its start).
 """
 
 from __future__ import annotations
@@ -38,9 +40,23 @@ class Pace(pl.Callback):
         time.sleep(self.seconds)
 
 
+class Hold(pl.Callback):
+    def __init__(self, step: int, file: Path, timeout_s: float = 120.0) -> None:
+        self.step, self.file, self.timeout_s = step, file, timeout_s
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        deadline = time.monotonic() + self.timeout_s
+        while trainer.global_step >= self.step and self.file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 class Fault(pl.Callback):
     def __init__(self, kind: str, rank: int, step: int, mark: Path | None) -> None:
         self.kind, self.rank, self.step, self.mark = kind, rank, step, mark
+
+    def on_train_start(self, trainer, pl_module):
+        if self.mark is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            self.mark.unlink(missing_ok=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
@@ -63,6 +79,8 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=5)
     parser.add_argument("--mark", type=Path)
+    parser.add_argument("--hold-step", type=int)
+    parser.add_argument("--hold-file", type=Path)
     parser.add_argument("--out", type=Path, default=Path("plain_run"))
     parser.add_argument("--report", type=Path)
     parser.add_argument("--accept", default="exact", help="Auto's accept: exact or approximate")
@@ -73,6 +91,8 @@ def main() -> None:
     callbacks: list[pl.Callback] = [Fault(args.fault, args.fault_rank, args.fault_step, args.mark)] if args.fault else []
     if args.step_s:
         callbacks.append(Pace(args.step_s))
+    if args.hold_file is not None:
+        callbacks.append(Hold(args.hold_step or 0, args.hold_file))
     if args.report is not None:
         callbacks.append(syncplane.RunReport(args.report, args.strategy.split(":")[0], "boring"))
     strategy = (syncplane.Auto(cluster=args.strategy.split(":", 1)[1], accept=args.accept, compute_ms=5.0,
