@@ -111,13 +111,14 @@ class DiLoCo(SyncplaneStrategy):
         if self.inner_steps == "time":
             check_weighting(self.config.time_weighting,
                             sum(b.is_floating_point() for b in self.lightning_module.buffers()))
-            self._timed = self._timed_rounds(self.world_size, self.global_rank)
+            self._timed = self._timed_rounds(self.world_size, self.global_rank, self.engine.layout.nodes)
 
-    def _timed_rounds(self, replicas: int, rank: int) -> TimedRounds:
-        """``inner_steps=time``'s plan over ``replicas`` (this one's index ``rank``)."""
+    def _timed_rounds(self, replicas: int, rank: int, nodes: Any = None) -> TimedRounds:
+        """``inner_steps=time``'s plan over ``replicas`` (this one's index ``rank``); ``nodes``: the
+        ranks of each node replica, which compute on the same slots."""
         pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
         return TimedRounds(self.sync_every, replicas, rank, self.config.round_budget_s, self.config.time_weighting,
-                           pace, replicas=self.engine.layout.nodes if replicas == self.world_size else None)
+                           pace, replicas=nodes)
 
     def _decide(self, timed: TimedRounds, done: int) -> None:
         """The next round's inner steps, from every rank's step times (a collective)."""

@@ -273,7 +273,8 @@ class ElasticDiLoCo(DiLoCo):
 
     def _plan_time(self, done: int) -> None:
         """``inner_steps=time``: the plan over the quorum just formed (a new one at a membership
-        change, every replica first computing every slot: a joiner has measured nothing)."""
+        change, every replica first computing every slot: a joiner has measured nothing). A node
+        replica's step time is its slowest rank's, so that its ranks plan alike."""
         membership = self._membership
         if self._timed is None or membership is None or membership.group is None or membership.done:
             return
@@ -283,8 +284,19 @@ class ElasticDiLoCo(DiLoCo):
         if view.quorum_id != self._timed_quorum:
             self._timed, self._timed_quorum = self._timed_rounds(view.participants, view.rank), view.quorum_id
         group = membership.group
-        self.details["round_steps"] = self._timed.decide(lambda value: group.gather_floats(value, view),
-                                                         done // self.sync_every)
+        self.details["round_steps"] = self._timed.decide(
+            lambda value: group.gather_floats(self._slowest(value), view), done // self.sync_every)
+
+    def _slowest(self, value: float) -> float:
+        """The largest of a node replica's ranks' ``value`` (an all-reduce over the node)."""
+        if self.world_size == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        box = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return float(box.item())
 
     @override
     def _merge(self, round_: Round) -> None:

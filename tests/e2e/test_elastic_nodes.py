@@ -6,7 +6,8 @@ other nodes go on without it (the round it broke is discarded by both), and afte
 ``restart_delay_s`` host 1's two ranks start again together, join at a boundary and heal --
 each rank its own shard, from the same rank of a live node. Every replica ends the job with one
 θ_g (its ranks' shard digests, in its summary). Under ``membership: quorum`` a slowed node is left out
-of its rounds, trains on and rejoins as one (the second test).
+of its rounds, trains on and rejoins as one (the second test); ``inner_steps: time`` plans a slowed node
+as one (the third).
 
 Timing: ``trainer.emulated_step_s=0.4`` paces the 56 steps, so the survivors are still training
 when the restarted node (back 6 s after the kill, some 10 s to start) asks to join; it heals
@@ -110,3 +111,26 @@ def test_a_slowed_node_under_membership_quorum_is_left_out_and_carries_its_work(
     calls = [[(e["event"], e["position"]) for e in events if e["replica"] == 1 and e["rank"] == rank
               and e["event"] in ("late", "heal", "carried")] for rank in (0, 1)]
     assert calls[0] == calls[1], calls
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(UNSUPPORTED is not None, reason=str(UNSUPPORTED))
+def test_time_budgeted_rounds_plan_a_slowed_node_as_one(tmp_path: Path) -> None:
+    """``inner_steps: time`` with node replicas on ``multi_nic`` (2 hosts of 2): from step 2 rank 3
+    is three times as slow; a node's step time is its slowest rank's, so host 1's two ranks
+    agree one plan with host 0 over the quorum (DDP inside it would hang on a split one), and
+    host 1 computes fewer of a round's slots."""
+    run = tmp_path / "run"
+    try:
+        result = train("strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.replica=node",
+                       "strategy.kwargs.inner_steps=time", "strategy.kwargs.sync_every=5", "cluster=multi_nic",
+                       "trainer.devices=4", "trainer.max_epochs=2", "trainer.emulated_step_s=0.2",
+                       "+fault=[{kind:slow,rank:3,step:2,factor:3.0}]", "seed=6", f"hydra.run.dir={run}", timeout=400)
+    finally:
+        emulator.down()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    details = [json.loads(p.read_text())["strategy_details"] for p in [run / "summary.json", run / "replica1" / "summary.json"]]
+    assert details[0]["round_steps"] == details[1]["round_steps"], details
+    fast, slow = details[0]["round_steps"]
+    assert slow < fast == 5, details[0]["round_steps"]
+    assert len({d["elastic"]["theta_sha256"] for d in details}) == 1

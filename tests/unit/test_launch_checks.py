@@ -197,14 +197,12 @@ def test_canary_nested_is_checked_against_the_emulated_clusters_profile(tmp_path
     ({"replica": "node"}, ("homogeneous8", 8), "replica='node' on a job of one rank per host"),
     ({"replica": "node"}, (None, 5, 2), "replica='node': the job's nodes do not divide"),
     ({"replica": "node", "elastic": True}, ("asymmetric_2_3", 5), "replica='node' with elastic=true needs hosts of one size"),
-    ({"replica": "auto", "elastic": True, "inner_steps": "time"}, ("multi_nic", 4),
-     "inner_steps=time with replica='auto' and elastic=true"),
     ({"replica": "node", "exchange": "tree"}, ("multi_nic", 4), "replica='node' exchanges each outer shard"),
 ], ids=lambda v: str(v)[:30])
 def test_diloco_node_replicas_refuse_a_job_they_cannot_run_naming_the_key(kwargs, job, key):
     """``replica: node`` needs hosts of several ranks that divide the job (the profile's hosts,
     or ``LOCAL_WORLD_SIZE`` under torchrun); the tree, and in elastic mode hosts of different
-    sizes and ``inner_steps: time``, are refused by name."""
+    sizes, are refused by name."""
     from syncplane.cluster import load_profile
     from syncplane.job import JobContext
     from syncplane.strategies import registry
@@ -223,8 +221,8 @@ def test_diloco_node_replicas_take_the_hosts_of_the_profile_or_the_launcher():
     from syncplane.strategies import registry
 
     registry.validate("diloco", {"replica": "node"}, JobContext.planned(4, load_profile("multi_nic")))
-    for membership in ("fixed", "quorum"):
-        registry.validate("diloco", {"replica": "node", "elastic": True, "membership": membership},
+    for settings in ({"membership": "quorum"}, {"inner_steps": "time"}):
+        registry.validate("diloco", {"replica": "node", "elastic": True, **settings},
                           JobContext.planned(4, load_profile("multi_nic")))
     assert node_layout("node", "ddp", JobContext(world_size=8, local_world_size=4)).sizes == [4, 4]
     assert node_layout("auto", "ddp", JobContext.planned(5, load_profile("asymmetric_2_3"))).sizes == [2, 3]

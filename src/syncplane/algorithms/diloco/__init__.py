@@ -86,8 +86,7 @@ def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
     if job.elastic is None:
         layout = node_layout(replica, str(kwargs.get("inner", "ddp")), job)
         if _elastic(kwargs):
-            check_elastic_nodes(replica, layout.sizes if layout is not None else [1] * job.world_size,
-                                inner_steps=str(kwargs.get("inner_steps", "fixed")))
+            check_elastic_nodes(replica, layout.sizes if layout is not None else [1] * job.world_size)
     topology = kwargs.get("topology", "auto")
     if topology != "auto" and not kwargs.get("elastic", False):
         check_topology(topology, job)

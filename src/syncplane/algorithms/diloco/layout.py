@@ -201,19 +201,12 @@ def elastic_nodes(replica: str, sizes: Sequence[int]) -> bool:
     return replica == "node" or (replica == "auto" and len(sizes) > 1 and max(sizes) > 1)
 
 
-def check_elastic_nodes(replica: str, sizes: Sequence[int], *, inner_steps: str) -> None:
-    """What elastic node replicas refuse, before launch (errors name the key): hosts of
+def check_elastic_nodes(replica: str, sizes: Sequence[int]) -> None:
+    """What elastic node replicas refuse, before launch (the error names the key): hosts of
     different sizes, whose shards do not line up rank by rank (module docstring: on 2+1 the
     lone rank owns both shards, while a torchft replica group meets the other nodes once per
-    local rank), and ``inner_steps: time``, whose plan each of a node's ranks would agree alone
-    over the quorum (a rank that planned otherwise than its node's others would leave their
-    DDP collective waiting)."""
-    if not elastic_nodes(replica, sizes):
-        return
-    if inner_steps == "time":
-        raise ValueError(f"inner_steps=time with replica={replica!r} and elastic=true: a node's ranks would each "
-                         "agree their own plan over the quorum; use inner_steps=fixed or replica='rank'")
-    if len(set(sizes)) <= 1:
+    local rank, shard j among the local ranks j)."""
+    if not elastic_nodes(replica, sizes) or len(set(sizes)) <= 1:
         return
     raise ValueError(f"replica={replica!r} with elastic=true needs hosts of one size (these run {list(sizes)} "
                      "ranks): local rank j of every node owns shard j and heals it from shard j of a live node, "
