@@ -9,9 +9,10 @@ Two sources, one result (``Topology``):
 - **a probe**: short timed exchanges between every pair of ranks, scheduled as a
   round-robin tournament (circle method) -- ``n − 1`` rounds of ``n/2`` concurrent pairs,
   so probing takes O(n) rounds instead of O(n²) sequential transfers. Hosts come from
-  the launcher's node rank (``GROUP_RANK``); racks by clustering the host-to-host
-  bandwidth at its largest gap (a rack is a set of hosts that reach each other much
-  faster than they reach the rest).
+  the launcher's node rank (``GROUP_RANK``); racks by splitting the host-to-host links into
+  fast and slow (``rack_threshold``: Otsu's split of log bandwidth, not the single largest
+  gap) and grouping hosts whose fast neighbourhoods agree (``cluster_racks``): a rack is a set
+  of hosts that reach each other much faster than they reach the rest.
 
   The tournament's concurrent pairs share rack uplinks, so a slow (cross-rack) pair's rate
   is only a share of it: those pairs are timed again in rounds where no group of close
