@@ -94,7 +94,7 @@ def test_a_slowed_node_under_membership_quorum_is_left_out_and_carries_its_work(
         result = train("recipe=digits", "strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.replica=node",
                        "strategy.kwargs.membership=quorum", "strategy.kwargs.min_replicas=2",
                        "strategy.kwargs.grace_s=1.5", "strategy.kwargs.sync_every=4", f"cluster={profile}",
-                       "trainer.devices=6", "trainer.emulated_step_s=0.5", "trainer.max_steps=24",
+                       "trainer.devices=6", "trainer.emulated_step_s=0.5", "trainer.max_steps=16",
                        "trainer.max_epochs=100000", "trainer.check_val_every_n_epoch=100000", "seed=5",
                        "+fault=[{kind:slow,rank:3,step:5,factor:3.0}]", f"hydra.run.dir={run}", timeout=400)
     finally:
