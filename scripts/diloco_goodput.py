@@ -134,7 +134,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     doc = {"title": "Elastic DiLoCo goodput under failures: fixed membership vs a quorum with a grace window",
            "created": datetime.date.today().isoformat(), "commit": commit,
-           "command": "python scripts/diloco_goodput.py " + " ".join(sys.argv[1:]),
+           "command": " ".join(["python scripts/diloco_goodput.py", *sys.argv[1:]]),
            "about": (f"digits, {REPLICAS} elastic replicas on the emulated wan_two_sites, H={args.sync_every}, emulated step "
                      f"{args.step_s} s, {args.rounds} rounds; a replica killed mid-round every {args.every} rounds "
                      f"({len(faults)} kills, each restarted after 1 s); quorum: grace {args.grace_s} s, min_replicas 2. "

@@ -157,7 +157,7 @@ def main() -> None:
     doc = {"title": "Elastic DiLoCo: healing a " + ("node replica's sharded" if node else "replica's") +
                     " outer state from a live peer",
            "created": datetime.date.today().isoformat(), "commit": commit,
-           "command": "python scripts/diloco_heal.py " + " ".join(sys.argv[1:]),
+           "command": " ".join(["python scripts/diloco_heal.py", *sys.argv[1:]]),
            "about": (f"{args.params / 1e6:.0f}M-parameter θ_g + Nesterov momentum (fp32) over torchft's Manager "
                      f"(PGTransport on the replica gloo group), {where}, from the peer's round boundary (quorum, "
                      "transfer, load); load s = loading the received state. "
