@@ -1,13 +1,13 @@
 """How long an elastic DiLoCo replica takes to heal a large outer state from a live peer.
 
-Two processes on loopback, each a ``Membership`` (elastic DiLoCo's, around an outer optimizer) over torchft's ``Manager`` (the real path:
-``syncplane.algorithms.diloco.ft.ReplicaGroup``, ``PGTransport`` over the replica gloo group),
-around a Lighthouse in this process. The peer holds θ_g of ``--params`` values and its outer
-optimizer's state (DiLoCo's Nesterov momentum: as many values again), commits one round alone,
-then admits the joiner at its next quorum; the joiner, one step behind, heals: θ_g, the
-momentum and the round position. Timed: from the peer's round boundary (its call for the
-quorum the joiner is waiting in) to the joiner holding the state (quorum, transfer, load), and
-the load alone. Writes ``docs/results/diloco_heal.json``.
+Two processes on loopback, each a ``Membership`` (elastic DiLoCo's, around an outer optimizer) over
+torchft's ``Manager`` (the real path: ``syncplane.algorithms.diloco.ft.ReplicaGroup``,
+``PGTransport`` over the replica gloo group), around a Lighthouse in this process. The peer holds
+θ_g of ``--params`` values and its outer optimizer's state (DiLoCo's Nesterov momentum: as many
+values again), commits one round alone, then admits the joiner at its next quorum; the joiner, one
+step behind, heals: θ_g, the momentum and the round position. Timed: from the peer's round boundary
+(its call for the quorum the joiner is waiting in) to the joiner holding the state (quorum,
+transfer, load), and the load alone. Writes ``docs/results/diloco_heal.json``.
 
 ``--ranks-per-replica L`` (> 1): each replica is a node of L processes (a gloo group of its own)
 and one torchft replica group of L ranks, as elastic ``replica=node`` runs it; rank j holds

@@ -98,8 +98,8 @@ def launch_elastic(command: list[str], spec: JobSpec, run_dir: Path, env: dict[s
     """Start the quorum service, then one independent replica per rank (each a Lightning job
     of one process with its own file-store rendezvous), or per host where the strategy's
     family asks for it (``ElasticLaunch.per_host``: a Lightning job of the host's ranks, which
-    fail and restart together), restarting a failed replica up to ``trainer.max_restarts`` times. The service lives as long as this launcher: in this
-    process on loopback for a local job; on an emulated cluster, as a process on host 0
+    fail and restart together), restarting a failed replica up to ``trainer.max_restarts``
+    times. The service lives as long as this launcher: in this process on loopback for a local job; on an emulated cluster, as a process on host 0
     bound to that host's first NIC (``syncplane.runtime.lighthouse``), and each replica's
     own servers bind its host's first NIC. The service, its timeouts and a local job's bind
     address are the strategy's family's (``AlgorithmSpec.elastic``)."""
