@@ -21,11 +21,12 @@ KWARGS = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "compression": "i
 STEPS = 13   # boundaries at 5, 9 and 13 (kH + τ): the round at 12 merges at 13
 
 
-def _drive(engine, model, optimizer, seed: int, rank: int, step: int, boundary=None) -> None:
-    """One inner step, then the strategy's schedule (``DiLoCo.after_optimizer_step``)."""
+def _drive(engine, model, optimizer, seed: int, rank: int, step: int, boundary=None, inner=None) -> None:
+    """One inner step (of ``inner``, a node's DDP module, else of ``model``), then the strategy's
+    schedule (``DiLoCo.after_optimizer_step``)."""
     from syncplane.comm import CommMeter
 
-    _inner_step(model, optimizer, seed, rank, step)
+    _inner_step(model if inner is None else inner, optimizer, seed, rank, step)
     tensors, done, config = [p.data for p in model.parameters()], step + 1, engine.config
     for fragment in engine.starting(done):
         engine.launch(tensors, fragment, done + config.overlap_steps, config.overlap_steps > 0, CommMeter())

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.dist.test_diloco_nodes import _inner_step, _model
+from tests.dist.test_diloco_nodes import _model
+from tests.dist.test_elastic_engine import _drive
 from tests.helpers.distributed import run_distributed
 
 pytest.importorskip("torchft")
@@ -25,20 +26,6 @@ KWARGS = {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "compression": "i
           "streams": 2, "exchange": "mesh", "replica": "node"}
 STEPS = 13   # boundaries at 5, 9 and 13 (kH + τ): the round at 12 merges at 13
 L = 2        # ranks per node
-
-
-def _drive(engine, model, optimizer, seed: int, rank: int, step: int, boundary=None) -> None:
-    """One inner step of the node's DDP module, then the strategy's schedule."""
-    from syncplane.comm import CommMeter
-
-    _inner_step(engine.module, optimizer, seed, rank, step)
-    tensors, done, config = [p.data for p in model.parameters()], step + 1, engine.config
-    for fragment in engine.starting(done):
-        engine.launch(tensors, fragment, done + config.overlap_steps, config.overlap_steps > 0, CommMeter())
-    for round_ in engine.pop_due(done):
-        engine.merge(tensors, round_, config.alpha)
-    if boundary is not None and done >= config.sync_every and done % config.sync_every == config.overlap_steps:
-        boundary()
 
 
 def _config(inner: str = "ddp"):
@@ -64,7 +51,7 @@ def fixed_nodes(rank: int, world: int, seed: int, inner: str = "ddp") -> tuple:
                           ReplicaLayout.of_sizes([L] * (world // L), inner))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
-        _drive(engine, model, optimizer, seed, rank, step)
+        _drive(engine, model, optimizer, seed, rank, step, inner=engine.module)
     engine.wait()
     out = (engine.params.clone(), _values(model))
     engine.close()
@@ -127,7 +114,7 @@ def elastic_node(rank: int, world: int, node: int, lighthouse: str, seed: int, s
             out["heal"], out["adopted"] = membership.stats.heals[-1], _values(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in steps:
-            _drive(engine, model, optimizer, seed, node * world + rank, step, boundary)
+            _drive(engine, model, optimizer, seed, node * world + rank, step, boundary, inner=engine.module)
         engine.wait()
         out["elastic"] = (engine.params.clone(), _values(model))
         out["view"] = (transport.view.participants, transport.view.rank, membership.position, group.step)
