@@ -143,14 +143,8 @@ class ElasticDiLoCo(DiLoCo):
         return int(self._from_rank0(port))
 
     def _from_rank0(self, value: Any) -> Any:
-        """A node replica's rank 0's ``value`` on each of its ranks (a broadcast over the node)."""
-        if self.world_size == 1:
-            return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """A node replica's rank 0's ``value`` on each of its ranks (Lightning's broadcast over the node)."""
+        return value if self.world_size == 1 else self.broadcast(value, src=0)
 
     def _theta_digest(self) -> str:
         """θ_g's SHA-256: the whole model's with one rank per replica; a node's, the digest of its
