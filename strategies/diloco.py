@@ -30,11 +30,12 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from syncplane.algorithms import sharded
 from syncplane.algorithms.diloco import dealing
-from syncplane.algorithms.diloco import rounds as diloco_rounds
 from syncplane.algorithms.diloco.adaptive import TimedRounds, check_weighting, gather_floats, skipped_step_output
-from syncplane.algorithms.diloco.config import DiLoCoConfig, check_mode
+from syncplane.algorithms.diloco.config import DiLoCoConfig, check_exchange_resumed, check_mode, check_resumed
 from syncplane.algorithms.diloco.engine import DiLoCoEngine
+from syncplane.algorithms.diloco.layout import job_layout
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.algorithms.diloco.transport import GLOO, Transport
 from syncplane.job import JobContext
@@ -104,10 +105,14 @@ class DiLoCo(SyncplaneStrategy):
     def setup_sync(self, job: JobContext) -> None:
         if self._engine is not None:
             self._engine.close()
-        self._engine, details = diloco_rounds.build_engine(self.config, job, self.model,
-                                                           self.determine_ddp_device_ids(), self._transport(job))
+        # node replicas: the engine wraps the model (DDP over the node, or FSDP2) and shards the outer
+        # state over its ranks; a model built on the meta device (``configure_model``) makes only its shards
+        layout = job_layout(self.config.replica, self.config.inner, job)
+        init = sharded.reset_init(self.model) if sharded.on_meta(self.model) else None
+        device_ids = None if layout.per_rank else self.determine_ddp_device_ids()
+        self._engine = DiLoCoEngine(self.model, self.config, job, layout, device_ids, init, self._transport(job))
         self.model = self._engine.module
-        self.details.update(details)
+        self.details.update(layout.describe(), streams=self._engine.streams, exchange=self._engine.exchange_name)
         if self.inner_steps == "time":
             check_weighting(self.config.time_weighting,
                             sum(b.is_floating_point() for b in self.lightning_module.buffers()))
@@ -267,8 +272,10 @@ class DiLoCo(SyncplaneStrategy):
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
-        state = diloco_rounds.round_state(self.engine.state_dict(), self._round_settings(), self.rounds,
-                                          self.skipped, self._timed, diloco_rounds.exchange_ran(self.engine, self.config))
+        state = {**self.engine.state_dict(), **self._round_settings(), "rounds": self.rounds, "skipped": self.skipped,
+                 "exchange_ran": self.engine.exchange_ran}
+        if self._timed is not None:
+            state["timed"] = self._timed.state_dict()
         if self._dealer is not None:
             state["dealt"] = self._dealer.state_dict(self.round_step)
         return state
@@ -277,8 +284,8 @@ class DiLoCo(SyncplaneStrategy):
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
             return
-        diloco_rounds.check_resumed(state, self._round_settings())
-        diloco_rounds.check_exchange_resumed(state, diloco_rounds.exchange_ran(self.engine, self.config))
+        check_resumed(state, self._round_settings())
+        check_exchange_resumed(state, self.engine.exchange_ran)
         self.engine.load_state_dict(state)
         self.rounds, self.skipped = int(state["rounds"]), int(state["skipped"])
         if self._timed is not None:

@@ -83,7 +83,7 @@ def test_auto_shards_come_from_the_launchers_profile_and_still_equal_ddp(tmp_pat
     """``shards: auto`` under a cluster profile (two sites, 100 Mbit per TCP flow on a 1 Gbit
     link: one pair needs ≥ 10 flows) runs the streams the cost model picks (two ranks: one
     level, so the owner exchange); H = 1 with plain outer SGD is still DDP."""
-    from syncplane.algorithms.diloco.exchange import auto_streams
+    from syncplane.algorithms.diloco.cost import auto_streams
     from syncplane.cluster import load_profile
 
     profile = tmp_path / "wan_pair.yaml"

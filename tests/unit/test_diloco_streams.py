@@ -15,7 +15,7 @@ import logging
 import pytest
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import auto_streams, resolve_streams
+from syncplane.algorithms.diloco.cost import auto_streams, resolve_streams
 from syncplane.cluster import load_profile
 from syncplane.job import JobContext
 from syncplane.launch import CLUSTER_ENV
@@ -39,7 +39,7 @@ def test_owner_exchange_and_int8_are_priced_as_they_run() -> None:
 def test_resolve_uses_the_topology_profile_then_the_jobs(caplog: pytest.LogCaptureFixture) -> None:
     plain = JobContext(world_size=4)
     assert resolve_streams(3, plain) == 3                                  # an integer is kept
-    with caplog.at_level(logging.INFO, logger="syncplane.algorithms.diloco.exchange"):
+    with caplog.at_level(logging.INFO, logger="syncplane.algorithms.diloco.cost"):
         assert resolve_streams("auto", plain) == 1
     assert "no cluster profile" in caplog.text
     assert resolve_streams("auto", plain, "wan_two_sites") == 8            # topology names the profile
@@ -47,7 +47,7 @@ def test_resolve_uses_the_topology_profile_then_the_jobs(caplog: pytest.LogCaptu
     placed = JobContext.from_environment({CLUSTER_ENV: "multi_nic"}, rank=0, world_size=4)   # the launcher's
     assert resolve_streams("auto", placed) == 2
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="syncplane.algorithms.diloco.exchange"):
+    with caplog.at_level(logging.WARNING, logger="syncplane.algorithms.diloco.cost"):
         assert resolve_streams("auto", placed.with_size(0, 8)) == 1        # a profile of another size
     assert "multi_nic has 4 ranks, the job 8" in caplog.text
 

@@ -154,7 +154,7 @@ def test_a_strategy_that_cannot_switch_never_probes_and_says_so() -> None:
 def test_a_checkpoints_exchange_settings_are_checked_on_resume_and_old_ones_pass() -> None:
     """DiLoCo's checkpoint records the exchange it ran with: another one is refused naming the
     keys and the values to pass; a checkpoint from before the record is not checked."""
-    from syncplane.algorithms.diloco.rounds import check_exchange_resumed
+    from syncplane.algorithms.diloco.config import check_exchange_resumed
 
     ran = {"streams": 4, "exchange": "mesh", "compression": "none"}
     check_exchange_resumed({"exchange_ran": ran}, dict(ran))

@@ -2,8 +2,9 @@
 
 ``config`` (the settings), ``engine`` (the one round engine), ``outer`` / ``streaming`` (the
 outer optimizer, Streaming DiLoCo's fragments), ``exchange`` / ``transport`` (the wire),
-``layout`` (``replica: node``), ``adaptive`` / ``dealing`` (``inner_steps: time``), ``cost`` /
-``bench``, ``elastic`` / ``ft`` (elastic mode); the spec below. Glue: ``strategies/diloco.py``."""
+``layout`` (``replica: node``), ``adaptive`` / ``dealing`` (``inner_steps: time``), ``cost`` (the
+price, ``streams: auto``), ``bench``, ``elastic`` / ``ft`` (elastic mode); the spec below. Glue:
+``strategies/diloco.py``."""
 
 from __future__ import annotations
 
@@ -12,55 +13,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from syncplane.algorithms.diloco.bench import DiLoCoStep, NodeStep, stream_count
-from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import (EXCHANGES, STREAM_CHOICES, carried, delta_codec, exchange_cpu_work,
-                                                exchange_phases)
-from syncplane.algorithms.diloco.layout import (ReplicaLayout, check_elastic_nodes, check_replica, elastic_nodes,
-                                               node_layout)
-from syncplane.algorithms.diloco.cost import node_cost
+from syncplane.algorithms.diloco.config import EXCHANGE_KEYS, DiLoCoConfig
+from syncplane.algorithms.diloco.cost import diloco_cost, diloco_cpu
+from syncplane.algorithms.diloco.exchange import EXCHANGES, STREAM_CHOICES
+from syncplane.algorithms.diloco.layout import check_elastic_nodes, elastic_nodes, node_layout
+from syncplane.algorithms.spec import AlgorithmSpec, ElasticLaunch, LaunchSettings, QuorumService, Switch
 from syncplane.config import ConfigError
 from syncplane.exchanges.tree.tree import check_topology
 from syncplane.job import JobContext
-from syncplane.algorithms.spec import AlgorithmSpec, CostOptions, ElasticLaunch, LaunchSettings, QuorumService, Switch
-from syncplane.cluster.cost import Phase
-from syncplane.cluster.profile import ClusterProfile
-from syncplane.comm.codecs import Codec
-from syncplane.exchanges.cpu import CpuWork
-
-
-def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
-                options: CostOptions) -> list[list[Phase]]:
-    """One exchange of Δ on ``streams`` streams once per round of ``period`` steps, as
-    ``options.pattern`` resolves on this cluster (``exchange.exchange_phases``: the mesh, the tree,
-    or the gather of sparse pieces at ``options``' density and bits); ``replica: node`` (or ``auto``
-    where it is node): ``cost.node_cost``, the shards' exchanges across nodes and DDP inside them."""
-    layout = priced_layout(options.replica, profile)
-    if layout is not None:
-        codec = _codec(options, options.compression)
-        return node_cost(layout, payload_bytes, options.period, options.streams, codec, options.compression == "sparse")
-    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, options.compression,
-                               _codec(options, carried(options.pattern, options.compression)))
-    return [exchange] + [[] for _ in range(options.period - 1)]
-
-
-def diloco_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
-    """One round's CPU work: the outer step and the exchange's coding, at ``options``' codec."""
-    return exchange_cpu_work(profile, payload_bytes, options.pattern, options.compression,
-                             _codec(options, carried(options.pattern, options.compression)))
-
-
-def _codec(options: CostOptions, compression: str) -> Codec:
-    return delta_codec(compression, density=options.density, bits=options.bits)
-
-
-def priced_layout(replica: str, profile: ClusterProfile) -> ReplicaLayout | None:
-    """The node layout ``replica`` gives a job on ``profile`` (None: a replica per rank);
-    a ConfigError naming ``replica`` where it cannot run there."""
-    try:
-        check_replica(replica, "ddp")
-        return node_layout(replica, "ddp", JobContext.planned(profile.world_size, profile))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def _step(name: str, options: Mapping[str, Any], job: JobContext) -> DiLoCoStep | NodeStep:
@@ -137,7 +97,7 @@ ELASTIC = ElasticLaunch(
 #: what a re-plan switches, at a round boundary, on one rank per replica: how Δ travels. Every
 #: replica holds θ_g after the outer step and the outer state does not depend on the exchange,
 #: so it is carried over (the sparse codec's error-feedback residuals start from zero).
-SWITCH_KEYS = ("streams", "exchange", "compression")
+SWITCH_KEYS = EXCHANGE_KEYS
 
 
 def _switch(strategy: Any, kwargs: Mapping[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """DiLoCo's settings, validated once (the strategy builds this at construction, so a bad
-value fails before the first step, naming the key)."""
+value fails before the first step, naming the key), and checked against a checkpoint's on resume."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class DiLoCoConfig:
         outer_optimizer: class path of the outer torch optimizer.
         outer_kwargs: its arguments; None = ``outer``'s (for SGD).
         streams: S concurrent gloo streams for the exchange (bound to the host's NICs in turn), or
-            ``auto``: from the job's cluster profile (``exchange.resolve_streams``). Old name: ``shards``.
+            ``auto``: from the job's cluster profile (``cost.resolve_streams``). Old name: ``shards``.
         compression: ``none`` (exact fp32), ``int8`` (blockwise scale + error feedback) or ``sparse``
             (SparseLoCo's chunked top-k with error feedback, ``comm.codecs``: needs the ``gather``
             exchange, which ``auto`` picks; the floating buffers travel beside it as exact fp32).
@@ -187,3 +187,40 @@ def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float
             raise ValueError(f"{key} must be positive, got {value}")
     if not lighthouse_host or any(c.isspace() for c in lighthouse_host):
         raise ValueError(f"lighthouse_host must be an address or host name, got {lighthouse_host!r}")
+
+
+#: The exchange settings a checkpoint records as they ran, and what a re-plan switches (``SPEC.switch``).
+EXCHANGE_KEYS: tuple[str, ...] = ("streams", "exchange", "compression")
+
+#: What a checkpoint written before these round settings existed implies.
+BEFORE_STREAMING: dict[str, Any] = {"fragments": 1, "overlap_steps": 0, "inner_steps": "fixed"}
+
+
+def check_resumed(state: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """A checkpoint's round settings must be this run's, or the rounds would not line up."""
+    for key in ("sync_every", *BEFORE_STREAMING):
+        saved, ours = state.get(key, BEFORE_STREAMING.get(key)), settings[key]
+        if saved != ours:
+            raise ValueError(f"the checkpoint was written with {key}={saved}, this run has "
+                             f"{key}={ours}: rounds would not line up")
+
+
+def check_exchange_resumed(state: Mapping[str, Any], running: Mapping[str, Any]) -> None:
+    """A checkpoint's exchange settings (``exchange_ran``) must be the ones this run built: refused,
+    not adopted, since a re-plan may have switched them and going back would break the bit-identical
+    resume (the residuals and outer state were written by the other exchange). A checkpoint from
+    before they were recorded is not checked."""
+    saved = dict(state.get("exchange_ran") or {})
+    if not saved:
+        return
+    if "shards" in saved:   # written before ``shards`` was renamed ``streams``
+        saved.setdefault("streams", saved.pop("shards"))
+    differ = [k for k in EXCHANGE_KEYS if saved.get(k) != running[k]]
+    if differ:
+        ran = ", ".join(f"{k}={saved[k]}" for k in differ)
+        ours = ", ".join(f"{k}={running[k]}" for k in differ)
+        fix = " ".join(f"strategy.kwargs.{k}={saved[k]}" for k in EXCHANGE_KEYS)
+        raise ValueError(f"the checkpoint's exchange ran {ran} (a re-plan may have switched it), this run has "
+                         f"{ours}: the resume would not be bit-identical. Resume with strategy=diloco {fix}, or "
+                         f"with the strategy.kwargs.replan_every_s that wrote it (its re-plan state restores "
+                         f"the switch)")

@@ -1,14 +1,137 @@
-"""What a ``replica: node`` round costs, for ``syncplane simulate``, the plan and the bench:
-the shards' exchanges across nodes, DDP inside them, and the all-gather of θ_g in the node.
-(The per-rank round's price is ``exchange.exchange_phases``.)"""
+"""DiLoCo's price (``SPEC.cost``, ``SPEC.cpu``: ``syncplane simulate``, the plan, the bench's
+bound) and ``streams: auto``, chosen by it.
+
+A replica per rank: one exchange of Δ per round (``exchange_phases``: the mesh, the tree or the
+gather of the sparse pieces). ``replica: node``: every step DDP inside each node; at the round's
+end the shards' exchanges across nodes and the all-gather of θ_g in each node (``node_cost``).
+
+``streams: auto``: from the job's cluster profile (``topology`` when it names one), the fewest
+of ``STREAM_CHOICES`` whose cost-model bound is within 10 % of the best (as many TCP connections
+as a per-flow-capped link needs); the bound scales with the payload, so the choice does not
+depend on the model. Without a profile: 1 stream, and the log says so."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import numpy as np
 
-from syncplane.algorithms.diloco.layout import ReplicaLayout
-from syncplane.cluster.cost import FlowArray, Phase, concurrent_group_allreduces
+from syncplane.algorithms.diloco.exchange import EXCHANGES, STREAM_CHOICES, carried, delta_codec
+from syncplane.algorithms.diloco.layout import ReplicaLayout, check_replica, node_layout
+from syncplane.algorithms.spec import CostOptions
+from syncplane.cluster.cost import CostModel, FlowArray, Phase, concurrent_group_allreduces
+from syncplane.cluster.profile import ClusterProfile
+from syncplane.comm import ChunkedTopK
 from syncplane.comm.codecs import Codec
+from syncplane.config import ConfigError
+from syncplane.exchanges import Choice, JobShape, choose
+from syncplane.exchanges import gather, mesh
+from syncplane.exchanges.cpu import CpuWork, runner_work
+from syncplane.exchanges.tree import exchange as tree
+from syncplane.job import JobContext
+
+log = logging.getLogger(__name__)
+
+
+def diloco_cost(name: str, profile: ClusterProfile, payload_bytes: float,
+                options: CostOptions) -> list[list[Phase]]:
+    """One round of ``period`` steps: ``node_cost`` where ``options.replica`` is node on this cluster
+    (a ConfigError naming it where it cannot run), else one ``exchange_phases`` at its start."""
+    try:
+        check_replica(options.replica, "ddp")
+        layout = node_layout(options.replica, "ddp", JobContext.planned(profile.world_size, profile))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if layout is not None:
+        codec = _codec(options, options.compression)
+        return node_cost(layout, payload_bytes, options.period, options.streams, codec, options.compression == "sparse")
+    exchange = exchange_phases(profile, payload_bytes, options.streams, options.pattern, options.compression,
+                               _codec(options, carried(options.pattern, options.compression)))
+    return [exchange] + [[] for _ in range(options.period - 1)]
+
+
+def _codec(options: CostOptions, compression: str) -> Codec:
+    return delta_codec(compression, density=options.density, bits=options.bits)
+
+
+def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int, exchange: str = "auto",
+                    compression: str = "none", codec: Codec | None = None) -> list[Phase]:
+    """One all-reduce of Δ (``payload_bytes`` of fp32) on ``streams`` streams, as ``exchange``
+    resolves on this cluster. The gather is priced with its pieces' size: ``codec``'s, else
+    the sparse codec's at DiLoCo's default density, bits and chunk (``--exchange gather``)."""
+    compression = carried(exchange, compression)
+    chosen = _priced_choice(profile, exchange, compression)
+    if chosen.name == "gather":
+        sparse = codec if codec is not None else ChunkedTopK()
+        return gather.cost(profile.world_size, sparse.nbytes(int(payload_bytes // 4)), streams,
+                           gather.groups_of(profile))
+    if chosen.name == "tree" and profile.world_size > 1:
+        return tree.cost(profile, payload_bytes, streams)
+    if codec is not None:   # the mesh carries coded shards both ways (int8: about a quarter)
+        numel = max(int(payload_bytes // 4), 1)
+        payload_bytes = payload_bytes * codec.nbytes(numel) / (4 * numel)
+    return mesh.cost(profile.world_size, payload_bytes, streams)
+
+
+def _priced_choice(profile: ClusterProfile, exchange: str, compression: str) -> Choice:
+    """The exchange the price assumes on ``profile`` (``compression`` as ``carried`` says)."""
+    return choose(exchange, JobShape.of_profile(profile), allowed=EXCHANGES, exact=compression == "none",
+                  strict=False, sparse=compression == "sparse")
+
+
+#: fp32 passes over the model per round around the exchange: the copy in, Δ = θ_g − θ_local,
+#: the outer Nesterov step (momentum scaled and added, the Nesterov gradient, the update),
+#: θ_g back into the buffer and the buffer back into the model (``DiLoCoStep``, ``OuterOptimizer``)
+OUTER_PASSES = 8
+
+
+def diloco_cpu(name: str, profile: ClusterProfile, payload_bytes: float, options: CostOptions) -> CpuWork:
+    """One rank's CPU work in one round at ``options``' codec (``syncplane.exchanges.cpu``): the outer
+    step's passes and the runner's copies, plus the chosen exchange's coding and sums (the tree's
+    sums are not modelled: it carries fp32 and reduces inside gloo's sends)."""
+    compression = carried(options.pattern, options.compression)
+    codec = _codec(options, compression)
+    numel = max(int(payload_bytes // 4), 1)
+    chosen = _priced_choice(profile, options.pattern, compression)
+    work = CpuWork.adds(OUTER_PASSES * numel)
+    n = profile.world_size
+    if chosen.name == "gather":
+        return work + gather.cpu_work(n, numel, codec) + runner_work(numel)
+    if chosen.name == "tree":
+        return work + runner_work(numel)
+    return work + mesh.cpu_work(n, numel, codec)       # decoded into place: no runner's copy
+
+
+def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",
+                 within: float = 1.1) -> tuple[int, dict[int, float]]:
+    """``streams: auto`` on ``profile`` (module doc): S, and the bound in seconds per GB of each
+    candidate (what the log shows)."""
+    model = CostModel(profile, alpha_s=0.0)
+    bounds = {s: model.bound(exchange_phases(profile, 1e9, s, exchange, compression)) for s in STREAM_CHOICES}
+    best = min(bounds.values())
+    return next(s for s in STREAM_CHOICES if bounds[s] <= best * within), bounds
+
+
+def resolve_streams(streams: int | str, job: JobContext, topology: str | Sequence[int] = "auto",
+                   exchange: str = "auto", compression: str = "none") -> int:
+    """The stream count for ``streams`` (an int, or ``auto``: see the module doc); logs the
+    choice. The same on every rank: a pure function of the settings and the profile."""
+    if streams != "auto":
+        return int(streams)
+    profile = job.profile_for(topology)
+    if profile is None:
+        log.info("diloco: streams auto -> 1 stream (no cluster profile: set topology to one, or streams)")
+        return 1
+    if profile.world_size != job.world_size:
+        log.warning("diloco: streams auto -> 1 stream (profile %s has %d ranks, the job %d)",
+                    profile.name, profile.world_size, job.world_size)
+        return 1
+    chosen, bounds = auto_streams(profile, exchange, compression)
+    log.info("diloco: streams auto -> %d stream(s) on %s (bound per GB: %s)", chosen, profile.name,
+             ", ".join(f"S={s} {b:.2f} s" for s, b in bounds.items()))
+    return chosen
+
 
 
 def node_cost(layout: ReplicaLayout, payload_bytes: float, period: int, streams: int, codec: Codec,

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from syncplane.algorithms.diloco.config import DiLoCoConfig
-from syncplane.algorithms.diloco.exchange import build_exchange, resolve_streams
+from syncplane.algorithms.diloco.cost import resolve_streams
+from syncplane.algorithms.diloco.exchange import build_exchange
 from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.streaming import FragmentedOuter, Round, fragment_bounds
 from syncplane.algorithms.diloco.transport import GLOO, Exchanger, Transport
@@ -373,6 +374,12 @@ class DiLoCoEngine:
             for fragment in range(len(self.local)):
                 self._gather(fragment)
             self.host.from_host(tensors)
+
+    @property
+    def exchange_ran(self) -> dict[str, Any]:
+        """The exchange settings as they run (``config.EXCHANGE_KEYS``): ``streams`` and ``exchange``
+        resolved (no ``auto``, old names mapped), ``compression`` as configured."""
+        return {"streams": int(self.streams), "exchange": self.exchange_name, "compression": self.config.compression}
 
     @property
     def params(self) -> torch.Tensor:

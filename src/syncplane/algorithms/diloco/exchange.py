@@ -5,12 +5,7 @@ on S streams with one deadline and commit/discard: the ``mesh`` (every rank owns
 codec), the ``tree`` (FlexReduce's plan; exact fp32) and the ``gather`` (every rank decodes
 every rank's piece: the one for ``compression: sparse``, whose sums would be dense). ``auto``:
 the gather for sparse, the tree when the job's tree has several levels and Δ is fp32, else the
-mesh.
-
-``streams: auto``: from the job's cluster profile (``topology`` when it names one), the fewest
-of ``STREAM_CHOICES`` whose cost-model bound is within 10 % of the best (as many TCP connections
-as a per-flow-capped link needs); the bound scales with the payload, so the choice does not
-depend on the model. Without a profile: 1 stream, and the log says so."""
+mesh. Their price, and ``streams: auto``: ``cost``."""
 
 from __future__ import annotations
 
@@ -18,14 +13,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from syncplane.cluster.cost import CostModel, Phase
-from syncplane.cluster.profile import ClusterProfile
 from syncplane.comm import ChunkedTopK, StreamRunner, make_codec
 from syncplane.comm.codecs import Codec
-from syncplane.exchanges import Choice, GatherExchange, JobShape, MeshExchange, TreeExchange, choose, normalize
-from syncplane.exchanges import gather, mesh
-from syncplane.exchanges.cpu import CpuWork, runner_work
-from syncplane.exchanges.tree import exchange as tree
+from syncplane.exchanges import GatherExchange, JobShape, MeshExchange, TreeExchange, choose, normalize
+from syncplane.exchanges import gather
 from syncplane.exchanges.tree.tree import job_tree
 from syncplane.job import JobContext
 
@@ -69,85 +60,6 @@ def delta_codec(compression: str = "none", block_size: int = 256, density: float
     if compression == "sparse":
         return ChunkedTopK(density, bits, chunk)
     return make_codec(compression, block_size)
-
-
-def exchange_phases(profile: ClusterProfile, payload_bytes: float, streams: int, exchange: str = "auto",
-                    compression: str = "none", codec: Codec | None = None) -> list[Phase]:
-    """One all-reduce of Δ (``payload_bytes`` of fp32) on ``streams`` streams, as ``exchange``
-    resolves on this cluster. The gather is priced with its pieces' size: ``codec``'s, else
-    the sparse codec's at DiLoCo's default density, bits and chunk (``--exchange gather``)."""
-    compression = carried(exchange, compression)
-    chosen = _priced_choice(profile, exchange, compression)
-    if chosen.name == "gather":
-        sparse = codec if codec is not None else ChunkedTopK()
-        return gather.cost(profile.world_size, sparse.nbytes(int(payload_bytes // 4)), streams,
-                           gather.groups_of(profile))
-    if chosen.name == "tree" and profile.world_size > 1:
-        return tree.cost(profile, payload_bytes, streams)
-    if codec is not None:   # the mesh carries coded shards both ways (int8: about a quarter)
-        numel = max(int(payload_bytes // 4), 1)
-        payload_bytes = payload_bytes * codec.nbytes(numel) / (4 * numel)
-    return mesh.cost(profile.world_size, payload_bytes, streams)
-
-
-def _priced_choice(profile: ClusterProfile, exchange: str, compression: str) -> Choice:
-    """The exchange the price assumes on ``profile`` (``compression`` as ``carried`` says)."""
-    return choose(exchange, JobShape.of_profile(profile), allowed=EXCHANGES, exact=compression == "none",
-                  strict=False, sparse=compression == "sparse")
-
-
-#: fp32 passes over the model per round around the exchange: the copy in, Δ = θ_g − θ_local,
-#: the outer Nesterov step (momentum scaled and added, the Nesterov gradient, the update),
-#: θ_g back into the buffer and the buffer back into the model (``DiLoCoStep``, ``OuterOptimizer``)
-OUTER_PASSES = 8
-
-
-def exchange_cpu_work(profile: ClusterProfile, payload_bytes: float, exchange: str = "auto",
-                      compression: str = "none", codec: Codec | None = None) -> CpuWork:
-    """One rank's CPU work in one round (``syncplane.exchanges.cpu``): the outer step's passes
-    and the runner's copies, plus the chosen exchange's coding and sums (the tree's sums are
-    not modelled: it carries fp32 and reduces inside gloo's sends)."""
-    compression = carried(exchange, compression)
-    codec = codec if codec is not None else delta_codec(compression)
-    numel = max(int(payload_bytes // 4), 1)
-    chosen = _priced_choice(profile, exchange, compression)
-    work = CpuWork.adds(OUTER_PASSES * numel)
-    n = profile.world_size
-    if chosen.name == "gather":
-        return work + gather.cpu_work(n, numel, codec) + runner_work(numel)
-    if chosen.name == "tree":
-        return work + runner_work(numel)
-    return work + mesh.cpu_work(n, numel, codec)       # decoded into place: no runner's copy
-
-
-def auto_streams(profile: ClusterProfile, exchange: str = "auto", compression: str = "none",
-                 within: float = 1.1) -> tuple[int, dict[int, float]]:
-    """``streams: auto`` on ``profile`` (module doc): S, and the bound in seconds per GB of each
-    candidate (what the log shows)."""
-    model = CostModel(profile, alpha_s=0.0)
-    bounds = {s: model.bound(exchange_phases(profile, 1e9, s, exchange, compression)) for s in STREAM_CHOICES}
-    best = min(bounds.values())
-    return next(s for s in STREAM_CHOICES if bounds[s] <= best * within), bounds
-
-
-def resolve_streams(streams: int | str, job: JobContext, topology: str | Sequence[int] = "auto",
-                   exchange: str = "auto", compression: str = "none") -> int:
-    """The stream count for ``streams`` (an int, or ``auto``: see the module doc); logs the
-    choice. The same on every rank: a pure function of the settings and the profile."""
-    if streams != "auto":
-        return int(streams)
-    profile = job.profile_for(topology)
-    if profile is None:
-        log.info("diloco: streams auto -> 1 stream (no cluster profile: set topology to one, or streams)")
-        return 1
-    if profile.world_size != job.world_size:
-        log.warning("diloco: streams auto -> 1 stream (profile %s has %d ranks, the job %d)",
-                    profile.name, profile.world_size, job.world_size)
-        return 1
-    chosen, bounds = auto_streams(profile, exchange, compression)
-    log.info("diloco: streams auto -> %d stream(s) on %s (bound per GB: %s)", chosen, profile.name,
-             ", ".join(f"S={s} {b:.2f} s" for s, b in bounds.items()))
-    return chosen
 
 
 def gather_groups(job: JobContext, topology: str | Sequence[int] = "auto") -> tuple[tuple[int, ...], ...] | None:
