@@ -1,29 +1,22 @@
 """Elastic DiLoCo: each rank (or each node's ranks, ``replica=node``) an independent replica
-over a torchft quorum.
+over a torchft quorum; ``DiLoCo(..., elastic=True)`` constructs it.
 
-``DiLoCo(..., elastic=True)`` (``strategy=diloco strategy.kwargs.elastic=true``) constructs
-this class. A node replica is one Lightning job of its L ranks (DDP or FSDP2 inside it, its
-outer state sharded over them, as without elastic mode: ``layout.job_layout``) and one torchft
-replica group of L ranks (``ft``): its ranks leave, restart and heal together, each healing its
-own shard from the same local rank of a live node. The round is ``DiLoCo``'s own (``DiLoCoEngine``: every codec, streams, fragments,
-overlap, outer rule), its exchanges running over the current quorum
-(``syncplane.algorithms.diloco.elastic.QuorumTransport``); membership is
-``elastic.Membership`` on torchft (``syncplane.algorithms.diloco.ft``). Hooks that differ, and why:
+A node replica is one Lightning job of its L ranks (DDP or FSDP2 inside, its outer state
+sharded over them: ``layout.job_layout``) and one torchft replica group (``ft``): its ranks
+leave, restart and heal together, each its own shard. The round is ``DiLoCo``'s own, its
+exchanges over the current quorum (``elastic.QuorumTransport``); membership is
+``elastic.Membership``. Hooks that differ, and why:
 
-- ``distributed_sampler_kwargs``: Lightning sees a process group of one (a node replica: of its
-  ranks); the training shard is the rank's place in the job at start (replica r's local rank
-  j: r·L + j), while every replica validates on the whole set (no all-reduce combines the
-  metrics of independent jobs).
-- ``setup_sync``: ``DiLoCo``'s engine on the quorum transport, plus the job's fingerprint
-  (shapes, round and exchange settings, outer optimizer), checked against the one on disk
-  *before* any contact with the quorum, so a mismatched replica never disturbs it.
-- ``on_train_start``: join the quorum (the first start waits for every replica; a restart
-  joins at a boundary and heals θ_g, the outer state and the position from a live peer).
-- ``after_optimizer_step``: ``DiLoCo``'s rounds, then at each boundary (no round in flight)
-  the vote and the next quorum; every replica stops at the job's last step (a joiner, whose
-  own steps started later, counts the job's). ``membership=quorum`` meets before each
-  period's rounds instead (``_quorum_point``): the quorum of those in within the grace, Δ
-  weighted by each member's steps; a late replica trains on, then heals and carries its work.
+- ``distributed_sampler_kwargs``: Lightning sees a process group of one replica; the training
+  shard is the rank's place in the job at start (replica r's local rank j: r·L + j), while every
+  replica validates on the whole set (no all-reduce combines independent jobs' metrics).
+- ``setup_sync``: the engine on the quorum transport, and the job's fingerprint checked against
+  the one on disk *before* any contact with the quorum (a mismatch never disturbs it).
+- ``on_train_start``: join the quorum (a first start waits for every replica; a restart joins at
+  a boundary and heals θ_g, the outer state and the position from a live peer).
+- ``after_optimizer_step``: ``DiLoCo``'s rounds, with the vote and the next quorum at each
+  boundary (``membership=quorum``: at each point before a period's rounds, ``_quorum_point``);
+  every replica stops at the job's last step (a joiner counts the job's steps).
 - ``sync_state_dict`` / ``load_sync_state_dict``: ``DiLoCo``'s, plus the position and torchft
   step: a replica resumes from its checkpoint and rejoins (healing if the others went on).
 
@@ -34,11 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 from lightning.pytorch.trainer.states import RunningStage
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -74,6 +67,7 @@ class ElasticDiLoCo(DiLoCo):
         self._timed_quorum: int | None = None   # the quorum inner_steps=time's plan is for
         self._finished = False
         self.quorum = self.config.membership == "quorum"
+        self._at = 0 if self.quorum else self.overlap_steps   # where in its period a replica meets the quorum
         self._out = False         # quorum: late (or restarted), training on until the next point opens
         self._since = 0           # quorum: this replica's steps not yet sent in a round (its Δ's weight)
         self._scale = 1.0         # quorum: this period's factor on Δ (``Membership.scale``)
@@ -129,18 +123,11 @@ class ElasticDiLoCo(DiLoCo):
         # before any contact with the quorum: a replica with other settings never disturbs it
         JobFingerprint(place.folder).check(ours, f"replica {self._replica}")
         assert self._quorum is not None
-        board = RoundBoard(self._place().folder, f"replica{self._replica}") if self.quorum else None
-        self._membership = Membership(self._quorum, ours, 0, engine.shard_state_dict, self._load_outer,
+        board = RoundBoard(place.folder, f"replica{self._replica}") if self.quorum else None
+        self._membership = Membership(self._quorum, ours, 0, engine.shard_state_dict, engine.load_shard_state_dict,
                                       on_event=self._record_event, board=board, hold_s=config.grace_s,
                                       boundary_timeout_s=self.quorum_timeout_s, agree=self._from_rank0)
         self.details["exchange"] = f"{engine.exchange_name} over the torchft quorum (elastic)"
-
-    def _load_outer(self, state: Mapping[str, Any]) -> None:
-        self.engine.load_shard_state_dict(state)
-
-    def _share_port(self, port: int | None) -> int:
-        """A node replica's store port, rank 0's, to every rank of the node (``ft.ReplicaGroup``)."""
-        return int(self._from_rank0(port))
 
     def _from_rank0(self, value: Any) -> Any:
         """A node replica's rank 0's ``value`` on each of its ranks (Lightning's broadcast over the node)."""
@@ -149,14 +136,12 @@ class ElasticDiLoCo(DiLoCo):
     def _theta_digest(self) -> str:
         """θ_g's SHA-256: the whole model's with one rank per replica; a node's, the digest of its
         ranks' shard digests in shard order (a collective of the node's ranks)."""
-        mine = hashlib.sha256(self.engine.params.numpy().tobytes()).hexdigest()
-        if self.world_size == 1:
-            return mine
-        import torch.distributed as dist
-
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine)
-        return hashlib.sha256("".join(every).encode()).hexdigest()
+        digest = hashlib.sha256(self.engine.params.numpy().tobytes()).hexdigest()
+        if self.world_size > 1:
+            every: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(every, digest)
+            digest = hashlib.sha256("".join(every).encode()).hexdigest()
+        return digest
 
     @override
     def on_train_start(self) -> None:
@@ -165,9 +150,9 @@ class ElasticDiLoCo(DiLoCo):
         assert membership is not None
         trainer = self.lightning_module.trainer
         # a boundary after each period's first round has merged: steps H + τ, 2H + τ, ...
+        # (membership=quorum: a point before each period's rounds, steps H, 2H, ...)
         self._total_steps = int(trainer.estimated_stepping_batches)
-        # membership=quorum: a point before each period's rounds, steps H, 2H, ...
-        membership.total = (self._total_steps - (0 if self.quorum else self.overlap_steps)) // self.sync_every
+        membership.total = (self._total_steps - self._at) // self.sync_every
         place = self._place()
         if self._done_marker().exists():   # restarted after the job's last round: nothing to rejoin
             self._record_event({"event": "start", "restart": place.restarts, "job_done": True})
@@ -178,7 +163,7 @@ class ElasticDiLoCo(DiLoCo):
                                 round_timeout_s=self.round_timeout_s, quorum_timeout_s=self.quorum_timeout_s,
                                 min_replicas=self.config.min_replicas if self.quorum else 1,
                                 group_rank=self.global_rank, group_world_size=self.world_size,
-                                share_port=self._share_port)
+                                share_port=self._from_rank0)
         if self._resumed is not None:   # where the checkpoint stood: torchft heals it if the others went on
             group.set_step(int(self._resumed["ft_step"]))
         if place.restarts == 0:
@@ -199,11 +184,9 @@ class ElasticDiLoCo(DiLoCo):
         if not self.quorum or self._quorum_point():
             super().after_optimizer_step(optimizer)
         done = self.round_step + 1
-        if not self.quorum and not membership.done and done >= self.sync_every \
-                and done % self.sync_every == self.overlap_steps:
+        if not self.quorum and self._at_boundary(done):
             membership.boundary()   # no round in flight here: vote, then the next quorum
             self._adopt_if_healed(self.step + 1)
-            self.details["elastic"] = membership.stats.as_dict()
             self._plan_time(done)
         if done >= self._total_steps:   # the job's last step (a joiner's local steps are fewer)
             self.engine.wait()
@@ -214,35 +197,30 @@ class ElasticDiLoCo(DiLoCo):
             self._record_event({"event": "done", "position": membership.position})
             self.lightning_module.trainer.should_stop = True
 
+    def _at_boundary(self, done: int) -> bool:
+        """Whether this replica meets the quorum after step ``done`` (no round in flight there)."""
+        assert self._membership is not None
+        return not self._membership.done and done >= self.sync_every and done % self.sync_every == self._at
+
     def _quorum_point(self) -> bool:
-        """``membership=quorum``, before this step's rounds: at a point (``done ≡ 0 mod H``, no
-        round in flight) the vote and this period's quorum within the grace, and the weight of
-        this replica's Δ (its steps since it last sent one). A late replica trains on (False: no
-        rounds) until the next point opens, then heals from a peer and carries its work."""
+        """``membership=quorum``, before this step's rounds: at a point the vote and this period's
+        quorum within the grace, and the weight of this replica's Δ (its steps since it last sent
+        one). A late replica trains on (False: no rounds) until the next point opens, then heals
+        from a peer and carries its work."""
         membership = self._membership
         assert membership is not None
         self._since += 1
-        done = self.round_step + 1
         if self._out:
             if membership.late():
                 return False
-            restart, self._restarted = self._restarted, False
-            old = self.engine.params.clone()
+            restart, self._restarted, self._out = self._restarted, False, False
+            old = None if restart else self.engine.params.clone()
             membership.rejoin(0.0 if restart else (self._since - self.sync_every) / self.sync_every)
-            if membership.healed:
-                if restart:   # its steps since it started were on a stale model: θ_g instead
-                    self.engine.adopt(self.model_tensors())
-                    self._since = 0
-                else:         # its work since its last commit stays, on top of the θ_g it missed
-                    self.engine.rebase(self.model_tensors(), old)
-                membership.healed = False
-            offset = membership.position * self.sync_every - done + self._offset
-            # ahead of the job (it trained on more than the others): its step limit grows
-            lightning_adapter.extend_max_steps(self.lightning_module.trainer, self._offset - offset)
-            self._offset = offset
-            self.rounds, self.skipped = membership.stats.committed, membership.stats.discarded
-            self._out = False
-        elif done % self.sync_every == 0 and membership.position < membership.total:
+            if restart and membership.healed:   # its steps since it started were on a stale model
+                self._since = 0
+            self._adopt_if_healed(self.step + 1, old)
+            self._at_job_step(self.step + 1)   # healed or not, it enters at the job's step
+        elif self._at_boundary(self.round_step + 1):
             if not membership.point():
                 self._out = True
                 return False
@@ -251,7 +229,6 @@ class ElasticDiLoCo(DiLoCo):
             return True
         self._scale = membership.scale(self._since)
         membership.work, self._since = self._since / self.sync_every, 0
-        self.details["elastic"] = membership.stats.as_dict()
         return True
 
     @override
@@ -270,10 +247,9 @@ class ElasticDiLoCo(DiLoCo):
         change, every replica first computing every slot: a joiner has measured nothing). A node
         replica's step time is its slowest rank's, so that its ranks plan alike."""
         membership = self._membership
-        if self._timed is None or membership is None or membership.group is None or membership.done:
-            return
-        view = self._quorum.view if self._quorum is not None else None
-        if view is None:
+        assert membership is not None and membership.group is not None and self._quorum is not None
+        view = self._quorum.view
+        if self._timed is None or membership.done or view is None:
             return
         if view.quorum_id != self._timed_quorum:
             self._timed, self._timed_quorum = self._timed_rounds(view.participants, view.rank), view.quorum_id
@@ -282,15 +258,10 @@ class ElasticDiLoCo(DiLoCo):
             lambda value: group.gather_floats(self._slowest(value), view), done // self.sync_every)
 
     def _slowest(self, value: float) -> float:
-        """The largest of a node replica's ranks' ``value`` (an all-reduce over the node)."""
+        """The largest of a node replica's ranks' ``value`` (Lightning's reduce over the node)."""
         if self.world_size == 1:
             return value
-        import torch
-        import torch.distributed as dist
-
-        box = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return float(box.item())
+        return float(self.reduce(torch.tensor([value], dtype=torch.float64), reduce_op="max"))
 
     @override
     def _merge(self, round_: Round) -> None:
@@ -302,32 +273,39 @@ class ElasticDiLoCo(DiLoCo):
     def _done_marker(self) -> Path:
         return self._place().folder / "elastic_done"
 
-    def _adopt_if_healed(self, done: int) -> None:
-        """After a heal, this replica starts from the peer's θ_g (its buffers stay its own), at
-        the job's step: ``done`` of its own steps are complete."""
+    def _adopt_if_healed(self, done: int, old: torch.Tensor | None = None) -> None:
+        """After a quorum: a healed replica starts from the peer's θ_g (its buffers stay its own;
+        given ``old``, θ_g before the heal, its own work since stays on top: ``rebase``), at the
+        job's step, ``done`` of its own steps being complete."""
         membership = self._membership
         assert membership is not None
-        if not membership.healed:
-            return
-        self.engine.adopt(self.model_tensors())
-        position = membership.position
-        at = 0 if self.quorum else self.overlap_steps   # where a boundary is in its period
-        self._offset = (position * self.sync_every + at if position else 0) - done
-        self.rounds, self.skipped = membership.stats.committed, membership.stats.discarded
-        membership.healed = False
+        if membership.healed:
+            if old is None:
+                self.engine.adopt(self.model_tensors())
+            else:
+                self.engine.rebase(self.model_tensors(), old)
+            membership.healed = False
+            self._at_job_step(done)
         self.details["elastic"] = membership.stats.as_dict()
+
+    def _at_job_step(self, done: int) -> None:
+        """Count the job's steps (its position's), ``done`` of this replica's own being complete;
+        one ahead of the job (it trained on while late) gets a larger step limit."""
+        membership = self._membership
+        assert membership is not None
+        position = membership.position
+        offset = (position * self.sync_every + self._at if position else 0) - done
+        lightning_adapter.extend_max_steps(self.lightning_module.trainer, self._offset - offset)
+        self._offset = offset
+        self.rounds, self.skipped = membership.stats.committed, membership.stats.discarded
 
     def _record_event(self, record: dict[str, Any]) -> None:
         """Membership changes, heals and discarded rounds go to the job's ``history.jsonl``
         (one ``O_APPEND`` write per line: replicas share the file)."""
         node = {"rank": self.global_rank} if self.world_size > 1 else {}   # a node replica: which of its ranks
         line = json.dumps({"replica": self._replica, **node, "time": round(time.time(), 3), **record}) + "\n"
-        path = self._place().folder / "history.jsonl"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        with open(self._place().folder / "history.jsonl", "ab", buffering=0) as f:
+            f.write(line.encode())
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:

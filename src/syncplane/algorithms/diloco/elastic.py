@@ -1,50 +1,30 @@
-"""Elastic DiLoCo: membership by quorum around the round.
+"""Elastic DiLoCo: membership by torchft quorum around ``DiLoCoEngine``'s own round.
 
-``membership="fixed"`` (the default) runs ``DiLoCoEngine``'s own round -- Δ, the codec with
-its error feedback, the streams, fragments and overlap, the outer rule -- the same code as
-without elastic mode. What changes is where its exchange runs: ``QuorumTransport`` hands the
-engine exchangers (``QuorumExchanger``) whose gloo groups are built on the current quorum's
-store, with this replica's rank in it, and built again at each membership change.
-``Membership`` adds:
+The round (Δ, codec and error feedback, streams, fragments, overlap, outer rule) is the code of
+the fixed job; only its exchanges differ: ``QuorumTransport`` hands the engine exchangers
+(``QuorumExchanger``) on gloo groups of the current quorum's store, built again at each
+membership change. ``Membership`` says where and with whom the replicas meet:
 
-- **Boundaries.** A replica meets the quorum only where no round is in flight: after the
-  step at which a period's first fragment has merged (``done ≡ overlap_steps mod H``; the
-  other fragments' rounds start later and merge before the next period's first). There it
-  votes on the period's rounds and joins the next quorum, where a restarted replica (or one
-  behind) heals.
-- **Consistency.** Each fragment round is committed or discarded by the exchange's own
-  agreement among the quorum's members (``StreamRunner``); the members whose agreement
-  completed decide the same. A member whose agreement broke off (a peer lost during it) does
-  not know what the others did: it reports an error, its torchft step stays behind, and at the
-  next quorum it heals from a member that voted to commit. So every member of a quorum holds
-  one θ_g after its boundary.
-- **Heal.** What a joiner receives is ``Membership.state_dict``: the engine's outer state
-  (``DiLoCoEngine.shard_state_dict``: nothing is in flight at a boundary; a node replica's rank,
-  its own shards', from the same rank of a live node), the job's position in periods and its
-  round counts. Its error-feedback residuals stay its own.
+- ``membership="fixed"``: at a **boundary**, where no round is in flight (after the step at
+  which a period's first fragment merged: ``done ≡ overlap_steps mod H``), the vote on the
+  period's rounds, then the next quorum, where a restarted (or behind) replica heals.
+- ``membership="quorum"``: at a **point** before each period's rounds (``done ≡ 0 mod H``), the
+  quorum of the replicas that arrived within the grace (``RoundBoard``). Each member's Δ is
+  weighted by its steps since it last sent one (``scale``: exactly 1 without a fault, so the
+  rounds equal ``fixed``'s bit for bit). A **late** replica trains on until the next point,
+  then heals and carries its own work into that round (``DiLoCoEngine.rebase``; why carry, not
+  drop: docs/design-notes.md).
 
-``membership="quorum"`` runs the same round; only where and with whom the replicas meet
-differs (``Membership.point``): a point before each period's rounds (``done ≡ 0 mod H``: the
-previous period's fragments have all merged, since τ < H/P), where a replica that has
-finished its inner steps asks to join and the Lighthouse forms the period's quorum from those
-that arrived within the grace window (its join timeout, once ``min_replicas`` are in), so
-nobody waits longer than the grace for a late or dead replica (``RoundBoard`` keeps a late
-one from opening the next window early). The mean is weighted by samples: each member scales
-its Δ by ``w·n / Σw`` (``Membership.scale``: Σw gathered on the quorum's group), ``w`` its
-steps since it last sent a Δ (0 for a restart, which heals and takes part with nothing). A
-late replica -- one that arrived after its period's quorum formed -- trains on until the
-next point opens (``late``), then joins that quorum behind by one commit: it heals θ_g, the
-outer state and the position from a peer, and its model is moved by θ_g's change
-(``DiLoCoEngine.rebase``), so its next Δ is the one it would have sent, **carried** into that
-round and weighted by all its steps (why carry, not drop-and-heal: docs/design-notes.md).
-Without a fault every weight is equal, the factor is exactly 1, and the rounds equal
-``fixed``'s bit for bit (tests/dist/test_elastic_quorum.py).
+Consistency: each fragment round is committed or discarded by the exchange's own agreement
+(``StreamRunner``). A member whose agreement broke off does not know what the others did: it
+votes no, stays a torchft step behind and heals from one that committed, so every member of a
+quorum holds one θ_g. A heal carries ``Membership.state_dict``: the engine's outer state (a
+node replica's rank: its own shards, from the same rank of a live node), the position and the
+round counts; error-feedback residuals stay the replica's own.
 
-Bad input: a replica started with another model size, ``sync_every`` or outer optimizer
-must not join (it would corrupt θ_g). ``JobFingerprint`` records the first replica's
-settings in the job's folder; a replica that differs fails **before** it contacts the
-quorum, naming the field, so the running replicas never see it. The same check runs again on
-the state a heal receives (a peer started by hand, outside the launcher).
+Bad input: ``JobFingerprint`` records the first replica's settings in the job's folder; a
+replica with another model, ``sync_every``, outer optimizer or round settings fails before it
+contacts the quorum, naming the field (and a heal checks its peer's fingerprint again).
 """
 
 from __future__ import annotations
@@ -80,7 +60,7 @@ class QuorumGroup(Protocol):
 
     def commit(self) -> bool: ...
 
-    def set_step(self, step: int) -> None: ...
+    def gather_floats(self, value: float, view: Any) -> list[float]: ...
 
     def close(self) -> None: ...
 
@@ -95,9 +75,13 @@ def fingerprint(n_values: int, sync_every: int, outer_optimizer: str, outer_kwar
     round's own (fragments, overlap, codec, streams, exchange: replicas that differ there would
     exchange different pieces)."""
     return {"model_values": int(n_values), "model_shapes": [list(s) for s in shapes], "sync_every": int(sync_every),
-            "outer_optimizer": outer_optimizer,
-            "outer_kwargs": None if outer_kwargs is None else json.loads(json.dumps(dict(outer_kwargs), sort_keys=True)),
-            **({"rounds": json.loads(json.dumps(dict(rounds), sort_keys=True))} if rounds else {})}
+            "outer_optimizer": outer_optimizer, "outer_kwargs": None if outer_kwargs is None else _json(outer_kwargs),
+            **({"rounds": _json(rounds)} if rounds else {})}
+
+
+def _json(settings: Mapping[str, Any]) -> Any:
+    """``settings`` as they read back from the fingerprint's file (JSON types, sorted keys)."""
+    return json.loads(json.dumps(dict(settings), sort_keys=True))
 
 
 def differences(job: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
@@ -123,16 +107,13 @@ class JobFingerprint:
         """Record ``ours`` if first, else raise ``ReplicaMismatch`` naming what differs."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with self.path.open("x") as f:   # O_EXCL
+                f.write(json.dumps(dict(ours), sort_keys=True))
         except FileExistsError:
-            job = self._read()
-            diff = differences(job, ours)
+            diff = differences(self._read(), ours)
             if diff:
                 raise ReplicaMismatch(f"{replica} cannot join this elastic DiLoCo job (it was not admitted; the "
                                       f"running replicas go on): " + "; ".join(diff)) from None
-            return
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(dict(ours), sort_keys=True))
 
     def _read(self) -> dict[str, Any]:
         for _ in range(100):   # the winner may still be writing
@@ -161,22 +142,15 @@ class RoundBoard:
     """Where the replicas are, for ``membership="quorum"``: empty files in the job's folder
     (``elastic_rounds/``), read by a replica about to ask for its round's quorum.
 
-    Why: torchft's Lighthouse counts the grace window from the *first* request it holds, and
-    forms a quorum at once when every member of the previous one has asked (its fast path).
-    A replica that asks while the others are still in their inner steps (a late one, whose
-    round formed without it, or a restarted one) would open the next window a round early, so
-    that quorum would form the moment ``min_replicas`` are in, leaving out whoever is a
-    millisecond behind; one that asks just after the others misses their fast path. So:
-
-    - an on-time replica at round p writes ``arrived-p``; if a replica said it waits for p
-      (``waiting-p-<name>``), it first waits (up to ``hold_s``) until that one has asked
-      (``asked-p-<name>``), then asks;
-    - a late or restarted replica targets the next round q = the latest formed + 1: it writes
-      ``waiting-q-<name>``, waits for ``arrived-q``, writes ``asked-q-<name>`` and asks.
-
-    Every member writes ``formed-p`` once its quorum for p is back. A late replica that says
-    it waits just after the on-time ones have looked asks early and is taken by their next
-    quorum (the fast path includes every request it holds): one more round late, no more.
+    Why: torchft's Lighthouse counts the grace from the *first* request it holds, and forms a
+    quorum at once when every member of the previous one has asked. A late or restarted replica
+    that asks while the others are in their inner steps would open the next window a round
+    early (leaving out whoever is a millisecond behind); one that asks just after them misses
+    that fast path. So an on-time replica at round p writes ``arrived-p`` and lets those that
+    wrote ``waiting-p-<name>`` ask first (until ``asked-p-<name>``, up to ``hold_s``); a late or
+    restarted one targets q = the latest ``formed`` + 1: it writes ``waiting-q-<name>``, waits
+    for ``arrived-q``, writes ``asked-q-<name>`` and asks. One that says it waits just after the
+    on-time ones looked is taken by their next quorum: one more round late, no more.
     """
 
     def __init__(self, folder: str | os.PathLike[str], name: str, poll_s: float = 0.02) -> None:
@@ -184,12 +158,9 @@ class RoundBoard:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name, self.poll_s = name, poll_s
 
-    def _latest(self, kind: str) -> int:
-        return max((int(p.name.split("-")[1]) for p in self.dir.glob(f"{kind}-*")), default=-1)
-
     def formed(self) -> int:
         """The latest round whose quorum formed (-1: none yet)."""
-        return self._latest("formed")
+        return max((int(p.name.split("-")[1]) for p in self.dir.glob("formed-*")), default=-1)
 
     def mark(self, kind: str, position: int, name: str = "") -> None:
         (self.dir / (f"{kind}-{position}-{name}" if name else f"{kind}-{position}")).touch()
@@ -257,15 +228,15 @@ class QuorumExchanger:
         except RuntimeError as exc:   # the agreement broke off, or the groups did not connect
             log.warning("elastic: round outcome unknown (%s); this replica will heal at the next quorum", exc)
             self.transport.uncertain = exc
-            self._drop()
+            self.close()
             return False
 
     def _runner_for(self, view: Any) -> StreamRunner | None:
         if self._built_for == view.quorum_id:
             if self._runner is not None and self._runner.closed:   # closed after a failed round
-                self._drop()
+                self.close()
             return self._runner
-        self._drop()
+        self.close()
         self._built_for = view.quorum_id
         store = self.transport.store(view)
         runner = StreamRunner(self.exchange, place=(store, view.rank, view.participants), key=self.key,
@@ -274,7 +245,8 @@ class QuorumExchanger:
         self._runner = runner
         return runner
 
-    def _drop(self) -> None:
+    def close(self) -> None:
+        """Close this quorum's runner, keeping its residuals for the next one's."""
         if self._runner is not None:
             self._residuals = self._runner.state_dict()
             self._runner.close()
@@ -287,9 +259,6 @@ class QuorumExchanger:
         self._residuals = dict(state)
         if self._runner is not None:
             self._runner.load_state_dict(state)
-
-    def close(self) -> None:
-        self._drop()
 
 
 class QuorumTransport(GlooTransport):
@@ -476,7 +445,7 @@ class Membership:
         view = self.transport.view
         if self.group is None or view is None or view.participants <= 1:
             return 1.0
-        total = sum(self.group.gather_floats(float(weight), view))   # type: ignore[attr-defined]
+        total = sum(self.group.gather_floats(float(weight), view))
         return float(weight) * view.participants / total if total > 0 else 1.0
 
     def _next_quorum(self) -> None:
@@ -489,13 +458,11 @@ class Membership:
             heal = self.stats.heals[-1]
             heal["quorum_s"] = round(waited, 3)
             self._on_event({**heal, "quorum_id": int(view.quorum_id), "replicas": int(view.participants)})
-        if view.participants != self._size or view.quorum_id != self._quorum_id:
-            if view.participants != self._size:
-                self.stats.replicas.append([self.position, int(view.participants)])
-                self._on_event({"event": "membership", "position": self.position, "quorum_id": int(view.quorum_id),
-                                "replicas": int(view.participants), "was": self._size,
-                                "quorum_wait_s": round(waited, 3)})
-            self._quorum_id, self._size = int(view.quorum_id), int(view.participants)
+        if view.participants != self._size:
+            self.stats.replicas.append([self.position, int(view.participants)])
+            self._on_event({"event": "membership", "position": self.position, "quorum_id": int(view.quorum_id),
+                            "replicas": int(view.participants), "was": self._size, "quorum_wait_s": round(waited, 3)})
+        self._quorum_id, self._size = int(view.quorum_id), int(view.participants)
 
     def close(self) -> None:
         for exchanger in self.transport.exchangers:

@@ -1,33 +1,23 @@
-"""Elastic replica groups on torchft: a quorum service (the Lighthouse) and, per replica,
-a torchft ``Manager`` whose gloo group is rebuilt at every membership change.
+"""Elastic replica groups on torchft: the quorum service (its Lighthouse) and, per replica, a
+torchft ``Manager`` whose gloo group is rebuilt at every membership change.
 
-Why torchft: its Lighthouse already decides membership from heartbeats (a replica that
-stops beating is dropped after ``heartbeat_timeout_s``; one that asks to join is admitted at
-the next quorum), its ``ProcessGroupGloo`` is reconfigurable (a new store prefix per quorum,
-so a dead peer never wedges the next round), and its ``Manager`` heals a replica whose step
-is behind from a live peer. What we add here, and why:
+torchft already decides membership from heartbeats, reconfigures its gloo group per quorum (a
+dead peer never wedges the next round) and heals a replica whose step is behind from a live
+peer. What we add:
 
-- **Loopback only.** ``Manager`` binds its RPC server to ``[::]`` and its default checkpoint
-  transport is an HTTP server on all interfaces. We hand it ``PGTransport`` (the state goes
-  over the replica gloo group itself: no extra listener) and bind the RPC server to the
-  address we were given (loopback by default) -- see ``_bound_manager_server``.
-- **A replica is a process, or a node's processes.** Each replica group has its own TCP store
-  (torchft wants one per group), served by its rank 0 on the address it binds. A node replica
-  of L ranks is one torchft replica group of L ranks (``group_rank`` = the local rank): why
-  one group, not one per local rank, is in ``docs/design-notes.md``. torchft meets the
-  Lighthouse once per group (its rank 0's manager server waits for all L ranks' requests),
-  so the node's ranks are in or out of a quorum together and vote one commit; the quorum's
-  store and gloo group are per group rank (``<store>/torchft/<quorum>/<group rank>``), so
-  local rank j's exchange and heal run among the local ranks j of the quorum's nodes: each
-  rank heals its own outer shard from the same shard of a live node, nothing gathered.
-- **Blocking quorum.** ``use_async_quorum=False``: a joining replica is healed before the
-  round starts, so every member of a quorum takes part in its average.
-- **The round's own groups.** The average is not torchft's all-reduce: the engine's exchange
-  (codec, streams) runs on gloo groups built on the quorum's store, which the reconfigurable
-  group reports at each membership change (``QuorumView.store_addr``).
+- **Loopback only.** The state goes over the replica gloo group (``PGTransport``, not an HTTP
+  server on every interface) and the Manager's RPC server binds the address we were given
+  (``_bound_manager_server``), not ``[::]``.
+- **A replica is a process, or a node's processes**: one torchft replica group of L ranks
+  (``group_rank`` = the local rank; why one group: docs/design-notes.md), with its own TCP
+  store on its rank 0. Its ranks are in or out of a quorum together and vote one commit; the
+  quorum's store and gloo group are per group rank, so local rank j exchanges and heals its
+  own outer shard among the local ranks j of the quorum's nodes.
+- **Blocking quorum** (``use_async_quorum=False``): a joiner is healed before the round starts.
+- **The round's own groups.** The average is the engine's exchange (codec, streams), on gloo
+  groups of the quorum's store (``QuorumView.store_addr``), not torchft's all-reduce.
 
-The algorithm (what to average, when to commit) is not here: ``syncplane.algorithms.diloco.elastic``
-drives a ``ReplicaGroup`` through the small protocol it declares.
+What to average and when to commit is ``syncplane.algorithms.diloco.elastic``'s.
 """
 
 from __future__ import annotations
@@ -97,24 +87,24 @@ def start_lighthouse(host: str = "127.0.0.1", port: int = 0, *, min_replicas: in
     from torchft.coordination import LighthouseServer
 
     host = check_bind_host(host)
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    server = LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
-                              quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+    server = LighthouseServer(bind=_host_port(host, port), min_replicas=min_replicas,
+                              join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=quorum_tick_ms,
+                              heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
     # the server reports its hostname; replicas must dial the address it is bound to
-    bound_port = int(server.address().rsplit(":", 1)[1])
-    address = f"http://[{host}]:{bound_port}" if ":" in host else f"http://{host}:{bound_port}"
+    address = "http://" + _host_port(host, server.address().rsplit(":", 1)[1])
     log.info("elastic: lighthouse on %s (min_replicas=%d, join %.1f s, heartbeat %.1f s)",
              address, min_replicas, join_timeout_s, heartbeat_timeout_s)
     return Lighthouse(server, address)
 
 
+def _host_port(host: str, port: int | str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # ---------------------------------------------------------------- torchft internals
-# torchft 0.2.0 has no public way to make the Manager's RPC server bind one address: it binds
-# ``[::]`` (every interface), hard-coded in ``Manager.__init__``; ``_bound_manager_server`` makes
-# it bind the address we were given. That is the one internal this module relies on (the
-# quorum's id, store and ranks come from the public ``ProcessGroup.configure``:
-# ``_recording_gloo``), kept here; tests/unit/test_torchft_pin.py fails with a clear message when
-# the installed torchft is not this version (then check both again and move the pin).
+# ``_bound_manager_server`` is the one torchft internal relied on (the quorum's id, store and
+# ranks come from the public ``ProcessGroup.configure``: ``_recording_gloo``);
+# tests/unit/test_torchft_pin.py fails clearly when the installed torchft is another version.
 
 #: the torchft version whose internals ``_bound_manager_server`` relies on
 TORCHFT_VERSION = "0.2.0"
@@ -137,11 +127,9 @@ def _bound_manager_server(host: str) -> Iterator[None]:
     import torchft.manager as tm
 
     original = tm.ManagerServer
-    bind_host = f"[{host}]" if ":" in host else host
 
     def bound(**kwargs: Any) -> Any:
-        port = kwargs["bind"].rsplit(":", 1)[1]
-        return original(**{**kwargs, "bind": f"{bind_host}:{port}"})
+        return original(**{**kwargs, "bind": _host_port(host, kwargs["bind"].rsplit(":", 1)[1])})
 
     with _PATCH_LOCK:
         tm.ManagerServer = bound   # type: ignore[assignment]
@@ -192,11 +180,10 @@ class ReplicaGroup:
         state_dict / load_state_dict: what a healing replica receives from a live peer.
         host: the address this replica's servers bind (loopback by default).
         round_timeout_s: the commit vote and the heal transfer give up after it.
-        quorum_timeout_s: how long to wait for a quorum (a joiner waits for the others'
-            round boundary, up to one round).
+        quorum_timeout_s: the wait for a quorum (a joiner's: up to the others' next boundary).
         connect_timeout_s: reaching the Lighthouse / a peer's manager.
-        min_replicas: a round with fewer members does not commit (the Lighthouse's own
-            ``min_replicas`` keeps such a quorum from forming in the first place).
+        min_replicas: a round with fewer members does not commit (the Lighthouse's own keeps
+            such a quorum from forming).
         group_rank, group_world_size: this process's place in a replica of several (a node's
             local rank and size); every rank of the group builds its ``ReplicaGroup`` at once.
         share_port: a group of several: rank 0 calls it with its store's port, the others with
@@ -290,12 +277,9 @@ def start_barrier(folder: str | os.PathLike[str], replica: int, replicas: int, t
     ready.mkdir(parents=True, exist_ok=True)
     (ready / f"replica{replica}").touch()
     deadline = time.monotonic() + timeout_s
-    while True:
-        present = len(list(ready.glob("replica*")))
-        if present >= replicas:
-            return present
-        if time.monotonic() > deadline:
-            log.warning("elastic: %d of %d replicas started within %.0f s; the first quorum goes on without "
-                        "the others (they join later)", present, replicas, timeout_s)
-            return present
+    while (present := len(list(ready.glob("replica*")))) < replicas and time.monotonic() <= deadline:
         time.sleep(0.05)
+    if present < replicas:
+        log.warning("elastic: %d of %d replicas started within %.0f s; the first quorum goes on without "
+                    "the others (they join later)", present, replicas, timeout_s)
+    return present
