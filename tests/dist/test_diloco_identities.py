@@ -47,15 +47,10 @@ def one_rank() -> tuple[int, list[dict]]:
     return seed, run_distributed(_on_gloo, 3, [1, 1, 1], ONE_RANK, seed, True, timeout=180)
 
 
-INT8_GAP = pytest.mark.xfail(strict=True, reason=(
-    "int8 on gloo's StreamRunner is not the fake's one-shot codec model: 2e-3 off the reference "
-    "and the fake (int8 at P = 1 as well); found by this test, not yet explained"))
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=INT8_GAP) if "int8" in c else c for c in ONE_RANK])
+@pytest.mark.parametrize("case", ONE_RANK)
 def test_one_rank_nodes_on_gloo_are_the_reference_and_the_fake_bit_for_bit(one_rank, case):
-    seed, gloo = one_rank
-    sizes, results = [1, 1, 1], [ranks[case] for ranks in one_rank[1]]
+    (seed, gloo), sizes = one_rank, [1, 1, 1]
+    results = [ranks[case] for ranks in gloo]
     _check(results, sizes, _reference(sizes, CASES[case], seed, STEPS))
     fake = run_ranks(_drive, 3, sizes, dict(CASES[case]), seed, STEPS)
     for (a, ga, _), (b, gb, _) in zip(results, fake):
