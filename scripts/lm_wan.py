@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None, runner: Runner = train_py_runner) -> int
     names = [r.name for r in ROWS]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default=",".join(names), help=f"comma-separated, of: {', '.join(names)}")
+    parser.add_argument("--rows", default=",".join(names),
+                        help=f"comma-separated, run in this order (the table keeps its own), of: {', '.join(names)}")
     parser.add_argument("--seeds", type=int, default=1, help="seeds 1..N for every row")
     parser.add_argument("--seeds-for", default="", help="NAME=N,...: another count for some rows")
     parser.add_argument("--quick", action="store_true",
@@ -455,7 +456,8 @@ def main(argv: list[str] | None = None, runner: Runner = train_py_runner) -> int
     parser.add_argument("--fresh", action="store_true", help="run every seed again, ignoring what --out holds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    chosen = [r for r in ROWS if r.name in args.rows.split(",")]
+    by_name = {r.name: r for r in ROWS}
+    chosen = [by_name[n] for n in dict.fromkeys(args.rows.split(",")) if n in by_name]   # in --rows' order
     unknown = set(args.rows.split(",")) - set(names)
     if unknown or not chosen:
         parser.error(f"--rows: unknown {sorted(unknown)}; allowed: {', '.join(names)}")

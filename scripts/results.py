@@ -335,33 +335,48 @@ def comparison_title(name: str) -> str:
 
 @section("results/lm_wan.json")
 def lm_wan(files: list[Source]) -> list[Table]:
-    """A language model on a WAN: each row's seeds as mean ± std, against the ``ddp`` row."""
+    """A language model on a WAN: each row's seeds as mean ± std, against the ``ddp`` row (its
+    loss, bytes and time to target); a row that did not run is named in the note with why, and
+    the charts ``scripts/lm_wan.py`` writes beside the JSON are linked when they are there."""
     tables = []
     for s in files:
-        rows = s.data["rows"]
+        rows = [r for r in s.data["rows"] if r["seeds"]]
         ddp = next((r for r in rows if r["name"] == "ddp"), None)
 
-        def mean(row: dict[str, Any], key: str) -> float | None:
-            values = [seed[key] for seed in row["seeds"] if seed.get(key) is not None]
+        def mean(row: dict[str, Any] | None, key: str) -> float | None:
+            values = [seed[key] for seed in row["seeds"] if seed.get(key) is not None] if row else []
             return statistics.mean(values) if values else None
+
+        def ratio(top: float | None, bottom: float | None) -> float | None:
+            return top / bottom if top and bottom else None
 
         out = []
         for row in rows:
-            target, base = mean(row, "time_to_target_s"), mean(ddp, "time_to_target_s") if ddp else None
-            out.append([f"`{row['name']}`", str(len(row["seeds"])),
+            loss, base_loss = mean(row, "val_loss"), mean(ddp, "val_loss")
+            out.append([f"`{row['name']}`" + (" (priced)" if "priced" in row else ""), str(len(row["seeds"])),
                         mean_std([seed["val_loss"] for seed in row["seeds"]], 3),
-                        mean_std([seed["wall_s"] for seed in row["seeds"]]),
+                        "-" if base_loss is None else f"{100 * (loss / base_loss - 1):+.1f} %",
+                        f"{(mean(row, 'bytes_per_rank') or 0) / 1e6:,.3g}",
+                        times(ratio(mean(ddp, "bytes_per_rank"), mean(row, "bytes_per_rank")), 0),
+                        mean_std([seed["wall_s"] for seed in row["seeds"]], 0),
                         mean_std([seed["time_to_target_s"] for seed in row["seeds"]
-                                  if seed.get("time_to_target_s") is not None]),
-                        times(base / target if target and base else None),
-                        f"{(mean(row, 'bytes_per_rank') or 0) / 1e6:,.0f}",
+                                  if seed.get("time_to_target_s") is not None], 0),
+                        times(ratio(mean(ddp, "time_to_target_s"), mean(row, "time_to_target_s")), 1),
                         f"{mean(row, 'compute_utilization') or 0:.2f}"])
+        absent = [f"`{r['name']}` {r.get('status', 'not run')}: {r.get('message', '')}".strip()
+                  for r in s.data["rows"] if not r["seeds"]]
+        priced = next((r["priced"]["note"] for r in rows if "priced" in r), None)
+        charts = [f"![val loss against {what}]({Path(s.rel).with_name(f'{Path(s.rel).stem}_{suffix}.png').as_posix()})"
+                  for what, suffix in (("bytes", "bytes"), ("wall time", "wall"))
+                  if s.path.with_name(f"{s.path.stem}_{suffix}.png").exists()]
+        note = " ".join([*([f"Priced: {priced}."] if priced else []), *(f"{a}." for a in absent)])
         tables.append(Table(s.data.get("title", "Language model on a WAN"),
-                            ["run", "seeds", "val loss", "wall s", "time to target s", "sooner than DDP", "MB/rank",
-                             "compute utilization"], out,
-                            [Provenance(s.data["created"], s.data["commit"], row["command"]) for row in rows[:1]],
-                            intro=s.data.get("about", "") + " Every row's command: `rows[].command` in "
-                                  f"[{s.rel}]({s.rel})."))
+                            ["run", "seeds", "val loss", "vs DDP", "MB sent/rank", "fewer bytes", "wall s",
+                             "time to target s", "sooner", "compute utilization"], out,
+                            [Provenance(s.data["created"], s.data["commit"], s.data.get("command", rows[0]["command"]))],
+                            intro=s.data.get("about", "") + " Every row's `python train.py` command: `rows[].command` "
+                                  f"in [{s.rel}]({s.rel}).",
+                            note=(note + ("\n\n" + " ".join(charts) if charts else "")).strip()))
     return tables
 
 

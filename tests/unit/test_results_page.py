@@ -111,17 +111,23 @@ def test_a_new_json_file_is_one_function(tmp_path, monkeypatch):
                       "seeds": [{"seed": 1, "val_loss": 3.1, "bytes_per_rank": 1e5, "wall_s": 30.0,
                                  "time_to_target_s": 20.0, "compute_utilization": 0.8},
                                 {"seed": 2, "val_loss": 3.1, "bytes_per_rank": 1e5, "wall_s": 30.0,
-                                 "time_to_target_s": 25.0, "compute_utilization": 0.9}]}]}
+                                 "time_to_target_s": 25.0, "compute_utilization": 0.9}]},
+                     {"name": "peer", "command": None, "status": "refused", "message": "it cannot replay this recipe",
+                      "seeds": []}], "command": "python scripts/lm_wan.py"}
     path = tmp_path / "results" / "lm_wan.json"
     path.parent.mkdir()
     path.write_text(json.dumps(data))
+    (tmp_path / "results" / "lm_wan_bytes.png").write_bytes(b"png")
     monkeypatch.setattr(results, "DOCS", tmp_path)
     (table,) = results.lm_wan(results.sources("results/lm_wan.json"))
-    assert table.rows == [["`ddp`", "2", "3.100 ± 0.141", "105.0 ± 7.1", "90.0 ± 14.1", "1.00×", "2", "0.25"],
-                          ["`diloco`", "2", "3.100 ± 0.000", "30.0 ± 0.0", "22.5 ± 3.5", "4.00×", "0", "0.85"]]
-    assert table.provenance[0].text() == ("2026-12-02, commit `abc1234`: "
-                                          "`syncplane compare --recipe tiny_lm --strategies ddp`")
-    assert "## tiny_lm on wan_two_sites" in results.render_table(table)
+    assert table.rows == [["`ddp`", "2", "3.100 ± 0.141", "+0.0 %", "2", "1×", "105 ± 7", "90 ± 14", "1.0×", "0.25"],
+                          ["`diloco`", "2", "3.100 ± 0.000", "+0.0 %", "0.1", "20×", "30 ± 0", "22 ± 4", "4.0×",
+                           "0.85"]]
+    assert table.provenance[0].text() == "2026-12-02, commit `abc1234`: `python scripts/lm_wan.py`"
+    rendered = results.render_table(table)
+    assert "## tiny_lm on wan_two_sites" in rendered
+    assert "`peer` refused: it cannot replay this recipe." in rendered   # a row without seeds says why
+    assert "![val loss against bytes](results/lm_wan_bytes.png)" in rendered and "_wall.png" not in rendered
 
 
 def test_a_results_file_no_section_renders_is_named(tmp_path, monkeypatch):
