@@ -390,9 +390,14 @@ def git_commit() -> str:
     return result.stdout.strip() or "unknown"
 
 
+def chart_paths(out: Path) -> tuple[Path, Path]:
+    """Where :func:`charts` writes, beside the JSON ``out``: val loss against bytes, against wall."""
+    return out.with_name(f"{out.stem}_bytes.png"), out.with_name(f"{out.stem}_wall.png")
+
+
 def charts(report: Mapping[str, Any], out: Path) -> list[Path]:
     """Val loss against bytes per rank and against wall time, one point per row (its seeds'
-    mean, their range as bars), log x; beside ``out`` as ``<stem>_bytes.png`` and ``_wall.png``."""
+    mean, their range as bars), log x; at :func:`chart_paths` of ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -400,8 +405,8 @@ def charts(report: Mapping[str, Any], out: Path) -> list[Path]:
 
     rows = [r for r in report["rows"] if r["seeds"]]
     written = []
-    for key, label, suffix in (("bytes_per_rank", "sync bytes per rank", "bytes"),
-                               ("wall_s", "wall time (s)", "wall")):
+    for (key, label), path in zip((("bytes_per_rank", "sync bytes per rank"), ("wall_s", "wall time (s)")),
+                                  chart_paths(out)):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for row in rows:
             xs = [s[key] for s in row["seeds"]]
@@ -416,7 +421,6 @@ def charts(report: Mapping[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("final validation loss")
         ax.set_title(f"tiny_lm on {report['settings']['cluster']}: val loss vs {label}", fontsize=9)
         ax.grid(True, alpha=0.3)
-        path = out.with_name(f"{out.stem}_{suffix}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -46,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import reference_docs  # noqa: E402  (beside this script)
+from lm_wan import chart_paths  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -366,14 +367,13 @@ def lm_wan(files: list[Source]) -> list[Table]:
         absent = [f"`{r['name']}` {r.get('status', 'not run')}: {r.get('message', '')}".strip()
                   for r in s.data["rows"] if not r["seeds"]]
         priced = next((r["priced"]["note"] for r in rows if "priced" in r), None)
-        charts = [f"![val loss against {what}]({Path(s.rel).with_name(f'{Path(s.rel).stem}_{suffix}.png').as_posix()})"
-                  for what, suffix in (("bytes", "bytes"), ("wall time", "wall"))
-                  if s.path.with_name(f"{s.path.stem}_{suffix}.png").exists()]
+        charts = [f"![val loss against {what}]({png.relative_to(DOCS).as_posix()})"
+                  for what, png in zip(("bytes", "wall time"), chart_paths(s.path)) if png.exists()]
         note = " ".join([*([f"Priced: {priced}."] if priced else []), *(f"{a}." for a in absent)])
         tables.append(Table(s.data.get("title", "Language model on a WAN"),
                             ["run", "seeds", "val loss", "vs DDP", "MB sent/rank", "fewer bytes", "wall s",
                              "time to target s", "sooner", "compute utilization"], out,
-                            [Provenance(s.data["created"], s.data["commit"], s.data.get("command", rows[0]["command"]))],
+                            [Provenance(s.data["created"], s.data["commit"], s.data["command"])],
                             intro=s.data.get("about", "") + " Every row's `python train.py` command: `rows[].command` "
                                   f"in [{s.rel}]({s.rel}).",
                             note=(note + ("\n\n" + " ".join(charts) if charts else "")).strip()))
