@@ -10,7 +10,9 @@ fp32 blocking, then fp32, int8 and sparse at two densities with their exchange o
 (``overlap_steps``); the best codec again with a Muon inner optimizer (``recipe.optimizer=muon``;
 the best is the finished codec row with the fewest bytes within 3 % of DDP's loss, else the
 lowest loss, or ``--muon-codec``); ``torchft_diloco`` as the peer where it can run this recipe
-(otherwise the row says why). The outer optimizer is the strategy's default, the paper's
+(otherwise the row says why); ``ddp_muon``, DDP with the same Muon inner optimizer, so each
+inner optimizer is judged against DDP with it (priced with ``ddp``'s step time on the link, which
+sends the same gradients). The outer optimizer is the strategy's default, the paper's
 Nesterov (lr 0.7, momentum 0.9).
 
 ``ddp`` is priced, not run to the end on the link (its full run there would take hours): its
@@ -70,6 +72,7 @@ class Row:
     priced: bool = False          # ddp: loss on loopback, step time on the link
     peer: str | None = None       # a comparison peer (not a train.py strategy)
     muon: bool = False            # the best codec again, with recipe.optimizer=muon
+    priced_as: str | None = None  # a priced row that takes its step time from this row's timing
 
 
 def node_diloco(*extra: str) -> tuple[str, ...]:
@@ -88,6 +91,7 @@ ROWS: tuple[Row, ...] = (
     Row("diloco_fp32_blocking", node_diloco()),
     *(Row(f"diloco_{codec}_overlap", node_diloco(*flags)) for codec, flags in CODECS.items()),
     Row("diloco_muon", node_diloco(), muon=True),
+    Row("ddp_muon", ("strategy=ddp", "recipe.optimizer=muon"), priced=True, priced_as="ddp"),
     Row("torchft_diloco", peer="torchft_diloco"),
 )
 
@@ -297,7 +301,16 @@ class Headline:
         before = next((r for r in self.previous.get("rows", []) if r["name"] == row.name), {})
         first = command_of([*s.common(1, row.name), *own, *([] if row.priced else s.on_link())])
         kept = {e["seed"]: e for e in before.get("seeds", [])} if before.get("command") == first else {}
-        if row.priced:
+        if row.priced_as is not None:
+            source = next((r for r in self.report()["rows"] if r["name"] == row.priced_as and "priced" in r), None)
+            if source is None:
+                return {**out, "status": "failed", "message": f"priced with {row.priced_as}'s step time: run "
+                        f"{row.priced_as} first (--rows {row.priced_as},{row.name})"}
+            out["priced"] = {**source["priced"], "note": f"step time from {row.priced_as}'s timing, which sends the "
+                             "same gradients over the same link; loss, bytes and steps from its own training on "
+                             "loopback"}
+            step_s, utilization = out["priced"]["step_s"], out["priced"].get("utilization")
+        elif row.priced:
             timing = [*s.common(1, row.name), *own, *s.on_link(), f"trainer.max_steps={s.priced_steps}"]
             if (before.get("priced") or {}).get("timing_command") == command_of(timing):
                 out["priced"] = dict(before["priced"])

@@ -18,7 +18,7 @@ import lm_wan  # noqa: E402
 FAKE = {"ddp": (4.80, 3.0e9, 0.0), "diloco_fp32_blocking": (4.90, 8.0e7, 28.0), "diloco_fp32_overlap": (4.91, 8.0e7, 28.0),
         "diloco_int8_overlap": (4.93, 2.0e7, 7.0),
         "diloco_sparse3_overlap": (4.92, 3.0e6, 1.0), "diloco_sparse1_overlap": (5.30, 1.0e6, 0.5),
-        "diloco_muon": (4.85, 3.0e6, 1.0)}
+        "diloco_muon": (4.85, 3.0e6, 1.0), "ddp_muon": (4.70, 3.0e9, 0.0)}
 
 
 class FakeRunner:
@@ -39,7 +39,7 @@ class FakeRunner:
         timing = any(o.startswith("trainer.max_steps=") for o in overrides)
         steps = 5 if timing else 100
         run_dir.mkdir(parents=True)
-        summary = {"strategy": "ddp" if label == "ddp" else "diloco", "steps": steps,
+        summary = {"strategy": "ddp" if label.startswith("ddp") else "diloco", "steps": steps,
                    "metrics": {"val_loss": None if timing else loss}, "comm": {"seconds": sync, "bytes_sent_per_rank": sent},
                    "train_seconds": 500.0, "timing": {"validation_s": 20.0}, "throughput": {"step_s_median": 25.0 if timing else 1.5},
                    "time_to_target_s": 200.0, "compute_utilization": 0.1 if timing else 0.95,
@@ -93,7 +93,18 @@ def test_every_row_runs_its_command_and_the_json_has_the_issues_fields(tmp_path)
     # the peer: tiny_lm is no recipe it can replay; the row says why
     assert rows["torchft_diloco"]["status"] in ("refused", "not_run") and rows["torchft_diloco"]["message"]
     assert (tmp_path / "lm_wan_bytes.png").stat().st_size > 0 and (tmp_path / "lm_wan_wall.png").stat().st_size > 0
-    assert len(runner.calls) == 1 + 2 + 6   # ddp's timing and 2 seeds, 6 DiLoCo rows
+    # ddp + Muon: its own training on loopback, priced with ddp's timing (the same gradients, the same link)
+    ddp_muon = rows["ddp_muon"]
+    assert "recipe.optimizer=muon" in ddp_muon["command"] and "cluster=" not in ddp_muon["command"]
+    assert ddp_muon["priced"]["step_s"] == ddp["priced"]["step_s"] and "ddp's timing" in ddp_muon["priced"]["note"]
+    assert ddp_muon["seeds"][0]["wall_s"] == 100 * 25.0 and ddp_muon["seeds"][0]["val_loss"] == 4.70
+    assert len(runner.calls) == 1 + 2 + 6 + 1   # ddp's timing and 2 seeds, 6 DiLoCo rows, ddp_muon's 1 seed
+
+
+def test_a_row_priced_as_another_needs_that_row(tmp_path):
+    report = run(tmp_path, FakeRunner(), "--rows", "ddp_muon")
+    (row,) = report["rows"]
+    assert row["status"] == "failed" and "--rows ddp,ddp_muon" in row["message"] and not row["seeds"]
 
 
 def test_finished_runs_are_read_not_run_again(tmp_path):
