@@ -99,17 +99,15 @@ def _summaries(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("membership", [[], ["strategy.kwargs.membership=quorum", "strategy.kwargs.min_replicas=2",
-                                             "strategy.kwargs.overlap_steps=1"]], ids=["fixed", "quorum-overlap"])
-def test_an_elastic_job_with_int8_and_fragments_resumes_from_its_checkpoints(tmp_path: Path,
-                                                                            membership: list[str]) -> None:
-    """Two local replicas (int8, two fragments; with ``membership: quorum`` an overlap of one
-    step too) train two epochs, then the job resumes from the checkpoint for a third: each
-    replica from its own (``replica1/checkpoints``), the position, round counts and torchft step
-    where they stood, so no replica heals and both end on one θ_g."""
+def test_an_elastic_job_with_int8_and_fragments_resumes_from_its_checkpoints(tmp_path: Path) -> None:
+    """Two local replicas (int8, two fragments overlapped by a step, ``membership: quorum``)
+    train two epochs, then the job resumes from the checkpoint for a third: each replica from its
+    own (``replica1/checkpoints``), the position, round counts and torchft step where they stood,
+    so no replica heals and both end on one θ_g. Fixed membership resumes with node replicas in
+    ``test_elastic_nodes.py``."""
     common = ["strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.sync_every=5",
               "strategy.kwargs.fragments=2", "strategy.kwargs.compression=int8", "trainer.devices=2", "seed=4",
-              *membership]
+              "strategy.kwargs.membership=quorum", "strategy.kwargs.min_replicas=2", "strategy.kwargs.overlap_steps=1"]
     first = train(*common, "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'first'}", timeout=400)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"

@@ -9,7 +9,8 @@ discarded by both), and after ``restart_delay_s`` host 1's two ranks start again
 at the next quorum point and heal -- each rank its own shard, from the same rank of a live node.
 Every replica ends the job with one θ_g (its ranks' shard digests, in its summary). Under
 ``membership: quorum`` a slowed node is left out of its rounds, trains on and rejoins as one
-(the second test); ``inner_steps: time`` plans a slowed node as one (the third).
+(the second test); ``inner_steps: time`` plans a slowed node as one (the third); a node job
+resumes from its checkpoints, each rank its own shard, and heals nothing (the fourth).
 
 Timing: ``trainer.emulated_step_s=0.4`` paces the 56 steps (14 periods of H = 4), so the
 survivors are still training when the restarted node (back 6 s after the kill, some 10 s to
@@ -142,3 +143,37 @@ def test_time_budgeted_rounds_plan_a_slowed_node_as_one(tmp_path: Path) -> None:
     fast, slow = details[0]["round_steps"]
     assert slow < fast == 5, details[0]["round_steps"]
     assert len({d["elastic"]["theta_sha256"] for d in details}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(UNSUPPORTED is not None, reason=str(UNSUPPORTED))
+def test_an_elastic_node_job_resumes_from_its_checkpoints(tmp_path: Path) -> None:
+    """Node replicas in elastic mode on ``multi_nic`` (2 hosts of 2): int8, two streams and an
+    overlap of one step train one epoch, then the job resumes from its checkpoint for a second.
+    Each node resumes from its own (``replica1/checkpoints``), every rank its own shard of the
+    outer state and of the codec's error feedback, at the position and torchft step where they
+    stood: no node heals, the rounds go on from where they were, and both nodes end on one θ_g."""
+    common = ["strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.replica=node",
+              "strategy.kwargs.compression=int8", "strategy.kwargs.streams=2", "strategy.kwargs.overlap_steps=1",
+              "strategy.kwargs.sync_every=5", "cluster=multi_nic", "trainer.devices=4",
+              "trainer.check_val_every_n_epoch=2", "seed=4"]
+    outputs = {}
+    for name, extra in (("first", ["trainer.max_epochs=1"]),
+                        ("resumed", ["trainer.max_epochs=2", f"resume={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}"])):
+        try:
+            result = train(*common, *extra, f"hydra.run.dir={tmp_path / name}", timeout=400)
+        finally:
+            emulator.down()
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert (tmp_path / name / "replica1" / "checkpoints" / "last.ckpt").is_file()
+        outputs[name] = result.stdout
+        if name == "first":
+            before = json.loads((tmp_path / name / "summary.json").read_text())["strategy_details"]["elastic"]
+    assert "epoch 2/2" in outputs["resumed"] and "epoch 1/2" not in outputs["resumed"]
+    details = [json.loads(p.read_text())["strategy_details"]
+               for p in [tmp_path / "resumed" / "summary.json", tmp_path / "resumed" / "replica1" / "summary.json"]]
+    assert all(d["replica"] == "node" and d["streams"] == 2 for d in details), details
+    elastic = [d["elastic"] for d in details]
+    assert all(e["rounds_committed"] > before["rounds_committed"] and not e["heals"] for e in elastic), elastic
+    assert '"heal"' not in (tmp_path / "resumed" / "history.jsonl").read_text()
+    assert len({e["theta_sha256"] for e in elastic}) == 1, elastic   # one θ_g: its ranks' shards alike
