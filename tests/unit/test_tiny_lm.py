@@ -253,14 +253,16 @@ def test_muon_adamw_steps_as_torchs_two_optimizers_and_resumes_from_its_state(te
 
 
 def test_tiny_lm_trains_with_muon(tmp_path):
-    from lightning.pytorch import Trainer
+    from lightning.pytorch import Trainer, seed_everything
 
+    seed_everything(0, verbose=False)
     s = settings(tmp_path, seq_length=32, batch_size=8, optimizer="muon")
     module, data = TinyLm(s), TinyLmData(s)
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=40, limit_val_batches=10,
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=20, limit_val_batches=10,
                       logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=data)
     loss = float(trainer.callback_metrics["val_loss"])
-    # from the uniform guess over the 300-token vocabulary (5.70) in 40 steps: 4.06 measured (AdamW 4.33)
+    # from the uniform guess over the 300-token vocabulary (5.70) in 20 steps: 4.33-4.34 measured
+    # (20, not more: torch's Muon orthogonalizes in bfloat16, ~0.9 s a step on this CPU)
     assert loss < math.log(300) - 1.0, loss
