@@ -302,7 +302,7 @@ class Headline:
         first = command_of([*s.common(1, row.name), *own, *([] if row.priced else s.on_link())])
         kept = {e["seed"]: e for e in before.get("seeds", [])} if before.get("command") == first else {}
         if row.priced_as is not None:
-            source = next((r for r in self.report()["rows"] if r["name"] == row.priced_as and "priced" in r), None)
+            source = next((r for r in self.known_rows() if r["name"] == row.priced_as and "priced" in r), None)
             if source is None:
                 return {**out, "status": "failed", "message": f"priced with {row.priced_as}'s step time: run "
                         f"{row.priced_as} first (--rows {row.priced_as},{row.name})"}
@@ -363,16 +363,20 @@ class Headline:
         log.warning("%s: %s: %s", out["name"], out["status"], out["message"])
         return out
 
-    def report(self) -> dict[str, Any]:
-        """The JSON: this run's rows, and the rows of the JSON before it that this run did not
-        choose, when it was made with the same settings (a table grows a row at a time)."""
-        s = self.settings
+    def known_rows(self) -> list[dict[str, Any]]:
+        """This run's rows, and the rows of the JSON before it that this run did not choose, when
+        it was made with the same settings (a table grows a row at a time), in the table's order."""
         rows = list(self.rows)
         if self.previous.get("settings") == self.settings_dict():
             ran = {r["name"] for r in rows}
             rows += [r for r in self.previous["rows"] if r["name"] not in ran]
         order = [r.name for r in ROWS]
-        rows.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+        return sorted(rows, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+
+    def report(self) -> dict[str, Any]:
+        """The JSON: the known rows (``known_rows``) and how they were made."""
+        s = self.settings
+        rows = self.known_rows()
         return {"title": "A language model across a slow WAN of nodes (`tiny_lm`, `wan_nodes`)",
                 "created": datetime.date.today().isoformat(), "commit": git_commit(),
                 "command": "python scripts/lm_wan.py " + shlex.join(sys.argv[1:]),

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from syncplane.cluster import emulator
+from tests.e2e.test_elastic import _summaries
 from tests.e2e.test_train import train
 from tests.helpers.emulation import UNSUPPORTED
 
@@ -157,22 +158,22 @@ def test_an_elastic_node_job_resumes_from_its_checkpoints(tmp_path: Path) -> Non
               "strategy.kwargs.compression=int8", "strategy.kwargs.streams=2", "strategy.kwargs.overlap_steps=1",
               "strategy.kwargs.sync_every=5", "cluster=multi_nic", "trainer.devices=4",
               "trainer.check_val_every_n_epoch=2", "seed=4"]
-    outputs = {}
-    for name, extra in (("first", ["trainer.max_epochs=1"]),
-                        ("resumed", ["trainer.max_epochs=2", f"resume={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}"])):
+
+    def run(name: str, *extra: str) -> str:
         try:
             result = train(*common, *extra, f"hydra.run.dir={tmp_path / name}", timeout=400)
         finally:
             emulator.down()
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert (tmp_path / name / "replica1" / "checkpoints" / "last.ckpt").is_file()
-        outputs[name] = result.stdout
-        if name == "first":
-            before = json.loads((tmp_path / name / "summary.json").read_text())["strategy_details"]["elastic"]
-    assert "epoch 2/2" in outputs["resumed"] and "epoch 1/2" not in outputs["resumed"]
-    details = [json.loads(p.read_text())["strategy_details"]
-               for p in [tmp_path / "resumed" / "summary.json", tmp_path / "resumed" / "replica1" / "summary.json"]]
-    assert all(d["replica"] == "node" and d["streams"] == 2 for d in details), details
+        return result.stdout
+
+    run("first", "trainer.max_epochs=1")
+    before = _summaries(tmp_path / "first")[0]["strategy_details"]["elastic"]
+    resumed = run("resumed", "trainer.max_epochs=2", f"resume={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}")
+    assert "epoch 2/2" in resumed and "epoch 1/2" not in resumed
+    details = [summary["strategy_details"] for summary in _summaries(tmp_path / "resumed")]
+    assert len(details) == 2 and all(d["replica"] == "node" and d["streams"] == 2 for d in details), details
     elastic = [d["elastic"] for d in details]
     assert all(e["rounds_committed"] > before["rounds_committed"] and not e["heals"] for e in elastic), elastic
     assert '"heal"' not in (tmp_path / "resumed" / "history.jsonl").read_text()
