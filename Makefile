@@ -22,8 +22,11 @@ setup: $(STAMP)
 run: setup
 	$(PYTHON) train.py
 
+# Two pytest workers: half the suite's time is its jobs waiting (heartbeats, slow emulated links),
+# which a second worker fills (docs/design-notes.md). TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= 2
 test: setup
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # The layer contracts (import-linter) and the no-import-cycle check.
 lint: setup

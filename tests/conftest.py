@@ -5,6 +5,8 @@ run live under a namespace prefix of their own."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import zlib
 
 import pytest
@@ -46,14 +48,20 @@ def _job_variables_stay_in_their_test():
 def pytest_configure(config: pytest.Config) -> None:
     """This test run's emulated clusters get a namespace prefix of their own (``spt<pid>-``),
     inherited by every process it starts: a test's ``emulator.down()`` then removes only
-    this run's namespaces, never a user's ``sp-`` cluster or another suite's."""
+    this run's namespaces, never a user's ``sp-`` cluster or another suite's. Under
+    pytest-xdist (``make test``) each worker has a prefix of its own (``spt<pid>gw<n>-``, under the controller's): the
+    workers' clusters never meet, and one worker's ``down()`` leaves the other's up."""
     from syncplane.cluster import emulator
 
     os.environ.setdefault(emulator.PREFIX_ENV, f"spt{os.getpid()}-")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")   # gw0, gw1, ... in a worker; unset otherwise
+    if worker is not None and not os.environ[emulator.PREFIX_ENV].endswith(f"{worker}-"):
+        os.environ[emulator.PREFIX_ENV] = f"{os.environ[emulator.PREFIX_ENV][:-1]}{worker}-"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Whatever this run left up (a test killed half-way) comes down with it."""
+    """Whatever this run left up (a test killed half-way) comes down with it; the controller
+    of an xdist run also takes down what a worker that died left under its own prefix."""
     from syncplane.cluster import emulator
 
     try:
@@ -62,3 +70,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     if emulator.namespaces():
         emulator.down()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    own = os.environ[emulator.PREFIX_ENV][:-1]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for prefix in sorted({m.group(0) for name in listed if (m := re.match(rf"{own}gw\d+-", name))}):
+        os.environ[emulator.PREFIX_ENV] = prefix
+        try:
+            emulator.down()
+        finally:
+            os.environ[emulator.PREFIX_ENV] = f"{own}-"

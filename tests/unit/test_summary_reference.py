@@ -61,3 +61,13 @@ def test_a_planted_field_is_caught():
     summary = {"strategy": "ddp", "metrics": {"val_acc": 0.9, "val_bleu": 1.0}, "comm": {"seconds": 1.0, "wire": 2},
                "compute": {"slowed": [{"rank": 1, "why": "x"}]}, "new": 0}
     assert undocumented(summary) == ["comm.wire", "compute.slowed[].why", "new"]
+
+
+def test_the_summary_path_is_printed_on_one_line_however_long(tmp_path, capsys):
+    from syncplane.runtime.report import print_summary
+
+    summary = real_summary(tmp_path)
+    capsys.readouterr()
+    path = tmp_path / ("a-run-directory-deep-in-a-cluster-filesystem-" * 3) / "summary.json"
+    print_summary(summary, path)
+    assert f"summary written to {path}\n" in capsys.readouterr().out   # to copy, not cut at the table's width

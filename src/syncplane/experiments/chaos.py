@@ -548,7 +548,7 @@ def print_report(report: dict[str, Any], json_path: Path) -> None:
         console.print("[red]verdict: the job broke the promise[/]")
         for problem in report["problems"]:
             console.print(f"  - {problem}", markup=False, highlight=False)
-    console.print(f"report written to {json_path}")
+    console.print(f"report written to {json_path}", soft_wrap=True)
 
 
 def _seconds(value: float | None) -> str:
@@ -656,4 +656,5 @@ def print_matrix(rows: list[dict[str, Any]], deadline_s: float, json_path: Path)
                       "[green]kept[/]" if row["ok"] else "[red]broken[/]: " + "; ".join(row["problems"]))
     console.print(table)
     broken = [r for r in rows if not r["ok"]]
-    console.print(f"{len(rows) - len(broken)} of {len(rows)} cells kept the promise; rows written to {json_path}")
+    console.print(f"{len(rows) - len(broken)} of {len(rows)} cells kept the promise; rows written to {json_path}",
+                  soft_wrap=True)

@@ -476,4 +476,4 @@ def print_summary(summary: dict[str, Any], path: Path) -> None:
         table.add_row(name, value)
     console = Console(width=100)
     console.print(table)
-    console.print(f"summary written to {path}")
+    console.print(f"summary written to {path}", soft_wrap=True)   # a long path stays one line to copy
