@@ -54,6 +54,7 @@ from syncplane.algorithms import sharded
 from syncplane.algorithms.replicas import DEFAULT_BUCKET_BYTES, DEFAULT_CONSENSUS_SKETCH, CommMeter, ModelReplicas, PhaseProfile
 from syncplane import lightning_adapter
 from syncplane.cluster.profile import ClusterProfile
+from syncplane.config import ConfigError
 from syncplane.job import JobContext
 from syncplane.lightning_adapter import UnwrappedModel
 from syncplane.runtime import heartbeat_callback
@@ -298,9 +299,21 @@ class SyncplaneStrategy(JobAware, Watched, UnwrappedModel, DDPStrategy):
             replica_ops.start_control()   # the gloo group for CPU-side collectives, before any strategy makes groups
         with self.phases.time("setup/broadcast"):
             if not sharded.on_meta(self.model):
-                lightning_adapter.sync_module_states(self.model)
+                self._broadcast_start(self.model)
         with self.phases.time("setup/setup_sync"):
             self.setup_sync(self.job)
+
+    def _broadcast_start(self, model: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers into every rank's; on several hosts of several ranks
+        one copy crosses into each host (``broadcast_by_host_``), else Lightning's broadcast."""
+        try:
+            hosts = self.job.hosts() if self.job.elastic is None else []
+        except ConfigError:   # no hosts to read (LOCAL_WORLD_SIZE does not divide): a strategy's own check says so
+            hosts = []
+        if len(hosts) > 1 and max(len(h) for h in hosts) > 1:
+            replica_ops.broadcast_by_host_(replica_ops.module_states(model), hosts)
+        else:
+            lightning_adapter.sync_module_states(model)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],

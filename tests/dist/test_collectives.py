@@ -119,3 +119,61 @@ def test_rank0_decides_from_every_measurement_and_everyone_adopts_it(world):
             assert all(torch.equal(g["x"], r[0]) for g, r in zip(gathered, results))
         else:
             assert gathered is None
+
+
+def _broadcast_by_host(rank: int, world: int, hosts, seed: int):
+    import torch
+    import torch.distributed as dist
+
+    from syncplane.comm.collectives import broadcast_by_host_
+
+    g = torch.Generator().manual_seed(seed + rank)
+    tensors = [torch.randn(5, 3, generator=g), torch.randn(2, 3, 4, 4, generator=g).to(memory_format=torch.channels_last),
+               torch.randint(0, 1000, (7,), generator=g), torch.randn(40, generator=g).to(torch.bfloat16),
+               torch.randn(9, generator=g)]
+    original = [t.clone() for t in tensors]
+    sources = []   # the ranks of each group this rank broadcast on
+    plain = dist.broadcast
+
+    def seen(tensor, *args, group=None, **kwargs):
+        sources.append(dist.get_process_group_ranks(group))
+        return plain(tensor, *args, group=group, **kwargs)
+
+    dist.broadcast = seen
+    try:
+        broadcast_by_host_(tensors, hosts, bucket_bytes=64)   # several buckets: dtypes change, caps close them
+    finally:
+        dist.broadcast = plain
+    return original, tensors, sources
+
+
+@pytest.mark.parametrize("hosts", [[[0, 1], [2, 3]], [[0], [1, 2, 3]], [[2, 0], [1], [3, 4]]],
+                         ids=["2+2", "1+3", "2+1+2"])
+def test_broadcast_by_host_gives_every_rank_rank_0s_values_one_copy_into_each_host(hosts, test_seed):
+    world = sum(len(h) for h in hosts)
+    results = run_distributed(_broadcast_by_host, world, hosts, test_seed)
+    for rank, (original, got, sources) in enumerate(results):
+        for mine, want in zip(got, results[0][0]):
+            assert mine.dtype == want.dtype and torch.equal(mine, want)
+        assert got[1].is_contiguous(memory_format=torch.channels_last)
+        host = next(sorted(h) for h in hosts if rank in h)
+        leaders = sorted(min(h) for h in hosts)
+        # the copy that crosses into a host goes to its first rank alone; the host's own ranks get it from there
+        expected = ([leaders] if rank in leaders else []) + ([host] if len(host) > 1 else [])
+        assert len(sources) % len(expected) == 0 and sources == expected * (len(sources) // len(expected)), sources
+    assert not torch.equal(results[1][0][0], results[0][0][0])   # the ranks started apart
+
+
+def _broadcast_bad_hosts(rank: int, world: int):
+    from syncplane.comm.collectives import broadcast_by_host_
+
+    try:
+        broadcast_by_host_([torch.zeros(3)], [[0], [0, 1]])
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_broadcast_by_host_refuses_hosts_that_miss_a_rank_on_every_rank():
+    messages = run_distributed(_broadcast_bad_hosts, 2)
+    assert all(m is not None and "do not hold each of the 2 ranks once" in m for m in messages)

@@ -13,17 +13,24 @@ import torch
 import torch.distributed as dist
 
 from syncplane.comm import DEFAULT_BUCKET_BYTES, CommMeter, PhaseProfile, allreduce_mean_, make_buckets
-from syncplane.comm.collectives import agreed_token, control_barrier, every_rank, mean_and_distance
+from syncplane.comm.collectives import agreed_token, broadcast_by_host_, control_barrier, every_rank, mean_and_distance
 from syncplane.comm.process_groups import control_group
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_CONSENSUS_SKETCH", "CommMeter", "ModelReplicas", "PhaseProfile", "agreed_token", "average_",
-           "consensus_distance", "control_barrier", "every_rank", "start_control"]
+           "broadcast_by_host_", "consensus_distance", "control_barrier", "every_rank", "module_states", "start_control"]
 
 
 def start_control() -> None:
     """Create the gloo group for control collectives (a collective: call it on every rank,
     before any strategy creates groups of its own)."""
     control_group()
+
+
+def module_states(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters, then buffers, that DDP's initial broadcast sends (those the module names
+    in ``_ddp_params_and_buffers_to_ignore`` left out)."""
+    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    return [t for name, t in [*module.named_parameters(), *module.named_buffers()] if name not in ignore]
 
 
 def average_(tensors: Sequence[torch.Tensor], bucket_bytes: int, meter: CommMeter | None = None) -> None:

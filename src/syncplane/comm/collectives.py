@@ -15,7 +15,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 
-from syncplane.comm.buckets import Bucket
+from syncplane.comm.buckets import Bucket, make_buckets
+from syncplane.comm.group_cache import cached_group
 from syncplane.comm.host_mirror import HostMirror
 from syncplane.comm.meter import CommMeter, ring_allreduce_bytes
 from syncplane.comm.process_groups import control_group
@@ -113,6 +114,35 @@ def count_sketch(vector: torch.Tensor, buckets: int, chunk_rows: int = 64) -> to
         if tail:
             sketch[:tail] += signed[rows * buckets:]
     return sketch
+
+
+#: Bucket cap of ``broadcast_by_host_``: torch DDP's for its initial broadcast.
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def broadcast_by_host_(tensors: Sequence[torch.Tensor], hosts: Sequence[Sequence[int]],
+                       bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Collective: rank 0's values of ``tensors`` written into every rank's, one copy crossing
+    into each host: rank 0 sends to the first rank of every host, which sends to the rest of
+    its host. A flat broadcast sends a copy per rank, so the slow link into a host of L ranks
+    carried L copies (a model's start across a WAN, ``docs/design-notes.md``). ``hosts``: the
+    ranks of each host, every rank once. Its groups are made on first use (every rank calls
+    it, in the same order)."""
+    members = sorted(r for h in hosts for r in h)
+    if members != list(range(dist.get_world_size())):
+        raise ValueError(f"hosts {[list(h) for h in hosts]} do not hold each of the "
+                         f"{dist.get_world_size()} ranks once")
+    stages = [sorted(min(h) for h in hosts), *(sorted(h) for h in hosts if len(h) > 1)]
+    groups = [cached_group("broadcast_by_host", ranks) for ranks in stages]   # every rank makes each
+    rank = dist.get_rank()
+    mine = [g for ranks, g in zip(stages, groups) if rank in ranks]   # the first rank of each is its source
+    with torch.no_grad():
+        for bucket in make_buckets([t.detach() for t in tensors], bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for t in bucket.tensors], out=bucket.buffer)
+            for group in mine:
+                dist.broadcast(flat, group=group, group_src=0)
+            for t, piece in zip(bucket.tensors, flat.split([t.numel() for t in bucket.tensors])):
+                t.copy_(piece.view_as(t))
 
 
 def gather_to_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
