@@ -55,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     os.environ.setdefault(emulator.PREFIX_ENV, f"spt{os.getpid()}-")
     worker = os.environ.get("PYTEST_XDIST_WORKER")   # gw0, gw1, ... in a worker; unset otherwise
-    if worker is not None and not os.environ[emulator.PREFIX_ENV].endswith(f"{worker}-"):
+    if worker is not None:
         os.environ[emulator.PREFIX_ENV] = f"{os.environ[emulator.PREFIX_ENV][:-1]}{worker}-"
 
 

@@ -138,6 +138,8 @@ def broadcast_by_host_(tensors: Sequence[torch.Tensor], hosts: Sequence[Sequence
     mine = [g for ranks, g in zip(stages, groups) if rank in ranks]   # the first rank of each is its source
     with torch.no_grad():
         for bucket in make_buckets([t.detach() for t in tensors], bucket_bytes):
+            # torch's own copies, not ``Bucket.pack``: the kernels pack floating types, and a model's
+            # buffers may be integers (BatchNorm's ``num_batches_tracked``)
             flat = torch.cat([t.reshape(-1) for t in bucket.tensors], out=bucket.buffer)
             for group in mine:
                 dist.broadcast(flat, group=group, group_src=0)
