@@ -3,15 +3,14 @@ schedule (``_drive``) as the in-process fake test (``tests/unit/test_diloco_fake
 random inputs every run, all cases in one spawn of 3 processes (and one of 5):
 
 - One-rank nodes (``replica=rank``), every schedule of the fake test's ``CASES`` (Nesterov,
-  P = 3 τ = 0, P = 2 τ = 1) and the sparse codec on the gather: the dense reference (1e-5), and
-  the in-process fake's result for the same seed bit for bit (``torch.equal``). Not int8 on the
-  mesh: the real mesh's owner sums its segment and encodes the mean again with an error feedback
-  of its own (two quantizations a round), which the fake and the reference do not model (they
-  quantize once); the mesh's int8 mean is checked within the codec's bound, identical on every
-  rank, in ``tests/dist/test_stream_runner.py``.
+  P = 3 τ = 0, P = 2 τ = 1), int8 on the mesh (encoded twice a round, as the fake and the
+  reference play it) and the sparse codec on the gather: the dense reference (1e-5), and the
+  in-process fake's result for the same seed bit for bit (``torch.equal``).
 - P = 1, τ = 0 with int8 on the mesh: the round launched in the background and merged at once is the
   blocking round bit for bit.
-- DDP nodes of 2 + 1 + 2 ranks (Nesterov, P = 2 τ = 1): the dense reference of rank-weighted replicas.
+- DDP nodes of 2 + 1 + 2 ranks (Nesterov, P = 2 τ = 1): the dense reference of rank-weighted
+  replicas; with int8 on the mesh (each shard's exchange cut at its own segments, which the
+  reference does not follow), the fake bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.fake_transport import run_ranks
 from tests.unit.test_diloco_fake import CASES, _check, _drive, _reference
 
-ONE_RANK = ["nesterov", "P3-tau0", "P2-tau1", "sparse"]
+ONE_RANK = ["nesterov", "P3-tau0", "P2-tau1", "int8-P2", "sparse"]
 NODES = ["nesterov", "P2-tau1"]
 STEPS = 12
 BLOCKING = {"sync_every": 3, "compression": "int8", **CASES["nesterov"]}
@@ -65,6 +64,10 @@ def test_fragments1_overlap0_in_the_background_on_gloo_is_the_blocking_round_bit
 
 def test_ddp_nodes_of_uneven_size_on_gloo_run_the_schedule_of_rank_weighted_replicas():
     seed, sizes = int(torch.randint(0, 2**20, ())), [2, 1, 2]
-    gloo = run_distributed(_on_gloo, 5, sizes, NODES, seed, False, timeout=180)
+    gloo = run_distributed(_on_gloo, 5, sizes, [*NODES, "int8-P2"], seed, False, timeout=180)
     for case in NODES:
         _check([ranks[case] for ranks in gloo], sizes, _reference(sizes, CASES[case], seed, STEPS))
+    fake = run_ranks(_drive, 5, sizes, dict(CASES["int8-P2"]), seed, STEPS)
+    for ranks, (b, gb, _) in zip(gloo, fake):
+        (a, ga, _) = ranks["int8-P2"]
+        assert torch.equal(a, b) and torch.equal(ga, gb)

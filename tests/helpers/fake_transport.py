@@ -6,10 +6,14 @@ discard, the outer rule) is tested without processes, as torchft's tests mock it
 ``run_ranks(fn, world, *args)`` calls ``fn(transport, rank, world, *args)`` on every rank and
 returns the results in rank order (the first rank's exception re-raised). What the fake does:
 
-- an exchange is the gather's arithmetic (``syncplane.exchanges.gather``): each member encodes
-  its slice with its own error feedback (values from the pattern's ``exact_from`` on as fp32),
-  every member decodes all pieces in member order into zeros and divides once -- the same mean
-  on every member. ``Wire.fail`` discards chosen rounds on every member (residuals restored).
+- an exchange is its pattern's arithmetic. The mesh (``syncplane.exchanges.mesh``): each member
+  encodes each owner's segment with its own error feedback, the owner decodes the segments in
+  member order, divides once and encodes the mean again with a second residual, and every
+  member decodes every owner's mean (two quantizations a round, as on the wire). Any other
+  pattern plays the gather's (``syncplane.exchanges.gather``): each member encodes its slice
+  once (values from the pattern's ``exact_from`` on as fp32), every member decodes all pieces
+  in member order into zeros and divides once. Either way the same mean on every member;
+  ``Wire.fail`` discards chosen rounds on every member (residuals restored).
 - ``groups``/``all_gather``/``all_reduce``: the members' tensors, in group order.
 - ``wrap``: the module itself for a DDP node (the driver keeps a node's ranks alike, as DDP's
   gradient mean would); FSDP2 is not played (real gloo tests cover it).
@@ -25,9 +29,10 @@ from typing import Any
 
 import torch
 
-from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32
+from syncplane.comm.codecs import Codec, ErrorFeedback, Fp32, Undo, add_extracted_
 from syncplane.comm.meter import CommMeter
 from syncplane.comm.streams import StreamExchange
+from syncplane.exchanges.mesh import MeshExchange
 
 
 class Wire:
@@ -69,56 +74,94 @@ class FakeGroup:
 
 
 class FakeRunner:
-    """``StreamRunner``'s interface over a ``Wire`` (the gather's arithmetic: module doc)."""
+    """``StreamRunner``'s interface over a ``Wire`` (the patterns' arithmetic: module doc)."""
 
     def __init__(self, wire: Wire, rank: int, group: FakeGroup, exchange: StreamExchange, codec: Codec,
                  error_feedback_beta: float) -> None:
         exchange.check(len(group.members))
         self.wire, self.me, self.group, self.codec, self.beta = wire, rank, group, codec, error_feedback_beta
+        self.exchange = exchange
         self.exact_from: int | None = getattr(exchange, "exact_from", None)
-        self.feedback: ErrorFeedback | None = None
+        self.feedback: tuple[ErrorFeedback, ...] = ()
         self.rounds = 0
         self.streams = exchange.streams
+
+    def _error_feedback(self, total: int) -> tuple[ErrorFeedback, ...]:
+        """One residual of ``total`` values per slot the pattern declares (none kept for exact fp32)."""
+        if not self.feedback or self.feedback[0].residual.numel() not in (0, total):
+            size = 0 if isinstance(self.codec, Fp32) else total
+            slots = max(1, self.exchange.feedback_slots)
+            self.feedback = tuple(ErrorFeedback(self.codec, size, self.beta) for _ in range(slots))
+        return self.feedback
 
     def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
                         offset: int = 0, total: int | None = None) -> bool:
         members = self.group.members
         if len(members) == 1:
             return True
-        total = flat.numel() if total is None else total
-        if self.feedback is None or self.feedback.residual.numel() not in (0, total):
-            self.feedback = ErrorFeedback(self.codec, 0 if isinstance(self.codec, Fp32) else total, self.beta)
-        cut = flat.numel() if self.exact_from is None else min(flat.numel(), max(0, self.exact_from - offset))
-        saved = self.feedback.snapshot(offset, cut) if self.feedback.residual.numel() else None
-        coded = self.feedback.compress(flat[:cut], offset).clone() if cut else None
-        mine = (coded, flat[cut:].clone())
-        pieces = self.wire.meet(self.group.key("exchange"), members, self.me, mine)
+        undo = Undo()
+        feedback = [undo.recording(f) for f in self._error_feedback(flat.numel() if total is None else total)]
+        if isinstance(self.exchange, MeshExchange):
+            mean, sent = self._mesh(flat, offset, feedback)
+        else:
+            mean, sent = self._gather(flat, offset, feedback[0])
         failed = self.wire.fail(members, self.rounds)
         self.rounds += 1
         if meter is not None:
-            meter.record(0.0, 0.0, sum(p.numel() * p.element_size() for p in mine if p is not None))
+            meter.record(0.0, 0.0, sent)
         if failed:
-            if saved is not None:
-                self.feedback.restore(saved, offset)
+            undo.restore()
             return False
+        flat.copy_(mean)
+        return True
+
+    def _gather(self, flat: torch.Tensor, offset: int, feedback: Any) -> tuple[torch.Tensor, int]:
+        members = self.group.members
+        cut = flat.numel() if self.exact_from is None else min(flat.numel(), max(0, self.exact_from - offset))
+        coded = feedback.compress(flat[:cut], offset).clone() if cut else None
+        mine = (coded, flat[cut:].clone())
+        pieces = self.wire.meet(self.group.key("exchange"), members, self.me, mine)
         out = torch.zeros_like(flat)
         for data, exact in pieces:
             if data is not None:
                 out[:cut].add_(self.codec.extract(data, cut))
             out[cut:].add_(exact)
-        flat.copy_(out.div_(len(members)))
-        return True
+        return out.div_(len(members)), sum(p.numel() * p.element_size() for p in mine if p is not None)
+
+    def _mesh(self, flat: torch.Tensor, offset: int, feedback: list[Any]) -> tuple[torch.Tensor, int]:
+        """``MeshExchange.run``'s arithmetic: segments encoded on the way in, the owner's mean
+        summed in member order and encoded once more on the way out."""
+        members, codec = self.group.members, self.codec
+        n, me = len(members), members.index(self.me)
+        local, owner = feedback
+        segments = [seg for stream in self.exchange.segments(flat.numel(), n) for seg in enumerate(stream)]
+        mine = {(i, o): local.compress(flat[lo:hi], offset + lo).clone()
+                for i, (o, (lo, hi)) in enumerate(segments) if hi > lo}
+        scattered = self.wire.meet(self.group.key("scatter"), members, self.me, mine)
+        means = {}
+        for i, (o, (lo, hi)) in enumerate(segments):
+            if o != me or hi == lo:
+                continue
+            acc = codec.extract(scattered[0][i, o], hi - lo).clone()
+            for part in scattered[1:]:
+                add_extracted_(codec, part[i, o], acc)
+            means[i] = owner.compress(acc.div_(n), offset + lo).clone()
+        gathered = self.wire.meet(self.group.key("gather"), members, self.me, means)
+        out = torch.empty_like(flat)
+        for i, (o, (lo, hi)) in enumerate(segments):
+            if hi > lo:
+                codec.extract(gathered[o][i], hi - lo, out=out[lo:hi])
+        return out, self.exchange.bytes_per_round(flat.numel(), codec, me, n)
 
     def state_dict(self) -> dict[str, Any]:
-        if self.feedback is None or not self.feedback.residual.numel():
+        if not self.feedback or not self.feedback[0].residual.numel():
             return {}
-        return {"residuals": self.feedback.residual.clone()[None]}
+        return {"residuals": torch.stack([f.residual.clone() for f in self.feedback])}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "residuals" in state:
-            residual = state["residuals"][0]
-            self.feedback = ErrorFeedback(self.codec, residual.numel(), self.beta)
-            self.feedback.restore(residual)
+            for feedback, saved in zip(self._error_feedback(state["residuals"].shape[1]), state["residuals"]):
+                feedback.restore(saved)
 
     def close(self) -> None:
         pass

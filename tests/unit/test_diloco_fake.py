@@ -8,8 +8,10 @@ reference of DiLoCo written here (fresh random inputs every run).
   over fragments at their offsets, overlapped rounds α-mixed τ steps later, Nesterov outer
   steps per fragment; with P = 1, τ = 0 the overlapped path (background, merged at once) is
   the blocking round bit for bit.
-- Codecs: int8 on the mesh and the sparse codec on the gather carry each fragment's residual
-  at its own position into the next round; a discarded round keeps θ_local and the residuals.
+- Codecs: int8 on the mesh (each owner's segment encoded, the owner's mean encoded again with
+  a residual of its own) and the sparse codec on the gather (encoded once) carry each
+  fragment's residuals at their own positions into the next round; a discarded round keeps
+  θ_local and the residuals.
 - One-rank nodes are ``replica=rank`` (the layout's per-rank path): one shard, the whole model.
 - A resume from ``state_dict``/``rank_state_dict`` mid-run continues bit for bit.
 
@@ -27,6 +29,7 @@ from syncplane.algorithms.diloco.layout import ReplicaLayout
 from syncplane.algorithms.diloco.outer import rule_kwargs
 from syncplane.algorithms.diloco.streaming import fragment_bounds, fragment_offsets
 from syncplane.comm import CommMeter
+from syncplane.comm.streams import shard_bounds
 from syncplane.job import JobContext
 from tests.helpers.fake_transport import run_ranks
 
@@ -107,7 +110,9 @@ def _reference(sizes: list[int], kwargs: dict, seed: int, steps: int, fail: set[
         optimizers.append((piece, torch.optim.SGD([piece], **rule_kwargs(config.outer, config.outer_optimizer,
                                                                 config.outer_kwargs))))
     codec = config.codec() if config.compression != "none" else None
+    mesh = kwargs.get("exchange", "mesh") == "mesh"
     residual = [torch.zeros(numel) for _ in sizes]
+    owned = torch.zeros(numel)      # the mesh's owners' residuals (each owns its segments)
     exact_from = n_params if config.compression == "sparse" else numel
     pending: dict[int, tuple[int, torch.Tensor]] = {}
     rounds = [0] * config.fragments
@@ -119,24 +124,26 @@ def _reference(sizes: list[int], kwargs: dict, seed: int, steps: int, fail: set[
                 continue
             piece, optimizer = optimizers[f]
             m = min(b, n_params)
-            sent, before = [], [e.clone() for e in residual]
+            sent, before = [], ([e.clone() for e in residual], owned.clone())
+            # the mesh encodes each owner's segment on its own, the gather the whole slice
+            cuts = [(a + lo, a + hi) for lo, hi in shard_bounds(b - a, len(sizes))] if mesh else [(a, b)]
             for r, model in enumerate(models):
                 x = model[a:b].clone()
                 x[:m - a] = piece.detach() - x[:m - a]
                 x *= len(sizes) * float(weights[r])
-                cut = min(b, exact_from) - a
-                if codec is not None and cut > 0:
-                    e = residual[r][a:a + cut]
-                    e.mul_(config.error_feedback).add_(x[:cut])
-                    x[:cut] = codec.extract(codec.compress(e), cut)
-                    e.sub_(x[:cut])
+                for lo, hi in cuts:
+                    hi = min(hi, exact_from)
+                    if codec is not None and hi > lo:
+                        x[lo - a:hi - a] = _encoded(codec, residual[r][lo:hi], x[lo - a:hi - a], config.error_feedback)
                 sent.append(x)
             failed = (f, rounds[f]) in fail
             rounds[f] += 1
             if failed:   # the residuals go back to before the round
-                residual = before
+                residual, owned = before
                 continue
             mean = sum(sent) / len(sizes)
+            for lo, hi in cuts if mesh and codec is not None else []:   # the owner encodes its mean again
+                mean[lo - a:hi - a] = _encoded(codec, owned[lo:hi], mean[lo - a:hi - a], config.error_feedback)
             piece.grad = mean[:m - a].clone()
             optimizer.step()
             mean[:m - a] = piece.detach()
@@ -149,6 +156,14 @@ def _reference(sizes: list[int], kwargs: dict, seed: int, steps: int, fail: set[
                     model[a:b] = config.alpha * model[a:b] + (1 - config.alpha) * mean
                 del pending[f]
     return models
+
+
+def _encoded(codec, e: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
+    """What error feedback sends of ``x`` with residual ``e`` (updated in place): β·e + x, coded."""
+    e.mul_(beta).add_(x)
+    sent = codec.extract(codec.compress(e), e.numel())
+    e.sub_(sent)
+    return sent
 
 
 def _check(results, sizes, reference, atol=1e-5):
