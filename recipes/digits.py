@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from syncplane.config import ConfigError
 from syncplane.recipes import Recipe
 from syncplane.recipes.classifier import ImageClassifier
+from syncplane.recipes.optim import ScheduleKind, check_schedule
 
 
 @dataclass
@@ -29,6 +30,7 @@ class DigitsSettings:
     val_fraction: float = 0.2
     split_seed: int = 0           # the train/val split is the same for every run and rank
     width: int = 32               # channels of the first conv layer
+    schedule: ScheduleKind = "cosine"   # the LR over the run's steps: constant | cosine | step | linear
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -39,6 +41,7 @@ class DigitsSettings:
             raise ConfigError(f"val_fraction: must be between 0 and 1, got {self.val_fraction}")
         if self.width < 1:
             raise ConfigError(f"width: must be at least 1, got {self.width}")
+        check_schedule(self.schedule)
 
 
 class DigitsData(LightningDataModule):
@@ -83,7 +86,7 @@ def small_cnn(width: int, classes: int = 10) -> nn.Module:
 
 def build(settings: DigitsSettings) -> tuple[ImageClassifier, DigitsData]:
     model = ImageClassifier(small_cnn(settings.width), settings.lr, settings.momentum, settings.weight_decay,
-                            flops_model=(partial(small_cnn, settings.width), (1, 8, 8)))
+                            settings.schedule, flops_model=(partial(small_cnn, settings.width), (1, 8, 8)))
     return model, DigitsData(settings)
 
 

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from syncplane.config import ConfigError
 from syncplane.recipes import Recipe
 from syncplane.recipes.classifier import ImageClassifier
+from syncplane.recipes.optim import check_schedule
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 FILES = {
@@ -58,8 +59,7 @@ class FashionMnistSettings:
             raise ConfigError(f"lr: must be positive, got {self.lr}")
         if self.model not in ("cnn", "mlp"):
             raise ConfigError(f"model: cnn or mlp, got {self.model!r}")
-        if self.schedule not in ("constant", "cosine", "step", "linear"):
-            raise ConfigError(f"schedule: constant, cosine, step or linear, got {self.schedule!r}")
+        check_schedule(self.schedule)
         if self.hidden < 1:
             raise ConfigError(f"hidden: must be at least 1, got {self.hidden}")
         for key in ("width", "train_limit", "val_limit"):

@@ -14,7 +14,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from syncplane.config import ConfigError
+
 ScheduleKind = Literal["constant", "cosine", "step", "linear"]
+
+
+def check_schedule(schedule: str) -> None:
+    """A recipe's ``schedule`` setting names one of ``ScheduleKind``'s."""
+    if schedule not in ("constant", "cosine", "step", "linear"):
+        raise ConfigError(f"schedule: constant, cosine, step or linear, got {schedule!r}")
 
 # Parameters of these layers are scale/shift terms: decaying them only fights the
 # normalization (Goyal et al. §5.1 leave BN out; BERT leaves LayerNorm out).

@@ -450,6 +450,8 @@ class SyncplaneStrategy(JobAware, Watched, UnwrappedModel, DDPStrategy):
                                                rank_state)
                 extra["replica_shards"] = replicas.save_own_replica(self.checkpoint_io, filepath, state,
                                                                     self.global_rank, self.world_size)
+        elif rank_state:   # a job of one rank (an elastic replica's): its own state goes inside the checkpoint
+            extra["rank_state"] = rank_state
         checkpoint["syncplane"] = extra
         with self.phases.time("checkpoint/write"):
             super().save_checkpoint(checkpoint, filepath, storage_options)   # rank 0 writes it
@@ -494,6 +496,8 @@ class SyncplaneStrategy(JobAware, Watched, UnwrappedModel, DDPStrategy):
             self.load_sync_state_dict(extra.get("state", {}))
         if own is not None:
             self.load_rank_state_dict(own.get("rank_state", {}))
+        elif extra is not None and self.world_size == 1:
+            self.load_rank_state_dict(extra.get("rank_state", {}))
 
     def _stash_by_tensor(self) -> dict[int, torch.Tensor]:
         """Live tensor storage -> this rank's own values, while validation shows the consensus."""

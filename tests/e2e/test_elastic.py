@@ -103,11 +103,14 @@ def test_an_elastic_job_with_int8_and_fragments_resumes_from_its_checkpoints(tmp
     """Two local replicas (int8, two fragments overlapped by a step, ``membership: quorum``)
     train two epochs, then the job resumes from the checkpoint for a third: each replica from its
     own (``replica1/checkpoints``), the position, round counts and torchft step where they stood,
-    so no replica heals and both end on one θ_g. Fixed membership resumes with node replicas in
-    ``test_elastic_nodes.py``."""
+    so no replica heals, both end on one θ_g, and it is the θ_g of the same three epochs run
+    without a stop, bit for bit (its SHA-256; a constant learning rate, so that the first run's
+    two epochs are the straight run's first two). Fixed membership resumes with node replicas
+    in ``test_elastic_nodes.py``."""
     common = ["strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.sync_every=5",
               "strategy.kwargs.fragments=2", "strategy.kwargs.compression=int8", "trainer.devices=2", "seed=4",
-              "strategy.kwargs.membership=quorum", "strategy.kwargs.min_replicas=2", "strategy.kwargs.overlap_steps=1"]
+              "strategy.kwargs.membership=quorum", "strategy.kwargs.min_replicas=2", "strategy.kwargs.overlap_steps=1",
+              "recipe.schedule=constant"]
     first = train(*common, "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'first'}", timeout=400)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
@@ -121,6 +124,10 @@ def test_an_elastic_job_with_int8_and_fragments_resumes_from_its_checkpoints(tmp
     assert len(details) == 2 and len({d["theta_sha256"] for d in details}) == 1, details
     assert all(d["rounds_committed"] > before["rounds_committed"] and not d["heals"] for d in details), details
     assert not any(e["event"] == "heal" for e in _events(tmp_path / "resumed"))
+    straight = train(*common, "trainer.max_epochs=3", f"hydra.run.dir={tmp_path / 'straight'}", timeout=400)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    unstopped = [s["strategy_details"]["elastic"] for s in _summaries(tmp_path / "straight")]
+    assert {d["theta_sha256"] for d in unstopped} == {details[0]["theta_sha256"]}, (unstopped, details)
 
 
 @pytest.mark.slow
