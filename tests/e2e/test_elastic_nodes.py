@@ -153,11 +153,12 @@ def test_an_elastic_node_job_resumes_from_its_checkpoints(tmp_path: Path) -> Non
     overlap of one step train one epoch, then the job resumes from its checkpoint for a second.
     Each node resumes from its own (``replica1/checkpoints``), every rank its own shard of the
     outer state and of the codec's error feedback, at the position and torchft step where they
-    stood: no node heals, the rounds go on from where they were, and both nodes end on one θ_g."""
+    stood: no node heals, the rounds go on from where they were, and both nodes end on one θ_g:
+    the θ_g of the same two epochs run without a stop, bit for bit (a constant learning rate)."""
     common = ["strategy=diloco", "strategy.kwargs.elastic=true", "strategy.kwargs.replica=node",
               "strategy.kwargs.compression=int8", "strategy.kwargs.streams=2", "strategy.kwargs.overlap_steps=1",
               "strategy.kwargs.sync_every=5", "cluster=multi_nic", "trainer.devices=4",
-              "trainer.check_val_every_n_epoch=2", "seed=4"]
+              "trainer.check_val_every_n_epoch=2", "seed=4", "recipe.schedule=constant"]
 
     def run(name: str, *extra: str) -> str:
         try:
@@ -178,3 +179,6 @@ def test_an_elastic_node_job_resumes_from_its_checkpoints(tmp_path: Path) -> Non
     assert all(e["rounds_committed"] > before["rounds_committed"] and not e["heals"] for e in elastic), elastic
     assert '"heal"' not in (tmp_path / "resumed" / "history.jsonl").read_text()
     assert len({e["theta_sha256"] for e in elastic}) == 1, elastic   # one θ_g: its ranks' shards alike
+    run("straight", "trainer.max_epochs=2")
+    straight = [summary["strategy_details"]["elastic"] for summary in _summaries(tmp_path / "straight")]
+    assert {e["theta_sha256"] for e in straight} == {elastic[0]["theta_sha256"]}, (straight, elastic)
