@@ -39,9 +39,8 @@ def _pattern(options: Mapping[str, Any]) -> str:
 
 
 def _check_job(name: str, kwargs: Mapping[str, Any], job: JobContext) -> None:
-    """A topology the job names must load and cover its ranks (an elastic replica is a job
-    of one: it has no tree); ``replica: node`` needs hosts of several ranks that divide the job
-    (elastic: checked where the job is planned; a replica's own job is its one node)."""
+    """A topology the job names loads and covers its ranks (not an elastic replica's: it has no
+    tree); ``replica: node``'s hosts divide the job (elastic: where the job is planned)."""
     replica = str(kwargs.get("replica", "rank"))
     if job.elastic is None:
         layout = node_layout(replica, str(kwargs.get("inner", "ddp")), job)
@@ -57,11 +56,8 @@ def _elastic(kwargs: Mapping[str, Any]) -> bool:
 
 
 def _check_launch(name: str, kwargs: Mapping[str, Any], launch: LaunchSettings) -> None:
-    """An elastic job's quorum service binds host 0's first NIC on an emulated cluster (no
-    ``lighthouse_host`` there)."""
-    if not _elastic(kwargs):
-        return
-    if launch.emulated and kwargs.get("lighthouse_host", "127.0.0.1") != "127.0.0.1":
+    """On an emulated cluster, an elastic job's quorum service binds host 0's first NIC."""
+    if _elastic(kwargs) and launch.emulated and kwargs.get("lighthouse_host", "127.0.0.1") != "127.0.0.1":
         raise ConfigError(f"strategy.kwargs.lighthouse_host={kwargs['lighthouse_host']}: on an emulated cluster the "
                           "quorum service runs on host 0 and binds its first NIC; leave lighthouse_host unset")
 
@@ -94,15 +90,12 @@ ELASTIC = ElasticLaunch(
     per_host=lambda kwargs, sizes: elastic_nodes(str(kwargs.get("replica", "rank")), sizes),
 )
 
-#: what a re-plan switches, at a round boundary, on one rank per replica: how Δ travels. Every
-#: replica holds θ_g after the outer step and the outer state does not depend on the exchange,
-#: so it is carried over (the sparse codec's error-feedback residuals start from zero).
-SWITCH_KEYS = EXCHANGE_KEYS
+SWITCH_KEYS = EXCHANGE_KEYS   #: what a re-plan switches, on one rank per replica: how Δ travels
 
 
 def _switch(strategy: Any, kwargs: Mapping[str, Any]) -> None:
-    """Collective: the running strategy's ``SWITCH_KEYS`` set to ``kwargs``' (the defaults where
-    absent) by its ``switch_settings`` (``strategies/diloco.py``)."""
+    """Collective, at a round boundary: ``SWITCH_KEYS`` set to ``kwargs``' (defaults where absent).
+    The outer state does not depend on them: it is carried over (sparse residuals start at zero)."""
     defaults = {f.name: f.default for f in dataclasses.fields(DiLoCoConfig)}
     strategy.switch_settings({key: kwargs.get(key, defaults[key]) for key in SWITCH_KEYS})
 

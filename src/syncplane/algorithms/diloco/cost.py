@@ -1,14 +1,11 @@
 """DiLoCo's price (``SPEC.cost``, ``SPEC.cpu``: ``syncplane simulate``, the plan, the bench's
-bound) and ``streams: auto``, chosen by it.
+bound): a replica per rank, one exchange of Δ per round (``exchange_phases``); ``replica: node``,
+DDP inside each node every step and at the round's end the shards' exchanges across nodes and
+θ_g's all-gather in each node (``node_cost``).
 
-A replica per rank: one exchange of Δ per round (``exchange_phases``: the mesh, the tree or the
-gather of the sparse pieces). ``replica: node``: every step DDP inside each node; at the round's
-end the shards' exchanges across nodes and the all-gather of θ_g in each node (``node_cost``).
-
-``streams: auto``: from the job's cluster profile (``topology`` when it names one), the fewest
-of ``STREAM_CHOICES`` whose cost-model bound is within 10 % of the best (as many TCP connections
-as a per-flow-capped link needs); the bound scales with the payload, so the choice does not
-depend on the model. Without a profile: 1 stream, and the log says so."""
+``streams: auto``: on the job's cluster profile (or ``topology``'s), the fewest of
+``STREAM_CHOICES`` within 10 % of the best bound (as many TCP connections as a per-flow-capped
+link needs; the bound scales with the payload, so the model does not matter); 1 without one."""
 
 from __future__ import annotations
 
@@ -131,7 +128,6 @@ def resolve_streams(streams: int | str, job: JobContext, topology: str | Sequenc
     log.info("diloco: streams auto -> %d stream(s) on %s (bound per GB: %s)", chosen, profile.name,
              ", ".join(f"S={s} {b:.2f} s" for s, b in bounds.items()))
     return chosen
-
 
 
 def node_cost(layout: ReplicaLayout, payload_bytes: float, period: int, streams: int, codec: Codec,

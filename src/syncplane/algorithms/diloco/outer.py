@@ -1,10 +1,7 @@
-"""The outer optimizer of DiLoCo-style training: global parameters and their optimizer on CPU.
-
-θ_g, touched once per round, lives in host memory as one flat fp32 tensor (pinned with a GPU,
-so device copies can run asynchronously) with an ordinary torch optimizer over it; accelerator
-memory does not grow. Its gradient is the averaged pseudo-gradient ``Δ = mean_i(θ_g − θ_i)``.
-One flat tensor is exactly the per-tensor update for element-wise optimizers (SGD, Nesterov,
-Adam(W)); layer-wise ones (LARS/LAMB) would see one big layer."""
+"""DiLoCo's outer optimizer: θ_g as one flat fp32 tensor in host memory (pinned with a GPU, for
+asynchronous copies), touched once per round, with a torch optimizer over it whose gradient is
+``Δ = mean_i(θ_g − θ_i)``. One flat tensor is the per-tensor update of element-wise optimizers
+(SGD, Nesterov, Adam(W)); layer-wise ones (LARS/LAMB) would see one big layer."""
 
 from __future__ import annotations
 
@@ -16,15 +13,13 @@ import torch
 from torch.optim import Optimizer
 
 DEFAULT_OPTIMIZER = "torch.optim.SGD"
-#: DiLoCo's outer optimizer (Douillard et al.): Nesterov momentum. ``foreach``: on CPU torch's
-#: default single-tensor Nesterov step allocates a model-sized tensor every round; the foreach
-#: one works in place on the gradient (our mean Δ, overwritten right after), same arithmetic.
+#: DiLoCo's (Douillard et al.) Nesterov momentum. ``foreach``: on CPU torch's single-tensor step
+#: allocates a model-sized tensor every round; the foreach one works in place on the gradient.
 DEFAULT_KWARGS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True, "foreach": True}
-#: The outer rules, each the default ``outer_kwargs`` of SGD: DiLoCo's Nesterov
-#: (``DEFAULT_KWARGS``), or SparseLoCo's ``θ_g ← θ_g − α·mean_r(Δ̂_r)``: plain SGD, no momentum --
-#: with ``compression: sparse`` the decayed error-feedback accumulator of each rank stands in for
-#: it (``comm.codecs.ErrorFeedback``); on dense Δ, lr 1 makes θ_g the replicas' mean. ``outer_kwargs`` override
-#: the rule's (α = ``lr``); another optimizer class takes ``outer_kwargs`` alone.
+#: The outer rules, each a default ``outer_kwargs`` of SGD: DiLoCo's Nesterov, or SparseLoCo's
+#: ``θ_g ← θ_g − α·mean_r(Δ̂_r)`` (no momentum: with ``compression: sparse`` each rank's decayed
+#: error feedback stands in for it; on dense Δ, lr 1 makes θ_g the replicas' mean). ``outer_kwargs``
+#: override the rule's (α = ``lr``); another optimizer class takes ``outer_kwargs`` alone.
 OUTER_RULES = ("nesterov", "sparseloco")
 SPARSELOCO_KWARGS: dict[str, Any] = {"lr": 1.0, "momentum": 0.0, "foreach": True}
 
@@ -60,13 +55,8 @@ def check_outer(optimizer: str, kwargs: Mapping[str, Any] | None, rule: str = "n
 
 
 class OuterOptimizer:
-    """``θ_g`` (flat fp32, CPU) and a torch optimizer stepping it with the mean pseudo-gradient.
-
-    Args:
-        initial: the starting global parameters (copied).
-        optimizer, kwargs, rule: the class path of any ``torch.optim.Optimizer``, its keyword
-            arguments, and ``rule`` (``OUTER_RULES``) whose defaults SGD takes (``rule_kwargs``).
-        pin: pin the host buffer (default: when CUDA is available)."""
+    """``θ_g`` (a copy of ``initial``) and ``optimizer`` (any ``torch.optim.Optimizer``'s class path)
+    with ``kwargs``, or ``rule``'s defaults for SGD (``rule_kwargs``); ``pin``: default with CUDA."""
 
     def __init__(self, initial: torch.Tensor, optimizer: str = DEFAULT_OPTIMIZER,
                  kwargs: Mapping[str, Any] | None = None, pin: bool | None = None, rule: str = "nesterov") -> None:

@@ -1,8 +1,7 @@
-"""What ``DiLoCoEngine`` asks of the wire, as one object it is given: real gloo ranks (``GLOO``,
-the default) or anything that plays them (``tests/helpers/fake_transport.py``: n ranks' engines
-in threads, as torchft's tests mock its Manager; an elastic run hands over the quorum's groups).
-A ``Transport`` builds a node's groups and the outer exchanges (``Exchanger``: what
-``comm.StreamRunner`` offers) and runs the collectives the engine calls itself."""
+"""What ``DiLoCoEngine`` asks of the wire, injected: real gloo ranks (``GLOO``, the default), the
+quorum's (elastic mode), or n ranks' engines in threads (``tests/helpers/fake_transport.py``, as
+torchft's tests mock its Manager). It builds a node's groups and the outer exchanges, and runs
+the collectives the engine calls itself."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from syncplane.comm.streams import StreamExchange, StreamRunner
 
 
 class Exchanger(Protocol):
-    """An outer exchange over fixed members: ``StreamRunner``'s ``allreduce_mean_`` (True if every
-    member committed), ``state_dict``/``load_state_dict`` (the residuals) and ``close``."""
+    """An outer exchange over fixed members: what ``StreamRunner`` offers."""
 
     def allreduce_mean_(self, flat: torch.Tensor, meter: CommMeter | None = None, *,
                         offset: int = 0, total: int | None = None) -> bool: ...
@@ -53,8 +51,7 @@ class Transport(Protocol):
 
 
 class GlooTransport:
-    """The real one: torch.distributed groups, ``StreamRunner``'s gloo streams, torch's DDP and
-    FSDP2 (``sharded.shard_module``'s units)."""
+    """torch.distributed groups, ``StreamRunner``'s gloo streams, DDP and FSDP2 (``shard_module``)."""
 
     def runner(self, exchange: StreamExchange, **options: Any) -> Exchanger:
         return StreamRunner(exchange, **options)
