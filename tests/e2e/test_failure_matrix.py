@@ -17,7 +17,7 @@ Canary's exchange thread, DS-Sync's and FlexReduce's subgroups, the decentralize
 ops, DDP's reducer under torch's hooks), and every survivor must get out of it.
 
 Every strategy runs here, each with one kind, so that every kind runs on several strategies
-(a job costs ≈ 25 s, almost all of it four interpreters starting: the full 11 × 3 matrix
+(a job costs 24-28 s here, the ranks forked from a preloaded server: the full 11 × 3 matrix
 would add a quarter of an hour to the suite). The full matrix is ``syncplane chaos --matrix
 trainer.devices=4``; its table is in docs/troubleshooting.md. ``tests/e2e/test_failures.py`` has ddp
 under a hang with its checkpoint resumed, and the launcher's own signals;

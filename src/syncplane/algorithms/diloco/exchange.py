@@ -1,11 +1,8 @@
-"""Which all-reduce carries DiLoCo's pseudo-gradient, on how many streams.
-
-Three of the exchange layer's patterns (``syncplane.exchanges``), run by ``comm.StreamRunner``
-on S streams with one deadline and commit/discard: the ``mesh`` (every rank owns 1/n; any
-codec), the ``tree`` (FlexReduce's plan; exact fp32) and the ``gather`` (every rank decodes
-every rank's piece: the one for ``compression: sparse``, whose sums would be dense). ``auto``:
-the gather for sparse, the tree when the job's tree has several levels and Δ is fp32, else the
-mesh. Their price, and ``streams: auto``: ``cost``."""
+"""Which all-reduce carries DiLoCo's pseudo-gradient, on S streams (``comm.StreamRunner``: one
+deadline, commit or discard): the ``mesh`` (every rank owns 1/n; any codec), the ``tree``
+(FlexReduce's plan; exact fp32) or the ``gather`` (every rank decodes every piece: the one for
+``compression: sparse``, whose sums would be dense). ``auto``: the gather for sparse, the tree
+when the job's tree has several levels and Δ is fp32, else the mesh. Their price: ``cost``."""
 
 from __future__ import annotations
 
@@ -86,11 +83,9 @@ def build_exchange(job: JobContext, shards: int, compression: str = "none", bloc
                    topology: str | Sequence[int] = "auto", *, codec: Codec | None = None,
                    error_feedback_beta: float = 1.0, exact_from: int | None = None,
                    make: Callable[..., Any] = StreamRunner) -> tuple[Any, str]:
-    """DiLoCo's exchange for this job (a collective: it builds the S streams' gloo groups) and the
-    pattern chosen. ``codec``: what travels (default ``make_codec(compression, block_size)``);
-    ``error_feedback_beta``: its residuals' decay; ``exact_from``: the gather sends the values from
-    there on as exact fp32 (the floating buffers); ``make``: what builds the runner from the pattern
-    (``StreamRunner``; a ``Transport``'s ``runner``)."""
+    """DiLoCo's exchange for this job and the pattern's name (a collective: it builds the streams'
+    groups). ``codec``: default ``make_codec(compression, block_size)``; ``exact_from``: the gather
+    sends the values from there on (the floating buffers) as fp32; ``make``: a ``Transport``'s runner."""
     check_exchange(exchange, compression)
     if codec is None:
         codec = make_codec(compression, block_size)
