@@ -1,22 +1,16 @@
 """DiLoCo: H local steps of the user's optimizer, then one outer step on the averaged
 pseudo-gradient, outer state on CPU, exchange on gloo groups of its own (so the training may
-use NCCL). The Lightning glue of ``syncplane.algorithms.diloco`` (``DiLoCoEngine``: the rounds,
-the state, both layouts).
+use NCCL); the Lightning glue of ``DiLoCoEngine`` (the rounds, the state, both layouts).
 
 Overridden hooks (see ``SyncplaneStrategy``), and why:
 
-- ``setup_sync``: build the engine; with ``replica: node`` train the module it wraps (DDP over
-  the node, or FSDP2), and ``consensus_group`` is, with FSDP2, the ranks holding this shard.
-- ``after_optimizer_step``: every ``sync_every`` steps, counted from ``trainer.global_step``
-  (a resume stays aligned), a round (a discarded one keeps the local replica; the next Δ covers
-  both); with ``fragments``/``overlap_steps`` a round per fragment, in the background for τ
-  steps; with ``inner_steps=time`` steps timed and the next round's inner steps agreed.
-- ``training_step``: with ``inner_steps=time`` a replica whose budget is spent skips its batch
-  (a zero loss reaching no parameter), so every rank stays on the same step and checkpoint.
+- ``setup_sync``: build the engine; with ``replica: node`` train the module it wraps.
+- ``after_optimizer_step``: the rounds, counted from ``trainer.global_step`` (a resume stays
+  aligned); with ``inner_steps=time`` steps timed and the next round's inner steps agreed.
+- ``training_step``: with ``inner_steps=time`` a replica whose budget is spent skips its batch,
+  so every rank stays on the same step and checkpoint.
 - ``process_dataloader``: with ``time_samples=share`` the training loader is dealt (``dealing``).
-- ``finish_pending_sync``: completes the exchanges in flight; merges stay at their step.
-- ``sync_state_dict`` / ``load_sync_state_dict`` / ``rank_state_dict`` (error feedback): a
-  resume is bit-identical.
+- the state dicts (``rank_state_dict``: error feedback): a resume is bit-identical.
 
 ``DiLoCo(..., elastic=True)`` constructs ``ElasticDiLoCo`` (``strategies/diloco_elastic.py``)."""
 
@@ -50,13 +44,11 @@ class DiLoCo(SyncplaneStrategy):
     quorum; ``heartbeat_timeout_s`` / ``join_timeout_s``: the Lighthouse's, read by the launcher;
     ``lighthouse_host``: the address it and the replicas bind); then ``SyncplaneStrategy``'s."""
 
-    #: True on the elastic class; ``__new__`` picks it for ``elastic=True`` (``ElasticDiLoCo``,
-    #: either membership).
+    #: True on the elastic class, which ``__new__`` picks for ``elastic=True``.
     ELASTIC = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DiLoCo":
-        # one strategy name for both modes: the registry (and Hydra) construct ``DiLoCo``
-        # (ElasticDiLoCo is imported with the package: ``syncplane.strategies.__init__``)
+        # one strategy name for both modes (ElasticDiLoCo is imported with ``syncplane.strategies``)
         if kwargs.get("elastic") and cls is DiLoCo:
             cls = next((sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC), cls)
         return super().__new__(cls)
@@ -65,8 +57,9 @@ class DiLoCo(SyncplaneStrategy):
                  outer_kwargs: dict[str, Any] | None = None, streams: int | Literal["auto"] = 1,
                  compression: Literal["none", "int8", "sparse"] = "none", block_size: int = 256,
                  density: float = 0.02, bits: int = 2, chunk: int = 4096, error_feedback_beta: float = 0.95,
-                 outer: Literal["nesterov", "sparseloco"] = "nesterov", sync_timeout_s: float = 600.0, fragments: int = 1, overlap_steps: int = 0,
-                 mix_alpha: float | None = None, exchange: Literal["auto", "mesh", "tree", "gather", "owner"] = "auto",
+                 outer: Literal["nesterov", "sparseloco"] = "nesterov", sync_timeout_s: float = 600.0,
+                 fragments: int = 1, overlap_steps: int = 0, mix_alpha: float | None = None,
+                 exchange: Literal["auto", "mesh", "tree", "gather", "owner"] = "auto",
                  topology: str | list[int] = "auto", inner_steps: Literal["fixed", "time"] = "fixed",
                  round_budget_s: float | None = None, time_weighting: Literal["samples", "fednova"] = "samples",
                  time_samples: Literal["share", "drop"] = "drop",
@@ -85,7 +78,6 @@ class DiLoCo(SyncplaneStrategy):
                                  "heartbeat_timeout_s": heartbeat_timeout_s, "join_timeout_s": join_timeout_s}
         check_mode(self.config, bool(elastic), self.elastic_timeouts, lighthouse_host)
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
-        self.inner_steps = inner_steps
         self._timed: TimedRounds | None = None
         self._dealer: dealing.DealtBatches | None = None   # time_samples=share: the training loader's deal
         self._resumed_deal: Mapping[str, Any] | None = None
@@ -105,22 +97,20 @@ class DiLoCo(SyncplaneStrategy):
     def setup_sync(self, job: JobContext) -> None:
         if self._engine is not None:
             self._engine.close()
-        # node replicas: the engine wraps the model (DDP over the node, or FSDP2) and shards the outer
-        # state over its ranks; a model built on the meta device (``configure_model``) makes only its shards
+        # a model built on the meta device (``configure_model``): each rank makes only its FSDP shards
         layout = job_layout(self.config.replica, self.config.inner, job)
         init = sharded.reset_init(self.model) if sharded.on_meta(self.model) else None
         device_ids = None if layout.per_rank else self.determine_ddp_device_ids()
         self._engine = DiLoCoEngine(self.model, self.config, job, layout, device_ids, init, self._transport(job))
         self.model = self._engine.module
         self.details.update(layout.describe(), streams=self._engine.streams, exchange=self._engine.exchange_name)
-        if self.inner_steps == "time":
+        if self.config.inner_steps == "time":
             check_weighting(self.config.time_weighting,
                             sum(b.is_floating_point() for b in self.lightning_module.buffers()))
             self._timed = self._timed_rounds(self.world_size, self.global_rank, self.engine.layout.nodes)
 
     def _timed_rounds(self, replicas: int, rank: int, nodes: Any = None) -> TimedRounds:
-        """``inner_steps=time``'s plan over ``replicas`` (this one's index ``rank``); ``nodes``: the
-        ranks of each node replica, which compute on the same slots."""
+        """``inner_steps=time``'s plan over ``replicas`` (this one ``rank``); ``nodes``: each node replica's ranks."""
         pace = "fastest" if self.config.time_samples == "share" else "median"   # share: nobody idles
         return TimedRounds(self.sync_every, replicas, rank, self.config.round_budget_s, self.config.time_weighting,
                            pace, replicas=nodes)
@@ -136,8 +126,7 @@ class DiLoCo(SyncplaneStrategy):
 
     @property
     def round_step(self) -> int:
-        """The job's step the round schedule counts (``self.step``; an elastic joiner's is offset
-        to the job's)."""
+        """The step the round schedule counts (an elastic joiner's is offset to the job's)."""
         return self.step
 
     @override
@@ -165,7 +154,7 @@ class DiLoCo(SyncplaneStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if self.inner_steps == "time":   # replicas run apart within a round
+        if self.config.inner_steps == "time":   # replicas run apart within a round
             self.skip_per_step_sigterm_broadcast(trainer)
         if self._dealer is not None:
             dealing.check_schedulers([config.interval for config in self.lr_scheduler_configs])
@@ -179,10 +168,8 @@ class DiLoCo(SyncplaneStrategy):
         if trainer.reload_dataloaders_every_n_epochs:
             raise ValueError("time_samples=share deals one training loader for the whole fit; "
                              "reload_dataloaders_every_n_epochs must be 0 (or use time_samples=drop)")
-        timed = self._timed
         loader = dealing.dealt_loader(dataloader, self.world_size, self.global_rank, self.sync_every,
-                                      timed.counts_for,
-                                      lambda: (trainer.current_epoch, self.round_step))
+                                      self._timed.counts_for, lambda: (trainer.current_epoch, self.round_step))
         self._dealer = loader.batch_sampler
         if self._resumed_deal is not None:
             self._dealer.load_state_dict(self._resumed_deal)
@@ -223,8 +210,7 @@ class DiLoCo(SyncplaneStrategy):
         self._step_end = time.perf_counter()
 
     def outer_sync(self, fragment: int = 0) -> bool:
-        """One blocking round of a fragment (the whole model when P = 1): average Δ (and
-        the floating buffers), outer step, copy back. True if committed."""
+        """One blocking round of a fragment (the whole model when P = 1); True if committed."""
         self._launch(fragment, self.round_step + 1, background=False)
         round_ = self.engine.pop(fragment)
         self._merge(round_)
@@ -241,9 +227,8 @@ class DiLoCo(SyncplaneStrategy):
             self._engine.wait()
 
     def switch_settings(self, changes: Mapping[str, Any]) -> None:
-        """Collective, at a round boundary (a re-plan's switch: ``SPEC.switch``): the exchange
-        rebuilt with ``changes`` (``DiLoCoConfig`` fields, new groups), the outer optimizer's
-        state carried over."""
+        """Collective, at a round boundary (a re-plan's switch: ``SPEC.switch``): the exchange rebuilt
+        with ``changes`` (``DiLoCoConfig`` fields), the outer optimizer's state carried over."""
         self.finish_pending_sync()
         outer = self.engine.state_dict()
         self.config = dataclasses.replace(self.config, **changes)
@@ -267,8 +252,7 @@ class DiLoCo(SyncplaneStrategy):
         self.details["outer_state_bytes_per_rank"] = self.engine.outer_state_bytes()   # rank 0's in summary.json
 
     def _round_settings(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "fragments": self.fragments, "overlap_steps": self.overlap_steps,
-                "inner_steps": self.inner_steps}
+        return {key: getattr(self.config, key) for key in ("sync_every", "fragments", "overlap_steps", "inner_steps")}
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:

@@ -4,16 +4,12 @@ A round is H *slots* (the batches every rank's loader hands out, so all ranks st
 ``global_step``, epoch and checkpoint); replica i computes on the first
 ``n_i = min(H, max(1, ⌊T·(1 + SLACK) / t_i⌋))`` of them and skips the rest, ``t_i`` its median
 step time in the last round, ``T`` the budget (``round_budget_s``, else H x the median ``t_i``;
-with ``time_samples: share`` H x the fastest, no replica idling). Every replica reaches the
+with ``time_samples: share`` H x the fastest, no replica idling), so every replica reaches the
 exchange after about T seconds. Δ is averaged by ``time_weighting``: ``samples``,
 ``Σ n_i Δ_i / Σ n_i``; ``fednova`` (Wang et al., NeurIPS 2020), ``τ_eff Σ p_i Δ_i / n_i`` with
 ``p_i = 1/m`` and ``τ_eff = Σ p_i n_i`` (the paper's rule for SGD inner steps; for momentum or
-Adam its normalization by step count, ``a_i = n_i``).
-
-The counts are one decision per round boundary, from the all-gathered step times with the same
-arithmetic on every rank (the transport handed in), logged and checkpointed with their round.
-What a slow replica's skipped batches become is ``time_samples`` (``dealing``;
-docs/strategies/diloco.md)."""
+Adam its normalization by step count, ``a_i = n_i``). The counts are decided at each round
+boundary from the all-gathered step times, with the same arithmetic on every rank."""
 
 from __future__ import annotations
 
@@ -23,7 +19,11 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from syncplane.algorithms.spec import SKIPPED_BATCH
+from syncplane.comm.process_groups import control_group
 
 log = logging.getLogger(__name__)
 
@@ -36,24 +36,20 @@ Gather = Callable[[float], list[float]]
 
 
 def plan_round(step_s: Sequence[float], slots: int, budget_s: float | None = None, pace: str = "median") -> list[int]:
-    """Every replica's inner steps for the next round from ``step_s``, every replica's median step
-    time in the last round (seconds, > 0), over ``slots`` = H; ``budget_s``: the round's budget,
-    None = H x the ``pace`` (``median`` or ``fastest``) of ``step_s``."""
+    """Every replica's inner steps of the next round's H ``slots``, from their median step times (> 0)
+    in the last; ``budget_s``: the round's budget, None = H x the ``pace`` (``median``, ``fastest``)."""
     if budget_s is None:
         budget_s = slots * (min(step_s) if pace == "fastest" else statistics.median(step_s))
     return [min(slots, max(1, math.floor(budget_s * (1 + SLACK) / t))) for t in step_s]
 
 
 def weight_scale(steps: Sequence[int], rank: int) -> float:
-    """What rank ``rank`` multiplies its Δ by so that the plain mean over ranks is the
-    sample-weighted mean ``Σ n_i Δ_i / Σ n_i`` (1.0 when every count is equal)."""
+    """Rank ``rank``'s factor on its Δ, so that the plain mean is ``Σ n_i Δ_i / Σ n_i``."""
     return steps[rank] * len(steps) / sum(steps)
 
 
 def fednova_scale(steps: Sequence[int], rank: int) -> float:
-    """What rank ``rank`` multiplies its Δ by so that the plain mean over ranks is FedNova's
-    ``τ_eff Σ p_i Δ_i / n_i`` with equal data weights ``p_i = 1/m`` and ``τ_eff = mean(n_i)``
-    (1.0 when every count is equal)."""
+    """Rank ``rank``'s factor on its Δ, so that the plain mean is FedNova's ``τ_eff Σ p_i Δ_i / n_i``."""
     return sum(steps) / len(steps) / steps[rank]
 
 
@@ -62,9 +58,8 @@ WEIGHTINGS: dict[str, Callable[[Sequence[int], int], float]] = {"samples": weigh
 
 
 def check_weighting(weighting: str, floating_buffers: int) -> None:
-    """``fednova``'s factors normalize the parameters' Δ and do not sum to the replica count,
-    so floating buffers (BatchNorm statistics), averaged as values with the same factors,
-    would come out scaled: refused, naming the key."""
+    """``fednova``'s factors do not sum to the replica count: floating buffers, averaged as values
+    with them, would come out scaled."""
     if weighting == "fednova" and floating_buffers:
         raise ValueError(f"time_weighting=fednova normalizes the parameters' Δ by each replica's steps; this model "
                          f"has {floating_buffers} floating buffer(s) (e.g. BatchNorm statistics), averaged as values, "
@@ -72,11 +67,8 @@ def check_weighting(weighting: str, floating_buffers: int) -> None:
 
 
 def skipped_step_output() -> dict[str, Any]:
-    """What a skipped slot's training step returns: a zero loss that reaches no parameter
-    (Lightning refuses None in distributed training; after its zero_grad no parameter has a
-    gradient, so the inner optimizer leaves them all as they are) and the skip marker."""
-    import torch
-
+    """A skipped slot's training step: a zero loss that reaches no parameter (Lightning refuses None
+    in distributed training; after its zero_grad the inner optimizer leaves every parameter as is)."""
     return {"loss": torch.zeros((), requires_grad=True), SKIPPED_BATCH: True}
 
 
@@ -86,9 +78,7 @@ class TimedRounds:
 
     Args:
         slots, world_size, rank: H, the replicas and this one.
-        budget_s, pace: ``round_budget_s`` and the step time its default is H of (``plan_round``:
-            ``median`` with ``time_samples: drop``, ``fastest`` with ``share``).
-        weighting: ``time_weighting`` (``WEIGHTINGS``).
+        budget_s, pace, weighting: ``plan_round``'s; ``time_weighting`` (``WEIGHTINGS``).
         replicas: the ranks of each replica (``replica: node``: a node's ranks compute on the same
             slots, the slowest rank's count); None: a replica per rank."""
 
@@ -112,33 +102,30 @@ class TimedRounds:
         self.measured.append(step_s)
 
     def scale(self, processed: Sequence[int] | None = None) -> float:
-        """This rank's factor on its Δ for the round now ending (``WEIGHTINGS[weighting]``), from
-        the batches each rank ``processed`` in it (default: the agreed counts). Node replicas:
-        the node's factor over the nodes, its samples being its ranks' batches together
-        (``fednova``: the node's step count, times its rank count's weight)."""
+        """This rank's factor on its Δ for the round now ending, from the batches each rank ``processed``
+        in it (default: the agreed counts). Node replicas: the node's factor over the nodes, its
+        samples its ranks' batches together (``fednova``: its step count, times its rank count's weight)."""
         counts = self.steps if processed is None else processed
         if self.replicas is None:
             return WEIGHTINGS[self.weighting](counts, self.rank)
         mine = next(i for i, ranks in enumerate(self.replicas) if self.rank in ranks)
         if self.weighting == "samples":
-            return WEIGHTINGS["samples"]([sum(counts[r] for r in ranks) for ranks in self.replicas], mine)
+            return weight_scale([sum(counts[r] for r in ranks) for ranks in self.replicas], mine)
         sizes = [len(ranks) for ranks in self.replicas]
         steps = [counts[ranks[0]] for ranks in self.replicas]
         return fednova_scale(steps, mine) * sizes[mine] * len(sizes) / sum(sizes)
 
     def counts_for(self, round_: int) -> list[int]:
-        """The agreed counts of round ``round_``, which must be the decided one (the data
-        loader's deal asks for them, and must not read ahead of the decision)."""
+        """The agreed counts of round ``round_``, which must be the decided one (the deal asks for them,
+        and must not read ahead of the decision)."""
         if self.round is not None and round_ != self.round:
             raise RuntimeError(f"inner_steps=time: round {round_}'s step counts were asked for while round "
                                f"{self.round}'s are the decided ones (the training data loader reads too far ahead)")
         return self.steps
 
     def decide(self, gather: Gather, round_: int | None = None) -> list[int]:
-        """At a round boundary, on every rank: gather the step times, plan the next round
-        (``round_``, its index)."""
-        own = statistics.median(self.measured) if self.measured else 0.0
-        times = gather(own)
+        """At a round boundary, on every rank: gather the step times, plan the next round (``round_``)."""
+        times = gather(statistics.median(self.measured) if self.measured else 0.0)
         self.measured = []
         self.round = round_
         if min(times) <= 0:   # a replica measured nothing (a resume at the boundary): keep the counts
@@ -173,12 +160,8 @@ class TimedRounds:
 
 
 def gather_floats(world_size: int, rank: int) -> Gather:
-    """The real transport of ``TimedRounds.decide``: one float per rank over the job's gloo
-    control group (a sum of one-hot vectors: exact, and every rank gets the same list)."""
-    import torch
-    import torch.distributed as dist
-
-    from syncplane.comm.process_groups import control_group
+    """``TimedRounds.decide``'s transport: one float per rank over the job's gloo control group (a sum
+    of one-hot vectors: exact, and every rank gets the same list)."""
 
     def gather(value: float) -> list[float]:
         every = torch.zeros(world_size, dtype=torch.float64)

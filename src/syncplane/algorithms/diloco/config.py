@@ -22,12 +22,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DiLoCoConfig:
-    """Args:
+    """DiLoCo's settings, with their defaults.
+
+    Args:
         sync_every: H, inner steps per round.
-        outer_optimizer: class path of the outer torch optimizer.
-        outer_kwargs: its arguments; None = ``outer``'s (for SGD).
-        streams: S concurrent gloo streams for the exchange (bound to the host's NICs in turn), or
-            ``auto``: from the job's cluster profile (``cost.resolve_streams``). Old name: ``shards``.
+        outer_optimizer, outer_kwargs: the outer torch optimizer's class path and arguments (None: ``outer``'s).
+        streams: concurrent gloo streams of the exchange (bound to the host's NICs in turn), or ``auto``:
+            from the job's cluster profile (``cost.resolve_streams``). Old name: ``shards``.
         compression: ``none`` (exact fp32), ``int8`` (blockwise scale + error feedback) or ``sparse``
             (SparseLoCo's chunked top-k with error feedback, ``comm.codecs``: needs the ``gather``
             exchange, which ``auto`` picks; the floating buffers travel beside it as exact fp32).
@@ -35,35 +36,28 @@ class DiLoCoConfig:
         density, bits, chunk: sparse: the fraction of each chunk sent, in (0, 1] (SparseLoCo:
             0.01-0.03); bits per sent value, 2, 4 or 8; values per chunk (one top-k and scale each).
         error_feedback_beta: sparse: β of the accumulator ``e ← β·e + Δ``.
-        outer: the default ``outer_kwargs`` of SGD: ``nesterov`` (DiLoCo's: lr 0.7, momentum 0.9,
-            Nesterov) or ``sparseloco`` (SparseLoCo's: lr 1, no momentum; on dense Δ, the mean).
+        outer: SGD's default ``outer_kwargs``: ``nesterov`` (DiLoCo's: lr 0.7, momentum 0.9, Nesterov)
+            or ``sparseloco`` (SparseLoCo's: lr 1, no momentum; on dense Δ, the mean).
         sync_timeout_s: an exchange slower than this is discarded on every rank.
-        fragments: P, Streaming DiLoCo's fragments, each synced at its own offset in the round
-            (1 = plain DiLoCo); at most ``sync_every``. Cut by value count, evenly.
-        overlap_steps: τ, inner steps a fragment's exchange runs in the background before its
-            result is merged (0 = blocking); below ``sync_every // fragments``.
-        exchange: ``auto`` | ``mesh`` (old name ``owner``) | ``tree`` | ``gather``: the pattern of
-            the all-reduce of Δ (``exchange``).
-        topology: the tree for ``tree``/``auto``, as FlexReduce's (``auto``, a cluster profile name
-            / YAML path, or a list of ranks per host).
-        mix_alpha: α of the merge ``θ_local ← α·θ_local + (1 − α)·θ_g``; None = 0.5 with overlap
-            (the paper's value) and 0 (overwrite) without.
+        fragments, overlap_steps, mix_alpha: Streaming DiLoCo's P (1 = plain DiLoCo; at most H), τ
+            (inner steps a fragment's exchange runs in the background; below H // P) and the merge's α,
+            ``θ_local ← α·θ_local + (1 − α)·θ_g`` (None: 0.5, the paper's, with overlap; else 0).
+        exchange, topology: the all-reduce of Δ (``auto``, ``mesh`` (old name ``owner``), ``tree`` or
+            ``gather``) and the tree, as FlexReduce's (``auto``, a cluster profile name / YAML path, or
+            a list of ranks per host).
         replica, inner: what a replica is (``layout``): ``rank``, ``node`` or ``auto``; inside a
             node, ``ddp`` or ``fsdp``.
-        inner_steps: ``fixed`` (H inner steps per replica per round) or ``time``: each replica
-            computes on as many of the round's H batches as fit its time budget (``adaptive``;
-            plain DiLoCo only: fragments 1, no overlap).
-        round_budget_s: ``time``: the round's budget in seconds; None = H x the median step time.
-        time_weighting: ``time``: ``samples`` (Δ weighted by the samples each processed) or
-            ``fednova`` (FedNova's normalized averaging); with ``fixed`` both are the plain mean.
-        time_samples: ``time``: the batches a slow replica has no time for are ``share``d (one
-            shuffled stream dealt as the replicas compute, ``dealing``) or ``drop``ped.
-        membership: elastic mode's rounds (``elastic``): ``fixed`` (members decided at the round's
+        inner_steps: ``fixed`` (H per replica per round) or ``time``: each replica computes on as many
+            of the round's H batches as fit its time budget (``adaptive``; fragments 1, no overlap).
+        round_budget_s, time_weighting, time_samples: ``time``: the round's budget in seconds (None: H x
+            the median step time); Δ weighted by the ``samples`` each processed or by ``fednova``'s
+            normalized averaging (with ``fixed`` both are the plain mean); the batches a slow replica
+            has no time for ``share``d (one stream dealt as the replicas compute) or ``drop``ped.
+        membership, min_replicas, grace_s: elastic rounds: ``fixed`` (members decided at the round's
             start, the Lighthouse waiting ``join_timeout_s`` for every live replica) or ``quorum``
-            (decided as replicas finish their inner steps: the round commits with those that arrived
-            within ``grace_s`` of the first ``min_replicas``; a late replica's Δ is carried over).
-        min_replicas, grace_s: ``quorum``: the replicas a round needs before the grace window
-            opens (torchft also wants more than half of the live ones), and how long it stays open."""
+            (decided as replicas finish their inner steps: the round commits with those in within
+            ``grace_s`` of the first ``min_replicas``, torchft also wanting more than half of the live
+            ones; a late replica's Δ is carried over)."""
 
     sync_every: int = 10
     outer_optimizer: str = "torch.optim.SGD"
@@ -115,34 +109,23 @@ class DiLoCoConfig:
                              f"(each >= 1), got {self.topology!r}")
         self.alpha   # validates the streaming options
         check_replica(self.replica, self.inner, exchange=self.exchange)
-        self._check_inner_steps()
-        self._check_membership()
-
-    def _check_membership(self) -> None:
-        if self.membership not in ("fixed", "quorum"):
-            raise ValueError(f"membership: allowed values: fixed, quorum; got {self.membership!r}")
+        for key, allowed in (("inner_steps", ("fixed", "time")), ("time_weighting", tuple(WEIGHTINGS)),
+                             ("time_samples", TIME_SAMPLES), ("membership", ("fixed", "quorum"))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}: allowed values: {', '.join(allowed)}; got {getattr(self, key)!r}")
+        if self.round_budget_s is not None and self.round_budget_s <= 0:   # read by inner_steps=time only
+            raise ValueError(f"round_budget_s: a positive number of seconds (or null), got {self.round_budget_s!r}")
+        if self.inner_steps == "time" and (self.fragments != 1 or self.overlap_steps != 0):
+            raise ValueError(f"inner_steps=time runs plain DiLoCo rounds: fragments must be 1 and overlap_steps 0, "
+                             f"got fragments={self.fragments}, overlap_steps={self.overlap_steps}")
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"min_replicas: an integer of at least 1, got {self.min_replicas!r}")
         if isinstance(self.grace_s, bool) or not isinstance(self.grace_s, (int, float)) or self.grace_s <= 0:
             raise ValueError(f"grace_s: a positive number of seconds, got {self.grace_s!r}")
 
-    def _check_inner_steps(self) -> None:
-        if self.inner_steps not in ("fixed", "time"):
-            raise ValueError(f"inner_steps: allowed values: fixed, time; got {self.inner_steps!r}")
-        if self.round_budget_s is not None and self.round_budget_s <= 0:   # read by inner_steps=time only
-            raise ValueError(f"round_budget_s: a positive number of seconds (or null), got {self.round_budget_s!r}")
-        if self.time_weighting not in WEIGHTINGS:
-            raise ValueError(f"time_weighting: allowed values: {', '.join(WEIGHTINGS)}; got {self.time_weighting!r}")
-        if self.time_samples not in TIME_SAMPLES:
-            raise ValueError(f"time_samples: allowed values: {', '.join(TIME_SAMPLES)}; got {self.time_samples!r}")
-        if self.inner_steps == "time" and (self.fragments != 1 or self.overlap_steps != 0):
-            raise ValueError(f"inner_steps=time runs plain DiLoCo rounds: fragments must be 1 and overlap_steps 0, "
-                             f"got fragments={self.fragments}, overlap_steps={self.overlap_steps}")
-
     @classmethod
     def pick(cls, settings: Mapping[str, Any]) -> DiLoCoConfig:
-        """The config from a strategy's arguments: the keys that are its fields (the strategy's
-        own, such as ``elastic``, are left out)."""
+        """The config from a strategy's arguments: the keys that are its fields."""
         settings = dict(settings)
         if settings.get("shards") is not None:   # the old name of ``streams``
             warnings.warn("diloco: 'shards' is now called 'streams' (the gloo streams of the exchange; "
@@ -173,9 +156,8 @@ class DiLoCoConfig:
 
 
 def check_mode(config: DiLoCoConfig, elastic: bool, timeouts: Mapping[str, float], lighthouse_host: str) -> None:
-    """The settings beside ``DiLoCoConfig``, at construction (errors name the key): what elastic
-    mode can run with (``strategies/diloco_elastic.py`` checks its own), and the elastic
-    timeouts and Lighthouse address, checked in either mode (a bad value is a typo)."""
+    """The settings beside ``DiLoCoConfig``: what elastic mode can run with (``diloco_elastic.py``
+    checks its own), and the elastic timeouts and Lighthouse address, in either mode (a typo)."""
     if elastic and config.inner_steps == "time" and config.time_samples == "share":
         raise ValueError("time_samples=share with elastic=true: the deal hands a fixed set of ranks the "
                          "dataset's batches, a quorum's members change; use time_samples=drop")
@@ -206,10 +188,8 @@ def check_resumed(state: Mapping[str, Any], settings: Mapping[str, Any]) -> None
 
 
 def check_exchange_resumed(state: Mapping[str, Any], running: Mapping[str, Any]) -> None:
-    """A checkpoint's exchange settings (``exchange_ran``) must be the ones this run built: refused,
-    not adopted, since a re-plan may have switched them and going back would break the bit-identical
-    resume (the residuals and outer state were written by the other exchange). A checkpoint from
-    before they were recorded is not checked."""
+    """A checkpoint's exchange settings (``exchange_ran``) must be this run's: refused, not adopted, since
+    a re-plan may have switched them and the residuals and outer state were written by the other one."""
     saved = dict(state.get("exchange_ran") or {})
     if not saved:
         return

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,13 @@ TIME_SAMPLES = ("share", "drop")
 
 
 class DealtBatches(Sampler[list[int]]):
-    """A batch sampler for one rank: the batches the stream deals it, slot by slot. The stream ends
-    the epoch at the slot that deals its last batch; a rank that gets no batch on a slot (it skips
-    it, or the stream ran out) gets a one-sample placeholder its training step skips
-    (``computes``). No length: an epoch's slots depend on the speeds.
+    """A batch sampler for one rank: the batches the stream deals it, slot by slot, until the slot
+    that deals the stream's last batch. A rank that gets no batch on a slot (it skips it, or the
+    stream ran out) gets a one-sample placeholder its training step skips (``computes``). No
+    length: an epoch's slots depend on the speeds.
 
     Args:
-        n_samples: the dataset's length.
-        batch_size, drop_last, shuffle, seed: the training loader's; the epoch's permutation is
-            ``randperm(n_samples)`` from ``seed + epoch``.
+        n_samples, batch_size, drop_last, shuffle, seed: the dataset's length; the training loader's.
         world_size, rank, slots: the replicas, this one, and H.
         counts: ``counts(round)`` -> every replica's agreed steps (raises before the decision).
         start: ``start()`` -> (the epoch, the global step it starts at), read when the epoch's first
@@ -56,8 +54,7 @@ class DealtBatches(Sampler[list[int]]):
         self.dealt: dict[int, tuple[int, ...]] = {}
 
     def batches(self, epoch: int) -> list[list[int]]:
-        """The epoch's stream: its permutation cut into batches (the last partial one kept
-        unless ``drop_last``)."""
+        """The epoch's permutation (``randperm`` from ``seed + epoch``) cut into batches."""
         if self.shuffle:
             order = torch.randperm(self.n_samples, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
         else:
@@ -91,18 +88,14 @@ class DealtBatches(Sampler[list[int]]):
         return self.rank in self.dealt[slot]
 
     def round_counts(self, round_: int) -> list[int]:
-        """Every replica's batches in round ``round_`` (its slots must all have been dealt): the
-        sample weights of the round's average."""
-        counts = [0] * self.world_size
-        for slot in range(round_ * self.slots, (round_ + 1) * self.slots):
-            for i in self.dealt[slot]:
-                counts[i] += 1
-        return counts
+        """Every replica's batches in round ``round_`` (all its slots dealt): the average's weights."""
+        takers = [i for slot in range(round_ * self.slots, (round_ + 1) * self.slots) for i in self.dealt[slot]]
+        return [takers.count(i) for i in range(self.world_size)]
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        """At global step ``step`` (the next slot to run): the deal of the round's slots already
-        run, the weights of the round in progress. Nothing else is needed: a resume starts an
-        epoch (syncplane checkpoints at epoch ends and when training stops, and Lightning resumes a
+        """At global step ``step`` (the next slot to run): the deal of the round's slots already run,
+        the weights of the round in progress. Nothing else is needed: a resume starts an epoch
+        (syncplane checkpoints at epoch ends and when training stops, and Lightning resumes a
         stopped run at the next epoch), whose stream is dealt from its start."""
         first = step - step % self.slots
         return {"dealt": [[s, list(self.dealt[s])] for s in range(first, step)]}
@@ -113,11 +106,7 @@ class DealtBatches(Sampler[list[int]]):
 
 def dealt_loader(loader: Any, world_size: int, rank: int, slots: int, counts: Callable[[int], Sequence[int]],
                  start: Callable[[], tuple[int, int]]) -> Any:
-    """The training ``loader`` (as Lightning prepared it: a ``DataLoader`` over a map-style
-    dataset with torch's ``DistributedSampler``) rebuilt on a ``DealtBatches`` sampler, with its
-    dataset, collate function and pinning; refused, naming the cause, when it cannot be."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
+    """The training ``loader`` (Lightning's: a ``DataLoader`` with a ``DistributedSampler``) on ``DealtBatches``."""
     if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, DistributedSampler):
         raise ValueError(f"time_samples=share deals the training set's batches itself and needs a DataLoader over "
                          f"a map-style dataset with Lightning's distributed sampler (use_distributed_sampler=True); "
@@ -137,8 +126,8 @@ def dealt_loader(loader: Any, world_size: int, rank: int, slots: int, counts: Ca
 
 
 def check_resumed(state: Mapping[str, Any], time_samples: str) -> None:
-    """A checkpoint's rounds must have dealt their batches as this run does: a round in progress
-    is weighted by the batches dealt in it, which a ``drop`` checkpoint does not hold."""
+    """A checkpoint's rounds must have dealt their batches as this run does: a round in progress is
+    weighted by the batches dealt in it, which a ``drop`` checkpoint does not hold."""
     saved = "share" if "dealt" in state else "drop"
     if saved != time_samples:
         raise ValueError(f"time_samples: the checkpoint's rounds ran with time_samples={saved}, this job asks for "
@@ -146,9 +135,8 @@ def check_resumed(state: Mapping[str, Any], time_samples: str) -> None:
 
 
 def check_schedulers(intervals: Sequence[str]) -> None:
-    """With ``share`` an epoch's number of steps depends on the speeds, so a learning-rate
-    schedule stepped per optimizer step and sized from Lightning's estimated steps (unknown:
-    the loader has no length) would be wrong without a word: refused, naming the key."""
+    """Refuse a per-step learning-rate schedule: sized from Lightning's estimated steps (the loader has
+    no length), it would be wrong without a word."""
     if "step" in intervals:
         raise ValueError("time_samples=share: an epoch's number of steps depends on the replicas' speeds, so a "
                          "learning-rate scheduler stepped every step (interval='step', sized from the run's "

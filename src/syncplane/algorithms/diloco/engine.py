@@ -1,18 +1,13 @@
 """DiLoCo's one round engine, Lightning-free: every layout, schedule, codec, exchange and pacing.
 
-A replica is a rank or the L ranks of a node (DDP or FSDP2 inside it): ``layout.ReplicaLayout``,
-``replica: rank`` being nodes of one rank -- one code path. The flat model ``[parameters |
-floating buffers]`` (this rank's FSDP shards under FSDP) is mirrored on the host
-(``HostMirror``) and cut into the layout's outer shards; this rank keeps its shards' θ_g and
-outer state (``streaming.FragmentedOuter``: P fragments, blocking rounds being P = 1, τ = 0) and
-exchanges each shard with its owners in the other replicas on a ``StreamRunner`` of its own.
-With one rank per replica the shard is the whole model on ``exchange.build_exchange``'s pattern.
-
-A round of fragment f: each owned piece of f is copied to the host, Δ formed in place, averaged
-with the replica's weight (its rank count, or its samples under ``inner_steps: time``), outer
-stepped (in the background for ``overlap_steps`` > 0) and merged into the live model at the due
-step (α-mixed). A DDP node's ranks then all-gather the fragment's pieces; under FSDP nothing is
-gathered. A discarded piece keeps θ_local (the next Δ covers it)."""
+A replica is the L ranks of a node, DDP or FSDP2 inside it (``layout.ReplicaLayout``; one rank
+per replica: nodes of one rank, the same code path). The flat model ``[parameters | floating
+buffers]`` (under FSDP, this rank's shards) is mirrored on the host and cut into the layout's
+outer shards; this rank keeps its shards' θ_g and outer state (``FragmentedOuter``; blocking
+rounds are P = 1, τ = 0) and exchanges each shard with its owners in the other replicas. A
+round of fragment f: each owned piece of f copied to the host, Δ formed in place, averaged,
+outer stepped and merged into the live model at the due step; a DDP node's ranks then
+all-gather the fragment's pieces. A discarded piece keeps θ_local (the next Δ covers it)."""
 
 from __future__ import annotations
 
@@ -36,17 +31,8 @@ from syncplane.exchanges import GatherExchange, MeshExchange
 from syncplane.job import JobContext
 
 
-def host_mirror(tensors: Sequence[torch.Tensor]) -> HostMirror:
-    """The model's tensors laid out in one flat fp32 host buffer, filled from them (copies on
-    a side CUDA stream when the model is on a GPU; plain copies on CPU)."""
-    mirror = HostMirror(list(tensors))
-    mirror.to_host(list(tensors))
-    return mirror
-
-
 def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """What a replica's outer round works on: the parameters (this rank's shard of each, under
-    FSDP), then the floating buffers."""
+    """What the outer rounds work on: the parameters (under FSDP, this rank's shards), then the floating buffers."""
     return [local(p.data) for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
 
 
@@ -56,20 +42,18 @@ GATHER_CHUNK = 1 << 22
 
 def _runs(buffer: torch.Tensor, spans: Sequence[tuple[int, int]], at: int, data: torch.Tensor,
           into_runs: bool) -> None:
-    """Copy between ``data`` and the values ``[at, at + len(data))`` of the spans of ``buffer``
-    read one after another (``into_runs``: into the spans; else out of them, a short tail left as is)."""
-    start = 0
+    """Copy between ``data`` and the values ``[at, at + len(data))`` of ``buffer``'s spans read in turn
+    (``into_runs``: into the spans; else out of them, a short tail of ``data`` left as is)."""
     for a, b in spans:
-        lo, hi = max(a, a + at - start), min(b, a + at - start + data.numel())
+        lo, hi = max(a, a + at), min(b, a + at + data.numel())   # a + at: where data[0] falls
         if lo < hi:
-            part = data[lo - (a + at - start): hi - (a + at - start)]
+            part = data[lo - a - at:hi - a - at]
             (buffer[lo:hi].copy_(part) if into_runs else part.copy_(buffer[lo:hi]))
-        start += b - a
+        at -= b - a
 
 
 def parameter_module(tensors: Sequence[torch.Tensor]) -> torch.nn.Module:
-    """A module whose parameters are ``tensors`` (sharing their storage): the engine's model for a
-    flat payload (the bench) or a list of tensors (tests)."""
+    """A module whose parameters are ``tensors`` (sharing their storage): the bench's and tests' model."""
     module = torch.nn.Module()
     for i, tensor in enumerate(tensors):
         module.register_parameter(f"t{i}", torch.nn.Parameter(tensor))
@@ -77,8 +61,7 @@ def parameter_module(tensors: Sequence[torch.Tensor]) -> torch.nn.Module:
 
 
 def shard_interfaces(interfaces: Sequence[str], shard: int) -> tuple[str, ...]:
-    """The NICs of shard ``shard``'s streams: the host's, rotated by the shard, so that the L
-    exchanges a node runs at once start on L different NICs where it has several."""
+    """The host's NICs rotated by ``shard``: a node's L exchanges at once start on different NICs."""
     if not interfaces:
         return ()
     turn = shard % len(interfaces)
@@ -89,11 +72,8 @@ class DiLoCoEngine:
     """A collective to construct (node groups, shard streams): every rank, same order.
 
     Args:
-        module: the model; with node replicas the engine wraps it (``module``: DDP over the node,
-            or FSDP2's ``fully_shard``) -- train the wrapped one.
-        config: the validated settings.
-        job: the job's shape (this rank, its NICs, the profile for ``streams: auto``).
-        layout: the replicas (``layout.job_layout``).
+        module: the model; node replicas wrap it (``module``: DDP over the node, or FSDP2) -- train that.
+        job, layout: this rank, its NICs and profile (``streams: auto``); the replicas (``job_layout``).
         device_ids: DDP's, for a model on a GPU.
         init: a model on the meta device (``inner: fsdp`` only): the values by name
             (``sharded.materialize``), so that no rank holds the whole model; shards made on CPU.
@@ -122,13 +102,12 @@ class DiLoCoEngine:
             materialize(self.module, init, "cpu")
         tensors = local_tensors(module)
         n_params = sum(local(p.data).numel() for p in module.parameters())
-        self.host = host_mirror(tensors)   # DDP nodes: the gather target, the replica's whole model
+        self.host = HostMirror(tensors)   # DDP nodes: the gather target, the replica's whole model
+        self.host.to_host(tensors)
         total = self.host.buffer.numel()
-        self.owned = list(layout.owned(job.rank))
-        self.members = {k: layout.shard_group(k) for k in self.owned}
-        self.flats = {k: self.host.buffer for k in self.owned}    # where each owned part's outer round works
-        self.n_params = {k: n_params for k in self.owned}
+        self.gathers = not self.sharded and len(self.node) > 1   # a DDP node: its ranks all-gather θ_g's pieces
         self.runs: dict[int, list[tuple[int, int]]] = {}   # FSDP on uneven nodes: each set's spans of the buffer
+        # _sharded / _pieces set owned, members, flats (each part's outer buffer), n_params and local (fragments)
         self.pieces = self._sharded(module, n_params, total) if self.sharded else self._pieces(total, n_params)
         if meta:   # every node takes the first node's values, as a model built whole takes rank 0's
             self._over_sets(tensors, mean=False)
@@ -136,7 +115,8 @@ class DiLoCoEngine:
                                           config.outer_optimizer, config.outer_kwargs, pin=self.host.on_gpu,
                                           rule=config.outer, bounds=self.pieces[k])
                        for k in self.owned}
-        cuts = [lo for runs in self.runs.values() for lo, _ in runs] or [a for k in self.owned for a, _ in self.pieces[k]]
+        starts = [a for k in self.owned for a, _ in self.pieces[k]]
+        cuts = [lo for runs in self.runs.values() for lo, _ in runs] or starts
         self.host.check_cuts(tensors, sorted(({a for a, _ in self.local} | set(cuts)) - {0}))
         self.weight = layout.weight(job.rank)
         self.streams = resolve_streams(config.streams, job, config.topology, config.exchange, config.compression)
@@ -145,12 +125,15 @@ class DiLoCoEngine:
     # ------------------------------------------------------------ construction
 
     def _pieces(self, total: int, n_params: int) -> dict[int, list[tuple[int, int]]]:
-        """Each outer shard's piece of each fragment in the host buffer. The fragments are the
-        even cut of the model (``fragment_bounds``: the same whatever the layout, so a node of
-        DDP ranks runs the per-rank schedule); each is cut into the layout's S shards, and the
-        rank owning shard k keeps piece k of every fragment (FSDP2 nodes: ``_sharded``)."""
+        """Each outer shard's piece of each fragment in the host buffer: each fragment (the even cut
+        of the model, whatever the layout, so a DDP node runs the per-rank schedule) cut into the
+        layout's S shards, piece k of every fragment owned by shard k's rank."""
         fragments = fragment_bounds(n_params, total - n_params, self.config.fragments)
         shards = self.layout.shards
+        self.owned = list(self.layout.owned(self.rank))
+        self.members = {k: self.layout.shard_group(k) for k in self.owned}
+        self.flats = {k: self.host.buffer for k in self.owned}
+        self.n_params = {k: n_params for k in self.owned}
         if any(b - a < shards for a, b in fragments):
             raise ValueError(f"fragments={self.config.fragments}: a fragment of this model has fewer values than "
                              f"the {shards} outer shards of a node; use fewer fragments")
@@ -160,10 +143,10 @@ class DiLoCoEngine:
 
     def _sharded(self, module: torch.nn.Module, n_params: int, total: int) -> dict[int, list[tuple[int, int]]]:
         """FSDP2 nodes: this rank's exchange sets (``ReplicaLayout.fsdp_units``) and each one's piece of
-        each fragment (the even cut of the whole model, alike on every node). A set's spans, read in
-        turn, are its outer buffer: the host buffer itself when this rank is in one set (nodes of one
-        size), else a packed copy. Builds the sets' groups and the consensus group (the ranks of the
-        nodes of this one's size holding the same rows): collectives."""
+        each fragment (the even cut of the whole model). A set's spans, read in turn, are its outer
+        buffer: the host buffer itself when this rank is in one set (nodes of one size), else a packed
+        copy. Builds the sets' groups and the consensus group (the ranks of the nodes of this one's
+        size holding the same rows): collectives."""
         layout, node = self.layout, self.node
         shapes = [tuple(p.shape) for p in module.parameters()]
         self.sets, spans = layout.fsdp_units(self.rank, shapes, total - n_params)
@@ -172,9 +155,8 @@ class DiLoCoEngine:
         self.flats = {k: self.host.buffer for k in self.owned}
         self.set_groups = self.transport.groups(self.sets, "gloo")
         alike = sorted({(len(nd), i) for nd in layout.nodes for i in range(len(nd))})
-        self.consensus_group = self.transport.groups(
-            [[nd[i] for nd in layout.nodes if len(nd) == n] for n, i in alike], "gloo")[alike.index(
-                (len(node), node.index(self.rank)))]
+        groups = self.transport.groups([[nd[i] for nd in layout.nodes if len(nd) == n] for n, i in alike], "gloo")
+        self.consensus_group = groups[alike.index((len(node), node.index(self.rank)))]
         whole = sum(math.prod(shape) for shape in shapes)
         fragments = fragment_bounds(whole, total - n_params, self.config.fragments)
 
@@ -192,12 +174,12 @@ class DiLoCoEngine:
         return {k: [(at(spans[k], a), at(spans[k], b)) for a, b in fragments] for k in self.owned}
 
     def _pack(self, k: int, start: int, end: int, into_host: bool) -> None:
-        """Copy ``[start, end)`` of owned set k's packed buffer from (or into) its spans of the host buffer."""
+        """Copy ``[start, end)`` of set k's packed buffer from (or into) its spans of the host buffer."""
         _runs(self.host.buffer, self.runs[k], start, self.flats[k][start:end], into_runs=into_host)
 
     def _over_sets(self, tensors: Sequence[torch.Tensor], mean: bool) -> None:
-        """Every owned set's values summed over its members and written into the live model:
-        the exact mean (``mean``), or the first member's alone (the others send zeros)."""
+        """Every owned set's values over its members into the live model: the exact mean (``mean``),
+        or the first member's (the others send zeros)."""
         self.host.to_host(tensors)
         for k in self.owned:
             if self.runs:
@@ -213,14 +195,13 @@ class DiLoCoEngine:
         self.host.from_host(tensors)
 
     def average_model_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """The replicas' exact mean in place of this rank's values (FSDP on uneven nodes, where no
-        group holds the same values on every node: validation's consensus)."""
+        """The replicas' exact mean in place of this rank's values (validation's consensus under FSDP
+        on uneven nodes, where no group holds the same values on every node)."""
         self._over_sets([local(t) for t in tensors], mean=True)
 
     def _runners(self, job: JobContext, n_params: int) -> tuple[dict[int, Exchanger], str]:
-        """Each owned shard's exchange: one rank per replica, ``build_exchange`` over every rank; node
-        replicas, each shard's owners on the mesh (fp32, int8) or the gather (``sparse``, or
-        ``exchange: gather``), the floating buffers as exact fp32."""
+        """Each owned shard's exchange: one rank per replica, ``build_exchange``'s over every rank; node
+        replicas, the mesh over its owners, or the gather (the floating buffers as exact fp32)."""
         config = self.config
         if self.layout.per_rank:
             runner, name = build_exchange(job, self.streams, config.compression, config.block_size,
@@ -247,10 +228,9 @@ class DiLoCoEngine:
 
     def launch(self, tensors: Sequence[torch.Tensor], fragment: int, due: int, background: bool,
                meter: CommMeter, scale: float | None = None) -> None:
-        """Start fragment ``fragment``'s round from the live model (merged at step ``due``), on
-        every owned shard. ``scale``: this rank's factor on its Δ (and floating buffers) before
-        the plain mean, so that the mean is the weighted one (``inner_steps: time``'s samples,
-        ``adaptive.TimedRounds.scale``); None: the replica's rank count (``layout.weight``)."""
+        """Start fragment ``fragment``'s round from the live model on every owned shard, merged at
+        step ``due``. ``scale``: this rank's factor on its Δ (and floating buffers), so that the plain
+        mean is the weighted one (``TimedRounds.scale``); None: the rank count's (``layout.weight``)."""
         tensors = [local(t) for t in tensors]
         weight = self.weight if scale is None else scale
         for k in self.owned:
@@ -261,7 +241,9 @@ class DiLoCoEngine:
                 self._pack(k, start, end, into_host=False)
             else:
                 self.host.to_host(tensors, start, end)
-            runner, (offset, total) = self.runners[k], self._logical(k, fragment)
+            runner, sizes = self.runners[k], [b - a for a, b in self.pieces[k]]
+            # the piece's place in the shard's exchanges, its pieces one after another (error feedback is per place)
+            offset, total = sum(sizes[:fragment]), sum(sizes)
 
             def average_(flat: torch.Tensor, _: int, runner: Exchanger = runner, offset: int = offset,
                          total: int = total) -> bool:
@@ -271,14 +253,8 @@ class DiLoCoEngine:
 
             self.outers[k].launch(fragment, average_, due=due, background=background)
 
-    def _logical(self, shard: int, fragment: int) -> tuple[int, int]:
-        """Where the fragment's piece of ``shard`` sits in the shard's exchanges (its error feedback
-        is kept per position), and their total: its pieces one after another."""
-        sizes = [b - a for a, b in self.pieces[shard]]
-        return sum(sizes[:fragment]), sum(sizes)
-
     def wait(self) -> None:
-        """Complete every exchange in flight and its outer step; the merges stay at their step."""
+        """Complete the exchanges in flight and their outer steps; the merges stay at their step."""
         for outer in self.outers.values():
             outer.wait()
 
@@ -295,40 +271,36 @@ class DiLoCoEngine:
 
     def merge(self, tensors: Sequence[torch.Tensor], round_: Round, alpha: float) -> bool:
         """A finished round into the live model; True if every owned piece committed. A discarded
-        round leaves a one-rank replica as it is; a DDP node's discarded piece takes θ_local back, the
-        node all-gathers the fragment's pieces, and the whole fragment is merged (the ranks agree)."""
+        piece keeps θ_local; a DDP node then all-gathers the fragment's pieces (the ranks agree)."""
         tensors = [local(t) for t in tensors]
+        fragment = round_.fragment
         parts = round_.parts if round_.parts is not None else {k: bool(round_.committed) for k in self.owned}
+        if not self.runs and not self.gathers:   # each committed piece where it is
+            for k in self.owned:
+                if parts[k]:
+                    self.host.from_host(tensors, *self.pieces[k][fragment], alpha=alpha)
+            return bool(round_.committed)
         if self.runs:   # every committed set's spans, around the others' θ_local
-            self.host.to_host(tensors, *self.local[round_.fragment])
+            self.host.to_host(tensors, *self.local[fragment])
             for k in self.owned:
                 if parts[k]:
-                    self._pack(k, *self.pieces[k][round_.fragment], into_host=True)
-            self.host.from_host(tensors, *self.local[round_.fragment], alpha=alpha)
-            return bool(round_.committed)
-        if self.sharded or len(self.node) == 1:
+                    self._pack(k, *self.pieces[k][fragment], into_host=True)
+        else:
             for k in self.owned:
-                if parts[k]:
-                    self.host.from_host(tensors, *self.pieces[k][round_.fragment], alpha=alpha)
-            return bool(round_.committed)
-        for k in self.owned:
-            if not parts[k]:
-                self.host.to_host(tensors, *self.pieces[k][round_.fragment])
-        self._gather(round_.fragment)
-        # the shards' pieces of a fragment are one contiguous range of the model
-        start, end = self.pieces[0][round_.fragment][0], self.pieces[self.layout.shards - 1][round_.fragment][1]
-        self.host.from_host(tensors, start, end, alpha=alpha)
+                if not parts[k]:
+                    self.host.to_host(tensors, *self.pieces[k][fragment])
+            self._gather(fragment)
+        self.host.from_host(tensors, *self.local[fragment], alpha=alpha)   # the whole fragment
         return bool(round_.committed)
 
     def _gather(self, fragment: int) -> None:
-        """Every rank of the node gets the fragment's pieces of θ_g: all-gathers of each rank's
-        owned pieces (read as one run, padded to the widest rank's), ``GATHER_CHUNK`` values
-        of each rank at a time so that the staging stays small."""
+        """Every rank of the node gets the fragment's pieces of θ_g: all-gathers of each rank's owned
+        pieces (read as one run, padded to the widest rank's), ``GATHER_CHUNK`` values at a time."""
         spans = [[self.pieces[k][fragment] for k in self.layout.owned(r)] for r in self.node]
         width = max(sum(b - a for a, b in s) for s in spans)
-        step = min(width, GATHER_CHUNK)
         if width == 0:
             return
+        step = min(width, GATHER_CHUNK)
         mine, out = torch.zeros(step), torch.empty(len(self.node) * step)
         own = spans[self.node.index(self.rank)]
         for c in range(0, width, step):
@@ -340,51 +312,44 @@ class DiLoCoEngine:
                 _runs(self.host.buffer, s, c, out[i * n:(i + 1) * n], into_runs=True)
 
     def adopt(self, tensors: Sequence[torch.Tensor]) -> None:
-        """The live model's parameters take this rank's θ_g (an elastic heal replaced it; the
-        floating buffers stay the replica's own)."""
+        """The live model's parameters take this rank's θ_g (an elastic heal replaced it; buffers stay)."""
         self._into_model(tensors, lambda values, params, at: values.copy_(params))
 
     def rebase(self, tensors: Sequence[torch.Tensor], old: torch.Tensor) -> None:
-        """The live model's parameters moved by θ_g's change since ``old`` (an earlier ``params``):
-        a late elastic replica healed keeps its own work on top of the θ_g it missed, so its next
-        Δ = θ_g − θ_local is the one it would have sent against ``old`` (its work is carried)."""
+        """The live model's parameters moved by θ_g's change since ``old`` (an earlier ``params``): a late
+        replica healed keeps its work on top, its next Δ being the one it would have sent against ``old``."""
         self._into_model(tensors, lambda values, params, at: values.add_(params - old[at:at + params.numel()]))
 
     def _into_model(self, tensors: Sequence[torch.Tensor],
                     change: Callable[[torch.Tensor, torch.Tensor, int], None]) -> None:
-        """``change(values, θ_g, at)`` on the live model's values of each owned piece (``at``: the
-        piece's place in ``params``). A DDP node: a collective of its ranks, which all-gather
-        their changed pieces, so that every rank holds the whole result."""
+        """``change(values, θ_g, at)`` on the live model's values of each owned piece (``at``: its place
+        in ``params``). A DDP node: a collective, its ranks all-gathering their changed pieces."""
         tensors = [local(t) for t in tensors]
-        gather = not self.sharded and not self.runs and len(self.node) > 1
-        if gather:
+        if self.gathers:
             self.host.to_host(tensors)   # the others' pieces and the buffers, carried by the gather unchanged
         at = 0
         for k in self.owned:
-            fragmented = self.outers[k]
-            for (a, _), outer in zip(fragmented.bounds, fragmented.outers):
+            for (a, _), outer in zip(self.outers[k].bounds, self.outers[k].outers):
                 n = outer.params.numel()
-                if not gather:
+                if not self.gathers:
                     self.host.to_host(tensors, a, a + n)
                 change(self.host.buffer[a:a + n], outer.params, at)
-                if not gather:
+                if not self.gathers:
                     self.host.from_host(tensors, a, a + n)
                 at += n
-        if gather:
+        if self.gathers:
             for fragment in range(len(self.local)):
                 self._gather(fragment)
             self.host.from_host(tensors)
 
     @property
     def exchange_ran(self) -> dict[str, Any]:
-        """The exchange settings as they run (``config.EXCHANGE_KEYS``): ``streams`` and ``exchange``
-        resolved (no ``auto``, old names mapped), ``compression`` as configured."""
+        """The exchange settings as they run (``config.EXCHANGE_KEYS``; no ``auto``, old names mapped)."""
         return {"streams": int(self.streams), "exchange": self.exchange_name, "compression": self.config.compression}
 
     @property
     def params(self) -> torch.Tensor:
-        """This rank's θ_g (its owned shards, concatenated in shard order; the whole model with
-        one rank per replica)."""
+        """This rank's θ_g: its owned shards in order (one rank per replica: the whole model's)."""
         return torch.cat([self.outers[k].params for k in self.owned])
 
     # ------------------------------------------------------------ state
@@ -395,9 +360,8 @@ class DiLoCoEngine:
         return state + 4 * sum(b - a for k in self.owned for a, b in self.pieces[k])
 
     def state_dict(self) -> dict[str, Any]:
-        """What every rank shares: with one rank per replica the outer state and the rounds
-        waiting to merge (``FragmentedOuter``'s, the same on every rank); with node replicas
-        the layout (their outer state is per rank: ``rank_state_dict``). Call ``wait`` first."""
+        """What every rank shares (call ``wait`` first): one rank per replica, the outer state and the
+        rounds waiting to merge; node replicas, the layout (their outer state is ``rank_state_dict``'s)."""
         if self.layout.per_rank:
             return self.outers[self.owned[0]].state_dict()
         return {"replicas": self.layout.sizes}
@@ -414,9 +378,8 @@ class DiLoCoEngine:
                              f"this run has {self.layout.sizes}: replica='node' resumes on the same nodes")
 
     def shard_state_dict(self) -> dict[str, Any]:
-        """The outer state this rank holds, which an elastic heal carries (no residuals: those
-        stay the rank's own): one rank per replica the whole model's (``state_dict``), with node
-        replicas its own shards'. Call ``wait`` first."""
+        """The outer state this rank holds, which an elastic heal carries (not the residuals, the rank's
+        own): one rank per replica ``state_dict``, node replicas its shards'. Call ``wait`` first."""
         if self.layout.per_rank:
             return self.state_dict()
         return {"shards": list(self.owned), "outer": [self.outers[k].state_dict() for k in self.owned]}
@@ -432,8 +395,7 @@ class DiLoCoEngine:
             self.outers[k].load_state_dict(outer)
 
     def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's own state: its exchanges' error-feedback residuals, and with node replicas
-        its outer shards (θ_g, optimizer state, rounds waiting to merge)."""
+        """This rank's own state: its exchanges' residuals, and with node replicas its outer shards."""
         if self.layout.per_rank:
             return {"exchange": self.runners[self.owned[0]].state_dict()}
         return {**self.shard_state_dict(), "exchange": [self.runners[k].state_dict() for k in self.owned]}

@@ -2,13 +2,12 @@
 node``, INTELLECT-1's layout), and how a node replica's outer state is sharded over its ranks.
 
 A node of L ranks trains as one model (DDP or FSDP2 over the node) and shards its outer state:
-the flat model is cut into ``S = max L`` shards (``shard_bounds``), local rank j owning shards
-``[j·S//L, (j+1)·S//L)`` -- their θ_g, outer optimizer state and Δ, on CPU. Shard k is exchanged
-among its owners, one per replica (its shard group), so the groups line up across nodes of
-different sizes. Δ is weighted by the replica's rank count: H = 1 with outer SGD lr 1 and no
-momentum is DDP over all ranks whatever the node sizes. ``replica: auto`` is ``node`` when the
-job has several hosts and some host runs several ranks, else ``rank`` (which layout to take:
-docs/strategies/diloco.md)."""
+the flat model is cut into ``S = max L`` shards, local rank j owning shards ``[j·S//L,
+(j+1)·S//L)`` (their θ_g, outer optimizer state and Δ, on CPU). Shard k is exchanged among its
+owners, one per replica, so the groups line up across nodes of different sizes. Δ is weighted
+by the replica's rank count: H = 1 with outer SGD lr 1 and no momentum is DDP over all ranks
+whatever the node sizes. ``replica: auto`` is ``node`` when the job has several hosts and some
+host runs several ranks, else ``rank``."""
 
 from __future__ import annotations
 
@@ -25,23 +24,21 @@ INNERS = ("ddp", "fsdp")
 
 
 def check_replica(replica: str, inner: str, *, exchange: str = "auto") -> None:
-    """The settings of ``replica``/``inner`` and what a node replica runs with (errors name the key)."""
+    """Check ``replica``, ``inner`` and what a node replica runs with."""
     if replica not in REPLICAS:
         raise ValueError(f"replica: allowed values: {', '.join(REPLICAS)}; got {replica!r}")
     if inner not in INNERS:
         raise ValueError(f"inner: allowed values: {', '.join(INNERS)}; got {inner!r}")
     if replica == "rank":
         check_inner(inner)
-        return
-    if exchange == "tree":
+    elif exchange == "tree":
         raise ValueError(f"replica={replica!r} exchanges each outer shard among its owners, one rank per node: "
                          "the tree's inner level (a host's ranks) is the node itself, so exchange='tree' has "
                          "nothing to reduce there; use exchange='mesh' or 'auto'")
 
 
 def check_inner(inner: str, nodes: Sequence[Sequence[int]] | None = None) -> None:
-    """``inner`` on replicas of one rank (``replica: rank``, or ``auto`` on the job's ``nodes``):
-    only ``ddp``, the replica itself -- there is nothing to shard inside one rank."""
+    """``inner`` on replicas of one rank (``replica: rank``, or ``auto`` on the job's ``nodes``): only ``ddp``."""
     if inner != "ddp":
         on = "replica='rank'" if nodes is None else (f"replica='auto', which is 'rank' on this job ({len(nodes)} "
                                                      f"host(s) of {[len(n) for n in nodes]} ranks)")
@@ -51,8 +48,7 @@ def check_inner(inner: str, nodes: Sequence[Sequence[int]] | None = None) -> Non
 
 @dataclass(frozen=True)
 class ReplicaLayout:
-    """Node replicas: the ranks of each (ranks numbered node by node), and the shard owner map
-    (module docstring). Build it from the job (``node_layout``) or a list of nodes."""
+    """Node replicas: the ranks of each (numbered node by node), and the shard owner map."""
 
     nodes: tuple[tuple[int, ...], ...]
     inner: str = "ddp"
@@ -100,13 +96,9 @@ class ReplicaLayout:
         size = len(self.nodes[r])
         return range(j * self.shards // size, (j + 1) * self.shards // size)
 
-    def owner(self, replica: int, shard: int) -> int:
-        """The rank of ``replica`` that owns ``shard``."""
-        return next(rank for rank in self.nodes[replica] if shard in self.owned(rank))
-
     def shard_group(self, shard: int) -> tuple[int, ...]:
         """The ranks that exchange ``shard``: its owner in every replica, in replica order."""
-        return tuple(self.owner(r, shard) for r in range(len(self.nodes)))
+        return tuple(next(rank for rank in node if shard in self.owned(rank)) for node in self.nodes)
 
     def fsdp_units(self, rank: int, shapes: Sequence[Sequence[int]], buffers: int
                    ) -> tuple[list[tuple[int, ...]], dict[int, list[tuple[int, int, int]]]]:
@@ -115,8 +107,8 @@ class ReplicaLayout:
         nest: each parameter is cut at every node size's row cuts, each unit exchanged among its holders
         (one rank per node). ``shapes``: the parameters' global shapes; ``buffers``: the floating
         buffers' values, held whole and exchanged with each of this rank's shard groups. Returns the
-        sets (the same list on every rank) and, per set this rank is in, its spans ``(lo, hi, global)``
-        in this rank's buffer ``[its shards | buffers]`` and in the whole model."""
+        sets (alike on every rank) and, per set this rank is in, its spans ``(lo, hi, global)`` in
+        this rank's buffer ``[its shards | buffers]`` and in the whole model."""
         node = self.nodes[self.replica_of(rank)]
         mine, sizes = node.index(rank), sorted(set(self.sizes))
         sets: list[tuple[int, ...]] = []
@@ -145,8 +137,7 @@ class ReplicaLayout:
         return sets, spans
 
     def weight(self, rank: int) -> float:
-        """What ``rank``'s replica's Δ is scaled by before the plain mean over replicas, so that
-        the mean weighs each replica by its rank count: ``L_r · N / W`` (1 when nodes are even)."""
+        """``rank``'s replica's factor on its Δ, so that the plain mean weighs it by its rank count."""
         if len(set(self.sizes)) == 1:
             return 1.0
         return len(self.nodes[self.replica_of(rank)]) * len(self.nodes) / self.world_size
@@ -156,17 +147,14 @@ class ReplicaLayout:
         return shard_bounds(numel, self.shards)
 
     def describe(self) -> dict[str, object]:
-        """For ``summary.json``: replicas, ranks per replica, inner."""
-        if self.per_rank:
-            return {"replica": "rank", "replicas": len(self.nodes), "ranks_per_replica": self.sizes}
-        return {"replica": "node", "replicas": len(self.nodes), "ranks_per_replica": self.sizes,
-                "inner": self.inner, "outer_shards": self.shards}
+        """For ``summary.json``."""
+        out = {"replica": "rank" if self.per_rank else "node", "replicas": len(self.nodes),
+               "ranks_per_replica": self.sizes}
+        return out if self.per_rank else {**out, "inner": self.inner, "outer_shards": self.shards}
 
 
 def node_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout | None:
-    """The job's node layout for ``replica`` (None: every rank is its own replica). Refuses
-    ``node`` on a job of one rank per host, and a host size that does not divide the world,
-    naming ``replica``."""
+    """The job's node layout for ``replica`` (None: every rank is its own replica)."""
     if replica == "rank":
         return None
     try:
@@ -184,11 +172,9 @@ def node_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout | No
 
 
 def job_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout:
-    """The replicas the engine runs: ``node_layout``'s nodes, else one replica per rank (the
-    layout with L = 1: the same engine, one shard owned by each rank, no inner group). An
-    elastic replica is a job of its own: one rank, or the L ranks of its node (the launcher
-    placed it so: ``elastic_nodes``), whose layout is that one node (its other nodes are the
-    quorum's, met over the torchft replica group: ``diloco.ft``)."""
+    """The replicas the engine runs: ``node_layout``'s nodes, else one replica per rank. An elastic
+    replica is a job of its own (one rank, or its node's L ranks), whose layout is that one node:
+    the other nodes are the quorum's, met over the torchft replica group (``diloco.ft``)."""
     if job.elastic is not None:
         return ReplicaLayout.of_sizes([job.world_size], inner if job.world_size > 1 else "ddp")
     layout = node_layout(replica, inner, job)
@@ -196,16 +182,13 @@ def job_layout(replica: str, inner: str, job: JobContext) -> ReplicaLayout:
 
 
 def elastic_nodes(replica: str, sizes: Sequence[int]) -> bool:
-    """Whether an elastic job's replica is the ranks of a host (``replica: node``, or ``auto``
-    on several hosts some of which run several ranks), given the ranks of each host."""
+    """Whether an elastic job's replica is a host's ranks, given the ranks of each host."""
     return replica == "node" or (replica == "auto" and len(sizes) > 1 and max(sizes) > 1)
 
 
 def check_elastic_nodes(replica: str, sizes: Sequence[int]) -> None:
-    """What elastic node replicas refuse, before launch (the error names the key): hosts of
-    different sizes, whose shards do not line up rank by rank (module docstring: on 2+1 the
-    lone rank owns both shards, while a torchft replica group meets the other nodes once per
-    local rank, shard j among the local ranks j)."""
+    """Refuse elastic node replicas on hosts of different sizes, before launch: on 2+1 the lone rank
+    owns both shards, while a torchft replica group meets the other nodes once per local rank."""
     if not elastic_nodes(replica, sizes) or len(set(sizes)) <= 1:
         return
     raise ValueError(f"replica={replica!r} with elastic=true needs hosts of one size (these run {list(sizes)} "

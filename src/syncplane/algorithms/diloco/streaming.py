@@ -1,16 +1,14 @@
 """Streaming DiLoCo's fragments (Douillard et al. 2025): θ_g in P pieces, synced in turn.
 
-Fragment p has its own round at the steps where ``(steps_done − offset_p) mod H = 0``,
-``offset_p = p·H // P``: each fragment is still synced once per H steps, but only ~1/P of the
-model is on the wire at a time (peak bandwidth ~P-fold lower). With an overlap of τ ≥ 1 steps
-its exchange runs on a background thread and its result is merged τ steps later as
-``θ_local ← α·θ_local + (1 − α)·θ_g`` (the paper's mixing; α = 0 overwrites).
+Fragment p's round is at the steps where ``(steps_done − p·H // P) mod H = 0``: each fragment is
+still synced once per H steps, but only ~1/P of the model is on the wire at a time. With an
+overlap of τ ≥ 1 steps its exchange runs on a background thread and its result is merged τ
+steps later as ``θ_local ← α·θ_local + (1 − α)·θ_g`` (the paper's mixing; α = 0 overwrites).
 
 Fragments are cut by value count, evenly, even through a tensor: whole layers would leave one
 big layer (a classifier head) keeping the peak high, and the cut is exact for the element-wise
 outer optimizers ``OuterOptimizer``'s flat buffer assumes. Floating buffers travel with the
-last fragment. ``FragmentedOuter`` owns the per-fragment outer state and the rounds between
-launch and merge; moving tensors between the model and the host buffer is the caller's."""
+last fragment."""
 
 from __future__ import annotations
 
@@ -29,15 +27,13 @@ Average = Callable[[torch.Tensor, int], bool]
 
 
 def fragment_bounds(n_params: int, extra: int, fragments: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each fragment in the flat buffer ``[parameters | extras]``: the
-    parameters cut into ``fragments`` ranges whose sizes differ by at most one value; the
-    ``extra`` values after the parameters join the last one."""
+    """``[start, end)`` of each fragment of ``[parameters | extras]``: the parameters cut evenly, the
+    ``extra`` values joining the last one."""
     if not 1 <= fragments <= n_params:
         raise ValueError(f"cannot split {n_params} parameter values into {fragments} fragments "
                          f"(fragments must be between 1 and {n_params})")
     bounds = shard_bounds(n_params, fragments)
-    start, end = bounds[-1]
-    bounds[-1] = (start, end + extra)
+    bounds[-1] = (bounds[-1][0], n_params + extra)
     return bounds
 
 
@@ -47,7 +43,7 @@ def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
 
 
 def streaming_mix_alpha(sync_every: int, fragments: int, overlap_steps: int, mix_alpha: float | None) -> float:
-    """Check the streaming options (clear errors naming the values); return the effective α."""
+    """Check the streaming options; return the effective α."""
     if not 1 <= fragments <= sync_every or not 0 <= overlap_steps < sync_every // fragments:
         raise ValueError(f"fragments={fragments}, overlap_steps={overlap_steps}, sync_every={sync_every}: each of "
                          f"the P fragments has its own window of sync_every // fragments steps of the round (at "
@@ -73,19 +69,18 @@ class Round:
 
 class FragmentedOuter:
     """θ_g as P fragments of the host buffer ``flat = [θ_local | extras]``, each with its own outer
-    optimizer, and the rounds launched but not merged yet. One optimizer per fragment, because a
-    fragment's momentum (Adam's moments and step count) must advance only at its own rounds: one
-    optimizer over the buffer, stepped with a zero gradient elsewhere, would decay the others'
-    momentum and move their θ_g by it. For element-wise optimizers P = 1 is the dense optimizer.
+    optimizer, and the rounds launched but not merged yet; moving tensors between the model and
+    ``flat`` is the caller's. One optimizer per fragment, because a fragment's momentum must
+    advance only at its own rounds: one optimizer over the buffer, stepped with a zero gradient
+    elsewhere, would decay the others' momentum and move their θ_g by it.
 
     Args:
-        flat: the caller's host buffer; fragment p works in place on ``flat[a_p:b_p]`` (θ_local,
-            Δ, its mean, what to merge), which nothing else touches from its launch to its merge.
+        flat: fragment p works in place on ``flat[a_p:b_p]`` (θ_local, Δ, its mean, what to merge),
+            which nothing else touches from its launch to its merge.
         n_params: how many values of ``flat`` are parameters (the rest are extras).
-        fragments, sync_every: P, H.
         optimizer, kwargs, pin, rule: as for ``OuterOptimizer``.
-        bounds: each fragment's ``[start, end)`` in ``flat`` when not the even cut
-            (``fragment_bounds``): a node replica's rank keeps only its piece of each."""
+        bounds: each fragment's ``[start, end)`` when not the even cut (a node replica's rank keeps
+            only its piece of each)."""
 
     def __init__(self, flat: torch.Tensor, n_params: int, fragments: int, sync_every: int,
                  optimizer: str, kwargs: Mapping[str, Any] | None, pin: bool, rule: str = "nesterov",
@@ -100,7 +95,7 @@ class FragmentedOuter:
 
     @property
     def params(self) -> torch.Tensor:
-        """θ_g of the whole model (a copy: the fragments' concatenation)."""
+        """θ_g (a copy: the fragments' concatenation)."""
         return torch.cat([outer.params for outer in self.outers])
 
     def starting(self, done: int) -> list[int]:
@@ -108,8 +103,7 @@ class FragmentedOuter:
         return [p for p, offset in enumerate(self.offsets) if (done - offset) % self.sync_every == 0]
 
     def launch(self, fragment: int, average_: Average, due: int, background: bool) -> None:
-        """Δ of the fragment (its θ_local must be in ``flat`` already) and its average,
-        on the background thread if ``background`` (the next ``wait`` collects it)."""
+        """Δ of the fragment (its θ_local already in ``flat``) and its average, in the background if asked."""
         if fragment in self.pending:
             raise RuntimeError(f"fragment {fragment}'s previous round has not been merged yet")
         a, b = self.bounds[fragment]
@@ -125,9 +119,8 @@ class FragmentedOuter:
         self.pending[fragment] = round_
 
     def wait(self) -> None:
-        """Complete every exchange in flight and its outer step; the merges stay scheduled
-        (at their ``due`` step), so waiting early -- for a checkpoint or a validation --
-        does not change the training trajectory."""
+        """Complete the exchanges in flight and their outer steps; the merges stay at their ``due``
+        step, so waiting early (a checkpoint, a validation) does not change the trajectory."""
         for round_ in self.pending.values():
             if round_.future is not None:
                 round_.committed = round_.future.result()
@@ -151,8 +144,7 @@ class FragmentedOuter:
             self._worker = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Every fragment's outer state and the rounds waiting to be merged (call ``wait``
-        first); tensors and plain containers only."""
+        """Every fragment's outer state and the rounds waiting to merge (call ``wait`` first)."""
         if any(r.future is not None for r in self.pending.values()):
             raise RuntimeError("a fragment's exchange is still in flight: wait() before state_dict()")
         pending = [{"fragment": r.fragment, "due": r.due, "committed": bool(r.committed),
