@@ -372,8 +372,7 @@ class DiLoCoEngine:
                 raise ValueError(f"the checkpoint was written with replicas of {state['replicas']} ranks, this "
                                  "run has one rank per replica: resume with the same replica setting")
             self.outers[self.owned[0]].load_state_dict(state)
-            return
-        if list(state.get("replicas", [])) != self.layout.sizes:
+        elif list(state.get("replicas", [])) != self.layout.sizes:
             raise ValueError(f"the checkpoint was written with replicas of {state.get('replicas', [1])} ranks, "
                              f"this run has {self.layout.sizes}: replica='node' resumes on the same nodes")
 

@@ -137,9 +137,7 @@ class ReplicaLayout:
         return sets, spans
 
     def weight(self, rank: int) -> float:
-        """``rank``'s replica's factor on its Δ, so that the plain mean weighs it by its rank count."""
-        if len(set(self.sizes)) == 1:
-            return 1.0
+        """``rank``'s replica's factor on its Δ, so that the plain mean weighs it by its rank count (1 if even)."""
         return len(self.nodes[self.replica_of(rank)]) * len(self.nodes) / self.world_size
 
     def bounds(self, numel: int) -> list[tuple[int, int]]:
@@ -189,8 +187,7 @@ def elastic_nodes(replica: str, sizes: Sequence[int]) -> bool:
 def check_elastic_nodes(replica: str, sizes: Sequence[int]) -> None:
     """Refuse elastic node replicas on hosts of different sizes, before launch: on 2+1 the lone rank
     owns both shards, while a torchft replica group meets the other nodes once per local rank."""
-    if not elastic_nodes(replica, sizes) or len(set(sizes)) <= 1:
-        return
-    raise ValueError(f"replica={replica!r} with elastic=true needs hosts of one size (these run {list(sizes)} "
-                     "ranks): local rank j of every node owns shard j and heals it from shard j of a live node, "
-                     "so the nodes' shards must line up; use replica='rank' or hosts of one size")
+    if elastic_nodes(replica, sizes) and len(set(sizes)) > 1:
+        raise ValueError(f"replica={replica!r} with elastic=true needs hosts of one size (these run {list(sizes)} "
+                         "ranks): local rank j of every node owns shard j and heals it from shard j of a live "
+                         "node, so the nodes' shards must line up; use replica='rank' or hosts of one size")
