@@ -2,16 +2,14 @@
 
 With ``inner_steps: time`` a slow replica computes on fewer of a round's H slots. ``drop``
 keeps the distributed sampler's equal shards (the batches it has no time for are skipped for
-the epoch: a uniformly random subset). ``share`` deals instead: an epoch is one shuffled
-permutation of the dataset, each slot handing its next batches to the replicas that compute on
-it, in rank order, so every sample is seen once per epoch and an epoch ends sooner with a
-straggler.
+the epoch: a uniformly random subset). ``share`` deals one shuffled permutation of the dataset
+per epoch instead, each slot handing its next batches to the replicas that compute on it, in
+rank order: every sample is seen once per epoch, and an epoch ends sooner with a straggler.
 
 The deal is a pure function of the permutation (seed + epoch, as ``DistributedSampler``), the
-epoch's first slot and the rounds' agreed counts (``TimedRounds``): every rank computes it
-without communication, and knows the batches each replica processed (the average's weights).
-Every replica computes on a round's slot 0, so the loader may read one batch ahead (Lightning's
-prefetch), never more: ``num_workers > 0`` is refused."""
+epoch's first slot and the rounds' agreed counts: every rank computes it without communication,
+and knows the batches each replica processed (the average's weights). Every replica computes on
+a round's slot 0, so the loader may read one batch ahead (Lightning's prefetch), never more."""
 
 from __future__ import annotations
 
