@@ -1,26 +1,14 @@
-"""Elastic DiLoCo: each rank (or each node's ranks, ``replica=node``) an independent replica
-over a torchft quorum; ``DiLoCo(..., elastic=True)`` constructs it.
+"""Elastic DiLoCo: each rank (or each node's L ranks, ``replica=node``) an independent replica
+over a torchft quorum; ``DiLoCo(..., elastic=True)`` constructs it. A node replica is one
+Lightning job (its outer state sharded over its ranks: ``layout.job_layout``) and one torchft
+replica group (``ft``): its ranks leave, restart and heal together. The round is ``DiLoCo``'s,
+its exchanges over the current quorum (``elastic.QuorumTransport``); the vote and the next
+quorum at each boundary, and the heal, are ``elastic.Membership``'s.
 
-A node replica is one Lightning job of its L ranks (DDP or FSDP2 inside, its outer state
-sharded over them: ``layout.job_layout``) and one torchft replica group (``ft``): its ranks
-leave, restart and heal together, each its own shard. The round is ``DiLoCo``'s own, its
-exchanges over the current quorum (``elastic.QuorumTransport``); membership is
-``elastic.Membership``. Hooks that differ, and why:
-
-- ``distributed_sampler_kwargs``: Lightning sees a process group of one replica; the training
-  shard is the rank's place in the job at start (replica r's local rank j: r·L + j), while every
-  replica validates on the whole set (no all-reduce combines independent jobs' metrics).
-- ``setup_sync``: the engine on the quorum transport, and the job's fingerprint checked against
-  the one on disk *before* any contact with the quorum (a mismatch never disturbs it).
-- ``on_train_start``: join the quorum (a first start waits for every replica; a restart joins at
-  a boundary and heals θ_g, the outer state and the position from a live peer).
-- ``after_optimizer_step``: ``DiLoCo``'s rounds, with the vote and the next quorum at each
-  boundary (``membership=quorum``: at each point before a period's rounds, ``_quorum_point``);
-  every replica stops at the job's last step (a joiner counts the job's steps).
-- ``sync_state_dict`` / ``load_sync_state_dict``: ``DiLoCo``'s, plus the position and torchft
-  step: a replica resumes from its checkpoint and rejoins (healing if the others went on).
-
-Membership changes, heals and discarded rounds go to the job's ``history.jsonl``.
+Lightning sees one replica's process group: ``distributed_sampler_kwargs`` shards the training
+set by the rank's place in the whole job, while every replica validates on the whole set (no
+all-reduce combines independent jobs' metrics). Membership changes, heals and discarded rounds
+go to the job's ``history.jsonl``.
 """
 
 from __future__ import annotations
@@ -38,7 +26,6 @@ from typing_extensions import override
 
 from syncplane.algorithms.diloco import ft
 from syncplane.algorithms.diloco.adaptive import TimedRounds
-from syncplane.algorithms.diloco.config import DiLoCoConfig
 from syncplane.algorithms.diloco.elastic import JobFingerprint, Membership, QuorumTransport, RoundBoard, fingerprint
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.algorithms.diloco.transport import Transport
@@ -54,7 +41,13 @@ class ElasticDiLoCo(DiLoCo):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        check_elastic(self.config)
+        # refused in elastic mode only (``DiLoCo`` checks the timeouts in either mode)
+        if self.config.membership == "quorum" and self.config.inner_steps == "time":
+            raise ValueError("inner_steps=time with membership=quorum: a quorum round already weighs each replica's "
+                             "Δ by its steps; use inner_steps=fixed, or membership=fixed")
+        if self.config.exchange == "tree":
+            raise ValueError("exchange=tree with elastic=true: the tree is planned over the job's fixed hosts, "
+                             "a quorum's members change; use exchange=mesh or auto")
         self.lighthouse_host = ft.check_bind_host(self.lighthouse_host)
         self.round_timeout_s = self.elastic_timeouts["round_timeout_s"]
         self.quorum_timeout_s = self.elastic_timeouts["quorum_timeout_s"]
@@ -72,6 +65,12 @@ class ElasticDiLoCo(DiLoCo):
         self._since = 0           # quorum: this replica's steps not yet sent in a round (its Δ's weight)
         self._scale = 1.0         # quorum: this period's factor on Δ (``Membership.scale``)
         self._restarted = False   # quorum: a restart, out until its first point
+
+    @property
+    def membership(self) -> Membership:
+        if self._membership is None:
+            raise RuntimeError("elastic diloco is not set up yet (setup_sync runs when fitting starts)")
+        return self._membership
 
     def _place(self) -> ElasticPlace:
         """This replica's place in the elastic job (the launcher's elastic mode, or torchft's variables)."""
@@ -108,23 +107,23 @@ class ElasticDiLoCo(DiLoCo):
 
     @override
     def setup_sync(self, job: JobContext) -> None:
-        self._replica = self._place().replica
+        place = self._place()
+        self._replica = place.replica
         super().setup_sync(job)
-        engine, config = self.engine, self.config
+        engine, config, transport = self.engine, self.config, self._quorum
+        assert transport is not None
         settings = {key: getattr(config, key) for key in ("fragments", "overlap_steps", "compression", "outer")}
         node = {"ranks_per_replica": job.world_size} if job.world_size > 1 else {}
         ours = fingerprint(engine.host.buffer.numel(), self.sync_every, config.outer_optimizer, config.outer_kwargs,
                            [tuple(t.shape) for t in self.model_tensors()],
                            {**settings, **node, "streams": engine.streams, "exchange": engine.exchange_name})
-        place = self._place()
         if not place.restarts and self._done_marker().exists():   # a first start: the marker is an earlier job's
             raise ValueError(f"elastic: {place.folder} holds an elastic job that finished; give each job a fresh "
                              "folder (SYNCPLANE_ELASTIC_DIR) or delete it")
         # before any contact with the quorum: a replica with other settings never disturbs it
         JobFingerprint(place.folder).check(ours, f"replica {self._replica}")
-        assert self._quorum is not None
         board = RoundBoard(place.folder, f"replica{self._replica}") if self.quorum else None
-        self._membership = Membership(self._quorum, ours, 0, engine.shard_state_dict, engine.load_shard_state_dict,
+        self._membership = Membership(transport, ours, 0, engine.shard_state_dict, engine.load_shard_state_dict,
                                       on_event=self._record_event, board=board, hold_s=config.grace_s,
                                       boundary_timeout_s=self.quorum_timeout_s, agree=self._from_rank0)
         self.details["exchange"] = f"{engine.exchange_name} over the torchft quorum (elastic)"
@@ -134,8 +133,7 @@ class ElasticDiLoCo(DiLoCo):
         return value if self.world_size == 1 else self.broadcast(value, src=0)
 
     def _theta_digest(self) -> str:
-        """θ_g's SHA-256: the whole model's with one rank per replica; a node's, the digest of its
-        ranks' shard digests in shard order (a collective of the node's ranks)."""
+        """θ_g's SHA-256; a node's: of its ranks' shard digests in shard order (a collective of the node)."""
         digest = hashlib.sha256(self.engine.params.numpy().tobytes()).hexdigest()
         if self.world_size > 1:
             every: list[Any] = [None] * self.world_size
@@ -146,14 +144,11 @@ class ElasticDiLoCo(DiLoCo):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        membership = self._membership
-        assert membership is not None
-        trainer = self.lightning_module.trainer
+        membership, place, trainer = self.membership, self._place(), self.lightning_module.trainer
         # a boundary after each period's first round has merged: steps H + τ, 2H + τ, ...
         # (membership=quorum: a point before each period's rounds, steps H, 2H, ...)
         self._total_steps = int(trainer.estimated_stepping_batches)
         membership.total = (self._total_steps - self._at) // self.sync_every
-        place = self._place()
         if self._done_marker().exists():   # restarted after the job's last round: nothing to rejoin
             self._record_event({"event": "start", "restart": place.restarts, "job_done": True})
             trainer.should_stop = True
@@ -177,8 +172,7 @@ class ElasticDiLoCo(DiLoCo):
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        membership = self._membership
-        assert membership is not None
+        membership = self.membership
         if membership.group is None or self._finished:
             return
         if not self.quorum or self._quorum_point():
@@ -199,16 +193,13 @@ class ElasticDiLoCo(DiLoCo):
 
     def _at_boundary(self, done: int) -> bool:
         """Whether this replica meets the quorum after step ``done`` (no round in flight there)."""
-        assert self._membership is not None
-        return not self._membership.done and done >= self.sync_every and done % self.sync_every == self._at
+        return not self.membership.done and done >= self.sync_every and done % self.sync_every == self._at
 
     def _quorum_point(self) -> bool:
-        """``membership=quorum``, before this step's rounds: at a point the vote and this period's
-        quorum within the grace, and the weight of this replica's Δ (its steps since it last sent
-        one). A late replica trains on (False: no rounds) until the next point opens, then heals
-        from a peer and carries its work."""
-        membership = self._membership
-        assert membership is not None
+        """``membership=quorum``, before this step's rounds: at a point, the vote, this period's
+        quorum and the weight of this replica's Δ (its steps since it last sent one). False: late,
+        it trains on without rounds until the next point opens, then heals and carries its work."""
+        membership = self.membership
         self._since += 1
         if self._out:
             if membership.late():
@@ -246,14 +237,13 @@ class ElasticDiLoCo(DiLoCo):
         """``inner_steps=time``: the plan over the quorum just formed (a new one at a membership
         change, every replica first computing every slot: a joiner has measured nothing). A node
         replica's step time is its slowest rank's, so that its ranks plan alike."""
-        membership = self._membership
-        assert membership is not None and membership.group is not None and self._quorum is not None
-        view = self._quorum.view
+        membership = self.membership
+        group, view = membership.group, membership.transport.view
+        assert group is not None
         if self._timed is None or membership.done or view is None:
             return
         if view.quorum_id != self._timed_quorum:
             self._timed, self._timed_quorum = self._timed_rounds(view.participants, view.rank), view.quorum_id
-        group = membership.group
         self.details["round_steps"] = self._timed.decide(
             lambda value: group.gather_floats(self._slowest(value), view), done // self.sync_every)
 
@@ -267,18 +257,16 @@ class ElasticDiLoCo(DiLoCo):
     def _merge(self, round_: Round) -> None:
         committed = self.rounds
         super()._merge(round_)
-        assert self._membership is not None
-        self._membership.record(self.rounds > committed, round_.fragment, self.fragments)
+        self.membership.record(self.rounds > committed, round_.fragment, self.fragments)
 
     def _done_marker(self) -> Path:
         return self._place().folder / "elastic_done"
 
     def _adopt_if_healed(self, done: int, old: torch.Tensor | None = None) -> None:
         """After a quorum: a healed replica starts from the peer's θ_g (its buffers stay its own;
-        given ``old``, θ_g before the heal, its own work since stays on top: ``rebase``), at the
+        given ``old``, θ_g before the heal, its own work since stays on top: ``rebase``) at the
         job's step, ``done`` of its own steps being complete."""
-        membership = self._membership
-        assert membership is not None
+        membership = self.membership
         if membership.healed:
             if old is None:
                 self.engine.adopt(self.model_tensors())
@@ -291,8 +279,7 @@ class ElasticDiLoCo(DiLoCo):
     def _at_job_step(self, done: int) -> None:
         """Count the job's steps (its position's), ``done`` of this replica's own being complete;
         one ahead of the job (it trained on while late) gets a larger step limit."""
-        membership = self._membership
-        assert membership is not None
+        membership = self.membership
         position = membership.position
         offset = (position * self.sync_every + self._at if position else 0) - done
         lightning_adapter.extend_max_steps(self.lightning_module.trainer, self._offset - offset)
@@ -300,8 +287,7 @@ class ElasticDiLoCo(DiLoCo):
         self.rounds, self.skipped = membership.stats.committed, membership.stats.discarded
 
     def _record_event(self, record: dict[str, Any]) -> None:
-        """Membership changes, heals and discarded rounds go to the job's ``history.jsonl``
-        (one ``O_APPEND`` write per line: replicas share the file)."""
+        """One line of the job's ``history.jsonl`` (one ``O_APPEND`` write: replicas share the file)."""
         node = {"rank": self.global_rank} if self.world_size > 1 else {}   # a node replica: which of its ranks
         line = json.dumps({"replica": self._replica, **node, "time": round(time.time(), 3), **record}) + "\n"
         with open(self._place().folder / "history.jsonl", "ab", buffering=0) as f:
@@ -309,8 +295,7 @@ class ElasticDiLoCo(DiLoCo):
 
     @override
     def sync_state_dict(self) -> dict[str, Any]:
-        membership = self._membership
-        assert membership is not None
+        membership = self.membership
         group = membership.group
         return {**super().sync_state_dict(),
                 "elastic": {"position": membership.position, "offset": self._offset,
@@ -323,9 +308,7 @@ class ElasticDiLoCo(DiLoCo):
             return
         # inner_steps=time: the plan was the old quorum's; it is made again at the first boundary
         super().load_sync_state_dict({k: v for k, v in state.items() if k != "timed"})
-        membership = self._membership
-        assert membership is not None
-        mine = state["elastic"]
+        membership, mine = self.membership, state["elastic"]
         membership.position, self._offset = int(mine["position"]), int(mine["offset"])
         membership.stats.committed, membership.stats.discarded = int(mine["committed"]), int(mine["discarded"])
         self._resumed = mine
@@ -345,14 +328,3 @@ class ElasticDiLoCo(DiLoCo):
         if self._membership is not None:
             self._membership.close()
         super().teardown()
-
-
-def check_elastic(config: DiLoCoConfig) -> None:
-    """What elastic mode refuses, at construction (before the first step; the timeouts
-    themselves are checked by ``DiLoCo`` in either mode)."""
-    if config.membership == "quorum" and config.inner_steps == "time":
-        raise ValueError("inner_steps=time with membership=quorum: a quorum round already weighs each replica's "
-                         "Δ by its steps; use inner_steps=fixed, or membership=fixed")
-    if config.exchange == "tree":
-        raise ValueError("exchange=tree with elastic=true: the tree is planned over the job's fixed hosts, "
-                         "a quorum's members change; use exchange=mesh or auto")

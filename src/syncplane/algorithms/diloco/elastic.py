@@ -1,30 +1,20 @@
-"""Elastic DiLoCo: membership by torchft quorum around ``DiLoCoEngine``'s own round.
-
-The round (Δ, codec and error feedback, streams, fragments, overlap, outer rule) is the code of
-the fixed job; only its exchanges differ: ``QuorumTransport`` hands the engine exchangers
-(``QuorumExchanger``) on gloo groups of the current quorum's store, built again at each
-membership change. ``Membership`` says where and with whom the replicas meet:
+"""Elastic DiLoCo: membership by torchft quorum around ``DiLoCoEngine``'s own round, the fixed
+job's code; only its exchanges differ: ``QuorumTransport`` hands the engine exchangers on gloo
+groups of the current quorum's store, built again at each membership change. ``Membership``
+says where and with whom the replicas meet:
 
 - ``membership="fixed"``: at a **boundary**, where no round is in flight (after the step at
   which a period's first fragment merged: ``done ≡ overlap_steps mod H``), the vote on the
   period's rounds, then the next quorum, where a restarted (or behind) replica heals.
 - ``membership="quorum"``: at a **point** before each period's rounds (``done ≡ 0 mod H``), the
-  quorum of the replicas that arrived within the grace (``RoundBoard``). Each member's Δ is
-  weighted by its steps since it last sent one (``scale``: exactly 1 without a fault, so the
-  rounds equal ``fixed``'s bit for bit). A **late** replica trains on until the next point,
-  then heals and carries its own work into that round (``DiLoCoEngine.rebase``; why carry, not
-  drop: docs/design-notes.md).
+  replicas that arrived within the grace (``RoundBoard``), each Δ weighted by its steps since it
+  last sent one (``scale``: exactly 1 without a fault, so the rounds equal ``fixed``'s bit for
+  bit). A **late** replica trains on until the next point, then heals and carries its own work
+  into that round (``DiLoCoEngine.rebase``; why carry, not drop: docs/design-notes.md).
 
-Consistency: each fragment round is committed or discarded by the exchange's own agreement
-(``StreamRunner``). A member whose agreement broke off does not know what the others did: it
-votes no, stays a torchft step behind and heals from one that committed, so every member of a
-quorum holds one θ_g. A heal carries ``Membership.state_dict``: the engine's outer state (a
-node replica's rank: its own shards, from the same rank of a live node), the position and the
-round counts; error-feedback residuals stay the replica's own.
-
-Bad input: ``JobFingerprint`` records the first replica's settings in the job's folder; a
-replica with another model, ``sync_every``, outer optimizer or round settings fails before it
-contacts the quorum, naming the field (and a heal checks its peer's fingerprint again).
+A member whose round's agreement broke off (``StreamRunner``) does not know what the others did:
+it votes no, stays a torchft step behind and heals from one that committed, so every member of a
+quorum holds one θ_g (error-feedback residuals stay each replica's own).
 """
 
 from __future__ import annotations
@@ -37,32 +27,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from syncplane.comm.codecs import Codec
 from syncplane.comm.meter import CommMeter
 from syncplane.algorithms.diloco.transport import GlooTransport
 from syncplane.comm.streams import StreamExchange, StreamRunner
 
+if TYPE_CHECKING:
+    from syncplane.algorithms.diloco.ft import ReplicaGroup
+
 log = logging.getLogger(__name__)
-
-
-class QuorumGroup(Protocol):
-    """What ``Membership`` needs from torchft (``syncplane.algorithms.diloco.ft.ReplicaGroup``)."""
-
-    host: str
-
-    def quorum(self) -> Any: ...   # a QuorumView: quorum_id, participants, step, rank, store_addr
-
-    def report_error(self, exc: Exception) -> None: ...
-
-    def commit(self) -> bool: ...
-
-    def gather_floats(self, value: float, view: Any) -> list[float]: ...
-
-    def close(self) -> None: ...
 
 
 class ReplicaMismatch(ValueError):
@@ -71,25 +49,22 @@ class ReplicaMismatch(ValueError):
 
 def fingerprint(n_values: int, sync_every: int, outer_optimizer: str, outer_kwargs: Mapping[str, Any] | None,
                 shapes: list[tuple[int, ...]], rounds: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The settings every replica of one elastic job must share (JSON-able); ``rounds``: the
-    round's own (fragments, overlap, codec, streams, exchange: replicas that differ there would
+    """The settings every replica of one elastic job must share, as they read back from the
+    fingerprint's file (JSON types); ``rounds``: the round's own (replicas that differ there would
     exchange different pieces)."""
-    return {"model_values": int(n_values), "model_shapes": [list(s) for s in shapes], "sync_every": int(sync_every),
-            "outer_optimizer": outer_optimizer, "outer_kwargs": None if outer_kwargs is None else _json(outer_kwargs),
-            **({"rounds": _json(rounds)} if rounds else {})}
-
-
-def _json(settings: Mapping[str, Any]) -> Any:
-    """``settings`` as they read back from the fingerprint's file (JSON types, sorted keys)."""
-    return json.loads(json.dumps(dict(settings), sort_keys=True))
+    settings = {"model_values": int(n_values), "model_shapes": [list(s) for s in shapes],
+                "sync_every": int(sync_every), "outer_optimizer": outer_optimizer,
+                "outer_kwargs": None if outer_kwargs is None else dict(outer_kwargs),
+                **({"rounds": dict(rounds)} if rounds else {})}
+    return json.loads(json.dumps(settings, sort_keys=True))
 
 
 def differences(job: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
     """One line per field where ``ours`` differs from ``job``."""
     out = []
     for key in sorted(set(job) | set(ours)):
-        if job.get(key) != ours.get(key):
-            a, b = job.get(key), ours.get(key)
+        a, b = job.get(key), ours.get(key)
+        if a != b:
             if key == "model_shapes":
                 a, b = f"{len(a or [])} tensors {str(a)[:80]}", f"{len(b or [])} tensors {str(b)[:80]}"
             out.append(f"{key}: the job has {a}, this replica has {b}")
@@ -139,18 +114,16 @@ class ElasticStats:
 
 
 class RoundBoard:
-    """Where the replicas are, for ``membership="quorum"``: empty files in the job's folder
-    (``elastic_rounds/``), read by a replica about to ask for its round's quorum.
+    """Where the replicas are, for ``membership="quorum"``: empty files in ``<folder>/elastic_rounds/``.
 
     Why: torchft's Lighthouse counts the grace from the *first* request it holds, and forms a
     quorum at once when every member of the previous one has asked. A late or restarted replica
-    that asks while the others are in their inner steps would open the next window a round
-    early (leaving out whoever is a millisecond behind); one that asks just after them misses
-    that fast path. So an on-time replica at round p writes ``arrived-p`` and lets those that
-    wrote ``waiting-p-<name>`` ask first (until ``asked-p-<name>``, up to ``hold_s``); a late or
-    restarted one targets q = the latest ``formed`` + 1: it writes ``waiting-q-<name>``, waits
-    for ``arrived-q``, writes ``asked-q-<name>`` and asks. One that says it waits just after the
-    on-time ones looked is taken by their next quorum: one more round late, no more.
+    asking during the others' inner steps would open the next window a round early; one asking
+    just after them misses that fast path. So an on-time replica at round p writes ``arrived-p``
+    and lets those that wrote ``waiting-p-<name>`` ask first (until ``asked-p-<name>``, up to
+    ``hold_s``); a late one targets q = the latest ``formed`` + 1: writes ``waiting-q-<name>``,
+    waits for ``arrived-q``, writes ``asked-q-<name>`` and asks. One that says it waits just
+    after the on-time ones looked is taken by their next quorum: one more round late, no more.
     """
 
     def __init__(self, folder: str | os.PathLike[str], name: str, poll_s: float = 0.02) -> None:
@@ -182,9 +155,8 @@ class RoundBoard:
         return held
 
     def late(self, position: int) -> bool:
-        """True while a replica at ``position`` is late (its round's quorum formed without it)
-        and the next boundary has not opened; says it waits for that boundary, so the on-time
-        replicas let it ask first. The replica trains on meanwhile, instead of idling."""
+        """True while a replica at ``position`` is late (its round's quorum formed without it) and
+        the next boundary has not opened; says it waits for that one, so it may ask first there."""
         formed = self.formed()
         if formed < position:
             return False
@@ -192,8 +164,8 @@ class RoundBoard:
         return not (self.dir / f"arrived-{formed + 1}").exists()
 
     def wait_for_next(self, timeout_s: float) -> float:
-        """Late or restarted: wait for the next boundary's first on-time arrival; returns the
-        seconds waited (gives up after ``timeout_s``: the quorum call then waits)."""
+        """Late or restarted: the seconds waited for the next boundary's first on-time arrival
+        (at most ``timeout_s``: the quorum call then waits)."""
         target = self.formed() + 1
         self.mark("waiting", target, self.name)
         waited = self._until(lambda: (self.dir / f"arrived-{target}").exists(), timeout_s)
@@ -202,11 +174,10 @@ class RoundBoard:
 
 
 class QuorumExchanger:
-    """One outer exchange of the engine (``StreamRunner``'s interface) over the current quorum:
-    a ``StreamRunner`` on the quorum's store, built at its first round after a membership
-    change (a collective of the quorum's members, who all reach that round), never rebuilt
-    within a quorum: after a failed round it stays closed (its rounds discarded) until the next.
-    Its error-feedback residuals carry over from one quorum's runner to the next."""
+    """One outer exchange of the engine over the current quorum: a ``StreamRunner`` on the
+    quorum's store, built at its first round (a collective of its members, who all reach it);
+    after a failed round it stays closed (its rounds discarded) until the next quorum. The
+    error-feedback residuals carry over from one quorum's runner to the next."""
 
     def __init__(self, transport: "QuorumTransport", exchange: StreamExchange, key: str,
                  options: Mapping[str, Any]) -> None:
@@ -221,29 +192,21 @@ class QuorumExchanger:
         if view is None or view.participants <= 1:
             return view is not None   # alone in the quorum: Δ is the mean
         try:
-            runner = self._runner_for(view)
-            if runner is None:
-                return False
-            return runner.allreduce_mean_(flat, meter, offset=offset, total=total)
+            if self._built_for != view.quorum_id:   # the quorum's first round: its runner
+                self.close()
+                self._built_for = view.quorum_id
+                place = (self.transport.store(view), view.rank, view.participants)
+                self._runner = StreamRunner(self.exchange, place=place, key=self.key, rebuild=False,
+                                            hostname=self.transport.host, **self.options)
+                self._runner.load_state_dict(self._residuals)
+            elif self._runner is not None and self._runner.closed:   # closed after a failed round
+                self.close()
+            return self._runner is not None and self._runner.allreduce_mean_(flat, meter, offset=offset, total=total)
         except RuntimeError as exc:   # the agreement broke off, or the groups did not connect
             log.warning("elastic: round outcome unknown (%s); this replica will heal at the next quorum", exc)
             self.transport.uncertain = exc
             self.close()
             return False
-
-    def _runner_for(self, view: Any) -> StreamRunner | None:
-        if self._built_for == view.quorum_id:
-            if self._runner is not None and self._runner.closed:   # closed after a failed round
-                self.close()
-            return self._runner
-        self.close()
-        self._built_for = view.quorum_id
-        store = self.transport.store(view)
-        runner = StreamRunner(self.exchange, place=(store, view.rank, view.participants), key=self.key,
-                              rebuild=False, hostname=self.transport.host, **self.options)
-        runner.load_state_dict(self._residuals)
-        self._runner = runner
-        return runner
 
     def close(self) -> None:
         """Close this quorum's runner, keeping its residuals for the next one's."""
@@ -262,11 +225,9 @@ class QuorumExchanger:
 
 
 class QuorumTransport(GlooTransport):
-    """The engine's transport in elastic mode (``transport.Transport``): exchangers over the
-    current quorum (``view``, set at each boundary); a node replica's own groups (DDP inside it,
-    the gather of its θ_g shards) are its job's gloo groups, as without elastic mode.
-    ``uncertain``: set when a round's outcome is unknown to this replica (``Membership.boundary``
-    reports it)."""
+    """The engine's transport in elastic mode: exchangers over the current quorum (``view``, set
+    at each boundary); a node replica's own groups are its job's gloo groups, as without elastic
+    mode. ``uncertain``: a round whose outcome this replica does not know (``Membership.vote``)."""
 
     def __init__(self, host: str, timeout_s: float) -> None:
         self.host, self.timeout_s = host, timeout_s
@@ -278,14 +239,13 @@ class QuorumTransport(GlooTransport):
     def runner(self, exchange: StreamExchange, *, codec: Codec, interfaces: Sequence[str] | None,
                timeout_s: float, error_feedback_beta: float, members: Sequence[int] | None = None,
                key: str | None = None) -> QuorumExchanger:
-        """An exchanger over the quorum. ``members``: None (a replica of one rank), or the
-        shard's owners in a node replica's own layout -- this rank alone: its peers are the
-        quorum's members of its torchft column, the same local rank of every node (``ft``)."""
+        """An exchanger over the quorum. ``members`` (a node replica's shard owners) is this rank
+        alone: its peers are the same local rank of the quorum's nodes (``ft``)."""
         if members is not None and len(members) != 1:
             raise ValueError(f"elastic mode exchanges over the quorum's members, not fixed ranks {list(members)}")
-        exchanger = QuorumExchanger(self, exchange, f"elastic/{len(self.exchangers)}",
-                                    {"codec": codec, "interfaces": interfaces, "error_feedback_beta": error_feedback_beta,
-                                     "timeout_s": min(timeout_s, self.timeout_s)})
+        options = {"codec": codec, "interfaces": interfaces, "error_feedback_beta": error_feedback_beta,
+                   "timeout_s": min(timeout_s, self.timeout_s)}
+        exchanger = QuorumExchanger(self, exchange, f"elastic/{len(self.exchangers)}", options)
         self.exchangers.append(exchanger)
         return exchanger
 
@@ -300,20 +260,11 @@ class QuorumTransport(GlooTransport):
 
 
 class Membership:
-    """One elastic replica's membership: the quorum at each boundary, the vote on the period's
-    rounds, the heal of a replica that is behind.
-
-    Args:
-        transport: the engine's ``QuorumTransport`` (its ``view`` is set here).
-        fingerprint: this replica's ``fingerprint(...)``, checked against a healing peer's.
-        total: boundaries in the whole job; the replica stops after the last (a healed joiner
-            learns how many are left from its peer).
-        outer_state / load_outer_state: the engine's outer state (what a heal carries).
-        on_event: called with a JSON-able record for every membership change, heal and
-            discarded round (the glue appends them to ``history.jsonl``).
-        agree: a node replica's ranks' one call on what the board says (``membership: quorum``:
-            late or on time; rank 0's, broadcast over the node), so that they act as one.
-    """
+    """One replica's membership: the quorum at each boundary, the vote on the period's rounds,
+    the heal of a replica that is behind. ``fingerprint`` is checked against a healing peer's;
+    ``total``: boundaries in the job (the replica stops after the last); ``on_event``: a JSON-able
+    record per membership change, heal and discarded round; ``agree``: a node replica's ranks'
+    one answer (rank 0's) on what the board says, so that they act as one."""
 
     def __init__(self, transport: QuorumTransport, fingerprint: Mapping[str, Any], total: int,
                  outer_state: Callable[[], dict[str, Any]], load_outer_state: Callable[[Mapping[str, Any]], None],
@@ -327,7 +278,7 @@ class Membership:
         self.position = 0           # boundaries the job has passed, shared by the quorum
         self.stats = ElasticStats()
         self.healed = False         # set by a heal; the caller copies θ_g into its model, then clears it
-        self.group: QuorumGroup | None = None
+        self.group: ReplicaGroup | None = None   # torchft's side (tests: a fake)
         self._quorum_id: int | None = None
         self._size = 0
         self._on_event = on_event or (lambda record: None)
@@ -354,7 +305,8 @@ class Membership:
         self.stats.committed, self.stats.discarded = int(state["committed"]), int(state["discarded"])
         outer = state["outer"]
         shards = {"shards": list(outer["shards"])} if isinstance(outer, Mapping) and "shards" in outer else {}
-        heal = {"event": "heal", "position": self.position, "bytes": _state_bytes(state), **shards,
+        size = sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+        heal = {"event": "heal", "position": self.position, "bytes": size, **shards,
                 "load_s": round(time.perf_counter() - start, 4)}
         self.stats.heals.append(heal)
         self.healed = True
@@ -365,15 +317,15 @@ class Membership:
     def done(self) -> bool:
         return self.position >= self.total
 
-    def join(self, group: QuorumGroup) -> None:
+    def join(self, group: ReplicaGroup) -> None:
         """Enter the job: the first quorum (a heal happens here for a late joiner)."""
         self.group = group
         self._next_quorum()
 
     def record(self, committed: bool, fragment: int = 0, fragments: int = 1) -> None:
-        """A fragment round's outcome (the engine's merge), and the local work it took into θ_g:
-        a discarded round's stays in θ_local, so the next committed one of that fragment carries
-        it (its ``round`` event's ``weight``, in periods: ``scripts/diloco_goodput.py``)."""
+        """A fragment round's outcome and the local work it took into θ_g (a discarded round's
+        stays in θ_local for the next committed one of that fragment): the ``round`` event's
+        ``weight``, in periods (``scripts/diloco_goodput.py``)."""
         self._pending[fragment] = self._pending.get(fragment, 0.0) + self.work / fragments
         weight = self._pending.pop(fragment) if committed else 0.0
         self._on_event({"event": "round", "position": self.position, "committed": committed, "weight": weight,
@@ -392,8 +344,7 @@ class Membership:
             self._next_quorum()
 
     def vote(self) -> None:
-        """The vote on the rounds since the last quorum (a round whose outcome this replica does
-        not know votes no: it stays behind and heals at the next quorum)."""
+        """The vote on the rounds since the last quorum (an unknown outcome votes no: heal next)."""
         assert self.group is not None, "join() first"
         if self.transport.uncertain is not None:
             self.group.report_error(self.transport.uncertain)
@@ -404,10 +355,9 @@ class Membership:
     # ------------------------------------------- membership=quorum: the point before a period
 
     def point(self) -> bool:
-        """``quorum``, before a period's rounds (none in flight): the vote on the last period's,
-        then this period's quorum: the replicas that arrive within the grace (``RoundBoard``,
-        the Lighthouse's join timeout). False: this replica is late, the quorum formed without
-        it; it trains on while ``late()`` and then ``rejoin``s."""
+        """``quorum``, before a period's rounds: the vote on the last period's, then this period's
+        quorum of those within the grace. False: late, the quorum formed without this replica; it
+        trains on while ``late()`` and then ``rejoin``s."""
         self.vote()
         if self.board is not None:
             if self._agree(self.board.formed() >= self.position):
@@ -424,9 +374,8 @@ class Membership:
         return self.board is not None and self._agree(self.board.late(self.position))
 
     def rejoin(self, missed: float) -> None:
-        """``quorum``: a late (or restarted) replica enters the next point's quorum, behind by one
-        commit: it heals θ_g, the outer state and the position from a peer; ``missed`` periods of
-        its own work (a restart: 0) stay in its model, carried into its next rounds (``work``)."""
+        """``quorum``: a late (or restarted) replica enters the next point's quorum and heals from a
+        peer; ``missed`` periods of its own work (a restart: 0) stay in its model for its next rounds."""
         waited = self.board.wait_for_next(self.boundary_timeout_s) if self.board is not None else 0.0
         self.carrying = True
         try:
@@ -440,8 +389,8 @@ class Membership:
             self.board.mark("formed", self.position)
 
     def scale(self, weight: float) -> float:
-        """``quorum``: this member's factor on its Δ before the plain mean, so that the mean is
-        weighted: ``weight·n / Σ weight`` over the quorum (exactly 1 when every weight is equal)."""
+        """``quorum``: this member's factor on its Δ, making the plain mean a weighted one:
+        ``weight·n / Σ weight`` over the quorum (exactly 1 when every weight is equal)."""
         view = self.transport.view
         if self.group is None or view is None or view.participants <= 1:
             return 1.0
@@ -471,12 +420,3 @@ class Membership:
             self.group.close()
             self.group = None
 
-
-def _state_bytes(state: Any) -> int:
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, Mapping):
-        return sum(_state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_state_bytes(v) for v in state)
-    return 0

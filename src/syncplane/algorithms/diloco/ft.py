@@ -1,23 +1,17 @@
 """Elastic replica groups on torchft: the quorum service (its Lighthouse) and, per replica, a
-torchft ``Manager`` whose gloo group is rebuilt at every membership change.
+torchft ``Manager``, which decides membership from heartbeats, rebuilds its gloo group per quorum
+(a dead peer never wedges the next round) and heals a replica that is behind from a live peer.
+What we add:
 
-torchft already decides membership from heartbeats, reconfigures its gloo group per quorum (a
-dead peer never wedges the next round) and heals a replica whose step is behind from a live
-peer. What we add:
-
-- **Loopback only.** The state goes over the replica gloo group (``PGTransport``, not an HTTP
-  server on every interface) and the Manager's RPC server binds the address we were given
-  (``_bound_manager_server``), not ``[::]``.
-- **A replica is a process, or a node's processes**: one torchft replica group of L ranks
-  (``group_rank`` = the local rank; why one group: docs/design-notes.md), with its own TCP
-  store on its rank 0. Its ranks are in or out of a quorum together and vote one commit; the
-  quorum's store and gloo group are per group rank, so local rank j exchanges and heals its
-  own outer shard among the local ranks j of the quorum's nodes.
+- **Loopback only.** The heal goes over the replica gloo group (``PGTransport``, not an HTTP
+  server on every interface); the Manager's RPC server binds our address, not ``[::]``.
+- **A replica is a process, or a node's L processes**: one torchft replica group (``group_rank``
+  = the local rank; why one group: docs/design-notes.md), its TCP store on its rank 0. Its ranks
+  are in or out of a quorum together and vote one commit; the quorum's store and gloo group are
+  per group rank, so local rank j exchanges and heals its own outer shard among the local ranks
+  j of the quorum's nodes.
 - **Blocking quorum** (``use_async_quorum=False``): a joiner is healed before the round starts.
-- **The round's own groups.** The average is the engine's exchange (codec, streams), on gloo
-  groups of the quorum's store (``QuorumView.store_addr``), not torchft's all-reduce.
-
-What to average and when to commit is ``syncplane.algorithms.diloco.elastic``'s.
+- **The round's own groups**: the engine's exchange averages, not torchft's all-reduce (``elastic``).
 """
 
 from __future__ import annotations
@@ -39,6 +33,7 @@ from syncplane.net import tcp_store_server
 
 log = logging.getLogger(__name__)
 
+
 class ElasticUnavailable(RuntimeError):
     """torchft is missing (``pip install 'syncplane[ft]'``)."""
 
@@ -56,7 +51,8 @@ def check_bind_host(host: str) -> str:
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        raise ValueError(f"elastic lighthouse_host: {host!r} is not an IP address (use 127.0.0.1 or a NIC's address)") from None
+        raise ValueError(f"elastic lighthouse_host: {host!r} is not an IP address "
+                         "(use 127.0.0.1 or a NIC's address)") from None
     if ip.is_unspecified:
         raise ValueError(f"elastic lighthouse_host: {host!r} would listen on every interface; "
                          "give 127.0.0.1 or one NIC's address")
@@ -75,20 +71,16 @@ class Lighthouse:
 
 
 def start_lighthouse(host: str = "127.0.0.1", port: int = 0, *, min_replicas: int = 1,
-                     join_timeout_s: float = 60.0, heartbeat_timeout_s: float = 5.0,
-                     quorum_tick_ms: int = 100) -> Lighthouse:
-    """Start the quorum service in this process, bound to ``host:port`` only.
-
-    ``join_timeout_s``: how long a quorum waits for a heartbeating replica that has not asked
-    to join yet (a replica at the end of its round); ``heartbeat_timeout_s``: silence after
-    which a replica is no longer counted (a dead or hung one).
-    """
+                     join_timeout_s: float = 60.0, heartbeat_timeout_s: float = 5.0) -> Lighthouse:
+    """Start the quorum service in this process, bound to ``host:port`` only. ``join_timeout_s``:
+    how long a quorum waits for a heartbeating replica that has not asked to join yet (one at the
+    end of its round); ``heartbeat_timeout_s``: silence after which a replica no longer counts."""
     _require_torchft()
     from torchft.coordination import LighthouseServer
 
     host = check_bind_host(host)
     server = LighthouseServer(bind=_host_port(host, port), min_replicas=min_replicas,
-                              join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=quorum_tick_ms,
+                              join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=100,
                               heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
     # the server reports its hostname; replicas must dial the address it is bound to
     address = "http://" + _host_port(host, server.address().rsplit(":", 1)[1])
@@ -105,8 +97,6 @@ def _host_port(host: str, port: int | str) -> str:
 # ``_bound_manager_server`` is the one torchft internal relied on (the quorum's id, store and
 # ranks come from the public ``ProcessGroup.configure``: ``_recording_gloo``);
 # tests/unit/test_torchft_pin.py fails clearly when the installed torchft is another version.
-
-#: the torchft version whose internals ``_bound_manager_server`` relies on
 TORCHFT_VERSION = "0.2.0"
 
 _PATCH_LOCK = threading.Lock()
@@ -121,9 +111,8 @@ def torchft_version() -> str:
 
 @contextlib.contextmanager
 def _bound_manager_server(host: str) -> Iterator[None]:
-    """While a ``Manager`` is built, make its RPC server bind ``host`` instead of ``[::]``
-    (torchft 0.2.0 hard-codes the wildcard). The server class is looked up in
-    ``torchft.manager``'s namespace at construction, so swapping that name is enough."""
+    """While a ``Manager`` is built, its RPC server binds ``host``, not the ``[::]`` torchft 0.2.0
+    hard-codes (the Manager looks the class up in ``torchft.manager``: swapping that name is enough)."""
     import torchft.manager as tm
 
     original = tm.ManagerServer
@@ -141,9 +130,8 @@ def _bound_manager_server(host: str) -> Iterator[None]:
 
 @dataclass
 class QuorumView:
-    """What one quorum decided, as seen by this replica: its id, size and this replica's rank
-    in it, and the store every member reaches (``store_addr``: ``host:port/prefix``, the
-    quorum's own prefix: what its members' groups rendezvous on)."""
+    """One quorum as this replica sees it: its id, size, this replica's rank and the store its
+    members' groups rendezvous on (``store_addr``: ``host:port/prefix``, the quorum's own)."""
 
     quorum_id: int
     participants: int
@@ -153,47 +141,40 @@ class QuorumView:
 
 
 def _recording_gloo(timeout: timedelta) -> Any:
-    """torchft's reconfigurable gloo group, noting the quorum each ``configure`` is for: the
-    public way to learn the quorum's id, store and ranks (``Manager`` calls it at every
-    membership change, before ``start_quorum`` returns)."""
+    """torchft's reconfigurable gloo group, noting the quorum's id, store and ranks at each
+    ``configure`` (the ``Manager`` calls it at every membership change, within ``start_quorum``)."""
     from torchft.process_group import ProcessGroupGloo
 
     class RecordingGloo(ProcessGroupGloo):
-        configured: tuple[str, int, int, int] | None = None   # store_addr, rank, world_size, quorum_id
+        configured: tuple[str, int, int] | None = None   # store_addr, rank, quorum_id
 
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                       quorum_id: int | None = None, *args: Any, **kwargs: Any) -> None:
             super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
-            self.configured = (store_addr, rank, world_size, -1 if quorum_id is None else int(quorum_id))
+            self.configured = (store_addr, rank, -1 if quorum_id is None else int(quorum_id))
 
     return RecordingGloo(timeout=timeout)
 
 
 class ReplicaGroup:
-    """This replica's membership in the elastic job: quorum, commit vote and healing, over a
-    torchft ``Manager`` (the round's exchange runs on groups of the quorum's store: ``QuorumView``).
+    """This replica's quorum, commit vote and heal, over a torchft ``Manager``.
 
     Args:
-        replica_id: a stable name (``replica3``): the Lighthouse keeps a restarted process
-            apart from its dead predecessor by a fresh suffix torchft adds.
-        lighthouse: the quorum service's address.
+        replica_id: a stable name (``replica3``); torchft tells a restart from its dead
+            predecessor by a fresh suffix.
         state_dict / load_state_dict: what a healing replica receives from a live peer.
-        host: the address this replica's servers bind (loopback by default).
-        round_timeout_s: the commit vote and the heal transfer give up after it.
-        quorum_timeout_s: the wait for a quorum (a joiner's: up to the others' next boundary).
-        connect_timeout_s: reaching the Lighthouse / a peer's manager.
-        min_replicas: a round with fewer members does not commit (the Lighthouse's own keeps
-            such a quorum from forming).
-        group_rank, group_world_size: this process's place in a replica of several (a node's
-            local rank and size); every rank of the group builds its ``ReplicaGroup`` at once.
-        share_port: a group of several: rank 0 calls it with its store's port, the others with
-            None, and each gets rank 0's port back (a broadcast over the node's own group).
+        round_timeout_s: the commit vote and the heal give up after it; ``quorum_timeout_s``: the
+            wait for a quorum (a joiner's: up to the others' next boundary).
+        min_replicas: a round with fewer members does not commit (the Lighthouse's own keeps such
+            a quorum from forming).
+        group_rank, group_world_size: a node replica's local rank and size (its ranks build their
+            ``ReplicaGroup`` at once); ``share_port``: rank 0 calls it with its store's port, the
+            others with None, and each gets rank 0's back (a broadcast over the node).
     """
 
     def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], Any],
                  load_state_dict: Callable[[Any], None], *, host: str = "127.0.0.1",
-                 round_timeout_s: float = 30.0, quorum_timeout_s: float = 120.0,
-                 connect_timeout_s: float = 30.0, heartbeat_interval_s: float = 0.1, min_replicas: int = 1,
+                 round_timeout_s: float = 30.0, quorum_timeout_s: float = 120.0, min_replicas: int = 1,
                  group_rank: int = 0, group_world_size: int = 1,
                  share_port: Callable[[int | None], int] | None = None) -> None:
         _require_torchft()
@@ -214,17 +195,16 @@ class ReplicaGroup:
             self.manager = Manager(
                 pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replicas,
                 use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
-                connect_timeout=timedelta(seconds=connect_timeout_s), rank=group_rank,
+                connect_timeout=timedelta(seconds=30), heartbeat_interval=timedelta(seconds=0.1), rank=group_rank,
                 world_size=group_world_size, store_addr=host, store_port=port, lighthouse_addr=lighthouse,
-                replica_id=replica_id,
-                hostname=host, heartbeat_interval=timedelta(seconds=heartbeat_interval_s),
+                replica_id=replica_id, hostname=host,
                 checkpoint_transport=transport, init_sync=False,   # same seed everywhere: θ_0 is already equal
             )
 
     def quorum(self) -> QuorumView:
         """Join the next quorum (blocking); heals this replica first if it is behind."""
         self.manager.start_quorum()
-        store_addr, rank, size, quorum_id = self._pg.configured or ("", 0, 1, -1)
+        store_addr, rank, quorum_id = self._pg.configured or ("", 0, -1)
         return QuorumView(quorum_id=quorum_id, participants=self.manager.num_participants(),
                           step=self.manager.current_step(), rank=rank, store_addr=store_addr)
 
@@ -243,14 +223,12 @@ class ReplicaGroup:
         return every.tolist() if self.manager.errored() is None else [0.0] * view.participants
 
     def report_error(self, exc: Exception) -> None:
-        """This replica's round went wrong in a way its peers may not share: it votes not to
-        commit, stays a step behind and heals at the next quorum."""
+        """This replica's round went wrong (its peers' may not have): it votes not to commit."""
         self.manager.report_error(exc)
 
     def commit(self) -> bool:
-        """The commit vote: True when this replica's group reported no error (its step then
-        advances). A replica that did not commit while its peers did is behind at the next
-        quorum and heals from one that did."""
+        """The commit vote: True when this replica's group reported no error (its step advances;
+        one that did not commit is behind at the next quorum and heals)."""
         return bool(self.manager.should_commit())
 
     @property
@@ -268,11 +246,10 @@ class ReplicaGroup:
             self._pg.shutdown()
 
 
-def start_barrier(folder: str | os.PathLike[str], replica: int, replicas: int, timeout_s: float) -> int:
-    """Wait until all ``replicas`` first starts have their ``ReplicaGroup`` up (heartbeating),
-    so the job's first quorum holds every replica instead of whichever started first (the
-    others would then be admitted one by one, each healing). A file per replica in
-    ``folder``; gives up after ``timeout_s`` and goes on with those present (returned)."""
+def start_barrier(folder: str | os.PathLike[str], replica: int, replicas: int, timeout_s: float) -> None:
+    """Wait until all ``replicas`` first starts have their ``ReplicaGroup`` up (a file each in
+    ``folder``), so the job's first quorum holds every replica instead of whichever started first
+    (the others would then be admitted one by one, each healing); after ``timeout_s``, go on."""
     ready = Path(folder) / "elastic_ready"
     ready.mkdir(parents=True, exist_ok=True)
     (ready / f"replica{replica}").touch()
@@ -282,4 +259,3 @@ def start_barrier(folder: str | os.PathLike[str], replica: int, replicas: int, t
     if present < replicas:
         log.warning("elastic: %d of %d replicas started within %.0f s; the first quorum goes on without "
                     "the others (they join later)", present, replicas, timeout_s)
-    return present
