@@ -1,7 +1,7 @@
 """Elastic replica groups on torchft: the quorum service (its Lighthouse) and, per replica, a
-torchft ``Manager``, which decides membership from heartbeats, rebuilds its gloo group per quorum
-(a dead peer never wedges the next round) and heals a replica that is behind from a live peer.
-What we add:
+torchft ``Manager``. torchft decides membership from heartbeats, rebuilds the gloo group per
+quorum (a dead peer never wedges the next round) and heals a replica that is behind from a live
+peer. What we add:
 
 - **Loopback only.** The heal goes over the replica gloo group (``PGTransport``, not an HTTP
   server on every interface); the Manager's RPC server binds our address, not ``[::]``.
