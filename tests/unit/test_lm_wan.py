@@ -18,7 +18,7 @@ import lm_wan  # noqa: E402
 FAKE = {"ddp": (4.80, 3.0e9, 0.0), "diloco_fp32_blocking": (4.90, 8.0e7, 28.0), "diloco_fp32_overlap": (4.91, 8.0e7, 28.0),
         "diloco_int8_overlap": (4.93, 2.0e7, 7.0),
         "diloco_sparse3_overlap": (4.92, 3.0e6, 1.0), "diloco_sparse1_overlap": (5.30, 1.0e6, 0.5),
-        "diloco_muon": (4.85, 3.0e6, 1.0), "ddp_muon": (4.70, 3.0e9, 0.0)}
+        "diloco_muon": (4.85, 3.0e6, 1.0), "diloco_muon_h100": (4.88, 1.5e6, 0.5), "ddp_muon": (4.70, 3.0e9, 0.0)}
 
 
 class FakeRunner:
@@ -88,6 +88,10 @@ def test_every_row_runs_its_command_and_the_json_has_the_issues_fields(tmp_path)
     # Muon: the codec with the fewest bytes within 3 % of DDP's 4.80 (sparse3 at 4.92; sparse1 is 10 % off)
     assert rows["diloco_muon"]["codec"] == "sparse3"
     assert "recipe.optimizer=muon" in rows["diloco_muon"]["command"] and "density=0.03" in rows["diloco_muon"]["command"]
+    # a row of its own H: its command, its JSON entry, and its rounds counted by it (100 steps = 1 round)
+    h100 = rows["diloco_muon_h100"]
+    assert "strategy.kwargs.sync_every=100" in h100["command"] and h100["sync_every"] == 100
+    assert "recipe.optimizer=muon" in h100["command"] and h100["seeds"][0]["sync_s_per_round"] == 0.5
     # H by measurement: 9 x the round's sync seconds / the emulated step (100 steps = 2 rounds of 50)
     assert rows["diloco_fp32_blocking"]["seeds"][0]["h_for_90pct"] == 51   # ceil(9 x 14 / 2.5)
     # the peer: tiny_lm is no recipe it can replay; the row says why
@@ -98,7 +102,7 @@ def test_every_row_runs_its_command_and_the_json_has_the_issues_fields(tmp_path)
     assert "recipe.optimizer=muon" in ddp_muon["command"] and "cluster=" not in ddp_muon["command"]
     assert ddp_muon["priced"]["step_s"] == ddp["priced"]["step_s"] and "ddp's timing" in ddp_muon["priced"]["note"]
     assert ddp_muon["seeds"][0]["wall_s"] == 100 * 25.0 and ddp_muon["seeds"][0]["val_loss"] == 4.70
-    assert len(runner.calls) == 1 + 2 + 6 + 1   # ddp's timing and 2 seeds, 6 DiLoCo rows, ddp_muon's 1 seed
+    assert len(runner.calls) == 1 + 2 + 7 + 1   # ddp's timing and 2 seeds, 7 DiLoCo rows, ddp_muon's 1 seed
 
 
 def test_a_row_priced_as_another_needs_that_row(tmp_path):
