@@ -77,9 +77,11 @@ compare-pngs: setup
 			outputs/compare/$$cluster-s3 --out docs/compare/$$cluster --target-acc 0.8 || exit 1; done
 
 # Issue 78's headline: tiny_lm across the wan_nodes WAN (root: an emulated cluster), ddp priced,
-# every DiLoCo row (replica=node; fp32 blocking, fp32/int8/sparse overlapped, Muon) timed end to end;
-# writes docs/results/lm_wan.json and its two charts. Resumable: run it again and only missing runs
-# run. LM_HEADLINE_ARGS narrows it, e.g. LM_HEADLINE_ARGS="--quick --rows ddp,diloco_fp32_blocking".
+# every DiLoCo row (replica=node; fp32 blocking, fp32/int8/sparse overlapped, Muon at H = 50 and 100) timed
+# end to end, 3 seeds for ddp and the best rows; writes docs/results/lm_wan.json and its two charts.
+# Resumable: run it again and only missing runs run. LM_HEADLINE_ARGS narrows it, e.g.
+# LM_HEADLINE_ARGS="--quick --rows ddp,diloco_fp32_blocking".
+LM_HEADLINE_ARGS ?= --seeds 1 --seeds-for ddp=3,diloco_muon=3,diloco_int8_overlap=3,diloco_muon_h100=3
 lm-headline: setup
 	$(PYTHON) scripts/lm_wan.py $(LM_HEADLINE_ARGS)
 
