@@ -8,6 +8,7 @@ its Muon (MuLoCo's inner optimizer).
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -21,8 +22,9 @@ ScheduleKind = Literal["constant", "cosine", "step", "linear"]
 
 def check_schedule(schedule: str) -> None:
     """A recipe's ``schedule`` setting names one of ``ScheduleKind``'s."""
-    if schedule not in ("constant", "cosine", "step", "linear"):
-        raise ConfigError(f"schedule: constant, cosine, step or linear, got {schedule!r}")
+    if schedule not in typing.get_args(ScheduleKind):
+        *first, last = typing.get_args(ScheduleKind)
+        raise ConfigError(f"schedule: {', '.join(first)} or {last}, got {schedule!r}")
 
 # Parameters of these layers are scale/shift terms: decaying them only fights the
 # normalization (Goyal et al. §5.1 leave BN out; BERT leaves LayerNorm out).
