@@ -32,6 +32,7 @@ from syncplane.algorithms.diloco.engine import DiLoCoEngine
 from syncplane.algorithms.diloco.layout import job_layout
 from syncplane.algorithms.diloco.streaming import Round
 from syncplane.algorithms.diloco.transport import GLOO, Transport
+from syncplane.config import takes_fields_of
 from syncplane.job import JobContext
 from syncplane.strategies.base import SyncplaneStrategy
 from syncplane.strategies.registry import register
@@ -53,31 +54,19 @@ class DiLoCo(SyncplaneStrategy):
             cls = next((sub for sub in DiLoCo.__subclasses__() if sub.ELASTIC), cls)
         return super().__new__(cls)
 
-    def __init__(self, sync_every: int = 10, outer_optimizer: str = "torch.optim.SGD",
-                 outer_kwargs: dict[str, Any] | None = None, streams: int | Literal["auto"] = 1,
-                 compression: Literal["none", "int8", "sparse"] = "none", block_size: int = 256,
-                 density: float = 0.02, bits: int = 2, chunk: int = 4096, error_feedback_beta: float = 0.95,
-                 outer: Literal["nesterov", "sparseloco"] = "nesterov", sync_timeout_s: float = 600.0,
-                 fragments: int = 1, overlap_steps: int = 0, mix_alpha: float | None = None,
-                 exchange: Literal["auto", "mesh", "tree", "gather", "owner"] = "auto",
-                 topology: str | list[int] = "auto", inner_steps: Literal["fixed", "time"] = "fixed",
-                 round_budget_s: float | None = None, time_weighting: Literal["samples", "fednova"] = "samples",
-                 time_samples: Literal["share", "drop"] = "drop",
-                 membership: Literal["fixed", "quorum"] = DiLoCoConfig.membership,
-                 min_replicas: int = DiLoCoConfig.min_replicas, grace_s: float = DiLoCoConfig.grace_s,
-                 elastic: bool = False, round_timeout_s: float = 30.0,
-                 quorum_timeout_s: float = 120.0, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0,
-                 lighthouse_host: str = "127.0.0.1", replica: Literal["rank", "node", "auto"] = "rank",
-                 inner: Literal["ddp", "fsdp"] = "ddp", shards: int | Literal["auto"] | None = None,
-                 **kwargs: Any) -> None:
-        settings = locals()   # the arguments, by name: DiLoCoConfig takes those that are its fields
+    @takes_fields_of(DiLoCoConfig)
+    def __init__(self, elastic: bool = False, round_timeout_s: float = 30.0, quorum_timeout_s: float = 120.0,
+                 heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0, lighthouse_host: str = "127.0.0.1",
+                 shards: int | Literal["auto"] | None = None, **kwargs: Any) -> None:
+        settings = {key: kwargs.pop(key) for key in DiLoCoConfig.names() & kwargs.keys()}
         super().__init__(**kwargs)
-        self.config = DiLoCoConfig.pick(settings)
+        self.config = DiLoCoConfig.pick({**settings, "shards": shards})
         # the elastic settings are read by ElasticDiLoCo (and heartbeat/join by the launcher)
         self.elastic_timeouts = {"round_timeout_s": round_timeout_s, "quorum_timeout_s": quorum_timeout_s,
                                  "heartbeat_timeout_s": heartbeat_timeout_s, "join_timeout_s": join_timeout_s}
         check_mode(self.config, bool(elastic), self.elastic_timeouts, lighthouse_host)
-        self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        self.sync_every, self.fragments, self.overlap_steps = (self.config.sync_every, self.config.fragments,
+                                                               self.config.overlap_steps)
         self._timed: TimedRounds | None = None
         self._dealer: dealing.DealtBatches | None = None   # time_samples=share: the training loader's deal
         self._resumed_deal: Mapping[str, Any] | None = None

@@ -145,6 +145,26 @@ def signature_params(func: Callable[..., Any], skip: tuple[str, ...] = ()) -> di
     }
 
 
+def takes_fields_of(config: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorates a constructor ``__init__(self, ..., **kwargs)`` that hands ``config``'s fields,
+    arriving in ``kwargs``, to the dataclass ``config``: its signature gains them as keyword
+    parameters with the dataclass's defaults and types, so the dataclass is the one place they
+    live while the constructor's schema (``signature_params``) and reference docs read them."""
+    hints = typing.get_type_hints(config)
+
+    def decorate(init: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(init).parameters.values()
+        named = [p for p in own if p.kind is not p.VAR_KEYWORD]
+        taken = {p.name for p in named}
+        added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
+                                     default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
+                 for f in dataclasses.fields(config) if f.name not in taken]
+        init.__signature__ = inspect.Signature([*named, *added, *(p for p in own if p.kind is p.VAR_KEYWORD)])  # type: ignore[attr-defined]
+        init.__annotations__ = {**{p.name: hints[p.name] for p in added}, **init.__annotations__}
+        return init
+    return decorate
+
+
 def _only_simple(tp: Any) -> bool:
     if tp in (int, float, str, bool, type(None)):
         return True

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
+from typing import Literal
 
 import pytest
 
@@ -85,3 +88,36 @@ def test_a_gpu_job_without_nvcc_is_refused_before_launch(monkeypatch, tmp_path):
         parse_job(cfg, run_dir=str(tmp_path))
     cfg["strategy"]["name"] = "ddp"
     parse_job(cfg, run_dir=str(tmp_path))                                  # DDP needs no kernels of ours
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    every: int = 10
+    mode: Literal["a", "b"] = "a"
+    shared: float = 1.0
+
+
+def test_a_constructor_takes_its_configs_fields_with_the_configs_defaults_and_types():
+    """``takes_fields_of``: the config's fields join the constructor's signature (keyword-only,
+    before ``**kwargs``), so the schema checks them, and a field the constructor names itself keeps
+    the constructor's parameter."""
+    from syncplane.config import check_kwargs, signature_params, takes_fields_of
+
+    class Thing:
+        @takes_fields_of(Settings)
+        def __init__(self, shared: float = 2.0, **kwargs: object) -> None:
+            self.settings = Settings(**{k: kwargs.pop(k) for k in ("every", "mode") if k in kwargs}, shared=shared)
+            self.rest = kwargs
+
+    params = inspect.signature(Thing.__init__).parameters
+    assert list(params) == ["self", "shared", "every", "mode", "kwargs"]
+    assert params["shared"].default == 2.0 and params["every"].default == 10 and params["mode"].default == "a"
+    assert params["every"].kind is inspect.Parameter.KEYWORD_ONLY
+    schema = signature_params(Thing.__init__)
+    assert schema == {"shared": float, "every": int, "mode": Literal["a", "b"]}
+    assert check_kwargs(schema, {"every": 3, "mode": "b"}, "thing") == {"every": 3, "mode": "b"}
+    for bad in ({"every": "3"}, {"mode": "c"}):
+        with pytest.raises(ConfigError, match=f"thing.{next(iter(bad))}"):
+            check_kwargs(schema, bad, "thing")
+    thing = Thing(every=3, other=1)
+    assert thing.settings == Settings(every=3, mode="a", shared=2.0) and thing.rest == {"other": 1}

@@ -124,6 +124,11 @@ class DiLoCoConfig:
             raise ValueError(f"grace_s: a positive number of seconds, got {self.grace_s!r}")
 
     @classmethod
+    def names(cls) -> set[str]:
+        """The settings' names."""
+        return {f.name for f in fields(cls)}
+
+    @classmethod
     def pick(cls, settings: Mapping[str, Any]) -> DiLoCoConfig:
         """The config from a strategy's arguments: the keys that are its fields."""
         settings = dict(settings)
@@ -134,7 +139,7 @@ class DiLoCoConfig:
             log.warning("diloco: shards=%s is deprecated: set streams=%s", settings["shards"], settings["shards"])
             settings["streams"] = settings["shards"]
         try:
-            return cls(**{f.name: settings[f.name] for f in fields(cls) if f.name in settings})
+            return cls(**{name: settings[name] for name in cls.names() & settings.keys()})
         except ValueError as exc:
             if settings.get("shards") is not None and str(exc).startswith("streams"):
                 raise ValueError(f"shards (the old name of streams): {exc}") from None
