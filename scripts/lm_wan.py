@@ -4,6 +4,8 @@ row timed end to end on the emulated link with an emulated accelerator step, one
     python scripts/lm_wan.py                      # every row, 1 seed each (make lm-headline)
     python scripts/lm_wan.py --seeds 1 --seeds-for ddp=3,diloco_sparse3_overlap=3
     python scripts/lm_wan.py --quick --rows ddp,diloco_fp32_blocking   # a short check (minutes)
+    python scripts/lm_wan.py --size small --rows diloco_muon_h100,ddp --muon-codec int8 --priced-steps 0 \
+        --emulated-step-s 0                       # the scale trend (about an hour)
 
 Rows: ``ddp`` over all ranks; DiLoCo with one replica per site (``replica=node``, DDP inside):
 fp32 blocking, then fp32, int8 and sparse at two densities with their exchange overlapped
@@ -36,11 +38,19 @@ first seed), ``seeds`` (``seed``, ``val_loss``, ``bytes_per_rank``, ``wall_s``,
 ``time_to_target_s``, ``compute_utilization``; wall and time to target without the validations,
 whose seconds are ``validation_s``), and beside it two charts: val loss against bytes
 per rank (``*_bytes.png``) and against wall time (``*_wall.png``).
+
+The scale trend (``--size small``, into ``docs/results/lm_wan_small.json``): the same rows with
+``recipe.size=small`` (~8.8 M parameters). There ``--priced-steps 0`` leaves ``ddp`` unpriced (loss
+and bytes only: one of its steps would take minutes on the link) and ``--emulated-step-s 0`` runs
+the real CPU compute (a step of 4 ranks on this machine's 2 cores takes longer than the
+emulated one), so such a file compares loss and bytes, and its times are this machine's, not an
+accelerator's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -74,6 +84,15 @@ class Row:
     muon: bool = False            # the best codec again, with recipe.optimizer=muon
     priced_as: str | None = None  # a priced row that takes its step time from this row's timing
     sync_every: int | None = None  # the row's own H (default: the run's)
+    outer_lr: float | None = None  # the outer Nesterov's lr (default: the strategy's, the paper's 0.7)
+
+    def with_outer_lr(self, lr: float) -> Row:
+        """This row with the outer step at ``lr`` (momentum 0.9, Nesterov), named ``NAME_outer_lrLR``."""
+        return dataclasses.replace(self, name=f"{self.name}_outer_lr{lr:g}", outer_lr=lr)
+
+    @property
+    def overlapped(self) -> bool:
+        return "_overlap" in self.name or self.muon
 
 
 def node_diloco(*extra: str) -> tuple[str, ...]:
@@ -111,14 +130,19 @@ class Settings:
     priced_steps: int = 50
     cluster: str = "wan_nodes"
     devices: int = 4
+    size: str = "tiny"            # recipe.size (named in the commands only when not the default)
+    varied: str = ""              # what the rows vary, for the title (``--outer-lrs``: the outer lr)
     extra: tuple[str, ...] = ()   # further overrides for every row (--quick's smaller corpus)
 
     def common(self, seed: int, name: str) -> list[str]:
         return ["recipe=tiny_lm", f"trainer.devices={self.devices}", f"trainer.max_epochs={self.epochs}",
-                f"trainer.target_val_loss={self.target_loss:g}", f"seed={seed}", f"label={name}", *self.extra]
+                f"trainer.target_val_loss={self.target_loss:g}", f"seed={seed}", f"label={name}",
+                *([f"recipe.size={self.size}"] if self.size != "tiny" else []), *self.extra]
 
     def on_link(self) -> list[str]:
-        return [f"cluster={self.cluster}", f"trainer.emulated_step_s={self.emulated_step_s:g}"]
+        """The link's overrides; an emulated step of 0 leaves the compute real."""
+        return [f"cluster={self.cluster}",
+                *([f"trainer.emulated_step_s={self.emulated_step_s:g}"] if self.emulated_step_s else [])]
 
 
 QUICK = dict(epochs=1, sync_every=5, overlap_steps=2, priced_steps=5,
@@ -188,11 +212,13 @@ def steps_to_target(history: Sequence[Mapping[str, Any]], target: float) -> int 
 
 
 def priced_entry(seed: int, summary: Mapping[str, Any], history: Sequence[Mapping[str, Any]],
-                 step_s: float, utilization: float | None, target: float) -> dict[str, Any]:
-    """A priced row's seed: loss and bytes of its loopback run, times its steps x the link's step."""
+                 step_s: float | None, utilization: float | None, target: float) -> dict[str, Any]:
+    """A priced row's seed: loss and bytes of its loopback run, times its steps x the link's step
+    (no times when the row was not timed on the link: ``step_s`` None)."""
     reached = steps_to_target(history, target)
-    return {**seed_entry(seed, summary), "wall_s": summary["steps"] * step_s,
-            "time_to_target_s": None if reached is None else reached * step_s, "compute_utilization": utilization,
+    return {**seed_entry(seed, summary), "wall_s": None if step_s is None else summary["steps"] * step_s,
+            "time_to_target_s": None if reached is None or step_s is None else reached * step_s,
+            "compute_utilization": utilization,
             "loopback_wall_s": summary["train_seconds"]}
 
 
@@ -217,8 +243,10 @@ def row_overrides(row: Row, settings: Settings, codec: str | None) -> list[str]:
     extra = list(row.overrides)
     if row.overrides[:1] == ("strategy=diloco",):
         extra.append(f"strategy.kwargs.sync_every={row.sync_every or settings.sync_every}")
-        if row.name.endswith("_overlap") or row.muon:
+        if row.overlapped:
             extra.append(f"strategy.kwargs.overlap_steps={settings.overlap_steps}")
+        if row.outer_lr is not None:
+            extra.append(f"strategy.kwargs.outer_kwargs={{lr:{row.outer_lr:g},momentum:0.9,nesterov:true}}")
     if row.muon:
         extra += [*CODECS[codec or "fp32"], "recipe.optimizer=muon"]
     return extra
@@ -259,7 +287,8 @@ class Headline:
     durations: list[float] = field(default_factory=list)
 
     def run(self, chosen: Sequence[Row], seeds: Mapping[str, int]) -> dict[str, Any]:
-        total = sum(seeds[r.name] for r in chosen if r.peer is None) + sum(1 for r in chosen if r.priced)
+        timed = [r for r in chosen if r.priced and r.priced_as is None and self.settings.priced_steps]
+        total = sum(seeds[r.name] for r in chosen if r.peer is None) + len(timed)
         self.done = 0
         for row in chosen:
             self.rows.append(self.run_row(row, seeds[row.name], total))
@@ -301,7 +330,7 @@ class Headline:
         own = row_overrides(row, s, codec)
         out: dict[str, Any] = {"name": row.name, "status": "ok", "seeds": [], **({"codec": codec} if codec else {}),
                                **({"sync_every": row.sync_every} if row.sync_every else {})}
-        step_s = utilization = None
+        step_s = utilization = None   # a priced row's step on the link, and its compute utilization there
         before = next((r for r in self.previous.get("rows", []) if r["name"] == row.name), {})
         first = command_of([*s.common(1, row.name), *own, *([] if row.priced else s.on_link())])
         kept = {e["seed"]: e for e in before.get("seeds", [])} if before.get("command") == first else {}
@@ -313,7 +342,10 @@ class Headline:
             out["priced"] = {**source["priced"], "note": f"step time from {row.priced_as}'s timing, which sends the "
                              "same gradients over the same link; loss, bytes and steps from its own training on "
                              "loopback"}
-            step_s, utilization = out["priced"]["step_s"], out["priced"].get("utilization")
+        elif row.priced and not s.priced_steps:
+            out["priced"] = {"steps_timed": 0, "step_s": None, "utilization": None,
+                             "note": "loss, bytes and steps from its training on loopback; not timed on the link "
+                                     "(--priced-steps 0), so no wall or time to target"}
         elif row.priced:
             timing = [*s.common(1, row.name), *own, *s.on_link(), f"trainer.max_steps={s.priced_steps}"]
             if (before.get("priced") or {}).get("timing_command") == command_of(timing):
@@ -330,6 +362,7 @@ class Headline:
                                  "timing_command": command_of(timing),
                                  "note": "loss, bytes and steps from the same training on loopback; wall and time "
                                          "to target are its steps times the step time on the link"}
+        if "priced" in out:
             step_s, utilization = out["priced"]["step_s"], out["priced"].get("utilization")
         for seed in range(1, n_seeds + 1):
             overrides = [*s.common(seed, row.name), *own, *([] if row.priced else s.on_link())]
@@ -344,7 +377,6 @@ class Headline:
                 return self.failed(out, result)
             summary, history = read_run(run_dir)
             if row.priced:
-                assert step_s is not None
                 out["seeds"].append(priced_entry(seed, summary, history, step_s, utilization, s.target_loss))
             else:
                 out["seeds"].append({**seed_entry(seed, summary),
@@ -358,8 +390,9 @@ class Headline:
             return {}
         rounds = max(1, summary["steps"] // sync_every)
         per_round = summary["comm"]["seconds"] / rounds
+        step_s = self.settings.emulated_step_s
         return {"sync_s_per_round": per_round,
-                "h_for_90pct": max(1, math.ceil(9 * per_round / self.settings.emulated_step_s))}
+                **({"h_for_90pct": max(1, math.ceil(9 * per_round / step_s))} if step_s else {})}
 
     @staticmethod
     def failed(out: dict[str, Any], result: RunResult | None) -> dict[str, Any]:
@@ -383,22 +416,28 @@ class Headline:
         """The JSON: the known rows (``known_rows``) and how they were made."""
         s = self.settings
         rows = self.known_rows()
-        return {"title": "A language model across a slow WAN of nodes (`tiny_lm`, `wan_nodes`)",
+        size = "" if s.size == "tiny" else f" size={s.size}"
+        compute = (f"every batch an emulated accelerator step of {s.emulated_step_s:g} s" if s.emulated_step_s
+                   else "the compute this machine's CPUs' (no emulated step: its times are not an accelerator's)")
+        ddp = ("`ddp` priced (its `priced` entry)" if s.priced_steps
+               else "`ddp` trained on loopback for its loss and bytes, not timed on the link")
+        varied = f": {s.varied}" if s.varied else ""
+        return {"title": f"A language model across a slow WAN of nodes (`tiny_lm`{size}, `{s.cluster}`){varied}",
                 "created": datetime.date.today().isoformat(), "commit": git_commit(),
                 "command": "python scripts/lm_wan.py " + shlex.join(sys.argv[1:]),
-                "about": (f"`tiny_lm` on {s.devices} ranks of `{s.cluster}` (2 sites of one 2-rank host, a slow site "
-                          f"link), every batch an emulated accelerator step of {s.emulated_step_s:g} s, "
+                "about": (f"`tiny_lm`{size} on {s.devices} ranks of `{s.cluster}` (2 sites of one 2-rank host, a slow "
+                          f"site link), {compute}, "
                           f"{s.epochs} epochs, DiLoCo H = {s.sync_every} where a row names no other (`rows[].sync_every`; "
                           f"overlap τ = {s.overlap_steps}), "
-                          f"target val loss {s.target_loss:g}. Every DiLoCo row timed end to end on the link; "
-                          f"`ddp` priced (its `priced` entry)."),
+                          f"target val loss {s.target_loss:g}. Every DiLoCo row timed end to end on the link; {ddp}."),
                 "settings": self.settings_dict(), "rows": rows}
 
     def settings_dict(self) -> dict[str, Any]:
         s = self.settings
         return {"epochs": s.epochs, "sync_every": s.sync_every, "overlap_steps": s.overlap_steps,
                 "emulated_step_s": s.emulated_step_s, "target_val_loss": s.target_loss,
-                "priced_steps": s.priced_steps, "cluster": s.cluster, "extra": list(s.extra)}
+                "priced_steps": s.priced_steps, "cluster": s.cluster, "extra": list(s.extra),
+                **({"size": s.size} if s.size != "tiny" else {})}
 
     def write(self) -> None:
         report = self.report()
@@ -433,8 +472,10 @@ def charts(report: Mapping[str, Any], out: Path) -> list[Path]:
                                   chart_paths(out)):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for row in rows:
-            xs = [s[key] for s in row["seeds"]]
-            ys = [s["val_loss"] for s in row["seeds"]]
+            timed = [s for s in row["seeds"] if s.get(key) is not None]   # an untimed row has no wall
+            if not timed:
+                continue
+            xs, ys = [s[key] for s in timed], [s["val_loss"] for s in timed]
             x, y = statistics.fmean(xs), statistics.fmean(ys)
             ax.errorbar([x], [y], xerr=[[x - min(xs)], [max(xs) - x]], yerr=[[y - min(ys)], [max(ys) - y]],
                         fmt="o", capsize=3, label=row["name"] + (" (priced)" if "priced" in row else ""))
@@ -475,9 +516,14 @@ def main(argv: list[str] | None = None, runner: Runner = train_py_runner) -> int
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--sync-every", type=int, help="DiLoCo's H for every DiLoCo row")
     parser.add_argument("--overlap-steps", type=int, help="τ of the overlapped rows")
-    parser.add_argument("--emulated-step-s", type=float)
+    parser.add_argument("--emulated-step-s", type=float, help="the emulated accelerator step (0: real compute)")
     parser.add_argument("--target-loss", type=float)
-    parser.add_argument("--priced-steps", type=int, help="ddp's steps timed on the link (the issue: >= 50)")
+    parser.add_argument("--priced-steps", type=int, help="ddp's steps timed on the link (the issue: >= 50; 0: not timed, loss and bytes only)")
+    parser.add_argument("--size", choices=("tiny", "small", "base"), default="tiny",
+                        help="recipe.size of every row (not tiny: the JSON and runs are named by it)")
+    parser.add_argument("--outer-lrs", default="",
+                        help="LR,...: the chosen DiLoCo rows at these outer lrs instead (rows NAME_outer_lrLR; "
+                             "the JSON and runs named lm_wan_outer)")
     parser.add_argument("--muon-codec", choices=sorted(CODECS), help="the Muon row's codec (default: the best)")
     parser.add_argument("--runs", type=Path, help="run folders (default outputs/lm_wan[_quick])")
     parser.add_argument("--out", type=Path, help="the JSON (default docs/results/lm_wan.json; --quick: outputs/)")
@@ -489,15 +535,26 @@ def main(argv: list[str] | None = None, runner: Runner = train_py_runner) -> int
     unknown = set(args.rows.split(",")) - set(names)
     if unknown or not chosen:
         parser.error(f"--rows: unknown {sorted(unknown)}; allowed: {', '.join(names)}")
-    settings = Settings(**(QUICK if args.quick else {}))
+    try:
+        outer_lrs = [float(lr) for lr in filter(None, args.outer_lrs.split(","))]
+    except ValueError:
+        parser.error(f"--outer-lrs: numbers separated by commas, got {args.outer_lrs!r}")
+    if outer_lrs:
+        chosen = [row.with_outer_lr(lr) for row in chosen if row.overrides[:1] == ("strategy=diloco",)
+                  for lr in outer_lrs]
+        if not chosen:
+            parser.error("--outer-lrs varies DiLoCo rows: choose some with --rows")
+    settings = Settings(**(QUICK if args.quick else {}), size=args.size,
+                        varied="the outer step's learning rate" if outer_lrs else "")
     for key in ("epochs", "sync_every", "overlap_steps", "emulated_step_s", "target_loss", "priced_steps"):
         if getattr(args, key) is not None:
             setattr(settings, key, getattr(args, key))
-    seeds = {name: args.seeds for name in names} | parse_seeds_for(args.seeds_for, names)
+    seeds = {r.name: args.seeds for r in chosen} | parse_seeds_for(args.seeds_for, names)
+    name = "lm_wan" + ("" if args.size == "tiny" else f"_{args.size}") + ("_outer" if outer_lrs else "")
     suffix = "_quick" if args.quick else ""
-    runs = args.runs or ROOT / "outputs" / f"lm_wan{suffix}"
-    out = args.out or (ROOT / "outputs" / "lm_wan_quick" / "lm_wan.json" if args.quick
-                       else ROOT / "docs" / "results" / "lm_wan.json")
+    runs = args.runs or ROOT / "outputs" / f"{name}{suffix}"
+    out = args.out or (ROOT / "outputs" / f"{name}_quick" / f"{name}.json" if args.quick
+                       else ROOT / "docs" / "results" / f"{name}.json")
     previous = {} if args.fresh or not out.exists() else json.loads(out.read_text())
     headline = Headline(settings, runs, out, runner=runner, muon_codec=args.muon_codec, previous=previous)
     report = headline.run(chosen, seeds)

@@ -334,12 +334,15 @@ def comparison_title(name: str) -> str:
 
 # --- docs/results/*.json ---------------------------------------------------------------------
 
-@section("results/lm_wan.json")
+@section("results/lm_wan*.json")
 def lm_wan(files: list[Source]) -> list[Table]:
     """A language model on a WAN: each row's seeds as mean ± std, against the ``ddp`` row (its
     loss, bytes and time to target); a row that did not run is named in the note with why, and
-    the charts ``scripts/lm_wan.py`` writes beside the JSON are linked when they are there."""
+    the charts ``scripts/lm_wan.py`` writes beside the JSON are linked when they are there. A
+    file of another model size (``settings.size``) names, for the rows it shares with the
+    default size's file, their loss against DDP there: the scale trend."""
     tables = []
+    default = next((s for s in files if "size" not in s.data["settings"] and s.rel.endswith("/lm_wan.json")), None)
     for s in files:
         rows = [r for r in s.data["rows"] if r["seeds"]]
         ddp = next((r for r in rows if r["name"] == "ddp"), None)
@@ -359,7 +362,7 @@ def lm_wan(files: list[Source]) -> list[Table]:
                         "-" if base_loss is None else f"{100 * (loss / base_loss - 1):+.1f} %",
                         f"{(mean(row, 'bytes_per_rank') or 0) / 1e6:,.3g}",
                         times(ratio(mean(ddp, "bytes_per_rank"), mean(row, "bytes_per_rank")), 0),
-                        mean_std([seed["wall_s"] for seed in row["seeds"]], 0),
+                        mean_std([seed["wall_s"] for seed in row["seeds"] if seed.get("wall_s") is not None], 0),
                         mean_std([seed["time_to_target_s"] for seed in row["seeds"]
                                   if seed.get("time_to_target_s") is not None], 0),
                         times(ratio(mean(ddp, "time_to_target_s"), mean(row, "time_to_target_s")), 1),
@@ -369,7 +372,8 @@ def lm_wan(files: list[Source]) -> list[Table]:
         priced = next((r["priced"]["note"] for r in rows if "priced" in r), None)
         charts = [f"![val loss against {what}]({png.relative_to(DOCS).as_posix()})"
                   for what, png in zip(("bytes", "wall time"), chart_paths(s.path)) if png.exists()]
-        note = " ".join([*([f"Priced: {priced}."] if priced else []), *(f"{a}." for a in absent)])
+        note = " ".join([*([f"Priced: {priced}."] if priced else []), *(f"{a}." for a in absent),
+                         *([scale_trend(s, default)] if default is not None and "size" in s.data["settings"] else [])])
         tables.append(Table(s.data.get("title", "Language model on a WAN"),
                             ["run", "seeds", "val loss", "vs DDP", "MB sent/rank", "fewer bytes", "wall s",
                              "time to target s", "sooner", "compute utilization"], out,
@@ -378,6 +382,23 @@ def lm_wan(files: list[Source]) -> list[Table]:
                                   f"in [{s.rel}]({s.rel}).",
                             note=(note + ("\n\n" + " ".join(charts) if charts else "")).strip()))
     return tables
+
+
+def scale_trend(small: Source, default: Source) -> str:
+    """The rows ``small`` shares with the default size's file, each's loss against DDP in both."""
+    def gap(source: Source, name: str) -> float | None:
+        rows = {r["name"]: r for r in source.data["rows"] if r["seeds"]}
+        if name not in rows or "ddp" not in rows:
+            return None
+        loss = [statistics.mean(seed["val_loss"] for seed in rows[n]["seeds"]) for n in (name, "ddp")]
+        return 100 * (loss[0] / loss[1] - 1)
+
+    size = small.data["settings"]["size"]
+    pairs = [(r["name"], gap(small, r["name"]), gap(default, r["name"])) for r in small.data["rows"]
+             if r["name"] != "ddp"]
+    said = [f"`{name}` {here:+.1f} % against DDP at size={size}, {there:+.1f} % at the default size "
+            f"([{default.rel}]({default.rel}))" for name, here, there in pairs if here is not None and there is not None]
+    return ("Scale trend: " + "; ".join(said) + ".") if said else ""
 
 
 @section("results/*.json")

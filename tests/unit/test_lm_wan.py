@@ -35,7 +35,7 @@ class FakeRunner:
             return lm_wan.RunResult(2, "syncplane: invalid configuration: strategy.kwargs.overlap_steps: not with nodes")
         if label == self.fail:
             return lm_wan.RunResult(1, "Traceback ...\nRuntimeError: boom")
-        loss, sent, sync = FAKE[label]
+        loss, sent, sync = FAKE[label.split("_outer_lr")[0]]
         timing = any(o.startswith("trainer.max_steps=") for o in overrides)
         steps = 5 if timing else 100
         run_dir.mkdir(parents=True)
@@ -170,3 +170,28 @@ def test_a_run_continues_from_the_json_when_the_run_folders_are_gone(tmp_path):
     shutil.rmtree(tmp_path / "runs")
     run(tmp_path, fresh, "--rows", "diloco_int8_overlap", "--sync-every", "20", "--fresh")
     assert len(fresh.calls) == 1
+
+
+def test_the_scale_trend_and_the_outer_lr_are_rows_of_their_own_files(tmp_path):
+    """``--size small``: every command names the size, ``--priced-steps 0`` leaves ddp untimed
+    (loss and bytes, no wall), ``--emulated-step-s 0`` runs the real compute; ``--outer-lrs``: each
+    chosen DiLoCo row once per outer lr, its Nesterov set to it. The default table's commands are
+    unchanged by either (a resume keeps its seeds)."""
+    runner = FakeRunner()
+    report = run(tmp_path, runner, "--size", "small", "--rows", "ddp,diloco_muon_h100", "--muon-codec", "int8",
+                 "--priced-steps", "0", "--emulated-step-s", "0")
+    rows = {r["name"]: r for r in report["rows"]}
+    assert len(runner.calls) == 2 and all("recipe.size=small" in call for call in runner.calls)
+    assert "emulated_step_s" not in rows["diloco_muon_h100"]["command"] and "size=small" in report["title"]
+    assert rows["ddp"]["seeds"][0]["wall_s"] is None and rows["ddp"]["seeds"][0]["val_loss"] == 4.80
+    assert "h_for_90pct" not in rows["diloco_muon_h100"]["seeds"][0] and report["settings"]["size"] == "small"
+    tuned = FakeRunner()
+    report = run(tmp_path / "outer", tuned, "--rows", "ddp,diloco_muon_h100", "--outer-lrs", "0.4,1")
+    assert [r["name"] for r in report["rows"]] == ["diloco_muon_h100_outer_lr0.4", "diloco_muon_h100_outer_lr1"]
+    assert "strategy.kwargs.outer_kwargs={lr:0.4,momentum:0.9,nesterov:true}" in tuned.calls[0]
+    assert "strategy.kwargs.overlap_steps=8" in tuned.calls[1] and "outer step" in report["title"]
+    default = lm_wan.Settings()
+    assert "recipe.size" not in " ".join(default.common(1, "ddp")) and "size" not in lm_wan.Headline(
+        default, tmp_path, tmp_path / "x.json").settings_dict()
+    with pytest.raises(SystemExit):
+        lm_wan.main(["--rows", "ddp", "--outer-lrs", "0.4", "--out", str(tmp_path / "x.json")], runner=runner)
