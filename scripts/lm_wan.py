@@ -420,7 +420,7 @@ class Headline:
         rows = self.known_rows()
         size = "" if s.size == "tiny" else f" size={s.size}"
         compute = (f"every batch an emulated accelerator step of {s.emulated_step_s:g} s" if s.emulated_step_s
-                   else "the compute this machine's CPUs' (no emulated step: its times are not an accelerator's)")
+                   else "every batch computed on this machine's CPUs (no emulated step)")
         ddp = ("`ddp` priced (its `priced` entry)" if s.priced_steps
                else "`ddp` trained on loopback for its loss and bytes, not timed on the link")
         varied = f": {s.varied}" if s.varied else ""
@@ -431,7 +431,10 @@ class Headline:
                           f"site link), {compute}, "
                           f"{s.epochs} epochs, DiLoCo H = {s.sync_every} where a row names no other (`rows[].sync_every`; "
                           f"overlap τ = {s.overlap_steps}), "
-                          f"target val loss {s.target_loss:g}. Every DiLoCo row timed end to end on the link; {ddp}."),
+                          f"target val loss {s.target_loss:g}. "
+                          + (f"Every DiLoCo row timed end to end on the link; {ddp}." if s.emulated_step_s else
+                             "Loss and bytes only: the times are this machine's CPUs', not an accelerator's, so the "
+                             f"table leaves them out; {ddp}.")),
                 "settings": self.settings_dict(), "rows": rows}
 
     def settings_dict(self) -> dict[str, Any]:

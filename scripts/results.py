@@ -346,6 +346,10 @@ def lm_wan(files: list[Source]) -> list[Table]:
     for s in files:
         rows = [r for r in s.data["rows"] if r["seeds"]]
         ddp = next((r for r in rows if r["name"] == "ddp"), None)
+        timed = bool(s.data["settings"].get("emulated_step_s"))   # else real CPU compute: no times shown
+        borrowed = ddp is None and default is not None and "size" not in s.data["settings"]
+        if borrowed:   # the rows vary a DiLoCo setting at the default size: against that file's DDP
+            ddp = next((r for r in default.data["rows"] if r["name"] == "ddp" and r["seeds"]), None)
 
         def mean(row: dict[str, Any] | None, key: str) -> float | None:
             values = [seed[key] for seed in row["seeds"] if seed.get(key) is not None] if row else []
@@ -362,11 +366,11 @@ def lm_wan(files: list[Source]) -> list[Table]:
                         "-" if base_loss is None else f"{100 * (loss / base_loss - 1):+.1f} %",
                         f"{(mean(row, 'bytes_per_rank') or 0) / 1e6:,.3g}",
                         times(ratio(mean(ddp, "bytes_per_rank"), mean(row, "bytes_per_rank")), 0),
-                        mean_std([seed["wall_s"] for seed in row["seeds"] if seed.get("wall_s") is not None], 0),
-                        mean_std([seed["time_to_target_s"] for seed in row["seeds"]
-                                  if seed.get("time_to_target_s") is not None], 0),
-                        times(ratio(mean(ddp, "time_to_target_s"), mean(row, "time_to_target_s")), 1),
-                        f"{mean(row, 'compute_utilization') or 0:.2f}"])
+                        *([mean_std([seed["wall_s"] for seed in row["seeds"] if seed.get("wall_s") is not None], 0),
+                           mean_std([seed["time_to_target_s"] for seed in row["seeds"]
+                                     if seed.get("time_to_target_s") is not None], 0),
+                           times(ratio(mean(ddp, "time_to_target_s"), mean(row, "time_to_target_s")), 1),
+                           f"{mean(row, 'compute_utilization') or 0:.2f}"] if timed else ["-"] * 4)])
         absent = [f"`{r['name']}` {r.get('status', 'not run')}: {r.get('message', '')}".strip()
                   for r in s.data["rows"] if not r["seeds"]]
         priced = next((r["priced"]["note"] for r in rows if "priced" in r), None)
@@ -379,7 +383,8 @@ def lm_wan(files: list[Source]) -> list[Table]:
                              "time to target s", "sooner", "compute utilization"], out,
                             [Provenance(s.data["created"], s.data["commit"], s.data["command"])],
                             intro=s.data.get("about", "") + " Every row's `python train.py` command: `rows[].command` "
-                                  f"in [{s.rel}]({s.rel}).",
+                                  f"in [{s.rel}]({s.rel})."
+                                  + (f" DDP: the `ddp` row of [{default.rel}]({default.rel})." if borrowed and ddp else ""),
                             note=(note + ("\n\n" + " ".join(charts) if charts else "")).strip()))
     return tables
 
