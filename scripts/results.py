@@ -342,12 +342,13 @@ def lm_wan(files: list[Source]) -> list[Table]:
     file of another model size (``settings.size``) names, for the rows it shares with the
     default size's file, their loss against DDP there: the scale trend."""
     tables = []
-    default = next((s for s in files if "size" not in s.data["settings"] and s.rel.endswith("/lm_wan.json")), None)
+    default = next((s for s in files if s.rel.endswith("/lm_wan.json")), None)
     for s in files:
+        settings = s.data.get("settings", {})
         rows = [r for r in s.data["rows"] if r["seeds"]]
         ddp = next((r for r in rows if r["name"] == "ddp"), None)
-        timed = bool(s.data["settings"].get("emulated_step_s"))   # else real CPU compute: no times shown
-        borrowed = ddp is None and default is not None and "size" not in s.data["settings"]
+        timed = settings.get("emulated_step_s") != 0   # else real CPU compute: no times shown
+        borrowed = ddp is None and default is not None and "size" not in settings
         if borrowed:   # the rows vary a DiLoCo setting at the default size: against that file's DDP
             ddp = next((r for r in default.data["rows"] if r["name"] == "ddp" and r["seeds"]), None)
 
@@ -377,7 +378,7 @@ def lm_wan(files: list[Source]) -> list[Table]:
         charts = [f"![val loss against {what}]({png.relative_to(DOCS).as_posix()})"
                   for what, png in zip(("bytes", "wall time"), chart_paths(s.path)) if png.exists()]
         note = " ".join([*([f"Priced: {priced}."] if priced else []), *(f"{a}." for a in absent),
-                         *([scale_trend(s, default)] if default is not None and "size" in s.data["settings"] else [])])
+                         *([scale_trend(s, default)] if default is not None and "size" in settings else [])])
         tables.append(Table(s.data.get("title", "Language model on a WAN"),
                             ["run", "seeds", "val loss", "vs DDP", "MB sent/rank", "fewer bytes", "wall s",
                              "time to target s", "sooner", "compute utilization"], out,

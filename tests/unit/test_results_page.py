@@ -128,6 +128,23 @@ def test_a_new_json_file_is_one_function(tmp_path, monkeypatch):
     assert "## tiny_lm on wan_two_sites" in rendered
     assert "`peer` refused: it cannot replay this recipe." in rendered   # a row without seeds says why
     assert "![val loss against bytes](results/lm_wan_bytes.png)" in rendered and "_wall.png" not in rendered
+    # another size: its loss gap beside the default size's (the scale trend), no times for real CPU compute
+    small = {**data, "settings": {"size": "small", "emulated_step_s": 0},
+             "rows": [{**row, "seeds": [{**seed, "val_loss": seed["val_loss"] - 1} for seed in row["seeds"]]}
+                      for row in data["rows"]]}
+    small["rows"][1]["seeds"] = [{**seed, "val_loss": 2.2} for seed in small["rows"][1]["seeds"]]
+    (tmp_path / "results" / "lm_wan_small.json").write_text(json.dumps(small))
+    # a DiLoCo setting varied at the default size: against the default file's DDP
+    outer = {**data, "settings": {"emulated_step_s": 0}, "rows": [{**data["rows"][1], "name": "diloco_outer_lr1"}]}
+    (tmp_path / "results" / "lm_wan_outer.json").write_text(json.dumps(outer))
+    tables = results.lm_wan(results.sources("results/lm_wan*.json"))
+    assert len(tables) == 3
+    small_table = next(t for t in tables if "lm_wan_small.json" in t.intro)
+    assert small_table.rows[1][3] == "+4.8 %" and small_table.rows[1][6:] == ["-"] * 4
+    assert "Scale trend: `diloco` +4.8 % against DDP at size=small, +0.0 % at the default size" in small_table.note
+    outer_table = next(t for t in tables if "lm_wan_outer.json" in t.intro)
+    assert outer_table.rows == [["`diloco_outer_lr1`", "2", "3.100 ± 0.000", "+0.0 %", "0.1", "20×", "-", "-", "-", "-"]]
+    assert "DDP: the `ddp` row of [results/lm_wan.json]" in outer_table.intro
 
 
 def test_a_results_file_no_section_renders_is_named(tmp_path, monkeypatch):
