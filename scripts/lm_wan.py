@@ -421,8 +421,8 @@ class Headline:
         size = "" if s.size == "tiny" else f" size={s.size}"
         compute = (f"every batch an emulated accelerator step of {s.emulated_step_s:g} s" if s.emulated_step_s
                    else "every batch computed on this machine's CPUs (no emulated step)")
-        ddp = ("`ddp` priced (its `priced` entry)" if s.priced_steps
-               else "`ddp` trained on loopback for its loss and bytes, not timed on the link")
+        ddp = ("" if not any(r["name"] == "ddp" for r in rows) else "; `ddp` priced (its `priced` entry)"
+               if s.priced_steps else "; `ddp` trained on loopback for its loss and bytes, not timed on the link")
         varied = f": {s.varied}" if s.varied else ""
         return {"title": f"A language model across a slow WAN of nodes (`tiny_lm`{size}, `{s.cluster}`){varied}",
                 "created": datetime.date.today().isoformat(), "commit": git_commit(),
@@ -432,9 +432,9 @@ class Headline:
                           f"{s.epochs} epochs, DiLoCo H = {s.sync_every} where a row names no other (`rows[].sync_every`; "
                           f"overlap τ = {s.overlap_steps}), "
                           f"target val loss {s.target_loss:g}. "
-                          + (f"Every DiLoCo row timed end to end on the link; {ddp}." if s.emulated_step_s else
+                          + (f"Every DiLoCo row timed end to end on the link{ddp}." if s.emulated_step_s else
                              "Loss and bytes only: the times are this machine's CPUs', not an accelerator's, so the "
-                             f"table leaves them out; {ddp}.")),
+                             f"table leaves them out{ddp}.")),
                 "settings": self.settings_dict(), "rows": rows}
 
     def settings_dict(self) -> dict[str, Any]:
