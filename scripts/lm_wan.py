@@ -442,7 +442,7 @@ class Headline:
         return {"epochs": s.epochs, "sync_every": s.sync_every, "overlap_steps": s.overlap_steps,
                 "emulated_step_s": s.emulated_step_s, "target_val_loss": s.target_loss,
                 "priced_steps": s.priced_steps, "cluster": s.cluster, "extra": list(s.extra),
-                **({"size": s.size} if s.size != "tiny" else {})}
+                **({"size": s.size} if s.size != "tiny" else {}), **({"varied": s.varied} if s.varied else {})}
 
     def write(self) -> None:
         report = self.report()

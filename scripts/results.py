@@ -336,75 +336,87 @@ def comparison_title(name: str) -> str:
 
 @section("results/lm_wan*.json")
 def lm_wan(files: list[Source]) -> list[Table]:
-    """A language model on a WAN: each row's seeds as mean ± std, against the ``ddp`` row (its
-    loss, bytes and time to target); a row that did not run is named in the note with why, and
-    the charts ``scripts/lm_wan.py`` writes beside the JSON are linked when they are there. A
-    file of another model size (``settings.size``) names, for the rows it shares with the
-    default size's file, their loss against DDP there: the scale trend."""
-    tables = []
-    default = next((s for s in files if s.rel.endswith("/lm_wan.json")), None)
-    for s in files:
-        settings = s.data.get("settings", {})
-        rows = [r for r in s.data["rows"] if r["seeds"]]
-        ddp = next((r for r in rows if r["name"] == "ddp"), None)
-        timed = settings.get("emulated_step_s") != 0   # else real CPU compute: no times shown
-        borrowed = ddp is None and default is not None and "size" not in settings
-        if borrowed:   # the rows vary a DiLoCo setting at the default size: against that file's DDP
-            ddp = next((r for r in default.data["rows"] if r["name"] == "ddp" and r["seeds"]), None)
+    """A language model on a WAN (``lm_wan.json``): each row's seeds as mean ± std, against the
+    ``ddp`` row (its loss, bytes and time to target); a row that did not run is named in the note
+    with why, and the charts ``scripts/lm_wan.py`` writes beside the JSON are linked when they are
+    there. A companion file (``lm_wan_<what>.json``: another model size, or a DiLoCo setting varied;
+    loss and bytes) is a sentence of that note (``companion``)."""
+    main = next((s for s in files if s.path.name == "lm_wan.json"), None)
+    if main is None:
+        if files:
+            raise ValueError(f"{[s.rel for s in files]}: companions of results/lm_wan.json, which is missing")
+        return []
+    rows = [r for r in main.data["rows"] if r["seeds"]]
+    ddp = next((r for r in rows if r["name"] == "ddp"), None)
 
-        def mean(row: dict[str, Any] | None, key: str) -> float | None:
-            values = [seed[key] for seed in row["seeds"] if seed.get(key) is not None] if row else []
-            return statistics.mean(values) if values else None
+    def ratio(top: float | None, bottom: float | None) -> float | None:
+        return top / bottom if top and bottom else None
 
-        def ratio(top: float | None, bottom: float | None) -> float | None:
-            return top / bottom if top and bottom else None
-
-        out = []
-        for row in rows:
-            loss, base_loss = mean(row, "val_loss"), mean(ddp, "val_loss")
-            out.append([f"`{row['name']}`" + (" (priced)" if "priced" in row else ""), str(len(row["seeds"])),
-                        mean_std([seed["val_loss"] for seed in row["seeds"]], 3),
-                        "-" if base_loss is None else f"{100 * (loss / base_loss - 1):+.1f} %",
-                        f"{(mean(row, 'bytes_per_rank') or 0) / 1e6:,.3g}",
-                        times(ratio(mean(ddp, "bytes_per_rank"), mean(row, "bytes_per_rank")), 0),
-                        *([mean_std([seed["wall_s"] for seed in row["seeds"] if seed.get("wall_s") is not None], 0),
-                           mean_std([seed["time_to_target_s"] for seed in row["seeds"]
-                                     if seed.get("time_to_target_s") is not None], 0),
-                           times(ratio(mean(ddp, "time_to_target_s"), mean(row, "time_to_target_s")), 1),
-                           f"{mean(row, 'compute_utilization') or 0:.2f}"] if timed else ["-"] * 4)])
-        absent = [f"`{r['name']}` {r.get('status', 'not run')}: {r.get('message', '')}".strip()
-                  for r in s.data["rows"] if not r["seeds"]]
-        priced = next((r["priced"]["note"] for r in rows if "priced" in r), None)
-        charts = [f"![val loss against {what}]({png.relative_to(DOCS).as_posix()})"
-                  for what, png in zip(("bytes", "wall time"), chart_paths(s.path)) if png.exists()]
-        note = " ".join([*([f"Priced: {priced}."] if priced else []), *(f"{a}." for a in absent),
-                         *([scale_trend(s, default)] if default is not None and "size" in settings else [])])
-        tables.append(Table(s.data.get("title", "Language model on a WAN"),
-                            ["run", "seeds", "val loss", "vs DDP", "MB sent/rank", "fewer bytes", "wall s",
-                             "time to target s", "sooner", "compute utilization"], out,
-                            [Provenance(s.data["created"], s.data["commit"], s.data["command"])],
-                            intro=s.data.get("about", "") + " Every row's `python train.py` command: `rows[].command` "
-                                  f"in [{s.rel}]({s.rel})."
-                                  + (f" DDP: the `ddp` row of [{default.rel}]({default.rel})." if borrowed and ddp else ""),
-                            note=(note + ("\n\n" + " ".join(charts) if charts else "")).strip()))
-    return tables
+    out = []
+    for row in rows:
+        loss, base_loss = mean_of(row, "val_loss"), mean_of(ddp, "val_loss")
+        out.append([f"`{row['name']}`" + (" (priced)" if "priced" in row else ""), str(len(row["seeds"])),
+                    mean_std([seed["val_loss"] for seed in row["seeds"]], 3),
+                    "-" if base_loss is None else f"{100 * (loss / base_loss - 1):+.1f} %",
+                    f"{(mean_of(row, 'bytes_per_rank') or 0) / 1e6:,.3g}",
+                    times(ratio(mean_of(ddp, "bytes_per_rank"), mean_of(row, "bytes_per_rank")), 0),
+                    mean_std([seed["wall_s"] for seed in row["seeds"]], 0),
+                    mean_std([seed["time_to_target_s"] for seed in row["seeds"]
+                              if seed.get("time_to_target_s") is not None], 0),
+                    times(ratio(mean_of(ddp, "time_to_target_s"), mean_of(row, "time_to_target_s")), 1),
+                    f"{mean_of(row, 'compute_utilization') or 0:.2f}"])
+    absent = [f"`{r['name']}` {r.get('status', 'not run')}: {r.get('message', '')}".strip()
+              for r in main.data["rows"] if not r["seeds"]]
+    priced = next((r["priced"]["note"] for r in rows if "priced" in r), None)
+    charts = [f"![val loss against {what}]({png.relative_to(DOCS).as_posix()})"
+              for what, png in zip(("bytes", "wall time"), chart_paths(main.path)) if png.exists()]
+    note = " ".join([*([f"Priced: {priced}."] if priced else []), *(f"{a}." for a in absent),
+                     *(companion(s, main) for s in files if s is not main)])
+    return [Table(main.data.get("title", "Language model on a WAN"),
+                  ["run", "seeds", "val loss", "vs DDP", "MB sent/rank", "fewer bytes", "wall s",
+                   "time to target s", "sooner", "compute utilization"], out,
+                  [Provenance(main.data["created"], main.data["commit"], main.data["command"])],
+                  intro=main.data.get("about", "") + " Every row's `python train.py` command: `rows[].command` "
+                        f"in [{main.rel}]({main.rel}).",
+                  note=(note + ("\n\n" + " ".join(charts) if charts else "")).strip())]
 
 
-def scale_trend(small: Source, default: Source) -> str:
-    """The rows ``small`` shares with the default size's file, each's loss against DDP in both."""
-    def gap(source: Source, name: str) -> float | None:
-        rows = {r["name"]: r for r in source.data["rows"] if r["seeds"]}
-        if name not in rows or "ddp" not in rows:
-            return None
-        loss = [statistics.mean(seed["val_loss"] for seed in rows[n]["seeds"]) for n in (name, "ddp")]
-        return 100 * (loss[0] / loss[1] - 1)
+def mean_of(row: dict[str, Any] | None, key: str) -> float | None:
+    """The mean of a row's seeds' ``key`` where they have it (None: no row, or none has it)."""
+    values = [seed[key] for seed in row["seeds"] if seed.get(key) is not None] if row else []
+    return statistics.mean(values) if values else None
 
-    size = small.data["settings"]["size"]
-    pairs = [(r["name"], gap(small, r["name"]), gap(default, r["name"])) for r in small.data["rows"]
-             if r["name"] != "ddp"]
-    said = [f"`{name}` {here:+.1f} % against DDP at size={size}, {there:+.1f} % at the default size "
-            f"([{default.rel}]({default.rel}))" for name, here, there in pairs if here is not None and there is not None]
-    return ("Scale trend: " + "; ".join(said) + ".") if said else ""
+
+def companion(s: Source, main: Source) -> str:
+    """A companion file of ``lm_wan.json`` as one sentence: each row's loss against DDP's (the
+    file's own ``ddp`` row at another size, else ``main``'s), and for a row ``main`` has too its
+    gap there (the scale trend), with the file's provenance."""
+    settings = s.data.get("settings", {})
+    def rows_of(source: Source) -> dict[str, dict[str, Any]]:
+        return {r["name"]: r for r in source.data["rows"] if r["seeds"]}
+
+    def gap(rows: dict[str, dict[str, Any]], name: str, ddp: dict[str, Any] | None) -> str:
+        loss, base = mean_of(rows.get(name), "val_loss"), mean_of(ddp, "val_loss")
+        return "" if loss is None or base is None else f"{100 * (loss / base - 1):+.1f} %"
+
+    own, theirs = rows_of(s), rows_of(main)
+    ddp = own.get("ddp") or (None if "size" in settings else theirs.get("ddp"))
+    said = []
+    for name, row in own.items():
+        if name == "ddp":
+            continue
+        here, there = gap(own, name, ddp), gap(theirs, name, theirs.get("ddp"))
+        said.append(f"`{name}` {mean_of(row, 'val_loss'):.3f}, {(mean_of(row, 'bytes_per_rank') or 0) / 1e6:.3g} MB/rank"
+                    + (f" ({here} against DDP" if here else "")
+                    + (f"; {there} at the default size" if here and there and "size" in settings else "")
+                    + (")" if here else ""))
+    what = (f"At `recipe.size={settings['size']}`" if "size" in settings else
+            str(settings.get("varied") or "another setting").capitalize())
+    seeds = max((len(r["seeds"]) for r in own.values()), default=0)
+    return (f"{what} ([{s.rel}]({s.rel}); loss and bytes sent, {seeds} seed{'s' if seeds != 1 else ''}"
+            + (f", DDP {mean_of(ddp, 'val_loss'):.3f}" if ddp is not None and ddp is own.get("ddp") else "")
+            + f"; measured {Provenance(s.data['created'], s.data['commit'], s.data['command']).text()}): "
+            + "; ".join(said) + ".")
 
 
 @section("results/*.json")

@@ -128,23 +128,26 @@ def test_a_new_json_file_is_one_function(tmp_path, monkeypatch):
     assert "## tiny_lm on wan_two_sites" in rendered
     assert "`peer` refused: it cannot replay this recipe." in rendered   # a row without seeds says why
     assert "![val loss against bytes](results/lm_wan_bytes.png)" in rendered and "_wall.png" not in rendered
-    # another size: its loss gap beside the default size's (the scale trend), no times for real CPU compute
-    small = {**data, "settings": {"size": "small", "emulated_step_s": 0},
+    # companions, each a sentence of the note: another size (its loss gap beside the default size's: the
+    # scale trend) and a DiLoCo setting varied at the default size (against the table's DDP)
+    small = {**data, "title": "tiny_lm size=small", "settings": {"size": "small", "emulated_step_s": 0},
              "rows": [{**row, "seeds": [{**seed, "val_loss": seed["val_loss"] - 1} for seed in row["seeds"]]}
                       for row in data["rows"]]}
     small["rows"][1]["seeds"] = [{**seed, "val_loss": 2.2} for seed in small["rows"][1]["seeds"]]
     (tmp_path / "results" / "lm_wan_small.json").write_text(json.dumps(small))
-    # a DiLoCo setting varied at the default size: against the default file's DDP
-    outer = {**data, "settings": {"emulated_step_s": 0}, "rows": [{**data["rows"][1], "name": "diloco_outer_lr1"}]}
+    outer = {**data, "settings": {"emulated_step_s": 0, "varied": "the outer step's learning rate"},
+             "rows": [{**data["rows"][1], "name": "diloco_outer_lr1", "seeds": data["rows"][1]["seeds"][:1]}]}
     (tmp_path / "results" / "lm_wan_outer.json").write_text(json.dumps(outer))
-    tables = results.lm_wan(results.sources("results/lm_wan*.json"))
-    assert len(tables) == 3
-    small_table = next(t for t in tables if "lm_wan_small.json" in t.intro)
-    assert small_table.rows[1][3] == "+4.8 %" and small_table.rows[1][6:] == ["-"] * 4
-    assert "Scale trend: `diloco` +4.8 % against DDP at size=small, +0.0 % at the default size" in small_table.note
-    outer_table = next(t for t in tables if "lm_wan_outer.json" in t.intro)
-    assert outer_table.rows == [["`diloco_outer_lr1`", "2", "3.100 ± 0.000", "+0.0 %", "0.1", "20×", "-", "-", "-", "-"]]
-    assert "DDP: the `ddp` row of [results/lm_wan.json]" in outer_table.intro
+    (table,) = results.lm_wan(results.sources("results/lm_wan*.json"))
+    assert "At `recipe.size=small` ([results/lm_wan_small.json](results/lm_wan_small.json); loss and bytes sent, " \
+           "2 seeds, DDP 2.100; measured 2026-12-02" in table.note
+    assert "`diloco` 2.200, 0.1 MB/rank (+4.8 % against DDP; +0.0 % at the default size)" in table.note
+    assert "The outer step's learning rate ([results/lm_wan_outer.json](results/lm_wan_outer.json); loss and " \
+           "bytes sent, 1 seed; measured" in table.note
+    assert "`diloco_outer_lr1` 3.100, 0.1 MB/rank (+0.0 % against DDP)." in table.note
+    (tmp_path / "results" / "lm_wan.json").unlink()
+    with pytest.raises(ValueError, match="companions of results/lm_wan.json"):
+        results.lm_wan(results.sources("results/lm_wan*.json"))
 
 
 def test_a_results_file_no_section_renders_is_named(tmp_path, monkeypatch):
