@@ -5,7 +5,7 @@ row timed end to end on the emulated link with an emulated accelerator step, one
     python scripts/lm_wan.py --seeds 1 --seeds-for ddp=3,diloco_sparse3_overlap=3
     python scripts/lm_wan.py --quick --rows ddp,diloco_fp32_blocking   # a short check (minutes)
     python scripts/lm_wan.py --size small --rows diloco_muon_h100,ddp --muon-codec int8 --priced-steps 0 \
-        --emulated-step-s 0                       # the scale trend (about an hour)
+        --emulated-step-s 0                       # the scale trend (about 1.5 hours here)
 
 Rows: ``ddp`` over all ranks; DiLoCo with one replica per site (``replica=node``, DDP inside):
 fp32 blocking, then fp32, int8 and sparse at two densities with their exchange overlapped
@@ -44,7 +44,7 @@ The scale trend (``--size small``, into ``docs/results/lm_wan_small.json``): the
 and bytes only: one of its steps would take minutes on the link) and ``--emulated-step-s 0`` runs
 the real CPU compute (a step of 4 ranks on this machine's 2 cores takes longer than the
 emulated one), so such a file compares loss and bytes, and its times are this machine's, not an
-accelerator's (no charts are drawn for it). ``--outer-lrs 0.4,1,0.7`` runs the chosen DiLoCo rows
+accelerator's (no charts are drawn for it). ``--outer-lrs 0.4,0.7,1,1.4`` runs the chosen DiLoCo rows
 with the outer Nesterov at each lr (into ``lm_wan_outer.json``): the loss does not depend on the
 clock, so the tuning runs on the real compute too.
 """
@@ -524,7 +524,8 @@ def main(argv: list[str] | None = None, runner: Runner = train_py_runner) -> int
     parser.add_argument("--overlap-steps", type=int, help="τ of the overlapped rows")
     parser.add_argument("--emulated-step-s", type=float, help="the emulated accelerator step (0: real compute)")
     parser.add_argument("--target-loss", type=float)
-    parser.add_argument("--priced-steps", type=int, help="ddp's steps timed on the link (the issue: >= 50; 0: not timed, loss and bytes only)")
+    parser.add_argument("--priced-steps", type=int,
+                        help="ddp's steps timed on the link (the issue: >= 50; 0: not timed, loss and bytes only)")
     parser.add_argument("--size", choices=("tiny", "small", "base"), default="tiny",
                         help="recipe.size of every row (not tiny: the JSON and runs are named by it)")
     parser.add_argument("--outer-lrs", default="",
