@@ -357,7 +357,7 @@ def lm_wan(files: list[Source]) -> list[Table]:
         loss, base_loss = mean_of(row, "val_loss"), mean_of(ddp, "val_loss")
         out.append([f"`{row['name']}`" + (" (priced)" if "priced" in row else ""), str(len(row["seeds"])),
                     mean_std([seed["val_loss"] for seed in row["seeds"]], 3),
-                    "-" if base_loss is None else f"{100 * (loss / base_loss - 1):+.1f} %",
+                    loss_gap(loss, base_loss) or "-",
                     f"{(mean_of(row, 'bytes_per_rank') or 0) / 1e6:,.3g}",
                     times(ratio(mean_of(ddp, "bytes_per_rank"), mean_of(row, "bytes_per_rank")), 0),
                     mean_std([seed["wall_s"] for seed in row["seeds"]], 0),
@@ -387,6 +387,11 @@ def mean_of(row: dict[str, Any] | None, key: str) -> float | None:
     return statistics.mean(values) if values else None
 
 
+def loss_gap(loss: float | None, base: float | None) -> str:
+    """``loss`` against ``base`` as ``+1.2 %`` ("" when either is absent)."""
+    return "" if loss is None or base is None else f"{100 * (loss / base - 1):+.1f} %"
+
+
 def companion(s: Source, main: Source) -> str:
     """A companion file of ``lm_wan.json`` as one sentence: each row's loss against DDP's (the
     file's own ``ddp`` row at another size, else ``main``'s), and for a row ``main`` has too its
@@ -397,7 +402,7 @@ def companion(s: Source, main: Source) -> str:
 
     def gap(rows: dict[str, dict[str, Any]], name: str, ddp: dict[str, Any] | None) -> str:
         loss, base = mean_of(rows.get(name), "val_loss"), mean_of(ddp, "val_loss")
-        return "" if loss is None or base is None else f"{100 * (loss / base - 1):+.1f} %"
+        return loss_gap(loss, base)
 
     own, theirs = rows_of(s), rows_of(main)
     ddp = own.get("ddp") or (None if "size" in settings else theirs.get("ddp"))
